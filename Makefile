@@ -1,0 +1,38 @@
+# labkit: the two quick-start commands are `make demo` and `make test`.
+# Both create .venv (Python 3.11+) if needed. Without a GPU (no nvidia-smi), torch is the CPU
+# build of 2.13.0: taken from the local wheel cache if pip has one, else from PyTorch's CPU
+# index. With a GPU, pip takes the CUDA build of the same release from PyPI.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_VERSION := 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+.PHONY: venv demo test bench clean-venv
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+ifeq ($(HAS_GPU),1)
+	$(PIP) install -q "torch==$(TORCH_VERSION)"
+else
+	$(PIP) install -q "torch==$(TORCH_VERSION)+cpu" 2>/dev/null || \
+	  $(PIP) install -q "torch==$(TORCH_VERSION)+cpu" --index-url $(TORCH_CPU_INDEX)
+endif
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
+demo: venv
+	$(VENV)/bin/labkit demo
+
+test: venv
+	$(PY) -m pytest
+
+bench: venv
+	$(PIP) install -q -e ".[test,bench]"
+	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,355 @@
+"""Configuration for every labkit stage: keyword-only dataclasses with documented fields.
+
+Every field has a one-line docstring under it. ``__post_init__`` validates and raises
+``ValueError`` naming the field and what is allowed. Presets are plain functions; a variant is
+``dataclasses.replace(preset(), field=...)``. Every stage saves the config it ran with
+(``to_dict``), and ``from_dict`` reads it back.
+
+Nothing here touches the machine: no device probing, no environment reads at import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+SPECIAL_TOKENS: tuple[str, ...] = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+"""Special tokens of every labkit tokenizer, in id order: [PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3,
+[MASK]=4 (BERT's names, arXiv:1810.04805 section 3)."""
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    """Raise ``ValueError("<name>: <message>")`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{name}: {message}")
+
+
+def _one_of(value: Any, name: str, allowed: tuple) -> None:
+    _require(value in allowed, name, f"got {value!r}; allowed values are {', '.join(map(repr, allowed))}")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A JSON-serialisable dict of a config dataclass (tuples become lists)."""
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(cls: type, data: dict[str, Any]) -> Any:
+    """Build ``cls`` from ``to_dict`` output; unknown keys raise ``ValueError`` naming them."""
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(names))
+    _require(not unknown, cls.__name__, f"unknown fields {unknown}; known fields are {sorted(names)}")
+    kwargs = {}
+    for key, value in data.items():
+        if isinstance(value, list) and "tuple" in str(names[key].type):
+            value = tuple(value)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Data preparation
+# --------------------------------------------------------------------------------------------
+
+DEFAULT_ELF_PATHS: tuple[str, ...] = ("/usr/lib", "/usr/bin", "/usr/sbin", "/usr/libexec", "/lib")
+
+
+@dataclass(kw_only=True)
+class CorpusConfig:
+    """Where documents come from: functions disassembled from ELF files (one per function)."""
+
+    paths: tuple[str, ...] = DEFAULT_ELF_PATHS
+    """Files or directories (searched recursively, symlinks not followed) holding ELF files."""
+    max_files: int | None = None
+    """Read at most this many ELF files (after the seeded shuffle); None reads all that are needed."""
+    max_functions: int | None = 30_000
+    """Stop after this many functions in total (a bounded sample); None extracts everything."""
+    min_function_bytes: int = 4
+    """Functions with fewer machine-code bytes than this are skipped at extraction."""
+    max_function_bytes: int = 64 * 1024
+    """Functions with more machine-code bytes than this are skipped at extraction."""
+    max_file_bytes: int = 256 * 1024 * 1024
+    """ELF files larger than this are skipped (counted under 'too_large')."""
+    normalize: bool = True
+    """Abstract addresses, immediates and jump targets into a few classes (so the vocabulary
+    generalises across binaries); False keeps capstone's operand text unchanged."""
+    seed: int = 0
+    """Seed of the shuffle that picks which files are read first."""
+
+    def __post_init__(self) -> None:
+        _require(len(self.paths) > 0, "paths", "give at least one file or directory")
+        _require(self.max_files is None or self.max_files > 0, "max_files", "must be positive or None")
+        _require(self.max_functions is None or self.max_functions > 0, "max_functions", "must be positive or None")
+        _require(0 < self.min_function_bytes <= self.max_function_bytes, "min_function_bytes",
+                 "must be positive and at most max_function_bytes")
+
+
+@dataclass(kw_only=True)
+class CleanConfig:
+    """Document filters; each drop is counted under its reason (see ``labkit.data.clean``)."""
+
+    min_chars: int = 32
+    """Documents shorter than this many characters are dropped ('too_short')."""
+    max_chars: int = 200_000
+    """Documents longer than this many characters are dropped ('too_long')."""
+    min_lines: int = 3
+    """Documents with fewer lines (instructions, for code) are dropped ('too_few_lines'): PLT
+    stubs and trivial thunks are one or two instructions."""
+    max_nonprintable_ratio: float = 0.01
+    """Documents whose share of non-printable characters exceeds this are dropped ('nonprintable')."""
+    max_repeated_line_ratio: float = 0.5
+    """Documents in which more than this share of lines repeat an earlier line are dropped
+    ('repeated_lines')."""
+    drop_plt_stubs: bool = True
+    """Drop functions named ``*@plt`` or in ``.plt`` sections ('boilerplate')."""
+    blocklist: tuple[str, ...] = ()
+    """Regular expressions; a document matching any is dropped ('blocklist')."""
+    exact_dedup: bool = True
+    """Drop exact duplicates of the text, keeping the smallest id ('exact_duplicate')."""
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.min_chars <= self.max_chars, "min_chars", "must be in [0, max_chars]")
+        _require(0.0 <= self.max_nonprintable_ratio <= 1.0, "max_nonprintable_ratio", "must be in [0, 1]")
+        _require(0.0 <= self.max_repeated_line_ratio <= 1.0, "max_repeated_line_ratio", "must be in [0, 1]")
+
+
+@dataclass(kw_only=True)
+class TokenizerConfig:
+    """A subword tokenizer trained with HF tokenizers on a sample of the cleaned documents."""
+
+    kind: Literal["wordpiece", "bpe", "unigram"] = "wordpiece"
+    """WordPiece (BERT), byte-level BPE (GPT-2/RoBERTa) or Unigram (SentencePiece)."""
+    vocab_size: int = 8192
+    """Target vocabulary size, special tokens included."""
+    min_frequency: int = 2
+    """Pairs/pieces seen fewer times than this are not merged into the vocabulary."""
+    max_train_docs: int = 50_000
+    """Train on at most this many documents (a seeded sample)."""
+    seed: int = 0
+    """Seed of the training sample."""
+
+    def __post_init__(self) -> None:
+        _one_of(self.kind, "kind", ("wordpiece", "bpe", "unigram"))
+        _require(self.vocab_size > len(SPECIAL_TOKENS), "vocab_size",
+                 f"must exceed the {len(SPECIAL_TOKENS)} special tokens {SPECIAL_TOKENS}")
+
+
+@dataclass(kw_only=True)
+class ShardConfig:
+    """Packing token ids into fixed-length sequences in flat binary shards (``labkit.data.shards``)."""
+
+    seq_len: int = 128
+    """Tokens per sequence, [CLS] included."""
+    sequences_per_shard: int = 4096
+    """Sequences per shard file (the last shard may hold fewer)."""
+    batch_docs: int = 4096
+    """Documents encoded per batch: bounds memory, never changes the output."""
+
+    def __post_init__(self) -> None:
+        _require(self.seq_len >= 8, "seq_len", "must be at least 8")
+        _require(self.sequences_per_shard > 0, "sequences_per_shard", "must be positive")
+        _require(self.batch_docs > 0, "batch_docs", "must be positive")
+
+
+@dataclass(kw_only=True)
+class StageConfig:
+    """Copying a shard set to each node's local disk (``labkit.data.stage``)."""
+
+    local_root: str | None = None
+    """Node-local scratch directory; None means ``$LABKIT_LOCAL_SCRATCH``, else ``$TMPDIR``, else
+    ``/tmp``, with ``labkit-<user>`` appended. Resolved on the node, not here."""
+    verify: bool = True
+    """Check every shard's sha256 against index.json after copying (and of a copy already there)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Shape and options of the BERT-style encoder (``labkit.model``). With the defaults it is
+    BERT (arXiv:1810.04805) and loads into transformers' ``BertForMaskedLM``."""
+
+    vocab_size: int
+    """Vocabulary size; comes from the tokenizer."""
+    hidden_size: int = 256
+    """Width of the residual stream (BERT's H)."""
+    num_layers: int = 4
+    """Transformer blocks (BERT's L)."""
+    num_heads: int = 4
+    """Attention heads (BERT's A); must divide hidden_size."""
+    intermediate_size: int | None = None
+    """Width of the feed-forward layer; None means 4 * hidden_size."""
+    max_position_embeddings: int = 512
+    """Longest sequence the learned position table holds."""
+    type_vocab_size: int = 2
+    """Token-type (segment) embeddings, kept for BERT checkpoint compatibility."""
+    hidden_dropout: float = 0.1
+    """Dropout after embeddings, attention output and feed-forward output."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities."""
+    norm_eps: float = 1e-12
+    """Epsilon of the normalisation layers (BERT: 1e-12)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation (BERT: 0.02)."""
+    tie_embeddings: bool = True
+    """Tie the MLM decoder weight to the input word embedding (as BERT)."""
+    sparse_head: bool = True
+    """Compute vocabulary logits only at masked positions."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in backward instead of keeping them."""
+
+    def __post_init__(self) -> None:
+        _require(self.vocab_size > len(SPECIAL_TOKENS), "vocab_size",
+                 f"must exceed the {len(SPECIAL_TOKENS)} special tokens, got {self.vocab_size}")
+        _require(self.hidden_size > 0 and self.num_layers > 0 and self.num_heads > 0, "hidden_size",
+                 "hidden_size, num_layers and num_heads must be positive")
+        _require(self.hidden_size % self.num_heads == 0, "num_heads",
+                 f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        _require(0.0 <= self.hidden_dropout < 1.0, "hidden_dropout", "must be in [0, 1)")
+        _require(0.0 <= self.attention_dropout < 1.0, "attention_dropout", "must be in [0, 1)")
+
+    @property
+    def ffn_size(self) -> int:
+        """Feed-forward width: ``intermediate_size`` or 4 * hidden_size."""
+        return self.intermediate_size or 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width Q = hidden_size / num_heads."""
+        return self.hidden_size // self.num_heads
+
+
+# --------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """One MLM pretraining run (``labkit.train.train``). Rank and world size come from the
+    environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), as under torchrun.
+
+    global batch size = micro_batch_size * grad_accum_steps * world size (sequences).
+    """
+
+    data_dir: str
+    """Shard directory (holding index.json), usually the node-local staged copy."""
+    run_dir: str
+    """Where config.json, metrics.jsonl, checkpoints/ and result.json go (rank 0 writes)."""
+    model: str = "mini"
+    """Model size preset name from ``labkit.model.MODEL_SIZES``."""
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    """Fields of ``ModelConfig`` that replace the preset's (vocab_size comes from the shards)."""
+    micro_batch_size: int = 16
+    """Sequences per rank per forward/backward."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimiser step."""
+    max_steps: int = 100
+    """Optimiser steps in the run."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr."""
+    warmup_steps: int = 10
+    """Linear warm-up steps from 0 to lr."""
+    schedule: Literal["linear", "cosine", "wsd"] = "linear"
+    """Decay after warm-up: linear, cosine, or warmup-stable-decay."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay (not applied to norms and biases)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.98
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    mlm_probability: float = 0.15
+    """Masking probability (BERT, arXiv:1810.04805 section 3.1)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Autocast dtype; weights stay fp32. fp16 uses a gradient scaler."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend; auto: nccl on cuda, gloo on cpu."""
+    num_threads: int | None = None
+    """torch intra-op threads per rank (CPU); None leaves torch's default."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank."""
+    seed: int = 0
+    """Seed of model init, data order and masking."""
+    log_every: int = 1
+    """Write one metrics record every this many optimiser steps."""
+    timing_warmup_steps: int = 2
+    """Steps excluded from throughput averages in result.json."""
+    ckpt_every: int = 0
+    """Checkpoint every this many steps (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """Keep the newest this many checkpoints."""
+    resume: bool = True
+    """Continue from the newest checkpoint in run_dir/checkpoints if there is one."""
+    on_nonfinite: Literal["skip", "raise"] = "raise"
+    """A non-finite loss either skips the optimiser step or stops with an error."""
+    timeout_s: float = 300.0
+    """Timeout of collectives and process-group setup, in seconds."""
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "grad_accum_steps", "max_steps", "log_every", "keep_checkpoints"):
+            _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
+        _require(self.lr > 0, "lr", "must be positive")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
+        _require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        _one_of(self.schedule, "schedule", ("linear", "cosine", "wsd"))
+        _one_of(self.precision, "precision", ("fp32", "bf16", "fp16"))
+        _one_of(self.device, "device", ("auto", "cpu", "cuda"))
+        _one_of(self.backend, "backend", ("auto", "gloo", "nccl"))
+        _one_of(self.on_nonfinite, "on_nonfinite", ("skip", "raise"))
+        _require(0.0 < self.mlm_probability < 1.0, "mlm_probability", "must be in (0, 1)")
+        _require(self.ckpt_every >= 0, "ckpt_every", "must be >= 0")
+        _require(self.timeout_s > 0, "timeout_s", "must be positive")
+
+
+# --------------------------------------------------------------------------------------------
+# The main job
+# --------------------------------------------------------------------------------------------
+
+
+def default_workdir() -> str:
+    """``$LABKIT_WORKDIR`` or ``./work`` (resolved when called, not at import)."""
+    return os.environ.get("LABKIT_WORKDIR", "work")
+
+
+@dataclass(kw_only=True)
+class DemoConfig:
+    """The end-to-end lab on the embedded default (``labkit demo``): local engines, CPU, gloo."""
+
+    workdir: str = "work"
+    """Root of every artifact: corpus/, shards/, local/ (staged), runs/, sweeps/, reports/."""
+    engines: int = 2
+    """Local ipyparallel engines (one per simulated GPU)."""
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    clean: CleanConfig = field(default_factory=CleanConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    shards: ShardConfig = field(default_factory=ShardConfig)
+    model: str = "mini"
+    """Model preset trained by the demo."""
+    train_steps: int = 120
+    """Optimiser steps of the DDP training run."""
+    micro_batch_size: int = 16
+    """Sequences per rank per step."""
+    sweep_steps: int = 8
+    """Steps per point of the rank-scaling sweep (the first two are warm-up)."""
+    sweep_models: tuple[str, ...] = ("mini", "small")
+    """Model presets whose largest micro-batch is found under memory_budget_gb."""
+    memory_budget_gb: float = 2.0
+    """CPU memory budget per rank for the micro-batch sweep, in GiB (model state plus the
+    activations saved for backward)."""
+    reports: bool = True
+    """Execute the notebooks and export HTML reports."""
+
+    def __post_init__(self) -> None:
+        _require(self.engines >= 1, "engines", "must be at least 1")
+        _require(self.train_steps > 0, "train_steps", "must be positive")
+        _require(self.memory_budget_gb > 0, "memory_budget_gb", "must be positive")
