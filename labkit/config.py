@@ -325,7 +325,7 @@ def default_workdir() -> str:
 class DemoConfig:
     """The end-to-end lab on the embedded default (``labkit demo``): local engines, CPU, gloo."""
 
-    workdir: str = "work"
+    workdir: str = "work/demo"
     """Root of every artifact: corpus/, shards/, local/ (staged), runs/, sweeps/, reports/."""
     engines: int = 2
     """Local ipyparallel engines (one per simulated GPU)."""
