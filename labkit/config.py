@@ -353,3 +353,35 @@ class DemoConfig:
         _require(self.engines >= 1, "engines", "must be at least 1")
         _require(self.train_steps > 0, "train_steps", "must be positive")
         _require(self.memory_budget_gb > 0, "memory_budget_gb", "must be positive")
+
+
+@dataclass(kw_only=True)
+class DedupConfig:
+    """Near-duplicate removal with MinHash LSH (``labkit.data.dedup``).
+
+    Defaults: word 5-gram shingles and 14 bands x 8 rows = 112 permutations, as datatrove's
+    MinHash deduplication (huggingface/datatrove, pipeline/dedup/minhash.py: candidate pairs
+    from Jaccard about 0.72 up); a candidate counts as a duplicate when its estimated Jaccard
+    similarity is at least 0.8 (Lee et al. 2022, arXiv:2107.06499, section 4.1).
+    """
+
+    shingle_size: int = 5
+    """Words (whitespace-separated tokens: mnemonics and operands for code) per shingle."""
+    bands: int = 14
+    """LSH bands."""
+    rows: int = 8
+    """Rows (hash values) per band; num_perm = bands * rows."""
+    threshold: float = 0.8
+    """Estimated Jaccard similarity at or above which a candidate is a near duplicate."""
+    seed: int = 1
+    """Seed of the MinHash permutations."""
+
+    def __post_init__(self) -> None:
+        _require(self.shingle_size >= 1, "shingle_size", "must be at least 1")
+        _require(self.bands >= 1 and self.rows >= 1, "bands", "bands and rows must be at least 1")
+        _require(0.0 < self.threshold <= 1.0, "threshold", "must be in (0, 1]")
+
+    @property
+    def num_perm(self) -> int:
+        """Permutations per signature: bands * rows."""
+        return self.bands * self.rows
