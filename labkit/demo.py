@@ -56,6 +56,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from labkit.cluster import start_cluster
 
     t0 = time.perf_counter()
+    missing = [p for p in cfg.corpus.paths if not os.path.exists(p)]
+    if missing:
+        raise FileNotFoundError(f"corpus.paths: input path(s) do not exist: {', '.join(missing)}")
     work = Path(cfg.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"config": to_dict(cfg), "workdir": str(work)}
