@@ -55,11 +55,23 @@ class MLMCollator:
         if vocab_size <= self.low:
             raise ValueError(f"vocab_size: must exceed the largest special id {self.low - 1}, got {vocab_size}")
         self.vocab_size, self.mlm_probability = vocab_size, mlm_probability
-        self.special_ids = torch.tensor(sorted(set(special_ids)), dtype=torch.int64)
+        self.special_ids = tuple(sorted(set(int(i) for i in special_ids)))
         self.mask_id, self.pad_id, self.seed = mask_id, pad_id, seed
-        self.generator = torch.Generator()
-        if seed is None:
-            self.generator.seed()
+        self.generator = self._new_generator()
+
+    def _new_generator(self) -> torch.Generator:
+        g = torch.Generator()
+        if self.seed is None:
+            g.seed()
+        return g
+
+    def __getstate__(self) -> dict:
+        """Pickled without tensors or generator (sent to spawn/forkserver workers as plain data)."""
+        return {k: v for k, v in self.__dict__.items() if k != "generator"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.generator = self._new_generator()
 
     def _reseed(self, x: np.ndarray) -> None:
         """Seed the generator from (seed, shape, bytes of the batch); no-op when seed is None."""
@@ -81,7 +93,7 @@ class MLMCollator:
         self._reseed(x_np)
         x = torch.from_numpy(x_np)
         g = self.generator
-        chosen = (torch.rand(x.shape, generator=g) < self.mlm_probability) & ~torch.isin(x, self.special_ids)
+        chosen = (torch.rand(x.shape, generator=g) < self.mlm_probability) & ~torch.isin(x, torch.tensor(self.special_ids))
         action = torch.rand(x.shape, generator=g)  # < 0.8 mask, [0.8, 0.9) random, >= 0.9 keep
         random_ids = torch.randint(self.low, self.vocab_size, x.shape, generator=g)
         input_ids = torch.where(chosen & (action < 0.8), self.mask_id, x)
