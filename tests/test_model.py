@@ -143,8 +143,14 @@ def test_activation_checkpointing_gives_the_same_gradients():
     ckpt = BertMLM(tiny(activation_checkpointing=True)).train()
     ckpt.load_state_dict(plain.state_dict())
     ids, mask, labels = batch(seed=9)
+    saved = {}
     for m in (plain, ckpt):
-        m(ids, mask, labels).loss_sum.backward()
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+            loss = m(ids, mask, labels).loss_sum
+        saved[m] = sum(sizes)
+        loss.backward()
+    assert saved[ckpt] < saved[plain] / 2  # the layers' activations really were not kept
     for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-6, msg=name)
 
@@ -245,3 +251,33 @@ def test_presets_build_and_errors_name_the_field():
         BertMLM(model_config("tiny", 1000, norm_eps=0.0))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         BertMLM(tiny())(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_bf16_autocast_keeps_an_fp32_loss_close_to_fp32():
+    torch.manual_seed(12)
+    model = BertMLM(tiny(activation_checkpointing=True)).train()
+    ids, mask, labels = batch(seed=13)
+    ref = model(ids, mask, labels).loss_sum
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids, mask, labels)
+    assert out.logits.dtype == torch.bfloat16 and out.loss_sum.dtype == torch.float32
+    torch.testing.assert_close(out.loss_sum, ref, rtol=2e-2, atol=0)
+    out.loss_sum.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_autocast_matches_fp32(dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(14)
+    model = BertMLM(tiny()).cuda().eval()
+    ids, mask, labels = (t.cuda() for t in batch(seed=15))
+    mask[0] = 0  # a fully padded row must stay finite in 16-bit
+    with torch.no_grad():
+        ref = model(ids, mask, labels).loss_sum
+        with torch.autocast("cuda", dtype=dtype):
+            out = model(ids, mask, labels)
+    assert torch.isfinite(out.logits).all()
+    torch.testing.assert_close(out.loss_sum, ref, rtol=2e-2, atol=0)

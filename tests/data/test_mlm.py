@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -184,6 +185,7 @@ def test_make_loader_with_two_workers(tmp_path):
     kw = dict(batch_size=4, rank=0, world_size=1, seed=0, mlm_probability=0.15, vocab_size=V)
     loader = make_loader(tmp_path, num_workers=2, **kw)
     assert loader.persistent_workers and loader.multiprocessing_context is not None
+    assert len(pickle.dumps(loader.dataset)) < 2000  # memory maps are reopened in workers, not copied
     epoch0 = list(loader)
     assert batches_equal(epoch0, list(make_loader(tmp_path, **kw)))
     epoch1 = list(loader)  # persistent workers, next epoch's order
