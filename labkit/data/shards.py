@@ -40,6 +40,7 @@ PAD_ID, CLS_ID, SEP_ID = (SPECIAL_TOKENS.index(t) for t in ("[PAD]", "[CLS]", "[
 _REQUIRED = ("dtype", "seq_len", "vocab_size", "tokenizer_sha256", "special_ids", "n_documents",
              "n_sequences", "n_tokens", "n_bytes", "shards")
 _SHARD_RE = re.compile(r"shard-\d{5}\.bin")
+_TMP_RE = re.compile(r"\.(shard-\d{5}\.bin|index\.json)\.tmp-\d+")
 
 
 class ShardError(ValueError):
@@ -102,7 +103,7 @@ def write_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardCo
     """Tokenize the ``text`` column of ``docs_path`` (Parquet file or glob) with the tokenizer at
     ``tokenizer_path`` and write packed shards + ``index.json`` (last) to ``out_dir``.
 
-    Reads ``cfg.batch_docs`` documents per polars slice and encodes them with
+    Reads ``cfg.batch_docs`` documents (non-null ``text``) per polars slice and encodes them with
     ``Tokenizer.encode_batch`` (no special tokens added; special-token strings in the text are
     encoded as text, so only packing inserts ids 0, 2, 3). Any index.json and shard files of an
     earlier run in ``out_dir`` are removed first, so the directory is never complete-looking while
@@ -122,17 +123,19 @@ def write_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardCo
         if tok.token_to_id(name) != i:
             raise ShardError(f"{tokenizer_path}: {name} has id {tok.token_to_id(name)}, expected {i}")
     tok.encode_special_tokens = True
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast (tokenizers >= 0.21) skips offsets
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     dtype = shard_dtype(vocab_size)
     n_rows_in = text_row_count(docs_path)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / INDEX_NAME).unlink(missing_ok=True)
-    for old in out.iterdir():
-        if _SHARD_RE.fullmatch(old.name):
+    for old in out.iterdir():  # shards of an earlier run, and temp files of a crashed one
+        if _SHARD_RE.fullmatch(old.name) or _TMP_RE.fullmatch(old.name):
             old.unlink()
 
     shards: list[dict] = []
+    tokens_per_shard: list[int] = []  # non-PAD ids
     pending: list[np.ndarray] = []  # rows not yet written, [*, seq_len] each
     carry = np.empty(0, dtype=np.int64)
     n_docs = 0
@@ -146,15 +149,15 @@ def write_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardCo
             name = f"shard-{len(shards):05d}.bin"
             _atomic_write(out / name, data)
             shards.append({"file": name, "n_sequences": len(block), "n_bytes": len(data),
-                           "sha256": hashlib.sha256(data).hexdigest(),
-                           "_n_tokens": int(np.count_nonzero(block != PAD_ID))})
+                           "sha256": hashlib.sha256(data).hexdigest()})
+            tokens_per_shard.append(int(np.count_nonzero(block != PAD_ID)))
         if len(rows):
             pending.append(rows)
 
     with tqdm(total=n_rows_in, unit="doc", desc="shards", file=sys.stderr, disable=not progress,
               mininterval=5.0) as bar:
         for texts in iter_texts(docs_path, batch_docs=cfg.batch_docs):
-            encodings = tok.encode_batch_fast(texts, add_special_tokens=False)
+            encodings = encode(texts, add_special_tokens=False)
             stream = np.concatenate([carry, doc_stream([e.ids for e in encodings])])
             rows, carry = pack_rows(stream, cfg.seq_len, final=False)
             pending.append(rows.astype(dtype))
@@ -171,7 +174,7 @@ def write_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardCo
         "vocab_size": vocab_size, "tokenizer_sha256": tokenizer_sha256(tokenizer_path),
         "special_ids": {t: i for i, t in enumerate(SPECIAL_TOKENS)}, "n_documents": n_docs,
         "n_sequences": sum(s["n_sequences"] for s in shards),
-        "n_tokens": sum(s.pop("_n_tokens") for s in shards),
+        "n_tokens": sum(tokens_per_shard),
         "n_bytes": sum(s["n_bytes"] for s in shards), "shards": shards,
     }
     _atomic_write(out / INDEX_NAME, (json.dumps(index, indent=1) + "\n").encode())

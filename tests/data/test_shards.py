@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -26,6 +25,32 @@ def disasm_docs(n_docs: int, seed: int = 0) -> list[str]:
     return ["\n".join(rng.choice([f"mov {rng.choice(regs)}, qword ptr [{rng.choice(regs)} - 8]",
                                   f"add {rng.choice(regs)}, {rng.choice(regs)}", "call FUNC", "ret"])
                       for _ in range(rng.randint(1, 12))) for _ in range(n_docs)]
+
+
+def libc_functions(n: int) -> list[str]:
+    """Disassembly ("mnemonic operands" per line, capstone) of the first ``n`` exported functions
+    of this machine's libc, by address: real input. Skips the test when there is no libc."""
+    import glob
+
+    import capstone
+    from elftools.elf.elffile import ELFFile
+
+    arch = {"EM_X86_64": (capstone.CS_ARCH_X86, capstone.CS_MODE_64),
+            "EM_AARCH64": (capstone.CS_ARCH_ARM64, capstone.CS_MODE_ARM)}
+    for path in sorted(glob.glob("/usr/lib/*/libc.so.6") + glob.glob("/lib/*/libc.so.6")):
+        with open(path, "rb") as f:
+            elf = ELFFile(f)
+            text, dynsym = elf.get_section_by_name(".text"), elf.get_section_by_name(".dynsym")
+            if elf["e_machine"] not in arch or text is None or dynsym is None:
+                continue
+            lo, data = text["sh_addr"], text.data()
+            funcs = sorted({(s["st_value"], s["st_size"]) for s in dynsym.iter_symbols()
+                            if s["st_info"]["type"] == "STT_FUNC" and s["st_size"] > 0
+                            and lo <= s["st_value"] < lo + text["sh_size"]})
+            md = capstone.Cs(*arch[elf["e_machine"]])
+            return ["\n".join(f"{i.mnemonic} {i.op_str}".strip() for i in md.disasm(data[a - lo:a - lo + size], a))
+                    for a, size in funcs[:n]]
+    pytest.skip("no libc.so.6 of a supported architecture on this machine")
 
 
 @pytest.fixture(scope="module")
@@ -138,10 +163,12 @@ def test_uint32_for_large_vocabularies(tmp_path):
 def test_rewrite_removes_old_shards_and_progress_goes_to_stderr(inputs, tmp_path, capsys):
     docs_path, tok_path, _ = inputs
     write_shards(docs_path, tok_path, str(tmp_path), ShardConfig(seq_len=16, sequences_per_shard=3), progress=False)
-    assert capsys.readouterr().err == ""
+    assert capsys.readouterr().err == "" and len(list(tmp_path.iterdir())) > 3
+    (tmp_path / ".shard-00042.bin.tmp-123").write_bytes(b"left by a crashed run")
+    (tmp_path / "notes.txt").write_text("not ours")
     index = write_shards(docs_path, tok_path, str(tmp_path), ShardConfig(seq_len=16, sequences_per_shard=1000))
     assert "150/150" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.json", "shard-00000.bin"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.json", "notes.txt", "shard-00000.bin"]
     assert verify_shards(tmp_path) == index
 
 
@@ -209,3 +236,15 @@ def test_no_documents_and_bad_tokenizer(inputs, tmp_path):
     tok.save(str(tmp_path / "wrong.json"))
     with pytest.raises(ShardError, match=r"wrong\.json: \[PAD\] has id 1, expected 0"):
         write_shards(docs_path, str(tmp_path / "wrong.json"), str(tmp_path / "s"), ShardConfig(), progress=False)
+
+
+def test_real_libc_disassembly(tmp_path):
+    docs = libc_functions(200)
+    pl.DataFrame({"text": docs}).write_parquet(tmp_path / "libc.parquet")
+    tok = train_tokenizer(str(tmp_path / "libc.parquet"), TokenizerConfig(vocab_size=400), str(tmp_path / "t.json"))
+    index = write_shards(str(tmp_path / "libc.parquet"), tok, str(tmp_path / "s"),
+                         ShardConfig(seq_len=64, sequences_per_shard=50, batch_docs=17), progress=False)
+    ref = reference_rows(docs, tok, 64)
+    r = SequenceReader(tmp_path / "s", verify=True)
+    np.testing.assert_array_equal(np.stack([r[i] for i in range(len(r))]), ref)
+    assert index["n_tokens"] == np.count_nonzero(ref) and len(index["shards"]) == -(-len(ref) // 50)
