@@ -247,6 +247,7 @@ class SequenceReader:
     ``len(r)`` is ``n_sequences``; ``r[i]`` is a copy of sequence i, shape ``[seq_len]``, dtype of
     the index (uint16/uint32); negative i counts from the end. Opening checks each shard's size
     against the index (``ShardError`` naming the file); ``verify=True`` also checks sha256.
+    Pickles small (directory + index), so it can go to DataLoader workers under spawn.
     """
 
     def __init__(self, data_dir: str | os.PathLike, *, verify: bool = False) -> None:
@@ -254,6 +255,9 @@ class SequenceReader:
         self.index = verify_shards(data_dir) if verify else read_index(data_dir)
         self.seq_len: int = self.index["seq_len"]
         self.vocab_size: int = self.index["vocab_size"]
+        self._open()
+
+    def _open(self) -> None:
         dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
         self._maps = []
         for shard in self.index["shards"]:
@@ -262,6 +266,16 @@ class SequenceReader:
                 raise ShardError(f"{path}: index gives {shard['n_bytes']} bytes for {shard['n_sequences']} sequences")
             self._maps.append(np.memmap(path, dtype=dtype, mode="r", shape=(shard["n_sequences"], self.seq_len)))
         self._starts = np.cumsum([0] + [s["n_sequences"] for s in self.index["shards"]])
+
+    def __getstate__(self) -> dict:
+        """Pickle the directory and index only (a memmap would pickle its data); the copy in a
+        DataLoader worker reopens the files, checking sizes again."""
+        return {"data_dir": self.data_dir, "index": self.index}
+
+    def __setstate__(self, state: dict) -> None:
+        self.data_dir, self.index = state["data_dir"], state["index"]
+        self.seq_len, self.vocab_size = self.index["seq_len"], self.index["vocab_size"]
+        self._open()
 
     def __len__(self) -> int:
         return int(self._starts[-1])

@@ -5,7 +5,8 @@ directory ``<local_root>/.tmp-<name>-<pid>`` beside the destination, every shard
 against the source ``index.json`` (size, and sha256 when ``verify``), index.json is copied last,
 and the directory is renamed into place. So the destination either does not exist or holds a
 complete, verified set; an interrupted copy leaves only a ``.tmp-`` directory, which a later
-call removes once its process is gone. A verified copy already in place is kept. Pattern:
+call removes once its process is gone (so ``local_root`` must be node-local: process ids are
+checked on this node). A verified copy already in place is kept. Pattern:
 mosaicml/streaming ``streaming/base/stream.py`` (temp name + rename, hashes from the index).
 """
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import random
 
 import numpy as np
@@ -143,6 +144,10 @@ def test_sequence_reader(inputs, tmp_path):
         np.testing.assert_array_equal(row, ref[i])
     with pytest.raises(IndexError):
         r[len(ref)]
+    blob = pickle.dumps(r)
+    assert len(blob) < len(pickle.dumps(r.index)) + 500 < len(pickle.dumps(r.index)) + ref.nbytes  # no data
+    copy = pickle.loads(blob)
+    np.testing.assert_array_equal(np.stack([copy[np.int64(i)] for i in range(len(copy))]), ref)
 
 
 def test_uint32_for_large_vocabularies(tmp_path):
