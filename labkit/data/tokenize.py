@@ -12,11 +12,12 @@ Three kinds (``TokenizerConfig.kind``); every one has the special tokens
   with spaces (BERT's clean-up then drops the one before ","), so a round trip keeps every
   character and newline but not the exact spacing.
 - ``"bpe"``: byte-level BPE (GPT-2, RoBERTa): no [UNK] ever, exact round trip.
-- ``"unigram"`` (Unigram LM, arXiv:1804.10959, as in SentencePiece): ``Metaspace`` pre-tokeniser; a space is
-  the symbol ``"▁"`` inside pieces and a round trip is exact. A newline is an ordinary
-  character, so a piece may span an instruction boundary (``"▁rax\\npop"``), as in
-  SentencePiece. (Splitting newlines off first made HF's Unigram trainer keep far fewer pieces
-  than asked -- 95 of 300 on 2,000 generated functions -- so it is not done.)
+- ``"unigram"`` (Unigram LM, arXiv:1804.10959, as in SentencePiece): ``Metaspace``
+  pre-tokeniser, so a space is the symbol ``"▁"`` inside pieces and a round trip is exact. A
+  newline is an ordinary character, so a piece may span an instruction boundary
+  (``"▁rax\\npop"``), as in SentencePiece. (Splitting newlines off first made HF's Unigram
+  trainer keep far fewer pieces than asked -- 95 of 300 on 2,000 generated functions -- so it
+  is not done.)
 
 Training reads the ``text`` column of a Parquet file (or glob) in polars slices, so memory is
 bounded by one slice and the trainer's word counts, never the whole corpus; the sample is
