@@ -187,7 +187,8 @@ def set_node_names(client: ipp.Client, names: dict[int, str | None], *, timeout:
 def per_node(client: ipp.Client, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> dict[str, Any]:
     """Run fn(*args, **kwargs) once per node, on its first local engine; {node: result}.
 
-    All calls are submitted before any is awaited. Engine errors propagate (RemoteError).
+    All calls are submitted before any is awaited; `timeout` (seconds, None = no limit) bounds
+    each wait. Engine errors propagate (ipyparallel RemoteError with the engine's traceback).
     """
     infos = engine_info(client)
     first = {}
@@ -273,7 +274,8 @@ def run_ddp(
     """Run fn(*args, **kwargs) on every target engine as one torch.distributed job; results by rank.
 
     Each engine gets the `assign_ranks` environment with a fresh MASTER_PORT (bound to port 0 on
-    rank 0's engine), OMP_NUM_THREADS = its host's cores // engines on that node,
+    rank 0's engine), OMP/POLARS_MAX/RAYON_NUM_THREADS = its host's usable cores // engines on
+    that host (torch.set_num_threads too; polars and rayon read theirs only at first import),
     TOKENIZERS_PARALLELISM=false, and on a single host MASTER_ADDR=127.0.0.1 and
     GLOO_SOCKET_IFNAME=lo; the environment is restored afterwards. fn initialises the process
     group itself (as `labkit.train.train` does from the env); it is destroyed on every rank after
@@ -292,10 +294,12 @@ def run_ddp(
     rank0 = next(e for e, v in assign_ranks(infos, master_port=1).items() if v["RANK"] == "0")
     port = client[rank0].apply_async(_free_port).get(timeout=30)
     envs = assign_ranks(infos, master_port=port)
-    single_host = len({i["hostname"] for i in infos}) == 1
+    hosts = [i["hostname"] for i in infos]
+    single_host = len(set(hosts)) == 1
     for eid, env in envs.items():
-        env["OMP_NUM_THREADS"] = str(max(1, by_id[eid]["cpus"] // int(env["LOCAL_WORLD_SIZE"])))
-        env["TOKENIZERS_PARALLELISM"] = "false"
+        threads = str(max(1, by_id[eid]["cpus"] // hosts.count(by_id[eid]["hostname"])))
+        env.update(OMP_NUM_THREADS=threads, POLARS_MAX_THREADS=threads, RAYON_NUM_THREADS=threads,
+                   TOKENIZERS_PARALLELISM="false")
         if single_host:
             env.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
     rank_of = {eid: int(env["RANK"]) for eid, env in envs.items()}
