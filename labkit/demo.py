@@ -53,7 +53,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run every stage of the lab and return (and write to ``<workdir>/demo.json``) a summary
     of what was measured. Raises whatever a stage raises (each names its problem)."""
     from labkit import lab
-    from labkit.cluster import start_cluster
+    from labkit.cluster import get_client, start_cluster, stop_cluster
 
     t0 = time.perf_counter()
     missing = [p for p in cfg.corpus.paths if not os.path.exists(p)]
@@ -66,8 +66,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     _say(f"starting a local ipyparallel cluster of {cfg.engines} engines (CPU, gloo)", t0)
     cluster = start_cluster(cfg.engines)
     try:
-        client = cluster.connect_client_sync()
-        client.wait_for_engines(cfg.engines, timeout=120)
+        client = get_client(cluster)
 
         _say(f"1/7 corpus: disassembling functions from ELF files under {', '.join(cfg.corpus.paths)}", t0)
         corpus = lab.build_corpus(client, cfg.corpus, str(work))
@@ -117,7 +116,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         for r in mb.iter_rows(named=True):
             _say(f"    {r['model']} ({r['params'] / 1e6:.1f} M params): max micro-batch {r['max_micro_batch']}", t0)
     finally:
-        cluster.stop_cluster_sync()
+        stop_cluster(cluster)
 
     _say("7/7 figures and reports", t0)
     figures = _write_figures(work)

@@ -123,14 +123,14 @@ def throughput_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data-par
 def microbatch_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Largest micro-batch that fits") -> go.Figure:
     """Bars: largest micro-batch per model (ordered by parameter count), one bar group per budget.
 
-    `df` columns: model (str), params (int), max_micro_batch (int), budget (int, bytes; shown in
+    `df` columns: model (str), params (int), max_micro_batch (int), budget_bytes (int; shown in
     GiB). From labkit.plan.max_micro_batch. Raises ValueError naming missing columns.
     """
-    d = _frame(df, ["model", "params", "max_micro_batch", "budget"], "microbatch_figure").sort("params", "budget")
+    d = _frame(df, ["model", "params", "max_micro_batch", "budget_bytes"], "microbatch_figure").sort("params", "budget_bytes")
     order = d.unique("model", keep="first", maintain_order=True)["model"].to_list()
     fig = go.Figure()
-    for budget in d["budget"].unique().sort().to_list():
-        part = d.filter(pl.col("budget") == budget)
+    for budget in d["budget_bytes"].unique().sort().to_list():
+        part = d.filter(pl.col("budget_bytes") == budget)
         fig.add_trace(go.Bar(x=part["model"].to_list(), y=part["max_micro_batch"].to_list(),
                              name=f"{budget / 2**30:.3g} GiB", text=part["max_micro_batch"].to_list(),
                              textposition="outside", customdata=part["params"].to_list(),
@@ -184,3 +184,14 @@ class LivePlot:
         self.draws += 1
         self._pending = None
         self._last = time.monotonic()
+
+
+def drop_reasons_figure(drops: dict, *, title: str = "Documents dropped, by reason") -> go.Figure:
+    """Horizontal bars of dropped documents per reason, from a ``.drops.json`` dict
+    ({"input": n, "kept": n, "dropped": {reason: n}}); the title gives kept of input."""
+    items = sorted(drops["dropped"].items(), key=lambda kv: kv[1])
+    fig = go.Figure(go.Bar(x=[n for _, n in items], y=[r for r, _ in items], orientation="h",
+                           text=[n for _, n in items], marker={"color": COLORS["loss"]}))
+    fig.update_layout(template=style(), title=f"{title} (kept {drops['kept']:,} of {drops['input']:,})",
+                      xaxis_title="documents", yaxis_title="reason")
+    return fig

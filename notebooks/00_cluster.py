@@ -33,8 +33,7 @@ from labkit import plots
 
 plots.setup_notebook_plotting()
 cluster = lc.start_cluster(engines)
-client = cluster.connect_client_sync()
-client.wait_for_engines(engines, timeout=120)
+client = lc.get_client(cluster)
 print(f"{len(client.ids)} engines connected")
 
 # %% [markdown]
@@ -61,4 +60,4 @@ results = lc.run_ddp(client, all_reduce_smoke_test)
 pl.DataFrame(results)
 
 # %%
-cluster.stop_cluster_sync()
+lc.stop_cluster(cluster)

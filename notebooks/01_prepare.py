@@ -41,8 +41,7 @@ from labkit.config import CleanConfig, CorpusConfig, ShardConfig, TokenizerConfi
 
 plots.setup_notebook_plotting()
 cluster = lc.start_cluster(engines)
-client = cluster.connect_client_sync()
-client.wait_for_engines(engines, timeout=120)
+client = lc.get_client(cluster)
 
 # %% [markdown]
 # ## 1. Corpus: functions disassembled on the engines
@@ -88,4 +87,4 @@ report = lab.preparation_report(workdir)
 pl.DataFrame([{"quantity": k, "value": str(v)} for k, v in report.items()])
 
 # %%
-cluster.stop_cluster_sync()
+lc.stop_cluster(cluster)

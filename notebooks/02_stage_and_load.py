@@ -31,8 +31,7 @@ from labkit import lab, plots
 
 plots.setup_notebook_plotting()
 cluster = lc.start_cluster(engines)
-client = cluster.connect_client_sync()
-client.wait_for_engines(engines, timeout=120)
+client = lc.get_client(cluster)
 
 # %%
 staged = lab.stage(client, workdir)
@@ -67,4 +66,4 @@ print(f"masked {int(masked.sum())} of {int(real.sum())} real tokens "
       f"({float(masked.sum() / real.sum()):.3f}; expected about 0.15 of non-special tokens)")
 
 # %%
-cluster.stop_cluster_sync()
+lc.stop_cluster(cluster)

@@ -31,17 +31,15 @@ from labkit.config import TrainConfig
 
 plots.setup_notebook_plotting()
 cluster = lc.start_cluster(engines)
-client = cluster.connect_client_sync()
-client.wait_for_engines(engines, timeout=120)
+client = lc.get_client(cluster)
 staged = lab.stage(client, workdir)
 
 # %%
 cfg = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/notebook-03", model=model,
                   micro_batch_size=micro_batch_size, max_steps=steps, warmup_steps=max(1, steps // 10),
                   schedule="cosine", lr=1e-3, num_threads=1, resume=False)
-live = plots.LivePlot(plots.live_training_figure)
+live = plots.LivePlot(plots.loss_figure)
 result = lab.train_on_cluster(client, cfg, staged=staged, live=live)
-live.close()
 
 # %%
 pl.DataFrame([{k: v for k, v in result.items() if not isinstance(v, (dict, list))}])
@@ -57,4 +55,4 @@ run = f"{workdir}/runs/demo" if os.path.exists(f"{workdir}/runs/demo/metrics.jso
 plots.loss_figure(lab.read_metrics(run))
 
 # %%
-cluster.stop_cluster_sync()
+lc.stop_cluster(cluster)

@@ -38,8 +38,7 @@ from labkit.data.shards import read_index
 
 plots.setup_notebook_plotting()
 cluster = lc.start_cluster(engines)
-client = cluster.connect_client_sync()
-client.wait_for_engines(engines, timeout=120)
+client = lc.get_client(cluster)
 staged = lab.stage(client, workdir)
 index = read_index(f"{workdir}/shards")
 
@@ -68,4 +67,4 @@ mb
 plots.microbatch_figure(mb)
 
 # %%
-cluster.stop_cluster_sync()
+lc.stop_cluster(cluster)

@@ -46,7 +46,7 @@ def test_microbatch_figure_orders_models_by_params_one_trace_per_budget():
     gib = 2**30
     df = pl.DataFrame({"model": ["bert-350m", "bert-120m", "bert-350m", "bert-120m"],
                        "params": [335_000_000, 110_000_000, 335_000_000, 110_000_000],
-                       "max_micro_batch": [20, 184, 8, 90], "budget": [94 * gib, 94 * gib, 40 * gib, 40 * gib]})
+                       "max_micro_batch": [20, 184, 8, 90], "budget_bytes": [94 * gib, 94 * gib, 40 * gib, 40 * gib]})
     fig = plots.microbatch_figure(df)
     assert [t.name for t in fig.data] == ["40 GiB", "94 GiB"]
     assert list(fig.data[1].x) == ["bert-120m", "bert-350m"] and list(fig.data[1].y) == [184, 20]
