@@ -265,7 +265,8 @@ def extract_functions(path, cfg: CorpusConfig) -> tuple[pl.DataFrame, dict[str, 
         md = _disassembler(arch)
         ids, names, addresses, n_bytes, texts = [], [], [], [], []
         for name, address, n, offset in functions:
-            text = "\n".join(f"{m} {o}" if o else m for _, _, m, o in md.disasm_lite(mm[offset: offset + n], address))
+            insns = md.disasm_lite(mm[offset: offset + n], address)  # (address, size, mnemonic, op_str)
+            text = "\n".join(f"{m} {o}" if o else m for _, _, m, o in insns)
             ids.append(hashlib.sha1(f"{arch}|{source}|{name}|{address}".encode()).hexdigest()[:16])
             names.append(name)
             addresses.append(address)
@@ -308,7 +309,10 @@ def write_corpus_part(files: list[str], cfg: CorpusConfig, out_path: str) -> dic
             skipped[reason] = skipped.get(reason, 0) + 1
             skipped_files[str(path)] = reason
         if not skips.keys() & {"unreadable", "too_large"}:
-            raw_bytes += os.path.getsize(path)
+            try:
+                raw_bytes += os.path.getsize(path)
+            except OSError:  # removed since it was read
+                pass
         if frame.height:
             frames.append(frame)
             functions += frame.height
