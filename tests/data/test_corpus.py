@@ -190,7 +190,7 @@ def test_bad_files_are_counted(tmp_path, built):
 
 
 def test_find_elf_files(tmp_path, built):
-    d = tmp_path / "tree"
+    d = (tmp_path / "tree").resolve()  # find_elf_files resolves the given roots
     (d / "sub").mkdir(parents=True)
     for i in range(5):
         shutil.copy(built["so"], d / "sub" / f"lib{i}.so")
