@@ -76,8 +76,13 @@ class CorpusConfig:
     generalises across binaries); False keeps capstone's operand text unchanged."""
     seed: int = 0
     """Seed of the shuffle that picks which files are read first."""
+    max_functions_per_file: int | None = 1000
+    """Take at most this many functions (the lowest addresses) from one file, so a few large
+    libraries cannot fill the corpus; None takes all."""
 
     def __post_init__(self) -> None:
+        _require(self.max_functions_per_file is None or self.max_functions_per_file > 0,
+                 "max_functions_per_file", "must be positive or None")
         _require(len(self.paths) > 0, "paths", "give at least one file or directory")
         _require(self.max_files is None or self.max_files > 0, "max_files", "must be positive or None")
         _require(self.max_functions is None or self.max_functions > 0, "max_functions", "must be positive or None")
