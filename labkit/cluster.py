@@ -95,6 +95,8 @@ def _launcher_config(settings: dict) -> Any:
     launcher.environment = dict(settings.get("environment") or {})
     if settings["engines"] == "slurm":
         launcher.batch_template = slurm_batch_template(**settings["slurm"])
+        if settings.get("batch_file"):  # absolute: os.path.join(work_dir, it) is it
+            launcher.batch_file_name = settings["batch_file"]
     if settings["engines"] == "mpi" and settings.get("mpi_args"):
         launcher.mpi_args = list(settings["mpi_args"])
     return c
@@ -169,8 +171,11 @@ def start_cluster(
     if engines == "slurm" and controller_ip != "127.0.0.1":
         kw.setdefault("controller_location", controller_ip if controller_ip not in ("*", "0.0.0.0")
                       else socket.gethostname())
-    cluster = ipp.Cluster(n=n, engines=engines, controller_ip=controller_ip, config=_launcher_config(settings),
-                          shutdown_atexit=not keep_running, **kw)
+    cluster = ipp.Cluster(n=n, engines=engines, controller_ip=controller_ip, shutdown_atexit=not keep_running, **kw)
+    if engines == "slurm":  # the rendered script goes to the profile's log/, not the notebook's directory
+        settings["batch_file"] = os.path.join(cluster.profile_dir, "log", f"slurm-engines-{cluster.cluster_id}.sbatch")
+        os.makedirs(os.path.dirname(settings["batch_file"]), exist_ok=True)
+    cluster.config = _launcher_config(settings)
     if timeout is None:
         timeout = 3600.0 if engines == "slurm" else 120.0
     try:

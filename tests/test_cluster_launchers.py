@@ -31,7 +31,7 @@ def _engine_launcher(engines: str, settings: dict, profile_dir: pathlib.Path):
 
 
 def test_slurm_batch_script_rendered(tmp_path):
-    slurm = {"nodes": 3, "gpus_per_node": 2, "partition": "xeon-g6-volta", "time_limit": "2:00:00",
+    slurm = {"nodes": 3, "gpus_per_node": 2, "partition": "gpu-h100", "time_limit": "2:00:00",
              "account": "lab{x}", "cpus_per_task": 20, "sbatch_lines": ["#SBATCH --exclusive"],
              "setup_lines": ["module load cuda/12.4", "export NCCL_DEBUG=WARN"]}
     settings = {"engines": "slurm", "slurm": slurm, "environment": {"PYTHONPATH": "/home/u/labkit"}}
@@ -49,7 +49,7 @@ def test_slurm_batch_script_rendered(tmp_path):
         "#SBATCH --gpus-per-node=2",
         f"#SBATCH --output={log}",
         "#SBATCH --cpus-per-task=20",
-        "#SBATCH --partition=xeon-g6-volta",
+        "#SBATCH --partition=gpu-h100",
         "#SBATCH --time=2:00:00",
         "#SBATCH --account=lab{x}",  # braces survive ipyparallel's formatter
         "#SBATCH --exclusive",
@@ -106,6 +106,7 @@ def test_slurm_cluster_through_fake_sbatch(tmp_path, monkeypatch):
         infos = C.engine_info(rc)
         assert sorted((i["node"], i["local_id"]) for i in infos) == [("fake-node-0", 0), ("fake-node-1", 0)]
         submitted = (tmp_path / "submitted.sbatch").read_text()
+        assert pathlib.Path(cl.profile_dir, "log", f"slurm-engines-{cl.cluster_id}.sbatch").read_text() == submitted
         assert "#SBATCH --export=ALL" in submitted and "#SBATCH --partition=debug" in submitted
         by_node = {i["node"]: i["engine_id"] for i in infos}
         res = C.run_ddp(rc, _node_rank, targets=[by_node["fake-node-1"], by_node["fake-node-0"]], timeout=60)
