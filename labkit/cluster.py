@@ -1,4 +1,4 @@
-"""ipyparallel clusters: start (local, Slurm, MPI), reconnect, restart, stop; topology -> ranks.
+"""ipyparallel clusters: start (local, Slurm, MPI), reconnect, restart, stop, logs.
 
 Clusters are started with ipyparallel's own launchers: local engines, `SlurmEngineSetLauncher`
 with a labkit `batch_template` (one engine per GPU on each node, `#SBATCH --export=ALL` kept,
@@ -7,31 +7,31 @@ rebuilt from a small settings file `security/labkit-<cluster_id>.json` that sits
 ipyparallel's own cluster file `security/cluster-<cluster_id>.json`, so a notebook can reconnect
 to a running cluster (`connect_cluster`) and restarts keep the engines' environment.
 
-Engine ids are not ranks (they follow registration order). `engine_info` asks every engine for
-its host, node name, local id and GPUs; `assign_ranks` turns that into the torchrun environment
-in one pure function. The DDP launch (`run_ddp`, `run_ddp_resumable`, `DDPError`) lives in
-`labkit.launch` and is re-exported here.
+The notebook-facing names live here: topology (`engine_info`, `assign_ranks`, `per_node`,
+`set_node_names`) is defined in `labkit.topology`, the DDP launch (`run_ddp`,
+`run_ddp_resumable`, `DDPError`, `progress_bar`) in `labkit.launch`; both are re-exported.
 
 Patterns: /work/shared/REFERENCES.md section E (ipyparallel; DDP in persistent engines).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
+import signal
 import socket
 import stat
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import ipyparallel as ipp
 
-NODE_ENV = "LABKIT_NODE_NAME"
-"""Engine env var overriding the node name (tests simulate several nodes on one host)."""
-LOCAL_ID_ENVS = ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "LABKIT_LOCAL_ID")
-"""Engine env vars giving the engine's local id on its node (Slurm, Open MPI, MPICH), first set wins."""
+from labkit.topology import (LOCAL_ID_ENVS, NODE_ENV, assign_ranks, engine_info,  # noqa: F401 (re-exported)
+                             per_node, set_node_names)
+
 ENGINE_KINDS = ("local", "slurm", "mpi")
 _LAUNCHERS = {"local": "LocalEngineSetLauncher", "slurm": "SlurmEngineSetLauncher", "mpi": "MPIEngineSetLauncher"}
 
@@ -286,8 +286,9 @@ def connect_cluster(cluster_id: str, *, profile: str | None = None, profile_dir:
 
 
 def restart_engines(cluster: ipp.Cluster, *, timeout: float | None = None) -> list[int]:
-    """Stop every engine and start the same number again (ipyparallel `restart_engines`, same
-    launcher settings and environment); wait for the new engines and return their ids.
+    """Kill every engine (SIGKILL; `scancel -s 9` on Slurm), stop and start the same number again
+    (ipyparallel `restart_engines`, same launcher settings and environment); wait for the new
+    engines and return their ids.
 
     Use it after a failed or interrupted DDP run: surviving ranks may be blocked in a collective
     that no signal ends. Engine ids change; node names set with `set_node_names` are gone.
@@ -297,6 +298,8 @@ def restart_engines(cluster: ipp.Cluster, *, timeout: float | None = None) -> li
     client = get_client(cluster)
     old = set(client.ids)
     n = sum(es.n for es in cluster.engines.values())
+    with contextlib.suppress(Exception):  # a rank stuck in a collective ignores SIGTERM; the state is disposable
+        cluster.signal_engines_sync(signal.SIGKILL)
     cluster.restart_engines_sync()
     if timeout is None:
         timeout = 3600.0 if "Slurm" in type(next(iter(cluster.engines.values()))).__name__ else 120.0
@@ -332,101 +335,3 @@ def engine_logs(cluster: ipp.Cluster) -> dict[str, str]:
     messages) go there, not to the notebook."""
     logs = sorted(pathlib.Path(cluster.profile_dir, "log").glob(f"*{cluster.cluster_id}*.log"))
     return {str(p): p.read_text(errors="replace") for p in logs}
-
-
-# ---------------------------------------------------------------- topology
-
-
-def _engine_facts() -> dict:
-    import os
-    import socket
-
-    local = next((os.environ[k] for k in ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
-                                          "LABKIT_LOCAL_ID") if k in os.environ), None)
-    host = socket.gethostname()
-    return {"hostname": host, "node": os.environ.get("LABKIT_NODE_NAME") or host,
-            "local_id": None if local is None else int(local), "pid": os.getpid(),
-            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": len(os.sched_getaffinity(0))}
-
-
-def engine_info(client: ipp.Client, targets: list[int] | None = None, *, timeout: float = 60.0) -> list[dict]:
-    """Ask each engine who it is: one dict per engine, sorted by engine_id.
-
-    Keys: engine_id (int), hostname, node (env LABKIT_NODE_NAME, else hostname), local_id (int:
-    env SLURM_LOCALID / OMPI_COMM_WORLD_LOCAL_RANK / MPI_LOCALRANKID / LABKIT_LOCAL_ID, else the
-    engine's order by id among engines on its host), pid, gpus (CUDA_VISIBLE_DEVICES or None),
-    cpus (usable CPU cores). Raises TimeoutError if an engine does not answer within `timeout` s.
-    """
-    ids = sorted(client.ids if targets is None else targets)
-    if not ids:
-        raise ValueError("the client has no engines")
-    facts = client[ids].apply_async(_engine_facts).get(timeout=timeout)
-    infos = [{"engine_id": eid, **f} for eid, f in zip(ids, facts)]
-    for host in {i["hostname"] for i in infos}:
-        on_host = [i for i in infos if i["hostname"] == host]
-        for order, i in enumerate(on_host):
-            if i["local_id"] is None:
-                i["local_id"] = order
-    return infos
-
-
-def assign_ranks(infos: list[dict], *, master_port: int) -> dict[int, dict[str, str]]:
-    """Map engine_id -> torchrun environment (all values str), a pure function of the topology.
-
-    Nodes are sorted by name (NODE_RANK = position); within a node engines are sorted by
-    (local_id, engine_id) (LOCAL_RANK = position); RANK counts through nodes in order.
-    MASTER_ADDR is 127.0.0.1 when every engine shares one hostname, else rank 0's hostname.
-    Raises ValueError for an empty list, duplicate engine ids or a port outside 1..65535.
-    """
-    if not infos:
-        raise ValueError("infos is empty: no engines to assign ranks to")
-    if len({i["engine_id"] for i in infos}) != len(infos):
-        raise ValueError("infos has duplicate engine_id values")
-    if not 0 < int(master_port) < 65536:
-        raise ValueError(f"master_port must be in 1..65535, got {master_port}")
-    nodes = sorted({i["node"] for i in infos})
-    by_node = {nd: sorted((i for i in infos if i["node"] == nd),
-                          key=lambda i: (i["local_id"], i["engine_id"])) for nd in nodes}
-    ordered = [i for nd in nodes for i in by_node[nd]]
-    single_host = len({i["hostname"] for i in infos}) == 1
-    master = "127.0.0.1" if single_host else ordered[0]["hostname"]
-    env = {}
-    for rank, info in enumerate(ordered):
-        members = by_node[info["node"]]
-        env[info["engine_id"]] = {
-            "RANK": str(rank), "LOCAL_RANK": str(members.index(info)),
-            "NODE_RANK": str(nodes.index(info["node"])), "WORLD_SIZE": str(len(ordered)),
-            "LOCAL_WORLD_SIZE": str(len(members)), "MASTER_ADDR": master,
-            "MASTER_PORT": str(int(master_port))}
-    return env
-
-
-def _set_env(values: dict) -> None:
-    import os
-
-    for k, v in values.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-def set_node_names(client: ipp.Client, names: dict[int, str | None], *, timeout: float = 30.0) -> None:
-    """Set (or with None, clear) env LABKIT_NODE_NAME on engines: {engine_id: node name}."""
-    ars = [client[eid].apply_async(_set_env, {NODE_ENV: name}) for eid, name in names.items()]
-    for ar in ars:
-        ar.get(timeout=timeout)
-
-
-def per_node(client: ipp.Client, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> dict[str, Any]:
-    """Run fn(*args, **kwargs) once per node, on its first local engine; {node: result}.
-
-    All calls are submitted before any is awaited; `timeout` (seconds, None = no limit) bounds
-    each wait. Engine errors propagate (ipyparallel RemoteError with the engine's traceback).
-    """
-    infos = engine_info(client)
-    first = {}
-    for i in sorted(infos, key=lambda i: (i["local_id"], i["engine_id"])):
-        first.setdefault(i["node"], i["engine_id"])
-    ars = {node: client[eid].apply_async(fn, *args, **kwargs) for node, eid in sorted(first.items())}
-    return {node: ar.get(timeout=timeout) for node, ar in ars.items()}

@@ -28,7 +28,8 @@ from typing import Any, Callable, Sequence
 import ipyparallel as ipp
 from ipyparallel import error as ipp_error
 
-from labkit.cluster import assign_ranks, engine_info, get_client, restart_engines
+from labkit.cluster import get_client, restart_engines
+from labkit.topology import assign_ranks, engine_info
 
 
 class DDPError(RuntimeError):

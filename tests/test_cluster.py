@@ -11,6 +11,8 @@ import re
 import pytest
 
 from labkit import cluster as C
+from labkit import lab
+from tiny_shards import write_tiny_shards
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -137,7 +139,7 @@ def test_engine_info_and_per_node_default(rc):
     assert out == {first["node"]: (first["pid"], None)}
 
 
-def test_per_node_and_ddp_with_simulated_nodes(rc):
+def test_per_node_and_ddp_with_simulated_nodes(rc, tmp_path):
     infos = C.engine_info(rc)
     ids = [i["engine_id"] for i in infos]
     C.set_node_names(rc, {ids[0]: "node-b", ids[1]: "node-a"})
@@ -145,6 +147,17 @@ def test_per_node_and_ddp_with_simulated_nodes(rc):
         out = C.per_node(rc, _whoami)
         pids = {i["engine_id"]: i["pid"] for i in infos}
         assert out == {"node-a": (pids[ids[1]], "node-a"), "node-b": (pids[ids[0]], "node-b")}
+        # staging: one copy per simulated node, each made by that node's engine
+        src = write_tiny_shards(tmp_path / "shards")
+        staged = lab.stage(rc, str(tmp_path))
+        index = json.loads((src / "index.json").read_text())
+        assert sorted(staged) == ["node-a", "node-b"]
+        for node, rep in staged.items():
+            dst = pathlib.Path(rep["path"])
+            assert rep["node"] == node and rep["copied"] is True
+            assert (tmp_path / "local" / node).resolve() in dst.parents
+            assert sorted(p.name for p in dst.iterdir()) == ["index.json", "shard-00000.bin", "shard-00001.bin"]
+            assert [(dst / s["file"]).read_bytes() == (src / s["file"]).read_bytes() for s in index["shards"]] == [True, True]
         res = C.run_ddp(rc, _allreduce, 10, timeout=120)
         # node-a sorts first, so the engine named node-a is rank 0 on node rank 0
         assert [(r["rank"], r["node_rank"], r["local_rank"]) for r in res] == [(0, 0, 0), (1, 1, 0)]

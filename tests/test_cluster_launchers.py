@@ -87,15 +87,15 @@ def test_mpi_cluster_runs():  # pragma: no cover - needs mpiexec and mpi4py
         C.stop_cluster(cl)
 
 
-def _node_rank():
+def _slurm_ids():
     import os
 
-    return os.environ["NODE_RANK"], os.environ["LOCAL_RANK"], os.environ.get("SLURM_LOCALID")
+    return os.environ["SLURM_LOCALID"], os.environ["SLURM_NODEID"]
 
 
 def test_slurm_cluster_through_fake_sbatch(tmp_path, monkeypatch):
     """ipyparallel's Slurm launcher submits labkit's script; the fake srun starts one engine per
-    task on two simulated nodes; DDP ranks follow the nodes; stop_cluster scancels the job."""
+    task on two simulated nodes; ranks follow the nodes; stop_cluster scancels the job."""
     monkeypatch.setenv("PATH", f"{FAKE_SLURM}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_SLURM_DIR", str(tmp_path))
     cl = C.start_cluster(engines="slurm", slurm={"nodes": 2, "gpus_per_node": 1, "partition": "debug"},
@@ -109,8 +109,10 @@ def test_slurm_cluster_through_fake_sbatch(tmp_path, monkeypatch):
         assert pathlib.Path(cl.profile_dir, "log", f"slurm-engines-{cl.cluster_id}.sbatch").read_text() == submitted
         assert "#SBATCH --export=ALL" in submitted and "#SBATCH --partition=debug" in submitted
         by_node = {i["node"]: i["engine_id"] for i in infos}
-        res = C.run_ddp(rc, _node_rank, targets=[by_node["fake-node-1"], by_node["fake-node-0"]], timeout=60)
-        assert res == [("0", "0", "0"), ("1", "0", "0")]
+        env = C.assign_ranks(infos, master_port=29500)  # what run_ddp sets (DDP itself: tests/test_cluster.py)
+        assert [(env[by_node[f"fake-node-{k}"]]["RANK"], env[by_node[f"fake-node-{k}"]]["NODE_RANK"],
+                 env[by_node[f"fake-node-{k}"]]["LOCAL_RANK"]) for k in (0, 1)] == [("0", "0", "0"), ("1", "1", "0")]
+        assert sorted(rc[:].apply_sync(_slurm_ids)) == [("0", "0"), ("0", "1")]  # (SLURM_LOCALID, SLURM_NODEID)
         pids = [i["pid"] for i in infos]
     finally:
         C.stop_cluster(cl)
