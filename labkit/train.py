@@ -311,21 +311,25 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                                                                                     device=loss_sum.device)]))
         loss = summed[0].item() / max(1, n_masked.item())
         wait_mean = summed[1].item() / world
-        # 3. unscale, clip, step (or skip a non-finite step)
+        # 3. unscale (fp16), clip the global grad norm, step; a non-finite loss (or, fp32/bf16,
+        #    grad norm) skips the step or raises. fp16 overflow in the grads alone is the
+        #    scaler's business: it skips that step and lowers the scale.
+        fp16 = cfg.precision == "fp16"
         finite = math.isfinite(loss)
         grad_norm = float("nan")
-        if finite:
+        if finite or fp16:
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf")).item()
-            finite = math.isfinite(grad_norm) or cfg.precision == "fp16"  # fp16: the scaler skips it
+            finite = finite and (fp16 or math.isfinite(grad_norm))
         if not finite and cfg.on_nonfinite == "raise":
             raise FloatingPointError(f"step {step + 1}: non-finite loss {loss} / grad norm {grad_norm} "
                                      "(on_nonfinite='raise')")
-        if finite:
-            scaler.step(optimizer)
+        if finite or fp16:
+            scale = scaler.get_scale() if fp16 else 1.0
+            scaler.step(optimizer)  # fp16: skipped when the grads hold inf/nan
             scaler.update()
-        else:
-            skipped += 1
+            finite = finite and not (fp16 and scaler.get_scale() < scale)
+        skipped += not finite
         optimizer.zero_grad(set_to_none=True)
         step += 1
         step_time = timer.stop()
