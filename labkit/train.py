@@ -12,6 +12,10 @@ tokens of the global batch) / (their count), the same as one process on the whol
 
 Run directory (rank 0 writes): config.json, metrics.jsonl (one record per log step, appended
 and flushed), checkpoints/step-N/ (model.safetensors + state.pt), result.json (atomic).
+state.pt = {format, step, epoch, tokens, lr, optimizer, scaler, world_size, ranks: [{rng:
+{torch, cuda?, numpy, python}, sampler: {epoch, position}} per rank]}, all tensors, numbers and
+lists so ``torch.load(weights_only=True)`` reads it. The LR is a pure function of the step
+(``lr_at``), so the step is the whole scheduler state. Resume needs the same world size.
 """
 
 from __future__ import annotations

@@ -146,14 +146,17 @@ def test_train_single_process(shards, tmp_path):
 
 
 def test_resume_reproduces_uninterrupted_run(shards, tmp_path):
-    """fp32, CPU, dropout on: a run stopped after 4 steps and resumed gives the same losses."""
-    full = tiny_cfg(shards, tmp_path / "full", max_steps=8, micro_batch_size=8)  # 3 epochs of 32/rank
+    """fp32, CPU, dropout on: a run interrupted after step 3 (mid-epoch) and step 6 (in the next
+    epoch) and resumed each time gives exactly the uninterrupted run's losses."""
+    full = tiny_cfg(shards, tmp_path / "full", max_steps=8, micro_batch_size=8)  # 4 steps per epoch
     train(full)
-    part = dataclasses.replace(full, run_dir=str(tmp_path / "part"), stop_after=4)
+    part = dataclasses.replace(full, run_dir=str(tmp_path / "part"), stop_after=3)
     train(part)
-    assert [r["step"] for r in read_metrics(tmp_path / "part")] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(tmp_path / "part")] == [1, 2, 3]
+    assert train(dataclasses.replace(part, stop_after=6))["resumed_from_step"] == 3
     result = train(dataclasses.replace(part, stop_after=None))
-    assert result["resumed_from_step"] == 4 and result["steps"] == 8
+    assert result["resumed_from_step"] == 6 and result["steps"] == 8
+    assert [r["epoch"] for r in read_metrics(tmp_path / "part")] == [0, 0, 0, 0, 1, 1, 1, 1]
     want = [(r["step"], r["loss"], r["grad_norm"], r["tokens"]) for r in read_metrics(tmp_path / "full")]
     got = [(r["step"], r["loss"], r["grad_norm"], r["tokens"]) for r in read_metrics(tmp_path / "part")]
     assert got == want
