@@ -1,0 +1,149 @@
+"""Copy a complete shard set to a node's local disk and verify it (lesson 2 of arXiv:2509.05258).
+
+``stage_shards`` runs once per node (one engine per host). The copy goes to a temporary
+directory ``<local_root>/.tmp-<name>-<pid>`` beside the destination, every shard is checked
+against the source ``index.json`` (size, and sha256 when ``verify``), index.json is copied last,
+and the directory is renamed into place. So the destination either does not exist or holds a
+complete, verified set; an interrupted copy leaves only a ``.tmp-`` directory, which a later
+call removes once its process is gone (so ``local_root`` must be node-local: process ids are
+checked on this node). A verified copy already in place is kept. Pattern:
+mosaicml/streaming ``streaming/base/stream.py`` (temp name + rename, hashes from the index).
+"""
+
+from __future__ import annotations
+
+import errno
+import getpass
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+from labkit.data.shards import INDEX_NAME, ShardError, read_index, verify_shards
+from labkit.data.tokenize import file_sha256
+
+
+def resolve_local_root(local_root: str | None = None) -> Path:
+    """Node-local scratch root: ``local_root`` as given, else ``$LABKIT_LOCAL_SCRATCH``, else
+    ``$TMPDIR``, else ``/tmp``, with ``labkit-<user>`` appended to the latter three. Read when
+    called, on the node that will hold the copy. Nothing is created."""
+    if local_root is not None:
+        return Path(local_root).expanduser()
+    base = os.environ.get("LABKIT_LOCAL_SCRATCH") or os.environ.get("TMPDIR") or "/tmp"
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (some containers)
+        user = str(os.getuid())
+    return Path(base).expanduser() / f"labkit-{user}"
+
+
+def _set_bytes(src: Path, index: dict) -> int:
+    return index["n_bytes"] + (src / INDEX_NAME).stat().st_size
+
+
+def _copy_is_good(dst: Path, index: dict, verify: bool) -> bool:
+    """True when ``dst`` holds the same index as the source and its shards check out."""
+    try:
+        if read_index(dst) != index:
+            return False
+        if verify:
+            verify_shards(dst)
+        else:
+            for s in index["shards"]:
+                if (dst / s["file"]).stat().st_size != s["n_bytes"]:
+                    return False
+    except (ShardError, OSError):
+        return False
+    return True
+
+
+def _remove_stale_tmp(root: Path, name: str) -> None:
+    """Remove ``.tmp-<name>-<pid>`` / ``.old-<name>-<pid>`` dirs left by processes that are gone."""
+    for prefix in (".tmp-", ".old-"):
+        for path in root.glob(f"{prefix}{name}-*"):
+            pid = path.name.rsplit("-", 1)[-1]
+            if not pid.isdigit():
+                continue
+            try:
+                os.kill(int(pid), 0)
+                alive = int(pid) != os.getpid()  # our own leftovers are from a failed earlier call
+            except ProcessLookupError:
+                alive = False
+            except PermissionError:
+                alive = True
+            if not alive:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def stage_shards(src_dir: str, *, local_root: str | None = None, node_name: str | None = None,
+                 verify: bool = True) -> dict:
+    """Copy the complete shard set ``src_dir`` to ``<local_root>/<basename(src_dir)>-<sha8>``
+    (sha8 = first 8 hex digits of the tokenizer sha256 in its index) and return
+    {"node": node_name or $LABKIT_NODE_NAME or hostname, "path": destination (str),
+    "copied": False when a good copy was already there, "bytes": size of the set (shards +
+    index.json), "seconds": wall time of this call, "mb_per_s": bytes / 1e6 / seconds (the copy
+    rate, or the verification rate when nothing was copied)}.
+
+    ``local_root`` as in ``resolve_local_root``; ``node_name`` only labels the report (to
+    simulate several nodes on one machine, give each its own local_root). A destination that
+    fails verification is replaced, but only after the new copy has verified.
+    Raises ``ShardError`` when ``src_dir`` is not a complete set or a copied shard does not
+    match the index (naming the shard), ``OSError`` (ENOSPC) naming needed and free bytes when
+    the local disk is too small.
+    """
+    t0 = time.perf_counter()
+    src = Path(src_dir)
+    index = read_index(src)
+    root = resolve_local_root(local_root)
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"{src.resolve().name}-{index['tokenizer_sha256'][:8]}"
+    dst = root / name
+    n_bytes = _set_bytes(src, index)
+    node = node_name or os.environ.get("LABKIT_NODE_NAME") or socket.gethostname()
+
+    def report(copied: bool) -> dict:
+        seconds = time.perf_counter() - t0
+        return {"node": node, "path": str(dst), "copied": copied, "bytes": n_bytes, "seconds": seconds,
+                "mb_per_s": n_bytes / 1e6 / seconds if seconds > 0 else float("inf")}
+
+    _remove_stale_tmp(root, name)
+    if dst.exists() and _copy_is_good(dst, index, verify):
+        return report(False)
+
+    free = shutil.disk_usage(root).free
+    if n_bytes > free:
+        raise OSError(errno.ENOSPC, f"not enough free space in {root} to stage {src}: "
+                                    f"need {n_bytes} bytes, {free} bytes free")
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        for shard in index["shards"]:
+            target = tmp / shard["file"]
+            shutil.copyfile(src / shard["file"], target)
+            size = target.stat().st_size
+            if size != shard["n_bytes"]:
+                raise ShardError(f"{src / shard['file']}: copied {size} bytes, index says {shard['n_bytes']}")
+            if verify and (digest := file_sha256(target)) != shard["sha256"]:
+                raise ShardError(f"{src / shard['file']}: copy has sha256 {digest}, index says {shard['sha256']}")
+        shutil.copyfile(src / INDEX_NAME, tmp / INDEX_NAME)
+        if read_index(tmp) != index:
+            raise ShardError(f"{src / INDEX_NAME}: changed while it was being staged")
+        if dst.exists():  # a bad copy: move it aside only now that the new one verified
+            old = root / f".old-{name}-{os.getpid()}"
+            os.rename(dst, old)
+            os.rename(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            try:
+                os.rename(tmp, dst)
+            except OSError:  # another process on this node staged the same set meanwhile
+                if not _copy_is_good(dst, index, verify):
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
+                return report(False)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report(True)

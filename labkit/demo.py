@@ -1,0 +1,199 @@
+"""The main job: the whole lab end to end on the embedded default (``labkit demo``).
+
+Local ipyparallel engines (2 by default), CPU tensors, gloo, and real input: functions
+disassembled from this machine's own ELF executables and shared libraries. Every stage is a
+call into ``labkit.lab``; the notebooks make the same calls, and are executed afterwards with
+the same work directory so that each renders the demo's artifacts as an HTML report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from labkit.config import DemoConfig, TrainConfig, to_dict
+
+NOTEBOOKS: tuple[str, ...] = ("00_cluster", "01_prepare", "02_stage_and_load", "03_train", "04_scaling")
+"""The notebooks the demo executes and exports, in order."""
+
+
+def notebooks_dir() -> Path:
+    """The repository's ``notebooks/`` folder (labkit is installed in editable mode from it)."""
+    return Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def demo_train_config(cfg: DemoConfig, workdir: Path, *, run: str = "demo") -> TrainConfig:
+    """The TrainConfig of the demo's DDP run: one torch thread per rank (2 engines on 2 cores)."""
+    return TrainConfig(
+        data_dir=str(workdir / "shards"),
+        run_dir=str(workdir / "runs" / run),
+        model=cfg.model,
+        micro_batch_size=cfg.micro_batch_size,
+        max_steps=cfg.train_steps,
+        lr=1e-3,
+        warmup_steps=max(1, cfg.train_steps // 10),
+        schedule="cosine",
+        num_threads=1,
+        log_every=1,
+        ckpt_every=0,
+        resume=False,
+        timeout_s=300.0,
+    )
+
+
+def _say(msg: str, t0: float) -> None:
+    print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", flush=True)
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    """Run every stage of the lab and return (and write to ``<workdir>/demo.json``) a summary
+    of what was measured. Raises whatever a stage raises (each names its problem)."""
+    from labkit import lab
+    from labkit.cluster import get_client, start_cluster, stop_cluster
+
+    t0 = time.perf_counter()
+    missing = [p for p in cfg.corpus.paths if not os.path.exists(p)]
+    if missing:
+        raise FileNotFoundError(f"corpus.paths: input path(s) do not exist: {', '.join(missing)}")
+    work = Path(cfg.workdir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {"config": to_dict(cfg), "workdir": str(work)}
+
+    _say(f"starting a local ipyparallel cluster of {cfg.engines} engines (CPU, gloo)", t0)
+    cluster = start_cluster(cfg.engines)
+    try:
+        client = get_client(cluster)
+
+        _say(f"1/7 corpus: disassembling functions from ELF files under {', '.join(cfg.corpus.paths)}", t0)
+        corpus = lab.build_corpus(client, cfg.corpus, str(work))
+        _say(f"    {corpus['functions']:,} functions from {corpus['files_read']:,} files "
+             f"({corpus['raw_bytes'] / 1e6:.1f} MB of ELF), skipped {corpus['skipped']}", t0)
+
+        _say("2/7 clean and exact dedup (polars)", t0)
+        drops = lab.clean_corpus(client, cfg.clean, str(work))
+        _say(f"    kept {drops['kept']:,} of {drops['input']:,}; dropped {drops['dropped']}", t0)
+
+        _say(f"3/7 tokenizer ({cfg.tokenizer.kind}, vocab {cfg.tokenizer.vocab_size}) and shards "
+             f"(seq_len {cfg.shards.seq_len})", t0)
+        lab.build_tokenizer(client, cfg.tokenizer, str(work))
+        index = lab.build_shards(client, cfg.shards, str(work))
+        prep = lab.preparation_report(str(work))
+        summary["preparation"] = prep
+        _say(f"    {index['n_tokens']:,} tokens in {index['n_sequences']:,} sequences, "
+             f"{index['n_bytes'] / 1e6:.1f} MB of shards ({index['dtype']}); "
+             f"{prep['raw_bytes'] / 1e6:.1f} MB ELF -> {prep['shard_bytes'] / 1e6:.1f} MB "
+             f"({prep['reduction_percent']} % smaller)", t0)
+
+        _say("4/7 staging shards to node-local disk, one engine per node, checksums verified", t0)
+        staged = lab.stage(client, str(work))
+        summary["staging"] = staged
+        for node, rep in staged.items():
+            _say(f"    {node}: {rep['bytes'] / 1e6:.1f} MB in {rep['seconds']:.2f} s -> {rep['path']}", t0)
+
+        tcfg = demo_train_config(cfg, work)
+        _say(f"5/7 DDP training: model {cfg.model}, {cfg.engines} ranks x micro-batch {cfg.micro_batch_size}, "
+             f"{cfg.train_steps} steps", t0)
+        result = lab.train_on_cluster(client, tcfg, staged=staged, live=_TerminalProgress(cfg.train_steps))
+        summary["train"] = result
+        _say(f"    loss {result['initial_loss']:.3f} -> {result['final_loss']:.3f}; "
+             f"{result['tokens_per_s']:,.0f} tokens/s over {result['world_size']} ranks", t0)
+
+        _say(f"6/7 scaling sweep: tokens/s at 1..{cfg.engines} ranks; largest micro-batch under "
+             f"{cfg.memory_budget_gb} GiB per rank for {', '.join(cfg.sweep_models)}", t0)
+        base = dataclasses.replace(tcfg, max_steps=cfg.sweep_steps, warmup_steps=1, timing_warmup_steps=2)
+        ranks = lab.sweep_ranks(client, base, str(work), staged=staged)
+        mb = lab.sweep_micro_batch(client, list(cfg.sweep_models), seq_len=cfg.shards.seq_len,
+                                   vocab_size=index["vocab_size"],
+                                   budget_bytes=int(cfg.memory_budget_gb * 2**30), workdir=str(work))
+        summary["sweep_ranks"] = ranks.to_dicts()
+        summary["sweep_micro_batch"] = mb.to_dicts()
+        for r in ranks.iter_rows(named=True):
+            _say(f"    {r['ranks']} rank(s): {r['tokens_per_s']:,.0f} tokens/s, efficiency {r['efficiency']:.2f}", t0)
+        for r in mb.iter_rows(named=True):
+            _say(f"    {r['model']} ({r['params'] / 1e6:.1f} M params): max micro-batch {r['max_micro_batch']}", t0)
+    finally:
+        stop_cluster(cluster)
+
+    _say("7/7 figures and reports", t0)
+    figures = _write_figures(work)
+    summary["figures"] = figures
+    if cfg.reports:
+        summary["reports"] = run_reports(cfg, work, t0=t0)
+    summary["seconds"] = round(time.perf_counter() - t0, 1)
+    out = work / "demo.json"
+    tmp = out.with_name(".demo.json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2, default=str))
+    os.replace(tmp, out)
+    _say(f"done in {summary['seconds']} s; summary in {out}", t0)
+    for path in summary.get("reports", []):
+        print(f"  report: {path}")
+    return summary
+
+
+def _write_figures(work: Path) -> list[str]:
+    """Standalone HTML figures (plotly.js embedded) of the loss curve and both sweeps."""
+    import polars as pl
+
+    from labkit import lab, plots
+
+    out = work / "figures"
+    out.mkdir(parents=True, exist_ok=True)
+    figs = {
+        "loss": plots.loss_figure(lab.read_metrics(str(work / "runs" / "demo"))),
+        "throughput_vs_ranks": plots.throughput_figure(pl.read_parquet(work / "sweeps" / "ranks.parquet")),
+        "micro_batch_vs_model": plots.microbatch_figure(pl.read_parquet(work / "sweeps" / "microbatch.parquet")),
+    }
+    paths = []
+    for name, fig in figs.items():
+        path = out / f"{name}.html"
+        fig.write_html(path, include_plotlyjs=True, full_html=True)
+        paths.append(str(path))
+    return paths
+
+
+def run_reports(cfg: DemoConfig, work: Path, *, t0: float | None = None) -> list[str]:
+    """Execute each notebook headlessly on the demo's work directory and export it as a
+    self-contained HTML report under ``<workdir>/reports``; returns the report paths."""
+    from labkit.report import execute_notebook
+
+    t0 = time.perf_counter() if t0 is None else t0
+    reports = []
+    params = {"workdir": str(work), "engines": cfg.engines, "model": cfg.model,
+              "micro_batch_size": cfg.micro_batch_size, "max_functions": cfg.corpus.max_functions,
+              "vocab_size": cfg.tokenizer.vocab_size, "seq_len": cfg.shards.seq_len,
+              "steps": min(cfg.train_steps, 40), "sweep_steps": cfg.sweep_steps,
+              "sweep_models": list(cfg.sweep_models), "memory_budget_gb": cfg.memory_budget_gb}
+    for name in NOTEBOOKS:
+        src = notebooks_dir() / f"{name}.ipynb"
+        out = work / "reports" / f"{name}.html"
+        _say(f"    executing {src.name}", t0)
+        execute_notebook(str(src), str(out), parameters=params, timeout=900, cwd=str(work))
+        reports.append(str(out))
+    return reports
+
+
+class _TerminalProgress:
+    """``live`` callback for the terminal: a tqdm bar over optimiser steps with the loss."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm.std import tqdm
+
+        self.bar = tqdm(total=total, desc="    train", mininterval=0.5)
+        self.step = 0
+
+    def __call__(self, records: list[dict]) -> None:
+        if not records:
+            return
+        last = records[-1]
+        step = int(last.get("step", 0))
+        if step > self.step:
+            self.bar.update(step - self.step)
+            self.step = step
+            self.bar.set_postfix(loss=f"{last.get('loss', float('nan')):.3f}",
+                                 tok_s=f"{last.get('tokens_per_s', 0):,.0f}")
+        if step >= self.bar.total:
+            self.bar.close()

@@ -1,0 +1,161 @@
+"""Scaling laws: fit L(N, D) = E + A / N^alpha + B / D^beta and allocate compute.
+
+The functional form and fitting procedure are Chinchilla's (Hoffmann et al. 2022,
+arXiv:2203.15556, section 3.3 and appendix D.2): minimise the Huber loss (delta = 1e-3) between
+the predicted and observed log loss, with the prediction written as a log-sum-exp
+
+    log L_hat = LSE(a - alpha log N, b - beta log D, e),   A = exp(a), B = exp(b), E = exp(e),
+
+by L-BFGS from a grid of starting points, keeping the best. N is the parameter count, D the
+number of training tokens. The fits published for decoders on web text are constants here
+(``CHINCHILLA``, ``EPOCH_REFIT``); for MLM on code keep the form and refit the constants.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class LawParams:
+    """Constants of L(N, D) = E + A / N^alpha + B / D^beta (loss in nats per token)."""
+
+    E: float
+    """Irreducible loss."""
+    A: float
+    """Model-size coefficient."""
+    B: float
+    """Data-size coefficient."""
+    alpha: float
+    """Model-size exponent."""
+    beta: float
+    """Data-size exponent."""
+
+    def loss(self, n_params, n_tokens):
+        """Predicted loss for parameter count(s) N and token count(s) D (floats or arrays)."""
+        n = np.asarray(n_params, dtype=np.float64)
+        d = np.asarray(n_tokens, dtype=np.float64)
+        return self.E + self.A / n**self.alpha + self.B / d**self.beta
+
+
+CHINCHILLA = LawParams(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
+"""Chinchilla's published fit (arXiv:2203.15556, eq. 10 / appendix D.2)."""
+
+EPOCH_REFIT = LawParams(E=1.8172, A=482.01, B=2085.43, alpha=0.3478, beta=0.3658)
+"""Besiroglu et al.'s refit of Chinchilla's data (arXiv:2404.10102), quoted second-hand."""
+
+
+def training_flops(n_params: float, n_tokens: float) -> float:
+    """Training compute C = 6 N D FLOPs (Kaplan et al., arXiv:2001.08361, eq. 2.2)."""
+    return 6.0 * n_params * n_tokens
+
+
+def compute_optimal(flops: float, law: LawParams = CHINCHILLA) -> dict[str, float]:
+    """Loss-minimising N and D for a FLOP budget C under C = 6 N D.
+
+    N_opt = G (C/6)^a, D_opt = G^-1 (C/6)^b with a = beta/(alpha+beta), b = alpha/(alpha+beta),
+    G = (alpha A / (beta B))^(1/(alpha+beta)) (arXiv:2203.15556, appendix D.2, eq. 4).
+    Returns {"flops", "n_params", "n_tokens", "tokens_per_param", "loss"}.
+    Raises ValueError for a non-positive budget.
+    """
+    if not flops > 0:
+        raise ValueError(f"flops: must be positive, got {flops}")
+    s = law.alpha + law.beta
+    g = (law.alpha * law.A / (law.beta * law.B)) ** (1.0 / s)
+    n = g * (flops / 6.0) ** (law.beta / s)
+    d = (flops / 6.0) ** (law.alpha / s) / g
+    return {"flops": flops, "n_params": n, "n_tokens": d, "tokens_per_param": d / n,
+            "loss": float(law.loss(n, d))}
+
+
+def check_allocation(n_params: float, n_tokens: float, law: LawParams = CHINCHILLA, *,
+                     tolerance: float = 0.01) -> dict:
+    """Compare a planned run with the compute-optimal allocation of the same FLOPs.
+
+    Returns {"loss", "optimal": compute_optimal(...), "loss_given_up", "verdict", "message"}:
+    verdict is "ok" when the predicted loss is within ``tolerance`` nats of the optimum, else
+    "model too large for its data" (N > N_opt) or "model too small for its data".
+    """
+    flops = training_flops(n_params, n_tokens)
+    opt = compute_optimal(flops, law)
+    loss = float(law.loss(n_params, n_tokens))
+    gap = loss - opt["loss"]
+    if gap <= tolerance:
+        verdict = "ok"
+    elif n_params > opt["n_params"]:
+        verdict = "model too large for its data"
+    else:
+        verdict = "model too small for its data"
+    message = (f"N={n_params:.3g}, D={n_tokens:.3g} ({n_tokens / n_params:.1f} tokens/param): predicted loss "
+               f"{loss:.4f}; the compute-optimal N={opt['n_params']:.3g}, D={opt['n_tokens']:.3g} for the same "
+               f"{flops:.3g} FLOPs reaches {opt['loss']:.4f} ({gap:.4f} nats given up): {verdict}")
+    return {"loss": loss, "optimal": opt, "loss_given_up": gap, "verdict": verdict, "message": message}
+
+
+def _huber(r: torch.Tensor, delta: float) -> torch.Tensor:
+    a = r.abs()
+    return torch.where(a <= delta, 0.5 * r**2, delta * (a - 0.5 * delta))
+
+
+def _objective(theta: torch.Tensor, log_n, log_d, log_l, delta: float) -> torch.Tensor:
+    # theta [..., 5] = (a, b, e, alpha, beta); returns the summed Huber loss [...]
+    a, b, e, alpha, beta = theta.unbind(-1)
+    terms = torch.stack([a[..., None] - alpha[..., None] * log_n, b[..., None] - beta[..., None] * log_d,
+                         e[..., None].expand(*e.shape, log_n.shape[0])], dim=-1)  # [..., points, 3]
+    pred = torch.logsumexp(terms, dim=-1)  # [..., points]
+    return _huber(pred - log_l, delta).sum(-1)
+
+
+def fit_law(n_params, n_tokens, losses, *, delta: float = 1e-3, top_k: int = 8,
+            grid: dict[str, tuple[float, ...]] | None = None) -> dict:
+    """Fit L(N, D) = E + A/N^alpha + B/D^beta to observed (N, D, L) points, Chinchilla-style.
+
+    Huber loss (delta) on log L; every grid start is scored, the ``top_k`` best are refined with
+    L-BFGS (float64), and the lowest objective wins. Default grid (arXiv:2203.15556 D.2 uses a
+    finer one): alpha, beta in {0.1, 0.3, 0.5, 1.0}, e in {-1, 0, 0.5, 1}, a, b in {0, 5, 10, 15, 20}.
+
+    Inputs are 1-D sequences of equal length >= 5 (five unknowns). Returns {"law": LawParams,
+    "objective", "n_points", "starts"}. Raises ValueError on mismatched lengths, too few
+    points or non-positive values.
+    """
+    n = np.asarray(n_params, dtype=np.float64)
+    d = np.asarray(n_tokens, dtype=np.float64)
+    l = np.asarray(losses, dtype=np.float64)
+    if not (n.shape == d.shape == l.shape) or n.ndim != 1:
+        raise ValueError(f"n_params, n_tokens, losses: need 1-D arrays of one length, got {n.shape}, {d.shape}, {l.shape}")
+    if n.size < 5:
+        raise ValueError(f"losses: need at least 5 points to fit 5 constants, got {n.size}")
+    if (n <= 0).any() or (d <= 0).any() or (l <= 0).any():
+        raise ValueError("n_params, n_tokens, losses: all values must be positive")
+    grid = grid or {"a": (0, 5, 10, 15, 20), "b": (0, 5, 10, 15, 20), "e": (-1, 0, 0.5, 1),
+                    "alpha": (0.1, 0.3, 0.5, 1.0), "beta": (0.1, 0.3, 0.5, 1.0)}
+    log_n, log_d, log_l = (torch.from_numpy(np.log(x)) for x in (n, d, l))
+    starts = torch.tensor(list(itertools.product(grid["a"], grid["b"], grid["e"], grid["alpha"], grid["beta"])),
+                          dtype=torch.float64)
+    with torch.no_grad():
+        scores = _objective(starts, log_n, log_d, log_l, delta)
+    best_theta, best_obj = None, math.inf
+    for idx in torch.argsort(scores)[:top_k]:
+        theta = starts[idx].clone().requires_grad_(True)
+        opt = torch.optim.LBFGS([theta], lr=1.0, max_iter=500, tolerance_grad=1e-12, tolerance_change=1e-14,
+                                history_size=50, line_search_fn="strong_wolfe")
+
+        def closure():
+            opt.zero_grad()
+            obj = _objective(theta, log_n, log_d, log_l, delta)
+            obj.backward()
+            return obj
+
+        opt.step(closure)
+        with torch.no_grad():
+            obj = float(_objective(theta, log_n, log_d, log_l, delta))
+        if obj < best_obj:
+            best_obj, best_theta = obj, theta.detach()
+    a, b, e, alpha, beta = best_theta.tolist()
+    law = LawParams(E=math.exp(e), A=math.exp(a), B=math.exp(b), alpha=alpha, beta=beta)
+    return {"law": law, "objective": best_obj, "n_points": int(n.size), "starts": int(starts.shape[0])}

@@ -1,0 +1,197 @@
+"""plotly figures for labkit results and a live-updating display for metrics streamed from engines.
+
+One style for every figure lives in `style()` (template, colours, fonts). Figures take polars
+frames (the tables labkit writes) and return `plotly.graph_objects.Figure`; nothing is shown.
+Notebooks call `setup_notebook_plotting()` once so exported HTML embeds plotly.js offline.
+Patterns: /work/shared/REFERENCES.md section E (plotly) and "Checked on a machine like ours".
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+import uuid
+from typing import Callable, Sequence
+
+import plotly.graph_objects as go
+import plotly.io as pio
+import polars as pl
+from plotly.subplots import make_subplots
+
+COLORS = {"loss": "#1f4e79", "throughput": "#c55a11", "ideal": "#7f7f7f", "bar": "#2e75b6"}
+"""Named colours used across figures (colour-blind safe blue/orange pair, grey reference)."""
+COLORWAY = ("#1f4e79", "#c55a11", "#548235", "#7030a0", "#bf9000", "#2e75b6")
+FONT = {"family": "Inter, Helvetica, Arial, sans-serif", "size": 13, "color": "#222222"}
+RENDERER = "plotly_mimetype+notebook"
+"""Kernel mimetype for live notebooks + the `notebook` renderer, which embeds plotly.js once
+so nbconvert's HTML export renders offline (plotly/io/_renderers.py)."""
+
+
+@functools.cache
+def style() -> go.layout.Template:
+    """The labkit plotly template: simple_white with the labkit font, colorway and grid."""
+    t = go.layout.Template(pio.templates["simple_white"])
+    t.layout.update(font=FONT, colorway=list(COLORWAY), hovermode="x unified",
+                    margin={"l": 60, "r": 30, "t": 60, "b": 50},
+                    legend={"orientation": "h", "y": -0.18})
+    t.layout.xaxis.update(showgrid=True, gridcolor="#e5e5e5")
+    t.layout.yaxis.update(showgrid=True, gridcolor="#e5e5e5")
+    return t
+
+
+def setup_notebook_plotting() -> None:
+    """Make figures render in notebooks and in nbconvert HTML (plotly.js embedded once, offline).
+
+    Sets pio.renderers.default to RENDERER and activates it now, so plotly.js is emitted even if
+    the notebook only draws through `LivePlot`.
+    """
+    pio.renderers.default = RENDERER
+    pio.renderers._activate_pending_renderers()  # emits the notebook renderer's plotly.js once
+
+
+def _frame(df: pl.DataFrame | pl.LazyFrame, need: Sequence[str], what: str) -> pl.DataFrame:
+    df = df.collect() if isinstance(df, pl.LazyFrame) else df
+    missing = [c for c in need if c not in df.columns]
+    if missing:
+        raise ValueError(f"{what} needs columns {missing}; got {df.columns}")
+    return df
+
+
+def loss_figure(metrics: pl.DataFrame | pl.LazyFrame, *, title: str = "Training loss") -> go.Figure:
+    """Loss (left axis) and, when a tokens_per_s column is present, throughput (right axis) vs step.
+
+    `metrics`: rows of metrics.jsonl (labkit.train), columns step (int), loss (float)
+    [, tokens_per_s (float, real tokens/s over all ranks)]. Null values are skipped.
+    Raises ValueError naming missing columns.
+    """
+    df = _frame(metrics, ["step", "loss"], "loss_figure").sort("step")
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    d = df.drop_nulls("loss")
+    fig.add_trace(go.Scatter(x=d["step"].to_list(), y=d["loss"].to_list(), name="loss",
+                             mode="lines+markers", line={"color": COLORS["loss"]}), secondary_y=False)
+    if "tokens_per_s" in df.columns:
+        d = df.drop_nulls("tokens_per_s")
+        fig.add_trace(go.Scatter(x=d["step"].to_list(), y=d["tokens_per_s"].to_list(), name="tokens/s",
+                                 mode="lines", line={"color": COLORS["throughput"], "dash": "dot"}),
+                      secondary_y=True)
+        fig.update_yaxes(title_text="tokens/s", secondary_y=True, showgrid=False, rangemode="tozero")
+    fig.update_yaxes(title_text="MLM loss", secondary_y=False)
+    fig.update_layout(template=style(), title=title, xaxis_title="step")
+    return fig
+
+
+def scaling_table(df: pl.DataFrame | pl.LazyFrame) -> pl.DataFrame:
+    """Weak-scaling table: columns ranks, tokens_per_s, ideal (= ranks x throughput(1)),
+    efficiency (= tokens_per_s / ideal), sorted by ranks; repeated ranks are averaged.
+
+    Definition: DESIGN.md "Measurement definitions". Raises ValueError without a ranks == 1 row.
+    """
+    lf = (df.lazy().group_by("ranks").agg(pl.col("tokens_per_s").mean()).sort("ranks"))
+    out = lf.collect()
+    base = out.filter(pl.col("ranks") == 1)["tokens_per_s"]
+    if base.len() == 0:
+        raise ValueError(f"throughput_figure needs a row with ranks == 1; got ranks {out['ranks'].to_list()}")
+    return out.with_columns(ideal=pl.col("ranks") * base[0]).with_columns(
+        efficiency=pl.col("tokens_per_s") / pl.col("ideal"))
+
+
+def throughput_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data-parallel scaling") -> go.Figure:
+    """Measured tokens/s vs ranks, the ideal linear line n x throughput(1), efficiency labels.
+
+    `df` columns: ranks (int), tokens_per_s (float). Traces: "measured", "ideal".
+    Raises ValueError naming missing columns or a missing ranks == 1 row.
+    """
+    t = scaling_table(_frame(df, ["ranks", "tokens_per_s"], "throughput_figure"))
+    x = t["ranks"].to_list()
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=x, y=t["ideal"].to_list(), name="ideal", mode="lines",
+                             line={"color": COLORS["ideal"], "dash": "dash"}))
+    fig.add_trace(go.Scatter(x=x, y=t["tokens_per_s"].to_list(), name="measured", mode="lines+markers",
+                             line={"color": COLORS["throughput"]},
+                             customdata=t["efficiency"].to_list(),
+                             hovertemplate="%{y:.4s} tokens/s<br>efficiency %{customdata:.0%}"))
+    for n, y, e in zip(x, t["tokens_per_s"].to_list(), t["efficiency"].to_list()):
+        fig.add_annotation(x=n, y=y, text=f"{e:.0%}", showarrow=False, yshift=14,
+                           font={"color": COLORS["throughput"]})
+    fig.update_layout(template=style(), title=title, xaxis_title="ranks",
+                      yaxis_title="tokens/s (all ranks)")
+    fig.update_xaxes(tickvals=x)
+    return fig
+
+
+def microbatch_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Largest micro-batch that fits") -> go.Figure:
+    """Bars: largest micro-batch per model (ordered by parameter count), one bar group per budget.
+
+    `df` columns: model (str), params (int), max_micro_batch (int), budget_bytes (int; shown in
+    GiB). From labkit.plan.max_micro_batch. Raises ValueError naming missing columns.
+    """
+    d = _frame(df, ["model", "params", "max_micro_batch", "budget_bytes"], "microbatch_figure").sort("params", "budget_bytes")
+    order = d.unique("model", keep="first", maintain_order=True)["model"].to_list()
+    fig = go.Figure()
+    for budget in d["budget_bytes"].unique().sort().to_list():
+        part = d.filter(pl.col("budget_bytes") == budget)
+        fig.add_trace(go.Bar(x=part["model"].to_list(), y=part["max_micro_batch"].to_list(),
+                             name=f"{budget / 2**30:.3g} GiB", text=part["max_micro_batch"].to_list(),
+                             textposition="outside", customdata=part["params"].to_list(),
+                             hovertemplate="%{x}: %{y} sequences<br>%{customdata:.3s} params"))
+    fig.update_layout(template=style(), title=title, barmode="group", xaxis_title="model",
+                      yaxis_title="max micro-batch (sequences)", legend_title_text="memory budget")
+    fig.update_xaxes(categoryorder="array", categoryarray=order)
+    return fig
+
+
+def figure_bundle(fig: go.Figure) -> dict:
+    """Raw display bundle: plotly JSON for JupyterLab plus HTML (without plotly.js) for exports."""
+    return {"application/vnd.plotly.v1+json": json.loads(pio.to_json(fig, validate=False)),
+            "text/html": pio.to_html(fig, include_plotlyjs=False, full_html=False)}
+
+
+class LivePlot:
+    """A figure redrawn in place in a notebook output, at most once per `min_interval` seconds.
+
+    `LivePlot(make_figure)(records)`: records (list of dicts, e.g. metrics records published by
+    `labkit.cluster.run_ddp`) become a polars DataFrame passed to make_figure. The first draw is
+    `display(bundle, raw=True, display_id=...)`, later ones `update_display(...)` of the same id,
+    so an executed notebook keeps one output holding the final data. Calls inside the interval
+    are kept and drawn by the next call or by `flush()` (run_ddp calls it at the end).
+    """
+
+    def __init__(self, make_figure: Callable[[pl.DataFrame], go.Figure], *, min_interval: float = 1.0):
+        self.make_figure = make_figure
+        self.min_interval = min_interval
+        self.display_id = f"labkit-live-{uuid.uuid4().hex}"
+        self.draws = 0
+        self._pending: list[dict] | None = None
+        self._last = float("-inf")
+
+    def __call__(self, records: list[dict]) -> None:
+        self._pending = list(records)
+        if time.monotonic() - self._last >= self.min_interval:
+            self.flush()
+
+    def flush(self) -> None:
+        """Draw the latest records if they have not been drawn yet."""
+        if self._pending is None:
+            return
+        from IPython.display import display, update_display
+
+        bundle = figure_bundle(self.make_figure(pl.from_dicts(self._pending, infer_schema_length=None)))
+        if self.draws == 0:
+            display(bundle, raw=True, display_id=self.display_id)
+        else:
+            update_display(bundle, raw=True, display_id=self.display_id)
+        self.draws += 1
+        self._pending = None
+        self._last = time.monotonic()
+
+
+def drop_reasons_figure(drops: dict, *, title: str = "Documents dropped, by reason") -> go.Figure:
+    """Horizontal bars of dropped documents per reason, from a ``.drops.json`` dict
+    ({"input": n, "kept": n, "dropped": {reason: n}}); the title gives kept of input."""
+    items = sorted(drops["dropped"].items(), key=lambda kv: kv[1])
+    fig = go.Figure(go.Bar(x=[n for _, n in items], y=[r for r, _ in items], orientation="h",
+                           text=[n for _, n in items], marker={"color": COLORS["loss"]}))
+    fig.update_layout(template=style(), title=f"{title} (kept {drops['kept']:,} of {drops['input']:,})",
+                      xaxis_title="documents", yaxis_title="reason")
+    return fig

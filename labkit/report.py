@@ -1,0 +1,129 @@
+"""Execute notebooks with injected parameters and export them as self-contained HTML reports.
+
+Parameters are injected papermill-style: a code cell tagged "injected-parameters" right after
+the cell tagged "parameters" (at the top when there is none). The kernel runs with
+IPP_NONINTERACTIVE=1 (no ipyparallel progress widgets, REFERENCES.md E) and with this labkit on
+its PYTHONPATH. Notebooks call `labkit.plots.setup_notebook_plotting()` so plotly.js is
+embedded once and the HTML renders offline; `check_report` verifies that.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import tempfile
+from typing import Any
+
+import nbformat
+
+INJECTED_TAG = "injected-parameters"
+PARAMETERS_TAG = "parameters"
+
+
+def _atomic_write(path: pathlib.Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def inject_parameters(nb: nbformat.NotebookNode, parameters: dict[str, Any]) -> nbformat.NotebookNode:
+    """Insert (in place) a cell assigning `name = repr(value)` after the "parameters" cell.
+
+    Earlier injected cells are removed first. Values must round-trip through repr (str, int,
+    float, bool, None, and lists/tuples/dicts of those). Raises ValueError naming a key that is
+    not an identifier or a value whose repr is not a Python literal.
+    """
+    import ast
+
+    lines = ["# Parameters (injected by labkit.report)"]
+    for name, value in parameters.items():
+        if not (isinstance(name, str) and name.isidentifier()):
+            raise ValueError(f"parameter name {name!r} is not a Python identifier")
+        try:
+            ast.literal_eval(repr(value))
+        except (ValueError, SyntaxError) as err:
+            raise ValueError(f"parameter {name!r}: value {value!r} is not a Python literal") from err
+        lines.append(f"{name} = {value!r}")
+    nb.cells = [c for c in nb.cells if INJECTED_TAG not in c.get("metadata", {}).get("tags", [])]
+    where = next((k + 1 for k, c in enumerate(nb.cells)
+                  if PARAMETERS_TAG in c.get("metadata", {}).get("tags", [])), 0)
+    cell = nbformat.v4.new_code_cell("\n".join(lines), metadata={"tags": [INJECTED_TAG]})
+    nb.cells.insert(where, cell)
+    return nb
+
+
+def execute_notebook(
+    path: str | os.PathLike,
+    out_html: str | os.PathLike,
+    *,
+    parameters: dict[str, Any],
+    timeout: int = 900,
+    kernel_name: str = "python3",
+    cwd: str | os.PathLike | None = None,
+) -> pathlib.Path:
+    """Run a notebook top to bottom with `parameters` injected; write `.ipynb` and HTML; return the HTML path.
+
+    `timeout`: seconds per cell (nbclient). `cwd`: the kernel's working directory (default: the
+    notebook's folder). The executed notebook is written beside the HTML (same stem, .ipynb),
+    both atomically (ValueError if that .ipynb is the source notebook). If a cell fails, the executed-so-far notebook is still written, no HTML is
+    written, and nbclient's CellExecutionError (naming the cell and the error) is raised.
+    """
+    from nbclient import NotebookClient
+    from nbconvert import HTMLExporter
+
+    src, out_html = pathlib.Path(path), pathlib.Path(out_html)
+    if not src.is_file():
+        raise FileNotFoundError(f"notebook not found: {src}")
+    nb = nbformat.read(src, as_version=4)
+    inject_parameters(nb, parameters)
+    out_html.parent.mkdir(parents=True, exist_ok=True)
+    out_nb = out_html.with_suffix(".ipynb")
+    if out_nb.resolve() == src.resolve():
+        raise ValueError(f"out_html {out_html} would overwrite the source notebook {src} with its executed copy")
+    labkit_root = str(pathlib.Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, IPP_NONINTERACTIVE="1",
+               PYTHONPATH=os.pathsep.join(p for p in (labkit_root, os.environ.get("PYTHONPATH")) if p))
+    run_dir = str(pathlib.Path(cwd) if cwd is not None else src.resolve().parent)
+    client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name,
+                            resources={"metadata": {"path": run_dir}})
+    try:
+        client.execute(env=env, cwd=run_dir)
+    finally:
+        _atomic_write(out_nb, nbformat.writes(nb))
+    body, _ = HTMLExporter().from_notebook_node(nb)
+    _atomic_write(out_html, body)
+    return out_html
+
+
+_EXTERNAL_PLOTLY = re.compile(r"<script[^>]*\bsrc\s*=\s*[\"']?[^\"'>]*plotly[^\"'>]*", re.I)
+_PLOTLY_JS = re.compile(r"plotly\.js v\d+\.\d+\.\d+")
+
+
+def check_report(html_path: str | os.PathLike) -> dict:
+    """Inspect an exported report for offline viewing.
+
+    Returns {"bytes": file size, "plotly_js_embedded": True if the plotly.js library source is
+    inline, "external_plotly_scripts": <script src=...plotly...> tags (must be empty to work
+    offline), "figures": number of plotly figure divs, "widgets": number of widget-view+json
+    outputs (blank in HTML), "ok": embedded and no external plotly scripts and no widgets}.
+    CDN links to require.js/MathJax from nbconvert's template are not counted (plotly renders
+    without them). Raises FileNotFoundError naming a missing file.
+    """
+    p = pathlib.Path(html_path)
+    if not p.is_file():
+        raise FileNotFoundError(f"report not found: {p}")
+    html = p.read_text(encoding="utf-8", errors="replace")
+    external = _EXTERNAL_PLOTLY.findall(html)
+    info = {"bytes": p.stat().st_size,
+            "plotly_js_embedded": bool(_PLOTLY_JS.search(html)),
+            "external_plotly_scripts": external,
+            "figures": len(re.findall(r"class=\"plotly-graph-div\"", html)),
+            "widgets": html.count("application/vnd.jupyter.widget-view+json")}
+    info["ok"] = info["plotly_js_embedded"] and not external and info["widgets"] == 0
+    return info

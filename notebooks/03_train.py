@@ -1,0 +1,58 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 03 · Train with DDP, watching it live
+#
+# `labkit.train.train(config)` runs on every engine under DDP; rank 0 publishes its recent
+# metric records and the figure below redraws about once a second while the engines train.
+# Every record is also written to the run directory (`metrics.jsonl`), the source of truth.
+
+# %% tags=["parameters"]
+workdir = "../work/demo"
+engines = 2
+model = "mini"
+micro_batch_size = 16
+steps = 40  # optimiser steps of this notebook's run
+
+# %%
+import polars as pl
+
+from labkit import cluster as lc
+from labkit import lab, plots
+from labkit.config import TrainConfig
+
+plots.setup_notebook_plotting()
+cluster = lc.start_cluster(engines)
+client = lc.get_client(cluster)
+staged = lab.stage(client, workdir)
+
+# %%
+cfg = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/notebook-03", model=model,
+                  micro_batch_size=micro_batch_size, max_steps=steps, warmup_steps=max(1, steps // 10),
+                  schedule="cosine", lr=1e-3, num_threads=1, resume=False)
+live = plots.LivePlot(plots.loss_figure)
+result = lab.train_on_cluster(client, cfg, staged=staged, live=live)
+
+# %%
+pl.DataFrame([{k: v for k, v in result.items() if not isinstance(v, (dict, list))}])
+
+# %% [markdown]
+# ## The demo's full run
+# When `make demo` has run, its longer training run is in `runs/demo`.
+
+# %%
+import os
+
+run = f"{workdir}/runs/demo" if os.path.exists(f"{workdir}/runs/demo/metrics.jsonl") else cfg.run_dir
+plots.loss_figure(lab.read_metrics(run))
+
+# %%
+lc.stop_cluster(cluster)

@@ -1,0 +1,105 @@
+"""labkit.data.clean: every filter on literal frames, with the exact reason it gives."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import polars as pl
+import pytest
+
+from labkit.config import CleanConfig
+from labkit.data.clean import FILTERS, EmptyCorpusError, clean, clean_corpus
+
+GOOD = "push rbp\nmov rbp, rsp\nmov eax, edi\nadd eax, esi\npop rbp\nret"
+
+
+def reasons(texts: list[str], cfg: CleanConfig, names: list[str] | None = None) -> list[str | None]:
+    data = {"id": [f"{i:016x}" for i in range(len(texts))], "text": texts}
+    if names is not None:
+        data["name"] = names
+    out = clean(pl.LazyFrame(data), cfg).collect()
+    assert out.columns == [*data, "drop_reason"]
+    return out["drop_reason"].to_list()
+
+
+def test_filters_are_listed_in_order():
+    assert list(FILTERS) == ["too_short", "too_long", "too_few_lines", "nonprintable", "repeated_lines",
+                             "boilerplate", "blocklist", "exact_duplicate"]
+
+
+@pytest.mark.parametrize("text,cfg,reason", [
+    (GOOD, CleanConfig(), None),
+    ("nop\nnop\nret", CleanConfig(min_chars=12), "too_short"),            # 11 characters
+    ("push rbp\nmov rbp, rsp\nret", CleanConfig(min_chars=0, max_chars=20), "too_long"),
+    ("mov eax, 0x12345678\nret", CleanConfig(min_chars=0, min_lines=3), "too_few_lines"),
+    (GOOD + "\x00\x01", CleanConfig(max_nonprintable_ratio=0.01), "nonprintable"),   # 2/61 > 1%
+    (GOOD + "\ufffd", CleanConfig(max_nonprintable_ratio=0.01), "nonprintable"),
+    ("a\tb\r\nc\td\r\n" + GOOD, CleanConfig(max_nonprintable_ratio=0.0), None),      # \t \r \n are fine
+    ("nop\nnop\nnop\nmov eax, 1\nret\nret", CleanConfig(min_chars=0, max_repeated_line_ratio=0.5), None),  # 3/6
+    ("nop\nnop\nnop\nnop\nnop\nret", CleanConfig(min_chars=0, max_repeated_line_ratio=0.5), "repeated_lines"),  # 4/6
+    ("jmp ADDR", CleanConfig(min_chars=0, min_lines=1), "boilerplate"),
+    ("endbr64\nbnd jmp qword ptr [rip + REL]", CleanConfig(min_chars=0, min_lines=1), "boilerplate"),
+    ("b #ADDR", CleanConfig(min_chars=0, min_lines=1), "boilerplate"),
+    ("jmp ADDR", CleanConfig(min_chars=0, min_lines=1, drop_plt_stubs=False), None),
+    ("mov eax, 1\njmp ADDR", CleanConfig(min_chars=0, min_lines=1), None),             # not a bare jump
+    (GOOD, CleanConfig(blocklist=(r"^nothing", r"add eax, e[sd]i")), "blocklist"),
+    (GOOD, CleanConfig(blocklist=(r"add eax, ecx",)), None),
+    ("x" * 10, CleanConfig(min_chars=32, min_lines=3), "too_short"),                  # first reason wins
+])
+def test_each_filter(text, cfg, reason):
+    assert reasons([text], cfg) == [reason]
+
+
+def test_plt_name_and_missing_name_column():
+    cfg = CleanConfig()
+    assert reasons([GOOD, GOOD + "\nnop"], cfg, names=["puts@plt", "main"]) == ["boilerplate", None]
+    assert reasons([GOOD], cfg) == [None]  # no name column: only the text rules apply
+
+
+def test_exact_dedup_keeps_smallest_id_in_any_order():
+    other = GOOD.replace("add", "sub")
+    frame = pl.DataFrame({"id": ["0c", "0a", "0b", "0d", "0e"],
+                          "text": [GOOD, GOOD, other, other, "tiny"]})
+    want = {"0a": None, "0c": "exact_duplicate", "0b": None, "0d": "exact_duplicate", "0e": "too_short"}
+    for seed in range(4):
+        shuffled = frame.sample(fraction=1.0, shuffle=True, seed=seed)
+        out = clean(shuffled.lazy(), CleanConfig()).collect()
+        assert out["id"].to_list() == shuffled["id"].to_list()  # input order kept
+        assert dict(zip(out["id"], out["drop_reason"])) == want
+    # a document dropped earlier (here a PLT stub) does not make its twin a duplicate
+    out = clean(pl.LazyFrame({"id": ["01", "02"], "name": ["f@plt", "g"], "text": [GOOD, GOOD]}), CleanConfig())
+    assert out.collect()["drop_reason"].to_list() == ["boilerplate", None]
+    # an identical row twice keeps one; dedup off keeps both
+    twice = pl.LazyFrame({"id": ["01", "01"], "text": [GOOD, GOOD]})
+    assert clean(twice, CleanConfig()).collect()["drop_reason"].to_list() == [None, "exact_duplicate"]
+    assert clean(twice, CleanConfig(exact_dedup=False)).collect()["drop_reason"].to_list() == [None, None]
+
+
+def test_invalid_blocklist_names_the_pattern():
+    with pytest.raises(ValueError, match=r"blocklist: '\(unclosed'"):
+        clean(pl.LazyFrame({"id": ["a"], "text": [GOOD]}), CleanConfig(blocklist=("(unclosed",)))
+
+
+def test_clean_corpus_over_parts(tmp_path):
+    other = GOOD.replace("add", "sub")
+    pl.DataFrame({"id": ["05", "02", "03"], "name": ["a", "b", "c@plt"], "text": [GOOD, other, other]}
+                 ).write_parquet(tmp_path / "part-00000.parquet")
+    pl.DataFrame({"id": ["01", "04"], "name": ["d", "e"], "text": [GOOD, "nop"]}
+                 ).write_parquet(tmp_path / "part-00001.parquet")
+    out = tmp_path / "clean" / "docs.parquet"
+    stats = clean_corpus(str(tmp_path / "part-*.parquet"), str(out), CleanConfig())
+    assert stats == {"input": 5, "kept": 2, "dropped": {"too_short": 1, "boilerplate": 1, "exact_duplicate": 1}}
+    assert json.loads((tmp_path / "clean" / "docs.drops.json").read_text()) == stats
+    kept = pl.read_parquet(out)
+    assert kept.columns == ["id", "name", "text"] and kept["id"].to_list() == ["02", "01"]
+    assert sorted(os.listdir(out.parent)) == ["docs.drops.json", "docs.parquet"]  # no temp files left
+
+
+def test_clean_corpus_errors(tmp_path):
+    pl.DataFrame({"id": ["01", "02"], "text": ["nop", "ret"]}).write_parquet(tmp_path / "part-00000.parquet")
+    with pytest.raises(EmptyCorpusError, match=r"part-\*\.parquet.*2 in.*'too_short': 2"):
+        clean_corpus(str(tmp_path / "part-*.parquet"), str(tmp_path / "out.parquet"), CleanConfig())
+    assert not (tmp_path / "out.parquet").exists()
+    with pytest.raises(FileNotFoundError, match="nothing-"):
+        clean_corpus(str(tmp_path / "nothing-*.parquet"), str(tmp_path / "out.parquet"), CleanConfig())

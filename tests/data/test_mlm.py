@@ -1,0 +1,192 @@
+"""labkit.data.mlm: masking statistics, seeding, rank partitions, resume, DataLoader workers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from labkit.data.mlm import MLMCollator, RankSampler, make_loader
+
+V = 1000
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def write_tiny_shards(out_dir, rows: np.ndarray, vocab_size: int, per_shard: int) -> None:
+    """A shard set in CONTRACT.md's format (flat little-endian uint16 rows + index.json)."""
+    rows = rows.astype("<u2")
+    shards = []
+    for k, start in enumerate(range(0, len(rows), per_shard)):
+        data = rows[start:start + per_shard].tobytes()
+        name = f"shard-{k:05d}.bin"
+        (out_dir / name).write_bytes(data)
+        shards.append({"file": name, "n_sequences": len(rows[start:start + per_shard]), "n_bytes": len(data),
+                       "sha256": hashlib.sha256(data).hexdigest()})
+    index = {"format": "labkit-shards", "version": 1, "dtype": "uint16", "seq_len": rows.shape[1],
+             "vocab_size": vocab_size, "tokenizer_sha256": "0" * 64,
+             "special_ids": {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4},
+             "n_documents": len(rows), "n_sequences": len(rows), "n_tokens": int((rows != 0).sum()),
+             "n_bytes": sum(s["n_bytes"] for s in shards), "shards": shards}
+    (out_dir / "index.json").write_text(json.dumps(index))
+
+
+def packed_rows(n: int, t: int, seed: int = 0) -> np.ndarray:
+    """[CLS] + ids in [5, V) with a [SEP] now and then; the last row ends in [PAD]."""
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(5, V, size=(n, t), dtype=np.int64)
+    rows[rng.random((n, t)) < 0.05] = 3
+    rows[:, 0] = 2
+    rows[-1, t // 2:] = 0
+    return rows.astype(np.uint16)
+
+
+def test_masking_statistics_over_a_million_positions():
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, V, size=(1000, 1000))
+    x = np.where(rng.random(x.shape) < 0.1, rng.integers(0, 5, size=x.shape), x)  # plenty of special tokens
+    x[:, -50:] = 0  # padding tail
+    out = MLMCollator(vocab_size=V, seed=0)(x.astype(np.uint16))
+    orig = torch.from_numpy(x)
+    inp, labels, attn = out["input_ids"], out["labels"], out["attention_mask"]
+    assert inp.dtype == labels.dtype == torch.int64 and attn.dtype == torch.bool and inp.shape == (1000, 1000)
+    special = orig < 5
+    chosen = labels != -100
+    n = int((~special).sum())
+    assert not (chosen & special).any()
+    assert abs(int(chosen.sum()) / n - 0.15) < 4 * math.sqrt(0.15 * 0.85 / n)
+    assert torch.equal(labels[chosen], orig[chosen])
+    assert torch.equal(inp[~chosen], orig[~chosen])
+    assert torch.equal(attn, orig != 0)
+    c = int(chosen.sum())
+    masked = (inp == 4) & chosen
+    replaced = chosen & (inp != 4) & (inp != orig)
+    kept = chosen & (inp == orig)
+    collide = 1 / (V - 5)  # a random replacement may draw the original id
+    for count, p in [(masked, 0.8), (replaced, 0.1 * (1 - collide)), (kept, 0.1 + 0.1 * collide)]:
+        assert abs(int(count.sum()) / c - p) < 4 * math.sqrt(p * (1 - p) / c)
+    assert int(inp[replaced].min()) >= 5 and int(inp[replaced].max()) < V
+    assert len(torch.unique(inp[replaced])) > 0.99 * (V - 5)  # uniform over the non-special ids
+
+
+def test_masking_is_a_function_of_seed_and_batch():
+    rows = packed_rows(8, 64)
+    a = MLMCollator(vocab_size=V, seed=3)(rows)
+    b = MLMCollator(vocab_size=V, seed=3)(list(rows))
+    for k in a:
+        assert torch.equal(a[k], b[k])
+    c = MLMCollator(vocab_size=V, seed=4)(rows)
+    assert not torch.equal(a["labels"], c["labels"])
+    collator = MLMCollator(vocab_size=V, seed=3)
+    collator(packed_rows(8, 64, seed=9))  # an earlier call does not change the next batch's masks
+    assert torch.equal(collator(rows)["labels"], a["labels"])
+    free = MLMCollator(vocab_size=V)
+    assert not torch.equal(free(rows)["labels"], free(rows)["labels"])
+
+
+def test_collator_errors_name_the_field():
+    with pytest.raises(ValueError, match="mlm_probability"):
+        MLMCollator(vocab_size=V, mlm_probability=0.0)
+    with pytest.raises(ValueError, match="vocab_size"):
+        MLMCollator(vocab_size=5)
+    with pytest.raises(ValueError, match="special_ids"):
+        MLMCollator(vocab_size=V, mask_id=7)
+    with pytest.raises(ValueError, match="vocab_size"):
+        MLMCollator(vocab_size=V, seed=0)(np.full((2, 8), V))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_rank_partitions_are_disjoint_equal_and_gapless(world):
+    n, b = 103, 4
+    per_rank = [list(RankSampler(n, rank=r, world_size=world, batch_size=b, seed=5)) for r in range(world)]
+    kept = (n // (world * b)) * world * b
+    assert all(len(p) == kept // (world * b) and all(len(x) == b for x in p) for p in per_rank)
+    flat = [i for p in per_rank for batch in p for i in batch]
+    assert len(flat) == len(set(flat)) == kept
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(5)).tolist()
+    assert set(flat) == set(order[:kept])
+    # without drop_last every sample appears, and every rank still has as many full batches
+    full = [list(RankSampler(n, rank=r, world_size=world, batch_size=b, drop_last=False)) for r in range(world)]
+    assert len({len(p) for p in full}) == 1 and {i for p in full for x in p for i in x} == set(range(n))
+
+
+def test_sampler_epochs_and_resume():
+    s = RankSampler(50, rank=1, world_size=2, batch_size=3, seed=7)
+    epoch0 = list(s)
+    epoch1 = list(s)  # finishing an epoch moves to the next
+    assert s.state_dict() == {"epoch": 2, "position": 0} and epoch0 != epoch1
+    s.set_epoch(0)
+    assert list(s) == epoch0
+    s.set_epoch(1)
+    it = iter(s)
+    head = [next(it) for _ in range(3)]
+    state = s.state_dict()
+    assert state == {"epoch": 1, "position": 3} and head == epoch1[:3]
+    resumed = RankSampler(50, rank=1, world_size=2, batch_size=3, seed=7)
+    resumed.load_state_dict(state)
+    assert list(resumed) == epoch1[3:]
+    with pytest.raises(ValueError, match="position"):
+        resumed.load_state_dict({"epoch": 0, "position": 99})
+    with pytest.raises(ValueError, match="rank"):
+        RankSampler(50, rank=2, world_size=2, batch_size=3)
+    with pytest.raises(ValueError, match="n_samples"):
+        RankSampler(5, rank=0, world_size=2, batch_size=3)
+
+
+def batches_equal(xs, ys) -> bool:
+    return len(xs) == len(ys) and all(all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(xs, ys))
+
+
+@pytest.mark.timeout(60)
+def test_dataloader_workers_give_the_single_process_batches():
+    rows = packed_rows(64, 32)
+
+    def loader(workers):
+        sampler = RankSampler(len(rows), rank=0, world_size=2, batch_size=4, seed=1)
+        return DataLoader(rows, batch_sampler=sampler, collate_fn=MLMCollator(vocab_size=V, seed=1),
+                          num_workers=workers, multiprocessing_context="forkserver" if workers else None)
+
+    assert batches_equal(list(loader(0)), list(loader(2)))
+
+
+def test_make_loader_resumes_exactly(tmp_path):
+    pytest.importorskip("labkit.data.shards")
+    rows = packed_rows(90, 32, seed=2)
+    write_tiny_shards(tmp_path, rows, V, per_shard=40)
+    kw = dict(batch_size=4, rank=1, world_size=2, seed=3, mlm_probability=0.15, vocab_size=V)
+    full = list(make_loader(tmp_path, **kw))
+    assert len(full) == 90 // 8
+    ids = RankSampler(90, rank=1, world_size=2, batch_size=4, seed=3).batches(0)
+    torch.testing.assert_close(full[0]["labels"][full[0]["labels"] != -100],
+                               torch.from_numpy(rows[ids[0].numpy()].astype(np.int64))[full[0]["labels"] != -100])
+    resumed = make_loader(tmp_path, **kw)
+    resumed.batch_sampler.load_state_dict({"epoch": 0, "position": 5})
+    assert batches_equal(list(resumed), full[5:])
+    with pytest.raises(ValueError, match="vocab_size"):
+        make_loader(tmp_path, **{**kw, "vocab_size": 500})
+
+
+@pytest.mark.timeout(60)
+def test_make_loader_with_two_workers(tmp_path):
+    pytest.importorskip("labkit.data.shards")
+    write_tiny_shards(tmp_path, packed_rows(40, 16, seed=4), V, per_shard=16)
+    kw = dict(batch_size=4, rank=0, world_size=1, seed=0, mlm_probability=0.15, vocab_size=V)
+    loader = make_loader(tmp_path, num_workers=2, **kw)
+    assert loader.persistent_workers and loader.multiprocessing_context is not None
+    assert len(pickle.dumps(loader.dataset)) < 2000  # memory maps are reopened in workers, not copied
+    epoch0 = list(loader)
+    assert batches_equal(epoch0, list(make_loader(tmp_path, **kw)))
+    epoch1 = list(loader)  # persistent workers, next epoch's order
+    assert len(epoch1) == 10 and not batches_equal(epoch0, epoch1)

@@ -1,0 +1,255 @@
+"""Tests of labkit/data/shards.py: packing against hand-built rows, shards against a
+one-document-at-a-time reference, batch-size independence, and every ShardError path."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import random
+
+import numpy as np
+import polars as pl
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from labkit.config import SPECIAL_TOKENS, ShardConfig, TokenizerConfig
+from labkit.data.shards import (ShardError, SequenceReader, check_compatible, doc_stream, pack_documents, pack_rows,
+                                read_index, shard_dtype, verify_shards, write_shards)
+from labkit.data.tokenize import load_tokenizer, tokenizer_sha256, train_tokenizer
+
+
+def disasm_docs(n_docs: int, seed: int = 0) -> list[str]:
+    """Functions of 1-12 x86-64 instructions in labkit's normalised capstone style."""
+    rng = random.Random(seed)
+    regs = ["rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "r8"]
+    return ["\n".join(rng.choice([f"mov {rng.choice(regs)}, qword ptr [{rng.choice(regs)} - 8]",
+                                  f"add {rng.choice(regs)}, {rng.choice(regs)}", "call FUNC", "ret"])
+                      for _ in range(rng.randint(1, 12))) for _ in range(n_docs)]
+
+
+def libc_functions(n: int) -> list[str]:
+    """Disassembly ("mnemonic operands" per line, capstone) of the first ``n`` exported functions
+    of this machine's libc, by address: real input. Skips the test when there is no libc."""
+    import glob
+
+    import capstone
+    from elftools.elf.elffile import ELFFile
+
+    arch = {"EM_X86_64": (capstone.CS_ARCH_X86, capstone.CS_MODE_64),
+            "EM_AARCH64": (capstone.CS_ARCH_ARM64, capstone.CS_MODE_ARM)}
+    for path in sorted(glob.glob("/usr/lib/*/libc.so.6") + glob.glob("/lib/*/libc.so.6")):
+        with open(path, "rb") as f:
+            elf = ELFFile(f)
+            text, dynsym = elf.get_section_by_name(".text"), elf.get_section_by_name(".dynsym")
+            if elf["e_machine"] not in arch or text is None or dynsym is None:
+                continue
+            lo, data = text["sh_addr"], text.data()
+            funcs = sorted({(s["st_value"], s["st_size"]) for s in dynsym.iter_symbols()
+                            if s["st_info"]["type"] == "STT_FUNC" and s["st_size"] > 0
+                            and lo <= s["st_value"] < lo + text["sh_size"]})
+            md = capstone.Cs(*arch[elf["e_machine"]])
+            return ["\n".join(f"{i.mnemonic} {i.op_str}".strip() for i in md.disasm(data[a - lo:a - lo + size], a))
+                    for a, size in funcs[:n]]
+    pytest.skip("no libc.so.6 of a supported architecture on this machine")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> tuple[str, str, list[str]]:
+    d = tmp_path_factory.mktemp("in")
+    docs = disasm_docs(150)
+    docs[7] = ""  # an empty function still contributes its [SEP]
+    docs[9] = "[MASK] mov rax, [PAD]"  # special-token strings in text are text, not special ids
+    pl.DataFrame({"text": docs}).write_parquet(d / "docs.parquet")
+    tok = train_tokenizer(str(d / "docs.parquet"), TokenizerConfig(vocab_size=200), str(d / "tokenizer.json"))
+    return str(d / "docs.parquet"), tok, docs
+
+
+def reference_rows(docs: list[str], tokenizer_path: str, seq_len: int) -> np.ndarray:
+    """The packed rows built the slow, obvious way: one encode per document, plain Python lists."""
+    tok = load_tokenizer(tokenizer_path)
+    tok.encode_special_tokens = True
+    stream = []
+    for doc in docs:
+        stream += tok.encode(doc, add_special_tokens=False).ids + [3]
+    rows = []
+    for i in range(0, len(stream), seq_len - 1):
+        body = stream[i:i + seq_len - 1]
+        rows.append([2] + body + [0] * (seq_len - 1 - len(body)))
+    return np.array(rows, dtype=np.uint16)
+
+
+def test_pack_documents_by_hand():
+    docs = [[10, 11, 12], [20, 21], [30, 31, 32, 33, 34, 35], [40]]
+    expected = np.array([[2, 10, 11, 12, 3, 20, 21, 3],
+                         [2, 30, 31, 32, 33, 34, 35, 3],
+                         [2, 40, 3, 0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(pack_documents(docs, 8), expected)
+    np.testing.assert_array_equal(pack_documents(docs[:3], 8), expected[:2])  # exact fit: no PAD row
+    assert pack_documents([], 8).shape == (0, 8)
+
+
+def test_pack_rows_carry_over_is_split_independent():
+    stream = doc_stream([list(range(5, 5 + n)) for n in (0, 3, 17, 1, 9, 30)])
+    whole = pack_rows(stream, 8, final=True)[0]
+    for cut in (0, 1, 7, 13, 40, len(stream)):
+        first, carry = pack_rows(stream[:cut], 8, final=False)
+        second = pack_rows(np.concatenate([carry, stream[cut:]]), 8, final=True)[0]
+        np.testing.assert_array_equal(np.concatenate([first, second]), whole)
+
+
+def test_write_shards_matches_reference(inputs, tmp_path):
+    docs_path, tok_path, docs = inputs
+    index = write_shards(docs_path, tok_path, str(tmp_path), ShardConfig(seq_len=16, sequences_per_shard=7),
+                         progress=False)
+    ref = reference_rows(docs, tok_path, 16)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["index.json"] + [s["file"] for s in index["shards"]]
+    data = b"".join((tmp_path / s["file"]).read_bytes() for s in index["shards"])
+    assert data == ref.astype("<u2").tobytes()
+    assert not np.isin(ref[:, 1:], [2, 4]).any()  # the [MASK] string was encoded as text
+    assert json.loads((tmp_path / "index.json").read_text()) == index == read_index(tmp_path)
+    assert index["format"] == "labkit-shards" and index["version"] == 1 and index["dtype"] == "uint16"
+    assert index["seq_len"] == 16 and index["vocab_size"] == load_tokenizer(tok_path).get_vocab_size()
+    assert index["tokenizer_sha256"] == tokenizer_sha256(tok_path)
+    assert index["special_ids"] == {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    assert index["n_documents"] == len(docs) and index["n_sequences"] == len(ref)
+    assert index["n_tokens"] == np.count_nonzero(ref) and index["n_bytes"] == ref.size * 2
+    assert [s["n_sequences"] for s in index["shards"]] == [7] * (len(ref) // 7) + [len(ref) % 7] * (len(ref) % 7 > 0)
+    for s in index["shards"]:
+        raw = (tmp_path / s["file"]).read_bytes()
+        assert s["sha256"] == hashlib.sha256(raw).hexdigest() and s["n_bytes"] == len(raw)
+    assert verify_shards(tmp_path) == index
+
+
+def test_output_independent_of_batch_docs(inputs, tmp_path):
+    docs_path, tok_path, _ = inputs
+    for b in (3, 10_000):
+        write_shards(docs_path, tok_path, str(tmp_path / str(b)),
+                     ShardConfig(seq_len=12, sequences_per_shard=5, batch_docs=b), progress=False)
+    small, large = sorted((tmp_path / "3").iterdir()), sorted((tmp_path / "10000").iterdir())
+    assert [p.name for p in small] == [p.name for p in large] and len(small) > 3
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(small, large))
+
+
+def test_sequence_reader(inputs, tmp_path):
+    docs_path, tok_path, docs = inputs
+    write_shards(docs_path, tok_path, str(tmp_path), ShardConfig(seq_len=16, sequences_per_shard=7), progress=False)
+    ref = reference_rows(docs, tok_path, 16)
+    r = SequenceReader(tmp_path, verify=True)
+    assert len(r) == len(ref) and r.seq_len == 16 and r.vocab_size == r.index["vocab_size"]
+    for i in (0, 6, 7, 8, len(ref) - 1, -1):
+        row = r[i]
+        assert row.dtype == np.uint16 and row.shape == (16,)
+        np.testing.assert_array_equal(row, ref[i])
+    with pytest.raises(IndexError):
+        r[len(ref)]
+    blob = pickle.dumps(r)
+    assert len(blob) < len(pickle.dumps(r.index)) + 500 < len(pickle.dumps(r.index)) + ref.nbytes  # no data
+    copy = pickle.loads(blob)
+    np.testing.assert_array_equal(np.stack([copy[np.int64(i)] for i in range(len(copy))]), ref)
+
+
+def test_uint32_for_large_vocabularies(tmp_path):
+    assert shard_dtype(65536) == np.uint16 and shard_dtype(65537) == np.uint32
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)} | {f"w{i}": i for i in range(5, 70_000)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    pl.DataFrame({"text": ["w5 w69999 w65536", "w70000 w65535"]}).write_parquet(tmp_path / "docs.parquet")
+    index = write_shards(str(tmp_path / "docs.parquet"), str(tmp_path / "tokenizer.json"), str(tmp_path / "s"),
+                         ShardConfig(seq_len=8), progress=False)
+    assert index["dtype"] == "uint32" and index["vocab_size"] == 70_000
+    expected = [2, 5, 69999, 65536, 3, 1, 65535, 3]  # w70000 is not in the vocabulary -> [UNK]
+    assert np.fromfile(tmp_path / "s" / "shard-00000.bin", dtype="<u4").tolist() == expected
+    np.testing.assert_array_equal(SequenceReader(tmp_path / "s")[0], expected)
+
+
+def test_rewrite_removes_old_shards_and_progress_goes_to_stderr(inputs, tmp_path, capsys):
+    docs_path, tok_path, _ = inputs
+    write_shards(docs_path, tok_path, str(tmp_path), ShardConfig(seq_len=16, sequences_per_shard=3), progress=False)
+    assert capsys.readouterr().err == "" and len(list(tmp_path.iterdir())) > 3
+    (tmp_path / ".shard-00042.bin.tmp-123").write_bytes(b"left by a crashed run")
+    (tmp_path / "notes.txt").write_text("not ours")
+    index = write_shards(docs_path, tok_path, str(tmp_path), ShardConfig(seq_len=16, sequences_per_shard=1000))
+    assert "150/150" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.json", "notes.txt", "shard-00000.bin"]
+    assert verify_shards(tmp_path) == index
+
+
+def test_corrupt_byte_names_the_shard(inputs, tmp_path):
+    docs_path, tok_path, _ = inputs
+    write_shards(docs_path, tok_path, str(tmp_path), ShardConfig(seq_len=16, sequences_per_shard=7), progress=False)
+    bad = tmp_path / "shard-00002.bin"
+    raw = bytearray(bad.read_bytes())
+    raw[5] ^= 0xFF
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(ShardError, match=r"shard-00002\.bin.*sha256"):
+        verify_shards(tmp_path)
+    with pytest.raises(ShardError, match=r"shard-00002\.bin"):
+        SequenceReader(tmp_path, verify=True)
+    assert len(SequenceReader(tmp_path)) > 0  # sizes still match, so an unverified open works
+
+
+def test_truncated_or_missing_shard(inputs, tmp_path):
+    docs_path, tok_path, _ = inputs
+    write_shards(docs_path, tok_path, str(tmp_path), ShardConfig(seq_len=16, sequences_per_shard=7), progress=False)
+    (tmp_path / "shard-00001.bin").write_bytes((tmp_path / "shard-00001.bin").read_bytes()[:-2])
+    with pytest.raises(ShardError, match=r"shard-00001\.bin: 222 bytes on disk, index says 224"):
+        SequenceReader(tmp_path)
+    (tmp_path / "shard-00001.bin").unlink()
+    with pytest.raises(ShardError, match=r"shard-00001\.bin: shard file missing"):
+        verify_shards(tmp_path)
+
+
+def test_index_errors(inputs, tmp_path):
+    docs_path, tok_path, _ = inputs
+    write_shards(docs_path, tok_path, str(tmp_path), ShardConfig(seq_len=16), progress=False)
+    good = (tmp_path / "index.json").read_text()
+    cases = [("{not json", "malformed JSON"),
+             (good.replace('"labkit-shards"', '"mds"'), "format is 'mds'"),
+             (good.replace('"version": 1', '"version": 2'), "unknown version 2"),
+             (good.replace('"seq_len"', '"seqlen"'), r"missing fields \['seq_len'\]")]
+    for text, message in cases:
+        (tmp_path / "index.json").write_text(text)
+        with pytest.raises(ShardError, match=message):
+            read_index(tmp_path)
+    (tmp_path / "index.json").unlink()
+    with pytest.raises(ShardError, match=f"not a complete shard set: index.json missing in {tmp_path}"):
+        read_index(tmp_path)
+    with pytest.raises(ValueError, match="index.json missing"):  # ShardError is a ValueError
+        SequenceReader(tmp_path)
+
+
+def test_check_compatible(inputs, tmp_path):
+    docs_path, tok_path, _ = inputs
+    index = write_shards(docs_path, tok_path, str(tmp_path), ShardConfig(seq_len=16), progress=False)
+    check_compatible(index, seq_len=16, vocab_size=index["vocab_size"], tokenizer_sha256=tokenizer_sha256(tok_path))
+    with pytest.raises(ShardError, match="seq_len: expected 128, found 16"):
+        check_compatible(index, seq_len=128)
+    with pytest.raises(ShardError, match=r"vocab_size: expected 8192.*tokenizer_sha256: expected 'abc'"):
+        check_compatible(index, vocab_size=8192, tokenizer_sha256="abc")
+
+
+def test_no_documents_and_bad_tokenizer(inputs, tmp_path):
+    docs_path, tok_path, _ = inputs
+    pl.DataFrame({"text": []}, schema={"text": pl.Utf8}).write_parquet(tmp_path / "empty.parquet")
+    with pytest.raises(ValueError, match="empty.parquet: no documents"):
+        write_shards(str(tmp_path / "empty.parquet"), tok_path, str(tmp_path / "s"), ShardConfig(), progress=False)
+    assert not (tmp_path / "s" / "index.json").exists()
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "[PAD]": 1}, unk_token="[UNK]"))
+    tok.save(str(tmp_path / "wrong.json"))
+    with pytest.raises(ShardError, match=r"wrong\.json: \[PAD\] has id 1, expected 0"):
+        write_shards(docs_path, str(tmp_path / "wrong.json"), str(tmp_path / "s"), ShardConfig(), progress=False)
+
+
+def test_real_libc_disassembly(tmp_path):
+    docs = libc_functions(200)
+    pl.DataFrame({"text": docs}).write_parquet(tmp_path / "libc.parquet")
+    tok = train_tokenizer(str(tmp_path / "libc.parquet"), TokenizerConfig(vocab_size=400), str(tmp_path / "t.json"))
+    index = write_shards(str(tmp_path / "libc.parquet"), tok, str(tmp_path / "s"),
+                         ShardConfig(seq_len=64, sequences_per_shard=50, batch_docs=17), progress=False)
+    ref = reference_rows(docs, tok, 64)
+    r = SequenceReader(tmp_path / "s", verify=True)
+    np.testing.assert_array_equal(np.stack([r[i] for i in range(len(r))]), ref)
+    assert index["n_tokens"] == np.count_nonzero(ref) and len(index["shards"]) == -(-len(ref) // 50)

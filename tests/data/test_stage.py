@@ -1,0 +1,156 @@
+"""Tests of labkit/data/stage.py: verified copies, idempotence, repair of a bad copy, interrupted
+copies, several simulated nodes and the free-space check."""
+
+from __future__ import annotations
+
+import errno
+import getpass
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from labkit.config import ShardConfig, TokenizerConfig
+from labkit.data import stage
+from labkit.data.shards import ShardError, read_index, verify_shards, write_shards
+from labkit.data.stage import resolve_local_root, stage_shards
+from labkit.data.tokenize import train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("shared")
+    lines = ["mov rax, qword ptr [rbp - 8]", "add rax, rbx", "call FUNC", "ret", "push rbp", "xor eax, eax"]
+    docs = ["\n".join(lines[(i + j) % 6] for j in range(2 + i % 9)) for i in range(120)]
+    pl.DataFrame({"text": docs}).write_parquet(d / "docs.parquet")
+    train_tokenizer(str(d / "docs.parquet"), TokenizerConfig(vocab_size=120), str(d / "tokenizer.json"))
+    write_shards(str(d / "docs.parquet"), str(d / "tokenizer.json"), str(d / "shards"),
+                 ShardConfig(seq_len=16, sequences_per_shard=20), progress=False)
+    return d / "shards"
+
+
+def expected_dst(src: Path, root: Path) -> Path:
+    return root / f"shards-{read_index(src)['tokenizer_sha256'][:8]}"
+
+
+def same_files(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir())
+    return names == sorted(p.name for p in b.iterdir()) and all(
+        (a / n).read_bytes() == (b / n).read_bytes() for n in names)
+
+
+def test_copy_verify_and_report(src, tmp_path):
+    report = stage_shards(str(src), local_root=str(tmp_path), node_name="node-a")
+    dst = expected_dst(src, tmp_path)
+    assert report["node"] == "node-a" and report["path"] == str(dst) and report["copied"] is True
+    assert report["bytes"] == sum(p.stat().st_size for p in src.iterdir())
+    assert report["seconds"] > 0 and report["mb_per_s"] == pytest.approx(report["bytes"] / 1e6 / report["seconds"])
+    assert len(read_index(src)["shards"]) > 2 and same_files(src, dst)
+    assert verify_shards(dst) == read_index(src)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [dst.name]  # no temp dirs left
+
+
+def test_second_call_keeps_the_copy(src, tmp_path):
+    stage_shards(str(src), local_root=str(tmp_path))
+    dst = expected_dst(src, tmp_path)
+    inode = (dst / "shard-00000.bin").stat().st_ino
+    again = stage_shards(str(src), local_root=str(tmp_path))
+    assert again["copied"] is False and again["path"] == str(dst)
+    assert (dst / "shard-00000.bin").stat().st_ino == inode
+
+
+def test_corrupt_destination_is_replaced_only_after_a_good_copy(src, tmp_path, monkeypatch):
+    stage_shards(str(src), local_root=str(tmp_path))
+    dst = expected_dst(src, tmp_path)
+    bad = dst / "shard-00001.bin"
+    bad.write_bytes(b"\x00" + bad.read_bytes()[1:])
+    real_copy, calls = shutil.copyfile, []
+
+    def failing_copy(a, b, **kw):
+        calls.append(a)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "simulated I/O error")
+        return real_copy(a, b, **kw)
+
+    monkeypatch.setattr(stage.shutil, "copyfile", failing_copy)
+    with pytest.raises(OSError, match="simulated"):
+        stage_shards(str(src), local_root=str(tmp_path))
+    assert (dst / "index.json").exists() and bad.read_bytes()[0] == 0  # the old copy is still there
+    monkeypatch.undo()
+    report = stage_shards(str(src), local_root=str(tmp_path))
+    assert report["copied"] is True and same_files(src, dst)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [dst.name]
+
+
+def test_interrupted_copy_leaves_nothing_complete_and_retry_works(src, tmp_path, monkeypatch):
+    real_copy, calls = shutil.copyfile, []
+
+    def interrupted(a, b, **kw):
+        calls.append(a)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_copy(a, b, **kw)
+
+    monkeypatch.setattr(stage.shutil, "copyfile", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        stage_shards(str(src), local_root=str(tmp_path))
+    dst = expected_dst(src, tmp_path)
+    assert not dst.exists() and list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    # a copy killed outright leaves its temp dir behind: a dead pid's temp dir is removed,
+    # a live process's one (it may still be copying) is left alone
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for pid in (dead.pid, 1):
+        partial = tmp_path / f".tmp-{dst.name}-{pid}"
+        partial.mkdir()
+        (partial / "shard-00000.bin").write_bytes(b"partial")
+    assert stage_shards(str(src), local_root=str(tmp_path))["copied"] is True and same_files(src, dst)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".tmp-{dst.name}-1", dst.name]
+
+
+def test_two_simulated_nodes(src, tmp_path):
+    reports = [stage_shards(str(src), local_root=str(tmp_path / node), node_name=node) for node in ("node-a", "node-b")]
+    assert [r["node"] for r in reports] == ["node-a", "node-b"] and all(r["copied"] for r in reports)
+    for node, r in zip(("node-a", "node-b"), reports):
+        assert Path(r["path"]).parent == tmp_path / node
+        verify_shards(r["path"])
+        assert same_files(src, Path(r["path"]))
+
+
+def test_not_enough_free_space(src, tmp_path, monkeypatch):
+    need = sum(p.stat().st_size for p in src.iterdir())
+    monkeypatch.setattr(stage.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 100, 100))
+    with pytest.raises(OSError, match=f"need {need} bytes, 100 bytes free") as e:
+        stage_shards(str(src), local_root=str(tmp_path))
+    assert e.value.errno == errno.ENOSPC and list(tmp_path.iterdir()) == []
+
+
+def test_bad_sources(src, tmp_path):
+    with pytest.raises(ShardError, match="index.json missing"):
+        stage_shards(str(tmp_path), local_root=str(tmp_path / "local"))
+    broken = tmp_path / "shards"
+    shutil.copytree(src, broken)
+    raw = bytearray((broken / "shard-00002.bin").read_bytes())
+    raw[0] ^= 1
+    (broken / "shard-00002.bin").write_bytes(bytes(raw))
+    with pytest.raises(ShardError, match=r"shard-00002\.bin: copy has sha256"):
+        stage_shards(str(broken), local_root=str(tmp_path / "local"))
+    assert list((tmp_path / "local").iterdir()) == []
+    # without verify only sizes are checked, so the same source is staged
+    assert stage_shards(str(broken), local_root=str(tmp_path / "local"), verify=False)["copied"] is True
+
+
+def test_resolve_local_root(monkeypatch, tmp_path):
+    user = f"labkit-{getpass.getuser()}"
+    assert resolve_local_root(str(tmp_path)) == tmp_path
+    monkeypatch.setenv("LABKIT_LOCAL_SCRATCH", str(tmp_path / "scratch"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmpdir"))
+    assert resolve_local_root() == tmp_path / "scratch" / user
+    monkeypatch.delenv("LABKIT_LOCAL_SCRATCH")
+    assert resolve_local_root() == tmp_path / "tmpdir" / user
+    monkeypatch.delenv("TMPDIR")
+    assert resolve_local_root() == Path("/tmp") / user

@@ -1,0 +1,180 @@
+"""Tests of labkit/data/tokenize.py: three tokenizer kinds trained on disassembly-like text,
+checked against transformers' PreTrainedTokenizerFast loading the same tokenizer.json."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+from labkit.config import SPECIAL_TOKENS, TokenizerConfig
+from labkit.data.tokenize import (iter_texts, load_tokenizer, text_row_count, tokenizer_sha256, train_tokenizer,
+                                  unk_rate)
+
+KINDS = ("wordpiece", "bpe", "unigram")
+
+
+def disasm_docs(n_docs: int, seed: int = 0) -> list[str]:
+    """Functions of 3-9 x86-64 instructions in labkit's normalised capstone style."""
+    rng = random.Random(seed)
+    regs = ["rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp", "r8", "r12"]
+    docs = []
+    for _ in range(n_docs):
+        lines = []
+        for _ in range(rng.randint(3, 9)):
+            a, b = rng.choice(regs), rng.choice(regs)
+            lines.append(rng.choice([
+                f"mov {a}, qword ptr [{b} - {rng.choice([8, 16, 24, 32])}]", f"add {a}, {b}",
+                f"xor {a}, {a}", f"push {a}", f"pop {a}", f"lea {a}, [rip + IMM]", "call FUNC",
+                f"cmp {a}, IMM", "jne ADDR", "ret"]))
+        docs.append("\n".join(lines))
+    return docs
+
+
+def libc_functions(n: int) -> list[str]:
+    """Disassembly ("mnemonic operands" per line, capstone) of the first ``n`` exported functions
+    of this machine's libc, by address: real input. Skips the test when there is no libc."""
+    import glob
+
+    import capstone
+    from elftools.elf.elffile import ELFFile
+
+    arch = {"EM_X86_64": (capstone.CS_ARCH_X86, capstone.CS_MODE_64),
+            "EM_AARCH64": (capstone.CS_ARCH_ARM64, capstone.CS_MODE_ARM)}
+    for path in sorted(glob.glob("/usr/lib/*/libc.so.6") + glob.glob("/lib/*/libc.so.6")):
+        with open(path, "rb") as f:
+            elf = ELFFile(f)
+            text, dynsym = elf.get_section_by_name(".text"), elf.get_section_by_name(".dynsym")
+            if elf["e_machine"] not in arch or text is None or dynsym is None:
+                continue
+            lo, data = text["sh_addr"], text.data()
+            funcs = sorted({(s["st_value"], s["st_size"]) for s in dynsym.iter_symbols()
+                            if s["st_info"]["type"] == "STT_FUNC" and s["st_size"] > 0
+                            and lo <= s["st_value"] < lo + text["sh_size"]})
+            md = capstone.Cs(*arch[elf["e_machine"]])
+            return ["\n".join(f"{i.mnemonic} {i.op_str}".strip() for i in md.disasm(data[a - lo:a - lo + size], a))
+                    for a, size in funcs[:n]]
+    pytest.skip("no libc.so.6 of a supported architecture on this machine")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[str, list[str]]:
+    docs = disasm_docs(200)
+    path = tmp_path_factory.mktemp("docs") / "docs.parquet"
+    pl.DataFrame({"id": [f"{i:016x}" for i in range(len(docs))], "text": docs}).write_parquet(path)
+    return str(path), docs
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory) -> dict[str, str]:
+    out = tmp_path_factory.mktemp("tok")
+    return {k: train_tokenizer(corpus[0], TokenizerConfig(kind=k, vocab_size=300, min_frequency=2),
+                               str(out / f"{k}.json")) for k in KINDS}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_special_tokens_are_ids_0_to_4(trained, kind):
+    tok = load_tokenizer(trained[kind])
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
+    assert [tok.id_to_token(i) for i in range(5)] == list(SPECIAL_TOKENS)
+    assert 5 < tok.get_vocab_size() <= 300
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip(trained, corpus, kind):
+    tok = load_tokenizer(trained[kind])
+    docs = corpus[1]
+    for enc, doc in zip(tok.encode_batch(docs[:50], add_special_tokens=False), docs[:50]):
+        assert 1 not in enc.ids  # every character was seen in training
+        if kind == "wordpiece":  # characters and newlines survive; spaces around pieces change
+            text = tok.decode(enc.ids)
+            assert text.replace(" ", "") == doc.replace(" ", "")
+            assert text.count("\n") == doc.count("\n") > 0
+        else:
+            assert tok.decode(enc.ids) == doc
+
+
+def test_wordpiece_keeps_case_and_splits_punctuation(trained):
+    tok = load_tokenizer(trained["wordpiece"])
+    pieces = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str("mov rax, qword ptr [rbp - 8]\ncall FUNC")]
+    assert pieces == ["mov", "rax", ",", "qword", "ptr", "[", "rbp", "-", "8", "]", "\n", "call", "FUNC"]
+    assert tok.encode("call FUNC", add_special_tokens=False).tokens == ["call", "FUNC"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_matches_transformers_fast_tokenizer(trained, corpus, kind):
+    from transformers import PreTrainedTokenizerFast
+
+    tok = load_tokenizer(trained[kind])
+    hf = PreTrainedTokenizerFast(tokenizer_file=trained[kind])
+    assert hf.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == [0, 1, 2, 3, 4]
+    for doc in corpus[1][:20]:
+        assert hf.encode(doc, add_special_tokens=False) == tok.encode(doc, add_special_tokens=False).ids
+
+
+def test_saved_file_and_sha256(trained):
+    path = Path(trained["wordpiece"])
+    assert tokenizer_sha256(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert sorted(p.name for p in path.parent.iterdir()) == ["bpe.json", "unigram.json", "wordpiece.json"]
+
+
+def test_training_is_deterministic_and_sampled(corpus, tmp_path):
+    cfg = TokenizerConfig(kind="bpe", vocab_size=300, max_train_docs=50, seed=3)
+    a = train_tokenizer(corpus[0], cfg, str(tmp_path / "a" / "tokenizer.json"))
+    b = train_tokenizer(corpus[0], cfg, str(tmp_path / "b" / "tokenizer.json"))
+    assert tokenizer_sha256(a) == tokenizer_sha256(b)
+    full = train_tokenizer(corpus[0], TokenizerConfig(kind="bpe", vocab_size=300), str(tmp_path / "c.json"))
+    assert tokenizer_sha256(full) != tokenizer_sha256(a)  # 50 of 200 docs give other merges
+
+
+def test_iter_texts_batches_and_sample(corpus):
+    path, docs = corpus
+    batches = list(iter_texts(path, batch_docs=64))
+    assert [len(b) for b in batches] == [64, 64, 64, 8]
+    assert sum(batches, []) == docs
+    rows = np.array([0, 5, 63, 64, 199])
+    assert sum(iter_texts(path, batch_docs=64, rows=rows), []) == [docs[i] for i in rows]
+
+
+def test_unk_rate(trained):
+    tok = load_tokenizer(trained["wordpiece"])
+    assert unk_rate(tok, ["mov rax, rbx"]) == 0.0
+    # "é" never occurred in training: one unknown word among 4 pieces (mov, rax, ",", é)
+    assert unk_rate(tok, ["mov rax, é"]) == pytest.approx(1 / 4)
+    assert unk_rate(tok, []) == 0.0
+    assert unk_rate(load_tokenizer(trained["bpe"]), ["mov rax, é"]) == 0.0
+
+
+def test_errors_name_the_problem(tmp_path, corpus):
+    with pytest.raises(FileNotFoundError, match="missing.parquet"):
+        text_row_count(str(tmp_path / "missing.parquet"))
+    bad = tmp_path / "notext.parquet"
+    pl.DataFrame({"body": ["x"]}).write_parquet(bad)
+    with pytest.raises(ValueError, match="no 'text' column"):
+        train_tokenizer(str(bad), TokenizerConfig(vocab_size=300), str(tmp_path / "t.json"))
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        load_tokenizer(tmp_path / "nope.json")
+    with pytest.raises(ValueError, match="kind"):
+        TokenizerConfig(kind="sentencepiece")
+
+
+def test_real_libc_disassembly(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    funcs = libc_functions(300)
+    train, held_out = funcs[:250], funcs[250:]
+    pl.DataFrame({"text": train}).write_parquet(tmp_path / "libc.parquet")
+    for kind in KINDS:
+        path = train_tokenizer(str(tmp_path / "libc.parquet"), TokenizerConfig(kind=kind, vocab_size=500),
+                               str(tmp_path / f"{kind}.json"))
+        tok, hf = load_tokenizer(path), PreTrainedTokenizerFast(tokenizer_file=path)
+        assert unk_rate(tok, held_out) < 0.01  # capstone text is ASCII; every character was seen
+        for doc in held_out[:10]:
+            ids = tok.encode(doc, add_special_tokens=False).ids
+            assert hf.encode(doc, add_special_tokens=False) == ids
+            if kind != "wordpiece":
+                assert tok.decode(ids) == doc

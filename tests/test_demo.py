@@ -1,0 +1,148 @@
+"""The main job end to end on a tiny real corpus: a C file compiled here plus a few of this
+machine's shared libraries, 2 local engines, CPU, gloo, the notebooks executed into reports."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from labkit.config import CleanConfig, CorpusConfig, DemoConfig, ShardConfig, TokenizerConfig
+
+C_SOURCE = r"""
+#include <stdio.h>
+int add_numbers(int a, int b) { return a + b; }
+static int square_it(int x) { return x * x; }
+long sum_squares(const int *v, int n) {
+    long s = 0;
+    for (int i = 0; i < n; i++) s += square_it(v[i]);
+    return s;
+}
+int main(int argc, char **argv) {
+    int v[3] = {1, 2, argc};
+    printf("%ld %d\n", sum_squares(v, 3), add_numbers(argc, 2));
+    return 0;
+}
+"""
+
+SYSTEM_LIBS = ["libc.so.6", "libcrypto.so.3", "libsqlite3.so.0", "libstdc++.so.6", "libexpat.so.1"]
+
+
+def _tiny_inputs(tmp: Path) -> list[str]:
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("gcc is needed to compile the test binary")
+    src = tmp / "demo.c"
+    src.write_text(C_SOURCE)
+    exe = tmp / "demo_exe"
+    subprocess.run([gcc, "-O1", "-o", str(exe), str(src)], check=True)
+    libs = []
+    for root in (Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib/aarch64-linux-gnu"), Path("/usr/lib")):
+        libs += [str(root / n) for n in SYSTEM_LIBS if (root / n).exists()]
+    assert libs, "no system shared library found for the test corpus"
+    return [str(exe)] + libs[:3]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    from labkit.demo import run_demo
+
+    tmp = tmp_path_factory.mktemp("demo")
+    cfg = DemoConfig(
+        workdir=str(tmp / "work"),
+        engines=2,
+        corpus=CorpusConfig(paths=tuple(_tiny_inputs(tmp)), max_functions=4000),
+        clean=CleanConfig(),
+        tokenizer=TokenizerConfig(vocab_size=1024),
+        shards=ShardConfig(seq_len=64, sequences_per_shard=256),
+        model="tiny",
+        train_steps=30,
+        micro_batch_size=8,
+        sweep_steps=4,
+        sweep_models=("tiny", "mini"),
+        memory_budget_gb=0.5,
+        reports=True,
+    )
+    summary = run_demo(cfg)
+    return Path(cfg.workdir), summary
+
+
+def test_corpus_holds_the_compiled_functions(demo):
+    work, summary = demo
+    names = set(pl.scan_parquet(str(work / "corpus" / "part-*.parquet")).select("name").collect()["name"])
+    assert {"add_numbers", "sum_squares", "main"} <= names
+    assert summary["preparation"]["functions"] == pl.scan_parquet(str(work / "corpus" / "part-*.parquet")).select(
+        pl.len()).collect().item()
+
+
+def test_clean_counts_add_up(demo):
+    work, _ = demo
+    drops = json.loads((work / "clean" / "docs.drops.json").read_text())
+    kept = pl.read_parquet(work / "clean" / "docs.parquet").height
+    assert drops["kept"] == kept > 0
+    assert drops["input"] == kept + sum(drops["dropped"].values())
+    texts = pl.read_parquet(work / "clean" / "docs.parquet")["text"]
+    assert texts.n_unique() == len(texts), "exact duplicates survived cleaning"
+
+
+def test_shards_verify_and_are_uint16(demo):
+    from labkit.data.shards import verify_shards
+
+    work, summary = demo
+    index = verify_shards(str(work / "shards"))
+    assert index["dtype"] == "uint16" and index["seq_len"] == 64
+    assert index["n_bytes"] == sum(s["n_bytes"] for s in index["shards"])
+    assert summary["preparation"]["shard_bytes"] == index["n_bytes"]
+
+
+def test_each_node_got_a_verified_copy(demo):
+    from labkit.data.shards import verify_shards
+
+    work, summary = demo
+    assert len(summary["staging"]) >= 1
+    for rep in summary["staging"].values():
+        verify_shards(rep["path"])
+        assert Path(rep["path"]).resolve().is_relative_to((work / "local").resolve())
+
+
+def test_training_run_directory(demo):
+    from safetensors.torch import load_file
+
+    work, summary = demo
+    run = work / "runs" / "demo"
+    assert json.loads((run / "config.json").read_text())["max_steps"] == 30
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 31))
+    for key in ("loss", "lr", "tokens_per_s", "samples_per_s", "data_wait_fraction"):
+        assert all(r[key] is not None for r in records), key
+    result = json.loads((run / "result.json").read_text())
+    assert result["world_size"] == 2
+    assert result["final_loss"] < result["initial_loss"] - 0.5, result
+    ckpts = sorted((run / "checkpoints").glob("step-*"))
+    assert ckpts, "no checkpoint written"
+    weights = load_file(str(next(ckpts[-1].glob("*.safetensors"))))
+    assert len(weights) > 0
+
+
+def test_sweeps(demo):
+    work, _ = demo
+    ranks = pl.read_parquet(work / "sweeps" / "ranks.parquet")
+    assert ranks["ranks"].to_list() == [1, 2]
+    assert ranks.filter(pl.col("ranks") == 1)["efficiency"].item() == pytest.approx(1.0)
+    mb = pl.read_parquet(work / "sweeps" / "microbatch.parquet").sort("params")
+    assert mb["model"].to_list() == ["tiny", "mini"]
+    assert mb["max_micro_batch"][0] > mb["max_micro_batch"][1] >= 1
+
+
+def test_reports_render_plotly_offline(demo):
+    from labkit.report import check_report
+
+    work, summary = demo
+    assert len(summary["reports"]) == 5
+    for path in summary["reports"]:
+        info = check_report(path)
+        assert info["figures"] >= 1, (path, info)

@@ -1,0 +1,283 @@
+"""labkit.model against transformers' BertForMaskedLM, closed forms and its own dense path."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from labkit.model import (MODEL_SIZES, BertMLM, count_parameters, export_hf, flops_per_token, hf_config,
+                          load_hf_state_dict, model_config, to_hf_state_dict)
+
+transformers = pytest.importorskip("transformers")
+
+V = 97
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny(**overrides):
+    return model_config("tiny", V, hidden_dropout=0.0, attention_dropout=0.0, max_position_embeddings=64,
+                        **overrides)
+
+
+def batch(b=3, t=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, V, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[1, 13:] = 0
+    mask[2, 6:] = 0
+    ids[mask == 0] = 0
+    labels = torch.where(torch.rand(b, t, generator=g) < 0.3, ids, -100)
+    labels[mask == 0] = -100
+    return ids, mask, labels
+
+
+def hf_model(cfg, seed=0):
+    torch.manual_seed(seed)
+    return transformers.BertForMaskedLM(hf_config(cfg)).eval()
+
+
+def hf_logits(hf, ids, mask):
+    with torch.no_grad():
+        return hf(input_ids=ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_hf_weights_into_ours_give_hf_logits(tie):
+    cfg = tiny(tie_embeddings=tie, sparse_head=False)
+    hf = hf_model(cfg)
+    ours = BertMLM(cfg).eval()
+    load_hf_state_dict(ours, hf.state_dict())
+    ids, mask, labels = batch()
+    with torch.no_grad():
+        out = ours(ids, mask, labels)
+    ref = hf_logits(hf, ids, mask)
+    assert out.logits.shape == (3, 20, V)
+    real = mask.bool()
+    torch.testing.assert_close(out.logits[real], ref[real], atol=1e-5, rtol=0)
+    ref_loss = torch.nn.functional.cross_entropy(ref.view(-1, V), labels.view(-1), reduction="sum")
+    torch.testing.assert_close(out.loss_sum, ref_loss, atol=1e-4, rtol=1e-6)
+    assert out.n_masked.item() == int((labels != -100).sum())
+
+
+def test_our_weights_into_hf_give_our_logits():
+    cfg = tiny(sparse_head=False)
+    torch.manual_seed(1)
+    ours = BertMLM(cfg).eval()
+    hf = hf_model(cfg, seed=2)
+    missing, unexpected = hf.load_state_dict(to_hf_state_dict(ours), strict=False)
+    assert not unexpected and all("position_ids" in k for k in missing)
+    ids, mask, _ = batch(seed=3)
+    with torch.no_grad():
+        mine = ours(ids, mask).logits
+    torch.testing.assert_close(hf_logits(hf, ids, mask)[mask.bool()], mine[mask.bool()], atol=1e-5, rtol=0)
+
+
+def test_export_hf_loads_with_from_pretrained(tmp_path):
+    cfg = tiny(sparse_head=False)
+    torch.manual_seed(4)
+    ours = BertMLM(cfg).eval()
+    out = export_hf(ours, tmp_path / "hf")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.BertForMaskedLM.from_pretrained(out).eval()
+    ids, mask, _ = batch(seed=5)
+    with torch.no_grad():
+        mine = ours(ids, mask).logits
+    torch.testing.assert_close(hf_logits(hf, ids, mask)[mask.bool()], mine[mask.bool()], atol=1e-5, rtol=0)
+    assert hf.cls.predictions.decoder.weight.data_ptr() == hf.bert.embeddings.word_embeddings.weight.data_ptr()
+
+
+def test_load_hf_state_dict_names_missing_and_misshapen_keys():
+    cfg = tiny()
+    sd = dict(to_hf_state_dict(BertMLM(cfg)))
+    del sd["bert.encoder.layer.1.output.dense.bias"]
+    with pytest.raises(ValueError, match="layer.1.output.dense.bias"):
+        load_hf_state_dict(BertMLM(cfg), sd)
+    sd = to_hf_state_dict(BertMLM(model_config("tiny", V + 1)))
+    with pytest.raises(ValueError, match="word.weight"):
+        load_hf_state_dict(BertMLM(cfg), sd)
+
+
+def test_sparse_and_dense_heads_agree():
+    torch.manual_seed(6)
+    dense = BertMLM(tiny(sparse_head=False)).eval()
+    sparse = BertMLM(tiny(sparse_head=True)).eval()
+    sparse.load_state_dict(dense.state_dict())
+    ids, mask, labels = batch(seed=7)
+    d, s = dense(ids, mask, labels), sparse(ids, mask, labels)
+    keep = labels != -100
+    assert s.logits.shape == (int(keep.sum()), V) and d.logits.shape == (3, 20, V)
+    torch.testing.assert_close(s.logits, d.logits[keep], atol=1e-6, rtol=0)
+    torch.testing.assert_close(s.loss_sum, d.loss_sum, atol=1e-5, rtol=1e-6)
+    assert s.loss_sum.dtype == torch.float32 and s.n_masked.dtype == torch.int64
+    assert s.n_masked == d.n_masked == keep.sum()
+    s.loss_sum.backward()
+    d.loss_sum.backward()
+    for (name, a), b in zip(sparse.named_parameters(), dense.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_no_labels_and_no_masked_positions():
+    model = BertMLM(tiny()).eval()
+    ids, mask, labels = batch()
+    out = model(ids, mask)
+    assert out.loss_sum is None and out.n_masked.item() == 0 and out.logits.shape == (3, 20, V)
+    out = model(ids, mask, torch.full_like(labels, -100))
+    assert out.loss_sum.item() == 0.0 and out.logits.shape == (0, V)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(8)
+    plain = BertMLM(tiny()).train()
+    ckpt = BertMLM(tiny(activation_checkpointing=True)).train()
+    ckpt.load_state_dict(plain.state_dict())
+    ids, mask, labels = batch(seed=9)
+    saved = {}
+    for m in (plain, ckpt):
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+            loss = m(ids, mask, labels).loss_sum
+        saved[m] = sum(sizes)
+        loss.backward()
+    assert saved[ckpt] < saved[plain] / 2  # the layers' activations really were not kept
+    for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_checkpointing_with_dropout_replays_the_same_masks():
+    cfg = model_config("tiny", V, max_position_embeddings=64)  # dropout 0.1
+    plain = BertMLM(cfg).train()
+    ckpt = BertMLM(dataclasses.replace(cfg, activation_checkpointing=True)).train()
+    ckpt.load_state_dict(plain.state_dict())
+    ids, mask, labels = batch(seed=10)
+    for m in (plain, ckpt):
+        torch.manual_seed(11)
+        m(ids, mask, labels).loss_sum.backward()
+    for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_padding_does_not_change_real_positions():
+    model = BertMLM(tiny(sparse_head=False)).eval()
+    ids, mask, _ = batch()
+    padded_ids = torch.cat([ids, torch.zeros(3, 7, dtype=ids.dtype)], dim=1)
+    padded_mask = torch.cat([mask, torch.zeros(3, 7, dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        a = model(ids, mask).logits
+        b = model(padded_ids, padded_mask).logits
+    torch.testing.assert_close(b[:, :20][mask.bool()], a[mask.bool()], atol=1e-5, rtol=0)
+    # and a padded key must matter: without the mask the real positions do change
+    with torch.no_grad():
+        c = model(padded_ids).logits
+    assert (c[:, :20][mask.bool()] - a[mask.bool()]).abs().max() > 1e-3
+
+
+def test_fully_padded_row_stays_finite():
+    model = BertMLM(tiny()).eval()
+    ids, mask, _ = batch()
+    mask[0] = 0
+    with torch.no_grad():
+        assert torch.isfinite(model(ids, mask).logits).all()
+
+
+def test_init_matches_bert():
+    cfg = model_config("mini", 2000)
+    model = BertMLM(cfg)
+    w = model.layers[0].ffn_in.weight
+    assert abs(w.std().item() - 0.02) < 0.001 and abs(w.mean().item()) < 0.001
+    assert (model.layers[1].qkv.bias == 0).all() and (model.decoder_bias == 0).all()
+    assert (model.layers[2].attn_norm.weight == 1).all() and (model.embed_norm.bias == 0).all()
+    assert (model.word.weight[0] == 0).all()
+
+
+@pytest.mark.parametrize("name", ["bert-120m", "bert-350m"])
+def test_parameter_counts_closed_form(name):
+    size = MODEL_SIZES[name]
+    h, layers, v = size["hidden_size"], size["num_layers"], 30522
+    cfg = model_config(name, v)
+    per_layer = 4 * h * h + 4 * h + 2 * h * 4 * h + 4 * h + h + 4 * h  # attn (4 h^2 + 4h), ffn, 2 LayerNorms
+    non_embedding = layers * per_layer + 2 * h + h * h + h + 2 * h + v
+    total = non_embedding + (v + 512 + 2) * h
+    assert count_parameters(cfg) == {"total": total, "non_embedding": non_embedding}
+    with torch.device("meta"):
+        model = BertMLM(cfg)
+        hf = transformers.BertForMaskedLM(hf_config(cfg))
+    assert count_parameters(model) == count_parameters(cfg)
+    assert sum(p.numel() for p in hf.parameters()) == total  # HF counts the tied decoder once too
+    untied = dataclasses.replace(cfg, tie_embeddings=False)
+    with torch.device("meta"):
+        assert count_parameters(BertMLM(untied)) == count_parameters(untied) == {
+            "total": total + v * h, "non_embedding": non_embedding}
+    if name == "bert-120m":
+        assert total == 109_514_298  # transformers' bert-base-uncased BertForMaskedLM
+
+
+def test_flops_per_token_closed_form():
+    cfg = model_config("bert-120m", 30522)
+    n = count_parameters(cfg)["non_embedding"]
+    assert flops_per_token(cfg, 512) == 6 * n + 12 * 12 * 12 * 64 * 512
+    assert flops_per_token(cfg, 512) - flops_per_token(cfg, 128) == 12 * 12 * 768 * 384
+    with pytest.raises(ValueError, match="seq_len"):
+        flops_per_token(cfg, 513)
+
+
+def test_presets_build_and_errors_name_the_field():
+    for name in MODEL_SIZES:
+        assert MODEL_SIZES[name]["source"]
+        cfg = model_config(name, 1000)
+        assert cfg.hidden_size == MODEL_SIZES[name]["hidden_size"] and cfg.ffn_size == 4 * cfg.hidden_size
+    with pytest.raises(ValueError, match="bert-120m"):
+        model_config("bert-base", 1000)
+    with pytest.raises(ValueError, match="hidden"):
+        model_config("tiny", 1000, hiden_size=3)
+    with pytest.raises(ValueError, match="num_heads"):
+        model_config("tiny", 1000, num_heads=3)
+    with pytest.raises(ValueError, match="vocab_size"):
+        model_config("tiny", 5)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        BertMLM(model_config("tiny", 1000, intermediate_size=-1))
+    with pytest.raises(ValueError, match="norm_eps"):
+        BertMLM(model_config("tiny", 1000, norm_eps=0.0))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        BertMLM(tiny())(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_bf16_autocast_keeps_an_fp32_loss_close_to_fp32():
+    torch.manual_seed(12)
+    model = BertMLM(tiny(activation_checkpointing=True)).train()
+    ids, mask, labels = batch(seed=13)
+    ref = model(ids, mask, labels).loss_sum
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids, mask, labels)
+    assert out.logits.dtype == torch.bfloat16 and out.loss_sum.dtype == torch.float32
+    torch.testing.assert_close(out.loss_sum, ref, rtol=2e-2, atol=0)
+    out.loss_sum.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_autocast_matches_fp32(dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(14)
+    model = BertMLM(tiny()).cuda().eval()
+    ids, mask, labels = (t.cuda() for t in batch(seed=15))
+    mask[0] = 0  # a fully padded row must stay finite in 16-bit
+    with torch.no_grad():
+        ref = model(ids, mask, labels).loss_sum
+        with torch.autocast("cuda", dtype=dtype):
+            out = model(ids, mask, labels)
+    assert torch.isfinite(out.logits).all()
+    torch.testing.assert_close(out.loss_sum, ref, rtol=2e-2, atol=0)

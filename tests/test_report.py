@@ -1,0 +1,142 @@
+"""labkit.report: execute a small notebook with injected parameters, export and check the HTML."""
+
+from __future__ import annotations
+
+import nbformat
+import plotly.io as pio
+import pytest
+
+from labkit import report
+
+
+def _notebook(path):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [
+        nbformat.v4.new_markdown_cell("# tiny report"),
+        nbformat.v4.new_code_cell("n_points = 3\ntitle = 'default'", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell(
+            "import os\n"
+            "import plotly.graph_objects as go\n"
+            "from labkit.plots import setup_notebook_plotting\n"
+            "setup_notebook_plotting()\n"
+            "print('IPP', os.environ.get('IPP_NONINTERACTIVE'))\n"
+            "fig = go.Figure(go.Scatter(x=list(range(n_points)), y=[i * i for i in range(n_points)]))\n"
+            "fig.update_layout(title=title)\n"
+            "fig"),
+        nbformat.v4.new_code_cell("print('squares', [i * i for i in range(n_points)], title)"),
+    ]
+    nbformat.write(nb, path)
+    return path
+
+
+def _text(nb):
+    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+
+
+def test_inject_parameters_after_tagged_cell_replaces_old_injection(tmp_path):
+    nb = nbformat.read(_notebook(tmp_path / "t.ipynb"), as_version=4)
+    report.inject_parameters(nb, {"n_points": 4})
+    report.inject_parameters(nb, {"n_points": 5, "title": "it's"})
+    tags = [c.metadata.get("tags", []) for c in nb.cells]
+    assert tags[1] == ["parameters"] and tags[2] == ["injected-parameters"] and len(nb.cells) == 5
+    ns = {}
+    exec(nb.cells[2].source, ns)
+    assert (ns["n_points"], ns["title"]) == (5, "it's")
+    with pytest.raises(ValueError, match="not a Python identifier"):
+        report.inject_parameters(nb, {"bad name": 1})
+    with pytest.raises(ValueError, match="'x'.*not a Python literal"):
+        report.inject_parameters(nb, {"x": object()})
+
+
+def test_execute_notebook_exports_offline_html(tmp_path):
+    src = _notebook(tmp_path / "tiny.ipynb")
+    out = report.execute_notebook(src, tmp_path / "out" / "tiny.html", parameters={"n_points": 5, "title": "injected"},
+                                  timeout=120)
+    executed = nbformat.read(tmp_path / "out" / "tiny.ipynb", as_version=4)
+    text = _text(executed)
+    assert "squares [0, 1, 4, 9, 16] injected" in text  # the injected value took effect
+    assert "IPP 1" in text
+    info = report.check_report(out)
+    assert info["figures"] == 1 and info["plotly_js_embedded"] and info["ok"]
+    assert info["external_plotly_scripts"] == [] and info["widgets"] == 0
+    assert "injected" in out.read_text()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tiny.html", "tiny.ipynb"]  # no temp files left
+
+
+def test_check_report_flags_cdn_plotly_and_widgets(tmp_path):
+    bad = tmp_path / "bad.html"
+    bad.write_text('<script src="https://cdn.plot.ly/plotly-3.0.1.min.js"></script>'
+                   '<div class="plotly-graph-div"></div>'
+                   '<script type="application/vnd.jupyter.widget-view+json">{}</script>')
+    info = report.check_report(bad)
+    assert not info["ok"] and not info["plotly_js_embedded"]
+    assert len(info["external_plotly_scripts"]) == 1 and info["widgets"] == 1 and info["figures"] == 1
+    with pytest.raises(FileNotFoundError, match="missing.html"):
+        report.check_report(tmp_path / "missing.html")
+
+
+def test_failing_notebook_keeps_partial_notebook_and_raises(tmp_path):
+    from nbclient.exceptions import CellExecutionError
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("x = 1", metadata={"tags": ["parameters"]}),
+                nbformat.v4.new_code_cell("raise RuntimeError(f'bad x={x}')")]
+    nbformat.write(nb, tmp_path / "fail.ipynb")
+    with pytest.raises(CellExecutionError, match="bad x=2"):
+        report.execute_notebook(tmp_path / "fail.ipynb", tmp_path / "out" / "fail.html", parameters={"x": 2}, timeout=60)
+    partial = nbformat.read(tmp_path / "out" / "fail.ipynb", as_version=4)
+    assert partial.cells[1].source == "# Parameters (injected by labkit.report)\nx = 2"
+    assert partial.cells[2].outputs[0]["ename"] == "RuntimeError"
+    assert not (tmp_path / "out" / "fail.html").exists()
+
+
+LIVE_CELL = '''
+import json
+from labkit import cluster as C
+from labkit.plots import LivePlot, loss_figure, setup_notebook_plotting
+
+setup_notebook_plotting()
+
+def fake_train(n_steps, sink=None):
+    import datetime, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    for step in range(n_steps):
+        t = torch.tensor([1.0]); dist.all_reduce(t)
+        if sink is not None:
+            sink({"step": step, "loss": 10.0 / (step + 1), "tokens_per_s": 100.0 * t.item()})
+        time.sleep(0.25)
+    return dist.get_rank()
+
+cl = C.start_cluster(2)
+try:
+    live = LivePlot(loss_figure)
+    ranks = C.run_ddp(C.get_client(cl), fake_train, n_steps, live=live, timeout=120)
+finally:
+    C.stop_cluster(cl)
+print("ranks", ranks, "draws", live.draws)
+'''
+
+
+def test_live_ddp_notebook_keeps_one_final_plot(tmp_path):
+    """REFERENCES.md 'Checked': raw-bundle update_display leaves one plot holding the final data."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("n_steps = 2", metadata={"tags": ["parameters"]}),
+                nbformat.v4.new_code_cell(LIVE_CELL)]
+    nbformat.write(nb, tmp_path / "live.ipynb")
+    with pytest.raises(ValueError, match="overwrite the source"):
+        report.execute_notebook(tmp_path / "live.ipynb", tmp_path / "live.html", parameters={})
+    out = report.execute_notebook(tmp_path / "live.ipynb", tmp_path / "out" / "live.html", parameters={"n_steps": 8},
+                                  timeout=180)
+    executed = nbformat.read(out.with_suffix(".ipynb"), as_version=4)
+    outputs = executed.cells[2].outputs
+    plots = [o for o in outputs if "application/vnd.plotly.v1+json" in o.get("data", {})]
+    assert len(plots) == 1
+    fig = pio.from_json(pio.to_json(plots[0]["data"]["application/vnd.plotly.v1+json"]))
+    assert list(fig.data[0].x) == list(range(8))  # the final history, all 8 steps
+    assert list(fig.data[0].y) == [10.0 / (s + 1) for s in range(8)]
+    assert "ranks [0, 1]" in _text(executed)
+    assert nbformat.read(tmp_path / "live.ipynb", as_version=4).cells[1].outputs == []  # source untouched
+    info = report.check_report(out)
+    assert info["ok"] and info["figures"] == 1
