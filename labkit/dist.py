@@ -156,6 +156,29 @@ def barrier() -> None:
         dist.barrier()
 
 
+def all_reduce_smoke_test(timeout_s: float = 60.0) -> dict[str, Any]:
+    """Check the process group: each rank all-reduces ``rank + 1``; every rank must get
+    world_size * (world_size + 1) / 2. Initialises the group from the environment if needed
+    (and then destroys it again). Returns {rank, local_rank, world_size, hostname, backend,
+    device, sum, expected, ok} for a table in the notebook (notebooks/00_cluster)."""
+    import socket
+
+    rank, local_rank, world = dist_info()
+    device = resolve_device("auto", local_rank)
+    owns = not dist.is_initialized()
+    init_distributed("auto", timeout_s, device)
+    try:
+        total = all_reduce_sum(torch.tensor([rank + 1], dtype=torch.int64, device=device)).item()
+        backend = dist.get_backend() if dist.is_initialized() else None
+    finally:
+        if owns:
+            teardown()
+    expected = world * (world + 1) // 2
+    return {"rank": rank, "local_rank": local_rank, "world_size": world, "hostname": socket.gethostname(),
+            "backend": backend, "device": str(device), "sum": int(total), "expected": expected,
+            "ok": int(total) == expected}
+
+
 def teardown() -> None:
     """Destroy the default process group if one exists. A new group afterwards needs a fresh
     MASTER_PORT (re-initialisation on the same store can hang; pytorch#55967)."""

@@ -72,7 +72,9 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         model = dist.wrap_model(_model(), None, device)
         mine = _micro_batches()[2 * rank: 2 * rank + 2]  # 2 accumulation steps per rank
         loss_sum, n_masked, _ = forward_backward(model, mine, world_size=world)
-        torch.save({"grads": _grads(model), "loss_sum": loss_sum, "n_masked": n_masked},
+        smoke = dist.all_reduce_smoke_test()  # reuses the group, leaves it up
+        assert torch.distributed.is_initialized()
+        torch.save({"grads": _grads(model), "loss_sum": loss_sum, "n_masked": n_masked, "smoke": smoke},
                    pathlib.Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.teardown()
@@ -94,6 +96,7 @@ def test_two_ranks_two_accum_steps_match_one_process(tmp_path):
     (out.loss_sum / out.n_masked).backward()
     ref = _grads(ref_model)
 
+    assert [(r["smoke"]["rank"], r["smoke"]["sum"], r["smoke"]["ok"]) for r in ranks] == [(0, 3, True), (1, 3, True)]
     assert int(ranks[0]["n_masked"]) == sum(MASKED_PER_MICRO_BATCH)
     total_loss = float(ranks[0]["loss_sum"] + ranks[1]["loss_sum"])
     assert total_loss == pytest.approx(out.loss_sum.detach().item(), rel=1e-5)
@@ -172,6 +175,7 @@ def test_init_distributed_single_process_and_missing_master(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     cpu = torch.device("cpu")
     assert dist.init_distributed("auto", 10.0, cpu) is False
+    assert dist.all_reduce_smoke_test()["ok"] is True  # world 1, no group: sum = 1
     assert not torch.distributed.is_initialized()
     model = torch.nn.Linear(2, 2)
     assert dist.wrap_model(model, None, cpu) is model
