@@ -180,6 +180,14 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module) -> dict[str
     return torch.load(path / "state.pt", map_location="cpu", weights_only=True)
 
 
+def _iterate(loader: torch.utils.data.DataLoader) -> Any:
+    """``iter(loader)`` without touching torch's global RNG: a new DataLoader iterator draws a
+    worker base seed from it, persistent workers do not, so the dropout stream would depend on
+    num_workers and on where a resumed run restarted it."""
+    with torch.random.fork_rng(devices=[]):
+        return iter(loader)
+
+
 def _find_sampler(loader: torch.utils.data.DataLoader) -> Any:
     """The RankSampler inside ``loader`` (as sampler, batch sampler or the batch sampler's sampler)."""
     for cand in (loader.sampler, loader.batch_sampler, getattr(loader.batch_sampler, "sampler", None)):
@@ -273,7 +281,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, metrics_path)  # drop records logged after the checkpoint we resume from
     metrics_file = open(metrics_path, "a") if dist.is_main() else None
-    batches_iter = iter(loader)  # draws a base seed from torch's RNG: before the restore below
+    batches_iter = _iterate(loader)
     if state is not None:
         _set_rng_state(state["ranks"][rank]["rng"])  # last, so nothing above consumes randomness
 
@@ -296,7 +304,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
             except StopIteration:  # epoch over: reshuffle and start again
                 epoch, position = epoch + 1, 0
                 sampler.set_epoch(epoch)
-                batches_iter = iter(loader)
+                batches_iter = _iterate(loader)
                 batch = next(batches_iter, None)
                 if batch is None:
                     raise ValueError(f"data_dir: {cfg.data_dir} holds too few sequences for "

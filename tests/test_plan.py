@@ -14,7 +14,7 @@ SEQ = 32
 @pytest.fixture(autouse=True)
 def _two_threads():
     old = torch.get_num_threads()
-    torch.set_num_threads(min(2, old))
+    torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
 

@@ -61,7 +61,7 @@ def shards(tmp_path: pathlib.Path) -> pathlib.Path:
 
 def tiny_cfg(shards: pathlib.Path, run_dir: pathlib.Path, **kw) -> TrainConfig:
     base = dict(data_dir=str(shards), run_dir=str(run_dir), model="tiny", micro_batch_size=4,
-                grad_accum_steps=2, max_steps=10, lr=3e-3, warmup_steps=2, num_threads=2,
+                grad_accum_steps=2, max_steps=10, lr=3e-3, warmup_steps=2, num_threads=1,
                 timing_warmup_steps=1, device="cpu", seed=0)
     base.update(kw)
     return TrainConfig(**base)
@@ -187,3 +187,15 @@ def test_train_autocast_precisions_run(shards, tmp_path, precision):
     got = train(tiny_cfg(shards, tmp_path / precision, max_steps=3, precision=precision))
     assert got["steps"] == 3 and math.isfinite(got["final_loss"])
     assert got["initial_loss"] == pytest.approx(ref["initial_loss"], rel=2e-2)
+
+
+def test_resume_with_loader_workers(shards, tmp_path):
+    """With a worker process the sampler runs ahead of the trainer; the checkpoint stores the
+    batches consumed, so a resumed run with workers still matches a worker-less full run."""
+    full = tiny_cfg(shards, tmp_path / "full", max_steps=6, micro_batch_size=8)
+    train(full)
+    part = dataclasses.replace(full, run_dir=str(tmp_path / "part"), num_workers=1, stop_after=3)
+    train(part)
+    train(dataclasses.replace(part, stop_after=None))
+    want = [(r["step"], r["loss"], r["tokens"]) for r in read_metrics(tmp_path / "full")]
+    assert [(r["step"], r["loss"], r["tokens"]) for r in read_metrics(tmp_path / "part")] == want
