@@ -349,7 +349,7 @@ class DemoConfig:
     shards: ShardConfig = field(default_factory=ShardConfig)
     model: str = "mini"
     """Model preset trained by the demo."""
-    train_steps: int = 120
+    train_steps: int = 60
     """Optimiser steps of the DDP training run."""
     micro_batch_size: int = 16
     """Sequences per rank per step."""
