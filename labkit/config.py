@@ -300,6 +300,12 @@ class TrainConfig:
     """A non-finite loss either skips the optimiser step or stops with an error."""
     timeout_s: float = 300.0
     """Timeout of collectives and process-group setup, in seconds."""
+    wsd_decay_fraction: float = 0.2
+    """wsd schedule: share of max_steps (at the end) spent decaying linearly to min_lr; the
+    rest after warm-up stays at lr (arXiv:2404.06395 MiniCPM; arXiv:2405.18392 uses 20 %)."""
+    stop_after: int | None = None
+    """Stop (checkpointing) after this many optimiser steps as if interrupted; the schedule still
+    follows max_steps, so a resumed run continues it exactly. None runs to max_steps."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "grad_accum_steps", "max_steps", "log_every", "keep_checkpoints"):
@@ -315,6 +321,8 @@ class TrainConfig:
         _require(0.0 < self.mlm_probability < 1.0, "mlm_probability", "must be in (0, 1)")
         _require(self.ckpt_every >= 0, "ckpt_every", "must be >= 0")
         _require(self.timeout_s > 0, "timeout_s", "must be positive")
+        _require(0.0 < self.wsd_decay_fraction <= 1.0, "wsd_decay_fraction", "must be in (0, 1]")
+        _require(self.stop_after is None or self.stop_after > 0, "stop_after", "must be positive or None")
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,7 +349,7 @@ class DemoConfig:
     shards: ShardConfig = field(default_factory=ShardConfig)
     model: str = "mini"
     """Model preset trained by the demo."""
-    train_steps: int = 120
+    train_steps: int = 60
     """Optimiser steps of the DDP training run."""
     micro_batch_size: int = 16
     """Sequences per rank per step."""

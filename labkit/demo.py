@@ -165,7 +165,7 @@ def run_reports(cfg: DemoConfig, work: Path, *, t0: float | None = None) -> list
     params = {"workdir": str(work), "engines": cfg.engines, "model": cfg.model,
               "micro_batch_size": cfg.micro_batch_size, "max_functions": cfg.corpus.max_functions,
               "vocab_size": cfg.tokenizer.vocab_size, "seq_len": cfg.shards.seq_len,
-              "steps": min(cfg.train_steps, 40), "sweep_steps": cfg.sweep_steps,
+              "steps": min(cfg.train_steps, 20), "sweep_steps": cfg.sweep_steps,
               "sweep_models": list(cfg.sweep_models), "memory_budget_gb": cfg.memory_budget_gb}
     for name in NOTEBOOKS:
         src = notebooks_dir() / f"{name}.ipynb"

@@ -195,3 +195,23 @@ def drop_reasons_figure(drops: dict, *, title: str = "Documents dropped, by reas
     fig.update_layout(template=style(), title=f"{title} (kept {drops['kept']:,} of {drops['input']:,})",
                       xaxis_title="documents", yaxis_title="reason")
     return fig
+
+
+def topology_figure(ranks: pl.DataFrame | pl.LazyFrame, *, title: str = "Engines by node, with their ranks") -> go.Figure:
+    """One bar segment per engine, stacked per node and labelled with its global rank.
+
+    `ranks` columns: engine_id (int), node (str), RANK and LOCAL_RANK (int, or the str values
+    of labkit.cluster.assign_ranks).
+    Raises ValueError naming missing columns.
+    """
+    d = (_frame(ranks, ["engine_id", "node", "RANK", "LOCAL_RANK"], "topology_figure")
+         .with_columns(pl.col("RANK", "LOCAL_RANK").cast(pl.Int64)).sort("RANK"))  # env values are str
+    fig = go.Figure()
+    for row in d.iter_rows(named=True):
+        fig.add_trace(go.Bar(x=[row["node"]], y=[1], name=f"rank {row['RANK']}",
+                             text=[f"rank {row['RANK']} (local {row['LOCAL_RANK']}, engine {row['engine_id']})"],
+                             textposition="inside", showlegend=False, marker={"color": COLORS["bar"],
+                                                                               "line": {"color": "white", "width": 2}}))
+    fig.update_layout(template=style(), title=title, barmode="stack", xaxis_title="node",
+                      yaxis_title="engines (one per GPU)", yaxis={"dtick": 1})
+    return fig

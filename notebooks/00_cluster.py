@@ -45,7 +45,12 @@ pl.DataFrame(infos)
 
 # %%
 env = lc.assign_ranks(infos, master_port=29500)
-pl.DataFrame([{"engine_id": eid, **e} for eid, e in sorted(env.items())])
+nodes = {i["engine_id"]: i["node"] for i in infos}
+ranks = pl.DataFrame([{"engine_id": eid, "node": nodes[eid], **e} for eid, e in sorted(env.items())])
+ranks
+
+# %%
+plots.topology_figure(ranks)
 
 # %% [markdown]
 # ## A collective across all ranks

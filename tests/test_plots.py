@@ -77,3 +77,14 @@ def test_setup_notebook_plotting_sets_renderer(monkeypatch):
     monkeypatch.setattr(pio.renderers, "default", pio.renderers.default)  # restored afterwards
     plots.setup_notebook_plotting()
     assert pio.renderers.default == "plotly_mimetype+notebook"
+
+
+def test_topology_figure_one_segment_per_engine_labelled_by_rank():
+    from labkit.plots import topology_figure
+
+    df = pl.DataFrame({"engine_id": [3, 0, 1], "node": ["b", "a", "a"], "RANK": ["2", "0", "1"], "LOCAL_RANK": [0, 0, 1]})
+    fig = topology_figure(df)
+    assert [t.x[0] for t in fig.data] == ["a", "a", "b"]
+    assert [t.text[0].split(" (")[0] for t in fig.data] == ["rank 0", "rank 1", "rank 2"]
+    with pytest.raises(ValueError, match="RANK"):
+        topology_figure(df.drop("RANK"))

@@ -1,0 +1,186 @@
+"""Distributed plumbing: rank from the environment, process group, DDP wrapping, collectives.
+
+Every rank runs the same code. Rank and world size come from the environment variables
+torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so ``train(cfg)`` runs
+the same way under torchrun, in ipyparallel engines (whose env the cluster layer sets) or in a
+test (pattern: ``karpathy/nanochat: nanochat/common.py`` ``get_dist_info``). Without those
+variables the process is a single rank and no process group is created.
+
+Parallelism is applied from outside the model (STYLE.md house habit 10): the model is built
+for one device, then ``wrap_model`` wraps it. Order when more strategies land (issue #6):
+activation checkpointing (model config) -> compile -> data-parallel wrapper.
+
+Nothing happens at import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def dist_info() -> tuple[int, int, int]:
+    """``(rank, local_rank, world_size)`` read from RANK, LOCAL_RANK, WORLD_SIZE.
+
+    Absent variables mean a single process: ``(0, 0, 1)``. Raises ``ValueError`` naming the
+    variable when one is not an integer or the values are inconsistent.
+    """
+    values = {}
+    for name, default in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)):
+        raw = os.environ.get(name)
+        try:
+            values[name] = default if raw in (None, "") else int(raw)
+        except ValueError:
+            raise ValueError(f"{name}: expected an integer, got {raw!r}") from None
+    rank, local_rank, world = values["RANK"], values["LOCAL_RANK"], values["WORLD_SIZE"]
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"RANK/WORLD_SIZE: need 0 <= RANK < WORLD_SIZE, got RANK={rank} WORLD_SIZE={world}")
+    if local_rank < 0:
+        raise ValueError(f"LOCAL_RANK: must be >= 0, got {local_rank}")
+    return rank, local_rank, world
+
+
+def is_main() -> bool:
+    """True on global rank 0 (and in a single process)."""
+    return dist_info()[0] == 0
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """``print`` on rank 0 only, flushed."""
+    if is_main():
+        print(*args, **kwargs, flush=True)
+
+
+def resolve_device(device: str, local_rank: int) -> torch.device:
+    """The device of this rank: ``"auto"`` is ``cuda:<local_rank>`` when CUDA is available, else
+    cpu; ``"cuda"`` is ``cuda:<local_rank>`` and raises ``ValueError`` (field ``device``) without
+    CUDA; ``"cpu"`` is cpu."""
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was requested but torch.cuda.is_available() is False")
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(f"LOCAL_RANK: {local_rank} but only {torch.cuda.device_count()} CUDA devices are visible")
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(backend: str, timeout_s: float, device: torch.device) -> bool:
+    """Create the default process group from the environment (``env://``) if this is a
+    multi-rank run; return whether a process group is active.
+
+    backend: ``"auto"`` (nccl on cuda, gloo on cpu), ``"gloo"`` or ``"nccl"``.
+    timeout_s: timeout of setup and of every collective (seconds), passed explicitly because the
+    defaults are 10 min (NCCL) / 30 min (gloo) and a hung engine should surface as an error
+    (REFERENCES.md section E, "DDP in persistent engines").
+
+    A single process without MASTER_ADDR gets no process group (returns False). WORLD_SIZE > 1
+    requires MASTER_ADDR and MASTER_PORT (``ValueError`` naming the missing one). WORLD_SIZE 1
+    with MASTER_ADDR set creates a group of one (a one-engine cluster run). An already
+    initialised group is reused. On CPU with gloo, set ``GLOO_SOCKET_IFNAME=lo`` and
+    ``MASTER_ADDR=127.0.0.1`` for single-host runs (Debian maps the hostname to 127.0.1.1).
+    """
+    if dist.is_initialized():
+        return True
+    rank, _, world = dist_info()
+    if world == 1 and not os.environ.get("MASTER_ADDR"):
+        return False
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name):
+            raise ValueError(f"{name}: must be set for a distributed run (WORLD_SIZE={world})")
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend: got {backend!r}; allowed values are 'auto', 'gloo', 'nccl'")
+    kwargs: dict[str, Any] = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return True
+
+
+def wrap_model(model: torch.nn.Module, cfg: Any, device: torch.device) -> torch.nn.Module:
+    """Wrap ``model`` (already on ``device``) for data parallelism: DDP when a process group is
+    active (``find_unused_parameters=False``; ``device_ids`` only on CUDA), else ``model``
+    unchanged. ``cfg`` is the TrainConfig (kept for the strategies of issue #6).
+
+    TODO(issue #6): ZeRO-1 (``ZeroRedundancyOptimizer``) and FSDP2 (``fully_shard``) go here,
+    selected by a TrainConfig field; only plain DDP exists now.
+    """
+    if not dist.is_initialized():
+        return model
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids, find_unused_parameters=False)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The single-device module inside a DDP wrapper (``model`` itself otherwise)."""
+    return model.module if isinstance(model, DDP) else model
+
+
+def no_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+    """Context for one micro-batch: DDP's ``no_sync()`` (no gradient all-reduce) unless ``sync``;
+    a null context for an unwrapped model."""
+    if sync or not isinstance(model, DDP):
+        return contextlib.nullcontext()
+    return model.no_sync()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` over all ranks in place and return it (identity without a process group)."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """``[obj of rank 0, obj of rank 1, ...]`` (``[obj]`` without a process group). Pickles; for
+    small state (RNG, sampler position) only."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    """Wait for all ranks (no-op without a process group)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_smoke_test(timeout_s: float = 60.0) -> dict[str, Any]:
+    """Check the process group: each rank all-reduces ``rank + 1``; every rank must get
+    world_size * (world_size + 1) / 2. Initialises the group from the environment if needed
+    (and then destroys it again). Returns {rank, local_rank, world_size, hostname, backend,
+    device, sum, expected, ok} for a table in the notebook (notebooks/00_cluster)."""
+    import socket
+
+    rank, local_rank, world = dist_info()
+    device = resolve_device("auto", local_rank)
+    owns = not dist.is_initialized()
+    init_distributed("auto", timeout_s, device)
+    try:
+        total = all_reduce_sum(torch.tensor([rank + 1], dtype=torch.int64, device=device)).item()
+        backend = dist.get_backend() if dist.is_initialized() else None
+    finally:
+        if owns:
+            teardown()
+    expected = world * (world + 1) // 2
+    return {"rank": rank, "local_rank": local_rank, "world_size": world, "hostname": socket.gethostname(),
+            "backend": backend, "device": str(device), "sum": int(total), "expected": expected,
+            "ok": int(total) == expected}
+
+
+def teardown() -> None:
+    """Destroy the default process group if one exists. A new group afterwards needs a fresh
+    MASTER_PORT (re-initialisation on the same store can hang; pytorch#55967)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,74 @@
+"""Tests of labkit/measure.py: closed forms of the DESIGN.md measurement definitions."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+
+from labkit import measure
+
+
+def test_mfu_closed_form_with_made_up_device(monkeypatch):
+    """MFU = tokens/s x FLOPs/token / (n_gpus x peak): 2 GPUs of a made-up 100 TFLOP/s part at
+    50,000 tokens/s on a 1e9 FLOPs/token model use 5e13 of 2e14 FLOP/s = 25 %."""
+    monkeypatch.setitem(measure.PEAK_FLOPS, ("Made-up X1", "bf16"), 100e12)
+    peak = measure.PEAK_FLOPS[("Made-up X1", "bf16")]
+    assert measure.mfu(50_000.0, 1e9, 2, peak) == pytest.approx(0.25)
+    assert measure.mfu(50_000.0, 1e9, 2, None) is None
+
+
+def test_peak_table_and_device_names():
+    assert measure.PEAK_FLOPS[("H100 SXM", "bf16")] == 989e12
+    assert measure.PEAK_FLOPS[("H100 NVL", "bf16")] == 835.5e12
+    assert measure.PEAK_FLOPS[("H200", "bf16")] == 989e12
+    assert measure.PEAK_FLOPS[("A100", "bf16")] == 312e12
+    assert measure.device_kind("NVIDIA H100 80GB HBM3") == "H100 SXM"
+    assert measure.device_kind("NVIDIA H100 NVL") == "H100 NVL"
+    assert measure.device_kind("NVIDIA H200") == "H200"
+    assert measure.device_kind("NVIDIA A100-SXM4-80GB") == "A100"
+    assert measure.device_kind("NVIDIA H100 PCIe") is None  # a different peak: not guessed
+    assert measure.device_kind("NVIDIA GeForce RTX 4090") is None
+    assert measure.peak_flops(torch.device("cpu"), "bf16") is None
+
+
+def test_rates_and_data_wait_fraction():
+    assert measure.tokens_per_s(12_000, 0.5) == 24_000.0
+    assert measure.samples_per_s(64, 2.0) == 32.0
+    assert measure.data_wait_fraction(0.25, 1.0) == 0.25
+    assert measure.data_wait_fraction(0.0, 3.0) == 0.0
+    with pytest.raises(ValueError, match="step_time_s"):
+        measure.data_wait_fraction(0.1, 0.0)
+
+
+def test_peak_memory_on_cpu_is_the_process_peak_rss():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    got = measure.peak_memory_bytes(torch.device("cpu"))
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert before <= got <= after
+    big = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB, touched
+    assert measure.peak_memory_bytes(torch.device("cpu")) >= big.numel() * 4
+    measure.reset_peak_memory(torch.device("cpu"))  # a no-op on CPU, must not raise
+
+
+def test_step_timer_needs_start():
+    timer = measure.StepTimer(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="before start"):
+        timer.lap()
+    timer.start()
+    first = timer.lap()
+    assert 0.0 <= first <= timer.stop()
+    with pytest.raises(RuntimeError):
+        timer.stop()
+
+
+@pytest.mark.gpu
+def test_cuda_peak_memory_and_peak_flops():
+    device = torch.device("cuda")
+    measure.reset_peak_memory(device)
+    x = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=device)
+    assert measure.peak_memory_bytes(device) >= x.numel()
+    kind = measure.device_kind(torch.cuda.get_device_name(device))
+    assert measure.peak_flops(device, "bf16") == measure.PEAK_FLOPS.get((kind, "bf16"))
+    assert measure.peak_flops(device, "fp32") is None
