@@ -297,10 +297,17 @@ def restart_engines(cluster: ipp.Cluster, *, timeout: float | None = None) -> li
     """
     client = get_client(cluster)
     old = set(client.ids)
-    n = sum(es.n for es in cluster.engines.values())
-    with contextlib.suppress(Exception):  # a rank stuck in a collective ignores SIGTERM; the state is disposable
-        cluster.signal_engines_sync(signal.SIGKILL)
-    cluster.restart_engines_sync()
+    path = _settings_path(cluster)
+    settings = json.loads(path.read_text()) if path.exists() else {}
+    n = sum(es.n for es in cluster.engines.values()) or int(settings.get("n", 0))
+    if n < 1:
+        raise RuntimeError(f"cluster {cluster.cluster_id}: no engine set to restart and no saved engine count")
+    if cluster.engines:
+        with contextlib.suppress(Exception):  # a rank stuck in a collective ignores SIGTERM; the state is disposable
+            cluster.signal_engines_sync(signal.SIGKILL)
+        cluster.restart_engines_sync()
+    else:  # every engine set already stopped
+        cluster.start_engines_sync(n)
     if timeout is None:
         timeout = 3600.0 if "Slurm" in type(next(iter(cluster.engines.values()))).__name__ else 120.0
     deadline = time.monotonic() + timeout

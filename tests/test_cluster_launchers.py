@@ -176,3 +176,4 @@ def test_reconnect_to_cluster_started_by_another_process(tmp_path):
         C.stop_cluster(cl)
     assert _all_gone(started["pids"] + [controller_pid])
     assert C.list_clusters(profile_dir=pd) == []
+    assert not list(pathlib.Path(pd, "security").glob(f"*{cid}*"))  # labkit's settings file too
