@@ -1,5 +1,12 @@
 """MLM batches from token shards: dataset, rank sampler, BERT masking collator, DataLoader.
 
+The path of one batch (docs/data_path.md): ``RankSampler`` yields a list of sequence ids ->
+``ShardDataset.__getitems__`` gathers them from the memory-mapped shards (one fancy-index read per
+shard touched) -> ``MLMCollator`` masks the [B, T] block with whole-tensor torch ops -> in a
+worker, the arrays cross the pipe as an ``ArrayBatch`` -> ``MLMLoader`` yields dicts of tensors.
+``check_shards`` (called by ``make_loader``) stops a run on a shard set that is not the one the
+run expects, before any model is built.
+
 Determinism and resume. Every random choice is a function of a seed and the data, never of
 process state:
 
@@ -7,7 +14,7 @@ process state:
   ``seed + epoch``; rank r takes every world-th index, so batch k of rank r in epoch e is a pure
   function of (seed, epoch, rank, world_size, batch_size, k). ``{"epoch", "position"}`` resumes it.
 - ``MLMCollator``: before each batch its ``torch.Generator`` is re-seeded from
-  blake2b(seed, batch shape, batch token bytes). The same batch therefore gets the same masks on
+  blake2b(seed, batch shape, batch ids as uint32 bytes). The same batch therefore gets the same masks on
   every run, whichever worker process, worker count or call order collates it, so a resumed run
   that replays batch k of (seed, epoch, rank) reproduces its masks exactly. Masks differ between
   epochs because the batches do (same sequences, different company); with batch_size 1 a
@@ -286,13 +293,19 @@ class _ToArrays:
         return ArrayBatch({k: v.numpy() for k, v in self.collator(rows).items()})
 
 
+def _as_tensors(batches: Iterator) -> Iterator[dict[str, torch.Tensor]]:
+    for batch in batches:
+        yield batch.tensors() if isinstance(batch, ArrayBatch) else batch
+
+
 class MLMLoader(DataLoader):
     """A DataLoader whose iterator turns ``ArrayBatch`` es from workers back into dicts of tensors;
-    otherwise a plain DataLoader (``batch_sampler`` is the ``RankSampler``)."""
+    otherwise a plain DataLoader (``batch_sampler`` is the ``RankSampler``). ``iter(loader)``
+    creates the DataLoader iterator at once, so it draws its base seed from torch's global RNG
+    when called, exactly as a plain DataLoader (a resumed trainer restores the RNG after it)."""
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        for batch in super().__iter__():
-            yield batch.tensors() if isinstance(batch, ArrayBatch) else batch
+        return _as_tensors(super().__iter__())
 
 
 def check_shards(data_dir: str, *, seq_len: int | None = None, dtype: str | None = None,

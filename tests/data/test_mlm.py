@@ -60,13 +60,13 @@ def packed_rows(n: int, t: int, seed: int = 0) -> np.ndarray:
 
 def test_masking_statistics_over_a_million_positions():
     rng = np.random.default_rng(1)
-    x = rng.integers(0, V, size=(1000, 1000))
+    x = rng.integers(0, V, size=(1250, 1000))  # 1.25M positions, ~1.06M of them not special
     x = np.where(rng.random(x.shape) < 0.1, rng.integers(0, 5, size=x.shape), x)  # plenty of special tokens
     x[:, -50:] = 0  # padding tail
     out = MLMCollator(vocab_size=V, seed=0)(x.astype(np.uint16))
     orig = torch.from_numpy(x)
     inp, labels, attn = out["input_ids"], out["labels"], out["attention_mask"]
-    assert inp.dtype == labels.dtype == torch.int64 and attn.dtype == torch.bool and inp.shape == (1000, 1000)
+    assert inp.dtype == labels.dtype == torch.int64 and attn.dtype == torch.bool and inp.shape == (1250, 1000)
     special = orig < 5
     chosen = labels != -100
     n = int((~special).sum())
@@ -316,3 +316,19 @@ def test_pinned_batches_from_workers(tmp_path):
                          vocab_size=V, num_workers=1, pin_memory=True)
     batch = next(iter(loader))
     assert all(v.is_pinned() for v in batch.values())
+
+
+def test_iter_draws_torch_rng_when_called_like_a_plain_dataloader(tmp_path):
+    """A resuming trainer calls iter(loader) and then restores torch's RNG state; the loader must
+    have drawn its base seed by then, as a plain DataLoader does."""
+    write_tiny_shards(tmp_path, packed_rows(40, 16, seed=11), V, per_shard=16)
+    loader = make_loader(tmp_path, batch_size=4, rank=0, world_size=1, seed=0, mlm_probability=0.15, vocab_size=V)
+    torch.manual_seed(123)
+    it = iter(loader)
+    after_ours = torch.rand(3)
+    torch.manual_seed(123)
+    iter(DataLoader(list(range(8)), batch_size=4))
+    assert torch.equal(after_ours, torch.rand(3))
+    torch.manual_seed(123)
+    assert not torch.equal(after_ours, torch.rand(3))  # iter() did draw
+    assert len(list(it)) == 10
