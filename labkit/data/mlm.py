@@ -105,7 +105,8 @@ class MLMCollator:
             return x < self.low
         return torch.isin(x, torch.tensor(self.special_ids))
 
-    def __call__(self, rows: list[np.ndarray] | np.ndarray) -> dict[str, torch.Tensor]:
+    def _mask(self, rows: list[np.ndarray] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(original ids int64 [B, T], input ids int64 [B, T], chosen bool [B, T])."""
         x_np = np.stack(rows) if isinstance(rows, (list, tuple)) else np.asarray(rows)
         if x_np.ndim != 2:
             raise ValueError(f"rows: expected [B, T] token ids, got shape {x_np.shape}")
@@ -121,6 +122,10 @@ class MLMCollator:
         randomise = chosen & (u >= 0.8 * p) & (u < 0.9 * p)
         n_random = int(randomise.sum())
         input_ids[randomise] = torch.randint(self.low, self.vocab_size, (n_random,), generator=g)
+        return x, input_ids, chosen
+
+    def __call__(self, rows: list[np.ndarray] | np.ndarray) -> dict[str, torch.Tensor]:
+        x, input_ids, chosen = self._mask(rows)
         out = {"input_ids": input_ids, "attention_mask": x != self.pad_id}
         if self.compact:
             positions = chosen.view(-1).nonzero().squeeze(1)  # [n_masked], row-major
@@ -128,6 +133,14 @@ class MLMCollator:
         else:
             out["labels"] = torch.where(chosen, x, IGNORE_INDEX)
         return out
+
+    def packed(self, rows: list[np.ndarray] | np.ndarray) -> ArrayBatch:
+        """The batch ``__call__`` returns, as a small ``ArrayBatch`` for the trip out of a worker."""
+        x, input_ids, chosen = self._mask(rows)
+        positions = chosen.view(-1).nonzero().squeeze(1)  # [n_masked], row-major
+        narrow = np.uint16 if self.vocab_size <= 2**16 else np.uint32
+        return ArrayBatch(input_ids.numpy().astype(narrow), positions.numpy().astype(np.int32),
+                          x.view(-1)[positions].numpy().astype(narrow), pad_id=self.pad_id, compact=self.compact)
 
 
 def dense_labels(masked_positions: torch.Tensor, masked_labels: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
@@ -269,28 +282,46 @@ def _worker_init(worker_id: int) -> None:
     torch.set_num_threads(1)
 
 
-class ArrayBatch(dict):
-    """A collated batch in transit from a worker: numpy arrays, pickled by value through the
-    worker's pipe. Handing over torch tensors instead costs a shared-memory segment plus a file
-    descriptor passed per tensor (about 1.6 ms per 3-tensor batch of 32 x 512 on this machine, vs
-    0.3 ms as arrays; benchmarks/bench_loader.py). ``pin_memory()`` (called by the DataLoader's
-    pin-memory thread) and ``tensors()`` wrap the arrays with ``torch.from_numpy`` (no copy)."""
+class ArrayBatch:
+    """A masked batch on its way out of a DataLoader worker, small enough to cross the worker's
+    pipe in one piece: input ids [B, T] and masked labels [n_masked] as uint16 (uint32 above
+    65,536 ids), masked positions [n_masked] as int32 (flat, row-major); 47 kB for 32 x 512 at
+    15 % masking instead of 272 kB of int64/bool tensors. That matters more than it looks: a
+    Linux pipe holds 64 kB, so a larger batch crosses in pieces, each waiting for the worker to be
+    scheduled again, and handing over torch tensors instead costs a shared-memory segment and a
+    passed file descriptor per tensor (docs/data_path.md has the measurements).
+    ``tensors()`` rebuilds exactly the collator's dict (attention_mask = input_ids != pad, which
+    masking never changes); ``pin_memory()``, called by the DataLoader's pin-memory thread, also
+    pins it."""
+
+    def __init__(self, input_ids: np.ndarray, masked_positions: np.ndarray, masked_labels: np.ndarray, *,
+                 pad_id: int, compact: bool) -> None:
+        self.input_ids, self.masked_positions, self.masked_labels = input_ids, masked_positions, masked_labels
+        self.pad_id, self.compact = pad_id, compact
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {k: torch.from_numpy(v) for k, v in self.items()}
+        ids = torch.from_numpy(self.input_ids.astype(np.int64))
+        positions = torch.from_numpy(self.masked_positions.astype(np.int64))
+        labels = torch.from_numpy(self.masked_labels.astype(np.int64))
+        out = {"input_ids": ids, "attention_mask": ids != self.pad_id}
+        if self.compact:
+            out.update(masked_positions=positions, masked_labels=labels)
+        else:
+            out["labels"] = dense_labels(positions, labels, tuple(ids.shape))
+        return out
 
     def pin_memory(self, device: str | None = None) -> dict[str, torch.Tensor]:
         return {k: t.pin_memory() for k, t in self.tensors().items()}
 
 
-class _ToArrays:
-    """collate_fn for workers: run the collator, send its tensors as an ``ArrayBatch``."""
+class _Packed:
+    """collate_fn for workers: ``collator.packed``."""
 
     def __init__(self, collator: MLMCollator) -> None:
         self.collator = collator
 
     def __call__(self, rows) -> ArrayBatch:
-        return ArrayBatch({k: v.numpy() for k, v in self.collator(rows).items()})
+        return self.collator.packed(rows)
 
 
 def _as_tensors(batches: Iterator) -> Iterator[dict[str, torch.Tensor]]:
@@ -343,8 +374,8 @@ def make_loader(data_dir: str, *, batch_size: int, rank: int, world_size: int, s
     Workers (num_workers > 0) are persistent, keep ``prefetch_factor`` batches each in flight,
     start with forkserver/spawn (never fork: the parent may run tokenizers/polars/OpenMP thread
     pools, and a forked child of a threaded process can deadlock) and run ``_worker_init``
-    (TOKENIZERS_PARALLELISM=false, one torch thread). They send batches as ``ArrayBatch``; the
-    loader yields dicts of tensors either way. ``pin_memory`` (for a CUDA trainer) pins them in
+    (TOKENIZERS_PARALLELISM=false, one torch thread). They send batches as a compact
+    ``ArrayBatch``; the loader yields the collator's dicts of tensors either way. ``pin_memory`` (for a CUDA trainer) pins them in
     the DataLoader's pin-memory thread.
 
     Before anything is built, ``check_shards`` compares the set with the given seq_len, dtype,
@@ -362,5 +393,5 @@ def make_loader(data_dir: str, *, batch_size: int, rank: int, world_size: int, s
     collator = MLMCollator(vocab_size=vocab_size, mlm_probability=mlm_probability, seed=seed, compact=compact)
     workers = dict(multiprocessing_context=_worker_context(), persistent_workers=True,
                    prefetch_factor=prefetch_factor, worker_init_fn=_worker_init) if num_workers else {}
-    return MLMLoader(dataset, batch_sampler=sampler, collate_fn=_ToArrays(collator) if num_workers else collator,
+    return MLMLoader(dataset, batch_sampler=sampler, collate_fn=_Packed(collator) if num_workers else collator,
                      num_workers=num_workers, pin_memory=pin_memory, **workers)

@@ -272,8 +272,14 @@ def test_worker_batches_arrive_as_arrays_and_are_yielded_as_tensors(tmp_path):
     kw = dict(batch_size=4, rank=0, world_size=1, seed=0, mlm_probability=0.15, vocab_size=V)
     loader = make_loader(tmp_path, num_workers=1, prefetch_factor=3, compact=True, **kw)
     assert loader.prefetch_factor == 3 and loader.worker_init_fn is not None
-    arrays = loader.collate_fn(loader.dataset.__getitems__([0, 1, 2, 3]))
-    assert isinstance(arrays, ArrayBatch) and all(isinstance(v, np.ndarray) for v in arrays.values())
+    rows = loader.dataset.__getitems__([0, 1, 2, 3])
+    packed = loader.collate_fn(rows)
+    assert isinstance(packed, ArrayBatch) and packed.input_ids.dtype == packed.masked_labels.dtype == np.uint16
+    assert packed.masked_positions.dtype == np.int32
+    assert batches_equal([packed.tensors()], [MLMCollator(vocab_size=V, seed=0, compact=True)(rows)])
+    dense = MLMCollator(vocab_size=V, seed=0)
+    assert batches_equal([dense.packed(rows).tensors()], [dense(rows)])
+    assert len(pickle.dumps(dense.packed(packed_rows(32, 512)))) < 64 * 1024  # one pipe buffer
     got = list(loader)
     assert all(isinstance(v, torch.Tensor) for b in got for v in b.values())
     assert batches_equal(got, list(make_loader(tmp_path, compact=True, **kw)))
