@@ -81,7 +81,8 @@ class _GpuSampler:
 
     def __init__(self, gpu_index: int | None, interval_s: float) -> None:
         self.samples: list[float] = []
-        self.interval_s, self._stop, self._thread, self._nvml, self._handle = interval_s, threading.Event(), None, None, None
+        self.interval_s, self._stop = interval_s, threading.Event()
+        self._thread, self._nvml, self._handle = None, None, None
         if gpu_index is None:
             return
         try:

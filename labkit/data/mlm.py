@@ -286,10 +286,10 @@ class ArrayBatch:
     """A masked batch on its way out of a DataLoader worker, small enough to cross the worker's
     pipe in one piece: input ids [B, T] and masked labels [n_masked] as uint16 (uint32 above
     65,536 ids), masked positions [n_masked] as int32 (flat, row-major); 47 kB for 32 x 512 at
-    15 % masking instead of 272 kB of int64/bool tensors. That matters more than it looks: a
-    Linux pipe holds 64 kB, so a larger batch crosses in pieces, each waiting for the worker to be
-    scheduled again, and handing over torch tensors instead costs a shared-memory segment and a
-    passed file descriptor per tensor (docs/data_path.md has the measurements).
+    15 % masking instead of 272 kB of int64/bool tensors. A Linux pipe holds 64 kB, so a larger
+    batch crosses in pieces, with the worker's feeder thread rescheduled in between; handing over
+    torch tensors instead costs a shared-memory segment and a passed file descriptor per tensor.
+    Measured receive times are in docs/data_path.md.
     ``tensors()`` rebuilds exactly the collator's dict (attention_mask = input_ids != pad, which
     masking never changes); ``pin_memory()``, called by the DataLoader's pin-memory thread, also
     pins it."""
@@ -375,8 +375,8 @@ def make_loader(data_dir: str, *, batch_size: int, rank: int, world_size: int, s
     start with forkserver/spawn (never fork: the parent may run tokenizers/polars/OpenMP thread
     pools, and a forked child of a threaded process can deadlock) and run ``_worker_init``
     (TOKENIZERS_PARALLELISM=false, one torch thread). They send batches as a compact
-    ``ArrayBatch``; the loader yields the collator's dicts of tensors either way. ``pin_memory`` (for a CUDA trainer) pins them in
-    the DataLoader's pin-memory thread.
+    ``ArrayBatch``; the loader yields the collator's dicts of tensors either way. ``pin_memory``
+    (for a CUDA trainer) pins them in the DataLoader's pin-memory thread.
 
     Before anything is built, ``check_shards`` compares the set with the given seq_len, dtype,
     tokenizer_sha256 and vocab_size (and with ``verify`` the shards' sha256): ShardError naming

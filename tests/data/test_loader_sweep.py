@@ -99,9 +99,10 @@ def test_measured_consumer_and_fake_nvml(shards, monkeypatch):
     """A consumer given as a callable sees every batch; with an NVML module present (a stand-in
     here: no GPU on CI) utilisation samples are taken during each setting and averaged."""
     calls = []
-    fake = types.SimpleNamespace(nvmlInit=lambda: calls.append("init"), nvmlShutdown=lambda: calls.append("shutdown"),
-                                 nvmlDeviceGetHandleByIndex=lambda i: ("gpu", i),
-                                 nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=37 if h == ("gpu", 0) else 0))
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: calls.append("init"), nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlDeviceGetHandleByIndex=lambda i: ("gpu", i),
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=37 if h == ("gpu", 0) else 0))
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     seen = []
     table = sweep_loader(shards, batch_size=B, step=lambda b: seen.append(b["input_ids"].shape), workers=(0,),
