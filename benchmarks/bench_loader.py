@@ -150,9 +150,9 @@ def main() -> None:
               f"= {workers_needed(need, v_ours)} (HF collator path: {workers_needed(need, v_base)})")
         step = planned_step_time(fpt, seq_len=SEQ_LEN, batch_size=BATCH, peak_flops=H100_PEAK, mfu=MFU)
         table = sweep_loader(data_dir, batch_size=BATCH, step_time_s=step, workers=(0, 1, 2), n_batches=60,
-                             threshold=0.02, gpu_index=None)
+                             threshold=0.05, gpu_index=None)
         print(f"loader sweep: consumer step {step * 1e3:.1f} ms (the planned H100 step at batch {BATCH}), "
-              f"threshold 2 % data wait")
+              f"knee threshold 5 % data wait")
         with __import__("polars").Config(tbl_rows=10, tbl_cols=12, tbl_width_chars=200):
             print(table.select("num_workers", "samples_per_s", "data_wait_s", "step_time_s",
                                "data_wait_fraction", "gpu_util_mean", "knee"))
