@@ -215,3 +215,16 @@ def topology_figure(ranks: pl.DataFrame | pl.LazyFrame, *, title: str = "Engines
     fig.update_layout(template=style(), title=title, barmode="stack", xaxis_title="node",
                       yaxis_title="engines (one per GPU)", yaxis={"dtick": 1})
     return fig
+
+
+def staging_figure(staged: dict[str, dict], *, title: str = "Staging to node-local disk") -> go.Figure:
+    """Bars of staging throughput per node (MB/s, MB = 1e6 bytes), labelled with bytes and
+    seconds, from ``labkit.lab.stage`` ({node: {"bytes", "seconds", "mb_per_s", "copied"}}).
+    A node that kept a verified copy shows its verification rate."""
+    nodes = sorted(staged)
+    rates = [staged[n]["mb_per_s"] for n in nodes]
+    text = [f"{staged[n]['bytes'] / 1e6:.1f} MB in {staged[n]['seconds']:.2f} s"
+            + ("" if staged[n].get("copied", True) else " (kept, verified)") for n in nodes]
+    fig = go.Figure(go.Bar(x=nodes, y=rates, text=text, marker={"color": COLORS["bar"]}))
+    fig.update_layout(template=style(), title=title, xaxis_title="node", yaxis_title="MB/s (copy + sha256)")
+    return fig
