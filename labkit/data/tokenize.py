@@ -28,6 +28,7 @@ bounded by one slice and the trainer's word counts, never the whole corpus; the 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -40,8 +41,10 @@ from labkit.config import SPECIAL_TOKENS, TokenizerConfig
 
 UNK_ID = SPECIAL_TOKENS.index("[UNK]")
 
-_WORDPIECE_SPLIT = r"\w+|[^\w\s]|\n"
-"""Pieces kept by the WordPiece pre-tokeniser: words, single punctuation characters, newlines."""
+def _wordpiece_split(max_word_chars: int) -> str:
+    """Pieces kept by the WordPiece pre-tokeniser: runs of at most ``max_word_chars`` word
+    characters, single punctuation characters, newlines."""
+    return rf"\w{{1,{max_word_chars}}}|[^\w\s]|\n"
 
 
 def text_row_count(docs_path: str) -> int:
@@ -79,10 +82,12 @@ def _untrained(cfg: TokenizerConfig) -> tuple[Tokenizer, trainers.Trainer]:
     if cfg.kind == "wordpiece":
         tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
         tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Split(Regex(_WORDPIECE_SPLIT), behavior="removed", invert=True)
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(_wordpiece_split(cfg.max_word_chars)), behavior="removed",
+                                                 invert=True)
         tok.decoder = decoders.WordPiece(prefix="##")
         trainer = trainers.WordPieceTrainer(vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
-                                            special_tokens=specials, show_progress=False)
+                                            special_tokens=specials, show_progress=False,
+                                            initial_alphabet=list(cfg.initial_alphabet))
     elif cfg.kind == "bpe":
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -96,41 +101,76 @@ def _untrained(cfg: TokenizerConfig) -> tuple[Tokenizer, trainers.Trainer]:
         tok.pre_tokenizer = pre_tokenizers.Metaspace()
         tok.decoder = decoders.Metaspace()
         trainer = trainers.UnigramTrainer(vocab_size=cfg.vocab_size, special_tokens=specials, unk_token="[UNK]",
-                                          show_progress=False)
+                                          show_progress=False, initial_alphabet=list(cfg.initial_alphabet))
     else:
         raise ValueError(f"kind: got {cfg.kind!r}; allowed values are 'wordpiece', 'bpe', 'unigram'")
     return tok, trainer
+
+
+def split_rows(n: int, cfg: TokenizerConfig) -> tuple[np.ndarray | None, np.ndarray]:
+    """(training rows or None for all the others, held-out rows), both sorted: ``h`` =
+    min(cfg.held_out_docs, n // 10) rows are held out and at most ``cfg.max_train_docs`` of the
+    rest train, drawn without replacement by ``numpy.random.default_rng(cfg.seed)``."""
+    h = min(cfg.held_out_docs, n // 10)
+    if h == 0 and n <= cfg.max_train_docs:
+        return None, np.empty(0, dtype=np.int64)
+    take = min(n, h + cfg.max_train_docs)
+    rows = np.random.default_rng(cfg.seed).choice(n, size=take, replace=False)
+    return np.sort(rows[h:]), np.sort(rows[:h])
+
+
+def _complete_wordpiece(tok: Tokenizer, cfg: TokenizerConfig) -> None:
+    """Give the trained WordPiece model every ``cfg.initial_alphabet`` character as a piece and
+    as a ``##`` continuation piece (HF's trainer adds only those it saw), dropping the
+    last-learned pieces if that would exceed ``cfg.vocab_size``, and set its per-word limit to
+    ``cfg.max_word_chars``."""
+    vocab = tok.get_vocab()
+    missing = [p for c in cfg.initial_alphabet for p in (c, f"##{c}") if p not in vocab]
+    ordered = sorted(vocab, key=vocab.get)[: max(len(SPECIAL_TOKENS), cfg.vocab_size - len(missing))]
+    tok.model = models.WordPiece({t: i for i, t in enumerate(ordered + missing)}, unk_token="[UNK]",
+                                 max_input_chars_per_word=cfg.max_word_chars)
 
 
 def train_tokenizer(docs_path: str, cfg: TokenizerConfig, out_path: str) -> str:
     """Train a ``cfg.kind`` tokenizer on the ``text`` column of ``docs_path`` and save it as
     ``tokenizer.json`` at ``out_path`` (temp file + ``os.replace``). Returns ``out_path``.
 
-    The training sample is every document when there are at most ``cfg.max_train_docs``, else
-    ``cfg.max_train_docs`` rows drawn without replacement by ``numpy.random.default_rng(cfg.seed)``
-    (read in file order). Raises ``ValueError`` when the sample holds no text, and
-    ``RuntimeError`` if the trained vocabulary does not put SPECIAL_TOKENS at ids 0..4.
+    The training sample and held-out documents come from ``split_rows`` (read in file order).
+    After saving, the UNK rate on the held-out documents (``unk_report``) and the split sizes are
+    written to ``<out_path stem>.stats.json`` beside it. Raises ``ValueError`` when the sample
+    holds no text, and ``RuntimeError`` if the trained vocabulary does not put SPECIAL_TOKENS at
+    ids 0..4.
     """
     n = text_row_count(docs_path)
-    rows = None
-    if n > cfg.max_train_docs:
-        rows = np.sort(np.random.default_rng(cfg.seed).choice(n, size=cfg.max_train_docs, replace=False))
-    n_sample = n if rows is None else len(rows)
+    rows, held = split_rows(n, cfg)
+    if rows is None and len(held) == 0:
+        rows_iter, n_sample = None, n
+    else:
+        if rows is None:
+            rows = np.setdiff1d(np.arange(n), held)
+        rows_iter, n_sample = rows, len(rows)
     if n_sample == 0:
         raise ValueError(f"{docs_path}: no documents to train a tokenizer on")
     tok, trainer = _untrained(cfg)
-    tok.train_from_iterator(iter_texts(docs_path, batch_docs=4096, rows=rows), trainer=trainer, length=n_sample)
+    tok.train_from_iterator(iter_texts(docs_path, batch_docs=4096, rows=rows_iter), trainer=trainer, length=n_sample)
+    if cfg.kind == "wordpiece":
+        _complete_wordpiece(tok, cfg)
     for i, name in enumerate(SPECIAL_TOKENS):
         if tok.token_to_id(name) != i:
             raise RuntimeError(f"trained {cfg.kind} tokenizer has {name} at id {tok.token_to_id(name)}, not {i}")
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(tok.to_str(pretty=True), encoding="utf-8")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    held_texts = [t for batch in iter_texts(docs_path, batch_docs=4096, rows=held) for t in batch] if len(held) else []
+    stats = {"kind": cfg.kind, "vocab_size": tok.get_vocab_size(), "documents": n, "train_docs": n_sample,
+             "held_out_docs": len(held_texts), **unk_report(tok, held_texts)}
+    for path, text in ((out, tok.to_str(pretty=True)), (out.with_name(f"{out.stem}.stats.json"),
+                                                       json.dumps(stats, indent=1) + "\n")):
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
     return out_path
 
 
@@ -162,3 +202,20 @@ def unk_rate(tokenizer: Tokenizer, texts: Iterable[str]) -> float:
     total = sum(len(e.ids) for e in encodings)
     unk = sum(e.ids.count(UNK_ID) for e in encodings)
     return unk / total if total else 0.0
+
+
+def unk_report(tokenizer: Tokenizer, texts: list[str], *, top: int = 10) -> dict:
+    """UNK rate of ``texts`` and what became [UNK]: {"tokens", "unk_tokens", "unk_rate",
+    "unk_examples": {text span: count} of the ``top`` most frequent spans mapped to [UNK]}."""
+    encodings = tokenizer.encode_batch(list(texts), add_special_tokens=False)
+    counts: dict[str, int] = {}
+    total = unk = 0
+    for text, enc in zip(texts, encodings):
+        total += len(enc.ids)
+        for i in (i for i, t in enumerate(enc.ids) if t == UNK_ID):
+            unk += 1
+            a, b = enc.offsets[i]
+            span = text[a:b][:40]
+            counts[span] = counts.get(span, 0) + 1
+    examples = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top])
+    return {"tokens": total, "unk_tokens": unk, "unk_rate": unk / total if total else 0.0, "unk_examples": examples}

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from labkit.config import SPECIAL_TOKENS, ShardConfig, TokenizerConfig
 from labkit.data.shards import (ShardError, SequenceReader, check_compatible, doc_stream, pack_documents, pack_rows,
-                                read_index, shard_dtype, verify_shards, write_shards)
+                                parts_dir_for, read_index, shard_dtype, verify_shards, write_shards)
 from labkit.data.tokenize import load_tokenizer, tokenizer_sha256, train_tokenizer
 
 
@@ -122,14 +122,15 @@ def test_write_shards_matches_reference(inputs, tmp_path):
     assert verify_shards(tmp_path) == index
 
 
-def test_output_independent_of_batch_docs(inputs, tmp_path):
+def test_streaming_tiny_batches_and_parts_give_the_same_bytes(inputs, tmp_path):
     docs_path, tok_path, _ = inputs
-    for b in (3, 10_000):
+    for b, part in ((3, 7), (10_000, 10_000)):
         write_shards(docs_path, tok_path, str(tmp_path / str(b)),
-                     ShardConfig(seq_len=12, sequences_per_shard=5, batch_docs=b), progress=False)
+                     ShardConfig(seq_len=12, sequences_per_shard=5, batch_docs=b, part_docs=part), progress=False)
     small, large = sorted((tmp_path / "3").iterdir()), sorted((tmp_path / "10000").iterdir())
     assert [p.name for p in small] == [p.name for p in large] and len(small) > 3
-    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(small, large))
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(small, large))  # index.json too
+    assert len(list((tmp_path / "3.parts").glob("part-*.json"))) == 22  # ceil(150 / 7)
 
 
 def test_sequence_reader(inputs, tmp_path):
@@ -174,6 +175,8 @@ def test_rewrite_removes_old_shards_and_progress_goes_to_stderr(inputs, tmp_path
     index = write_shards(docs_path, tok_path, str(tmp_path), ShardConfig(seq_len=16, sequences_per_shard=1000))
     assert "150/150" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["index.json", "notes.txt", "shard-00000.bin"]
+    assert sorted(p.name for p in parts_dir_for(tmp_path).iterdir()) == ["part-00000.ids", "part-00000.json",
+                                                                       "part-00000.lens", "shard-00000.json"]
     assert verify_shards(tmp_path) == index
 
 
