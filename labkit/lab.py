@@ -162,6 +162,7 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
     stats["documents"] += stats["functions"]
     stats["seconds"] = round(time.perf_counter() - t0, 2)
     stats["config"] = to_dict(cfg)
+    stats = json.loads(json.dumps(stats))  # the return value equals corpus.json (tuples as lists)
     _write_json(done, stats)
     return stats
 
@@ -230,6 +231,7 @@ def clean_corpus(client, cfg: CleanConfig, workdir: str, *, force: bool = False,
         stats["near_dedup"] = {"seconds": round(seconds, 3), "signature_seconds": round(t1 - t0, 3),
                                "lsh_seconds": near["seconds"], "docs_per_s": round(near["input"] / seconds, 1),
                                "config": to_dict(cfg.near_dedup)}
+    stats = json.loads(json.dumps(stats))  # equal to the file (tuples as lists)
     _write_json(drops_path, stats)
     return stats
 

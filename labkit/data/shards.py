@@ -191,7 +191,8 @@ def encode_part(docs_path: str, tokenizer_path: str, parts_dir: str, part: int, 
         raise ValueError(f"{docs_path}: rows {start}..{stop} requested, {len(lens)} read")
     lens_bytes = lens.astype("<i4").tobytes()
     _atomic_write(lens_path, lens_bytes)
-    info = {"part": part, "start": start, "stop": stop, "n_docs": int((lens >= 0).sum()), "n_tokens": n_tokens,
+    info = {"part": part, "dir": str(out.absolute()), "start": start, "stop": stop,
+            "n_docs": int((lens >= 0).sum()), "n_tokens": n_tokens,
             "dtype": dtype.name, "tokenizer_sha256": tok_sha,
             "ids": {"file": ids_path.name, "n_bytes": n_tokens * dtype.itemsize, "sha256": h.hexdigest()},
             "lens": {"file": lens_path.name, "n_bytes": len(lens_bytes),
@@ -238,20 +239,24 @@ def finish_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardC
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     parts_dir = parts_dir_for(out_dir)
+    parts_dir.mkdir(parents=True, exist_ok=True)
     tok_sha = tokenizer_sha256(tokenizer_path)
     parts = sorted(parts, key=lambda p: p["start"])
     for p in parts:
         if p["tokenizer_sha256"] != tok_sha:
-            raise ShardError(f"{parts_dir / p['ids']['file']}: encoded with tokenizer {p['tokenizer_sha256'][:12]}..., "
+            raise ShardError(f"{Path(p['dir']) / p['ids']['file']}: encoded with tokenizer {p['tokenizer_sha256'][:12]}..., "
                              f"not {tokenizer_path} ({tok_sha[:12]}...)")
     ranges = [(p["start"], p["stop"]) for p in parts]
-    if any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])) or (ranges and ranges[0][0] != 0):
-        raise ValueError(f"parts: row ranges {ranges} do not tile the documents from row 0")
-    if sum(p["n_docs"] for p in parts) == 0:
+    n_rows = text_row_count(docs_path)
+    edges = [0] + [r for a, b in zip(ranges, ranges[1:]) for r in (a[1], a[1])] + [n_rows]
+    if n_rows and [r for pair in ranges for r in pair] != edges:
+        raise ValueError(f"parts: row ranges {ranges} do not tile the {n_rows} rows of {docs_path}")
+    if sum(p["n_docs"] for p in parts) == 0 or not n_rows:
         raise ValueError(f"{docs_path}: no documents to write shards from")
     vocab_size = load_tokenizer(tokenizer_path).get_vocab_size(with_added_tokens=True)
     dtype = shard_dtype(vocab_size)
-    lengths = np.concatenate([np.fromfile(parts_dir / p["lens"]["file"], dtype="<i4") for p in parts]).astype(np.int64)
+    lengths = np.concatenate([np.fromfile(Path(p["dir"]) / p["lens"]["file"], dtype="<i4")
+                              for p in parts]).astype(np.int64)
     keep, balance = select_documents(docs_path, lengths, cfg)
     plan = hashlib.sha256(json.dumps([tok_sha, cfg.seq_len, cfg.sequences_per_shard, dtype.name,
                                       [p["ids"]["sha256"] for p in parts],
@@ -296,7 +301,7 @@ def finish_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardC
             lens = lengths[p["start"]:p["stop"]]
             sel = keep[p["start"]:p["stop"]]
             valid = lens >= 0
-            ids = np.fromfile(parts_dir / p["ids"]["file"], dtype=np.dtype(p["dtype"]).newbyteorder("<"))
+            ids = np.fromfile(Path(p["dir"]) / p["ids"]["file"], dtype=np.dtype(p["dtype"]).newbyteorder("<"))
             token_keep = np.repeat(sel[valid], lens[valid])  # [n_tokens of the part]
             stream = np.concatenate([carry, _with_seps(ids[token_keep].astype(np.int64), lens[sel])])
             rows, carry = pack_rows(stream, cfg.seq_len, final=False)
