@@ -35,7 +35,8 @@ import numpy as np
 import polars as pl
 
 from labkit.config import SPECIAL_TOKENS, ShardConfig
-from labkit.data.tokenize import file_sha256, load_tokenizer, text_row_count, tokenizer_sha256
+from labkit.data.tokenize import (LineCache, encode_flat, file_sha256, line_separable, load_tokenizer, text_row_count,
+                                  tokenizer_sha256)
 
 FORMAT = "labkit-shards"
 VERSION = 1
@@ -146,7 +147,8 @@ def encode_part(docs_path: str, tokenizer_path: str, parts_dir: str, part: int, 
     What each engine runs on its parts. A finished part -- marker present, same rows and
     tokenizer sha256, files of the recorded size and sha256 -- is not encoded again; the marker
     is returned with ``"skipped": True``. Reads ``batch_docs`` rows per polars slice and encodes
-    them with one ``encode_batch`` call. Returns the marker: {"part", "start", "stop", "n_docs"
+    them with ``labkit.data.tokenize.encode_flat`` (each distinct line once for a line-separable
+    WordPiece tokenizer, else one ``encode_batch`` call). Returns the marker: {"part", "start", "stop", "n_docs"
     (non-null), "n_tokens", "dtype", "tokenizer_sha256", "ids": {"file", "n_bytes", "sha256"},
     "lens": {...}, "skipped"}.
     """
@@ -159,7 +161,7 @@ def encode_part(docs_path: str, tokenizer_path: str, parts_dir: str, part: int, 
         return done | {"skipped": True}
     marker.unlink(missing_ok=True)
     tok = _checked_tokenizer(tokenizer_path)
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast (tokenizers >= 0.21) skips offsets
+    separable, cache = line_separable(tok), LineCache()
     dtype = shard_dtype(tok.get_vocab_size(with_added_tokens=True))
     lf = pl.scan_parquet(docs_path).select("text")
     lens_all: list[np.ndarray] = []
@@ -172,10 +174,7 @@ def encode_part(docs_path: str, tokenizer_path: str, parts_dir: str, part: int, 
                 col = lf.slice(lo, min(batch_docs, stop - lo)).collect().get_column("text")
                 lens = np.full(len(col), -1, dtype=np.int32)
                 valid = col.is_not_null().to_numpy()
-                encodings = encode(col.drop_nulls().to_list(), add_special_tokens=False)
-                lens[valid] = [len(e.ids) for e in encodings]
-                flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int64,
-                                   count=int(lens[valid].sum()))
+                flat, lens[valid] = encode_flat(tok, col.drop_nulls().to_list(), separable=separable, cache=cache)
                 data = flat.astype(dtype).tobytes()
                 f.write(data)
                 h.update(data)

@@ -28,8 +28,10 @@ bounded by one slice and the trainer's word counts, never the whole corpus; the 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -219,3 +221,80 @@ def unk_report(tokenizer: Tokenizer, texts: list[str], *, top: int = 10) -> dict
             counts[span] = counts.get(span, 0) + 1
     examples = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top])
     return {"tokens": total, "unk_tokens": unk, "unk_rate": unk / total if total else 0.0, "unk_examples": examples}
+
+
+_SEPARABLE_SPLIT = re.compile(r"\\w\{1,\d+\}\|\[\^\\w\\s\]\|\\n|\\w\+\|\[\^\\w\\s\]\|\\n")
+
+
+def line_separable(tokenizer: Tokenizer) -> bool:
+    """True when the ids of a text equal the concatenated ids of its lines, each line keeping its
+    ``"\\n"`` -- so every distinct line need be encoded once (``encode_flat``). Holds for labkit's
+    WordPiece pipeline: normaliser NFC or none (a newline is a normalisation boundary), the
+    pre-tokeniser that keeps ``"\\n"`` as its own piece (``_wordpiece_split``), WordPiece applied
+    per piece, and no added token containing a newline. Byte-level BPE and Unigram (whose pieces
+    may span newlines) are not treated as separable."""
+    spec = json.loads(tokenizer.to_str())
+    pre, norm = spec.get("pre_tokenizer") or {}, spec.get("normalizer")
+    return (spec["model"]["type"] == "WordPiece"
+            and (norm is None or norm.get("type") == "NFC")
+            and pre.get("type") == "Split" and pre.get("behavior") == "Removed" and pre.get("invert") is True
+            and bool(_SEPARABLE_SPLIT.fullmatch(pre.get("pattern", {}).get("Regex", "")))
+            and not spec.get("post_processor")
+            and all("\n" not in t["content"] for t in spec.get("added_tokens", [])))
+
+
+class LineCache:
+    """Ids of every distinct line encoded so far (for ``encode_flat`` on a line-separable
+    tokenizer): a polars table line -> code plus the ids of all codes back to back. Holds state
+    across batches, so a line is encoded once per cache (``encode_part`` keeps one per part,
+    which bounds its memory)."""
+
+    def __init__(self) -> None:
+        self.table = pl.DataFrame(schema={"line": pl.Utf8, "code": pl.Int64})
+        self.ids = np.empty(0, dtype=np.int64)
+        self.lengths = np.empty(0, dtype=np.int64)
+
+    def codes(self, tokenizer: Tokenizer, lines: pl.DataFrame) -> np.ndarray:
+        """Codes (int64, one per row of ``lines``' ``line`` column), encoding unseen lines first."""
+        encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+        new = lines.select(pl.col("line").unique()).join(self.table, on="line", how="anti")
+        if new.height:
+            ids = [e.ids for e in encode(new["line"].to_list(), add_special_tokens=False)]
+            lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+            flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum()))
+            new = new.with_columns(code=pl.int_range(self.table.height, self.table.height + new.height, dtype=pl.Int64))
+            self.table = pl.concat([self.table, new])
+            self.ids = np.concatenate([self.ids, flat])
+            self.lengths = np.concatenate([self.lengths, lengths])
+        return lines.join(self.table, on="line", how="left", maintain_order="left")["code"].to_numpy()
+
+
+def encode_flat(tokenizer: Tokenizer, texts: list[str], *, separable: bool | None = None,
+                cache: LineCache | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Encode ``texts`` (no special tokens added): (ids int64 [total], lengths int64 [len(texts)]),
+    document d's ids being ``ids[sum(lengths[:d]):][:lengths[d]]``.
+
+    When the tokenizer is ``line_separable`` (checked unless given), texts are split into lines
+    with polars (each keeping its ``"\\n"``), every distinct line is encoded once (per
+    ``cache``, a fresh ``LineCache`` when None) and the ids are gathered back with numpy -- the
+    same ids as encoding each text, far faster on disassembly, whose lines repeat (2.4 M lines,
+    129 k distinct in the 30,000-function demo corpus). Otherwise one ``encode_batch`` call
+    (``encode_batch_fast`` when available) over the texts."""
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    if separable is None:
+        separable = line_separable(tokenizer)
+    if not separable:
+        ids = [e.ids for e in encode(texts, add_special_tokens=False)]
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        return np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum())), lengths
+    cache = LineCache() if cache is None else cache
+    lines = (pl.DataFrame({"text": pl.Series(texts, dtype=pl.Utf8)}).with_row_index("doc")
+             .select("doc", pl.col("text").str.split("\n", inclusive=True).alias("line")).explode("line")
+             .drop_nulls("line"))
+    code = cache.codes(tokenizer, lines)
+    piece_start = np.cumsum(cache.lengths) - cache.lengths
+    counts = cache.lengths[code]  # tokens of each line occurrence, in document order
+    out_start = np.cumsum(counts) - counts
+    gather = np.arange(int(counts.sum())) - np.repeat(out_start - piece_start[code], counts)  # ragged gather
+    lengths = np.bincount(lines["doc"].to_numpy(), weights=counts, minlength=len(texts)).astype(np.int64)
+    return cache.ids[gather], lengths
