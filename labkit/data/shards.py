@@ -225,9 +225,9 @@ def finish_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardC
 
     One sequential pass, so the output is the same whatever engines encoded the parts. Each
     shard is followed by a marker ``<out_dir>.parts/shard-<k>.json`` naming the plan it belongs to (a
-    hash of tokenizer, parts, packing settings and selection); a re-run finds a shard whose
-    marker names the same plan and whose file has the recorded size, and does not write it
-    again. Shards and markers of other plans beyond the new count are removed. Raises
+    hash of tokenizer, parts, packing settings and selection); a re-run does not write a shard
+    again whose marker names the same plan and whose file has the size and sha256 of the bytes
+    it would write. Shards and markers of other plans beyond the new count are removed. Raises
     ShardError naming a part encoded with another tokenizer, ``ValueError`` naming
     ``docs_path`` when there are no documents.
     """
@@ -276,18 +276,17 @@ def finish_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardC
             block, rows = rows[: cfg.sequences_per_shard], rows[cfg.sequences_per_shard:]
             name = f"shard-{len(shards):05d}.bin"
             marker = parts_dir / f"{name[:-4]}.json"
-            nbytes = block.size * dtype.itemsize
+            data = np.ascontiguousarray(block, dtype=dtype).tobytes()
+            sha = hashlib.sha256(data).hexdigest()
             try:
                 info = json.loads(marker.read_text())
             except (OSError, json.JSONDecodeError):
                 info = None
-            if not (info and info["plan"] == plan and info["n_bytes"] == nbytes
-                    and (out / name).is_file() and (out / name).stat().st_size == nbytes):
+            if not (info and info["plan"] == plan and info["sha256"] == sha and (out / name).is_file()
+                    and (out / name).stat().st_size == len(data) and file_sha256(out / name) == sha):
                 marker.unlink(missing_ok=True)
-                data = np.ascontiguousarray(block, dtype=dtype).tobytes()
                 _atomic_write(out / name, data)
-                info = {"plan": plan, "file": name, "n_sequences": len(block), "n_bytes": len(data),
-                        "sha256": hashlib.sha256(data).hexdigest(),
+                info = {"plan": plan, "file": name, "n_sequences": len(block), "n_bytes": len(data), "sha256": sha,
                         "n_tokens": int(np.count_nonzero(block != PAD_ID))}
                 _atomic_write(marker, (json.dumps(info) + "\n").encode())
             shards.append(info)

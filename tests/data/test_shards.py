@@ -339,6 +339,14 @@ def test_interrupted_packing_skips_finished_shards(inputs, tmp_path, monkeypatch
     assert {n: (tmp_path / "run" / n).stat().st_mtime_ns for n in before} == before
     for s in ref["shards"]:
         assert (tmp_path / "run" / s["file"]).read_bytes() == (tmp_path / "ref" / s["file"]).read_bytes()
+    # a finished shard damaged on disk (same size) is written again
+    bad = tmp_path / "run" / "shard-00002.bin"
+    raw = bytearray(bad.read_bytes())
+    raw[7] ^= 0xFF
+    bad.write_bytes(bytes(raw))
+    written.clear()
+    assert write_shards(docs_path, tok_path, str(tmp_path / "run"), cfg, progress=False) == ref
+    assert written == ["shard-00002.bin"] and verify_shards(tmp_path / "run") == ref
 
 
 def test_a_different_tokenizer_is_refused(inputs, tmp_path):
