@@ -128,3 +128,16 @@ def test_errors_name_the_problem(tmp_path):
         write_source_part("csv", [], CorpusConfig(), str(tmp_path / "x.parquet"))
     with pytest.raises(ValueError, match="paths: give at least one"):
         CorpusConfig(paths=())
+
+
+def test_single_process_build_corpus_reads_text_sources(text_dir, tmp_path):
+    from labkit.data.corpus import build_corpus
+
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": PROSE}) + "\n{bad\n")
+    cfg = CorpusConfig(paths=(), text_paths=(str(text_dir / "a.txt"), str(text_dir / "sub")),
+                       jsonl_paths=(str(tmp_path / "d.jsonl"),))
+    stats = build_corpus(cfg, str(tmp_path / "c"))
+    assert stats["parts"] == ["part-00000.parquet", "part-00001.parquet"]
+    assert stats["functions"] == 3 and stats["skipped"] == {"bad_json": 1}
+    df = pl.read_parquet(tmp_path / "c" / "part-*.parquet")
+    assert [os.path.basename(s) for s in df["source"]] == ["a.txt", "b.md", "d.jsonl"]
