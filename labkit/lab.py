@@ -9,9 +9,11 @@ redoes it). "Complete" is decided the same way everywhere: the file a stage writ
 Work directory layout (``workdir``)::
 
     corpus/part-00000.parquet ... corpus.json   one document per disassembled function
-    clean/docs.parquet  clean/docs.drops.json   kept documents, drop counts per reason
-    tokenizer/tokenizer.json                    HF tokenizers (WordPiece by default)
+    clean/filtered.parquet  signatures/          after filters + exact dedup; MinHash signatures
+    clean/docs.parquet  clean/docs.drops.json   kept documents, drop counts per reason and stage
+    tokenizer/tokenizer.json  tokenizer.stats.json  HF tokenizers (WordPiece default); held-out UNK rate
     shards/shard-00000.bin ... index.json        packed token ids, index written last
+    shards.parts/                               encoded parts + completion markers (resumable)
     local/<node>/...                             node-local staged copies (simulated nodes)
     runs/<name>/                                 config.json, metrics.jsonl, checkpoints/, result.json
     sweeps/ranks.parquet  sweeps/microbatch.parquet
@@ -96,19 +98,24 @@ def _wait_all(asyncs: list, desc: str, progress: bool, timeout: float | None = N
 
 def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: int = 4,
                  progress: bool = True, force: bool = False) -> dict:
-    """Disassemble functions from the ELF files under ``cfg.paths`` on all engines.
+    """Read every corpus source of ``cfg`` on all engines: functions disassembled from the ELF
+    files under ``cfg.paths`` and documents of ``cfg.text_paths``/``jsonl_paths``/``parquet_paths``
+    (``labkit.data.sources``).
 
-    The seeded file list is dealt round-robin into ``len(client.ids) * chunks_per_engine``
+    The seeded ELF file list is dealt round-robin into ``len(client.ids) * chunks_per_engine``
     chunks; each chunk is one load-balanced engine task that reads its files in order until it
     holds ``ceil(cfg.max_functions / n_chunks)`` functions and writes ``part-<chunk>.parquet``.
-    The output depends on the chunk count, not on which engine ran a chunk.
+    Each text source's files are dealt the same way (no budget) into further parts. The output
+    depends on the chunk count, not on which engine ran a chunk.
 
-    Returns the summed statistics, also written last to ``corpus/corpus.json``: files_read,
-    functions, raw_bytes (input file sizes), text_bytes, skipped {reason: n}, skipped_files.
-    Raises ``FileNotFoundError`` naming a missing input path, ``ValueError`` when no ELF file
-    is found.
+    Returns the summed statistics, also written last to ``corpus/corpus.json``: files_found,
+    parts, files_read, functions (ELF), documents (all sources), by_kind {elf|text|jsonl|parquet:
+    documents}, raw_bytes (input file sizes), text_bytes, skipped {reason: n}, skipped_files,
+    seconds, config. Raises ``FileNotFoundError`` naming a missing input path, ``ValueError``
+    when no input file is found.
     """
     from labkit.data.corpus import find_elf_files, write_corpus_part
+    from labkit.data.sources import find_source_files, write_source_part
 
     out = _paths(workdir)["corpus"]
     done = out / "corpus.json"
@@ -117,52 +124,116 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("part-*.parquet"):
         stale.unlink()
-    files = [str(p) for p in find_elf_files(cfg)]
-    if not files:
-        raise ValueError(f"paths: no ELF files found under {list(cfg.paths)}")
-    n_chunks = max(1, min(len(files), len(client.ids) * chunks_per_engine))
-    budget = None if cfg.max_functions is None else math.ceil(cfg.max_functions / n_chunks)
-    part_cfg = dataclasses.replace(cfg, max_functions=budget)
+    elf = [str(p) for p in find_elf_files(cfg)] if cfg.paths else []
+    text = {kind: find_source_files(kind, cfg) for kind in ("text", "jsonl", "parquet")}
+    if not elf and not any(text.values()):
+        raise ValueError(f"paths: no input files found under {list(cfg.paths)} (ELF) or the text sources "
+                         f"{list(cfg.text_paths) + list(cfg.jsonl_paths) + list(cfg.parquet_paths)}")
     view = client.load_balanced_view()
+    width = len(client.ids) * chunks_per_engine
     t0 = time.perf_counter()
-    asyncs = [
-        view.apply_async(write_corpus_part, files[i::n_chunks], part_cfg, str(out / f"part-{i:05d}.parquet"))
-        for i in range(n_chunks)
-    ]
-    parts = _wait_all(asyncs, "corpus: disassembling ELF files", progress)
-    stats: dict[str, Any] = {"files_found": len(files), "parts": n_chunks, "files_read": 0, "functions": 0,
-                             "raw_bytes": 0, "text_bytes": 0, "skipped": {}, "skipped_files": {}}
-    for p in parts:
-        for key in ("files_read", "functions", "raw_bytes", "text_bytes"):
+    asyncs, kinds = [], []
+    if elf:
+        n_chunks = max(1, min(len(elf), width))
+        budget = None if cfg.max_functions is None else math.ceil(cfg.max_functions / n_chunks)
+        part_cfg = dataclasses.replace(cfg, max_functions=budget)
+        for i in range(n_chunks):
+            asyncs.append(view.apply_async(write_corpus_part, elf[i::n_chunks], part_cfg,
+                                           str(out / f"part-{len(asyncs):05d}.parquet")))
+            kinds.append("elf")
+    for kind, files in text.items():
+        n_chunks = min(len(files), width)
+        for i in range(n_chunks):
+            asyncs.append(view.apply_async(write_source_part, kind, files[i::n_chunks], cfg,
+                                           str(out / f"part-{len(asyncs):05d}.parquet")))
+            kinds.append(kind)
+    parts = _wait_all(asyncs, "corpus: reading sources", progress)
+    stats: dict[str, Any] = {"files_found": len(elf) + sum(map(len, text.values())), "parts": len(asyncs),
+                             "files_read": 0, "functions": 0, "documents": 0, "by_kind": {}, "raw_bytes": 0,
+                             "text_bytes": 0, "skipped": {}, "skipped_files": {}}
+    for kind, p in zip(kinds, parts):
+        for key in ("files_read", "raw_bytes", "text_bytes"):
             stats[key] += int(p[key])
+        stats["functions" if kind == "elf" else "documents"] += int(p["functions"])
+        stats["by_kind"][kind] = stats["by_kind"].get(kind, 0) + int(p["functions"])
         for reason, n in p["skipped"].items():
             stats["skipped"][reason] = stats["skipped"].get(reason, 0) + int(n)
         stats["skipped_files"].update(p["skipped_files"])
+    stats["documents"] += stats["functions"]
     stats["seconds"] = round(time.perf_counter() - t0, 2)
     stats["config"] = to_dict(cfg)
+    stats = json.loads(json.dumps(stats))  # the return value equals corpus.json (tuples as lists)
     _write_json(done, stats)
     return stats
 
 
 # --------------------------------------------------------------------------------------------
-# 2. clean + exact dedup
+# 2. clean, exact dedup, near dedup
 # --------------------------------------------------------------------------------------------
 
 
-def clean_corpus(client, cfg: CleanConfig, workdir: str, *, force: bool = False) -> dict:
-    """Filter and exactly deduplicate the corpus on one engine (polars, lazy).
+def _row_ranges(n: int, parts: int) -> list[tuple[int, int]]:
+    size = max(1, math.ceil(n / max(1, parts)))
+    return [(s, min(s + size, n)) for s in range(0, n, size)]
 
-    Returns ``{"input", "kept", "dropped": {reason: n}}``, also in ``clean/docs.drops.json``.
-    Raises ``labkit.data.clean.EmptyCorpusError`` when nothing is kept.
+
+def clean_corpus(client, cfg: CleanConfig, workdir: str, *, force: bool = False, progress: bool = True,
+                 extra_filters: dict | None = None) -> dict:
+    """Filter, exactly deduplicate and near-deduplicate the corpus.
+
+    1. one engine: ``labkit.data.clean.clean_corpus`` (polars, lazy) -> ``clean/filtered.parquet``;
+    2. all engines: MinHash signatures of row ranges of it (``labkit.data.dedup.signature_part``),
+       2 ranges per engine -> ``clean/signatures/part-XXXXX.npy``;
+    3. one engine: the LSH pass in id order (``near_dedup_parquet``) -> ``clean/docs.parquet``.
+    With ``cfg.near_dedup`` None, step 1 writes ``clean/docs.parquet`` directly. The kept ids do
+    not depend on the engine count (signatures are per document; the LSH pass is in id order).
+
+    Returns ``{"input", "kept", "dropped": {reason: n}, "stages": {"corpus", "filters",
+    "exact_dedup", "near_dedup"} (documents left after each), "near_dedup": {"seconds",
+    "signature_seconds", "lsh_seconds", "docs_per_s", "config"} | None}``, also written last to
+    ``clean/docs.drops.json``. Raises ``labkit.data.clean.EmptyCorpusError`` when nothing is kept.
     """
     from labkit.data.clean import clean_corpus as _clean
+    from labkit.data.dedup import near_dedup_parquet, signature_part
+    from labkit.data.tokenize import text_row_count
 
     p = _paths(workdir)
-    drops = p["clean"].with_name("docs.drops.json")
-    if p["clean"].exists() and drops.exists() and not force:
-        return json.loads(drops.read_text())
+    drops_path = p["clean"].with_name("docs.drops.json")
+    if p["clean"].exists() and drops_path.exists() and not force:
+        return json.loads(drops_path.read_text())
+    drops_path.unlink(missing_ok=True)
     glob = str(p["corpus"] / "part-*.parquet")
-    return client[client.ids[0]].apply_sync(_clean, glob, str(p["clean"]), cfg)
+    engine = client[client.ids[0]]
+    filtered = p["clean"] if cfg.near_dedup is None else p["clean"].with_name("filtered.parquet")
+    stats = engine.apply_sync(_clean, glob, str(filtered), cfg, extra_filters=extra_filters)
+    after_filters = stats["input"] - sum(n for r, n in stats["dropped"].items() if r != "exact_duplicate")
+    stats["stages"] = {"corpus": stats["input"], "filters": after_filters, "exact_dedup": stats["kept"],
+                       "near_dedup": stats["kept"]}
+    stats["near_dedup"] = None
+    if cfg.near_dedup is not None:
+        t0 = time.perf_counter()
+        sig_dir = p["clean"].parent / "signatures"
+        for stale in sig_dir.glob("part-*.npy"):
+            stale.unlink()
+        ranges = _row_ranges(text_row_count(str(filtered)), 2 * len(client.ids))
+        sig_paths = [str(sig_dir / f"part-{i:05d}.npy") for i in range(len(ranges))]
+        view = client.load_balanced_view()
+        asyncs = [view.apply_async(signature_part, str(filtered), s, e, cfg.near_dedup, path)
+                  for (s, e), path in zip(ranges, sig_paths)]
+        _wait_all(asyncs, "near-dedup: MinHash signatures", progress)
+        t1 = time.perf_counter()
+        near = engine.apply_sync(near_dedup_parquet, str(filtered), sig_paths, str(p["clean"]), cfg.near_dedup)
+        seconds = time.perf_counter() - t0
+        stats["kept"] = near["kept"]
+        if near["near_duplicate"]:
+            stats["dropped"]["near_duplicate"] = near["near_duplicate"]
+        stats["stages"]["near_dedup"] = near["kept"]
+        stats["near_dedup"] = {"seconds": round(seconds, 3), "signature_seconds": round(t1 - t0, 3),
+                               "lsh_seconds": near["seconds"], "docs_per_s": round(near["input"] / seconds, 1),
+                               "config": to_dict(cfg.near_dedup)}
+    stats = json.loads(json.dumps(stats))  # equal to the file (tuples as lists)
+    _write_json(drops_path, stats)
+    return stats
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,43 +242,73 @@ def clean_corpus(client, cfg: CleanConfig, workdir: str, *, force: bool = False)
 
 
 def build_tokenizer(client, cfg: TokenizerConfig, workdir: str, *, force: bool = False) -> str:
-    """Train the tokenizer on one engine; returns the path of ``tokenizer.json``."""
+    """Train the tokenizer on one engine; returns the path of ``tokenizer.json``. The held-out
+    UNK report goes to ``tokenizer/tokenizer.stats.json`` (``labkit.data.tokenize``)."""
     from labkit.data.tokenize import train_tokenizer
 
     p = _paths(workdir)
-    if p["tokenizer"].exists() and not force:
+    stats = p["tokenizer"].with_name("tokenizer.stats.json")
+    if p["tokenizer"].exists() and stats.exists() and not force:
         return str(p["tokenizer"])
     p["tokenizer"].parent.mkdir(parents=True, exist_ok=True)
     return client[client.ids[0]].apply_sync(train_tokenizer, str(p["clean"]), cfg, str(p["tokenizer"]))
 
 
-def build_shards(client, cfg: ShardConfig, workdir: str, *, force: bool = False) -> dict:
-    """Tokenize the kept documents into packed shards on one engine; returns the index dict.
+_OUTPUT_FIELDS = ("seq_len", "sequences_per_shard", "source_pattern", "source_weights", "source_caps")
+"""ShardConfig fields that change the shard bytes (batch and part sizes never do)."""
 
-    A shard set whose ``index.json`` exists and was built with the current tokenizer is kept.
+
+def build_shards(client, cfg: ShardConfig, workdir: str, *, force: bool = False, progress: bool = True,
+                 parts_per_engine: int = 4) -> dict:
+    """Tokenize the kept documents into packed shards on all engines; returns the index dict.
+
+    Engines encode row ranges (``labkit.data.shards.encode_part``; at most ``cfg.part_docs``
+    rows, ``parts_per_engine`` per engine) into ``shards.parts/``, then one engine balances and
+    packs them in row order (``finish_shards``): the bytes equal ``write_shards`` in one process.
+    Finished parts and shards of an interrupted run are not redone. A shard set whose
+    ``index.json`` exists, was built with the current tokenizer and the same output settings
+    (``_OUTPUT_FIELDS``, kept in ``shards.parts/config.json``) is returned as is.
     """
-    from labkit.data.shards import read_index, write_shards
-    from labkit.data.tokenize import tokenizer_sha256
+    from labkit.data.shards import encode_part, finish_shards, parts_dir_for, plan_parts, read_index, ShardError
+    from labkit.data.tokenize import text_row_count, tokenizer_sha256
 
     p = _paths(workdir)
+    docs, tok, out = str(p["clean"]), str(p["tokenizer"]), str(p["shards"])
+    parts_dir = parts_dir_for(out)
+    settings = {k: getattr(cfg, k) for k in _OUTPUT_FIELDS} | {"tokenizer_sha256": tokenizer_sha256(tok)}
     if (p["shards"] / "index.json").exists() and not force:
-        index = read_index(str(p["shards"]))
-        if index["tokenizer_sha256"] == tokenizer_sha256(str(p["tokenizer"])) and index["seq_len"] == cfg.seq_len:
-            return index
-    return client[client.ids[0]].apply_sync(
-        write_shards, str(p["clean"]), str(p["tokenizer"]), str(p["shards"]), cfg, progress=False
-    )
+        try:
+            index = read_index(out)
+            if json.loads((parts_dir / "config.json").read_text()) == settings:
+                return index
+        except (ShardError, OSError, json.JSONDecodeError):
+            pass
+    n = text_row_count(docs)
+    rows = max(1, min(cfg.part_docs, math.ceil(n / (len(client.ids) * parts_per_engine))))
+    view = client.load_balanced_view()
+    asyncs = [view.apply_async(encode_part, docs, tok, str(parts_dir), i, s, e, batch_docs=cfg.batch_docs)
+              for i, (s, e) in enumerate(plan_parts(n, rows))]
+    parts = _wait_all(asyncs, "shards: encoding parts", progress)
+    index = client[client.ids[0]].apply_sync(finish_shards, docs, tok, out, cfg, parts, progress=False)
+    _write_json(parts_dir / "config.json", settings)
+    return index
 
 
 def preparation_report(workdir: str) -> dict:
-    """Numbers of the data preparation, read back from the artifacts: raw bytes in (ELF files
-    read), functions extracted, documents kept, tokens, shard bytes and the reduction in percent
-    (1 - shard bytes / raw bytes; the study's 2 TB -> 25 GB is 98.8 %)."""
+    """Numbers of the data preparation, read back from the artifacts: raw bytes in (input files
+    read), documents left after each stage, tokens, shard bytes and the reduction in percent
+    (1 - shard bytes / raw bytes; the study's 2 TB -> 25 GB is 98.8 %), token share per source
+    group before and after balancing, and the UNK rate on held-out documents."""
     p = _paths(workdir)
     corpus = json.loads((p["corpus"] / "corpus.json").read_text())
     drops = json.loads(p["clean"].with_name("docs.drops.json").read_text())
     index = json.loads((p["shards"] / "index.json").read_text())
+    stats_path = p["tokenizer"].with_name("tokenizer.stats.json")
+    tok = json.loads(stats_path.read_text()) if stats_path.exists() else {}
+    balance = index.get("balance", {})
+    stages = drops.get("stages", {"corpus": drops["input"], "near_dedup": drops["kept"]})
     raw = corpus["raw_bytes"]
+    near = drops.get("near_dedup") or {}
     return {
         "elf_files_read": corpus["files_read"],
         "functions": corpus["functions"],
@@ -215,12 +316,22 @@ def preparation_report(workdir: str) -> dict:
         "disassembly_bytes": corpus["text_bytes"],
         "documents_kept": drops["kept"],
         "dropped": drops["dropped"],
+        "documents_per_stage": {"read": corpus.get("documents", corpus["functions"]),
+                                **{f"after_{k}": v for k, v in stages.items() if k != "corpus"},
+                                "in_shards": index["n_documents"]},
+        "skipped_inputs": corpus["skipped"],
+        "near_dedup_docs_per_s": near.get("docs_per_s"),
         "vocab_size": index["vocab_size"],
+        "unk_rate_held_out": tok.get("unk_rate"),
+        "held_out_docs": tok.get("held_out_docs"),
+        "unk_examples": tok.get("unk_examples"),
         "tokens": index["n_tokens"],
         "sequences": index["n_sequences"],
         "seq_len": index["seq_len"],
         "shard_bytes": index["n_bytes"],
         "reduction_percent": round(100.0 * (1.0 - index["n_bytes"] / raw), 2) if raw else None,
+        "source_share_before": balance.get("share_before"),
+        "source_share_after": balance.get("share_after"),
     }
 
 

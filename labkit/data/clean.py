@@ -20,67 +20,120 @@ from labkit.config import CleanConfig
 FILTERS: dict[str, str] = {
     "too_short": "fewer than min_chars characters",
     "too_long": "more than max_chars characters",
-    "too_few_lines": "fewer than min_lines lines (instructions)",
-    "nonprintable": "share of control characters (other than \\n, \\t, \\r) and U+FFFD above max_nonprintable_ratio",
+    "too_few_lines": "(code) fewer than min_lines lines (instructions)",
+    "undecodable": "contains U+FFFD (bytes that were not valid UTF-8, replaced when read) or NUL (binary data)",
+    "nonprintable": "share of control characters (other than \\n, \\t, \\r) above max_nonprintable_ratio",
+    "badly_formatted": "a line longer than max_line_chars characters",
     "repeated_lines": "share of lines that repeat an earlier line of the document above max_repeated_line_ratio",
-    "boilerplate": "(drop_plt_stubs) a name ending in '@plt', or a trivial thunk: one unconditional jump "
-                   "(x86 jmp, aarch64 b/br), optionally after endbr64/bti/nop",
-    "blocklist": "text matches one of the blocklist regular expressions (Rust regex syntax)",
+    "boilerplate": "(code, drop_plt_stubs) a name ending in '@plt', or a trivial thunk: one unconditional jump "
+                   "(x86 jmp, aarch64 b/br), optionally after endbr64/bti/nop; (text) more than "
+                   "max_boilerplate_line_ratio of the lines match text_boilerplate (headers, footers)",
+    "blocklist": "text matches one of the blocklist regular expressions (Rust regex syntax), or for text "
+                 "documents one of text_blocklist",
     "exact_duplicate": "(exact_dedup) same text as a kept document with a smaller id",
+    "near_duplicate": "(near_dedup, labkit.data.dedup) estimated Jaccard >= threshold with a kept document "
+                      "of smaller id",
 }
-"""Drop reasons in the order they are tried, with what each means."""
+"""Drop reasons in the order they are tried, with what each means. Filters passed to ``clean`` as
+``extra_filters`` are tried after "blocklist" and before "exact_duplicate". A document is text
+when its ``arch`` column is "text" (``labkit.data.sources``), else code."""
 
-_NONPRINTABLE = r"[\p{Cc}&&[^\n\t\r]]|\x{FFFD}"
+_NONPRINTABLE = r"[\p{Cc}&&[^\n\t\r]]"
+_UNDECODABLE = r"[\x{FFFD}\x00]"
 _THUNK = r"^(?:(?:endbr64|endbr32|bti(?: [a-z]+)?|nop)\n)?(?:(?:bnd |notrack )?jmp|b|br) [^\n]+$"
-
-
 class EmptyCorpusError(ValueError):
     """Cleaning kept no document; the message names the input and the drop counts."""
 
 
-def _check_blocklist(patterns: tuple[str, ...]) -> None:
+def _check_patterns(name: str, patterns: tuple[str, ...]) -> None:
     for pattern in patterns:
         try:
             pl.select(pl.lit("").str.contains(pattern)).item()
         except pl.exceptions.PolarsError as err:
-            raise ValueError(f"blocklist: {pattern!r} is not a valid regular expression: {err}") from None
+            raise ValueError(f"{name}: {pattern!r} is not a valid regular expression: {err}") from None
 
 
-def clean(lf: pl.LazyFrame, cfg: CleanConfig) -> pl.LazyFrame:
+def _any_of(patterns: tuple[str, ...]) -> str:
+    return "|".join(f"(?:{p})" for p in patterns)
+
+
+def describe_filters(cfg: CleanConfig) -> pl.DataFrame:
+    """The filters as a frame (reason, meaning, settings): what ``clean`` will do with ``cfg``."""
+    settings = {
+        "too_short": f"min_chars={cfg.min_chars}", "too_long": f"max_chars={cfg.max_chars}",
+        "too_few_lines": f"min_lines={cfg.min_lines}", "undecodable": "",
+        "nonprintable": f"max_nonprintable_ratio={cfg.max_nonprintable_ratio}",
+        "badly_formatted": f"max_line_chars={cfg.max_line_chars}",
+        "repeated_lines": f"max_repeated_line_ratio={cfg.max_repeated_line_ratio}",
+        "boilerplate": f"drop_plt_stubs={cfg.drop_plt_stubs}, {len(cfg.text_boilerplate)} text patterns, "
+                       f"max_boilerplate_line_ratio={cfg.max_boilerplate_line_ratio}",
+        "blocklist": f"{len(cfg.blocklist)} patterns, {len(cfg.text_blocklist)} text patterns",
+        "exact_duplicate": f"exact_dedup={cfg.exact_dedup}", "near_duplicate": f"near_dedup={cfg.near_dedup}",
+    }
+    return pl.DataFrame({"reason": list(FILTERS), "meaning": list(FILTERS.values()),
+                         "settings": [settings[r] for r in FILTERS]})
+
+
+def clean(lf: pl.LazyFrame, cfg: CleanConfig, *, extra_filters: dict[str, pl.Expr] | None = None) -> pl.LazyFrame:
     """The same rows and columns plus ``drop_reason`` (Utf8): the first reason of ``FILTERS`` that
-    matches, null for a kept document.
+    matches, null for a kept document (near duplicates are marked by ``labkit.data.dedup``).
 
-    Needs a Utf8 ``text`` column; ``id`` (Utf8) is needed for exact dedup and ``name`` is used for
-    PLT stubs when present. Exact dedup compares documents that passed every earlier filter and
-    keeps the smallest ``id`` per identical text, so the result does not depend on row order or
-    on how the input was split into parts (rows equal in both ``id`` and ``text`` keep one).
-    Lengths count characters; lines are ``text.split("\\n")``. Raises ValueError naming
-    ``blocklist`` for an invalid regular expression.
+    Needs a Utf8 ``text`` column; ``id`` (Utf8) is needed for exact dedup, ``name`` is used for
+    PLT stubs and ``arch`` ("text" for text documents) picks the code or text rules when
+    present (without it every document is code). ``extra_filters`` {reason: boolean polars
+    expression over the columns} extends the list: tried in the given order after "blocklist".
+    Exact dedup compares documents that passed every earlier filter and keeps the smallest
+    ``id`` per identical text, so the result does not depend on row order or on how the input
+    was split into parts (rows equal in both ``id`` and ``text`` keep one). Lengths count
+    characters; lines are ``text.split("\\n")``. Raises ValueError naming ``blocklist`` (or the
+    other pattern field) for an invalid regular expression and ``extra_filters`` for a reason
+    that shadows a built-in one.
     """
-    _check_blocklist(cfg.blocklist)
+    _check_patterns("blocklist", cfg.blocklist)
+    _check_patterns("text_blocklist", cfg.text_blocklist)
+    _check_patterns("text_boilerplate", cfg.text_boilerplate)
+    extra = dict(extra_filters or {})
+    clash = sorted(set(extra) & set(FILTERS))
+    if clash:
+        raise ValueError(f"extra_filters: reasons {clash} are built-in; choose other names")
+    columns = lf.collect_schema().names()
+    is_text = (pl.col("arch") == "text").fill_null(False) if "arch" in columns else pl.lit(False)
     text = pl.col("text")
     n_chars = text.str.len_chars()
     lines = text.str.split("\n")
     n_lines = lines.list.len()
     repeated = (n_lines - lines.list.n_unique()) / n_lines
     nonprintable = text.str.count_matches(_NONPRINTABLE) / pl.max_horizontal(n_chars, 1)
+    longest_line = lines.list.eval(pl.element().str.len_chars()).list.max()
     rules: list[tuple[str, pl.Expr]] = [
         ("too_short", n_chars < cfg.min_chars),
         ("too_long", n_chars > cfg.max_chars),
-        ("too_few_lines", n_lines < cfg.min_lines),
+        ("too_few_lines", ~is_text & (n_lines < cfg.min_lines)),
+        ("undecodable", text.str.contains(_UNDECODABLE)),
         ("nonprintable", nonprintable > cfg.max_nonprintable_ratio),
+        ("badly_formatted", longest_line > cfg.max_line_chars),
         ("repeated_lines", repeated > cfg.max_repeated_line_ratio),
     ]
+    boiler = pl.lit(False)
     if cfg.drop_plt_stubs:
         thunk = text.str.contains(_THUNK)
-        if "name" in lf.collect_schema().names():
+        if "name" in columns:
             thunk = thunk | pl.col("name").str.ends_with("@plt").fill_null(False)
-        rules.append(("boilerplate", thunk))
+        boiler = ~is_text & thunk
+    if cfg.text_boilerplate:
+        share = lines.list.eval(pl.element().str.contains(_any_of(cfg.text_boilerplate))).list.mean()
+        boiler = boiler | (is_text & (share > cfg.max_boilerplate_line_ratio))
+    rules.append(("boilerplate", boiler))
+    blocked = pl.lit(False)
     if cfg.blocklist:
-        rules.append(("blocklist", text.str.contains("|".join(f"(?:{p})" for p in cfg.blocklist))))
+        blocked = text.str.contains(_any_of(cfg.blocklist))
+    if cfg.text_blocklist:
+        blocked = blocked | (is_text & text.str.contains(_any_of(cfg.text_blocklist)))
+    rules.append(("blocklist", blocked))
+    rules.extend(extra.items())
     reason = pl.lit(None, dtype=pl.Utf8)
     for name, condition in reversed(rules):
-        reason = pl.when(condition).then(pl.lit(name)).otherwise(reason)
+        reason = pl.when(condition.fill_null(False)).then(pl.lit(name)).otherwise(reason)
     lf = lf.with_columns(drop_reason=reason)
     if cfg.exact_dedup:
         kept = pl.col("drop_reason").is_null()
@@ -92,8 +145,10 @@ def clean(lf: pl.LazyFrame, cfg: CleanConfig) -> pl.LazyFrame:
     return lf
 
 
-def clean_corpus(corpus_glob: str, out_path: str, cfg: CleanConfig) -> dict:
-    """Clean every Parquet file matching ``corpus_glob``; write the kept documents (input columns,
+def clean_corpus(corpus_glob: str, out_path: str, cfg: CleanConfig, *,
+                 extra_filters: dict[str, pl.Expr] | None = None) -> dict:
+    """Clean every Parquet file matching ``corpus_glob`` (``clean``; near dedup is a separate step,
+    ``labkit.data.dedup.near_dedup_parquet``); write the kept documents (input columns,
     input order, no ``drop_reason``) to ``out_path`` and
     ``{"input": n, "kept": n, "dropped": {reason: n}}`` to ``<out_path stem>.drops.json`` beside it,
     both via temp file + rename, the Parquet first. Returns that dict.
@@ -103,9 +158,10 @@ def clean_corpus(corpus_glob: str, out_path: str, cfg: CleanConfig) -> dict:
     """
     if not glob.glob(corpus_glob, recursive=True):
         raise FileNotFoundError(f"clean_corpus: no Parquet file matches {corpus_glob!r}")
-    marked = clean(pl.scan_parquet(corpus_glob), cfg).collect()
+    marked = clean(pl.scan_parquet(corpus_glob), cfg, extra_filters=extra_filters).collect()
     counts = marked.group_by("drop_reason").len().drop_nulls("drop_reason")
-    dropped = {r: int(n) for r, n in sorted(counts.iter_rows(), key=lambda rn: list(FILTERS).index(rn[0]))}
+    order = [*list(FILTERS)[:-2], *(extra_filters or {}), *list(FILTERS)[-2:]]
+    dropped = {r: int(n) for r, n in sorted(counts.iter_rows(), key=lambda rn: order.index(rn[0]))}
     kept = marked.filter(pl.col("drop_reason").is_null()).drop("drop_reason")
     stats = {"input": marked.height, "kept": kept.height, "dropped": dropped}
     if kept.height == 0:

@@ -357,19 +357,28 @@ def merge_stats(parts: list[dict]) -> dict:
 
 def build_corpus(cfg: CorpusConfig, out_dir: str, *, n_parts: int = 1) -> dict:
     """Single-process corpus: ``find_elf_files``, ``split_work`` into ``n_parts``, write
-    ``out_dir/part-XXXXX.parquet`` for each, then ``out_dir/corpus.json`` last (atomic).
+    ``out_dir/part-XXXXX.parquet`` for each, one more part per text source kind with files
+    (``labkit.data.sources``; "functions" then counts their documents too), then
+    ``out_dir/corpus.json`` last (atomic).
 
     ``corpus.json`` (and the return value) is ``merge_stats`` of the parts plus ``n_parts``,
     ``parts`` (file names) and ``config`` (``to_dict(cfg)``). Raises FileNotFoundError naming a
     missing ``cfg.paths`` entry and ValueError for ``n_parts < 1``.
     """
+    from labkit.data.sources import find_source_files, write_source_part  # sources imports SCHEMA from here
+
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    files = find_elf_files(cfg)
+    files = find_elf_files(cfg) if cfg.paths else []
     results, names = [], []
-    for i, (share, part_cfg) in enumerate(split_work(files, cfg, n_parts)):
+    for i, (share, part_cfg) in enumerate(split_work(files, cfg, n_parts) if files else []):
         names.append(f"part-{i:05d}.parquet")
         results.append(write_corpus_part(share, part_cfg, str(out / names[-1])))
+    for kind in ("text", "jsonl", "parquet"):  # text sources: one more part per kind that has files
+        text_files = find_source_files(kind, cfg)
+        if text_files:
+            names.append(f"part-{len(names):05d}.parquet")
+            results.append(write_source_part(kind, text_files, cfg, str(out / names[-1])))
     stats = merge_stats(results) | {"n_parts": n_parts, "parts": names, "config": to_dict(cfg)}
     stats = json.loads(json.dumps(stats))  # the return value equals corpus.json (tuples as lists)
     _atomic_write_json(stats, out / "corpus.json")

@@ -2,8 +2,9 @@
 
 Three steps, so the expensive one spreads over engines and the result does not depend on how:
 
-1. ``signatures(texts, cfg)`` -> uint64 array [n_docs, num_perm]: word-shingle MinHash per
-   document (pure per document: any split of the documents gives the same rows);
+1. ``signatures(texts, cfg)`` -> uint32 array [n_docs, num_perm]: word-shingle MinHash per
+   document with datasketch's affine32 permutations, vectorised over documents (pure per
+   document: any split of the documents gives the same rows);
 2. ``near_duplicates(ids, sigs, cfg)``: documents are visited in ascending id order; each is
    queried against the LSH index of the documents kept so far; a candidate whose estimated
    Jaccard similarity is >= ``cfg.threshold`` makes it a duplicate of that candidate, else it
@@ -18,6 +19,12 @@ Banding: with b bands of r rows a pair of Jaccard s becomes a candidate with pro
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
 from typing import Iterable
 
 import numpy as np
@@ -26,6 +33,8 @@ from datasketch import LeanMinHash, MinHash, MinHashLSH
 
 from labkit.config import DedupConfig
 
+_P = 0x9E3779B97F4A7C15
+"""Odd 64-bit multiplier of the shingle hash (the golden-ratio constant)."""
 _SCHEME = "affine32"
 """datasketch's hashing scheme, fixed so signatures from any engine are comparable."""
 
@@ -39,13 +48,82 @@ def shingles(text: str, size: int) -> set[bytes]:
     return {" ".join(words[i:i + size]).encode() for i in range(len(words) - size + 1)}
 
 
-def signatures(texts: Iterable[str], cfg: DedupConfig = DedupConfig()) -> np.ndarray:
-    """MinHash signatures, uint64 array of shape [n_docs, cfg.num_perm]."""
-    sets = [shingles(t, cfg.shingle_size) for t in texts]
-    mhs = MinHash.bulk(sets, num_perm=cfg.num_perm, seed=cfg.seed, scheme=_SCHEME)
-    if not mhs:
-        return np.zeros((0, cfg.num_perm), dtype=np.uint64)
-    return np.stack([m.hashvalues.astype(np.uint64) for m in mhs])
+def _word_hashes(words: pl.Series) -> np.ndarray:
+    """uint64 per word: the first 8 bytes of blake2b of its UTF-8 (stable across processes and
+    versions), computed once per distinct word."""
+    uniq = words.unique()
+    hashed = [int.from_bytes(hashlib.blake2b(w.encode(), digest_size=8).digest(), "little") for w in uniq.to_list()]
+    table = pl.DataFrame({"w": uniq, "h": pl.Series(hashed, dtype=pl.UInt64)})
+    return pl.DataFrame({"w": words}).join(table, on="w", how="left", maintain_order="left")["h"].to_numpy()
+
+
+def shingle_hashes(texts: list[str], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The word ``size``-grams of each text (as ``shingles``) hashed to uint32, vectorised.
+
+    Returns (hashes: uint32 [n_shingles], offsets: int64 [n_docs + 1]); document d's shingles are
+    ``hashes[offsets[d]:offsets[d + 1]]`` (repeats kept: a minimum does not care). A shingle of
+    words w_0..w_{m-1} hashes to H = sum_j h(w_j) * P^j mod 2^64 (h = ``_word_hashes``, P an odd
+    64-bit constant), folded to 32 bits as (H ^ H >> 32) mod 2^32.
+    """
+    frame = pl.DataFrame({"text": pl.Series(texts, dtype=pl.Utf8)}).with_row_index("doc")
+    words = frame.select("doc", w=pl.col("text").str.extract_all(r"\S+")).explode("w").drop_nulls("w")
+    n_words = np.bincount(words["doc"].to_numpy(), minlength=len(texts)).astype(np.int64)
+    w = _word_hashes(words["w"])
+    starts = np.concatenate([[0], np.cumsum(n_words)])[:-1]
+    ends = starts + n_words
+    doc_of = np.repeat(np.arange(len(texts)), n_words)
+    pos = np.arange(len(w))
+    first = np.zeros(len(w), dtype=bool)
+    first[starts[n_words > 0]] = True
+    is_start = (pos + size <= ends[doc_of]) | (first & (n_words[doc_of] < size))
+    idx = pos[is_start]
+    m = np.minimum(size, ends[doc_of[idx]] - idx)  # words in each shingle
+    h = np.zeros(len(idx), dtype=np.uint64)
+    padded = np.concatenate([w, np.zeros(size, dtype=np.uint64)])
+    power = np.uint64(1)
+    with np.errstate(over="ignore"):
+        for j in range(size):
+            h += np.where(j < m, padded[idx + j], np.uint64(0)) * power
+            power = power * np.uint64(_P)
+    folded = ((h ^ (h >> np.uint64(32))) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    per_doc = np.bincount(doc_of[idx], minlength=len(texts)) if len(idx) else np.zeros(len(texts), dtype=np.int64)
+    return folded, np.concatenate([[0], np.cumsum(per_doc)]).astype(np.int64)
+
+
+def _fmix32(h: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 32-bit finaliser, as datasketch applies it before the affine32 permutations."""
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def signatures(texts: Iterable[str], cfg: DedupConfig = DedupConfig(), *, chunk_shingles: int = 1 << 16) -> np.ndarray:
+    """MinHash signatures, uint32 array of shape [n_docs, cfg.num_perm]: per permutation
+    (a, b) of datasketch's ``MinHash(num_perm, seed, scheme="affine32").permutations``, the
+    minimum over the document's shingle hashes h of a * fmix32(h) + b mod 2^32 -- exactly what
+    ``datasketch.MinHash(hashfunc=int, scheme="affine32").update_batch(hashes)`` computes
+    (tests/data/test_dedup.py checks it), done for many documents at once. A document without
+    words gets all 2^32 - 1 (datasketch's empty MinHash). Memory: ``chunk_shingles`` * num_perm * 4 bytes.
+    """
+    texts = list(texts)
+    hashes, offsets = shingle_hashes(texts, cfg.shingle_size)
+    a, b = MinHash(num_perm=cfg.num_perm, seed=cfg.seed, scheme=_SCHEME).permutations
+    a, b = a.astype(np.uint32), b.astype(np.uint32)
+    mixed = _fmix32(hashes)
+    out = np.full((len(texts), cfg.num_perm), np.uint32(0xFFFFFFFF), dtype=np.uint32)
+    doc = 0
+    while doc < len(texts):
+        stop = int(np.searchsorted(offsets, offsets[doc] + chunk_shingles, side="right")) - 1
+        stop = min(max(stop, doc + 1), len(texts))
+        lo, hi = offsets[doc], offsets[stop]
+        if hi > lo:
+            phv = mixed[lo:hi, None] * a[None, :] + b[None, :]  # [n_shingles, num_perm], wraps mod 2^32
+            nonempty = np.flatnonzero(offsets[doc + 1:stop + 1] > offsets[doc:stop]) + doc
+            out[nonempty] = np.minimum.reduceat(phv, offsets[nonempty] - lo, axis=0)
+        doc = stop
+    return out
 
 
 def candidate_probability(jaccard: float, cfg: DedupConfig = DedupConfig()) -> float:
@@ -54,12 +132,15 @@ def candidate_probability(jaccard: float, cfg: DedupConfig = DedupConfig()) -> f
     return 1.0 - (1.0 - jaccard**cfg.rows) ** cfg.bands
 
 
-def near_duplicates(ids: list[str], sigs: np.ndarray, cfg: DedupConfig = DedupConfig()) -> dict[str, str]:
+def near_duplicates(ids: list[str], sigs: np.ndarray, cfg: DedupConfig = DedupConfig(), *,
+                    progress: bool = False) -> dict[str, str]:
     """Map each near-duplicate id to the kept id it duplicates (see module docstring).
 
     ``sigs[i]`` is the signature of ``ids[i]``; raises ValueError if the shapes disagree or an
-    id repeats.
+    id repeats. ``progress``: a tqdm bar (stderr) over the documents.
     """
+    from tqdm.std import tqdm
+
     if sigs.shape != (len(ids), cfg.num_perm):
         raise ValueError(f"sigs: expected shape ({len(ids)}, {cfg.num_perm}), got {sigs.shape}")
     if len(set(ids)) != len(ids):
@@ -67,7 +148,8 @@ def near_duplicates(ids: list[str], sigs: np.ndarray, cfg: DedupConfig = DedupCo
     lsh = MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm, params=(cfg.bands, cfg.rows))
     kept_sigs: dict[str, np.ndarray] = {}
     dup_of: dict[str, str] = {}
-    for i in np.argsort(np.asarray(ids, dtype=object), kind="stable"):
+    for i in tqdm(np.argsort(np.asarray(ids, dtype=object), kind="stable"), desc="near-dedup: LSH", unit="doc",
+                  disable=not progress, mininterval=2.0, file=sys.stderr):
         doc_id = ids[i]
         mh = LeanMinHash(seed=cfg.seed, hashvalues=sigs[i], scheme=_SCHEME)
         best, best_sim = None, -1.0
@@ -101,3 +183,50 @@ def near_dedup(lf: pl.LazyFrame, cfg: DedupConfig = DedupConfig()) -> pl.LazyFra
     if has_reason:
         return out.with_columns(pl.coalesce(pl.col("drop_reason"), reason.otherwise(None)).alias("drop_reason"))
     return out.with_columns(reason.otherwise(None).cast(pl.Utf8).alias("drop_reason"))
+
+
+def signature_part(docs_path: str, start: int, stop: int, cfg: DedupConfig, out_path: str) -> dict:
+    """Signatures of rows ``[start, stop)`` of the Parquet ``docs_path`` (column ``text``; a null
+    text counts as empty) saved as ``.npy`` (uint32 [stop - start, num_perm]) at ``out_path``
+    via temp file + rename: what each engine runs on its share. Returns {"start", "stop",
+    "seconds"}."""
+    t0 = time.perf_counter()
+    texts = pl.scan_parquet(docs_path).select(pl.col("text").fill_null("")).slice(start, stop - start).collect()
+    sigs = signatures(texts["text"].to_list(), cfg)
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.save(f, sigs)
+    os.replace(tmp, out)
+    return {"start": start, "stop": stop, "seconds": time.perf_counter() - t0}
+
+
+def near_dedup_parquet(docs_path: str, sig_paths: list[str], out_path: str, cfg: DedupConfig, *,
+                       progress: bool = False) -> dict:
+    """Drop near duplicates from the Parquet ``docs_path`` given the signatures of its rows in
+    order (``signature_part`` files, concatenated in the order given): writes the kept rows
+    (input columns and order) to ``out_path`` and the pairs ``(id, duplicate_of)`` to
+    ``<out_path stem>.near_duplicates.parquet``, both via temp file + rename.
+
+    Returns {"input", "kept", "near_duplicate", "seconds" (LSH pass), "docs_per_s"}. Raises
+    ValueError naming ``sig_paths`` when the signature rows do not match the documents.
+    """
+    t0 = time.perf_counter()
+    ids = pl.scan_parquet(docs_path).select("id").collect()["id"].to_list()
+    sigs = np.concatenate([np.load(p) for p in sig_paths]) if sig_paths else np.zeros((0, cfg.num_perm), np.uint32)
+    if len(sigs) != len(ids):
+        raise ValueError(f"sig_paths: {len(sigs)} signature rows for {len(ids)} documents in {docs_path}")
+    dup_of = near_duplicates(ids, sigs, cfg, progress=progress)
+    pairs = pl.DataFrame({"id": list(dup_of), "duplicate_of": list(dup_of.values())},
+                         schema={"id": pl.Utf8, "duplicate_of": pl.Utf8})
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for frame, path in ((pl.scan_parquet(docs_path).filter(~pl.col("id").is_in(pairs["id"].implode())), out),
+                        (pairs.lazy(), out.with_name(f"{out.stem}.near_duplicates.parquet"))):
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        frame.sink_parquet(tmp)
+        os.replace(tmp, path)
+    seconds = time.perf_counter() - t0
+    return {"input": len(ids), "kept": len(ids) - len(dup_of), "near_duplicate": len(dup_of),
+            "seconds": round(seconds, 3), "docs_per_s": round(len(ids) / seconds, 1) if seconds else None}

@@ -12,6 +12,9 @@ Layout of a shard directory::
   the stream is cut into rows of ``seq_len - 1`` tokens, each row prefixed by [CLS] (2); the
   last partial row is padded with [PAD] (0). A document may continue in the next row. Real
   tokens are the non-PAD ones. The result does not depend on ``ShardConfig.batch_docs``.
+- Writing (``write_shards``, or ``encode_part`` on engines + ``finish_shards``) encodes row
+  ranges ("parts") into ``<out_dir>.parts/part-XXXXX.ids/.lens`` with a completion marker each, then packs
+  them in one pass in row order; finished parts and shards are skipped by a re-run.
 - ``index.json`` (fields in ``write_shards``) is written after every shard, by temp file +
   ``os.replace``; its presence means the set is complete, and a directory without it is never
   read (``read_index`` raises ``ShardError``). Compare: mosaicml/streaming MDS ``index.json``,
@@ -29,9 +32,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import polars as pl
 
 from labkit.config import SPECIAL_TOKENS, ShardConfig
-from labkit.data.tokenize import file_sha256, iter_texts, load_tokenizer, text_row_count, tokenizer_sha256
+from labkit.data.tokenize import (LineCache, encode_flat, file_sha256, line_separable, load_tokenizer, text_row_count,
+                                  tokenizer_sha256)
 
 FORMAT = "labkit-shards"
 VERSION = 1
@@ -98,86 +103,275 @@ def _atomic_write(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def write_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardConfig, *,
-                 progress: bool = True) -> dict:
-    """Tokenize the ``text`` column of ``docs_path`` (Parquet file or glob) with the tokenizer at
-    ``tokenizer_path`` and write packed shards + ``index.json`` (last) to ``out_dir``.
+def parts_dir_for(out_dir: str | os.PathLike) -> Path:
+    """Where the encoded parts and completion markers of ``out_dir`` live: the sibling directory
+    ``<out_dir>.parts`` (outside the shard set, so copying or listing the set never sees them)."""
+    out = Path(out_dir).absolute()
+    return out.with_name(out.name + ".parts")
 
-    Reads ``cfg.batch_docs`` documents (non-null ``text``) per polars slice and encodes them with
-    ``Tokenizer.encode_batch`` (no special tokens added; special-token strings in the text are
-    encoded as text, so only packing inserts ids 0, 2, 3). Any index.json and shard files of an
-    earlier run in ``out_dir`` are removed first, so the directory is never complete-looking while
-    being written. A tqdm bar (stderr) counts documents when ``progress``.
 
-    Returns the index dict: {"format": "labkit-shards", "version": 1, "dtype": "uint16"|"uint32",
-    "seq_len", "vocab_size", "tokenizer_sha256", "special_ids": {"[PAD]": 0, ...},
-    "n_documents", "n_sequences", "n_tokens" (non-PAD ids), "n_bytes" (all shards),
-    "shards": [{"file", "n_sequences", "n_bytes", "sha256"}, ...]}.
-    Raises ``ValueError`` naming ``docs_path`` when it holds no documents and ``ShardError``
-    naming the tokenizer when its special tokens are not at ids 0..4.
+def plan_parts(n_docs: int, part_docs: int) -> list[tuple[int, int]]:
+    """Row ranges ``[(start, stop), ...]`` of ``part_docs`` rows each (the last may be shorter)
+    covering ``n_docs`` rows: the encoding parts, fixed by the input, not by the engines."""
+    return [(s, min(s + part_docs, n_docs)) for s in range(0, n_docs, part_docs)]
+
+
+def _part_files(parts_dir: Path, part: int) -> tuple[Path, Path, Path]:
+    stem = f"part-{part:05d}"
+    return parts_dir / f"{stem}.ids", parts_dir / f"{stem}.lens", parts_dir / f"{stem}.json"
+
+
+def _part_is_done(marker: Path, start: int, stop: int, tok_sha: str) -> dict | None:
+    """The marker of a finished part if it matches (rows, tokenizer) and its files have the
+    recorded sizes and sha256; else None."""
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if (info.get("start"), info.get("stop"), info.get("tokenizer_sha256")) != (start, stop, tok_sha):
+        return None
+    for key in ("ids", "lens"):
+        path = marker.parent / info[key]["file"]
+        if not path.is_file() or path.stat().st_size != info[key]["n_bytes"] or file_sha256(path) != info[key]["sha256"]:
+            return None
+    return info
+
+
+def encode_part(docs_path: str, tokenizer_path: str, parts_dir: str, part: int, start: int, stop: int, *,
+                batch_docs: int = 4096) -> dict:
+    """Encode rows ``[start, stop)`` of the ``text`` column of ``docs_path`` into
+    ``parts_dir/part-<part>.ids`` (flat little-endian ids, shard dtype, no special tokens, the
+    documents back to back) and ``part-<part>.lens`` (int32 [stop - start], tokens per row, -1 for
+    a null text), then the marker ``part-<part>.json`` last (all via temp file + rename).
+
+    What each engine runs on its parts. A finished part -- marker present, same rows and
+    tokenizer sha256, files of the recorded size and sha256 -- is not encoded again; the marker
+    is returned with ``"skipped": True``. Reads ``batch_docs`` rows per polars slice and encodes
+    them with ``labkit.data.tokenize.encode_flat`` (each distinct line once for a line-separable
+    WordPiece tokenizer, else one ``encode_batch`` call). Returns the marker: {"part", "start", "stop", "n_docs"
+    (non-null), "n_tokens", "dtype", "tokenizer_sha256", "ids": {"file", "n_bytes", "sha256"},
+    "lens": {...}, "skipped"}.
     """
-    from tqdm.std import tqdm
+    tok_sha = tokenizer_sha256(tokenizer_path)
+    out = Path(parts_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ids_path, lens_path, marker = _part_files(out, part)
+    done = _part_is_done(marker, start, stop, tok_sha)
+    if done is not None:
+        return done | {"skipped": True}
+    marker.unlink(missing_ok=True)
+    tok = _checked_tokenizer(tokenizer_path)
+    separable, cache = line_separable(tok), LineCache()
+    dtype = shard_dtype(tok.get_vocab_size(with_added_tokens=True))
+    lf = pl.scan_parquet(docs_path).select("text")
+    lens_all: list[np.ndarray] = []
+    h = hashlib.sha256()
+    n_tokens = 0
+    tmp = ids_path.with_name(f".{ids_path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            for lo in range(start, stop, batch_docs):
+                col = lf.slice(lo, min(batch_docs, stop - lo)).collect().get_column("text")
+                lens = np.full(len(col), -1, dtype=np.int32)
+                valid = col.is_not_null().to_numpy()
+                flat, lens[valid] = encode_flat(tok, col.drop_nulls().to_list(), separable=separable, cache=cache)
+                data = flat.astype(dtype).tobytes()
+                f.write(data)
+                h.update(data)
+                n_tokens += len(flat)
+                lens_all.append(lens)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, ids_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    lens = np.concatenate(lens_all) if lens_all else np.empty(0, dtype=np.int32)
+    if len(lens) != stop - start:
+        raise ValueError(f"{docs_path}: rows {start}..{stop} requested, {len(lens)} read")
+    lens_bytes = lens.astype("<i4").tobytes()
+    _atomic_write(lens_path, lens_bytes)
+    info = {"part": part, "dir": str(out.absolute()), "start": start, "stop": stop,
+            "n_docs": int((lens >= 0).sum()), "n_tokens": n_tokens,
+            "dtype": dtype.name, "tokenizer_sha256": tok_sha,
+            "ids": {"file": ids_path.name, "n_bytes": n_tokens * dtype.itemsize, "sha256": h.hexdigest()},
+            "lens": {"file": lens_path.name, "n_bytes": len(lens_bytes),
+                     "sha256": hashlib.sha256(lens_bytes).hexdigest()}}
+    _atomic_write(marker, (json.dumps(info, indent=1) + "\n").encode())
+    return info | {"skipped": False}
 
+
+def _checked_tokenizer(tokenizer_path: str):
     tok = load_tokenizer(tokenizer_path)
     for i, name in enumerate(SPECIAL_TOKENS):
         if tok.token_to_id(name) != i:
             raise ShardError(f"{tokenizer_path}: {name} has id {tok.token_to_id(name)}, expected {i}")
     tok.encode_special_tokens = True
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast (tokenizers >= 0.21) skips offsets
-    vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    dtype = shard_dtype(vocab_size)
-    n_rows_in = text_row_count(docs_path)
+    return tok
+
+
+def _with_seps(flat: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Documents' ids back to back (``flat``) with [SEP] inserted after each: [len(flat) + len(lens)]."""
+    out = np.full(len(flat) + len(lens), SEP_ID, dtype=np.int64)
+    is_token = np.ones(len(out), dtype=bool)
+    is_token[np.cumsum(lens + 1) - 1] = False  # the [SEP] after each document
+    out[is_token] = flat
+    return out
+
+
+def finish_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardConfig, parts: list[dict], *,
+                  progress: bool = True) -> dict:
+    """Select documents (``labkit.data.balance``) and pack the encoded ``parts`` (the markers
+    ``encode_part`` returned, any order) in row order into shards, then write ``index.json``.
+
+    One sequential pass, so the output is the same whatever engines encoded the parts. Each
+    shard is followed by a marker ``<out_dir>.parts/shard-<k>.json`` naming the plan it belongs to (a
+    hash of tokenizer, parts, packing settings and selection); a re-run does not write a shard
+    again whose marker names the same plan and whose file has the size and sha256 of the bytes
+    it would write. Shards and markers of other plans beyond the new count are removed. Raises
+    ShardError naming a part encoded with another tokenizer, ``ValueError`` naming
+    ``docs_path`` when there are no documents.
+    """
+    from tqdm.std import tqdm
+
+    from labkit.data.balance import select_documents
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / INDEX_NAME).unlink(missing_ok=True)
-    for old in out.iterdir():  # shards of an earlier run, and temp files of a crashed one
-        if _SHARD_RE.fullmatch(old.name) or _TMP_RE.fullmatch(old.name):
+    parts_dir = parts_dir_for(out_dir)
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    tok_sha = tokenizer_sha256(tokenizer_path)
+    parts = sorted(parts, key=lambda p: p["start"])
+    for p in parts:
+        if p["tokenizer_sha256"] != tok_sha:
+            raise ShardError(f"{Path(p['dir']) / p['ids']['file']}: encoded with tokenizer {p['tokenizer_sha256'][:12]}..., "
+                             f"not {tokenizer_path} ({tok_sha[:12]}...)")
+    ranges = [(p["start"], p["stop"]) for p in parts]
+    n_rows = text_row_count(docs_path)
+    edges = [0] + [r for a, b in zip(ranges, ranges[1:]) for r in (a[1], a[1])] + [n_rows]
+    if n_rows and [r for pair in ranges for r in pair] != edges:
+        raise ValueError(f"parts: row ranges {ranges} do not tile the {n_rows} rows of {docs_path}")
+    if sum(p["n_docs"] for p in parts) == 0 or not n_rows:
+        raise ValueError(f"{docs_path}: no documents to write shards from")
+    vocab_size = load_tokenizer(tokenizer_path).get_vocab_size(with_added_tokens=True)
+    dtype = shard_dtype(vocab_size)
+    lengths = np.concatenate([np.fromfile(Path(p["dir"]) / p["lens"]["file"], dtype="<i4")
+                              for p in parts]).astype(np.int64)
+    keep, balance = select_documents(docs_path, lengths, cfg)
+    plan = hashlib.sha256(json.dumps([tok_sha, cfg.seq_len, cfg.sequences_per_shard, dtype.name,
+                                      [p["ids"]["sha256"] for p in parts],
+                                      hashlib.sha256(np.packbits(keep).tobytes()).hexdigest()]).encode()).hexdigest()
+    (out / INDEX_NAME).unlink(missing_ok=True)  # incomplete from here until the new index is written
+    for old in out.iterdir():
+        if _TMP_RE.fullmatch(old.name):
             old.unlink()
 
     shards: list[dict] = []
-    tokens_per_shard: list[int] = []  # non-PAD ids
-    pending: list[np.ndarray] = []  # rows not yet written, [*, seq_len] each
+    pending: list[np.ndarray] = []
     carry = np.empty(0, dtype=np.int64)
-    n_docs = 0
 
     def flush(final: bool) -> None:
         rows = np.concatenate(pending) if pending else np.empty((0, cfg.seq_len), dtype=dtype)
         pending.clear()
         while len(rows) >= cfg.sequences_per_shard or (final and len(rows)):
             block, rows = rows[: cfg.sequences_per_shard], rows[cfg.sequences_per_shard:]
-            data = np.ascontiguousarray(block, dtype=dtype).tobytes()
             name = f"shard-{len(shards):05d}.bin"
-            _atomic_write(out / name, data)
-            shards.append({"file": name, "n_sequences": len(block), "n_bytes": len(data),
-                           "sha256": hashlib.sha256(data).hexdigest()})
-            tokens_per_shard.append(int(np.count_nonzero(block != PAD_ID)))
+            marker = parts_dir / f"{name[:-4]}.json"
+            data = np.ascontiguousarray(block, dtype=dtype).tobytes()
+            sha = hashlib.sha256(data).hexdigest()
+            try:
+                info = json.loads(marker.read_text())
+            except (OSError, json.JSONDecodeError):
+                info = None
+            if not (info and info["plan"] == plan and info["sha256"] == sha and (out / name).is_file()
+                    and (out / name).stat().st_size == len(data) and file_sha256(out / name) == sha):
+                marker.unlink(missing_ok=True)
+                _atomic_write(out / name, data)
+                info = {"plan": plan, "file": name, "n_sequences": len(block), "n_bytes": len(data), "sha256": sha,
+                        "n_tokens": int(np.count_nonzero(block != PAD_ID))}
+                _atomic_write(marker, (json.dumps(info) + "\n").encode())
+            shards.append(info)
         if len(rows):
             pending.append(rows)
 
-    with tqdm(total=n_rows_in, unit="doc", desc="shards", file=sys.stderr, disable=not progress,
-              mininterval=5.0) as bar:
-        for texts in iter_texts(docs_path, batch_docs=cfg.batch_docs):
-            encodings = encode(texts, add_special_tokens=False)
-            stream = np.concatenate([carry, doc_stream([e.ids for e in encodings])])
+    with tqdm(total=sum(p["n_docs"] for p in parts), unit="doc", desc="shards: packing", file=sys.stderr,
+              disable=not progress, mininterval=2.0) as bar:
+        for p in parts:
+            lens = lengths[p["start"]:p["stop"]]
+            sel = keep[p["start"]:p["stop"]]
+            valid = lens >= 0
+            ids = np.fromfile(Path(p["dir"]) / p["ids"]["file"], dtype=np.dtype(p["dtype"]).newbyteorder("<"))
+            token_keep = np.repeat(sel[valid], lens[valid])  # [n_tokens of the part]
+            stream = np.concatenate([carry, _with_seps(ids[token_keep].astype(np.int64), lens[sel])])
             rows, carry = pack_rows(stream, cfg.seq_len, final=False)
             pending.append(rows.astype(dtype))
-            n_docs += len(texts)
             flush(final=False)
-            bar.update(len(texts))
-    if n_docs == 0:
-        raise ValueError(f"{docs_path}: no documents to write shards from")
+            bar.update(p["n_docs"])
     pending.append(pack_rows(carry, cfg.seq_len, final=True)[0].astype(dtype))
     flush(final=True)
+    for old in out.iterdir():  # shards of an earlier, longer run
+        m = _SHARD_RE.fullmatch(old.name)
+        if m and int(old.name[6:11]) >= len(shards):
+            old.unlink()
+            (parts_dir / f"{old.name[:-4]}.json").unlink(missing_ok=True)
 
     index = {
         "format": FORMAT, "version": VERSION, "dtype": dtype.name, "seq_len": cfg.seq_len,
-        "vocab_size": vocab_size, "tokenizer_sha256": tokenizer_sha256(tokenizer_path),
-        "special_ids": {t: i for i, t in enumerate(SPECIAL_TOKENS)}, "n_documents": n_docs,
+        "vocab_size": vocab_size, "tokenizer_sha256": tok_sha,
+        "special_ids": {t: i for i, t in enumerate(SPECIAL_TOKENS)}, "n_documents": int(keep.sum()),
         "n_sequences": sum(s["n_sequences"] for s in shards),
-        "n_tokens": sum(tokens_per_shard),
-        "n_bytes": sum(s["n_bytes"] for s in shards), "shards": shards,
+        "n_tokens": sum(s["n_tokens"] for s in shards),
+        "n_bytes": sum(s["n_bytes"] for s in shards),
+        "shards": [{k: s[k] for k in ("file", "n_sequences", "n_bytes", "sha256")} for s in shards],
+        "balance": balance,
     }
     _atomic_write(out / INDEX_NAME, (json.dumps(index, indent=1) + "\n").encode())
+    return index
+
+
+def write_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardConfig, *,
+                 progress: bool = True) -> dict:
+    """Tokenize the ``text`` column of ``docs_path`` (Parquet file or glob) with the tokenizer at
+    ``tokenizer_path`` and write packed shards + ``index.json`` (last) to ``out_dir``: in one
+    process, ``encode_part`` for every part of ``plan_parts`` then ``finish_shards`` -- the same
+    steps ``labkit.lab.build_shards`` spreads over engines, so both give identical bytes.
+
+    Memory is bounded by one part (``cfg.part_docs`` rows of ids) and one ``cfg.batch_docs``
+    slice of text; neither changes the output. Special-token strings in the text are encoded as
+    text, so only packing inserts ids 0, 2, 3. Resumable: finished parts (``parts_dir_for(out_dir)``) and
+    shards are not redone (see ``encode_part``, ``finish_shards``). A tqdm bar (stderr) counts
+    documents when ``progress``.
+
+    Returns the index dict: {"format": "labkit-shards", "version": 1, "dtype": "uint16"|"uint32",
+    "seq_len", "vocab_size", "tokenizer_sha256", "special_ids": {"[PAD]": 0, ...},
+    "n_documents", "n_sequences", "n_tokens" (non-PAD ids), "n_bytes" (all shards),
+    "shards": [{"file", "n_sequences", "n_bytes", "sha256"}, ...], "balance": token shares per
+    source group before/after balancing (``labkit.data.balance.select_documents``)}.
+    Raises ``ValueError`` naming ``docs_path`` when it holds no documents and ``ShardError``
+    naming the tokenizer when its special tokens are not at ids 0..4.
+    """
+    from tqdm.std import tqdm
+
+    _checked_tokenizer(tokenizer_path)
+    n_rows = text_row_count(docs_path)
+    parts_dir = parts_dir_for(out_dir)
+    parts = []
+    with tqdm(total=n_rows, unit="doc", desc="shards: encoding", file=sys.stderr, disable=not progress,
+              mininterval=2.0) as bar:
+        for i, (start, stop) in enumerate(plan_parts(n_rows, cfg.part_docs)):
+            parts.append(encode_part(docs_path, tokenizer_path, str(parts_dir), i, start, stop,
+                                     batch_docs=cfg.batch_docs))
+            bar.update(stop - start)
+    return finish_shards(docs_path, tokenizer_path, out_dir, cfg, parts, progress=progress)
+
+
+def check_tokenizer(data_dir: str | os.PathLike, tokenizer_path: str | os.PathLike) -> dict:
+    """Refuse a tokenizer other than the one the shards in ``data_dir`` were built with:
+    ``ShardError`` naming both files and both sha256 when the file hashes differ. Returns the index."""
+    index = read_index(data_dir)
+    sha = tokenizer_sha256(tokenizer_path)
+    if sha != index["tokenizer_sha256"]:
+        raise ShardError(f"{tokenizer_path} (sha256 {sha}) is not the tokenizer the shards in {data_dir} were "
+                         f"built with (index.json: tokenizer_sha256 {index['tokenizer_sha256']})")
     return index
 
 
@@ -246,13 +440,17 @@ class SequenceReader:
 
     ``len(r)`` is ``n_sequences``; ``r[i]`` is a copy of sequence i, shape ``[seq_len]``, dtype of
     the index (uint16/uint32); negative i counts from the end. Opening checks each shard's size
-    against the index (``ShardError`` naming the file); ``verify=True`` also checks sha256.
+    against the index (``ShardError`` naming the file); ``verify=True`` also checks sha256;
+    ``tokenizer_path`` refuses (``check_tokenizer``) a tokenizer the shards were not built with.
     Pickles small (directory + index), so it can go to DataLoader workers under spawn.
     """
 
-    def __init__(self, data_dir: str | os.PathLike, *, verify: bool = False) -> None:
+    def __init__(self, data_dir: str | os.PathLike, *, verify: bool = False,
+                 tokenizer_path: str | os.PathLike | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.index = verify_shards(data_dir) if verify else read_index(data_dir)
+        if tokenizer_path is not None:
+            check_tokenizer(data_dir, tokenizer_path)
         self.seq_len: int = self.index["seq_len"]
         self.vocab_size: int = self.index["vocab_size"]
         self._open()

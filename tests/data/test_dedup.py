@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import numpy as np
@@ -9,7 +10,8 @@ import polars as pl
 import pytest
 
 from labkit.config import DedupConfig
-from labkit.data.dedup import candidate_probability, near_dedup, near_duplicates, shingles, signatures
+from labkit.data.dedup import (candidate_probability, near_dedup, near_dedup_parquet, near_duplicates, shingle_hashes,
+                               shingles, signature_part, signatures)
 
 
 def _doc(rng: random.Random, n: int = 200) -> list[str]:
@@ -94,3 +96,58 @@ def test_bad_input():
         near_duplicates(["a"], np.zeros((2, 112), dtype=np.uint64))
     with pytest.raises(ValueError, match="unique"):
         near_duplicates(["a", "a"], np.zeros((2, 112), dtype=np.uint64))
+
+
+def _real_functions(n: int) -> list[str]:
+    from tests.data.test_shards import libc_functions
+
+    return libc_functions(n)
+
+
+def test_vectorised_signatures_equal_datasketch_minhash():
+    """Each row equals datasketch's own MinHash (affine32, same seed) fed that document's shingle
+    hashes; the shingle hashes number exactly the distinct word 5-grams of ``shingles``."""
+    from datasketch import MinHash
+
+    cfg = DedupConfig()
+    texts = _real_functions(60) + ["", "ret", "a b c d", "a b c d e", "  spaced\n\nout  words here now ok"]
+    hashes, offsets = shingle_hashes(texts, cfg.shingle_size)
+    sigs = signatures(texts, cfg, chunk_shingles=97)  # tiny chunks: documents straddle none, results identical
+    assert sigs.dtype == np.uint32 and sigs.shape == (len(texts), cfg.num_perm)
+    np.testing.assert_array_equal(sigs, signatures(texts, cfg))
+    for i, text in enumerate(texts):
+        mine = hashes[offsets[i]:offsets[i + 1]]
+        assert len(set(mine.tolist())) == len(shingles(text, cfg.shingle_size)), i
+        ref = MinHash(num_perm=cfg.num_perm, seed=cfg.seed, scheme="affine32", hashfunc=int)
+        ref.update_batch([int(h) for h in mine])
+        np.testing.assert_array_equal(ref.hashvalues, sigs[i])
+    assert (sigs[len(texts) - 5] == np.iinfo(np.uint32).max).all()  # empty document
+
+
+def test_engine_split_keeps_the_same_documents(tmp_path):
+    """Signatures of 1 or 3 row ranges (as engines compute them) give the same kept file."""
+    texts = _real_functions(120)
+    texts = texts + texts[:10] + [t + "\nnop" for t in texts[10:20]]  # exact and near copies
+    ids = [hashlib.sha1(str(i).encode()).hexdigest()[:16] for i in range(len(texts))]
+    pl.DataFrame({"id": ids, "text": texts}).write_parquet(tmp_path / "docs.parquet")
+    cfg = DedupConfig()
+    results = {}
+    for split in ([(0, 140)], [(0, 50), (50, 51), (51, 140)]):
+        paths = []
+        for k, (s, e) in enumerate(split):
+            paths.append(str(tmp_path / f"{len(split)}" / f"sig-{k}.npy"))
+            signature_part(str(tmp_path / "docs.parquet"), s, e, cfg, paths[-1])
+        out = tmp_path / f"{len(split)}" / "kept.parquet"
+        results[len(split)] = near_dedup_parquet(str(tmp_path / "docs.parquet"), paths, str(out), cfg)
+        np.testing.assert_array_equal(np.concatenate([np.load(p) for p in paths]), signatures(texts, cfg))
+    assert results[1] | {"seconds": 0, "docs_per_s": 0} == results[3] | {"seconds": 0, "docs_per_s": 0}
+    kept = [pl.read_parquet(tmp_path / f"{k}" / "kept.parquet") for k in (1, 3)]
+    assert kept[0].equals(kept[1]) and results[1]["near_duplicate"] >= 10
+    pairs = pl.read_parquet(tmp_path / "1" / "kept.near_duplicates.parquet")
+    # exact copies are found, and each duplicate points at the smaller id of its pair
+    copies = {ids[120 + i]: ids[i] for i in range(10)}
+    found = dict(zip(pairs["id"], pairs["duplicate_of"]))
+    assert all(found.get(a) == min(a, b) or found.get(b) == min(a, b) for a, b in copies.items())
+    assert (pairs["duplicate_of"] < pairs["id"]).all()
+    with pytest.raises(ValueError, match="sig_paths: 50 signature rows for 140 documents"):
+        near_dedup_parquet(str(tmp_path / "docs.parquet"), paths[:1], str(tmp_path / "x.parquet"), cfg)

@@ -14,7 +14,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from labkit.config import SPECIAL_TOKENS, ShardConfig, TokenizerConfig
-from labkit.data.shards import (ShardError, SequenceReader, check_compatible, doc_stream, pack_documents, pack_rows,
+from labkit.data.shards import (ShardError, SequenceReader, check_compatible, check_tokenizer, doc_stream,
+                                encode_part, finish_shards, pack_documents, pack_rows, parts_dir_for, plan_parts,
                                 read_index, shard_dtype, verify_shards, write_shards)
 from labkit.data.tokenize import load_tokenizer, tokenizer_sha256, train_tokenizer
 
@@ -122,14 +123,15 @@ def test_write_shards_matches_reference(inputs, tmp_path):
     assert verify_shards(tmp_path) == index
 
 
-def test_output_independent_of_batch_docs(inputs, tmp_path):
+def test_streaming_tiny_batches_and_parts_give_the_same_bytes(inputs, tmp_path):
     docs_path, tok_path, _ = inputs
-    for b in (3, 10_000):
+    for b, part in ((3, 7), (10_000, 10_000)):
         write_shards(docs_path, tok_path, str(tmp_path / str(b)),
-                     ShardConfig(seq_len=12, sequences_per_shard=5, batch_docs=b), progress=False)
+                     ShardConfig(seq_len=12, sequences_per_shard=5, batch_docs=b, part_docs=part), progress=False)
     small, large = sorted((tmp_path / "3").iterdir()), sorted((tmp_path / "10000").iterdir())
     assert [p.name for p in small] == [p.name for p in large] and len(small) > 3
-    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(small, large))
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(small, large))  # index.json too
+    assert len(list((tmp_path / "3.parts").glob("part-*.json"))) == 22  # ceil(150 / 7)
 
 
 def test_sequence_reader(inputs, tmp_path):
@@ -174,6 +176,8 @@ def test_rewrite_removes_old_shards_and_progress_goes_to_stderr(inputs, tmp_path
     index = write_shards(docs_path, tok_path, str(tmp_path), ShardConfig(seq_len=16, sequences_per_shard=1000))
     assert "150/150" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["index.json", "notes.txt", "shard-00000.bin"]
+    assert sorted(p.name for p in parts_dir_for(tmp_path).iterdir()) == ["part-00000.ids", "part-00000.json",
+                                                                       "part-00000.lens", "shard-00000.json"]
     assert verify_shards(tmp_path) == index
 
 
@@ -253,3 +257,109 @@ def test_real_libc_disassembly(tmp_path):
     r = SequenceReader(tmp_path / "s", verify=True)
     np.testing.assert_array_equal(np.stack([r[i] for i in range(len(r))]), ref)
     assert index["n_tokens"] == np.count_nonzero(ref) and len(index["shards"]) == -(-len(ref) // 50)
+
+
+def test_parts_in_any_order_give_the_single_process_bytes(inputs, tmp_path):
+    """Simulated engines: parts encoded in reverse order by separate calls, then one packing pass."""
+    docs_path, tok_path, _ = inputs
+    cfg = ShardConfig(seq_len=16, sequences_per_shard=6, part_docs=40)
+    ref = write_shards(docs_path, tok_path, str(tmp_path / "one"), cfg, progress=False)
+    plan = plan_parts(150, 17)  # another part size, as build_shards picks per engine count
+    parts_dir = str(parts_dir_for(tmp_path / "many"))
+    parts = [encode_part(docs_path, tok_path, parts_dir, i, s, e, batch_docs=5) for i, (s, e) in reversed(list(enumerate(plan)))]
+    index = finish_shards(docs_path, tok_path, str(tmp_path / "many"), cfg, parts, progress=False)
+    assert index == ref
+    for s in ref["shards"]:
+        assert (tmp_path / "many" / s["file"]).read_bytes() == (tmp_path / "one" / s["file"]).read_bytes()
+    with pytest.raises(ValueError, match="do not tile"):
+        finish_shards(docs_path, tok_path, str(tmp_path / "bad"), cfg, parts[1:], progress=False)
+
+
+def test_interrupted_encoding_resumes_and_skips_finished_parts(inputs, tmp_path, monkeypatch):
+    import labkit.data.shards as S
+
+    docs_path, tok_path, _ = inputs
+    cfg = ShardConfig(seq_len=16, sequences_per_shard=6, part_docs=30)  # 5 parts
+    ref = write_shards(docs_path, tok_path, str(tmp_path / "ref"), cfg, progress=False)
+    real, calls = S.encode_part, []
+
+    def crash_after_two(*args, **kw):
+        if len(calls) == 2:
+            raise KeyboardInterrupt("interrupted")
+        calls.append(args[3])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(S, "encode_part", crash_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        write_shards(docs_path, tok_path, str(tmp_path / "run"), cfg, progress=False)
+    with pytest.raises(ShardError, match="index.json missing"):
+        SequenceReader(tmp_path / "run")  # not a dataset
+    monkeypatch.setattr(S, "encode_part", lambda *a, **kw: calls.append(real(*a, **kw)) or calls[-1])
+    calls.clear()
+    index = write_shards(docs_path, tok_path, str(tmp_path / "run"), cfg, progress=False)
+    assert [c["skipped"] for c in calls] == [True, True, False, False, False]
+    assert index == ref and verify_shards(tmp_path / "run") == ref
+    # a damaged finished part (sha256 mismatch) is encoded again, not trusted
+    ids = parts_dir_for(tmp_path / "run") / "part-00001.ids"
+    raw = bytearray(ids.read_bytes())
+    raw[0] ^= 1
+    ids.write_bytes(bytes(raw))
+    calls.clear()
+    assert write_shards(docs_path, tok_path, str(tmp_path / "run"), cfg, progress=False) == ref
+    assert [c["skipped"] for c in calls] == [True, False, True, True, True]
+
+
+def test_interrupted_packing_skips_finished_shards(inputs, tmp_path, monkeypatch):
+    import labkit.data.shards as S
+
+    docs_path, tok_path, _ = inputs
+    cfg = ShardConfig(seq_len=16, sequences_per_shard=6)
+    ref = write_shards(docs_path, tok_path, str(tmp_path / "ref"), cfg, progress=False)
+    assert len(ref["shards"]) > 5
+    real, written = S._atomic_write, []
+
+    def crash_on_fourth_shard(path, data):
+        if path.name.startswith("shard-") and path.suffix == ".bin":
+            if len(written) == 3:
+                raise OSError("disk full")
+            written.append(path.name)
+        real(path, data)
+
+    monkeypatch.setattr(S, "_atomic_write", crash_on_fourth_shard)
+    with pytest.raises(OSError, match="disk full"):
+        write_shards(docs_path, tok_path, str(tmp_path / "run"), cfg, progress=False)
+    assert not (tmp_path / "run" / "index.json").exists()
+    before = {n: (tmp_path / "run" / n).stat().st_mtime_ns for n in written}
+    written.clear()
+    monkeypatch.setattr(S, "_atomic_write", lambda path, data: (written.append(path.name) if path.suffix == ".bin" else None)
+                        or real(path, data))
+    index = write_shards(docs_path, tok_path, str(tmp_path / "run"), cfg, progress=False)
+    assert index == ref
+    assert written == [s["file"] for s in ref["shards"][3:]]  # the three finished shards were not rewritten
+    assert {n: (tmp_path / "run" / n).stat().st_mtime_ns for n in before} == before
+    for s in ref["shards"]:
+        assert (tmp_path / "run" / s["file"]).read_bytes() == (tmp_path / "ref" / s["file"]).read_bytes()
+    # a finished shard damaged on disk (same size) is written again
+    bad = tmp_path / "run" / "shard-00002.bin"
+    raw = bytearray(bad.read_bytes())
+    raw[7] ^= 0xFF
+    bad.write_bytes(bytes(raw))
+    written.clear()
+    assert write_shards(docs_path, tok_path, str(tmp_path / "run"), cfg, progress=False) == ref
+    assert written == ["shard-00002.bin"] and verify_shards(tmp_path / "run") == ref
+
+
+def test_a_different_tokenizer_is_refused(inputs, tmp_path):
+    docs_path, tok_path, _ = inputs
+    write_shards(docs_path, tok_path, str(tmp_path / "s"), ShardConfig(seq_len=16), progress=False)
+    other = train_tokenizer(docs_path, TokenizerConfig(vocab_size=150), str(tmp_path / "other.json"))
+    assert check_tokenizer(tmp_path / "s", tok_path)["tokenizer_sha256"] == tokenizer_sha256(tok_path)
+    with pytest.raises(ShardError, match=rf"other\.json \(sha256 {tokenizer_sha256(other)}\) is not the tokenizer"):
+        check_tokenizer(tmp_path / "s", other)
+    with pytest.raises(ShardError, match="is not the tokenizer the shards"):
+        SequenceReader(tmp_path / "s", tokenizer_path=other)
+    assert len(SequenceReader(tmp_path / "s", tokenizer_path=tok_path)) > 0
+    # parts encoded with one tokenizer are never packed under another's name
+    parts = [encode_part(docs_path, tok_path, str(tmp_path / "p"), 0, 0, 150)]
+    with pytest.raises(ShardError, match="part-00000.ids: encoded with tokenizer"):
+        finish_shards(docs_path, other, str(tmp_path / "x"), ShardConfig(seq_len=16), parts, progress=False)

@@ -4,6 +4,7 @@ checked against transformers' PreTrainedTokenizerFast loading the same tokenizer
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from pathlib import Path
 
@@ -12,8 +13,8 @@ import polars as pl
 import pytest
 
 from labkit.config import SPECIAL_TOKENS, TokenizerConfig
-from labkit.data.tokenize import (iter_texts, load_tokenizer, text_row_count, tokenizer_sha256, train_tokenizer,
-                                  unk_rate)
+from labkit.data.tokenize import (iter_texts, load_tokenizer, split_rows, text_row_count, tokenizer_sha256,
+                                  train_tokenizer, unk_rate, unk_report)
 
 KINDS = ("wordpiece", "bpe", "unigram")
 
@@ -116,10 +117,40 @@ def test_matches_transformers_fast_tokenizer(trained, corpus, kind):
         assert hf.encode(doc, add_special_tokens=False) == tok.encode(doc, add_special_tokens=False).ids
 
 
-def test_saved_file_and_sha256(trained):
+def test_saved_file_stats_and_sha256(trained, corpus):
     path = Path(trained["wordpiece"])
     assert tokenizer_sha256(path) == hashlib.sha256(path.read_bytes()).hexdigest()
-    assert sorted(p.name for p in path.parent.iterdir()) == ["bpe.json", "unigram.json", "wordpiece.json"]
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted(
+        f"{k}{ext}" for k in ("bpe", "unigram", "wordpiece") for ext in (".json", ".stats.json"))
+    stats = json.loads(path.with_name("wordpiece.stats.json").read_text())
+    # 200 documents: 20 held out (a tenth), 180 trained on; the held-out UNK report recomputed here
+    assert (stats["documents"], stats["train_docs"], stats["held_out_docs"]) == (200, 180, 20)
+    train, held = split_rows(200, TokenizerConfig(vocab_size=300))
+    assert len(held) == 20 and len(np.intersect1d(train, held)) == 0 and len(train) == 180
+    ref = unk_report(load_tokenizer(path), [corpus[1][i] for i in held])
+    assert stats["unk_rate"] == ref["unk_rate"] and stats["tokens"] == ref["tokens"] > 20
+
+
+def test_long_hex_and_unseen_characters_are_not_unk(corpus, tmp_path):
+    """Training text has no hex digits beyond 0-9 in word-internal position and no 'Q'; a
+    140-character hex word and unseen letters must still encode without [UNK]."""
+    hex_word = "0x" + "deadbeef0123456789abcdef" * 6  # 146 characters: longer than max_word_chars
+    probes = [f"mov rax, {hex_word}", "call sub_a1b2c3d4e5f6a7b8c9d0", "QqZz Vv jJ", "lea rdi, [rip + 0xghij]"]
+    for kind in KINDS:
+        path = train_tokenizer(corpus[0], TokenizerConfig(kind=kind, vocab_size=300), str(tmp_path / f"{kind}.json"))
+        tok = load_tokenizer(path)
+        rep = unk_report(tok, probes)
+        assert rep["unk_tokens"] == 0, (kind, rep["unk_examples"])
+        assert tok.get_vocab_size() <= 300
+        if kind == "wordpiece":
+            enc = tok.encode(probes[0], add_special_tokens=False)
+            assert "".join(t.removeprefix("##") for t in enc.tokens[3:]) == hex_word
+    # the old behaviour, for contrast: a 146-char word is one [UNK] when words are not split
+    cfg = TokenizerConfig(kind="wordpiece", vocab_size=300, max_word_chars=1000)
+    tok = load_tokenizer(train_tokenizer(corpus[0], cfg, str(tmp_path / "long.json")))
+    tok.model.max_input_chars_per_word = 100
+    rep = unk_report(tok, probes[:1])
+    assert rep["unk_tokens"] == 1 and list(rep["unk_examples"]) == [hex_word[:40]]
 
 
 def test_training_is_deterministic_and_sampled(corpus, tmp_path):

@@ -1,0 +1,133 @@
+"""labkit.lab data stages on a real 2-engine ipyparallel cluster, against single-process runs of
+the same steps: real ELF libraries plus broken ones, a text directory and a JSONL file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+
+import numpy as np
+import polars as pl
+import pytest
+
+from labkit import lab
+from labkit.config import CleanConfig, CorpusConfig, ShardConfig, TokenizerConfig
+from labkit.data.dedup import near_dedup_parquet, signature_part
+from labkit.data.shards import parts_dir_for, verify_shards, write_shards
+
+LIBS = [f"/usr/lib/x86_64-linux-gnu/{n}" for n in ("libz.so.1", "libbz2.so.1.0", "liblzma.so.5", "libexpat.so.1")]
+PARAGRAPH = ("Section {i}. The dynamic loader maps every segment of the object at its virtual address, "
+             "applies relocations and then runs the initialisers of each library in dependency order.")
+
+
+@pytest.fixture(scope="module")
+def client():
+    from labkit.cluster import get_client, start_cluster, stop_cluster
+
+    cluster = start_cluster(2)
+    try:
+        yield get_client(cluster)
+    finally:
+        stop_cluster(cluster)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    libs = [p for p in LIBS if os.path.exists(p)]
+    if len(libs) < 3:
+        pytest.skip("fewer than 3 reference system libraries")
+    d = tmp_path_factory.mktemp("inputs")
+    (d / "elf").mkdir()
+    real = open(libs[0], "rb").read()
+    (d / "elf" / "truncated.so").write_bytes(real[:300])
+    (d / "elf" / "riscv.so").write_bytes(real[:18] + struct.pack("<H", 243) + real[20:])
+    (d / "text").mkdir()
+    for i in range(12):
+        (d / "text" / f"doc{i:02d}.txt").write_text("\n".join(PARAGRAPH.format(i=i * 10 + k) for k in range(4)))
+    (d / "text" / "empty.txt").write_bytes(b"")
+    (d / "text" / "bad.txt").write_bytes(b"\xff\xfe binary \x00\x00 " * 10)
+    (d / "docs.jsonl").write_text("\n".join([json.dumps({"id": i, "text": PARAGRAPH.format(i=500 + i)}) for i in range(6)]
+                                            + ["{broken"]))
+    cfg = CorpusConfig(paths=(*libs, str(d / "elf")), text_paths=(str(d / "text"),),
+                       jsonl_paths=(str(d / "docs.jsonl"),), max_functions=500, max_functions_per_file=200)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def prepared(client, inputs, tmp_path_factory):
+    work = str(tmp_path_factory.mktemp("work"))
+    out = {"work": work,
+           "corpus": lab.build_corpus(client, inputs, work, progress=False),
+           "clean": lab.clean_corpus(client, CleanConfig(), work, progress=False),
+           "tokenizer": lab.build_tokenizer(client, TokenizerConfig(vocab_size=400), work)}
+    out["shard_cfg"] = ShardConfig(seq_len=32, sequences_per_shard=40, part_docs=10_000, source_caps={"/usr/lib": 0.9})
+    out["index"] = lab.build_shards(client, out["shard_cfg"], work, progress=False)
+    return out
+
+
+def test_corpus_counts_every_bad_input(prepared):
+    c = prepared["corpus"]
+    assert c["skipped"] == {"corrupt": 1, "unsupported_arch": 1, "empty": 1, "bad_json": 1}
+    # 6 ELF files dealt into 6 chunks of ceil(500 / 6) = 84 functions each; 2 chunks hold a broken file
+    assert c["by_kind"] == {"elf": c["functions"], "text": 13, "jsonl": 6} and 84 * 3 < c["functions"] <= 84 * 4
+    parts = pl.read_parquet(os.path.join(prepared["work"], "corpus", "part-*.parquet"))
+    assert parts.height == c["documents"] == c["functions"] + 19 and parts["id"].n_unique() == parts.height
+    assert parts.group_by("arch").len().sort("arch").rows() == [("text", 19), ("x86_64", c["functions"])]
+    assert json.loads(open(os.path.join(prepared["work"], "corpus", "corpus.json")).read()) == c
+
+
+def test_clean_and_near_dedup_match_a_single_process_run(prepared, tmp_path):
+    s = prepared["clean"]
+    assert s["input"] == prepared["corpus"]["documents"] and s["dropped"]["undecodable"] == 1  # bad.txt
+    st = s["stages"]
+    assert st["corpus"] >= st["filters"] >= st["exact_dedup"] >= st["near_dedup"] == s["kept"] > 150
+    assert s["input"] - s["kept"] == sum(s["dropped"].values())
+    filtered = os.path.join(prepared["work"], "clean", "filtered.parquet")
+    n = pl.scan_parquet(filtered).select(pl.len()).collect().item()
+    signature_part(filtered, 0, n, CleanConfig().near_dedup, str(tmp_path / "sig.npy"))  # one "engine"
+    ref = near_dedup_parquet(filtered, [str(tmp_path / "sig.npy")], str(tmp_path / "docs.parquet"),
+                             CleanConfig().near_dedup)
+    assert ref["kept"] == s["kept"] and ref["near_duplicate"] == s["dropped"].get("near_duplicate", 0)
+    assert pl.read_parquet(tmp_path / "docs.parquet").equals(
+        pl.read_parquet(os.path.join(prepared["work"], "clean", "docs.parquet")))
+
+
+def test_shards_from_engines_equal_a_single_process_run(prepared, tmp_path):
+    work, cfg, index = prepared["work"], prepared["shard_cfg"], prepared["index"]
+    ref = write_shards(os.path.join(work, "clean", "docs.parquet"), prepared["tokenizer"], str(tmp_path / "one"),
+                       cfg, progress=False)
+    assert index == ref and verify_shards(os.path.join(work, "shards")) == ref
+    for s in ref["shards"]:
+        assert open(os.path.join(work, "shards", s["file"]), "rb").read() == (tmp_path / "one" / s["file"]).read_bytes()
+    assert index["balance"]["share_after"]["/usr/lib"] <= 0.9 < index["balance"]["share_before"]["/usr/lib"]
+
+
+def test_build_shards_resumes(client, prepared):
+    work, cfg = prepared["work"], prepared["shard_cfg"]
+    shards, parts = os.path.join(work, "shards"), parts_dir_for(os.path.join(work, "shards"))
+    part_times = {p.name: p.stat().st_mtime_ns for p in parts.glob("part-*.json")}
+    assert len(part_times) == 8  # 2 engines x 4 parts
+    os.remove(os.path.join(shards, "index.json"))
+    os.remove(os.path.join(shards, "shard-00001.bin"))
+    keep = os.stat(os.path.join(shards, "shard-00000.bin")).st_mtime_ns
+    again = lab.build_shards(client, cfg, work, progress=False)
+    assert again == prepared["index"]
+    assert {p.name: p.stat().st_mtime_ns for p in parts.glob("part-*.json")} == part_times  # nothing re-encoded
+    assert os.stat(os.path.join(shards, "shard-00000.bin")).st_mtime_ns == keep  # finished shard not rewritten
+    assert lab.build_shards(client, cfg, work, progress=False) == again  # complete: returned as is
+
+
+def test_preparation_report(prepared):
+    rep = lab.preparation_report(prepared["work"])
+    c, s, index = prepared["corpus"], prepared["clean"], prepared["index"]
+    assert rep["raw_bytes"] == c["raw_bytes"] > 0 and rep["shard_bytes"] == index["n_bytes"]
+    assert rep["reduction_percent"] == round(100 * (1 - index["n_bytes"] / c["raw_bytes"]), 2)
+    assert rep["documents_per_stage"] == {"read": c["documents"], "after_filters": s["stages"]["filters"],
+                                          "after_exact_dedup": s["stages"]["exact_dedup"],
+                                          "after_near_dedup": s["kept"], "in_shards": index["n_documents"]}
+    assert rep["tokens"] == index["n_tokens"] and rep["dropped"] == s["dropped"]
+    assert sum(rep["source_share_before"].values()) == pytest.approx(1.0, abs=1e-5)
+    assert 0.0 <= rep["unk_rate_held_out"] < 0.01 and rep["held_out_docs"] > 0
+    assert rep["near_dedup_docs_per_s"] > 0
