@@ -256,7 +256,8 @@ class ModelConfig:
         _require(self.rope_theta > 1.0, "rope_theta", f"must be > 1, got {self.rope_theta}")
         _require(0 < self.window_size <= self.max_position_embeddings, "window_size",
                  f"must be in [1, max_position_embeddings={self.max_position_embeddings}], got {self.window_size}")
-        _require(self.global_every >= 0, "global_every", f"must be >= 0 (0 = no global layers), got {self.global_every}")
+        _require(self.global_every >= 0, "global_every",
+                 f"must be >= 0 (0 = no global layers), got {self.global_every}")
         _require(0 < self.linformer_k <= self.max_position_embeddings, "linformer_k",
                  f"must be in [1, max_position_embeddings={self.max_position_embeddings}], got {self.linformer_k}")
 

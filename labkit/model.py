@@ -246,7 +246,9 @@ class BertMLM(nn.Module):
         else:
             rope = rotary_tables(pos, cfg.head_dim, cfg.rope_theta)
         x = self.dropout(self.embed_norm(x))
-        mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]  # [B,1,1,T]
+        mask = None  # bool [B, 1, 1, T]; None when every token is real (packed shards: almost every
+        if attention_mask is not None and not bool(attention_mask.bool().all()):  # batch), so SDPA
+            mask = attention_mask.bool()[:, None, None, :]  # may pick a fused kernel (a host sync)
         n_masked = torch.zeros((), dtype=torch.int64, device=x.device)
         select = valid = None
         if labels is not None:
@@ -308,7 +310,8 @@ def count_parameters(cfg_or_model: ModelConfig | nn.Module) -> dict[str, int]:
     h, f, v, bias = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size, int(cfg.bias)
     norm = h * (2 if cfg.norm_type == "layernorm" and cfg.bias else 1)
     gates = 1 if cfg.activation == "gelu" else 2
-    per_layer = (3 * h * h + 3 * h * bias) + (h * h + h * bias) + 2 * norm + gates * (h * f + f * bias) + (f * h + h * bias)
+    per_layer = ((3 * h * h + 3 * h * bias) + (h * h + h * bias) + 2 * norm  # attention, norms
+                 + gates * (h * f + f * bias) + (f * h + h * bias))  # FFN
     linformer = sum(2 * cfg.linformer_k * cfg.max_position_embeddings
                     for i in range(cfg.num_layers) if layer_attention(cfg, i) == "linformer")
     non_embedding = (norm + cfg.num_layers * per_layer + linformer + norm * (cfg.norm_position == "pre")

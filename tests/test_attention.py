@@ -93,8 +93,11 @@ def test_linear_attention_matches_quadratic_form():
 def test_rotary_scores_depend_only_on_relative_position():
     q, k, _ = qkv(b=1, nh=1, t=6, q=8)
     pos = torch.arange(6)
-    a = apply_rotary(q, *rotary_tables(pos, 8, 10_000.0)) @ apply_rotary(k, *rotary_tables(pos, 8, 10_000.0)).mT
-    b = apply_rotary(q, *rotary_tables(pos + 37, 8, 10_000.0)) @ apply_rotary(k, *rotary_tables(pos + 37, 8, 10_000.0)).mT
+    def scores(p):
+        cos, sin = rotary_tables(p, 8, 10_000.0)
+        return apply_rotary(q, cos, sin) @ apply_rotary(k, cos, sin).mT
+
+    a, b = scores(pos), scores(pos + 37)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # tables are fp32
     assert not torch.allclose(a, q @ k.mT)  # it does rotate
     x = torch.randn(6, 8, dtype=torch.float64)  # rotation keeps the norm of each position
@@ -103,7 +106,8 @@ def test_rotary_scores_depend_only_on_relative_position():
 
 def test_layer_kinds_spans_and_flops():
     cfg = model_config("tiny", V, num_layers=6, attention="sliding_window", window_size=16, global_every=3)
-    assert [layer_attention(cfg, i) for i in range(6)] == ["sliding_window"] * 2 + ["full"] + ["sliding_window"] * 2 + ["full"]
+    local = "sliding_window"
+    assert [layer_attention(cfg, i) for i in range(6)] == [local, local, "full", local, local, "full"]
     n = count_parameters(cfg)["non_embedding"]
     assert flops_per_token(cfg, 128) == 6 * n + 12 * 2 * 32 * (4 * 17 + 2 * 128)
     lin = model_config("tiny", V, attention="linformer", linformer_k=8)
