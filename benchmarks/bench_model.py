@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="mini", help="the preset the lab trains by default (TrainConfig.model)")
     p.add_argument("--vocab-size", type=int, default=8192, help="labkit's TokenizerConfig default")
-    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)

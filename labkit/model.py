@@ -119,7 +119,7 @@ class Layer(nn.Module):
         self.qkv = nn.Linear(h, 3 * h, bias=cfg.bias)  # rows: query, key, value (HF's three Linears stacked)
         self.attn_out = nn.Linear(h, h, bias=cfg.bias)
         self.attn_norm = _norm(cfg)
-        self.ffn_in = nn.Linear(h, 2 * f if cfg.activation != "gelu" else f, bias=cfg.bias)  # gated: [value; gate]
+        self.ffn_in = nn.Linear(h, 2 * f if cfg.activation != "gelu" else f, bias=cfg.bias)  # gated: [W (activated); V]
         self.ffn_out = nn.Linear(f, h, bias=cfg.bias)
         self.ffn_norm = _norm(cfg)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
