@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 
 import pytest
 import torch
 
-from labkit.model import (MODEL_SIZES, BertMLM, count_parameters, export_hf, flops_per_token, hf_config,
-                          load_hf_state_dict, model_config, to_hf_state_dict)
+from labkit.attention import rotary_tables
+from labkit.model import (MODEL_SIZES, BertMLM, activation_bytes_outside_layers, activation_bytes_per_layer,
+                          count_parameters, export_hf, flops_per_token, hf_config, load_hf_state_dict, model_config,
+                          to_hf_state_dict)
 
 transformers = pytest.importorskip("transformers")
 
@@ -281,3 +284,225 @@ def test_cuda_autocast_matches_fp32(dtype):
             out = model(ids, mask, labels)
     assert torch.isfinite(out.logits).all()
     torch.testing.assert_close(out.loss_sum, ref, rtol=2e-2, atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Activation memory terms against closed forms and saved-tensor measurements
+# --------------------------------------------------------------------------------------------
+
+
+def saved_bytes(module, *args):
+    """Bytes of the unique non-parameter storages autograd keeps for backward of module(*args)."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    store = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            store[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*args)
+    return sum(store.values())
+
+
+def test_activation_bytes_closed_forms_of_korthikanti():
+    cfg = model_config("bert-120m", 30522)  # dropout 0.1, a = 12, h = 768
+    s, b, h, a = 512, 8, 768, 12
+    assert activation_bytes_per_layer(cfg, s, b) == s * b * h * (34 + 5 * a * s // h)
+    assert activation_bytes_per_layer(cfg, s, b, recompute="selective") == 34 * s * b * h
+    assert activation_bytes_per_layer(cfg, s, b, recompute="full") == 2 * s * b * h
+    with pytest.raises(ValueError, match="recompute: got 'some'; allowed values are 'none', 'selective', 'full'"):
+        activation_bytes_per_layer(cfg, s, b, recompute="some")
+    out = activation_bytes_outside_layers(cfg, s, b)
+    n = round(0.15 * s * b)
+    assert out == {"embedding": 3 * s * b * h, "head": 8 * n * h + 4 * n * 30522}
+
+
+@pytest.mark.parametrize("overrides, recompute", [
+    ({}, "none"),  # dropout on: CPU SDPA takes its math path and keeps the scores
+    ({"hidden_dropout": 0.0, "attention_dropout": 0.0}, "selective"),
+    ({"attention_dropout": 0.0, "norm_position": "pre", "position_embedding": "rotary"}, "selective"),
+    ({"attention_dropout": 0.0, "activation": "geglu", "norm_type": "rmsnorm", "bias": False}, "selective"),
+    ({"attention_dropout": 0.0, "attention": "sliding_window", "window_size": 32}, "selective"),
+    ({"attention_dropout": 0.0, "attention": "linformer", "linformer_k": 32}, "selective"),
+    ({"attention_dropout": 0.0, "attention": "linear"}, "selective"),
+])
+def test_activation_bytes_per_layer_match_saved_tensors(overrides, recompute):
+    cfg = model_config("tiny", V, max_position_embeddings=64, **overrides)
+    s, b = 64, 3
+    layer = BertMLM(cfg).layers[0].train()
+    x = torch.randn(b, s, cfg.hidden_size, requires_grad=True)
+    rope = rotary_tables(torch.arange(s), cfg.head_dim, cfg.rope_theta) if "position_embedding" in overrides else None
+    measured = saved_bytes(layer, x, torch.ones(b, 1, 1, s, dtype=torch.bool), rope)
+    predicted = activation_bytes_per_layer(cfg, s, b, dtype_bytes=4, mask_bytes=4, recompute=recompute)
+    assert measured == pytest.approx(predicted, rel=0.03)
+
+
+def test_activation_terms_add_up_to_a_whole_dense_model():
+    cfg = model_config("tiny", 300, max_position_embeddings=64, sparse_head=False)  # dropout on
+    s, b = 64, 3
+    ids, mask, labels = batch(b, s, seed=16)
+    model = BertMLM(cfg).train()
+    measured = saved_bytes(model, torch.randint(5, 300, (b, s)), torch.ones(b, s, dtype=torch.long), labels)
+    per_layer = activation_bytes_per_layer(cfg, s, b, dtype_bytes=4, mask_bytes=4)
+    outside = activation_bytes_outside_layers(cfg, s, b, dtype_bytes=4, mask_bytes=4)
+    assert measured == pytest.approx(2 * per_layer + outside["embedding"] + outside["head"], rel=0.03)
+
+
+# --------------------------------------------------------------------------------------------
+# Options
+# --------------------------------------------------------------------------------------------
+
+OPTIONS = [
+    {"norm_position": "pre"},
+    {"norm_type": "rmsnorm"},
+    {"init": "xavier"},
+    {"init": "kaiming", "scale_residual_init": True},
+    {"position_embedding": "rotary"},
+    {"activation": "geglu"},
+    {"activation": "swiglu", "intermediate_size": 170},
+    {"bias": False},
+    {"bias": False, "norm_type": "rmsnorm", "norm_position": "pre", "activation": "swiglu",
+     "position_embedding": "rotary", "tie_embeddings": False},
+    {"attention": "sliding_window", "window_size": 8, "global_every": 2},
+    {"attention": "linformer", "linformer_k": 8},
+    {"attention": "linear"},
+]
+
+
+@pytest.mark.parametrize("overrides", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_each_option_forward_backward_and_parameter_count(overrides):
+    cfg = model_config("tiny", V, max_position_embeddings=64, **overrides)  # dropout on
+    torch.manual_seed(17)
+    model = BertMLM(cfg).train()
+    assert count_parameters(model) == count_parameters(cfg)
+    ids, mask, labels = batch(seed=18)
+    out = model(ids, mask, labels)
+    assert out.logits.shape == (int((labels != -100).sum()), V)
+    assert out.loss_sum.item() / out.n_masked.item() == pytest.approx(math.log(V), rel=0.15)  # near-uniform at init
+    out.loss_sum.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().amax() > 0, name
+
+
+def test_pre_norm_with_zeroed_residual_branches_is_the_identity():
+    model = BertMLM(tiny(norm_position="pre", sparse_head=False)).eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            for lin in (layer.attn_out, layer.ffn_out):
+                lin.weight.zero_()
+                lin.bias.zero_()
+    ids, mask, _ = batch()
+    captured = {}
+    model.final_norm.register_forward_hook(lambda m, i, o: captured.update(x=i[0]))
+    with torch.no_grad():
+        model(ids, mask)
+        emb = model.embed_norm(model.word(ids) + model.position.weight[:20] + model.token_type.weight[0])
+    torch.testing.assert_close(captured["x"], emb)  # x = x + 0 through every layer
+    assert model.final_norm is not None and BertMLM(tiny()).final_norm is None
+
+
+def test_rmsnorm_gives_unit_rms():
+    model = BertMLM(tiny(norm_type="rmsnorm", norm_eps=1e-6))
+    assert isinstance(model.embed_norm, torch.nn.RMSNorm) and isinstance(model.layers[0].ffn_norm, torch.nn.RMSNorm)
+    x = torch.randn(5, 64) * 3 + 1
+    y = model.embed_norm(x)
+    torch.testing.assert_close(y.pow(2).mean(-1), torch.ones(5), atol=1e-4, rtol=0)
+    torch.testing.assert_close(y, x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt())
+
+
+@pytest.mark.parametrize("activation, act", [("geglu", torch.nn.functional.gelu), ("swiglu", torch.nn.functional.silu)])
+def test_gated_ffn_is_act_of_gate_times_value(activation, act):
+    layer = BertMLM(tiny(activation=activation, intermediate_size=48)).layers[0]
+    assert layer.ffn_in.weight.shape == (96, 64) and layer.ffn_out.weight.shape == (64, 48)
+    x = torch.randn(3, 64)
+    w, b = layer.ffn_in.weight, layer.ffn_in.bias
+    ref = (act(x @ w[:48].T + b[:48]) * (x @ w[48:].T + b[48:])) @ layer.ffn_out.weight.T + layer.ffn_out.bias
+    torch.testing.assert_close(layer.ffn(x), ref)
+
+
+def test_bias_off_leaves_no_bias_anywhere():
+    model = BertMLM(tiny(bias=False))
+    names = [n for n, _ in model.named_parameters()]
+    assert not [n for n in names if "bias" in n] and model.decoder_bias is None
+    with_bias = count_parameters(tiny())["total"] - count_parameters(tiny(bias=False))["total"]
+    h, f, layers = 64, 256, 2
+    assert with_bias == layers * (3 * h + h + f + h + 2 * h) + h + h + h + V  # linears, norms; embed, head, decoder
+
+
+@pytest.mark.parametrize("init, std", [("normal", 0.02), ("xavier", math.sqrt(2 / (64 + 256))),
+                                       ("kaiming", math.sqrt(2 / 64))])
+def test_init_schemes_and_depth_scaling(init, std):
+    cfg = model_config("tiny", 2000, hidden_size=64, num_layers=8, intermediate_size=256, init=init)
+    torch.manual_seed(19)
+    model = BertMLM(cfg)
+    w = model.layers[0].ffn_in.weight  # [256, 64]
+    assert w.std().item() == pytest.approx(std, rel=0.05)
+    torch.manual_seed(19)
+    scaled = BertMLM(dataclasses.replace(cfg, scale_residual_init=True))
+    torch.testing.assert_close(scaled.layers[3].ffn_out.weight, model.layers[3].ffn_out.weight / 4.0)  # 1/sqrt(2*8)
+    torch.testing.assert_close(scaled.layers[3].attn_out.weight, model.layers[3].attn_out.weight / 4.0)
+    torch.testing.assert_close(scaled.layers[3].ffn_in.weight, model.layers[3].ffn_in.weight)
+    assert model.word.weight[1:].std().item() == pytest.approx(0.02, rel=0.05)  # embeddings always normal
+
+
+def test_dropout_is_random_in_training_only():
+    torch.manual_seed(20)
+    drop = BertMLM(model_config("tiny", V, max_position_embeddings=64, hidden_dropout=0.2, attention_dropout=0.2))
+    still = BertMLM(tiny())
+    still.load_state_dict(drop.state_dict())
+    ids, mask, labels = batch(seed=21)
+    drop.train()
+    a, b = drop(ids, mask, labels).loss_sum, drop(ids, mask, labels).loss_sum
+    assert abs(a.item() - b.item()) > 1e-3
+    drop.eval()
+    ref = drop(ids, mask, labels).loss_sum
+    assert drop(ids, mask, labels).loss_sum.item() == ref.item()
+    torch.testing.assert_close(still.train()(ids, mask, labels).loss_sum, ref)  # p = 0 in training = eval
+
+
+def test_rotary_model_uses_order_and_has_no_position_table():
+    torch.manual_seed(22)
+    model = BertMLM(tiny(position_embedding="rotary", sparse_head=False)).eval()
+    assert model.position is None
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.qkv.weight.mul_(20)  # sharp attention, so where a key sits matters
+    no_positions = BertMLM(tiny(sparse_head=False)).eval()
+    missing, _ = no_positions.load_state_dict(model.state_dict(), strict=False)
+    assert missing == ["position.weight"]
+    with torch.no_grad():
+        no_positions.position.weight.zero_()
+    ids = torch.randint(5, V, (1, 16), generator=torch.Generator().manual_seed(23))
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(24))
+    with torch.no_grad():
+        a, b = no_positions(ids).logits[0, perm], no_positions(ids[:, perm]).logits[0]
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)  # no positions: permutation-equivariant
+        a, b = model(ids).logits[0, perm], model(ids[:, perm]).logits[0]
+    assert (a - b).abs().amax() > 1e-2  # rotary: order matters
+
+
+def test_hf_interop_refuses_options_bert_lacks():
+    for overrides, field in [({"norm_position": "pre"}, "norm_position"), ({"bias": False}, "bias"),
+                             ({"attention": "linear"}, "attention"), ({"position_embedding": "rotary"}, "position")]:
+        cfg = tiny(**overrides)
+        with pytest.raises(ValueError, match=field):
+            hf_config(cfg)
+        with pytest.raises(ValueError, match=field):
+            to_hf_state_dict(BertMLM(cfg))
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("norm_position", "middle", "'post', 'pre'"), ("norm_type", "batchnorm", "'layernorm', 'rmsnorm'"),
+    ("init", "orthogonal", "'normal', 'xavier', 'kaiming'"), ("position_embedding", "alibi", "'absolute', 'rotary'"),
+    ("activation", "relu", "'gelu', 'geglu', 'swiglu'"), ("num_heads", 3, "divisors of hidden_size"),
+    ("vocab_size", 5, "special tokens"), ("global_every", -1, ">= 0"), ("linformer_k", 0, "max_position_embeddings"),
+])
+def test_bad_options_name_the_field_and_allowed_values(field, value, allowed):
+    with pytest.raises(ValueError, match=f"^{field}:.*{allowed}"):
+        if field == "vocab_size":
+            model_config("tiny", value)
+        else:
+            model_config("tiny", V, **{field: value})
