@@ -185,7 +185,9 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
       on; without it CPU uses its fused kernel, "flash")
       keeps softmax output, dropout mask and dropped probabilities (2d + m)·a·s²·b (d·a·s²·b
       without attention dropout): the paper's 5·a·s²·b; "flash" (fused kernels, the paper's
-      selective recompute) keeps the log-sum-exp, 4·a·s·b.
+      selective recompute) keeps the log-sum-exp, 4·a·s·b. (Measured, not from the paper: on CPU
+      at b = 1 the math path keeps one more s x s tensor per head, d·a·s² per layer, at s >= 64;
+      at s = 32 it keeps two, which this term undercounts.)
     - with ``cfg.activation_checkpointing``: only each layer's input g·sbh (no scores).
     - ``embedding``: token and position ids (8·sb + 8·s), norm input g·sbh and statistics 8·sb,
       dropout mask m·sbh.
@@ -215,6 +217,8 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
             scores = L * 4 * a * s * b // tp
         else:
             scores = L * a * s * s * b * ((2 * d + ma) if cfg.attention_dropout > 0 else d) // tp
+            if device == "cpu" and b == 1 and cfg.attention_dropout > 0:
+                scores += L * d * a * s * s  # measured: at b = 1 CPU's math path also keeps the masked scores
     n = round(mlm_probability * s) * b if cfg.sparse_head else s * b
     embedding = 8 * s * b + 8 * s + (g + m) * sbh + 8 * s * b
     head = (4 * d * n * h + 4 * n * v) // tp + 8 * n
