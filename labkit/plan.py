@@ -272,7 +272,8 @@ def memory_plan(cfg: ModelConfig, *, seq_len: int, micro_batch: int, precision: 
     params / grads / optimizer: ``zero_state_bytes`` of this GPU's parameters
     (``_params_per_gpu``: its pipeline stage, its 1/tp slice), ZeRO-sharded over ``dp``.
     autocast_copies: the bf16/fp16 weight copies autocast caches during forward and backward
-    (2 B per local parameter; 0 in fp32). activations: ``activation_terms`` with the layers of
+    (2 B per local parameter; 0 in fp32; sharded with ZeRO-3, which casts as FSDP's mixed
+    precision does, one layer's gathered weights at a time). activations: ``activation_terms`` with the layers of
     one stage; pipeline parallel with the 1F1B schedule keeps min(pp, m) micro-batches in
     flight on the first stage (Narayanan et al. arXiv:2104.04473 section 2.2.1), the embedding
     on the first stage and the head on the last, the worse stage counted. logits: held output.
@@ -297,7 +298,7 @@ def memory_plan(cfg: ModelConfig, *, seq_len: int, micro_batch: int, precision: 
         acts, logits = max(first, last), 0  # the last stage's count includes its logits
     n_positions = round(mlm_probability * seq_len) * micro_batch if cfg.sparse_head else seq_len * micro_batch
     out = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
-           "autocast_copies": 0 if precision == "fp32" else 2 * _params_per_gpu(cfg, tp, pp),
+           "autocast_copies": 0 if precision == "fp32" else 2 * _params_per_gpu(cfg, tp, pp) / (dp if zero_stage == 3 else 1),
            "activations": acts, "logits": logits, "head_backward": 8 * n_positions * cfg.vocab_size / tp}
     out = {k: int(v) for k, v in out.items()}
     out["total"] = sum(out.values())

@@ -146,10 +146,14 @@ plots.memory_figure(pl.DataFrame(plans), capacity_bytes=plan.device_info("H100 N
 # parallelism kept inside a node). The bubble is GPipe's (p - 1)/(m + p - 1) at m = 8.
 
 # %%
-big = model_config("bert-1.3b", plan.STUDY_VOCAB, hidden_size=6144, num_heads=48, num_layers=48)
+big = model_config("bert-1.3b", plan.STUDY_VOCAB, hidden_size=6144, num_heads=48, num_layers=48,
+                   intermediate_size=None)
+print(f"{count_parameters(big)['total'] / 1e9:.1f} B parameters")
 splits = plan.parallel_plans(big, n_gpus=16, seq_len=study_seq_len, micro_batch=4)
 fit = plan.first_fit(splits)
-print("first split that fits:", {k: fit[k] for k in ("dp", "tp", "pp", "zero_stage", "bubble")} if fit else None)
+no_zero = plan.first_fit(splits.filter(pl.col("zero_stage") == 0))
+for what, row in (("first split that fits", fit), ("first split without ZeRO", no_zero)):
+    print(f"{what}:", {k: row[k] for k in ("dp", "tp", "pp", "zero_stage", "total", "bubble")} if row else None)
 splits.select("dp", "tp", "pp", "zero_stage", (pl.col("total") / 1e9).round(1).alias("GB per GPU"), "fits",
               pl.col("bubble").round(3)).head(12)
 
