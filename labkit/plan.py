@@ -1,5 +1,14 @@
 """Memory planning: how large a micro-batch fits in a per-rank memory budget.
 
+Two halves. The first measures (CPU, exact): ``activation_bytes``, ``model_state_bytes``,
+``max_micro_batch``. The second plans from formulas, for sizes and devices no CPU can measure:
+``activation_terms`` (Korthikanti et al. arXiv:2205.05198, written for labkit's model and
+checked exactly against the measurement), ``zero_state_bytes`` (ZeRO arXiv:1910.02054),
+``memory_plan`` (one GPU under DP x TP x PP and ZeRO 0-3, with the GPipe bubble),
+``planned_max_micro_batch`` on a ``DEVICES`` entry, ``study_table`` (the study's reported
+micro-batches beside the plan), ``parallel_plans`` / ``first_fit``, and ``gpu_memory_check``
+(plan vs ``torch.cuda.max_memory_allocated``, for benchmarks/gpu_check.sh).
+
 Memory of one DDP rank = model state + activations saved for backward (+ transient buffers and
 allocator slack, not modelled; keep 10-20 % headroom, REFERENCES.md C4).
 
@@ -201,6 +210,8 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
     unknown precision/attention or non-positive sizes.
     """
     _check_options(precision, attention)
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device: must be 'cuda' or 'cpu', got {device!r}")
     if seq_len < 1 or micro_batch < 1 or tp < 1:
         raise ValueError(f"seq_len/micro_batch/tp: must be positive, got {seq_len}/{micro_batch}/{tp}")
     s, b, h, a, f, v, L = seq_len, micro_batch, cfg.hidden_size, cfg.num_heads, cfg.ffn_size, cfg.vocab_size, cfg.num_layers
@@ -277,7 +288,8 @@ def memory_plan(cfg: ModelConfig, *, seq_len: int, micro_batch: int, precision: 
     one stage; pipeline parallel with the 1F1B schedule keeps min(pp, m) micro-batches in
     flight on the first stage (Narayanan et al. arXiv:2104.04473 section 2.2.1), the embedding
     on the first stage and the head on the last, the worse stage counted. logits: held output.
-    head_backward: two fp32 [n, V] gradient buffers alive when backward starts. Grads are
+    With activation checkpointing one layer's full activations are added (its recompute in
+    backward). head_backward: two fp32 [n, V] gradient buffers alive when backward starts. Grads are
     counted as allocated throughout (an upper estimate when they are set to None between steps).
     ``bubble``: GPipe's idle fraction (p - 1) / (m + p - 1) (Huang et al. arXiv:1811.06965).
     Returns the terms, "total", and the inputs.
@@ -289,6 +301,11 @@ def memory_plan(cfg: ModelConfig, *, seq_len: int, micro_batch: int, precision: 
                          device=device, tp=tp, mlm_probability=mlm_probability)
     stage_layers = math.ceil(cfg.num_layers / pp) / cfg.num_layers
     per_mb = (t["layers"] + t["attention_scores"]) * stage_layers
+    if cfg.activation_checkpointing:  # backward recomputes one layer at a time: its activations come back
+        full = activation_terms(dataclasses.replace(cfg, activation_checkpointing=False), seq_len, micro_batch,
+                                precision=precision, attention=attention, device=device, tp=tp,
+                                mlm_probability=mlm_probability)
+        per_mb += (full["layers"] + full["attention_scores"]) / cfg.num_layers
     if pp == 1:
         acts = per_mb + t["embedding"] + t["head"]
         logits = t["logits"]

@@ -133,6 +133,12 @@ def test_memory_plan_adds_up_and_matches_state_bytes():
     assert p["params"] + p["grads"] + p["optimizer"] == model_state_bytes(cfg)
     assert p["autocast_copies"] == 0 and p["bubble"] == 0
     assert plan.memory_plan(cfg, seq_len=128, micro_batch=8)["autocast_copies"] == 2 * plan.count_parameters(cfg)["total"]
+    # checkpointing: the layer inputs plus one layer's full activations during its recompute
+    ck = model_config("bert-120m", 30522, activation_checkpointing=True)
+    t_ck, t_full = plan.activation_terms(ck, 128, 8), plan.activation_terms(cfg, 128, 8)
+    got = plan.memory_plan(ck, seq_len=128, micro_batch=8)["activations"]
+    want = t_ck["layers"] + (t_full["layers"] + t_full["attention_scores"]) / 12 + t_ck["embedding"] + t_ck["head"]
+    assert got == int(want)
 
 
 def test_pipeline_bubble_and_first_fitting_split():
