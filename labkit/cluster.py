@@ -1,367 +1,344 @@
-"""ipyparallel clusters: start/stop, topology -> ranks, per-node calls, DDP launch, live metrics.
+"""ipyparallel clusters: start (local, Slurm, MPI), reconnect, restart, stop, logs.
 
-Engine ids are not ranks (they follow registration order). `engine_info` asks every engine for
-its host, node name, local id and GPUs; `assign_ranks` turns that into the torchrun environment
-(RANK, LOCAL_RANK, NODE_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) in one pure
-function; `run_ddp` sets that environment on each engine, runs the function on all ranks at once
-and streams rank 0's recent metric records back through ipyparallel's `publish_data`
-(which keeps only the latest value per key, so rank 0 publishes a bounded history).
+Clusters are started with ipyparallel's own launchers: local engines, `SlurmEngineSetLauncher`
+with a labkit `batch_template` (one engine per GPU on each node, `#SBATCH --export=ALL` kept,
+ipyparallel issue #243), or `MPIEngineSetLauncher`. The launcher settings are a traitlets Config
+rebuilt from a small settings file `security/labkit-<cluster_id>.json` that sits beside
+ipyparallel's own cluster file `security/cluster-<cluster_id>.json`, so a notebook can reconnect
+to a running cluster (`connect_cluster`) and restarts keep the engines' environment.
+
+The notebook-facing names live here: topology (`engine_info`, `assign_ranks`, `per_node`,
+`set_node_names`) is defined in `labkit.topology`, the DDP launch (`run_ddp`,
+`run_ddp_resumable`, `DDPError`, `progress_bar`) in `labkit.launch`; both are re-exported.
 
 Patterns: /work/shared/REFERENCES.md section E (ipyparallel; DDP in persistent engines).
 """
 
 from __future__ import annotations
 
-import inspect
+import contextlib
+import json
 import os
 import pathlib
 import signal
 import socket
+import stat
 import time
 import warnings
-from collections import deque
-from typing import Any, Callable
+from typing import Any
 
 import ipyparallel as ipp
-from ipyparallel import error as ipp_error
 
-NODE_ENV = "LABKIT_NODE_NAME"
-"""Engine env var overriding the node name (tests simulate several nodes on one host)."""
-LOCAL_ID_ENVS = ("SLURM_LOCALID", "LABKIT_LOCAL_ID")
-"""Engine env vars giving the engine's local id on its node, first one set wins."""
+from labkit.topology import (LOCAL_ID_ENVS, NODE_ENV, assign_ranks, engine_info,  # noqa: F401 (re-exported)
+                             per_node, set_node_names)
+
+ENGINE_KINDS = ("local", "slurm", "mpi")
+_LAUNCHERS = {"local": "LocalEngineSetLauncher", "slurm": "SlurmEngineSetLauncher", "mpi": "MPIEngineSetLauncher"}
 
 
-class DDPError(RuntimeError):
-    """A rank of a `run_ddp` call failed, died or timed out; the message names the rank."""
+def __getattr__(name: str) -> Any:  # the DDP launch moved to labkit.launch; keep the old names
+    if name in ("run_ddp", "run_ddp_resumable", "DDPError", "progress_bar"):
+        from labkit import launch
+
+        return getattr(launch, name)
+    raise AttributeError(f"module 'labkit.cluster' has no attribute {name!r}")
+
+
+# ---------------------------------------------------------------- Slurm batch script
+
+
+def slurm_batch_template(*, nodes: int, gpus_per_node: int, partition: str = "", time_limit: str = "",
+                         account: str = "", cpus_per_task: int | None = None,
+                         sbatch_lines: list[str] | tuple[str, ...] = (),
+                         setup_lines: list[str] | tuple[str, ...] = ()) -> str:
+    """The `SlurmEngineSetLauncher.batch_template` for one engine per GPU on each node.
+
+    One job of `nodes` nodes with `gpus_per_node` tasks each (`--ntasks-per-node`,
+    `--gpus-per-node`); `srun` starts one engine per task, so SLURM_LOCALID is each engine's
+    local id and every engine sees its node's GPUs (it uses cuda:LOCAL_RANK). `#SBATCH
+    --export=ALL` passes the notebook's environment (and the engines' connection info) to the
+    job. `sbatch_lines` are extra "#SBATCH ..." lines (e.g. "#SBATCH --exclusive"), `setup_lines`
+    shell lines run before srun (e.g. "module load cuda"). ipyparallel fills {cluster_id},
+    {output_file} and {program_and_args}; literal braces in user lines are escaped.
+    Raises ValueError naming the field for nodes/gpus_per_node < 1 or a line of sbatch_lines
+    not starting with "#SBATCH".
+    """
+    if nodes < 1:
+        raise ValueError(f"nodes must be >= 1, got {nodes}")
+    if gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
+    bad = [line for line in sbatch_lines if not line.startswith("#SBATCH ")]
+    if bad:
+        raise ValueError(f"sbatch_lines must start with '#SBATCH ': {bad}")
+
+    def esc(s: str) -> str:
+        return s.replace("{", "{{").replace("}", "}}")
+
+    lines = ["#!/bin/bash", "#SBATCH --export=ALL", "#SBATCH --job-name=ipengine-{cluster_id}",
+             f"#SBATCH --nodes={nodes}", f"#SBATCH --ntasks-per-node={gpus_per_node}",
+             f"#SBATCH --gpus-per-node={gpus_per_node}", "#SBATCH --output={output_file}"]
+    lines += [f"#SBATCH --cpus-per-task={cpus_per_task}"] if cpus_per_task else []
+    lines += [f"#SBATCH --partition={esc(partition)}"] if partition else []
+    lines += [f"#SBATCH --time={esc(str(time_limit))}"] if time_limit else []
+    lines += [f"#SBATCH --account={esc(account)}"] if account else []
+    lines += [esc(line) for line in sbatch_lines] + [esc(line) for line in setup_lines]
+    lines += ["srun --kill-on-bad-exit=0 {program_and_args}", ""]
+    return "\n".join(lines)
+
+
+def _launcher_config(settings: dict) -> Any:
+    """traitlets Config for the engine launcher from labkit's saved settings (see start_cluster)."""
+    from traitlets.config import Config
+
+    c = Config()
+    launcher = c[_LAUNCHERS[settings["engines"]]]
+    launcher.environment = dict(settings.get("environment") or {})
+    if settings["engines"] == "slurm":
+        launcher.batch_template = slurm_batch_template(**settings["slurm"])
+        if settings.get("batch_file"):  # absolute: os.path.join(work_dir, it) is it
+            launcher.batch_file_name = settings["batch_file"]
+    if settings["engines"] == "mpi" and settings.get("mpi_args"):
+        launcher.mpi_args = list(settings["mpi_args"])
+    return c
+
+
+def _settings_path(cluster: ipp.Cluster) -> pathlib.Path:
+    return pathlib.Path(cluster.profile_dir, "security", f"labkit-{cluster.cluster_id}.json")
 
 
 # ---------------------------------------------------------------- cluster lifecycle
 
 
 def start_cluster(
-    n: int = 2,
+    n: int | None = None,
     *,
     engines: str = "local",
     profile: str | None = None,
-    controller_ip: str = "127.0.0.1",
+    profile_dir: str | None = None,
+    controller_ip: str | None = None,
     env: dict[str, str] | None = None,
-    timeout: float = 120.0,
+    timeout: float | None = None,
+    keep_running: bool = False,
+    slurm: dict | None = None,
+    mpi_args: list[str] | None = None,
     **kw: Any,
 ) -> ipp.Cluster:
-    """Start a controller and `n` engines with ipyparallel's own launchers, and connect.
+    """Start a controller and engines with ipyparallel's own launchers, and connect a client.
 
-    `engines` is an ipyparallel launcher name ("local", "slurm", "mpi", "ssh"). The controller
-    listens on `controller_ip` (127.0.0.1: reachable from this machine only); "*" or "0.0.0.0"
-    exposes it to the network and warns. `env` is extra environment for the engines; the
-    directory holding this `labkit` package is prepended to their PYTHONPATH so engines import
-    the same code as the caller. Other keywords go to `ipyparallel.Cluster`.
-    The connected client is `get_client(cluster)`. Raises ValueError for n < 1 and
-    TimeoutError when the engines have not registered within `timeout` seconds (the cluster
-    is stopped first).
+    engines: "local" (n engines on this machine, default n=2), "slurm" (one batch job, one engine
+    per GPU: `slurm` holds the keywords of `slurm_batch_template`, nodes and gpus_per_node at
+    least; n defaults to, and must equal, nodes * gpus_per_node) or "mpi" (`mpiexec -n n
+    <mpi_args> ipengine --mpi`; needs mpi4py in the engines).
+    controller_ip: 127.0.0.1 by default for local engines (reachable from this machine only);
+    for Slurm the default is this host's own address (the compute nodes must reach it), an
+    error if that resolves to loopback. "*" / "0.0.0.0" listen on all interfaces and warn.
+    env: extra engine environment; the directory holding this `labkit` is prepended to
+    PYTHONPATH so engines import the same code. keep_running: leave the cluster running when
+    this Python process exits (reconnect later with `connect_cluster`). timeout: seconds for
+    the engines to register (default 120, Slurm 3600 for the queue). Other keywords go to
+    `ipyparallel.Cluster`. The settings are saved to security/labkit-<cluster_id>.json and every
+    file in the profile's security/ directory is made owner-only (0600, directory 0700).
+    Raises ValueError naming the bad argument, TimeoutError when the engines do not register
+    in time (the cluster is stopped first).
     """
+    if engines not in ENGINE_KINDS:
+        raise ValueError(f"engines must be one of {ENGINE_KINDS}, got {engines!r}")
     if controller_ip in ("*", "0.0.0.0"):
-        warnings.warn(
-            f"controller_ip={controller_ip!r} listens on all interfaces; anyone who can reach "
-            "this machine can connect to the controller", stacklevel=2)
+        warnings.warn(f"controller_ip={controller_ip!r} listens on all interfaces; anyone who can reach "
+                      "this machine can connect to the controller", stacklevel=2)
+    if engines == "slurm":
+        if not slurm or "nodes" not in slurm or "gpus_per_node" not in slurm:
+            raise ValueError("slurm: pass slurm={'nodes': N, 'gpus_per_node': G, ...} for engines='slurm'")
+        slurm_batch_template(**slurm)  # validate early
+        total = int(slurm["nodes"]) * int(slurm["gpus_per_node"])
+        if n is not None and n != total:
+            raise ValueError(f"n={n} but slurm asks for nodes*gpus_per_node={total} engines")
+        n = total
+    n = 2 if n is None else n
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
+    if controller_ip is None:
+        controller_ip = _default_controller_ip(engines)
     engine_env = dict(env or {})
     paths = [str(pathlib.Path(__file__).resolve().parent.parent)]
     paths += [p for p in (engine_env.get("PYTHONPATH"), os.environ.get("PYTHONPATH")) if p]
     engine_env["PYTHONPATH"] = os.pathsep.join(paths)
-    if profile is not None:
-        kw["profile"] = profile
-    cluster = ipp.Cluster(n=n, engines=engines, controller_ip=controller_ip, **kw)
+    settings = {"engines": engines, "n": n, "environment": engine_env, "slurm": slurm,
+                "mpi_args": list(mpi_args or []), "controller_ip": controller_ip}
+    for key, value in (("profile", profile), ("profile_dir", profile_dir)):
+        if value is not None:
+            kw[key] = value
+    if engines == "slurm" and controller_ip != "127.0.0.1":
+        kw.setdefault("controller_location", controller_ip if controller_ip not in ("*", "0.0.0.0")
+                      else socket.gethostname())
+    cluster = ipp.Cluster(n=n, engines=engines, controller_ip=controller_ip, shutdown_atexit=not keep_running, **kw)
+    if engines == "slurm":  # the rendered script goes to the profile's log/, not the notebook's directory
+        settings["batch_file"] = os.path.join(cluster.profile_dir, "log", f"slurm-engines-{cluster.cluster_id}.sbatch")
+        os.makedirs(os.path.dirname(settings["batch_file"]), exist_ok=True)
+    cluster.config = _launcher_config(settings)
+    if timeout is None:
+        timeout = 3600.0 if engines == "slurm" else 120.0
     try:
         cluster.start_controller_sync()
-        cluster.start_engines_sync(n, environment=engine_env)
+        cluster.start_engines_sync(n)
+        _write_private(_settings_path(cluster), settings)
         client = cluster.connect_client_sync()
         cluster._labkit_client = client
         client.wait_for_engines(n, timeout=timeout, interactive=False)
+        secure_connection_files(cluster.profile_dir)
     except BaseException:
         stop_cluster(cluster)
         raise
     return cluster
 
 
+def _default_controller_ip(engines: str) -> str:
+    if engines != "slurm":
+        return "127.0.0.1"
+    addr = socket.gethostbyname(socket.gethostname())
+    if addr.startswith("127."):
+        raise ValueError(f"controller_ip: this host's name resolves to {addr}, which compute nodes cannot "
+                         "reach; pass controller_ip='<this node's cluster-network address>'")
+    return addr
+
+
+def _write_private(path: pathlib.Path, obj: Any) -> None:
+    """Write JSON readable by the owner only, atomically (temp file created 0600, then renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def secure_connection_files(profile_dir: str) -> list[str]:
+    """Make `<profile_dir>/security` 0700 and every file in it 0600 (connection files hold the
+    controller's key; ipyparallel writes its cluster-*.json files with the default umask).
+    Returns the files whose mode was changed."""
+    sec = pathlib.Path(profile_dir, "security")
+    changed = []
+    if sec.is_dir():
+        if stat.S_IMODE(sec.stat().st_mode) != 0o700:
+            sec.chmod(0o700)
+        for f in sec.iterdir():
+            try:
+                if f.is_file() and f.stat().st_uid == os.getuid() and stat.S_IMODE(f.stat().st_mode) != 0o600:
+                    f.chmod(0o600)
+                    changed.append(str(f))
+            except FileNotFoundError:  # another cluster's file removed meanwhile
+                continue
+    return changed
+
+
 def get_client(cluster: ipp.Cluster) -> ipp.Client:
-    """The client `start_cluster` connected (or a new one for a cluster started elsewhere)."""
+    """The client `start_cluster` / `connect_cluster` connected (or a new one)."""
     client = getattr(cluster, "_labkit_client", None)
     if client is None:
         client = cluster._labkit_client = cluster.connect_client_sync()
     return client
 
 
+def list_clusters(*, profile: str | None = None, profile_dir: str | None = None) -> list[dict]:
+    """Clusters saved in a profile (default profile "default"): one dict per cluster file with
+    cluster_id, engines (launcher name), n (engines started) and controller_pid (None if none)."""
+    kw = {"profile_dir": profile_dir} if profile_dir else {"profile": profile or "default"}
+    sec = pathlib.Path(ipp.Cluster(**kw, shutdown_atexit=False).profile_dir, "security")
+    out = []
+    for f in sorted(sec.glob("cluster-*.json")):
+        try:
+            d = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        ctl = (d.get("controller") or {}).get("state") or {}
+        sets = (d.get("engines") or {}).get("sets") or {}
+        out.append({"cluster_id": d["cluster"]["cluster_id"], "engines": (d.get("engines") or {}).get("class"),
+                    "n": sum(int(s.get("n", 0)) for s in sets.values()), "controller_pid": ctl.get("pid")})
+    return out
+
+
+def connect_cluster(cluster_id: str, *, profile: str | None = None, profile_dir: str | None = None,
+                    timeout: float = 60.0) -> ipp.Cluster:
+    """Reconnect to a running cluster from its saved files (e.g. after a kernel restart).
+
+    Loads ipyparallel's `security/cluster-<cluster_id>.json` (`Cluster.from_file`) with labkit's
+    saved launcher settings, connects a client and waits up to `timeout` s for the engines.
+    The returned cluster is not stopped when this process exits; `stop_cluster` stops it.
+    Raises FileNotFoundError naming the missing file (and the saved cluster ids) and
+    RuntimeError when the controller is no longer running.
+    """
+    kw = {"profile_dir": profile_dir} if profile_dir else {"profile": profile or "default"}
+    probe = ipp.Cluster(cluster_id=cluster_id, shutdown_atexit=False, **kw)
+    if not os.path.exists(probe.cluster_file):
+        ids = [c["cluster_id"] for c in list_clusters(**kw)]
+        raise FileNotFoundError(f"no cluster file {probe.cluster_file}; saved clusters there: {ids}")
+    path = _settings_path(probe)
+    settings = json.loads(path.read_text()) if path.exists() else None
+    extra = {"config": _launcher_config(settings)} if settings else {}
+    cluster = ipp.Cluster.from_file(cluster_id=cluster_id, **kw, **extra)
+    if cluster.controller is None:
+        raise RuntimeError(f"cluster {cluster_id}: its controller is not running ({probe.cluster_file})")
+    client = cluster._labkit_client = cluster.connect_client_sync()
+    n = sum(es.n for es in cluster.engines.values())
+    client.wait_for_engines(n, timeout=timeout, interactive=False)
+    secure_connection_files(cluster.profile_dir)
+    return cluster
+
+
+def restart_engines(cluster: ipp.Cluster, *, timeout: float | None = None) -> list[int]:
+    """Kill every engine (SIGKILL; `scancel -s 9` on Slurm), stop and start the same number again
+    (ipyparallel `restart_engines`, same launcher settings and environment); wait for the new
+    engines and return their ids.
+
+    Use it after a failed or interrupted DDP run: surviving ranks may be blocked in a collective
+    that no signal ends. Engine ids change; node names set with `set_node_names` are gone.
+    Raises TimeoutError if the new engines do not register within `timeout` s (default as in
+    `start_cluster`).
+    """
+    client = get_client(cluster)
+    old = set(client.ids)
+    path = _settings_path(cluster)
+    settings = json.loads(path.read_text()) if path.exists() else {}
+    n = sum(es.n for es in cluster.engines.values()) or int(settings.get("n", 0))
+    if n < 1:
+        raise RuntimeError(f"cluster {cluster.cluster_id}: no engine set to restart and no saved engine count")
+    if cluster.engines:
+        with contextlib.suppress(Exception):  # a rank stuck in a collective ignores SIGTERM; the state is disposable
+            cluster.signal_engines_sync(signal.SIGKILL)
+        cluster.restart_engines_sync()
+    else:  # every engine set already stopped
+        cluster.start_engines_sync(n)
+    if timeout is None:
+        timeout = 3600.0 if "Slurm" in type(next(iter(cluster.engines.values()))).__name__ else 120.0
+    deadline = time.monotonic() + timeout
+    while True:
+        new = sorted(set(client.ids) - old)
+        if len(new) >= n:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"restart_engines: {len(new)} of {n} engines registered within {timeout} s")
+        time.sleep(0.2)
+    secure_connection_files(cluster.profile_dir)
+    return new
+
+
 def stop_cluster(cluster: ipp.Cluster) -> None:
-    """Close the client and stop engines and controller; safe to call twice."""
+    """Close the client and stop engines and controller (the job too, on Slurm); safe twice."""
     client = getattr(cluster, "_labkit_client", None)
     if client is not None:
         client.close()
         cluster._labkit_client = None
     cluster.stop_cluster_sync()
-
-
-# ---------------------------------------------------------------- topology
-
-
-def _engine_facts() -> dict:
-    import os
-    import socket
-
-    local = next((os.environ[k] for k in ("SLURM_LOCALID", "LABKIT_LOCAL_ID") if k in os.environ), None)
-    host = socket.gethostname()
-    return {"hostname": host, "node": os.environ.get("LABKIT_NODE_NAME") or host,
-            "local_id": None if local is None else int(local), "pid": os.getpid(),
-            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": len(os.sched_getaffinity(0))}
-
-
-def engine_info(client: ipp.Client, targets: list[int] | None = None, *, timeout: float = 60.0) -> list[dict]:
-    """Ask each engine who it is: one dict per engine, sorted by engine_id.
-
-    Keys: engine_id (int), hostname, node (env LABKIT_NODE_NAME, else hostname), local_id (int:
-    env SLURM_LOCALID / LABKIT_LOCAL_ID, else the engine's order by id among engines on its
-    host), pid, gpus (CUDA_VISIBLE_DEVICES or None), cpus (usable CPU cores).
-    Raises TimeoutError if an engine does not answer within `timeout` seconds.
-    """
-    ids = sorted(client.ids if targets is None else targets)
-    if not ids:
-        raise ValueError("the client has no engines")
-    facts = client[ids].apply_async(_engine_facts).get(timeout=timeout)
-    infos = [{"engine_id": eid, **f} for eid, f in zip(ids, facts)]
-    for host in {i["hostname"] for i in infos}:
-        on_host = [i for i in infos if i["hostname"] == host]
-        for order, i in enumerate(on_host):
-            if i["local_id"] is None:
-                i["local_id"] = order
-    return infos
-
-
-def assign_ranks(infos: list[dict], *, master_port: int) -> dict[int, dict[str, str]]:
-    """Map engine_id -> torchrun environment (all values str), a pure function of the topology.
-
-    Nodes are sorted by name (NODE_RANK = position); within a node engines are sorted by
-    (local_id, engine_id) (LOCAL_RANK = position); RANK counts through nodes in order.
-    MASTER_ADDR is 127.0.0.1 when every engine shares one hostname, else rank 0's hostname.
-    Raises ValueError for an empty list, duplicate engine ids or a port outside 1..65535.
-    """
-    if not infos:
-        raise ValueError("infos is empty: no engines to assign ranks to")
-    if len({i["engine_id"] for i in infos}) != len(infos):
-        raise ValueError("infos has duplicate engine_id values")
-    if not 0 < int(master_port) < 65536:
-        raise ValueError(f"master_port must be in 1..65535, got {master_port}")
-    nodes = sorted({i["node"] for i in infos})
-    by_node = {nd: sorted((i for i in infos if i["node"] == nd),
-                          key=lambda i: (i["local_id"], i["engine_id"])) for nd in nodes}
-    ordered = [i for nd in nodes for i in by_node[nd]]
-    single_host = len({i["hostname"] for i in infos}) == 1
-    master = "127.0.0.1" if single_host else ordered[0]["hostname"]
-    env = {}
-    for rank, info in enumerate(ordered):
-        members = by_node[info["node"]]
-        env[info["engine_id"]] = {
-            "RANK": str(rank), "LOCAL_RANK": str(members.index(info)),
-            "NODE_RANK": str(nodes.index(info["node"])), "WORLD_SIZE": str(len(ordered)),
-            "LOCAL_WORLD_SIZE": str(len(members)), "MASTER_ADDR": master,
-            "MASTER_PORT": str(int(master_port))}
-    return env
-
-
-def _set_env(values: dict) -> None:
-    import os
-
-    for k, v in values.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-def set_node_names(client: ipp.Client, names: dict[int, str | None], *, timeout: float = 30.0) -> None:
-    """Set (or with None, clear) env LABKIT_NODE_NAME on engines: {engine_id: node name}."""
-    ars = [client[eid].apply_async(_set_env, {NODE_ENV: name}) for eid, name in names.items()]
-    for ar in ars:
-        ar.get(timeout=timeout)
-
-
-def per_node(client: ipp.Client, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> dict[str, Any]:
-    """Run fn(*args, **kwargs) once per node, on its first local engine; {node: result}.
-
-    All calls are submitted before any is awaited; `timeout` (seconds, None = no limit) bounds
-    each wait. Engine errors propagate (ipyparallel RemoteError with the engine's traceback).
-    """
-    infos = engine_info(client)
-    first = {}
-    for i in sorted(infos, key=lambda i: (i["local_id"], i["engine_id"])):
-        first.setdefault(i["node"], i["engine_id"])
-    ars = {node: client[eid].apply_async(fn, *args, **kwargs) for node, eid in sorted(first.items())}
-    return {node: ar.get(timeout=timeout) for node, ar in ars.items()}
-
-
-# ---------------------------------------------------------------- DDP
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-class _Publisher:
-    """Rank 0's sink: keeps the last `history` records, publishes them at most every `interval` s."""
-
-    def __init__(self, history: int, interval: float = 0.5):
-        self.records: deque = deque(maxlen=history)
-        self.interval = interval
-        self._last = 0.0
-
-    def __call__(self, record: dict) -> None:
-        self.records.append(dict(record))
-        if time.monotonic() - self._last >= self.interval:
-            self.flush()
-
-    def flush(self) -> None:
-        from ipyparallel.datapub import publish_data
-
-        publish_data({"records": list(self.records)})
-        self._last = time.monotonic()
-
-
-def _ddp_entry(fn: Callable, env: dict, args: tuple, kwargs: dict, history: int) -> Any:
-    """Engine side of `run_ddp`: set env, build rank 0's sink, call fn, always tear down."""
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    sink = _Publisher(history) if env["RANK"] == "0" else None
     try:
-        if "sink" in inspect.signature(fn).parameters:
-            kwargs = {**kwargs, "sink": sink}
-        return fn(*args, **kwargs)
-    finally:
-        if sink is not None and sink.records:
-            sink.flush()
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-        _set_env(saved)
+        _settings_path(cluster).unlink()
+    except FileNotFoundError:
+        pass
 
 
-def _remote_text(err: BaseException) -> str:
-    if isinstance(err, ipp_error.CompositeError):
-        return "\n".join(_remote_text(e) for e in err.elements) if hasattr(err, "elements") else str(err)
-    if isinstance(err, ipp_error.RemoteError):
-        return f"{err.ename}: {err.evalue}\n{err.traceback or ''}"
-    return f"{type(err).__name__}: {err}"
+def engine_logs(cluster: ipp.Cluster) -> dict[str, str]:
+    """{log file path: text} of this cluster's controller and engine logs (profile's log/).
 
-
-def run_ddp(
-    client: ipp.Client,
-    fn: Callable,
-    *args: Any,
-    targets: list[int] | None = None,
-    live: Callable[[list[dict]], None] | None = None,
-    timeout: float | None = None,
-    history: int = 500,
-    poll: float = 1.0,
-    **kwargs: Any,
-) -> list[Any]:
-    """Run fn(*args, **kwargs) on every target engine as one torch.distributed job; results by rank.
-
-    Each engine gets the `assign_ranks` environment with a fresh MASTER_PORT (bound to port 0 on
-    rank 0's engine), OMP/POLARS_MAX/RAYON_NUM_THREADS = its host's usable cores // engines on
-    that host (torch.set_num_threads too; polars and rayon read theirs only at first import),
-    TOKENIZERS_PARALLELISM=false, and on a single host MASTER_ADDR=127.0.0.1 and
-    GLOO_SOCKET_IFNAME=lo; the environment is restored afterwards. fn initialises the process
-    group itself (as `labkit.train.train` does from the env); it is destroyed on every rank after
-    fn returns or raises. If fn has a `sink` parameter it receives, on rank 0, a callable that
-    keeps the last `history` records and publishes them (ipyparallel publish_data, key
-    "records"); other ranks get sink=None. While waiting, `live(records)` is called with rank 0's
-    published records about every `poll` seconds when they change, once more at the end, then
-    `live.flush()` if it has one.
-    Raises DDPError naming the rank (with the engine's traceback text) when a rank fails, when
-    its engine disappears (unregistered, or its process is gone on this host), or, naming the
-    unfinished ranks, after `timeout` seconds. After such an error other ranks may still be
-    blocked in a collective: restart the engines (cluster.restart_engines_sync()).
-    """
-    infos = engine_info(client, targets)
-    by_id = {i["engine_id"]: i for i in infos}
-    rank0 = next(e for e, v in assign_ranks(infos, master_port=1).items() if v["RANK"] == "0")
-    port = client[rank0].apply_async(_free_port).get(timeout=30)
-    envs = assign_ranks(infos, master_port=port)
-    hosts = [i["hostname"] for i in infos]
-    single_host = len(set(hosts)) == 1
-    for eid, env in envs.items():
-        threads = str(max(1, by_id[eid]["cpus"] // hosts.count(by_id[eid]["hostname"])))
-        env.update(OMP_NUM_THREADS=threads, POLARS_MAX_THREADS=threads, RAYON_NUM_THREADS=threads,
-                   TOKENIZERS_PARALLELISM="false")
-        if single_host:
-            env.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
-    rank_of = {eid: int(env["RANK"]) for eid, env in envs.items()}
-    ars = {rank_of[eid]: client[eid].apply_async(_ddp_entry, fn, env, args, kwargs, history)
-           for eid, env in envs.items()}  # all submitted before any wait: init blocks until all join
-    engine_of = {r: eid for eid, r in rank_of.items()}
-    here = socket.gethostname()
-
-    def who(r: int) -> str:
-        i = by_id[engine_of[r]]
-        return f"rank {r} (engine {i['engine_id']}, node {i['node']}, pid {i['pid']})"
-
-    deadline = None if timeout is None else time.monotonic() + timeout
-    shown = None
-    pending = set(ars)
-    try:
-        while pending:
-            ars[min(pending)].wait(poll)
-            for r in sorted(pending):
-                if ars[r].ready():
-                    pending.discard(r)
-                    try:
-                        ars[r].get(0)
-                    except Exception as err:
-                        raise DDPError(f"{who(r)} failed:\n{_remote_text(err)}") from err
-            if live is not None:
-                shown = _show(live, ars[0], shown)
-            for r in sorted(pending):
-                info = by_id[engine_of[r]]
-                gone = info["engine_id"] not in client.ids or (
-                    info["hostname"] == here and not _pid_alive(info["pid"]))
-                if gone:
-                    raise DDPError(f"{who(r)}: engine died while running {fn.__name__}")
-            if pending and deadline is not None and time.monotonic() > deadline:
-                raise DDPError(f"timeout after {timeout} s: {', '.join(who(r) for r in sorted(pending))}"
-                               " not finished")
-    except KeyboardInterrupt:
-        client.send_signal(signal.SIGINT, targets=[engine_of[r] for r in pending], block=False)
-        raise
-    if live is not None:
-        ars[0].wait_for_output(5)
-        _show(live, ars[0], shown)
-        if hasattr(live, "flush"):
-            live.flush()
-    return [ars[r].get(0) for r in sorted(ars)]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _show(live: Callable, ar: Any, shown: Any) -> Any:
-    """Call live(records) if rank 0 published records different from `shown`; return the new key."""
-    records = (ar.data or {}).get("records") or []
-    key = (len(records), records[-1]) if records else None
-    if records and key != shown:
-        live(records)
-        return key
-    return shown
+    Engines' own stdout/stderr outside of tasks (start-up errors, crashes, Slurm's srun
+    messages) go there, not to the notebook."""
+    logs = sorted(pathlib.Path(cluster.profile_dir, "log").glob(f"*{cluster.cluster_id}*.log"))
+    return {str(p): p.read_text(errors="replace") for p in logs}

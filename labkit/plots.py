@@ -317,3 +317,16 @@ def memory_figure(plans: pl.DataFrame | pl.LazyFrame, *, capacity_bytes: float |
                       annotation_text=f"capacity {capacity_bytes / 1e9:.0f} GB")
     fig.update_layout(template=style(), title=title, barmode="stack", yaxis_title="GB per GPU")
     return fig
+
+
+def staging_figure(staged: dict[str, dict], *, title: str = "Staging to node-local disk") -> go.Figure:
+    """Bars of staging throughput per node (MB/s, MB = 1e6 bytes), labelled with bytes and
+    seconds, from ``labkit.lab.stage`` ({node: {"bytes", "seconds", "mb_per_s", "copied"}}).
+    A node that kept a verified copy shows its verification rate."""
+    nodes = sorted(staged)
+    rates = [staged[n]["mb_per_s"] for n in nodes]
+    text = [f"{staged[n]['bytes'] / 1e6:.1f} MB in {staged[n]['seconds']:.2f} s"
+            + ("" if staged[n].get("copied", True) else " (kept, verified)") for n in nodes]
+    fig = go.Figure(go.Bar(x=nodes, y=rates, text=text, marker={"color": COLORS["bar"]}))
+    fig.update_layout(template=style(), title=title, xaxis_title="node", yaxis_title="MB/s (copy + sha256)")
+    return fig

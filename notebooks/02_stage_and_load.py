@@ -37,6 +37,9 @@ client = lc.get_client(cluster)
 staged = lab.stage(client, workdir)
 pl.DataFrame(list(staged.values()))
 
+# %%
+plots.staging_figure(staged)
+
 # %% [markdown]
 # ## One masked batch from the staged copy
 

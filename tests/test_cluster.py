@@ -6,10 +6,13 @@ import json
 import os
 import pathlib
 import random
+import re
 
 import pytest
 
 from labkit import cluster as C
+from labkit import lab
+from tiny_shards import write_tiny_shards
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -107,6 +110,22 @@ def test_controller_listens_on_localhost(cluster):
     assert json.loads(files[0].read_text())["interface"] == "tcp://127.0.0.1"
     with pytest.warns(UserWarning, match="all interfaces"), pytest.raises(ValueError, match="n must be"):
         C.start_cluster(0, controller_ip="*")
+    with pytest.raises(ValueError, match="engines must be one of"):
+        C.start_cluster(2, engines="pbs")
+
+
+def test_connection_files_owner_only(cluster):
+    sec = pathlib.Path(cluster.profile_dir, "security")
+    mine = sorted(sec.glob(f"*{cluster.cluster_id}*.json"))
+    names = {p.name for p in mine}
+    # ipyparallel's connection files and cluster file, and labkit's saved settings
+    assert {f"ipcontroller-{cluster.cluster_id}-client.json", f"ipcontroller-{cluster.cluster_id}-engine.json",
+            f"cluster-{cluster.cluster_id}.json", f"labkit-{cluster.cluster_id}.json"} <= names
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in mine} == {n: oct(0o600) for n in names}
+    assert sec.stat().st_mode & 0o777 == 0o700
+    saved = json.loads(sec.joinpath(f"labkit-{cluster.cluster_id}.json").read_text())
+    assert saved["engines"] == "local" and saved["n"] == 2 and saved["controller_ip"] == "127.0.0.1"
+    assert saved["environment"]["PYTHONPATH"].split(os.pathsep)[0] == str(HERE.parent)
 
 
 def test_engine_info_and_per_node_default(rc):
@@ -120,7 +139,7 @@ def test_engine_info_and_per_node_default(rc):
     assert out == {first["node"]: (first["pid"], None)}
 
 
-def test_per_node_and_ddp_with_simulated_nodes(rc):
+def test_per_node_and_ddp_with_simulated_nodes(rc, tmp_path):
     infos = C.engine_info(rc)
     ids = [i["engine_id"] for i in infos]
     C.set_node_names(rc, {ids[0]: "node-b", ids[1]: "node-a"})
@@ -128,6 +147,17 @@ def test_per_node_and_ddp_with_simulated_nodes(rc):
         out = C.per_node(rc, _whoami)
         pids = {i["engine_id"]: i["pid"] for i in infos}
         assert out == {"node-a": (pids[ids[1]], "node-a"), "node-b": (pids[ids[0]], "node-b")}
+        # staging: one copy per simulated node, each made by that node's engine
+        src = write_tiny_shards(tmp_path / "shards")
+        staged = lab.stage(rc, str(tmp_path))
+        index = json.loads((src / "index.json").read_text())
+        assert sorted(staged) == ["node-a", "node-b"]
+        for node, rep in staged.items():
+            dst = pathlib.Path(rep["path"])
+            assert rep["node"] == node and rep["copied"] is True
+            assert (tmp_path / "local" / node).resolve() in dst.parents
+            assert sorted(p.name for p in dst.iterdir()) == ["index.json", "shard-00000.bin", "shard-00001.bin"]
+            assert [(dst / s["file"]).read_bytes() == (src / s["file"]).read_bytes() for s in index["shards"]] == [True, True]
         res = C.run_ddp(rc, _allreduce, 10, timeout=120)
         # node-a sorts first, so the engine named node-a is rank 0 on node rank 0
         assert [(r["rank"], r["node_rank"], r["local_rank"]) for r in res] == [(0, 0, 0), (1, 1, 0)]
@@ -175,6 +205,67 @@ def test_run_ddp_errors_name_the_rank(rc):
     with pytest.raises(C.DDPError, match=r"timeout after 0.5 s: rank 0 .*rank 1"):
         C.run_ddp(rc, _sleep, 2.0, timeout=0.5)
     rc[:].apply_sync(lambda: None)  # wait for the sleeps to end before the next test
+
+
+def _say(sink=None):
+    import os
+    import sys
+
+    print(f"hello from rank {os.environ['RANK']}", flush=True)
+    print(f"careful on rank {os.environ['RANK']}", file=sys.stderr, flush=True)
+    return os.environ["RANK"]
+
+
+def test_run_ddp_streams_engine_output(rc, capsys):
+    infos = C.engine_info(rc)
+    rank_env = C.assign_ranks(infos, master_port=1)
+    assert C.run_ddp(rc, _say, timeout=60) == ["0", "1"]
+    out, err = capsys.readouterr()
+    for eid, env in rank_env.items():
+        assert re.search(rf"\[stdout:{eid}\]\s+hello from rank {env['RANK']}\n", out), out
+        assert re.search(rf"\[stderr:{eid}\]\s+careful on rank {env['RANK']}\n", err), err
+
+
+def _busy(marker_dir, sink=None):
+    """Loops 60 s unless interrupted; writes marker_dir/rank<R> saying how it ended."""
+    import os
+    import pathlib
+    import time
+
+    marker = pathlib.Path(marker_dir, f"rank{os.environ['RANK']}")
+    try:
+        for step in range(600):
+            if sink is not None:
+                sink({"step": step})
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        marker.write_text(f"interrupted at step {step}")
+        raise
+    marker.write_text("finished")
+
+
+def test_interrupt_stops_engine_work(rc, tmp_path):
+    calls = []
+
+    def live(records):
+        calls.append(records[-1]["step"])
+        raise KeyboardInterrupt  # what a notebook's interrupt button does in the waiting cell
+
+    with pytest.raises(KeyboardInterrupt):
+        C.run_ddp(rc, _busy, str(tmp_path), live=live, timeout=120, stream=False)
+    assert len(calls) == 1
+    texts = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert sorted(texts) == ["rank0", "rank1"]
+    assert all(t.startswith("interrupted at step ") for t in texts.values()), texts
+    # the engines are free again: a new task runs at once (they would be busy for 60 s otherwise)
+    assert len(set(rc[:].apply_async(os.getpid).get(timeout=20))) == 2
+
+
+def test_progress_bar_text(capsys):
+    bar = C.progress_bar(40, label="train")
+    bar([{"step": 9, "loss": 2.5}, {"step": 10, "loss": 2.25, "tokens_per_s": 1234.0}])
+    assert bar.text == "train: step 10/40 (25%) loss 2.25 tokens_per_s 1234"
+    assert capsys.readouterr().err.strip() == bar.text
 
 
 def _die():

@@ -145,4 +145,4 @@ def test_reports_render_plotly_offline(demo):
     assert len(summary["reports"]) == 5
     for path in summary["reports"]:
         info = check_report(path)
-        assert info["figures"] >= 1, (path, info)
+        assert info["ok"] and info["figures"] >= 1, (path, info)

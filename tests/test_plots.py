@@ -88,3 +88,12 @@ def test_topology_figure_one_segment_per_engine_labelled_by_rank():
     assert [t.text[0].split(" (")[0] for t in fig.data] == ["rank 0", "rank 1", "rank 2"]
     with pytest.raises(ValueError, match="RANK"):
         topology_figure(df.drop("RANK"))
+
+
+def test_staging_figure_rates_per_node():
+    from labkit.plots import staging_figure
+
+    fig = staging_figure({"b": {"bytes": 2e6, "seconds": 0.5, "mb_per_s": 4.0, "copied": True},
+                          "a": {"bytes": 2e6, "seconds": 1.0, "mb_per_s": 2.0, "copied": False}})
+    assert list(fig.data[0].x) == ["a", "b"] and list(fig.data[0].y) == [2.0, 4.0]
+    assert "kept" in fig.data[0].text[0]

@@ -1,5 +1,12 @@
 """MLM batches from token shards: dataset, rank sampler, BERT masking collator, DataLoader.
 
+The path of one batch (docs/data_path.md): ``RankSampler`` yields a list of sequence ids ->
+``ShardDataset.__getitems__`` gathers them from the memory-mapped shards (one fancy-index read per
+shard touched) -> ``MLMCollator`` masks the [B, T] block with whole-tensor torch ops -> in a
+worker, the arrays cross the pipe as an ``ArrayBatch`` -> ``MLMLoader`` yields dicts of tensors.
+``check_shards`` (called by ``make_loader``) stops a run on a shard set that is not the one the
+run expects, before any model is built.
+
 Determinism and resume. Every random choice is a function of a seed and the data, never of
 process state:
 
@@ -7,7 +14,7 @@ process state:
   ``seed + epoch``; rank r takes every world-th index, so batch k of rank r in epoch e is a pure
   function of (seed, epoch, rank, world_size, batch_size, k). ``{"epoch", "position"}`` resumes it.
 - ``MLMCollator``: before each batch its ``torch.Generator`` is re-seeded from
-  blake2b(seed, batch shape, batch token bytes). The same batch therefore gets the same masks on
+  blake2b(seed, batch shape, batch ids as uint32 bytes). The same batch therefore gets the same masks on
   every run, whichever worker process, worker count or call order collates it, so a resumed run
   that replays batch k of (seed, epoch, rank) reproduces its masks exactly. Masks differ between
   epochs because the batches do (same sequences, different company); with batch_size 1 a
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import os
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -37,16 +45,25 @@ class MLMCollator:
     [max(special_ids) + 1, vocab_size) (never special), 10 % stay. Special and pad ids are never
     chosen. See the module docstring for seeding.
 
+    One uniform draw u per position decides both: chosen iff u < p; then [MASK] iff u < 0.8 p,
+    random iff 0.8 p <= u < 0.9 p, kept otherwise (given u < p, u / p is uniform on [0, 1)).
+    Random ids are drawn only for the positions that get one, in row-major order.
+
     ``__call__(rows)``: list of [T] arrays or one [B, T] array of token ids (any integer dtype) ->
     {"input_ids": int64 [B, T], "labels": int64 [B, T] (original id where chosen, else -100),
-    "attention_mask": bool [B, T] (input != pad_id)}. Raises ValueError naming vocab_size if an
-    id is outside [0, vocab_size).
+    "attention_mask": bool [B, T] (input != pad_id)}. With ``compact=True`` the dense labels are
+    replaced by "masked_positions": int64 [n_masked] (flat row-major indices into B*T, ascending)
+    and "masked_labels": int64 [n_masked] (the original ids there): 16 bytes per masked position
+    instead of 8 per position, and exactly the rows a sparse MLM head gathers
+    (``hidden.reshape(B*T, H)[masked_positions]`` equals ``hidden[labels != -100]``);
+    ``dense_labels`` rebuilds the labels. Raises ValueError naming vocab_size if an id is outside
+    [0, vocab_size).
     """
 
     def __init__(self, *, vocab_size: int, mlm_probability: float = 0.15,
                  special_ids: Sequence[int] = tuple(range(len(SPECIAL_TOKENS))),
                  mask_id: int = SPECIAL_TOKENS.index("[MASK]"), pad_id: int = SPECIAL_TOKENS.index("[PAD]"),
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, compact: bool = False) -> None:
         if not 0.0 < mlm_probability < 1.0:
             raise ValueError(f"mlm_probability: must be in (0, 1), got {mlm_probability}")
         if mask_id not in special_ids or pad_id not in special_ids:
@@ -56,7 +73,7 @@ class MLMCollator:
             raise ValueError(f"vocab_size: must exceed the largest special id {self.low - 1}, got {vocab_size}")
         self.vocab_size, self.mlm_probability = vocab_size, mlm_probability
         self.special_ids = tuple(sorted(set(int(i) for i in special_ids)))
-        self.mask_id, self.pad_id, self.seed = mask_id, pad_id, seed
+        self.mask_id, self.pad_id, self.seed, self.compact = mask_id, pad_id, seed, compact
         self.generator = self._new_generator()
 
     def _new_generator(self) -> torch.Generator:
@@ -74,42 +91,78 @@ class MLMCollator:
         self.generator = self._new_generator()
 
     def _reseed(self, x: np.ndarray) -> None:
-        """Seed the generator from (seed, shape, bytes of the batch); no-op when seed is None."""
+        """Seed the generator from (seed, shape, ids of the batch as little-endian uint32, so
+        uint16 and uint32 shards of the same ids mask alike); no-op when seed is None."""
         if self.seed is None:
             return
         h = hashlib.blake2b(digest_size=8)
         h.update(np.array([self.seed, *x.shape], dtype=np.int64).tobytes())
-        h.update(np.ascontiguousarray(x).tobytes())
+        h.update(np.ascontiguousarray(x, dtype="<u4").tobytes())
         self.generator.manual_seed(int.from_bytes(h.digest(), "little") & (2**63 - 1))
 
-    def __call__(self, rows: list[np.ndarray] | np.ndarray) -> dict[str, torch.Tensor]:
+    def _special(self, x: torch.Tensor) -> torch.Tensor:
+        if self.special_ids == tuple(range(self.low)):  # labkit's ids 0..4: one comparison
+            return x < self.low
+        return torch.isin(x, torch.tensor(self.special_ids))
+
+    def _mask(self, rows: list[np.ndarray] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(original ids int64 [B, T], input ids int64 [B, T], chosen bool [B, T])."""
         x_np = np.stack(rows) if isinstance(rows, (list, tuple)) else np.asarray(rows)
         if x_np.ndim != 2:
             raise ValueError(f"rows: expected [B, T] token ids, got shape {x_np.shape}")
-        x_np = x_np.astype(np.int64, copy=False)
         if x_np.size and (x_np.min() < 0 or x_np.max() >= self.vocab_size):
             raise ValueError(f"vocab_size: token ids must be in [0, {self.vocab_size}), "
                              f"got range [{x_np.min()}, {x_np.max()}]")
         self._reseed(x_np)
-        x = torch.from_numpy(x_np)
-        g = self.generator
-        chosen = (torch.rand(x.shape, generator=g) < self.mlm_probability) & ~torch.isin(x, torch.tensor(self.special_ids))
-        action = torch.rand(x.shape, generator=g)  # < 0.8 mask, [0.8, 0.9) random, >= 0.9 keep
-        random_ids = torch.randint(self.low, self.vocab_size, x.shape, generator=g)
-        input_ids = torch.where(chosen & (action < 0.8), self.mask_id, x)
-        input_ids = torch.where(chosen & (action >= 0.8) & (action < 0.9), random_ids, input_ids)
-        labels = torch.where(chosen, x, IGNORE_INDEX)
-        return {"input_ids": input_ids, "labels": labels, "attention_mask": x != self.pad_id}
+        x = torch.from_numpy(x_np.astype(np.int64, copy=False))
+        g, p = self.generator, self.mlm_probability
+        u = torch.rand(x.shape, generator=g)
+        chosen = (u < p) & ~self._special(x)
+        input_ids = x.masked_fill(chosen & (u < 0.8 * p), self.mask_id)
+        randomise = chosen & (u >= 0.8 * p) & (u < 0.9 * p)
+        n_random = int(randomise.sum())
+        input_ids[randomise] = torch.randint(self.low, self.vocab_size, (n_random,), generator=g)
+        return x, input_ids, chosen
+
+    def __call__(self, rows: list[np.ndarray] | np.ndarray) -> dict[str, torch.Tensor]:
+        x, input_ids, chosen = self._mask(rows)
+        out = {"input_ids": input_ids, "attention_mask": x != self.pad_id}
+        if self.compact:
+            positions = chosen.view(-1).nonzero().squeeze(1)  # [n_masked], row-major
+            out.update(masked_positions=positions, masked_labels=x.view(-1)[positions])
+        else:
+            out["labels"] = torch.where(chosen, x, IGNORE_INDEX)
+        return out
+
+    def packed(self, rows: list[np.ndarray] | np.ndarray) -> ArrayBatch:
+        """The batch ``__call__`` returns, as a small ``ArrayBatch`` for the trip out of a worker."""
+        x, input_ids, chosen = self._mask(rows)
+        positions = chosen.view(-1).nonzero().squeeze(1)  # [n_masked], row-major
+        narrow = np.uint16 if self.vocab_size <= 2**16 else np.uint32
+        return ArrayBatch(input_ids.numpy().astype(narrow), positions.numpy().astype(np.int32),
+                          x.view(-1)[positions].numpy().astype(narrow), pad_id=self.pad_id, compact=self.compact)
+
+
+def dense_labels(masked_positions: torch.Tensor, masked_labels: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """int64 ``shape`` [B, T] labels from a compact batch: -100 except ``masked_labels`` at the flat
+    row-major ``masked_positions``."""
+    labels = torch.full((shape[0] * shape[1],), IGNORE_INDEX, dtype=torch.int64, device=masked_labels.device)
+    labels[masked_positions] = masked_labels
+    return labels.view(shape)
 
 
 class ShardDataset(Dataset):
-    """Sequences of a shard set (``labkit.data.shards``): ``ds[i]`` -> np.ndarray [seq_len] of the
-    index's dtype. The memory maps open lazily in each process and are not pickled, so the
-    dataset is cheap to send to spawn/forkserver workers. Raises ShardError (a ValueError) naming
-    the file if index.json or a shard is missing or malformed."""
+    """Sequences of a shard set (``labkit.data.shards``), read through memory maps; nothing loads
+    the whole set. ``ds[i]`` -> np.ndarray [seq_len] of the index's dtype (uint16/uint32);
+    ``ds.__getitems__(ids)`` -> np.ndarray [len(ids), seq_len], one fancy-index read per shard
+    touched (the DataLoader calls it once per batch when a batch_sampler is used). The maps open
+    lazily in each process and are not pickled, so the dataset is cheap to send to
+    spawn/forkserver workers. Raises ShardError (a ValueError) naming the file if index.json or a
+    shard is missing or malformed, or a shard's size differs from the index."""
 
     def __init__(self, data_dir: str) -> None:
         self.data_dir = str(data_dir)
+        self._maps = None
         reader = self._open()
         self.seq_len, self.vocab_size, self.index = reader.seq_len, reader.vocab_size, reader.index
         self._n = len(reader)
@@ -117,18 +170,36 @@ class ShardDataset(Dataset):
     def _open(self):
         from labkit.data.shards import SequenceReader
 
-        self._reader = SequenceReader(self.data_dir)
-        return self._reader
+        reader = SequenceReader(self.data_dir)  # checks every shard's size against the index
+        dtype = np.dtype(reader.index["dtype"]).newbyteorder("<")
+        shards = reader.index["shards"]
+        self._maps = [np.memmap(os.path.join(self.data_dir, s["file"]), dtype=dtype, mode="r",
+                                shape=(s["n_sequences"], reader.seq_len)) for s in shards]
+        self._starts = np.cumsum([0] + [s["n_sequences"] for s in shards])
+        return reader
 
     def __len__(self) -> int:
         return self._n
 
     def __getitem__(self, i: int) -> np.ndarray:
-        reader = self._reader if self._reader is not None else self._open()
-        return np.asarray(reader[int(i)])
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, ids: Sequence[int]) -> np.ndarray:
+        if self._maps is None:
+            self._open()
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self._n):
+            raise IndexError(f"sequence ids must be in [0, {self._n}) for {self.data_dir}, "
+                             f"got range [{ids.min()}, {ids.max()}]")
+        shard = np.searchsorted(self._starts, ids, side="right") - 1
+        out = np.empty((len(ids), self.seq_len), dtype=self._maps[0].dtype)
+        for k in np.unique(shard):
+            sel = shard == k
+            out[sel] = self._maps[k][ids[sel] - self._starts[k]]  # one gather per shard
+        return out
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_reader": None}
+        return {**self.__dict__, "_maps": None, "_starts": None}
 
 
 class RankSampler(Sampler[list[int]]):
@@ -204,20 +275,123 @@ def _worker_context() -> str:
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
+def _worker_init(worker_id: int) -> None:
+    """In each DataLoader worker: tokenizers stays single-threaded (and silent) should anything
+    there tokenize, and torch uses one intra-op thread (the rank's cores belong to the trainer)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    torch.set_num_threads(1)
+
+
+class ArrayBatch:
+    """A masked batch on its way out of a DataLoader worker, small enough to cross the worker's
+    pipe in one piece: input ids [B, T] and masked labels [n_masked] as uint16 (uint32 above
+    65,536 ids), masked positions [n_masked] as int32 (flat, row-major); 47 kB for 32 x 512 at
+    15 % masking instead of 272 kB of int64/bool tensors. A Linux pipe holds 64 kB, so a larger
+    batch crosses in pieces, with the worker's feeder thread rescheduled in between; handing over
+    torch tensors instead costs a shared-memory segment and a passed file descriptor per tensor.
+    Measured receive times are in docs/data_path.md.
+    ``tensors()`` rebuilds exactly the collator's dict (attention_mask = input_ids != pad, which
+    masking never changes); ``pin_memory()``, called by the DataLoader's pin-memory thread, also
+    pins it."""
+
+    def __init__(self, input_ids: np.ndarray, masked_positions: np.ndarray, masked_labels: np.ndarray, *,
+                 pad_id: int, compact: bool) -> None:
+        self.input_ids, self.masked_positions, self.masked_labels = input_ids, masked_positions, masked_labels
+        self.pad_id, self.compact = pad_id, compact
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        ids = torch.from_numpy(self.input_ids.astype(np.int64))
+        positions = torch.from_numpy(self.masked_positions.astype(np.int64))
+        labels = torch.from_numpy(self.masked_labels.astype(np.int64))
+        out = {"input_ids": ids, "attention_mask": ids != self.pad_id}
+        if self.compact:
+            out.update(masked_positions=positions, masked_labels=labels)
+        else:
+            out["labels"] = dense_labels(positions, labels, tuple(ids.shape))
+        return out
+
+    def pin_memory(self, device: str | None = None) -> dict[str, torch.Tensor]:
+        return {k: t.pin_memory() for k, t in self.tensors().items()}
+
+
+class _Packed:
+    """collate_fn for workers: ``collator.packed``."""
+
+    def __init__(self, collator: MLMCollator) -> None:
+        self.collator = collator
+
+    def __call__(self, rows) -> ArrayBatch:
+        return self.collator.packed(rows)
+
+
+def _as_tensors(batches: Iterator) -> Iterator[dict[str, torch.Tensor]]:
+    for batch in batches:
+        yield batch.tensors() if isinstance(batch, ArrayBatch) else batch
+
+
+class MLMLoader(DataLoader):
+    """A DataLoader whose iterator turns ``ArrayBatch`` es from workers back into dicts of tensors;
+    otherwise a plain DataLoader (``batch_sampler`` is the ``RankSampler``). ``iter(loader)``
+    creates the DataLoader iterator at once, so it draws its base seed from torch's global RNG
+    when called, exactly as a plain DataLoader (a resumed trainer restores the RNG after it)."""
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return _as_tensors(super().__iter__())
+
+
+def check_shards(data_dir: str, *, seq_len: int | None = None, dtype: str | None = None,
+                 vocab_size: int | None = None, tokenizer_sha256: str | None = None,
+                 verify: bool = False) -> dict:
+    """Check a shard set against what the run expects, before anything trains; returns its index.
+
+    ``ShardError`` (a ValueError) naming ``<data_dir>/index.json`` and every field that differs
+    (expected vs found) for seq_len, dtype ("uint16"/"uint32"), tokenizer_sha256, and vocab_size
+    (the run's must be at least the shards'); ShardError naming the file for a missing or
+    malformed index or shard; with ``verify`` every shard's sha256 is recomputed too.
+    """
+    from labkit.data.shards import INDEX_NAME, ShardError, read_index, verify_shards
+
+    index = verify_shards(data_dir) if verify else read_index(data_dir)
+    wanted = {"seq_len": seq_len, "dtype": dtype, "tokenizer_sha256": tokenizer_sha256}
+    diffs = [f"{k}: run expects {v!r}, shards have {index.get(k)!r}" for k, v in wanted.items()
+             if v is not None and index.get(k) != v]
+    if vocab_size is not None and vocab_size < index["vocab_size"]:
+        diffs.append(f"vocab_size: run has {vocab_size}, smaller than the shards' {index['vocab_size']}")
+    if diffs:
+        raise ShardError(f"{os.path.join(str(data_dir), INDEX_NAME)}: " + "; ".join(diffs))
+    return index
+
+
 def make_loader(data_dir: str, *, batch_size: int, rank: int, world_size: int, seed: int,
                 mlm_probability: float, vocab_size: int, num_workers: int = 0,
-                pin_memory: bool = False) -> DataLoader:
+                pin_memory: bool = False, prefetch_factor: int = 2, seq_len: int | None = None,
+                dtype: str | None = None, tokenizer_sha256: str | None = None, verify: bool = False,
+                compact: bool = False) -> DataLoader:
     """DataLoader of MLM batches for one rank: ``ShardDataset`` + ``RankSampler`` (as
-    batch_sampler, drop_last) + ``MLMCollator``. Workers (num_workers > 0) are persistent and
-    started with forkserver/spawn; ``loader.batch_sampler`` holds the resume state. Raises
-    ValueError naming vocab_size if it is smaller than the shard set's."""
-    dataset = ShardDataset(data_dir)
-    if vocab_size < dataset.vocab_size:
-        raise ValueError(f"vocab_size: {vocab_size} is smaller than the shards' vocab_size {dataset.vocab_size}")
+    batch_sampler, drop_last, so the dataset is read once per batch) + ``MLMCollator``
+    (``compact`` as there). ``loader.batch_sampler`` holds the resume state.
+
+    Workers (num_workers > 0) are persistent, keep ``prefetch_factor`` batches each in flight,
+    start with forkserver/spawn (never fork: the parent may run tokenizers/polars/OpenMP thread
+    pools, and a forked child of a threaded process can deadlock) and run ``_worker_init``
+    (TOKENIZERS_PARALLELISM=false, one torch thread). They send batches as a compact
+    ``ArrayBatch``; the loader yields the collator's dicts of tensors either way. ``pin_memory``
+    (for a CUDA trainer) pins them in the DataLoader's pin-memory thread.
+
+    Before anything is built, ``check_shards`` compares the set with the given seq_len, dtype,
+    tokenizer_sha256 and vocab_size (and with ``verify`` the shards' sha256): ShardError naming
+    index.json and what differs. ValueError naming num_workers / prefetch_factor if negative.
+    """
+    check_shards(data_dir, seq_len=seq_len, dtype=dtype, vocab_size=vocab_size,
+                 tokenizer_sha256=tokenizer_sha256, verify=verify)
     if num_workers < 0:
         raise ValueError(f"num_workers: must be >= 0, got {num_workers}")
+    if prefetch_factor < 1:
+        raise ValueError(f"prefetch_factor: must be >= 1, got {prefetch_factor}")
+    dataset = ShardDataset(data_dir)
     sampler = RankSampler(len(dataset), rank=rank, world_size=world_size, batch_size=batch_size, seed=seed)
-    collator = MLMCollator(vocab_size=vocab_size, mlm_probability=mlm_probability, seed=seed)
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collator, num_workers=num_workers,
-                      pin_memory=pin_memory, persistent_workers=num_workers > 0,
-                      multiprocessing_context=_worker_context() if num_workers > 0 else None)
+    collator = MLMCollator(vocab_size=vocab_size, mlm_probability=mlm_probability, seed=seed, compact=compact)
+    workers = dict(multiprocessing_context=_worker_context(), persistent_workers=True,
+                   prefetch_factor=prefetch_factor, worker_init_fn=_worker_init) if num_workers else {}
+    return MLMLoader(dataset, batch_sampler=sampler, collate_fn=_Packed(collator) if num_workers else collator,
+                     num_workers=num_workers, pin_memory=pin_memory, **workers)

@@ -23,6 +23,9 @@ from pathlib import Path
 from labkit.data.shards import INDEX_NAME, ShardError, read_index, verify_shards
 from labkit.data.tokenize import file_sha256
 
+SCRATCH_ENV = "LABKIT_LOCAL_SCRATCH"
+"""Env var naming a node's local scratch directory (read by ``resolve_local_root``)."""
+
 
 def resolve_local_root(local_root: str | None = None) -> Path:
     """Node-local scratch root: ``local_root`` as given, else ``$LABKIT_LOCAL_SCRATCH``, else
@@ -30,7 +33,7 @@ def resolve_local_root(local_root: str | None = None) -> Path:
     called, on the node that will hold the copy. Nothing is created."""
     if local_root is not None:
         return Path(local_root).expanduser()
-    base = os.environ.get("LABKIT_LOCAL_SCRATCH") or os.environ.get("TMPDIR") or "/tmp"
+    base = os.environ.get(SCRATCH_ENV) or os.environ.get("TMPDIR") or "/tmp"
     try:
         user = getpass.getuser()
     except (KeyError, OSError):  # no passwd entry (some containers)
@@ -86,11 +89,14 @@ def stage_shards(src_dir: str, *, local_root: str | None = None, node_name: str 
     rate, or the verification rate when nothing was copied)}.
 
     ``local_root`` as in ``resolve_local_root``; ``node_name`` only labels the report (to
-    simulate several nodes on one machine, give each its own local_root). A destination that
-    fails verification is replaced, but only after the new copy has verified.
+    simulate several nodes on one machine, give each its own local_root, or its engine its own
+    $LABKIT_LOCAL_SCRATCH and $LABKIT_NODE_NAME: ``set_local_roots``). A destination that fails
+    verification is replaced, but only after the new copy has verified.
     Raises ``ShardError`` when ``src_dir`` is not a complete set or a copied shard does not
     match the index (naming the shard), ``OSError`` (ENOSPC) naming needed and free bytes when
-    the local disk is too small.
+    the local disk is too small, and ``OSError`` (ENOSPC) naming the set, the bytes copied and
+    the kept destination when the disk fills during the copy (the temporary copy is removed; an
+    existing copy is never touched before the new one has verified).
     """
     t0 = time.perf_counter()
     src = Path(src_dir)
@@ -117,11 +123,21 @@ def stage_shards(src_dir: str, *, local_root: str | None = None, node_name: str 
                                     f"need {n_bytes} bytes, {free} bytes free")
     tmp = root / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    copied = 0
     try:
         tmp.mkdir()
         for shard in index["shards"]:
             target = tmp / shard["file"]
-            shutil.copyfile(src / shard["file"], target)
+            try:
+                shutil.copyfile(src / shard["file"], target)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                raise OSError(errno.ENOSPC, f"disk full while staging {src} into {root}: {copied} of {n_bytes} "
+                                            f"bytes copied when {shard['file']} failed; the partial copy was "
+                                            f"removed and {dst} was left as it was"
+                              + ("" if dst.exists() else " (absent)")) from e
+            copied += shard["n_bytes"]
             size = target.stat().st_size
             if size != shard["n_bytes"]:
                 raise ShardError(f"{src / shard['file']}: copied {size} bytes, index says {shard['n_bytes']}")
@@ -147,3 +163,36 @@ def stage_shards(src_dir: str, *, local_root: str | None = None, node_name: str 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return report(True)
+
+
+def _set_scratch(root: str | None) -> None:
+    import os
+
+    if root is None:
+        os.environ.pop(SCRATCH_ENV, None)
+    else:
+        os.environ[SCRATCH_ENV] = root
+
+
+def set_local_roots(client, roots: dict[int, str | None], *, timeout: float = 30.0) -> None:
+    """Set (or with None, clear) env ``LABKIT_LOCAL_SCRATCH`` on ipyparallel engines:
+    {engine_id: directory}. With ``labkit.cluster.set_node_names`` this makes engines on one
+    machine act as separate nodes with separate local disks (tests, the laptop demo)."""
+    ars = [client[eid].apply_async(_set_scratch, root) for eid, root in roots.items()]
+    for ar in ars:
+        ar.get(timeout=timeout)
+
+
+def stage_on_nodes(client, src_dir: str, *, local_root: str | None = None, verify: bool = True,
+                   timeout: float | None = None):
+    """``stage_shards(src_dir, ...)`` once per node, on one engine per host
+    (``labkit.cluster.per_node``), all nodes at once. Returns a polars DataFrame, one row per
+    node sorted by node: node, path, copied, bytes, seconds, mb_per_s (columns as in
+    ``stage_shards``'s report). ``local_root=None`` lets each node resolve its own scratch
+    directory. The first engine error is raised (ipyparallel RemoteError with its traceback)."""
+    import polars as pl
+
+    from labkit.cluster import per_node
+
+    reports = per_node(client, stage_shards, src_dir, local_root=local_root, verify=verify, timeout=timeout)
+    return pl.DataFrame([{**r, "node": node} for node, r in sorted(reports.items())])

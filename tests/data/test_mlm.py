@@ -1,4 +1,5 @@
-"""labkit.data.mlm: masking statistics, seeding, rank partitions, resume, DataLoader workers."""
+"""labkit.data.mlm: masking statistics, seeding, rank partitions, resume, DataLoader workers,
+batch reads from the memory maps, compact labels, bad shard sets stopped before training."""
 
 from __future__ import annotations
 
@@ -6,13 +7,17 @@ import hashlib
 import json
 import math
 import pickle
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from labkit.data.mlm import MLMCollator, RankSampler, make_loader
+from labkit.data.mlm import ArrayBatch, MLMCollator, RankSampler, ShardDataset, check_shards, dense_labels, make_loader
+from labkit.data.shards import SequenceReader, ShardError
 
 V = 1000
 
@@ -55,13 +60,13 @@ def packed_rows(n: int, t: int, seed: int = 0) -> np.ndarray:
 
 def test_masking_statistics_over_a_million_positions():
     rng = np.random.default_rng(1)
-    x = rng.integers(0, V, size=(1000, 1000))
+    x = rng.integers(0, V, size=(1250, 1000))  # 1.25M positions, ~1.06M of them not special
     x = np.where(rng.random(x.shape) < 0.1, rng.integers(0, 5, size=x.shape), x)  # plenty of special tokens
     x[:, -50:] = 0  # padding tail
     out = MLMCollator(vocab_size=V, seed=0)(x.astype(np.uint16))
     orig = torch.from_numpy(x)
     inp, labels, attn = out["input_ids"], out["labels"], out["attention_mask"]
-    assert inp.dtype == labels.dtype == torch.int64 and attn.dtype == torch.bool and inp.shape == (1000, 1000)
+    assert inp.dtype == labels.dtype == torch.int64 and attn.dtype == torch.bool and inp.shape == (1250, 1000)
     special = orig < 5
     chosen = labels != -100
     n = int((~special).sum())
@@ -190,3 +195,146 @@ def test_make_loader_with_two_workers(tmp_path):
     assert batches_equal(epoch0, list(make_loader(tmp_path, **kw)))
     epoch1 = list(loader)  # persistent workers, next epoch's order
     assert len(epoch1) == 10 and not batches_equal(epoch0, epoch1)
+
+
+def test_compact_labels_are_the_dense_ones_and_what_a_sparse_head_gathers():
+    rows = packed_rows(16, 128, seed=5)
+    dense = MLMCollator(vocab_size=V, seed=2)(rows)
+    compact = MLMCollator(vocab_size=V, seed=2, compact=True)(rows)
+    assert "labels" not in compact and torch.equal(compact["input_ids"], dense["input_ids"])
+    chosen = dense["labels"] != -100
+    assert torch.equal(compact["masked_positions"], chosen.view(-1).nonzero().squeeze(1))
+    assert torch.equal(compact["masked_labels"], dense["labels"][chosen])
+    assert torch.equal(dense_labels(compact["masked_positions"], compact["masked_labels"], rows.shape), dense["labels"])
+    hidden = torch.randn(16, 128, 8)
+    assert torch.equal(hidden.reshape(-1, 8)[compact["masked_positions"]], hidden[chosen])  # the sparse head's rows
+
+
+def test_other_special_ids_are_never_chosen_nor_drawn():
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 50, size=(400, 500))  # 200k positions, ~2 % each id
+    out = MLMCollator(vocab_size=50, special_ids=(0, 2, 3, 4, 9), seed=1)(x)  # not 0..k: the isin path
+    chosen = out["labels"] != -100
+    special = torch.isin(torch.from_numpy(x), torch.tensor([0, 2, 3, 4, 9]))
+    assert not (chosen & special).any() and chosen.sum() > 0.14 * (~special).sum()
+    replaced = chosen & (out["input_ids"] != 4) & (out["input_ids"] != torch.from_numpy(x))
+    assert int(out["input_ids"][replaced].min()) >= 10 and int(out["input_ids"][replaced].max()) < 50
+    assert torch.equal(out["input_ids"][special], torch.from_numpy(x)[special])
+
+
+def test_batch_reads_equal_single_reads(tmp_path):
+    rows = packed_rows(90, 32, seed=6)
+    write_tiny_shards(tmp_path, rows, V, per_shard=40)
+    ds, reader = ShardDataset(tmp_path), SequenceReader(tmp_path)
+    ids = [89, 0, 39, 40, 41, 5, 5, 80]  # unsorted, repeated, across all three shards
+    batch = ds.__getitems__(ids)
+    assert batch.dtype == np.uint16 and batch.shape == (8, 32)
+    np.testing.assert_array_equal(batch, np.stack([reader[i] for i in ids]))
+    np.testing.assert_array_equal(batch, rows[ids])
+    np.testing.assert_array_equal(ds[41], rows[41])
+    with pytest.raises(IndexError, match=r"\[0, 90\)"):
+        ds.__getitems__([3, 90])
+    copy = pickle.loads(pickle.dumps(ds))  # reopens its maps lazily
+    np.testing.assert_array_equal(copy.__getitems__(ids), batch)
+
+
+def test_bad_shard_sets_stop_before_training_naming_file_and_difference(tmp_path):
+    rows = packed_rows(40, 16, seed=7)
+    write_tiny_shards(tmp_path, rows, V, per_shard=16)
+    kw = dict(batch_size=4, rank=0, world_size=1, seed=0, mlm_probability=0.15, vocab_size=V)
+    index_path = str(tmp_path / "index.json")
+    assert check_shards(tmp_path, seq_len=16, dtype="uint16", vocab_size=V, tokenizer_sha256="0" * 64, verify=True)
+    with pytest.raises(ShardError, match=rf"{index_path}: seq_len: run expects 128, shards have 16"):
+        make_loader(tmp_path, seq_len=128, **kw)
+    with pytest.raises(ShardError, match=rf"{index_path}: dtype: run expects 'uint32', shards have 'uint16'"):
+        make_loader(tmp_path, dtype="uint32", **kw)
+    with pytest.raises(ShardError, match=r"tokenizer_sha256: run expects 'abc', shards have '0000"):
+        make_loader(tmp_path, tokenizer_sha256="abc", **kw)
+    raw = bytearray((tmp_path / "shard-00001.bin").read_bytes())
+    raw[5] ^= 1
+    (tmp_path / "shard-00001.bin").write_bytes(bytes(raw))
+    make_loader(tmp_path, **kw)  # sizes still match: only verify finds it
+    with pytest.raises(ShardError, match=r"shard-00001\.bin: sha256 [0-9a-f]{64} does not match"):
+        make_loader(tmp_path, verify=True, **kw)
+    (tmp_path / "shard-00002.bin").write_bytes(b"\0" * 10)
+    with pytest.raises(ShardError, match=r"shard-00002\.bin: 10 bytes on disk, index says 256"):
+        make_loader(tmp_path, **kw)
+    (tmp_path / "index.json").write_text("{not json")
+    with pytest.raises(ShardError, match=rf"{index_path}: malformed JSON"):
+        make_loader(tmp_path, **kw)
+    (tmp_path / "index.json").unlink()
+    with pytest.raises(ShardError, match=rf"index.json missing in {tmp_path}"):
+        make_loader(tmp_path, **kw)
+
+
+def test_worker_batches_arrive_as_arrays_and_are_yielded_as_tensors(tmp_path):
+    write_tiny_shards(tmp_path, packed_rows(40, 16, seed=8), V, per_shard=16)
+    kw = dict(batch_size=4, rank=0, world_size=1, seed=0, mlm_probability=0.15, vocab_size=V)
+    loader = make_loader(tmp_path, num_workers=1, prefetch_factor=3, compact=True, **kw)
+    assert loader.prefetch_factor == 3 and loader.worker_init_fn is not None
+    rows = loader.dataset.__getitems__([0, 1, 2, 3])
+    packed = loader.collate_fn(rows)
+    assert isinstance(packed, ArrayBatch) and packed.input_ids.dtype == packed.masked_labels.dtype == np.uint16
+    assert packed.masked_positions.dtype == np.int32
+    assert batches_equal([packed.tensors()], [MLMCollator(vocab_size=V, seed=0, compact=True)(rows)])
+    dense = MLMCollator(vocab_size=V, seed=0)
+    assert batches_equal([dense.packed(rows).tensors()], [dense(rows)])
+    assert len(pickle.dumps(dense.packed(packed_rows(32, 512)))) < 64 * 1024  # one pipe buffer
+    got = list(loader)
+    assert all(isinstance(v, torch.Tensor) for b in got for v in b.values())
+    assert batches_equal(got, list(make_loader(tmp_path, compact=True, **kw)))
+    with pytest.raises(ValueError, match="prefetch_factor"):
+        make_loader(tmp_path, num_workers=1, prefetch_factor=0, **kw)
+
+
+@pytest.mark.timeout(120)
+def test_workers_after_tokenizer_and_polars_thread_pools_finish(tmp_path):
+    """The parent has run the tokenizers (rayon) and polars thread pools, then starts 2 workers:
+    no fork deadlock: the run finishes within the timeout with every batch."""
+    write_tiny_shards(tmp_path, packed_rows(64, 32, seed=9), V, per_shard=16)
+    script = textwrap.dedent(f"""
+        import polars as pl, torch
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from labkit.data.mlm import make_loader
+        if __name__ == "__main__":
+            torch.set_num_threads(2)
+            tok = Tokenizer(models.WordLevel({{"[UNK]": 0, "mov": 1, "rax": 2}}, unk_token="[UNK]"))
+            tok.pre_tokenizer = pre_tokenizers.Whitespace()
+            assert len(tok.encode_batch(["mov rax"] * 2000)) == 2000  # parallel encode
+            assert pl.DataFrame({{"a": range(100000)}}).lazy().select(pl.col("a").sum()).collect().item() > 0
+            loader = make_loader({str(tmp_path)!r}, batch_size=4, rank=0, world_size=1, seed=0,
+                                 mlm_probability=0.15, vocab_size={V}, num_workers=2)
+            n = sum(len(b["input_ids"]) for epoch in range(2) for b in loader)
+            print("samples", n)
+    """)
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    env["TOKENIZERS_PARALLELISM"] = "true"  # the pools are really used in the parent
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100, env=env,
+                          cwd=__import__("pathlib").Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["samples", "128"]
+
+
+@pytest.mark.gpu
+def test_pinned_batches_from_workers(tmp_path):
+    write_tiny_shards(tmp_path, packed_rows(40, 16, seed=10), V, per_shard=16)
+    loader = make_loader(tmp_path, batch_size=4, rank=0, world_size=1, seed=0, mlm_probability=0.15,
+                         vocab_size=V, num_workers=1, pin_memory=True)
+    batch = next(iter(loader))
+    assert all(v.is_pinned() for v in batch.values())
+
+
+def test_iter_draws_torch_rng_when_called_like_a_plain_dataloader(tmp_path):
+    """A resuming trainer calls iter(loader) and then restores torch's RNG state; the loader must
+    have drawn its base seed by then, as a plain DataLoader does."""
+    write_tiny_shards(tmp_path, packed_rows(40, 16, seed=11), V, per_shard=16)
+    loader = make_loader(tmp_path, batch_size=4, rank=0, world_size=1, seed=0, mlm_probability=0.15, vocab_size=V)
+    torch.manual_seed(123)
+    it = iter(loader)
+    after_ours = torch.rand(3)
+    torch.manual_seed(123)
+    iter(DataLoader(list(range(8)), batch_size=4))
+    assert torch.equal(after_ours, torch.rand(3))
+    torch.manual_seed(123)
+    assert not torch.equal(after_ours, torch.rand(3))  # iter() did draw
+    assert len(list(it)) == 10

@@ -16,7 +16,7 @@ import pytest
 from labkit.config import ShardConfig, TokenizerConfig
 from labkit.data import stage
 from labkit.data.shards import ShardError, read_index, verify_shards, write_shards
-from labkit.data.stage import resolve_local_root, stage_shards
+from labkit.data.stage import resolve_local_root, set_local_roots, stage_on_nodes, stage_shards
 from labkit.data.tokenize import train_tokenizer
 
 
@@ -154,3 +154,62 @@ def test_resolve_local_root(monkeypatch, tmp_path):
     assert resolve_local_root() == tmp_path / "tmpdir" / user
     monkeypatch.delenv("TMPDIR")
     assert resolve_local_root() == Path("/tmp") / user
+
+
+def test_disk_full_during_the_copy_keeps_the_old_copy(src, tmp_path, monkeypatch):
+    stage_shards(str(src), local_root=str(tmp_path))
+    dst = expected_dst(src, tmp_path)
+    bad = dst / "shard-00000.bin"
+    bad.write_bytes(b"\x01" + bad.read_bytes()[1:])  # a copy that fails verification
+    before = {p.name: p.read_bytes() for p in dst.iterdir()}
+    real_copy, calls = shutil.copyfile, []
+
+    def fills_up(a, b, **kw):
+        calls.append(a)
+        if len(calls) == 3:
+            real_copy(a, b, **kw)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_copy(a, b, **kw)
+
+    monkeypatch.setattr(stage.shutil, "copyfile", fills_up)
+    shard_bytes = read_index(src)["shards"][0]["n_bytes"]
+    with pytest.raises(OSError, match=rf"disk full while staging {src} into {tmp_path}: {2 * shard_bytes} of "
+                                      rf"\d+ bytes copied when shard-00002.bin failed; .*{dst} was left as it was") as e:
+        stage_shards(str(src), local_root=str(tmp_path))
+    assert e.value.errno == errno.ENOSPC
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before  # untouched, bad byte included
+    assert sorted(p.name for p in tmp_path.iterdir()) == [dst.name]  # the partial copy is gone
+
+
+def _stage_twice_info():
+    import os
+
+    return os.environ.get("LABKIT_NODE_NAME"), os.environ.get("LABKIT_LOCAL_SCRATCH")
+
+
+@pytest.mark.timeout(180)
+def test_two_simulated_nodes_on_a_real_cluster(src, tmp_path):
+    """Two ipyparallel engines told they sit on node-a and node-b, each with its own scratch
+    directory: one verified copy per node, and a second round copies nothing."""
+    from labkit import cluster as C
+
+    cl = C.start_cluster(2, env={"PYTHONPATH": str(Path(__file__).resolve().parent)})
+    try:
+        rc = C.get_client(cl)
+        ids = sorted(rc.ids)
+        C.set_node_names(rc, {ids[0]: "node-a", ids[1]: "node-b"})
+        set_local_roots(rc, {ids[0]: str(tmp_path / "a"), ids[1]: str(tmp_path / "b")})
+        assert rc[ids].apply_sync(_stage_twice_info) == [("node-a", str(tmp_path / "a")), ("node-b", str(tmp_path / "b"))]
+        first = stage_on_nodes(rc, str(src))
+        user = f"labkit-{getpass.getuser()}"
+        assert first["node"].to_list() == ["node-a", "node-b"] and first["copied"].to_list() == [True, True]
+        assert first["path"].to_list() == [str(expected_dst(src, tmp_path / n / user)) for n in ("a", "b")]
+        assert first["bytes"].to_list() == [sum(p.stat().st_size for p in src.iterdir())] * 2
+        for path in first["path"]:
+            assert verify_shards(path) == read_index(src) and same_files(src, Path(path))
+        again = stage_on_nodes(rc, str(src))
+        assert again["copied"].to_list() == [False, False] and again["path"].to_list() == first["path"].to_list()
+        set_local_roots(rc, {i: None for i in ids})
+        assert rc[ids].apply_sync(_stage_twice_info)[0][1] is None
+    finally:
+        C.stop_cluster(cl)
