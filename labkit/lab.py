@@ -341,28 +341,37 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
     return df
 
 
-def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: int, budget_bytes: int,
+def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: int, budget_bytes: int | None,
                       workdir: str, force: bool = False) -> pl.DataFrame:
-    """Largest micro-batch per model size under a per-rank memory budget, measured on an
-    engine (``labkit.plan.max_micro_batch``: model state at 16 B/parameter plus the activation
-    bytes autograd saves for backward, counted exactly). Cached in ``sweeps/microbatch.parquet``.
+    """Largest micro-batch per model size, measured on an engine: under a per-rank memory
+    budget (``labkit.plan.max_micro_batch``: model state at 16 B/parameter plus the activation
+    bytes autograd saves for backward, counted exactly), or with ``budget_bytes=None`` on the
+    engine's GPU until out of memory (``labkit.plan.max_micro_batch_cuda``; budget_bytes is
+    then the device's memory). Cached in ``sweeps/microbatch.parquet``; measured points are
+    not rerun.
     """
     from labkit.model import model_config
-    from labkit.plan import max_micro_batch
+    from labkit.plan import max_micro_batch, max_micro_batch_cuda
 
     out = _paths(workdir)["sweeps"] / "microbatch.parquet"
     rows: list[dict] = []
     if out.exists() and not force:
         rows = pl.read_parquet(out).to_dicts()
-    have = {(r["model"], r["seq_len"], r["budget_bytes"]) for r in rows}
+    rows = [{"method": "budget", **r} for r in rows]  # tables written before the GPU method
+    have = {(r["model"], r["seq_len"], r["budget_bytes"] if r["method"] == "budget" else None) for r in rows}
     for name in models:
         if (name, seq_len, budget_bytes) in have:
             continue
         mcfg = model_config(name, vocab_size)
-        rep = client[client.ids[0]].apply_sync(max_micro_batch, mcfg, seq_len, budget_bytes)
-        rows.append({"model": name, "params": int(rep["params"]), "seq_len": seq_len,
-                     "budget_bytes": budget_bytes, "state_bytes": int(rep["state_bytes"]),
-                     "act_bytes_per_sample": int(rep["act_bytes_per_sample"]),
+        engine = client[client.ids[0]]
+        if budget_bytes is None:
+            rep = engine.apply_sync(max_micro_batch_cuda, mcfg, seq_len)
+            rep |= {"state_bytes": 16 * rep["params"], "act_bytes_per_sample": None}
+        else:
+            rep = engine.apply_sync(max_micro_batch, mcfg, seq_len, budget_bytes) | {"budget_bytes": budget_bytes}
+        rows.append({"method": "budget" if budget_bytes else "cuda_oom", "model": name, "params": int(rep["params"]),
+                     "seq_len": seq_len, "budget_bytes": int(rep["budget_bytes"]), "state_bytes": int(rep["state_bytes"]),
+                     "act_bytes_per_sample": rep["act_bytes_per_sample"],
                      "max_micro_batch": int(rep["max_micro_batch"])})
     df = pl.DataFrame(rows).sort("params")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -468,3 +468,55 @@ def gpu_memory_check(models=(("bert-120m", 64), ("bert-350m", 16)), *, seq_len: 
         del model, opt
         torch.cuda.empty_cache()
     return out
+
+
+def max_micro_batch_cuda(model_cfg: ModelConfig, seq_len: int, *, precision: str = "bf16", limit: int = 4096,
+                         mlm_probability: float = 0.15) -> dict[str, Any]:
+    """Largest micro-batch whose training step (forward, backward, AdamW step under autocast)
+    runs on the current CUDA device without ``torch.cuda.OutOfMemoryError``: doubling from 1,
+    then bisection. Returns {"max_micro_batch", "peak_bytes" (``max_memory_allocated`` at the
+    answer), "budget_bytes" (the device's total memory), "params", "seq_len"}. Raises
+    RuntimeError without CUDA. The GPU counterpart of ``max_micro_batch``'s budget search."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("max_micro_batch_cuda needs a CUDA device; torch.cuda.is_available() is False")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
+    torch.manual_seed(0)
+    model = BertMLM(model_cfg).cuda().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    n_mask = max(1, round(mlm_probability * seq_len))
+
+    def fits(b: int) -> int | None:
+        ids = labels = out = None
+        try:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            ids = torch.randint(5, model_cfg.vocab_size, (b, seq_len), device="cuda")
+            labels = torch.full_like(ids, -100)
+            labels[:, 1:1 + n_mask] = ids[:, 1:1 + n_mask]
+            with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+                out = model(ids, attention_mask=torch.ones_like(ids, dtype=torch.bool), labels=labels)
+            (out.loss_sum / out.n_masked).backward()
+            opt.step()
+            return int(torch.cuda.max_memory_allocated())
+        except torch.cuda.OutOfMemoryError:
+            return None
+        finally:
+            del ids, labels, out
+            opt.zero_grad(set_to_none=True)
+
+    lo, peak, b = 0, None, 1
+    while b <= limit and (p := fits(b)) is not None:
+        lo, peak, b = b, p, b * 2
+    hi = min(b, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        p = fits(mid)
+        if p is None:
+            hi = mid
+        else:
+            lo, peak = mid, p
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    del model, opt
+    torch.cuda.empty_cache()
+    return {"max_micro_batch": lo, "peak_bytes": peak, "budget_bytes": int(total),
+            "params": int(count_parameters(model_cfg)["total"]), "seq_len": seq_len}

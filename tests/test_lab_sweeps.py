@@ -114,3 +114,34 @@ def test_sweep_loader_workers_resumes(tmp_path, monkeypatch):
     assert seen == [[0, 1], [2, 3]]
     assert df["num_workers"].to_list() == [0, 1, 2, 3]
     assert df.filter(pl.col("knee"))["num_workers"].to_list() == [3]  # 0.5/13 < 0.05 first at 3
+
+
+def test_sweep_micro_batch_until_out_of_memory_resumes(tmp_path, monkeypatch):
+    """budget_bytes=None measures on the engine's GPU until out of memory; stubbed here (the
+    real search, ``labkit.plan.max_micro_batch_cuda``, needs CUDA)."""
+    import labkit.plan as plan
+
+    seen = []
+
+    def fake_cuda(cfg, seq_len):
+        seen.append(cfg.hidden_size)
+        return {"max_micro_batch": 4096 // cfg.hidden_size, "peak_bytes": 1, "budget_bytes": 94 * 10**9,
+                "params": cfg.hidden_size * 1000, "seq_len": seq_len}
+
+    monkeypatch.setattr(plan, "max_micro_batch_cuda", fake_cuda)
+    client = FakeClient(1)
+    lab.sweep_micro_batch(client, ["tiny"], seq_len=32, vocab_size=256, budget_bytes=None, workdir=str(tmp_path))
+    df = lab.sweep_micro_batch(client, ["tiny", "mini"], seq_len=32, vocab_size=256, budget_bytes=None,
+                               workdir=str(tmp_path))
+    assert seen == [64, 256]  # tiny was not measured again
+    assert df["method"].to_list() == ["cuda_oom", "cuda_oom"] and df["max_micro_batch"].to_list() == [64, 16]
+    assert df["budget_bytes"].to_list() == [94 * 10**9] * 2
+
+
+@pytest.mark.gpu
+def test_max_micro_batch_cuda_finds_the_out_of_memory_edge():
+    from labkit.model import model_config
+    from labkit.plan import max_micro_batch_cuda
+
+    rep = max_micro_batch_cuda(model_config("mini", 1024), 128, limit=64)
+    assert rep["max_micro_batch"] == 64 and rep["peak_bytes"] < rep["budget_bytes"]
