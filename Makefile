@@ -10,7 +10,7 @@ TORCH_VERSION := 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: venv demo test bench clean-venv
+.PHONY: venv demo test bench browser clean-venv
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -27,8 +27,15 @@ endif
 demo: venv
 	$(VENV)/bin/labkit demo
 
-test: venv
+test: venv browser
 	$(PY) -m pytest
+
+# Headless Chromium for the report-rendering test (tests/test_notebooks.py): Debian's package,
+# installed only when missing and when running as root; otherwise that one test is skipped.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } || \
+	  echo "chromium not installed (needs root + apt): the browser test will be skipped"
 
 bench: venv
 	$(PIP) install -q -e ".[test,bench]"

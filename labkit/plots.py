@@ -9,6 +9,7 @@ Patterns: /work/shared/REFERENCES.md section E (plotly) and "Checked on a machin
 from __future__ import annotations
 
 import functools
+import math
 import json
 import time
 import uuid
@@ -214,6 +215,107 @@ def topology_figure(ranks: pl.DataFrame | pl.LazyFrame, *, title: str = "Engines
                                                                                "line": {"color": "white", "width": 2}}))
     fig.update_layout(template=style(), title=title, barmode="stack", xaxis_title="node",
                       yaxis_title="engines (one per GPU)", yaxis={"dtick": 1})
+    return fig
+
+
+def efficiency_figure(predicted: pl.DataFrame | pl.LazyFrame, *, measured: pl.DataFrame | None = None,
+                      title: str = "Data-parallel efficiency vs GPUs") -> go.Figure:
+    """Efficiency (step time(1) / step time(n)) vs GPUs on a log2 axis, one line per ``label``.
+
+    `predicted` columns: n_gpus (int), efficiency (float) [, label (str), comm_hidden (bool)]:
+    ``labkit.scaling.efficiency_table`` rows, several tables stacked with a label column.
+    `measured` (optional) columns ranks, efficiency (``labkit.lab.sweep_ranks``) are drawn as
+    markers. The 90 % line marks near-linear scaling. Raises ValueError naming missing columns."""
+    d = _frame(predicted, ["n_gpus", "efficiency"], "efficiency_figure")
+    if "label" not in d.columns:
+        d = d.with_columns(label=pl.lit("model"))
+    fig = go.Figure()
+    for label in d["label"].unique(maintain_order=True).to_list():
+        part = d.filter(pl.col("label") == label).sort("n_gpus")
+        fig.add_trace(go.Scatter(x=part["n_gpus"].to_list(), y=part["efficiency"].to_list(), name=label,
+                                 mode="lines+markers", hovertemplate="%{x} GPUs: %{y:.0%}"))
+    if measured is not None:
+        m = _frame(measured, ["ranks", "efficiency"], "efficiency_figure (measured)").sort("ranks")
+        fig.add_trace(go.Scatter(x=m["ranks"].to_list(), y=m["efficiency"].to_list(), name="measured here",
+                                 mode="markers", marker={"size": 11, "symbol": "diamond", "color": "black"}))
+    fig.add_hline(y=0.9, line={"color": COLORS["ideal"], "dash": "dash"}, annotation_text="90 %")
+    fig.update_layout(template=style(), title=title, xaxis_title="GPUs (data-parallel ranks)",
+                      yaxis_title="scaling efficiency", yaxis_tickformat=".0%")
+    fig.update_xaxes(type="log", dtick=math.log10(2), tickformat="d")
+    fig.update_yaxes(range=[0, 1.05])
+    return fig
+
+
+def loader_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data loader workers: the knee") -> go.Figure:
+    """Samples/s (left axis) and data-wait fraction (right axis) vs DataLoader workers, the knee
+    (fewest workers with data wait under 5 %) marked. `df` columns: num_workers, samples_per_s,
+    data_wait_fraction [, knee (bool)] (``labkit.lab.sweep_loader_workers``)."""
+    d = _frame(df, ["num_workers", "samples_per_s", "data_wait_fraction"], "loader_figure").sort("num_workers")
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    x = d["num_workers"].to_list()
+    fig.add_trace(go.Scatter(x=x, y=d["samples_per_s"].to_list(), name="samples/s", mode="lines+markers",
+                             line={"color": COLORS["throughput"]}), secondary_y=False)
+    fig.add_trace(go.Scatter(x=x, y=d["data_wait_fraction"].to_list(), name="data-wait fraction",
+                             mode="lines+markers", line={"color": COLORS["loss"], "dash": "dot"}), secondary_y=True)
+    if "knee" in d.columns and d["knee"].any():
+        k = d.filter(pl.col("knee")).row(0, named=True)
+        fig.add_vline(x=k["num_workers"], line={"color": COLORS["ideal"], "dash": "dash"},
+                      annotation_text=f"knee: {k['num_workers']} workers")
+    fig.update_yaxes(title_text="samples/s", secondary_y=False, rangemode="tozero")
+    fig.update_yaxes(title_text="data-wait fraction", secondary_y=True, tickformat=".0%", rangemode="tozero",
+                     showgrid=False)
+    fig.update_layout(template=style(), title=title, xaxis_title="DataLoader workers per rank")
+    fig.update_xaxes(tickvals=x)
+    return fig
+
+
+def law_figure(points: pl.DataFrame | pl.LazyFrame, law, *, frontier: pl.DataFrame | None = None,
+               title: str = "Scaling law fit: loss vs training tokens") -> go.Figure:
+    """Observed losses vs tokens (one colour per parameter count), the fitted law's curves at
+    those sizes, and the compute-optimal frontier when given.
+
+    `points` columns: n_params, n_tokens, loss. `law`: ``labkit.laws.LawParams``. `frontier`
+    columns: n_tokens, loss (``labkit.laws.compute_optimal`` over a range of budgets)."""
+    import numpy as np
+
+    d = _frame(points, ["n_params", "n_tokens", "loss"], "law_figure")
+    fig = go.Figure()
+    t_lo, t_hi = d["n_tokens"].min(), d["n_tokens"].max()
+    grid = np.geomspace(t_lo / 1.5, t_hi * 1.5, 60)
+    for i, n in enumerate(sorted(d["n_params"].unique().to_list())):
+        c = COLORWAY[i % len(COLORWAY)]
+        part = d.filter(pl.col("n_params") == n).sort("n_tokens")
+        fig.add_trace(go.Scatter(x=part["n_tokens"].to_list(), y=part["loss"].to_list(), mode="markers",
+                                 name=f"N = {n:.3g}", marker={"color": c, "size": 9}, legendgroup=str(n)))
+        fig.add_trace(go.Scatter(x=grid.tolist(), y=law.loss(n, grid).tolist(), mode="lines", showlegend=False,
+                                 line={"color": c}, legendgroup=str(n), hoverinfo="skip"))
+    if frontier is not None:
+        f = _frame(frontier, ["n_tokens", "loss"], "law_figure (frontier)").sort("n_tokens")
+        fig.add_trace(go.Scatter(x=f["n_tokens"].to_list(), y=f["loss"].to_list(), mode="lines",
+                                 name="compute-optimal", line={"color": COLORS["ideal"], "dash": "dash", "width": 3}))
+    fig.update_layout(template=style(), title=title, xaxis_title="training tokens D", yaxis_title="MLM loss")
+    fig.update_xaxes(type="log")
+    return fig
+
+
+MEMORY_TERMS = ("params", "grads", "optimizer", "autocast_copies", "activations", "logits", "head_backward")
+"""Terms of ``labkit.plan.memory_plan`` drawn by ``memory_figure``, bottom to top."""
+
+
+def memory_figure(plans: pl.DataFrame | pl.LazyFrame, *, capacity_bytes: float | None = None,
+                  title: str = "Planned memory per GPU") -> go.Figure:
+    """Stacked bars of the planner's memory terms (GB) per row, labelled by the ``label`` column;
+    the device capacity as a dashed line. `plans` columns: label and ``MEMORY_TERMS`` (bytes)."""
+    d = _frame(plans, ["label", *MEMORY_TERMS], "memory_figure")
+    fig = go.Figure()
+    for i, term in enumerate(MEMORY_TERMS):
+        fig.add_trace(go.Bar(x=d["label"].to_list(), y=(d[term] / 1e9).to_list(), name=term.replace("_", " "),
+                             marker={"color": COLORWAY[i % len(COLORWAY)]},
+                             hovertemplate="%{x}<br>" + term + ": %{y:.2f} GB"))
+    if capacity_bytes:
+        fig.add_hline(y=capacity_bytes / 1e9, line={"color": "black", "dash": "dash"},
+                      annotation_text=f"capacity {capacity_bytes / 1e9:.0f} GB")
+    fig.update_layout(template=style(), title=title, barmode="stack", yaxis_title="GB per GPU")
     return fig
 
 

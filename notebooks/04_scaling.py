@@ -9,7 +9,7 @@
 # ---
 
 # %% [markdown]
-# # 04 · Scaling: throughput vs ranks, micro-batch vs model size
+# # 04 · Scaling: throughput vs ranks, micro-batch vs model size, and the planner
 #
 # Two of the study's lessons, measured here: data-parallel training scales near-linearly
 # (weak scaling: the same micro-batch per rank, efficiency = tokens/s(n) / (n x tokens/s(1))),
@@ -17,7 +17,9 @@
 # per rank: model state at 16 bytes per parameter (fp32 weights and gradients, two AdamW
 # moments) plus the bytes autograd saves for backward, counted exactly.
 #
-# Points already measured (in `sweeps/*.parquet`) are not rerun.
+# Points already measured (in `sweeps/*.parquet`) are not rerun. The second half plans the
+# study's scale from formulas (`labkit.plan`, `labkit.scaling`): memory per GPU, the largest
+# micro-batch, parallel splits, and data-parallel efficiency up to 256 GPUs.
 
 # %% tags=["parameters"]
 workdir = "../work/demo"
@@ -27,6 +29,9 @@ micro_batch_size = 16
 sweep_steps = 8
 sweep_models = ["mini", "small"]
 memory_budget_gb = 2.0
+loader_workers = [0, 1, 2]
+loader_step_time_s = 0.02  # consumer step in the loader sweep (a planned GPU step)
+study_seq_len = 512  # sequence length assumed for the study's models (not reported)
 
 # %%
 import polars as pl
@@ -66,5 +71,122 @@ mb
 # %%
 plots.microbatch_figure(mb)
 
+# %% [markdown]
+# ### The planner against the measurement
+# The same budget, planned from formulas (`labkit.plan.saved_activation_bytes`, fp32 on CPU)
+# instead of measured with autograd's saved-tensor hooks.
+
+# %%
+from labkit import plan
+from labkit.model import count_parameters, model_config
+
+rows = []
+for r in mb.iter_rows(named=True):
+    cfg = model_config(r["model"], index["vocab_size"])
+    per = [plan.saved_activation_bytes(cfg, r["seq_len"], b, precision="fp32", attention="eager", device="cpu")
+           for b in (1, 2)]
+    planned = (r["budget_bytes"] - r["state_bytes"] - (2 * per[0] - per[1])) // (per[1] - per[0])
+    rows.append({"model": r["model"], "measured": r["max_micro_batch"], "planned": int(planned),
+                 "act_bytes_per_sample_measured": r["act_bytes_per_sample"],
+                 "act_bytes_per_sample_planned": per[1] - per[0]})
+pl.DataFrame(rows)
+
+# %% [markdown]
+# ## Throughput per model size at all ranks
+
+# %%
+sizes = lab.sweep_model_size(client, base, workdir, models=sweep_models, staged=staged)
+sizes
+
+# %% [markdown]
+# ## Loader workers: the knee
+# Samples/s and the share of each step spent waiting for data, with 0, 1, 2 ... workers in
+# front of a consumer that takes `loader_step_time_s` per batch.
+
+# %%
+try:
+    loader = lab.sweep_loader_workers(client, workdir, batch_size=micro_batch_size,
+                                      step_time_s=loader_step_time_s, workers=loader_workers, staged=staged)
+except ImportError as err:
+    loader = None
+    print(f"loader sweep skipped: {err}")
+plots.loader_figure(loader) if loader is not None else None
+
 # %%
 lc.stop_cluster(cluster)
+
+# %% [markdown]
+# ## The study's scale, planned
+# Memory per H100 NVL (94 GB) for the study's two models: the largest micro-batch for each
+# setting the study does not report, beside the micro-batches it does report (184 and 20).
+# Rows within 10 % of the reported value are the settings that reproduce it.
+
+# %%
+table = plan.study_table()
+shown = ("model", "seq_len", "precision", "attention", "sparse_head", "planned", "study")
+table.filter(pl.col("within_10pct")).select(shown)
+
+# %%
+table.filter(pl.col("seq_len") == study_seq_len).sort("model", "precision", "attention").select(shown)
+
+# %%
+plans = []
+for name, b in plan.STUDY_MICRO_BATCH.items():
+    cfg = model_config(name, plan.STUDY_VOCAB)
+    for att in plan.ATTENTION:
+        p = plan.memory_plan(cfg, seq_len=study_seq_len, micro_batch=b, precision="bf16", attention=att)
+        plans.append(p | {"label": f"{name} b={b} {att}"})
+plots.memory_figure(pl.DataFrame(plans), capacity_bytes=plan.device_info("H100 NVL")["memory_bytes"],
+                    title=f"Planned memory per H100 NVL at the study's micro-batches (seq {study_seq_len}, bf16)")
+
+# %% [markdown]
+# ### When data parallelism alone cannot hold the model
+# A 48-layer encoder of width 6144 (about 22 B parameters) on 16 H100 NVL: every split
+# dp x tp x pp with ZeRO 0-3, and the first that fits (least model parallelism first, tensor
+# parallelism kept inside a node). The bubble is GPipe's (p - 1)/(m + p - 1) at m = 8.
+
+# %%
+big = model_config("bert-1.3b", plan.STUDY_VOCAB, hidden_size=6144, num_heads=48, num_layers=48,
+                   intermediate_size=None)
+print(f"{count_parameters(big)['total'] / 1e9:.1f} B parameters")
+splits = plan.parallel_plans(big, n_gpus=16, seq_len=study_seq_len, micro_batch=4)
+fit = plan.first_fit(splits)
+no_zero = plan.first_fit(splits.filter(pl.col("zero_stage") == 0))
+for what, row in (("first split that fits", fit), ("first split without ZeRO", no_zero)):
+    print(f"{what}:", {k: row[k] for k in ("dp", "tp", "pp", "zero_stage", "total", "bubble")} if row else None)
+splits.select("dp", "tp", "pp", "zero_stage", (pl.col("total") / 1e9).round(1).alias("GB per GPU"), "fits",
+              pl.col("bubble").round(3)).head(12)
+
+# %% [markdown]
+# ## Data-parallel efficiency from 1 to 256 GPUs
+# Step time = compute + the exposed part of DDP's bucketed ring all-reduce (`labkit.scaling`):
+# 25 MB buckets, 2 GPUs per node, 25 GbE between nodes (InfiniBand for comparison), fp32
+# gradients, compute at 40 % MFU. The line "measured here (model)" is the same model
+# calibrated from this machine's measured 1-rank step time.
+
+# %%
+from labkit import scaling
+
+curves = []
+for name, b in plan.STUDY_MICRO_BATCH.items():
+    for net in ("25GbE", "IB-NDR"):
+        t = scaling.study_scaling(name, micro_batch=b, seq_len=study_seq_len, network=net)
+        curves.append(t.with_columns(label=pl.lit(f"{name} b={b} {net}")))
+one = ranks.filter(pl.col("ranks") == 1).row(0, named=True)
+step_1 = one["micro_batch_size"] * index["seq_len"] / one["tokens_per_s"]
+here = scaling.efficiency_table(compute_s=scaling.calibrate(step_1),
+                                grad_bytes=4 * count_parameters(model_config(model, index["vocab_size"]))["total"],
+                                tokens_per_step=one["micro_batch_size"] * index["seq_len"], gpus_per_node=engines)
+curves.append(here.with_columns(label=pl.lit(f"{model} here (model)")))
+pred = pl.concat(curves)
+plots.efficiency_figure(pred, measured=ranks)
+
+# %%
+summary = []
+for name, b in plan.STUDY_MICRO_BATCH.items():
+    for accum in (1, 4, 16):
+        t = scaling.study_scaling(name, micro_batch=b, seq_len=study_seq_len, grad_accum=accum)
+        summary.append({"model": name, "micro_batch": b, "grad_accum": accum,
+                        "efficiency_256_gpus": t.filter(pl.col("n_gpus") == 256)["efficiency"].item(),
+                        **scaling.network_limit(t)})
+pl.DataFrame(summary)

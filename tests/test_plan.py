@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from labkit.model import BertMLM, model_config
+from labkit import plan
 from labkit.plan import activation_bytes, max_micro_batch, model_state_bytes
 
 SEQ = 32
@@ -67,6 +68,111 @@ def test_max_micro_batch_respects_the_budget():
     assert max_micro_batch(cfg, SEQ, state + activation_bytes(cfg, SEQ, 1) - 1)["max_micro_batch"] == 0
     with pytest.raises(ValueError, match="budget_bytes"):
         max_micro_batch(cfg, SEQ, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the analytic planner
+# ---------------------------------------------------------------------------------------------
+
+
+def test_planner_terms_against_hand_computed_values():
+    # tiny: L 2, h 64, a 2, f 256, V 1024; s 32, b 2; bf16 autocast on CUDA, fused attention,
+    # sparse head at round(0.15 * 32) = 5 positions per sequence -> n = 10
+    cfg = model_config("tiny", 1024)
+    t = plan.activation_terms(cfg, 32, 2, precision="bf16", attention="flash", device="cuda")
+    sbh = 32 * 2 * 64  # 4096
+    # per layer: (6 d + 2 g + 2 m) sbh + 2 d sbf + 16 sb with d 2, g 4, m 1 = 22 sbh + 4 * 32*2*256 + 16*64
+    assert t["layers"] == 2 * (22 * 4096 + 65536 + 1024) == 313344
+    assert t["attention_scores"] == 2 * 4 * 2 * 32 * 2 == 1024  # log-sum-exp, fp32, a s b per layer
+    assert t["embedding"] == 8 * 64 + 8 * 32 + 5 * sbh + 8 * 64 == 21760
+    assert t["head"] == 4 * 2 * 10 * 64 + 4 * 10 * 1024 + 8 * 10 == 46160
+    assert t["logits"] == 2 * 10 * 1024 == 20480
+    # Korthikanti et al. (arXiv:2205.05198 eq. 2): 34 sbh + 5 a s^2 b per layer in 16-bit with
+    # 1-byte masks; this model adds fp32 LayerNorm inputs under autocast (+4 sbh) and norm stats
+    eager = plan.activation_terms(cfg, 32, 2, precision="bf16", attention="eager", device="cuda")
+    korthikanti = 34 * sbh + 5 * 2 * 32 * 32 * 2
+    assert eager["layers"] + eager["attention_scores"] == 2 * (korthikanti + 4 * sbh + 16 * 64)
+    # full recompute keeps the layer input only (fp32 residual stream)
+    ckpt = plan.activation_terms(model_config("tiny", 1024, activation_checkpointing=True), 32, 2)
+    assert ckpt["layers"] == 2 * 4 * sbh and ckpt["attention_scores"] == 0
+    # tensor + sequence parallel divides the layer terms
+    assert plan.activation_terms(cfg, 32, 2, tp=2)["layers"] == t["layers"] // 2
+    with pytest.raises(ValueError, match="precision"):
+        plan.activation_terms(cfg, 32, 2, precision="int8")
+
+
+@pytest.mark.parametrize("kw", [{}, {"sparse_head": False}, {"activation_checkpointing": True},
+                                {"hidden_dropout": 0.0, "attention_dropout": 0.0}])
+def test_planner_matches_saved_tensor_count_on_cpu(kw):
+    cfg = _cfg(**kw)
+    for seq, b in ((32, 1), (32, 2), (64, 3)):
+        measured = activation_bytes(cfg, seq, b)
+        # CPU's SDPA keeps the s x s scores (math path) only when attention dropout is on
+        attention = "eager" if cfg.attention_dropout > 0 else "flash"
+        planned = plan.saved_activation_bytes(cfg, seq, b, precision="fp32", attention=attention, device="cpu")
+        # b = 1 takes other CPU kernel paths (measured: at s 32 one more s x s tensor than the
+        # planner's b = 1 term covers), so it is held to 5 %; b >= 2 to 0.5 %
+        assert planned == pytest.approx(measured, rel=0.05 if b == 1 else 0.005), (kw, seq, b)
+
+
+def test_zero_stages_match_the_paper_example():
+    # ZeRO (arXiv:1910.02054) figure 1: 7.5B parameters, N_d = 64, mixed-precision Adam (K = 12)
+    gb = [plan.zero_state_bytes(7.5e9, zero_stage=z, dp=64, layout=(2, 2, 12))["total"] / 1e9 for z in range(4)]
+    assert gb == pytest.approx([120, 31.4, 16.6, 1.9], abs=0.05)
+    s2 = plan.zero_state_bytes(1e9, zero_stage=2, dp=8)
+    assert (s2["params"], s2["grads"], s2["optimizer"]) == (4e9, 4e9 / 8, 8e9 / 8)
+    with pytest.raises(ValueError, match="zero_stage"):
+        plan.zero_state_bytes(1e9, zero_stage=4)
+
+
+def test_memory_plan_adds_up_and_matches_state_bytes():
+    cfg = model_config("bert-120m", 30522)
+    p = plan.memory_plan(cfg, seq_len=128, micro_batch=8, precision="fp32", attention="eager")
+    terms = ("params", "grads", "optimizer", "autocast_copies", "activations", "logits", "head_backward")
+    assert p["total"] == sum(p[k] for k in terms)
+    assert p["params"] + p["grads"] + p["optimizer"] == model_state_bytes(cfg)
+    assert p["autocast_copies"] == 0 and p["bubble"] == 0
+    assert plan.memory_plan(cfg, seq_len=128, micro_batch=8)["autocast_copies"] == 2 * plan.count_parameters(cfg)["total"]
+    # checkpointing: the layer inputs plus one layer's full activations during its recompute
+    ck = model_config("bert-120m", 30522, activation_checkpointing=True)
+    t_ck, t_full = plan.activation_terms(ck, 128, 8), plan.activation_terms(cfg, 128, 8)
+    got = plan.memory_plan(ck, seq_len=128, micro_batch=8)["activations"]
+    want = t_ck["layers"] + (t_full["layers"] + t_full["attention_scores"]) / 12 + t_ck["embedding"] + t_ck["head"]
+    assert got == int(want)
+
+
+def test_pipeline_bubble_and_first_fitting_split():
+    assert plan.pipeline_bubble(1, 8) == 0
+    assert plan.pipeline_bubble(4, 8) == pytest.approx(3 / 11)
+    assert plan.pipeline_bubble(8, 1) == pytest.approx(7 / 8)
+    # 48 layers of width 6144 (~22B parameters): 350 GB of model state, more than any one GPU
+    big = model_config("bert-1.3b", 45000, hidden_size=6144, num_heads=48, num_layers=48, intermediate_size=None)
+    plans = plan.parallel_plans(big, n_gpus=16, seq_len=512, micro_batch=4, device="H100 NVL")
+    ddp = plans.filter((plans["tp"] == 1) & (plans["pp"] == 1) & (plans["zero_stage"] == 0)).row(0, named=True)
+    assert not ddp["fits"]
+    fit = plan.first_fit(plans)
+    assert fit is not None and fit["fits"] and fit["tp"] <= 2
+    before = plans.head(plans.with_row_index().filter(
+        (plans["dp"] == fit["dp"]) & (plans["tp"] == fit["tp"]) & (plans["pp"] == fit["pp"])
+        & (plans["zero_stage"] == fit["zero_stage"]))["index"][0])
+    assert not before.filter(before["tp_within_node"])["fits"].any()  # nothing earlier fits
+
+
+def test_study_table_lists_reported_micro_batches():
+    t = plan.study_table(seq_lens=(512,), precisions=("bf16",))
+    assert set(t["study"].to_list()) == {184, 20}
+    assert t.height == 2 * 2 * 2
+    assert (t["planned"] > 0).all()
+    info = plan.device_info("H100 NVL")
+    assert info["memory_bytes"] == 94e9 and info["peak_flops"] == 835.5e12
+    with pytest.raises(ValueError, match="device"):
+        plan.device_info("V100")
+
+
+@pytest.mark.gpu
+def test_gpu_memory_check():
+    rows = plan.gpu_memory_check()
+    assert all(r["ok"] for r in rows), rows
 
 
 @pytest.mark.gpu
