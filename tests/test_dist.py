@@ -6,18 +6,22 @@ numbers of masked tokens, give the gradients of one process on the whole global 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
 import socket
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from labkit import dist
 from labkit.model import BertMLM, model_config
-from labkit.train import forward_backward
+from labkit.train import build_optimizer, forward_backward
 
 VOCAB, SEQ, MB = 64, 16, 2
 MASKED_PER_MICRO_BATCH = (1, 9, 3, 14)  # uneven on purpose: a per-rank mean would be wrong
@@ -63,6 +67,12 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in dist.unwrap(model).named_parameters() if p.grad is not None}
 
 
+def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Whole gradients by name; FSDP's DTensor shards are all-gathered (collective)."""
+    return {n: (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+            for n, g in ((n, p.grad) for n, p in dist.unwrap(model).named_parameters()) if g is not None}
+
+
 def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(_dist_env(rank, world, port))
@@ -74,7 +84,18 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         loss_sum, n_masked, _ = forward_backward(model, mine, world_size=world)
         smoke = dist.all_reduce_smoke_test()  # reuses the group, leaves it up
         assert torch.distributed.is_initialized()
-        torch.save({"grads": _grads(model), "loss_sum": loss_sum, "n_masked": n_masked, "smoke": smoke},
+        fsdp_grads = {}
+        for reshard in (True, False):  # ZeRO-3 and ZeRO-2-style
+            fsdp = dist.wrap_model(_model(), SimpleNamespace(sharding="fsdp", fsdp_reshard_after_forward=reshard),
+                                   device)
+            assert dist.is_fsdp(fsdp)
+            forward_backward(fsdp, mine, world_size=world)
+            fsdp_grads[reshard] = _full_grads(fsdp)
+        zcfg = SimpleNamespace(sharding="zero1", weight_decay=0.01, lr=1e-3, beta1=0.9, beta2=0.98)
+        zero = build_optimizer(model, zcfg)  # ZeRO-1: this rank's AdamW holds a partition only
+        zero_local = sum(p.numel() for g in zero.optim.param_groups for p in g["params"])
+        torch.save({"grads": _grads(model), "loss_sum": loss_sum, "n_masked": n_masked, "smoke": smoke,
+                    "fsdp_grads": fsdp_grads, "zero_local": zero_local, "zero_type": type(zero).__name__},
                    pathlib.Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.teardown()
@@ -104,6 +125,16 @@ def test_two_ranks_two_accum_steps_match_one_process(tmp_path):
     for name, g in ref.items():
         assert _rel_err(ranks[0]["grads"][name], g) < 1e-5, name
         assert torch.equal(ranks[0]["grads"][name], ranks[1]["grads"][name]), name
+    n_params = sum(p.numel() for p in ref_model.parameters())
+    assert [r["zero_type"] for r in ranks] == ["ZeroRedundancyOptimizer"] * 2
+    assert ranks[0]["zero_local"] + ranks[1]["zero_local"] == n_params
+    assert 0 < ranks[0]["zero_local"] < n_params
+    # FSDP2 (reduce-scatter every micro-batch, sharded grads) gives the same whole gradient
+    for reshard in (True, False):
+        got = ranks[0]["fsdp_grads"][reshard]
+        assert set(got) == set(ref)
+        for name, g in ref.items():
+            assert _rel_err(got[name], g) < 1e-5, (reshard, name)
 
     # the naive normalisation (mean over each micro-batch's own masked tokens) differs: the test
     # can tell the two apart with these uneven counts
@@ -185,3 +216,127 @@ def test_init_distributed_single_process_and_missing_master(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     with pytest.raises(ValueError, match="MASTER_PORT"):
         dist.init_distributed("gloo", 10.0, cpu)
+
+
+# -- sharding strategies through train(): ZeRO-1 and FSDP2 against plain DDP ----------------
+
+
+def _train_many_worker(rank: int, world: int, port: int, cfgs_json: str) -> None:
+    """One process group for several train() calls in a row (train reuses a group it did not
+    create; re-creating groups on one port can hang, pytorch#55967)."""
+    from labkit.config import TrainConfig, from_dict
+    from labkit.train import train
+
+    torch.set_num_threads(1)
+    os.environ.update(_dist_env(rank, world, port))
+    assert dist.init_distributed("gloo", 60.0, torch.device("cpu"))
+    try:
+        for cfg in json.loads(cfgs_json):
+            train(from_dict(TrainConfig, cfg))
+    finally:
+        dist.teardown()
+
+
+def _run_two_ranks(cfgs: list) -> None:
+    from labkit.config import to_dict
+
+    mp.spawn(_train_many_worker, args=(2, _free_port(), json.dumps([to_dict(c) for c in cfgs])), nprocs=2, join=True)
+
+
+def _metrics(run_dir: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _two_rank_cfg(shards: pathlib.Path, run_dir: pathlib.Path, **kw):
+    from labkit.config import TrainConfig
+
+    base = dict(data_dir=str(shards), run_dir=str(run_dir), model="tiny", micro_batch_size=4, grad_accum_steps=2,
+                max_steps=4, lr=3e-3, warmup_steps=1, num_threads=1, device="cpu", timing_warmup_steps=1,
+                timeout_s=60, grad_clip=0.5)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_zero1_and_fsdp_match_ddp(tmp_path):
+    """Same seed, data and dropout streams: after 4 AdamW steps (clipping active) ZeRO-1 and FSDP2
+    (ZeRO-3 and ZeRO-2-style) hold DDP's parameters, log its losses and its global grad norm."""
+    from safetensors.torch import load_file
+    from test_train import write_tiny_shards
+
+    shards = write_tiny_shards(tmp_path / "shards")
+    names = {"ddp": {"sharding": "ddp"}, "zero1": {"sharding": "zero1"}, "fsdp": {"sharding": "fsdp"},
+             "fsdp2": {"sharding": "fsdp", "fsdp_reshard_after_forward": False}}  # fsdp2: ZeRO-2-style
+    cfgs = [_two_rank_cfg(shards, tmp_path / n, **kw) for n, kw in names.items()]
+    _run_two_ranks(cfgs)
+    ref = _metrics(tmp_path / "ddp")
+    assert all(r["grad_norm"] > 0.5 for r in ref)  # the clip (0.5) is active at every step
+    ref_w = load_file(tmp_path / "ddp" / "checkpoints" / "step-4" / "model.safetensors")
+    init = _model().state_dict()
+    for name in ("zero1", "fsdp", "fsdp2"):
+        got = _metrics(tmp_path / name)
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5), name
+        assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-5), name
+        assert [r["lr"] for r in got] == [r["lr"] for r in ref]
+        w = load_file(tmp_path / name / "checkpoints" / "step-4" / "model.safetensors")
+        assert set(w) == set(ref_w)
+        for k, v in ref_w.items():  # zero1 steps the same AdamW on the same grads: identical
+            assert torch.equal(w[k], v) if name == "zero1" else torch.allclose(w[k], v, rtol=1e-4, atol=1e-6), \
+                (name, k, (w[k] - v).abs().max())
+        state = torch.load(tmp_path / name / "checkpoints" / "step-4" / "state.pt", weights_only=True)
+        assert state["sharding"] == cfgs[list(names).index(name)].sharding
+        assert len(state["optimizer"]["state"]) == len(state["optimizer"]["param_groups"][0]["params"]) + \
+            len(state["optimizer"]["param_groups"][1]["params"])  # whole optimiser state, not a shard
+    moved = max(float((ref_w[k] - init[k]).abs().max()) for k in ref_w if k in init and init[k].shape == ref_w[k].shape)
+    assert moved > 1e-3  # the parameters really changed, so the match above means something
+
+
+def test_resume_zero1_and_fsdp_reproduce_losses(tmp_path):
+    """fp32, gloo, 2 ranks: stop at step 2, resume, finish at 5 (crossing an epoch): exactly the
+    uninterrupted run's losses, grad norms and learning rates, for zero1 and fsdp."""
+    from labkit.train import lr_at
+    from test_train import write_tiny_shards
+
+    shards = write_tiny_shards(tmp_path / "shards")  # 64 sequences, 16 per step: 4 steps an epoch
+    cfgs = []
+    for sharding in ("zero1", "fsdp"):
+        full = _two_rank_cfg(shards, tmp_path / f"{sharding}-full", sharding=sharding, max_steps=5)
+        part = dataclasses.replace(full, run_dir=str(tmp_path / f"{sharding}-part"), stop_after=2)
+        cfgs += [full, part, dataclasses.replace(part, stop_after=None)]
+    _run_two_ranks(cfgs)
+    for sharding in ("zero1", "fsdp"):
+        want = _metrics(tmp_path / f"{sharding}-full")
+        got = _metrics(tmp_path / f"{sharding}-part")
+        keys = ("step", "loss", "grad_norm", "lr", "tokens", "epoch")
+        assert [tuple(r[k] for k in keys) for r in got] == [tuple(r[k] for k in keys) for r in want], sharding
+        assert [r["lr"] for r in got] == [lr_at(s, cfgs[0]) for s in range(5)]
+        assert [r["epoch"] for r in got] == [0, 0, 0, 0, 1]
+        result = json.loads((tmp_path / f"{sharding}-part" / "result.json").read_text())
+        assert result["resumed_from_step"] == 2 and result["sharding"] == sharding
+
+
+def _timeout_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import time
+
+    torch.set_num_threads(1)
+    os.environ.update(_dist_env(rank, world, port))
+    dist.init_distributed("gloo", 2.0, torch.device("cpu"))
+    if rank == 0:
+        t0 = time.perf_counter()
+        try:
+            dist.all_reduce_sum(torch.ones(1))
+            outcome = "returned"
+        except Exception as err:  # gloo raises a RuntimeError-like DistBackendError
+            outcome = f"{type(err).__name__}: {err}"
+        pathlib.Path(out_dir, "rank0.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{outcome}")
+    else:
+        time.sleep(5.0)  # never joins the all-reduce
+    os._exit(0)  # skip destroying a group whose peer timed out
+
+
+def test_collective_times_out_instead_of_hanging(tmp_path):
+    """timeout_s reaches every collective: an all-reduce whose peer never joins raises after
+    about 2 s (the default would wait 30 min)."""
+    mp.spawn(_timeout_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    seconds, outcome = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    assert outcome != "returned" and "imed out" in outcome, outcome
+    assert float(seconds) < 5.0
