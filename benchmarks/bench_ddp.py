@@ -8,7 +8,10 @@ labkit/measure.py). After one warm-up run of each, 1-rank and 2-rank runs altern
 group, no DDP), so the DDP wrapper and its all-reduce count against the 2-rank run.
 
 The machine's load average is printed with the result: on a shared 2-core machine other
-processes take cores from the 2-rank run first, so the number is a lower bound there.
+processes take cores from the 2-rank run first (a rank that loses its core stalls the other at
+the next collective), so the number is a lower bound there. Diagnostics in the JSON line: the
+time of one gradient all-reduce (``efficiency_bound_from_comm`` = step / (step + all-reduce),
+no overlap) and ``cpu_work_ratio`` (CPU seconds per token, 1 rank / 2 ranks).
 Run: ``python benchmarks/bench_ddp.py`` from the repository root. Last line: one JSON object.
 """
 
@@ -63,7 +66,10 @@ def _worker(rank: int, world: int, port: int, cfg_json: str) -> None:
                           MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     from labkit.train import train
 
-    train(from_dict(TrainConfig, json.loads(cfg_json)))
+    cfg = from_dict(TrainConfig, json.loads(cfg_json))
+    cpu0 = time.process_time()
+    train(cfg)
+    pathlib.Path(cfg.run_dir, f"cpu-{rank}.json").write_text(json.dumps(time.process_time() - cpu0))
 
 
 def _allreduce_worker(rank: int, world: int, port: int, n_floats: int, out: str) -> None:
@@ -95,9 +101,13 @@ def allreduce_seconds(n_floats: int) -> float:
 
 
 def run(cfg: TrainConfig, world: int) -> dict:
-    """One fresh run of ``cfg`` on ``world`` spawned ranks; its result.json."""
+    """One fresh run of ``cfg`` on ``world`` spawned ranks: its result.json plus ``cpu_s``, the
+    CPU seconds of ``train()`` summed over ranks (all steps, model build and checkpoint too)."""
     mp.spawn(_worker, args=(world, _free_port(), json.dumps(to_dict(cfg))), nprocs=world, join=True)
-    return json.loads((pathlib.Path(cfg.run_dir) / "result.json").read_text())
+    run_dir = pathlib.Path(cfg.run_dir)
+    result = json.loads((run_dir / "result.json").read_text())
+    result["cpu_s"] = sum(json.loads((run_dir / f"cpu-{r}.json").read_text()) for r in range(world))
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -113,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     tps: dict[int, list[float]] = {1: [], 2: []}
+    cpu_per_token: dict[int, list[float]] = {1: [], 2: []}  # CPU seconds of train() / tokens
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="bench_ddp_") as tmp:
         data = pathlib.Path(tmp) / "shards"
@@ -128,10 +139,11 @@ def main(argv: list[str] | None = None) -> dict:
                                   sharding=args.sharding, timeout_s=600, resume=False)
                 result = run(cfg, world)
                 line = {"round": rnd, "ranks": world, "tokens_per_s": result["tokens_per_s"],
-                        "load_avg_1m": os.getloadavg()[0]}
+                        "cpu_s": result["cpu_s"], "load_avg_1m": os.getloadavg()[0]}
                 print(json.dumps(line), flush=True)
                 if rnd > 0:
                     tps[world].append(result["tokens_per_s"])
+                    cpu_per_token[world].append(result["cpu_s"] / result["tokens"])
         n_params = result["params"]
         step_s = args.micro_batch * args.seq_len / statistics.median(tps[1])  # 1-rank step time
     comm_s = allreduce_seconds(n_params)
@@ -146,6 +158,9 @@ def main(argv: list[str] | None = None) -> dict:
            "sharding": args.sharding, "threads_per_rank": 1, "rounds": args.rounds, "params": n_params,
            "step_s_1rank": step_s, "allreduce_grads_s": comm_s,
            "efficiency_bound_from_comm": step_s / (step_s + comm_s),
+           # CPU work per token, 1 rank / 2 ranks: near 1 when the 2-rank run does no extra work,
+           # i.e. a wall-clock loss then comes from ranks waiting for cores (a shared machine)
+           "cpu_work_ratio": statistics.median(cpu_per_token[1]) / statistics.median(cpu_per_token[2]),
            "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "wall_s": round(time.time() - t0, 1)}
     print(json.dumps(out), flush=True)
     return out

@@ -175,9 +175,10 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     only) and return the norm before clipping, the same number on every rank.
 
     ddp / zero1: gradients are already all-reduced, every rank holds all of them. fsdp: each
-    rank holds a DTensor shard; ``clip_grad_norm_`` computes the norm as a DTensor with a
-    pending sum over ranks, and ``full_tensor()`` all-reduces the squared shard norms, so the
-    norm is that of the whole gradient (checked against DDP in tests/test_dist.py).
+    rank holds a DTensor shard; ``clip_grad_norm_`` on DTensors sums the squared shard norms
+    over ranks (DTensor's Partial -> Replicate reduction) and returns a replicated DTensor, read
+    here with ``full_tensor()``; every rank then scales its shard by the same factor;
+    tests/test_dist.py compares fsdp's norms and parameters with DDP's.
     """
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if isinstance(norm, DTensor):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import socket
@@ -219,11 +220,16 @@ def test_init_distributed_single_process_and_missing_master(monkeypatch):
 
 
 # -- sharding strategies through train(): ZeRO-1 and FSDP2 against plain DDP ----------------
+# One spawn of 2 gloo ranks runs every train() below (a spawn costs ~10 s of imports on a
+# loaded 2-core machine), then checks a collective timeout; the tests read the run dirs.
 
 
-def _train_many_worker(rank: int, world: int, port: int, cfgs_json: str) -> None:
+def _train_many_worker(rank: int, world: int, port: int, timeout_port: int, cfgs_json: str, out_dir: str) -> None:
     """One process group for several train() calls in a row (train reuses a group it did not
-    create; re-creating groups on one port can hang, pytorch#55967)."""
+    create; re-creating groups on one port can hang, pytorch#55967). Then a fresh group with a
+    2 s timeout in which rank 1 never joins an all-reduce; rank 0 writes what happened."""
+    import time
+
     from labkit.config import TrainConfig, from_dict
     from labkit.train import train
 
@@ -235,12 +241,19 @@ def _train_many_worker(rank: int, world: int, port: int, cfgs_json: str) -> None
             train(from_dict(TrainConfig, cfg))
     finally:
         dist.teardown()
-
-
-def _run_two_ranks(cfgs: list) -> None:
-    from labkit.config import to_dict
-
-    mp.spawn(_train_many_worker, args=(2, _free_port(), json.dumps([to_dict(c) for c in cfgs])), nprocs=2, join=True)
+    os.environ.update(_dist_env(rank, world, timeout_port))
+    dist.init_distributed("gloo", 2.0, torch.device("cpu"))
+    if rank == 0:
+        t0 = time.perf_counter()
+        try:
+            dist.all_reduce_sum(torch.ones(1))
+            outcome = "returned"
+        except Exception as err:  # gloo raises DistBackendError (a RuntimeError)
+            outcome = f"{type(err).__name__}: {err}"
+        pathlib.Path(out_dir, "timeout.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{outcome}")
+    else:
+        time.sleep(4.0)  # never joins the all-reduce
+    os._exit(0)  # skip destroying a group whose peer timed out
 
 
 def _metrics(run_dir: pathlib.Path) -> list[dict]:
@@ -257,86 +270,99 @@ def _two_rank_cfg(shards: pathlib.Path, run_dir: pathlib.Path, **kw):
     return TrainConfig(**base)
 
 
-def test_zero1_and_fsdp_match_ddp(tmp_path):
+SHARDINGS = {"ddp": {"sharding": "ddp"}, "zero1": {"sharding": "zero1"}, "fsdp": {"sharding": "fsdp"},
+             "fsdp2": {"sharding": "fsdp", "fsdp_reshard_after_forward": False}}  # fsdp2: ZeRO-2-style
+
+
+MIXED = {"zero1-fp16": {"sharding": "zero1", "precision": "fp16"},
+         "fsdp-fp16": {"sharding": "fsdp", "precision": "fp16"},
+         "fsdp-bf16-recompute": {"sharding": "fsdp", "precision": "bf16", "activation_checkpointing": True}}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory) -> pathlib.Path:
+    """Run dirs: one 4-step run per SHARDINGS entry; zero1-part / fsdp-part stopped after step 2
+    and resumed to step 4; timeout.txt. 48 sequences, 16 per step: step 4 is in epoch 1."""
+    from labkit.config import to_dict
+    from test_train import write_tiny_shards  # tests/ is on sys.path (pytest rootdir import)
+
+    root = tmp_path_factory.mktemp("two_rank_runs")
+    shards = write_tiny_shards(root / "shards", n_sequences=48)
+    cfgs = [_two_rank_cfg(shards, root / name, **kw) for name, kw in SHARDINGS.items()]
+    for name in ("zero1", "fsdp"):
+        part = _two_rank_cfg(shards, root / f"{name}-part", sharding=name, stop_after=2)
+        cfgs += [part, dataclasses.replace(part, stop_after=None)]
+    for name, kw in MIXED.items():
+        cfgs.append(_two_rank_cfg(shards, root / name, max_steps=2, **kw))
+    mp.spawn(_train_many_worker, args=(2, _free_port(), _free_port(), json.dumps([to_dict(c) for c in cfgs]),
+                                       str(root)), nprocs=2, join=True)
+    return root
+
+
+def test_zero1_and_fsdp_match_ddp(two_rank_runs):
     """Same seed, data and dropout streams: after 4 AdamW steps (clipping active) ZeRO-1 and FSDP2
     (ZeRO-3 and ZeRO-2-style) hold DDP's parameters, log its losses and its global grad norm."""
     from safetensors.torch import load_file
-    from test_train import write_tiny_shards
 
-    shards = write_tiny_shards(tmp_path / "shards")
-    names = {"ddp": {"sharding": "ddp"}, "zero1": {"sharding": "zero1"}, "fsdp": {"sharding": "fsdp"},
-             "fsdp2": {"sharding": "fsdp", "fsdp_reshard_after_forward": False}}  # fsdp2: ZeRO-2-style
-    cfgs = [_two_rank_cfg(shards, tmp_path / n, **kw) for n, kw in names.items()]
-    _run_two_ranks(cfgs)
-    ref = _metrics(tmp_path / "ddp")
+    root = two_rank_runs
+    ref = _metrics(root / "ddp")
     assert all(r["grad_norm"] > 0.5 for r in ref)  # the clip (0.5) is active at every step
-    ref_w = load_file(tmp_path / "ddp" / "checkpoints" / "step-4" / "model.safetensors")
-    init = _model().state_dict()
+    ref_w = load_file(root / "ddp" / "checkpoints" / "step-4" / "model.safetensors")
     for name in ("zero1", "fsdp", "fsdp2"):
-        got = _metrics(tmp_path / name)
+        got = _metrics(root / name)
         assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5), name
         assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-5), name
         assert [r["lr"] for r in got] == [r["lr"] for r in ref]
-        w = load_file(tmp_path / name / "checkpoints" / "step-4" / "model.safetensors")
+        w = load_file(root / name / "checkpoints" / "step-4" / "model.safetensors")
         assert set(w) == set(ref_w)
         for k, v in ref_w.items():  # zero1 steps the same AdamW on the same grads: identical
             assert torch.equal(w[k], v) if name == "zero1" else torch.allclose(w[k], v, rtol=1e-4, atol=1e-6), \
                 (name, k, (w[k] - v).abs().max())
-        state = torch.load(tmp_path / name / "checkpoints" / "step-4" / "state.pt", weights_only=True)
-        assert state["sharding"] == cfgs[list(names).index(name)].sharding
-        assert len(state["optimizer"]["state"]) == len(state["optimizer"]["param_groups"][0]["params"]) + \
-            len(state["optimizer"]["param_groups"][1]["params"])  # whole optimiser state, not a shard
+        state = torch.load(root / name / "checkpoints" / "step-4" / "state.pt", weights_only=True)
+        assert state["sharding"] == SHARDINGS[name]["sharding"]
+        groups = state["optimizer"]["param_groups"]
+        assert len(state["optimizer"]["state"]) == len(groups[0]["params"]) + len(groups[1]["params"])  # whole
+    init = _model().state_dict()
     moved = max(float((ref_w[k] - init[k]).abs().max()) for k in ref_w if k in init and init[k].shape == ref_w[k].shape)
     assert moved > 1e-3  # the parameters really changed, so the match above means something
 
 
-def test_resume_zero1_and_fsdp_reproduce_losses(tmp_path):
-    """fp32, gloo, 2 ranks: stop at step 2, resume, finish at 5 (crossing an epoch): exactly the
-    uninterrupted run's losses, grad norms and learning rates, for zero1 and fsdp."""
+def test_resume_zero1_and_fsdp_reproduce_losses(two_rank_runs):
+    """fp32, gloo, 2 ranks: stopped at step 2, resumed, finished at 4 (in the next epoch):
+    exactly the uninterrupted run's losses, grad norms and learning rates, zero1 and fsdp."""
     from labkit.train import lr_at
-    from test_train import write_tiny_shards
 
-    shards = write_tiny_shards(tmp_path / "shards")  # 64 sequences, 16 per step: 4 steps an epoch
-    cfgs = []
+    root = two_rank_runs
+    cfg = _two_rank_cfg(root, root)
+    keys = ("step", "loss", "grad_norm", "lr", "tokens", "epoch")
     for sharding in ("zero1", "fsdp"):
-        full = _two_rank_cfg(shards, tmp_path / f"{sharding}-full", sharding=sharding, max_steps=5)
-        part = dataclasses.replace(full, run_dir=str(tmp_path / f"{sharding}-part"), stop_after=2)
-        cfgs += [full, part, dataclasses.replace(part, stop_after=None)]
-    _run_two_ranks(cfgs)
-    for sharding in ("zero1", "fsdp"):
-        want = _metrics(tmp_path / f"{sharding}-full")
-        got = _metrics(tmp_path / f"{sharding}-part")
-        keys = ("step", "loss", "grad_norm", "lr", "tokens", "epoch")
+        want = _metrics(root / sharding)
+        got = _metrics(root / f"{sharding}-part")
         assert [tuple(r[k] for k in keys) for r in got] == [tuple(r[k] for k in keys) for r in want], sharding
-        assert [r["lr"] for r in got] == [lr_at(s, cfgs[0]) for s in range(5)]
-        assert [r["epoch"] for r in got] == [0, 0, 0, 0, 1]
-        result = json.loads((tmp_path / f"{sharding}-part" / "result.json").read_text())
+        assert [r["lr"] for r in got] == [lr_at(s, cfg) for s in range(4)]
+        assert [r["epoch"] for r in got] == [0, 0, 0, 1]
+        result = json.loads((root / f"{sharding}-part" / "result.json").read_text())
         assert result["resumed_from_step"] == 2 and result["sharding"] == sharding
 
 
-def _timeout_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    import time
-
-    torch.set_num_threads(1)
-    os.environ.update(_dist_env(rank, world, port))
-    dist.init_distributed("gloo", 2.0, torch.device("cpu"))
-    if rank == 0:
-        t0 = time.perf_counter()
-        try:
-            dist.all_reduce_sum(torch.ones(1))
-            outcome = "returned"
-        except Exception as err:  # gloo raises a RuntimeError-like DistBackendError
-            outcome = f"{type(err).__name__}: {err}"
-        pathlib.Path(out_dir, "rank0.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{outcome}")
-    else:
-        time.sleep(5.0)  # never joins the all-reduce
-    os._exit(0)  # skip destroying a group whose peer timed out
-
-
-def test_collective_times_out_instead_of_hanging(tmp_path):
+def test_collective_times_out_instead_of_hanging(two_rank_runs):
     """timeout_s reaches every collective: an all-reduce whose peer never joins raises after
-    about 2 s (the default would wait 30 min)."""
-    mp.spawn(_timeout_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
-    seconds, outcome = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    about 2 s (torch's default would wait 30 min)."""
+    seconds, outcome = (two_rank_runs / "timeout.txt").read_text().split("\n", 1)
     assert outcome != "returned" and "imed out" in outcome, outcome
-    assert float(seconds) < 5.0
+    assert float(seconds) < 4.0
+
+
+@pytest.mark.parametrize("name", list(MIXED))
+def test_sharding_with_autocast_and_recompute(two_rank_runs, name):
+    """fp16 (scaler; ShardedGradScaler under fsdp) and bf16 + activation checkpointing under
+    sharding: the step-1 loss is the fp32 DDP run's within autocast noise, all finite."""
+    ref = _metrics(two_rank_runs / "ddp")
+    got = _metrics(two_rank_runs / name)
+    assert [r["step"] for r in got] == [1, 2] and not any(r["skipped"] for r in got)
+    assert got[0]["loss"] == pytest.approx(ref[0]["loss"], rel=2e-2)
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in got)
+    assert got[0]["grad_norm"] == pytest.approx(ref[0]["grad_norm"], rel=5e-2)
+    result = json.loads((two_rank_runs / name / "result.json").read_text())
+    assert result["sharding"] == MIXED[name]["sharding"] and result["precision"] == MIXED[name]["precision"]
+    assert result["activation_checkpointing"] == MIXED[name].get("activation_checkpointing", False)

@@ -257,3 +257,16 @@ def test_train_bf16_on_cuda(shards, tmp_path):
     assert all(r["peak_mem_bytes"] > 0 for r in records)
     kind = measure.device_kind(torch.cuda.get_device_name())
     assert all((r["mfu"] is None) == (kind is None) for r in records)
+
+
+def test_resume_refuses_a_checkpoint_of_another_sharding(shards, tmp_path):
+    """Optimiser state layouts differ between shardings (fsdp keys moments by name): a mismatch is
+    a ValueError naming the field, not a silent mis-load."""
+    run = tmp_path / "run"
+    train(tiny_cfg(shards, run, max_steps=2))
+    path = run / "checkpoints" / "step-2" / "state.pt"
+    state = torch.load(path, weights_only=True)
+    assert state["sharding"] == "none"  # one process: nothing sharded
+    torch.save({**state, "sharding": "fsdp"}, path)
+    with pytest.raises(ValueError, match="sharding: checkpoint step-2 .* 'fsdp', this run uses 'none'"):
+        train(tiny_cfg(shards, run, max_steps=3))
