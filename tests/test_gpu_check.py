@@ -3,20 +3,20 @@ predicates, the whole flow on CPU with a fake OOM above a threshold, and the she
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import pathlib
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import gpu_check  # noqa: E402
+_spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(_spec)  # a script, not a package module
+_spec.loader.exec_module(gpu_check)
 
 
 @pytest.mark.parametrize("limit", [1, 7, 64, 1000])
