@@ -482,8 +482,20 @@ class TrainConfig:
     stop_after: int | None = None
     """Stop (checkpointing) after this many optimiser steps as if interrupted; the schedule still
     follows max_steps, so a resumed run continues it exactly. None runs to max_steps."""
+    sharding: Literal["ddp", "zero1", "fsdp"] = "ddp"
+    """Data-parallel memory strategy (ZeRO stages, arXiv:1910.02054): ddp replicates everything;
+    zero1 shards the AdamW moments (torch's ZeroRedundancyOptimizer); fsdp shards parameters,
+    gradients and moments with FSDP2 ``fully_shard`` (ZeRO-3, or ZeRO-2-style with
+    fsdp_reshard_after_forward=False). Ignored in a single process."""
+    fsdp_reshard_after_forward: bool = True
+    """fsdp: free the gathered parameters after each layer's forward (ZeRO-3) or keep them until
+    backward (False: ZeRO-2-style, more memory, one all-gather less per layer)."""
+    activation_checkpointing: bool = False
+    """Recompute each encoder layer's activations in backward (sets ModelConfig's field; the
+    same as model_overrides={"activation_checkpointing": True})."""
 
     def __post_init__(self) -> None:
+        _one_of(self.sharding, "sharding", ("ddp", "zero1", "fsdp"))
         for name in ("micro_batch_size", "grad_accum_steps", "max_steps", "log_every", "keep_checkpoints"):
             _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
         _require(self.lr > 0, "lr", "must be positive")

@@ -7,8 +7,22 @@ test (pattern: ``karpathy/nanochat: nanochat/common.py`` ``get_dist_info``). Wit
 variables the process is a single rank and no process group is created.
 
 Parallelism is applied from outside the model (STYLE.md house habit 10): the model is built
-for one device, then ``wrap_model`` wraps it. Order when more strategies land (issue #6):
-activation checkpointing (model config) -> compile -> data-parallel wrapper.
+for one device, then, in this order (torchtitan's ``parallelize.py`` order): activation
+checkpointing (``ModelConfig.activation_checkpointing``, set before the model is built) ->
+data-parallel wrapper (``wrap_model``: DDP, or FSDP2 ``fully_shard`` per layer then the root)
+-> optimiser (``build_optimizer`` in train.py: AdamW, or ZeroRedundancyOptimizer for zero1).
+Strategies (TrainConfig.sharding; memory per ZeRO, arXiv:1910.02054, REFERENCES.md C4):
+
+- ``ddp``: everything replicated; gradients all-reduced (averaged) once per optimiser step.
+- ``zero1``: DDP for gradients + ``torch.distributed.optim.ZeroRedundancyOptimizer``: each
+  rank keeps the AdamW moments of its partition of the parameters, steps it and broadcasts
+  the updated parameters.
+- ``fsdp``: FSDP2 ``fully_shard``: parameters, gradients and moments sharded (dim 0, DTensor);
+  gathered per layer for forward/backward, gradients reduce-scattered (averaged) every
+  micro-batch so they stay sharded. ``reshard_after_forward=False`` is ZeRO-2-style.
+
+Every collective runs in the default group, whose timeout is ``init_distributed``'s explicit
+``timeout_s``.
 
 Nothing happens at import.
 """
@@ -22,7 +36,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+_FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+"""Gather the whole (unsharded) state onto rank 0's CPU; other ranks get an empty dict."""
 
 
 def dist_info() -> tuple[int, int, int]:
@@ -107,30 +130,108 @@ def init_distributed(backend: str, timeout_s: float, device: torch.device) -> bo
 
 
 def wrap_model(model: torch.nn.Module, cfg: Any, device: torch.device) -> torch.nn.Module:
-    """Wrap ``model`` (already on ``device``) for data parallelism: DDP when a process group is
-    active (``find_unused_parameters=False``; ``device_ids`` only on CUDA), else ``model``
-    unchanged. ``cfg`` is the TrainConfig (kept for the strategies of issue #6).
+    """Wrap ``model`` (already on ``device``) for data parallelism per ``cfg.sharding`` when a
+    process group is active; return ``model`` unchanged otherwise (one process).
 
-    TODO(issue #6): ZeRO-1 (``ZeroRedundancyOptimizer``) and FSDP2 (``fully_shard``) go here,
-    selected by a TrainConfig field; only plain DDP exists now.
+    ddp / zero1: ``DistributedDataParallel`` (``find_unused_parameters=False``; ``device_ids``
+    on CUDA only); zero1's sharding is in the optimiser. fsdp: ``fully_shard`` on each module
+    of ``model.layers`` (one all-gather / reduce-scatter unit per encoder layer), then on the
+    root (embeddings, head), with ``reshard_after_forward=cfg.fsdp_reshard_after_forward``;
+    the module is changed in place and returned. ``cfg`` None means ddp.
     """
     if not dist.is_initialized():
+        return model
+    if cfg is not None and cfg.sharding == "fsdp":
+        reshard = cfg.fsdp_reshard_after_forward
+        for layer in getattr(model, "layers", []):
+            fully_shard(layer, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
         return model
     device_ids = [device.index] if device.type == "cuda" else None
     return DDP(model, device_ids=device_ids, find_unused_parameters=False)
 
 
+def is_fsdp(model: torch.nn.Module) -> bool:
+    """True when ``fully_shard`` was applied to ``model``."""
+    return isinstance(model, FSDPModule)
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The single-device module inside a DDP wrapper (``model`` itself otherwise)."""
+    """The single-device module inside a DDP wrapper (``model`` itself otherwise, FSDP too)."""
     return model.module if isinstance(model, DDP) else model
 
 
 def no_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
     """Context for one micro-batch: DDP's ``no_sync()`` (no gradient all-reduce) unless ``sync``;
-    a null context for an unwrapped model."""
+    a null context otherwise. FSDP reduce-scatters every micro-batch on purpose: its gradients
+    then stay sharded (ZeRO-2/3 memory) at the price of one reduce-scatter per micro-batch."""
     if sync or not isinstance(model, DDP):
         return contextlib.nullcontext()
     return model.no_sync()
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Clip the gradients of ``model`` to a global L2 norm of ``max_norm`` (``inf``: measure
+    only) and return the norm before clipping, the same number on every rank.
+
+    ddp / zero1: gradients are already all-reduced, every rank holds all of them. fsdp: each
+    rank holds a DTensor shard; ``clip_grad_norm_`` on DTensors sums the squared shard norms
+    over ranks (DTensor's Partial -> Replicate reduction) and returns a replicated DTensor, read
+    here with ``full_tensor()``; every rank then scales its shard by the same factor;
+    tests/test_dist.py compares fsdp's norms and parameters with DDP's.
+    """
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm.item())
+
+
+def grad_scaler(model: torch.nn.Module, device: torch.device, enabled: bool) -> torch.amp.GradScaler:
+    """The fp16 loss scaler (disabled: a pass-through). Under fsdp each rank sees only its
+    gradient shard, so the overflow flag must be all-reduced before deciding to skip a step:
+    ``ShardedGradScaler`` does that; otherwise every rank holds all gradients."""
+    if is_fsdp(model):
+        return ShardedGradScaler(device.type, enabled=enabled)
+    return torch.amp.GradScaler(device.type, enabled=enabled)
+
+
+def model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective under fsdp (every rank calls). The full, unsharded weights by parameter name:
+    on rank 0 gathered to CPU under fsdp (an empty dict on other ranks); the unwrapped module's
+    ``state_dict()`` otherwise."""
+    if is_fsdp(model):
+        return get_model_state_dict(model, options=_FULL_ON_RANK0)
+    return unwrap(model).state_dict()
+
+
+def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """Collective for zero1 and fsdp (every rank calls). The whole optimiser state on rank 0,
+    None on the others (zero1, fsdp) or each rank's own copy (ddp, identical on all ranks).
+
+    zero1: ``consolidate_state_dict(to=0)`` sends every partition to rank 0, whose
+    ``state_dict()`` then has AdamW's format (state keyed by parameter index). fsdp:
+    ``get_optimizer_state_dict(full_state_dict=True, cpu_offload=True)``: state keyed by
+    parameter name, unsharded.
+    """
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if is_main() else None
+    if is_fsdp(model):
+        state = get_optimizer_state_dict(model, optimizer, options=_FULL_ON_RANK0)
+        return state if is_main() else None
+    return optimizer.state_dict()
+
+
+def load_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                              state: dict[str, Any]) -> None:
+    """Load the whole optimiser state written by ``optimizer_state_dict`` into this rank's
+    optimiser (every rank passes the whole state). zero1: each rank keeps its partition;
+    fsdp: ``set_optimizer_state_dict`` shards it (collective; the optimiser must not have
+    gradients yet)."""
+    if is_fsdp(model):
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(state)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

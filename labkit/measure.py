@@ -6,6 +6,7 @@
 - MFU: achieved FLOP/s / (number of GPUs x dense peak FLOP/s of one GPU), with FLOPs per token
   6N + 12·L·H·Q·T (PaLM, arXiv:2204.02311 appendix B; ``labkit.model.flops_per_token``).
 - peak memory: CUDA ``max_memory_allocated`` on a GPU, else the process's peak RSS.
+- scaling efficiency at n ranks: throughput(n) / (n x throughput(1)), weak scaling.
 
 Timings skip warm-up steps (the caller's job) and synchronise the device before reading the
 clock (``StepTimer``). When the device peak is unknown (CPU, an unlisted GPU) MFU is ``None``.
@@ -89,6 +90,14 @@ def mfu(tokens_per_second: float, flops_per_token: float, n_gpus: int, peak: flo
     if peak is None:
         return None
     return tokens_per_second * flops_per_token / (n_gpus * peak)
+
+
+def scaling_efficiency(throughput_n: float, throughput_1: float, n: int) -> float:
+    """Weak-scaling efficiency at ``n`` ranks = throughput(n) / (n x throughput(1)) (DESIGN.md),
+    both in the same unit (tokens/s over all ranks) at the same per-rank batch. 1.0 is linear."""
+    if n < 1 or throughput_1 <= 0:
+        raise ValueError(f"n / throughput_1: need n >= 1 and throughput_1 > 0, got n={n}, throughput_1={throughput_1}")
+    return throughput_n / (n * throughput_1)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -12,10 +12,13 @@ tokens of the global batch) / (their count), the same as one process on the whol
 
 Run directory (rank 0 writes): config.json, metrics.jsonl (one record per log step, appended
 and flushed), checkpoints/step-N/ (model.safetensors + state.pt), result.json (atomic).
-state.pt = {format, step, epoch, tokens, lr, optimizer, scaler, world_size, ranks: [{rng:
-{torch, cuda?, numpy, python}, sampler: {epoch, position}} per rank]}, all tensors, numbers and
-lists so ``torch.load(weights_only=True)`` reads it. The LR is a pure function of the step
-(``lr_at``), so the step is the whole scheduler state. Resume needs the same world size.
+state.pt = {format, step, epoch, tokens, lr, optimizer, scaler, world_size, sharding, ranks:
+[{rng: {torch, cuda?, numpy, python}, sampler: {epoch, position}} per rank]}, all tensors,
+numbers and lists so ``torch.load(weights_only=True)`` reads it. Weights and optimiser state
+are whole (unsharded) under every sharding: zero1 consolidates the moments on rank 0, fsdp
+gathers parameters and moments (keyed by name) to rank 0. The LR is a pure function of the
+step (``lr_at``), so the step is the whole scheduler state. Resume needs the same world size
+and sharding (sharding "none" in a single process).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model, save_file, save_model
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from labkit import dist, measure
 from labkit.config import TrainConfig, to_dict
@@ -65,12 +69,20 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + (peak - floor) * (1.0 - p)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW (arXiv:1711.05101) with weight decay on matrices only: parameters with ndim < 2
-    (biases, norm weights) get none. Tied parameters appear once."""
+    (biases, norm weights) get none. Tied parameters appear once. With ``cfg.sharding ==
+    "zero1"`` and a process group, the same two groups go to ``ZeroRedundancyOptimizer``
+    (ZeRO stage 1: each rank holds and steps the AdamW state of its partition of the
+    parameters, then broadcasts them); its ``param_groups`` are the whole groups, so setting
+    the lr there reaches every partition at ``step()``. Under fsdp the parameters are DTensor
+    shards and plain AdamW steps each rank's shard."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    if cfg.sharding == "zero1" and torch.distributed.is_initialized():
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=cfg.lr,
+                                       betas=(cfg.beta1, cfg.beta2))
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
 
@@ -151,10 +163,13 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
                     per_rank: dict[str, Any], *, keep: int) -> pathlib.Path | None:
     """Collective (every rank calls): gather ``per_rank`` (RNG, sampler position) from all ranks;
     rank 0 writes checkpoints/.tmp-step-N/{model.safetensors, state.pt}, renames it to step-N and
-    deletes all but the newest ``keep``. Weights are the unwrapped model's, via safetensors'
-    ``save_model`` (which drops the duplicate name of tied tensors, where ``save_file`` refuses
-    shared storage). state.pt holds ``state`` plus ``ranks`` = [per_rank of rank 0, 1, ...].
-    Returns the directory on rank 0, None elsewhere."""
+    deletes all but the newest ``keep``. Weights are the whole unsharded model's: via
+    safetensors' ``save_model`` on the unwrapped module (it drops the duplicate name of tied
+    tensors, where ``save_file`` refuses shared storage), or under fsdp the full state dict
+    gathered to rank 0 (``dist.model_state_dict``). state.pt holds ``state`` (its optimiser
+    state already gathered with ``dist.optimizer_state_dict``) plus ``ranks`` = [per_rank of
+    rank 0, 1, ...]. Returns the directory on rank 0, None elsewhere."""
+    weights = dist.model_state_dict(model) if dist.is_fsdp(model) else None  # collective
     ranks = dist.all_gather_object(per_rank)
     final = None
     if dist.is_main():
@@ -162,7 +177,10 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
         tmp, final = ckdir / f".tmp-step-{step}", ckdir / f"step-{step}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_model(dist.unwrap(model), str(tmp / "model.safetensors"), force_contiguous=True)
+        if weights is None:
+            save_model(dist.unwrap(model), str(tmp / "model.safetensors"), force_contiguous=True)
+        else:
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
         torch.save({**state, "ranks": ranks}, tmp / "state.pt")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -234,7 +252,8 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     run_dir = pathlib.Path(cfg.run_dir)
     index = read_index(cfg.data_dir)
     seq_len, vocab_size = int(index["seq_len"]), int(index["vocab_size"])
-    mcfg = model_config(cfg.model, vocab_size, **cfg.model_overrides)
+    overrides = {**cfg.model_overrides, **({"activation_checkpointing": True} if cfg.activation_checkpointing else {})}
+    mcfg = model_config(cfg.model, vocab_size, **overrides)
     if seq_len > mcfg.max_position_embeddings:
         raise ValueError(f"model_overrides: shards in {cfg.data_dir} have seq_len {seq_len} > "
                          f"max_position_embeddings {mcfg.max_position_embeddings}")
@@ -249,9 +268,10 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
 
     resume_step = (checkpoint_steps(run_dir) or [0])[-1] if cfg.resume else 0
     state = load_checkpoint(run_dir / "checkpoints" / f"step-{resume_step}", model) if resume_step else None
-    model = dist.wrap_model(model.to(device), cfg, device)
-    optimizer = build_optimizer(model, cfg)
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+    model = dist.wrap_model(model.to(device), cfg, device)  # DDP, or FSDP2 fully_shard (in place)
+    optimizer = build_optimizer(model, cfg)  # AdamW, or ZeroRedundancyOptimizer (zero1)
+    scaler = dist.grad_scaler(model, device, enabled=cfg.precision == "fp16")
+    sharding = cfg.sharding if torch.distributed.is_initialized() else "none"  # one process: nothing to shard
     loader = make_loader(cfg.data_dir, batch_size=cfg.micro_batch_size, rank=rank, world_size=world,
                          seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=vocab_size,
                          num_workers=cfg.num_workers, pin_memory=device.type == "cuda")
@@ -261,7 +281,10 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         if len(state["ranks"]) != world:
             raise ValueError(f"resume: checkpoint step-{resume_step} in {run_dir} was written by "
                              f"{len(state['ranks'])} ranks; this run has {world} (set resume=False)")
-        optimizer.load_state_dict(state["optimizer"])
+        if state.get("sharding", sharding) != sharding:
+            raise ValueError(f"sharding: checkpoint step-{resume_step} in {run_dir} was written with "
+                             f"{state.get('sharding')!r}, this run uses {sharding!r} (set resume=False)")
+        dist.load_optimizer_state_dict(model, optimizer, state["optimizer"])
         scaler.load_state_dict(state["scaler"])
         step, epoch, tokens_seen = state["step"], state["epoch"], state["tokens"]
         mine = state["ranks"][rank]
@@ -331,7 +354,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         grad_norm = float("nan")
         if finite or fp16:
             scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf")).item()
+            grad_norm = dist.clip_grad_norm(model, cfg.grad_clip or float("inf"))  # global norm, any sharding
             finite = finite and (fp16 or math.isfinite(grad_norm))
         if not finite and cfg.on_nonfinite == "raise":
             raise FloatingPointError(f"step {step + 1}: non-finite loss {loss} / grad norm {grad_norm} "
@@ -370,8 +393,9 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == stop:
             save_checkpoint(run_dir, step, model,
                             {"format": 1, "step": step, "epoch": epoch, "tokens": tokens_seen,
-                             "optimizer": optimizer.state_dict(), "lr": lr_at(step, cfg),
-                             "scaler": scaler.state_dict(), "world_size": world},
+                             "optimizer": dist.optimizer_state_dict(model, optimizer),  # collective
+                             "lr": lr_at(step, cfg), "scaler": scaler.state_dict(), "world_size": world,
+                             "sharding": sharding},
                             # the batches consumed, in RankSampler's state format (labkit/data/mlm.py):
                             # with workers the sampler itself runs ahead of the trainer
                             {"rng": _rng_state(), "sampler": {**sampler.state_dict(), "epoch": epoch,
@@ -397,7 +421,8 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
               "peak_mem_bytes": max((r.get("peak_mem_bytes") or 0) for r in records) if records else None,
               "resumed_from_step": resume_step or None, "skipped_steps": skipped, "model": cfg.model,
               "model_config": to_dict(mcfg), "seq_len": seq_len, "vocab_size": vocab_size,
-              "device": str(device), "precision": cfg.precision, "wall_s": time.time() - t_start}
+              "device": str(device), "precision": cfg.precision, "sharding": sharding,
+              "activation_checkpointing": mcfg.activation_checkpointing, "wall_s": time.time() - t_start}
     if dist.is_main():
         _write_json(run_dir / "result.json", result)
     return result

@@ -72,3 +72,10 @@ def test_cuda_peak_memory_and_peak_flops():
     kind = measure.device_kind(torch.cuda.get_device_name(device))
     assert measure.peak_flops(device, "bf16") == measure.PEAK_FLOPS.get((kind, "bf16"))
     assert measure.peak_flops(device, "fp32") is None
+
+
+def test_scaling_efficiency_closed_form():
+    assert measure.scaling_efficiency(1800.0, 1000.0, 2) == pytest.approx(0.9)
+    assert measure.scaling_efficiency(1000.0, 1000.0, 1) == 1.0
+    with pytest.raises(ValueError, match="throughput_1"):
+        measure.scaling_efficiency(1.0, 0.0, 2)

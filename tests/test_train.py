@@ -199,3 +199,74 @@ def test_resume_with_loader_workers(shards, tmp_path):
     train(dataclasses.replace(part, stop_after=None))
     want = [(r["step"], r["loss"], r["tokens"]) for r in read_metrics(tmp_path / "full")]
     assert [(r["step"], r["loss"], r["tokens"]) for r in read_metrics(tmp_path / "part")] == want
+
+
+def test_lr_applied_once_per_optimizer_step_across_accumulation_and_resume(shards, tmp_path, monkeypatch):
+    """The lr the optimiser actually steps with (read inside ``optimizer.step``) is lr_at(step):
+    one step per 3 accumulated micro-batches, and the same sequence after a stop and resume."""
+    seen: list[tuple[str, list[float]]] = []
+    real_build = train_mod.build_optimizer
+
+    def recording_build(model, cfg):
+        opt = real_build(model, cfg)
+        real_step = opt.step
+
+        def step(*args, **kwargs):
+            seen.append((pathlib.Path(cfg.run_dir).name, [g["lr"] for g in opt.param_groups]))
+            return real_step(*args, **kwargs)
+
+        opt.step = step
+        return opt
+
+    monkeypatch.setattr(train_mod, "build_optimizer", recording_build)
+    full = tiny_cfg(shards, tmp_path / "full", grad_accum_steps=3, max_steps=7, warmup_steps=2, schedule="cosine")
+    train(full)
+    part = dataclasses.replace(full, run_dir=str(tmp_path / "part"), stop_after=3)
+    train(part)
+    train(dataclasses.replace(part, stop_after=None))
+    want = [[lr_at(s, full)] * 2 for s in range(7)]  # both param groups
+    assert [lrs for run, lrs in seen if run == "full"] == want
+    assert [lrs for run, lrs in seen if run == "part"] == want  # 3 steps, then 4 after the resume
+    assert want[0][0] == pytest.approx(full.lr / 2) and want[6][0] < want[2][0]
+    assert [r["lr"] for r in read_metrics(tmp_path / "part")] == [w[0] for w in want]
+    state = torch.load(tmp_path / "part" / "checkpoints" / "step-3" / "state.pt", weights_only=True)
+    assert state["lr"] == lr_at(3, full)
+
+
+def test_activation_checkpointing_same_losses(shards, tmp_path):
+    """Recomputing each layer in backward (dropout on; torch's checkpoint replays the RNG) gives
+    the same losses and grad norms as keeping the activations."""
+    ref = train(tiny_cfg(shards, tmp_path / "keep", max_steps=3))
+    got = train(tiny_cfg(shards, tmp_path / "recompute", max_steps=3, activation_checkpointing=True))
+    assert got["activation_checkpointing"] is True and ref["activation_checkpointing"] is False
+    assert got["model_config"]["activation_checkpointing"] is True
+    want = [(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / "keep")]
+    have = [(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / "recompute")]
+    assert np.allclose(have, want, rtol=1e-6, atol=0), (have, want)
+
+
+@pytest.mark.gpu
+def test_train_bf16_on_cuda(shards, tmp_path):
+    """On a GPU: a bf16 run records CUDA peak memory, and MFU exactly when the device's peak is
+    in measure.PEAK_FLOPS."""
+    from labkit import measure
+
+    result = train(tiny_cfg(shards, tmp_path / "cuda", device="cuda", precision="bf16", max_steps=3))
+    records = read_metrics(tmp_path / "cuda")
+    assert result["device"].startswith("cuda") and math.isfinite(result["final_loss"])
+    assert all(r["peak_mem_bytes"] > 0 for r in records)
+    kind = measure.device_kind(torch.cuda.get_device_name())
+    assert all((r["mfu"] is None) == (kind is None) for r in records)
+
+
+def test_resume_refuses_a_checkpoint_of_another_sharding(shards, tmp_path):
+    """Optimiser state layouts differ between shardings (fsdp keys moments by name): a mismatch is
+    a ValueError naming the field, not a silent mis-load."""
+    run = tmp_path / "run"
+    train(tiny_cfg(shards, run, max_steps=2))
+    path = run / "checkpoints" / "step-2" / "state.pt"
+    state = torch.load(path, weights_only=True)
+    assert state["sharding"] == "none"  # one process: nothing sharded
+    torch.save({**state, "sharding": "fsdp"}, path)
+    with pytest.raises(ValueError, match="sharding: checkpoint step-2 .* 'fsdp', this run uses 'none'"):
+        train(tiny_cfg(shards, run, max_steps=3))

@@ -1,0 +1,170 @@
+"""Weak-scaling efficiency of labkit's training step from 1 to 2 ranks (CPU, gloo).
+
+Each rank keeps the same micro-batch (weak scaling), runs with one torch thread, and the
+throughput is ``train()``'s own tokens/s (real tokens, all ranks, warm-up steps excluded;
+labkit/measure.py). After one warm-up run of each, 1-rank and 2-rank runs alternate for
+``--rounds`` rounds; efficiency = median tokens/s(2) / (2 x median tokens/s(1))
+(``measure.scaling_efficiency``; DESIGN.md). The 1-rank run is a plain process (no process
+group, no DDP), so the DDP wrapper and its all-reduce count against the 2-rank run.
+
+The machine's load average is printed with the result: on a shared 2-core machine other
+processes take cores from the 2-rank run first (a rank that loses its core stalls the other at
+the next collective), so the number is a lower bound there. Diagnostics in the JSON line: the
+time of one gradient all-reduce (``efficiency_bound_from_comm`` = step / (step + all-reduce),
+no overlap) and ``cpu_work_ratio`` (CPU seconds per token, 1 rank / 2 ranks).
+Run: ``python benchmarks/bench_ddp.py`` from the repository root. Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pathlib
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from labkit.config import TrainConfig, from_dict, to_dict  # noqa: E402
+from labkit.measure import scaling_efficiency  # noqa: E402
+
+
+def write_shards(out_dir: pathlib.Path, *, n_sequences: int, seq_len: int, vocab_size: int, seed: int = 0) -> None:
+    """A random shard set in labkit's format (CONTRACT.md): [CLS] + ids, no padding; uint16."""
+    rng = np.random.default_rng(seed)
+    arr = rng.integers(5, vocab_size, size=(n_sequences, seq_len), dtype=np.uint16)
+    arr[:, 0] = 2
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "shard-00000.bin").write_bytes(arr.tobytes())
+    index = {"format": "labkit-shards", "version": 1, "dtype": "uint16", "seq_len": seq_len,
+             "vocab_size": vocab_size, "tokenizer_sha256": "0" * 64,
+             "special_ids": {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4},
+             "n_documents": n_sequences, "n_sequences": n_sequences, "n_tokens": int(arr.size),
+             "n_bytes": int(arr.nbytes), "shards": [{"file": "shard-00000.bin", "n_sequences": n_sequences,
+                                                     "n_bytes": int(arr.nbytes),
+                                                     "sha256": hashlib.sha256(arr.tobytes()).hexdigest()}]}
+    (out_dir / "index.json").write_text(json.dumps(index))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, cfg_json: str) -> None:
+    if world > 1:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    from labkit.train import train
+
+    cfg = from_dict(TrainConfig, json.loads(cfg_json))
+    cpu0 = time.process_time()
+    train(cfg)
+    pathlib.Path(cfg.run_dir, f"cpu-{rank}.json").write_text(json.dumps(time.process_time() - cpu0))
+
+
+def _allreduce_worker(rank: int, world: int, port: int, n_floats: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(GLOO_SOCKET_IFNAME="lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    x = torch.ones(n_floats)
+    times = []
+    for _ in range(4):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        pathlib.Path(out).write_text(json.dumps(statistics.median(times[1:])))
+    dist.destroy_process_group()
+
+
+def allreduce_seconds(n_floats: int) -> float:
+    """Median seconds of one gloo all-reduce of ``n_floats`` fp32 values over 2 ranks on this
+    host: the communication a DDP step adds (one all-reduce of every gradient, C5)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/t.json"
+        mp.spawn(_allreduce_worker, args=(2, _free_port(), n_floats, out), nprocs=2, join=True)
+        return json.loads(pathlib.Path(out).read_text())
+
+
+def run(cfg: TrainConfig, world: int) -> dict:
+    """One fresh run of ``cfg`` on ``world`` spawned ranks: its result.json plus ``cpu_s``, the
+    CPU seconds of ``train()`` summed over ranks (all steps, model build and checkpoint too)."""
+    mp.spawn(_worker, args=(world, _free_port(), json.dumps(to_dict(cfg))), nprocs=world, join=True)
+    run_dir = pathlib.Path(cfg.run_dir)
+    result = json.loads((run_dir / "result.json").read_text())
+    result["cpu_s"] = sum(json.loads((run_dir / f"cpu-{r}.json").read_text()) for r in range(world))
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="small")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup-steps", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--sharding", default="ddp", choices=["ddp", "zero1", "fsdp"])
+    args = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    tps: dict[int, list[float]] = {1: [], 2: []}
+    cpu_per_token: dict[int, list[float]] = {1: [], 2: []}  # CPU seconds of train() / tokens
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="bench_ddp_") as tmp:
+        data = pathlib.Path(tmp) / "shards"
+        write_shards(data, n_sequences=2 * args.micro_batch * args.steps + 8, seq_len=args.seq_len,
+                     vocab_size=args.vocab)
+        k = 0
+        for rnd in range(args.rounds + 1):  # round 0 is the warm-up (page cache, imports)
+            for world in (1, 2):
+                k += 1
+                cfg = TrainConfig(data_dir=str(data), run_dir=f"{tmp}/run-{k}", model=args.model,
+                                  micro_batch_size=args.micro_batch, max_steps=args.steps, warmup_steps=1,
+                                  timing_warmup_steps=args.warmup_steps, num_threads=1, device="cpu",
+                                  sharding=args.sharding, timeout_s=600, resume=False)
+                result = run(cfg, world)
+                line = {"round": rnd, "ranks": world, "tokens_per_s": result["tokens_per_s"],
+                        "cpu_s": result["cpu_s"], "load_avg_1m": os.getloadavg()[0]}
+                print(json.dumps(line), flush=True)
+                if rnd > 0:
+                    tps[world].append(result["tokens_per_s"])
+                    cpu_per_token[world].append(result["cpu_s"] / result["tokens"])
+        n_params = result["params"]
+        step_s = args.micro_batch * args.seq_len / statistics.median(tps[1])  # 1-rank step time
+    comm_s = allreduce_seconds(n_params)
+    one, two = statistics.median(tps[1]), statistics.median(tps[2])
+    eff = scaling_efficiency(two, one, 2)
+    out = {"benchmark": "ddp", "metric": "scaling_efficiency", "value": eff,
+           "baseline": "linear scaling: 2 x median tokens/s of 1 rank", "baseline_value": 1.0,
+           "ratio": eff, "goal": 0.85, "higher_is_better": True,
+           "tokens_per_s_1rank": one, "tokens_per_s_2ranks": two,
+           "per_round_efficiency": [scaling_efficiency(b, a, 2) for a, b in zip(tps[1], tps[2])],
+           "model": args.model, "seq_len": args.seq_len, "micro_batch_per_rank": args.micro_batch,
+           "sharding": args.sharding, "threads_per_rank": 1, "rounds": args.rounds, "params": n_params,
+           "step_s_1rank": step_s, "allreduce_grads_s": comm_s,
+           "efficiency_bound_from_comm": step_s / (step_s + comm_s),
+           # CPU work per token, 1 rank / 2 ranks: near 1 when the 2-rank run does no extra work,
+           # i.e. a wall-clock loss then comes from ranks waiting for cores (a shared machine)
+           "cpu_work_ratio": statistics.median(cpu_per_token[1]) / statistics.median(cpu_per_token[2]),
+           "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "wall_s": round(time.time() - t0, 1)}
+    print(json.dumps(out), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Tests of benchmarks/gpu_check.{sh,py} without a GPU: the micro-batch search against fake OOM
+predicates, the whole flow on CPU with a fake OOM above a threshold, and the shell script's syntax."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(_spec)  # a script, not a package module
+_spec.loader.exec_module(gpu_check)
+
+
+@pytest.mark.parametrize("limit", [1, 7, 64, 1000])
+def test_largest_fitting_finds_every_threshold(limit):
+    for threshold in range(0, 130):
+        got, tried = gpu_check.largest_fitting(lambda b: b <= threshold, limit=limit)
+        assert got == min(threshold, limit), (threshold, limit)
+        assert len(tried) == len(set(tried))  # never retries a size
+        assert len(tried) <= 2 * math.ceil(math.log2(limit + 1)) + 2
+
+
+def test_largest_fitting_tries_doubling_then_bisection():
+    got, tried = gpu_check.largest_fitting(lambda b: b <= 37, limit=4096)
+    assert got == 37
+    assert tried == [1, 2, 4, 8, 16, 32, 64, 48, 40, 36, 38, 37]
+    with pytest.raises(ValueError, match="limit"):
+        gpu_check.largest_fitting(lambda b: True, limit=0)
+
+
+def test_cpu_flow_with_fake_oom(tmp_path, monkeypatch):
+    """The whole check on CPU (tiny model) where micro-batches above 5 raise CUDA's OOM error:
+    the search answers 5, timing runs at 4, MFU is None (no peak for a CPU), NCCL is skipped."""
+    real = gpu_check.forward_backward
+
+    def oom_above_5(model, micro_batches, **kw):
+        if micro_batches[0]["input_ids"].shape[0] > 5:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (fake)")
+        return real(model, micro_batches, **kw)
+
+    monkeypatch.setattr(gpu_check, "forward_backward", oom_above_5)
+    torch.set_num_threads(1)
+    out = tmp_path / "gpu.json"
+    report = gpu_check.main(["--device", "cpu", "--models", "tiny", "--seq-lens", "32,64", "--vocab", "96",
+                             "--limit", "64", "--steps", "2", "--warmup", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    first, second = report["results"]
+    assert (first["seq_len"], first["max_micro_batch"], first["timed_micro_batch"]) == (32, 5, 4)
+    assert first["search_tries"] == [1, 2, 4, 8, 6, 5]
+    assert (second["seq_len"], second["max_micro_batch"]) == (64, 5)  # limit 64*128/64 = 128 > 5
+    assert first["mfu"] is None and first["peak_flops"] is None
+    assert first["tokens_per_s"] == pytest.approx(4 * 32 / first["step_time_s"])
+    assert report["nccl"] == {"skipped": "no CUDA device"}
+
+
+def test_other_errors_are_not_taken_for_oom(monkeypatch):
+    def broken(*args, **kw):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(gpu_check, "forward_backward", broken)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        gpu_check.check_config("tiny", 32, vocab=96, device=torch.device("cpu"), limit=4, steps=1, warmup=0)
+
+
+def test_shell_script_syntax_and_no_gpu_message(tmp_path):
+    script = ROOT / "benchmarks" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    if shutil.which("nvidia-smi"):
+        pytest.skip("a GPU is present; the no-GPU path is not reachable")
+    run = subprocess.run(["bash", str(script), str(tmp_path / "x.json")], capture_output=True, text=True,
+                         timeout=30)
+    assert run.returncode == 2 and "nvidia-smi not found" in run.stderr
+    assert not (tmp_path / "x.json").exists()
