@@ -493,6 +493,15 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Recompute each encoder layer's activations in backward (sets ModelConfig's field; the
     same as model_overrides={"activation_checkpointing": True})."""
+    seq_len: int | None = None
+    """Sequence length the run expects; shards of another length are refused before training
+    (labkit.data.mlm.check_shards). None takes the shards' length."""
+    tokenizer_path: str | None = None
+    """tokenizer.json the run expects; shards built with a tokenizer of another sha256 are
+    refused before training. None skips the check."""
+    verify_data: bool = False
+    """Recompute every shard's sha256 against index.json before training (a staged copy was
+    already verified when it was made)."""
 
     def __post_init__(self) -> None:
         _one_of(self.sharding, "sharding", ("ddp", "zero1", "fsdp"))

@@ -31,6 +31,7 @@ def demo_train_config(cfg: DemoConfig, workdir: Path, *, run: str = "demo") -> T
     return TrainConfig(
         data_dir=str(workdir / "shards"),
         run_dir=str(workdir / "runs" / run),
+        tokenizer_path=str(workdir / "tokenizer" / "tokenizer.json"),  # shards of another tokenizer are refused
         model=cfg.model,
         micro_batch_size=cfg.micro_batch_size,
         max_steps=cfg.train_steps,

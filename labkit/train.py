@@ -206,6 +206,17 @@ def _iterate(loader: torch.utils.data.DataLoader) -> Any:
         return iter(loader)
 
 
+def _tokenizer_sha256(path: str | None) -> str | None:
+    """sha256 of the tokenizer file the run expects (None: no check); FileNotFoundError names it."""
+    if path is None:
+        return None
+    from labkit.data.tokenize import tokenizer_sha256
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"tokenizer_path: {path} does not exist")
+    return tokenizer_sha256(path)
+
+
 def _find_sampler(loader: torch.utils.data.DataLoader) -> Any:
     """The RankSampler inside ``loader`` (as sampler, batch sampler or the batch sampler's sampler)."""
     for cand in (loader.sampler, loader.batch_sampler, getattr(loader.batch_sampler, "sampler", None)):
@@ -274,7 +285,9 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     sharding = cfg.sharding if torch.distributed.is_initialized() else "none"  # one process: nothing to shard
     loader = make_loader(cfg.data_dir, batch_size=cfg.micro_batch_size, rank=rank, world_size=world,
                          seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=vocab_size,
-                         num_workers=cfg.num_workers, pin_memory=device.type == "cuda")
+                         num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
+                         seq_len=cfg.seq_len, tokenizer_sha256=_tokenizer_sha256(cfg.tokenizer_path),
+                         verify=cfg.verify_data)  # refuses mismatched shards before any step
     sampler = _find_sampler(loader)
     step, epoch, position, tokens_seen = 0, 0, 0, 0  # position: batches of this epoch consumed
     if state is not None:

@@ -36,6 +36,7 @@ staged = lab.stage(client, workdir)
 
 # %%
 cfg = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/notebook-03", model=model,
+                  tokenizer_path=f"{workdir}/tokenizer/tokenizer.json",
                   micro_batch_size=micro_batch_size, max_steps=steps, warmup_steps=max(1, steps // 10),
                   schedule="cosine", lr=1e-3, num_threads=1, resume=False)
 live = plots.LivePlot(plots.loss_figure)

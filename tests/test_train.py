@@ -270,3 +270,19 @@ def test_resume_refuses_a_checkpoint_of_another_sharding(shards, tmp_path):
     torch.save({**state, "sharding": "fsdp"}, path)
     with pytest.raises(ValueError, match="sharding: checkpoint step-2 .* 'fsdp', this run uses 'none'"):
         train(tiny_cfg(shards, run, max_steps=3))
+
+
+def test_mismatched_shards_are_refused_before_training(shards, tmp_path):
+    from labkit.data.shards import ShardError, read_index
+
+    index = read_index(str(shards))
+    with pytest.raises(ShardError, match=r"index\.json.*seq_len: run expects 64, shards have 32"):
+        train(tiny_cfg(shards, tmp_path / "a", seq_len=2 * index["seq_len"]))
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text('{"not": "the tokenizer the shards were built with"}')
+    with pytest.raises(ShardError, match="tokenizer_sha256: run expects"):
+        train(tiny_cfg(shards, tmp_path / "b", tokenizer_path=str(tok)))
+    with pytest.raises(FileNotFoundError, match="tokenizer_path"):
+        train(tiny_cfg(shards, tmp_path / "c", tokenizer_path=str(tmp_path / "missing.json")))
+    for run in ("a", "b", "c"):
+        assert not (tmp_path / run / "metrics.jsonl").exists() or not (tmp_path / run / "metrics.jsonl").read_text()
