@@ -154,9 +154,13 @@ class DedupConfig:
     """Estimated Jaccard similarity at or above which a candidate is a near duplicate."""
     seed: int = 1
     """Seed of the MinHash permutations."""
+    batch_rows: int = 16_384
+    """Documents whose texts are read and hashed at once (signatures): bounds memory, never
+    changes the result."""
 
     def __post_init__(self) -> None:
         _require(self.shingle_size >= 1, "shingle_size", "must be at least 1")
+        _require(self.batch_rows > 0, "batch_rows", "must be positive")
         _require(self.bands >= 1 and self.rows >= 1, "bands", "bands and rows must be at least 1")
         _require(0.0 < self.threshold <= 1.0, "threshold", "must be in (0, 1]")
 
@@ -204,8 +208,12 @@ class CleanConfig:
     near_dedup: DedupConfig | None = field(default_factory=DedupConfig)
     """Near-duplicate removal after exact dedup ('near_duplicate', ``labkit.data.dedup``); None
     turns it off."""
+    batch_rows: int = 16_384
+    """Documents read and filtered at once by ``clean_corpus`` (each of its two passes): bounds
+    memory, never changes the result."""
 
     def __post_init__(self) -> None:
+        _require(self.batch_rows > 0, "batch_rows", "must be positive")
         if isinstance(self.near_dedup, dict):  # from_dict / config.json
             self.near_dedup = DedupConfig(**self.near_dedup)
         _require(self.max_line_chars > 0, "max_line_chars", "must be positive")
