@@ -17,7 +17,8 @@ from typing import Any
 
 from labkit.config import DemoConfig, TrainConfig, to_dict
 
-NOTEBOOKS: tuple[str, ...] = ("00_cluster", "01_prepare", "02_stage_and_load", "03_train", "04_scaling")
+NOTEBOOKS: tuple[str, ...] = ("00_cluster", "01_prepare", "02_stage_and_load", "03_train", "04_scaling",
+                              "05_scaling_laws")
 """The notebooks the demo executes and exports, in order."""
 
 

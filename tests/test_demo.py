@@ -142,7 +142,9 @@ def test_reports_render_plotly_offline(demo):
     from labkit.report import check_report
 
     work, summary = demo
-    assert len(summary["reports"]) == 5
+    from labkit.demo import NOTEBOOKS
+
+    assert [Path(p).stem for p in summary["reports"]] == list(NOTEBOOKS)
     for path in summary["reports"]:
         info = check_report(path)
         assert info["ok"] and info["figures"] >= 1, (path, info)
