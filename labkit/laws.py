@@ -111,6 +111,14 @@ def _objective(theta: torch.Tensor, log_n, log_d, log_l, delta: float) -> torch.
     return _huber(pred - log_l, delta).sum(-1)
 
 
+def _usable(theta: torch.Tensor) -> bool:
+    """A refined (a, b, e, alpha, beta) that maps to finite constants with positive exponents.
+    L-BFGS on a few degenerate points (a bootstrap resample, say) can run off to exp overflow."""
+    a, b, e, alpha, beta = theta.detach().tolist()
+    return (all(math.isfinite(x) for x in (a, b, e, alpha, beta)) and max(abs(a), abs(b), abs(e)) < 200
+            and 0 < alpha < 10 and 0 < beta < 10)
+
+
 def fit_law(n_params, n_tokens, losses, *, delta: float = 1e-3, top_k: int = 8,
             grid: dict[str, tuple[float, ...]] | None = None) -> dict:
     """Fit L(N, D) = E + A/N^alpha + B/D^beta to observed (N, D, L) points, Chinchilla-style.
@@ -119,6 +127,8 @@ def fit_law(n_params, n_tokens, losses, *, delta: float = 1e-3, top_k: int = 8,
     L-BFGS (float64), and the lowest objective wins. Default grid (arXiv:2203.15556 D.2 uses a
     finer one): alpha, beta in {0.1, 0.3, 0.5, 1.0}, e in {-1, 0, 0.5, 1}, a, b in {0, 5, 10, 15, 20}.
 
+    A refinement that leaves the usable range (non-finite, |log constant| >= 200, exponents
+    outside (0, 10)) is discarded; if all are, the best grid start is returned.
     Inputs are 1-D sequences of equal length >= 5 (five unknowns). Returns {"law": LawParams,
     "objective", "n_points", "starts"}. Raises ValueError on mismatched lengths, too few
     points or non-positive values.
@@ -154,8 +164,11 @@ def fit_law(n_params, n_tokens, losses, *, delta: float = 1e-3, top_k: int = 8,
         opt.step(closure)
         with torch.no_grad():
             obj = float(_objective(theta, log_n, log_d, log_l, delta))
-        if obj < best_obj:
+        if _usable(theta) and obj < best_obj:
             best_obj, best_theta = obj, theta.detach()
+    if best_theta is None:  # every refinement ran off (few, degenerate points): keep the best start
+        best_theta = starts[torch.argmin(scores)]
+        best_obj = float(scores.min())
     a, b, e, alpha, beta = best_theta.tolist()
     law = LawParams(E=math.exp(e), A=math.exp(a), B=math.exp(b), alpha=alpha, beta=beta)
     return {"law": law, "objective": best_obj, "n_points": int(n.size), "starts": int(starts.shape[0])}

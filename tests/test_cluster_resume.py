@@ -108,9 +108,18 @@ def _fail_rank_1():
 
 
 def _train(cfg, sink=None):
+    """train() with rank 0's sink slowed to 50 ms a step (DDP makes every rank wait for it), so
+    the driver's ~1 Hz live poll sees step 10 long before step 60 on any machine."""
+    import time
+
     from labkit.train import train
 
-    return train(cfg, sink=sink)
+    def slow_sink(record):
+        time.sleep(0.05)
+        if sink is not None:
+            sink(record)
+
+    return train(cfg, sink=slow_sink)
 
 
 def test_train_killed_mid_run_resumes_from_checkpoint(cluster, tmp_path, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from labkit.laws import CHINCHILLA, EPOCH_REFIT, LawParams, check_allocation, compute_optimal, fit_law
 
@@ -62,3 +63,18 @@ def test_bad_input():
     with pytest.raises(ValueError, match="positive"):
         fit_law([1e8, -1, 1, 1, 1], [1e9] * 5, [3.0] * 5)
     assert LawParams(E=1, A=0, B=0, alpha=1, beta=1).loss(1e9, 1e9) == 1
+
+
+def test_refinements_that_run_off_are_discarded(monkeypatch):
+    import labkit.laws as laws
+
+    assert not laws._usable(torch.tensor([0.0, 0.0, 800.0, 0.3, 0.3]))  # exp(800) overflows
+    assert not laws._usable(torch.tensor([5.0, 5.0, 0.0, -0.1, 0.3]))
+    assert laws._usable(torch.tensor([6.0, 6.0, 0.5, 0.34, 0.28]))
+    # every refinement rejected: the best grid start comes back, finite, instead of an overflow
+    monkeypatch.setattr(laws, "_usable", lambda theta: False)
+    n = np.repeat(np.geomspace(5e7, 1e10, 4), 3)
+    d = np.tile(np.geomspace(1e9, 5e11, 3), 4)
+    law = fit_law(n, d, CHINCHILLA.loss(n, d))["law"]
+    assert law.alpha in (0.1, 0.3, 0.5, 1.0) and law.beta in (0.1, 0.3, 0.5, 1.0)
+    assert np.isfinite([law.E, law.A, law.B]).all()
