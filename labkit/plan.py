@@ -182,32 +182,56 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
     """Bytes kept for backward by ``BertMLM(cfg)`` at one micro-batch, term by term.
 
     After Korthikanti et al. 2022 (arXiv:2205.05198, section 4.1), written for this model
-    (post-norm, fused QKV, SDPA, GELU, dropout). s = seq_len, b = micro_batch, h = hidden,
-    a = heads, f = ffn width. d = bytes of the compute dtype (fp32 4; bf16/fp16 2 under autocast
-    with fp32 weights), m = dropout-mask bytes (1 on CUDA, d on CPU), g = LayerNorm input bytes
-    (4: autocast runs LayerNorm in fp32 and the residual stream stays fp32). Per layer:
+    (post-norm, fused QKV, SDPA, GELU, dropout, and with ``cfg.sparse_head`` a last layer that
+    runs its queries only at the masked positions). s = seq_len, b = micro_batch, h = hidden,
+    a = heads, f = ffn width, V = vocabulary. d = bytes of the compute dtype (fp32 4; bf16/fp16 2
+    under autocast with fp32 weights), m = dropout-mask bytes (1 on CUDA, d on CPU; 0 without
+    dropout), g = LayerNorm input bytes (4: autocast runs LayerNorm in fp32 and the residual
+    stream stays fp32). With the sparse head and labels the last layer has q = b·k query rows,
+    k = max(1, round(p·s)) (the most masked positions in a row; exact for the synthetic batch of
+    ``_saved_bytes``, which masks k per row). Terms:
 
-    - ``layers``: QKV input + Q, K, V + output-projection input 5·d·sbh, FFN input d·sbh, GELU
-      input and output 2·d·sbf, two LayerNorm inputs 2·g·sbh, two dropout masks 2·m·sbh, norm
-      statistics 16·sb. For d = 2, m = 1, g = 2, f = 4h this is the paper's 34·sbh.
-    - ``attention_scores``: "eager" (SDPA's math path, which CPU takes when attention dropout is
-      on; without it CPU uses its fused kernel, "flash")
-      keeps softmax output, dropout mask and dropped probabilities (2d + m)·a·s²·b (d·a·s²·b
-      without attention dropout): the paper's 5·a·s²·b; "flash" (fused kernels, the paper's
-      selective recompute) keeps the log-sum-exp, 4·a·s·b. (Measured, not from the paper: on CPU
-      at b = 1 the math path keeps one more s x s tensor per head, d·a·s² per layer, at s >= 64;
-      at s = 32 it keeps two, which this term undercounts.)
-    - with ``cfg.activation_checkpointing``: only each layer's input g·sbh (no scores).
+    - ``layers``, every layer but a sparse last one: QKV input, the fused Q/K/V (one storage) and
+      output-projection input 5·d·sbh, FFN input d·sbh, GELU input and output 2·d·sbf, two
+      LayerNorm inputs 2·g·sbh, two dropout masks 2·m·sbh, norm mean/rstd 16·sb. For d = 2,
+      m = 1, g = 2, f = 4h this is the paper's 34·sbh. (SDPA's math path saves its own copies
+      of Q, K, V instead of the fused storage: the same 3·d·sbh.)
+    - the sparse last layer (model.py ``Layer.forward`` with ``select``; measured on CPU, not
+      from the paper): the layer input d·sbh and the whole fused QKV output 3·d·sbh (the two
+      ``gather`` calls save their sources), the gather index 8·sb (``select`` is a slice of the
+      [b, s] int64 sort indices, which stay alive whole), then at q rows: output-projection
+      input, FFN input 2·d·qh, GELU 2·d·qf, norm inputs 2·g·qh, masks 2·m·qh, norm statistics
+      16·q; and its attention: "flash" keeps the gathered Q and the SDPA output 2·d·qh (a
+      separate storage from the output-projection input here, as the output follows Q's
+      layout); "eager" keeps a Q copy d·qh and K, V copies of all s positions 2·d·sbh.
+    - ``attention_scores``: "flash" (fused kernels, the paper's selective recompute; on CPU the
+      fused path runs when attention dropout is off, as the model passes no mask for a batch
+      without padding) keeps the log-sum-exp, 4·a·s·b per layer (4·a·q for the sparse last
+      layer). "eager" (SDPA's math path, which CPU takes when attention dropout is on) keeps
+      softmax output, dropout mask and dropped probabilities (2d + m)·a·s²·b, d·a·s²·b without
+      attention dropout: the paper's 5·a·s²·b; the sparse last layer a·q·s instead of a·s²·b.
+      (Measured on CPU, math path at b = 1: V's reshape is a view, so the whole fused QKV
+      storage is saved instead of a V copy, +2·d·sh per full layer; in the sparse last layer
+      that storage is already counted and the V copy is gone, -d·sh. Counted in ``layers``.)
+    - with ``cfg.activation_checkpointing``: each layer's input g·sbh (no scores), plus the
+      gather index 8·sb with the sparse head (``checkpoint`` saves ``select`` as an input).
     - ``embedding``: token and position ids (8·sb + 8·s), norm input g·sbh and statistics 8·sb,
       dropout mask m·sbh.
-    - ``head`` at n positions (n = round(p·s)·b with ``cfg.sparse_head``, else s·b): dense input,
-      GELU input/output, decoder input 4·d·nh, fp32 log-softmax 4·nV, indices 8·n.
+    - ``head`` at n positions (n = q with ``cfg.sparse_head``, else s·b): dense input, GELU
+      input/output, decoder input 4·d·nh, head-norm statistics 8·n, fp32 log-softmax 4·nV,
+      target indices 8·n, the loss's 4-byte total weight; with the sparse head also the bool
+      ``valid`` mask that picks the real rows, q bytes.
     - ``logits`` (held by the returned output, not saved): d·nV.
 
-    ``tp`` > 1 divides the per-layer terms and the head by t (tensor + sequence parallel,
-    arXiv:2205.05198 section 4.2.2). Checked exactly against saved-tensor counts on CPU
-    (fp32) in tests/test_plan.py and benchmarks/bench_planner.py. Raises ValueError for
-    unknown precision/attention or non-positive sizes.
+    ``tp`` > 1 divides the activation terms that scale with h, f or V by t (tensor + sequence
+    parallel, arXiv:2205.05198 section 4.2.2); index and statistics terms are not divided. The
+    same terms serve device="cuda" (only m and the b = 1 math-path correction differ), where the
+    sparse last layer is likewise modelled as the gathers and SDPA save it. Checked exactly
+    against saved-tensor counts on CPU (fp32) in tests/test_plan.py and
+    benchmarks/bench_planner.py. ``labkit.model.activation_bytes_per_layer`` /
+    ``activation_bytes_outside_layers`` are the paper-level estimate (no norm statistics, no
+    sparse last layer); this function is the one checked exactly. Raises ValueError for unknown
+    precision/attention or non-positive sizes.
     """
     _check_options(precision, attention)
     if device not in ("cuda", "cpu"):
@@ -220,19 +244,27 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
     ma = 1 if device == "cuda" else d
     g = 4
     sbh = s * b * h
+    sparse = cfg.sparse_head
+    q = max(1, round(mlm_probability * s)) * b if sparse else 0  # query rows of the sparse last layer
+    index = 8 * s * b if sparse else 0  # [b, s] int64 sort indices behind ``select``
+    eager = attention == "eager"
+    cpu_math_b1 = device == "cpu" and b == 1 and eager and cfg.attention_dropout > 0
+    per_score = (2 * d + ma) if cfg.attention_dropout > 0 else d  # bytes per eager score element
+    full_layer = (6 * d + 2 * g + 2 * m) * sbh + 2 * d * s * b * f + 2 * d * sbh * cpu_math_b1
+    full_scores = a * s * s * b * per_score if eager else 4 * a * s * b
     if cfg.activation_checkpointing:
-        layers, scores = L * g * sbh // tp, 0
+        layers, scores = L * g * sbh // tp + index, 0
+    elif not sparse:
+        layers = L * full_layer // tp + L * 16 * s * b
+        scores = L * full_scores // tp
     else:
-        layers = L * ((6 * d + 2 * g + 2 * m) * sbh + 2 * d * s * b * f + 16 * s * b) // tp
-        if attention == "flash":
-            scores = L * 4 * a * s * b // tp
-        else:
-            scores = L * a * s * s * b * ((2 * d + ma) if cfg.attention_dropout > 0 else d) // tp
-            if device == "cpu" and b == 1 and cfg.attention_dropout > 0:
-                scores += L * d * a * s * s  # measured: at b = 1 CPU's math path also keeps the masked scores
-    n = round(mlm_probability * s) * b if cfg.sparse_head else s * b
+        last = 4 * d * sbh + (2 * d + 2 * g + 2 * m) * q * h + 2 * d * q * f
+        last += (d * q * h + 2 * d * sbh - d * s * h * cpu_math_b1) if eager else 2 * d * q * h
+        layers = ((L - 1) * full_layer + last) // tp + (L - 1) * 16 * s * b + 16 * q + index
+        scores = ((L - 1) * full_scores + (a * q * s * per_score if eager else 4 * a * q)) // tp
+    n = q if sparse else s * b
     embedding = 8 * s * b + 8 * s + (g + m) * sbh + 8 * s * b
-    head = (4 * d * n * h + 4 * n * v) // tp + 8 * n
+    head = (4 * d * n * h + 4 * n * v) // tp + 16 * n + 4 + (n if sparse else 0)
     return {"layers": int(layers), "attention_scores": int(scores), "embedding": int(embedding),
             "head": int(head), "logits": int(d * n * v // tp)}
 
