@@ -169,7 +169,7 @@ def _train_worker(rank: int, world: int, port: int, cfg_json: str) -> None:
 
 def test_train_two_ranks_end_to_end(tmp_path):
     from labkit.config import TrainConfig, to_dict
-    from test_train import write_tiny_shards  # tests/ is on sys.path (pytest rootdir import)
+    from tiny_shards import write_tiny_shards  # tests/ is on sys.path (pytest rootdir import)
 
     shards = write_tiny_shards(tmp_path / "shards")
     cfg = TrainConfig(data_dir=str(shards), run_dir=str(tmp_path / "run"), model="tiny", micro_batch_size=4,
@@ -284,7 +284,7 @@ def two_rank_runs(tmp_path_factory) -> pathlib.Path:
     """Run dirs: one 4-step run per SHARDINGS entry; zero1-part / fsdp-part stopped after step 2
     and resumed to step 4; timeout.txt. 48 sequences, 16 per step: step 4 is in epoch 1."""
     from labkit.config import to_dict
-    from test_train import write_tiny_shards  # tests/ is on sys.path (pytest rootdir import)
+    from tiny_shards import write_tiny_shards  # tests/ is on sys.path (pytest rootdir import)
 
     root = tmp_path_factory.mktemp("two_rank_runs")
     shards = write_tiny_shards(root / "shards", n_sequences=48)
