@@ -79,11 +79,20 @@ def main(argv: list[str] | None = None) -> int:
     report.set_defaults(func=_report)
 
     args = parser.parse_args(argv)
+    from ipyparallel.error import RemoteError
+
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"labkit {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except RemoteError as exc:  # an engine raised: its error in one line, not the whole traceback
+        print(f"labkit {args.command}: error on an engine: {exc.ename}: {exc.evalue}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"labkit {args.command}: interrupted; engines were stopped. Completed stages are kept and "
+              "are reused by the next run with the same --workdir.", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

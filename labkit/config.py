@@ -379,8 +379,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _require(self.vocab_size > len(SPECIAL_TOKENS), "vocab_size",
                  f"must exceed the {len(SPECIAL_TOKENS)} special tokens {SPECIAL_TOKENS}, got {self.vocab_size}")
-        _require(self.hidden_size > 0 and self.num_layers > 0 and self.num_heads > 0, "hidden_size",
-                 "hidden_size, num_layers and num_heads must be positive")
+        for name in ("hidden_size", "num_layers", "num_heads"):
+            _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
         _require(self.hidden_size % self.num_heads == 0, "num_heads",
                  f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; "
                  "allowed values are divisors of hidden_size")

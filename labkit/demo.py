@@ -75,17 +75,18 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         _say(f"    {corpus['functions']:,} functions from {corpus['files_read']:,} files "
              f"({corpus['raw_bytes'] / 1e6:.1f} MB of ELF), skipped {corpus['skipped']}", t0)
 
-        _say("2/7 clean and exact dedup (polars)", t0)
+        _say("2/7 clean, exact and near dedup (polars, MinHash LSH)", t0)
         drops = lab.clean_corpus(client, cfg.clean, str(work))
         _say(f"    kept {drops['kept']:,} of {drops['input']:,}; dropped {drops['dropped']}", t0)
 
-        _say(f"3/7 tokenizer ({cfg.tokenizer.kind}, vocab {cfg.tokenizer.vocab_size}) and shards "
-             f"(seq_len {cfg.shards.seq_len})", t0)
+        _say(f"3/7 tokenizer ({cfg.tokenizer.kind}, vocabulary of at most {cfg.tokenizer.vocab_size}) and "
+             f"shards (seq_len {cfg.shards.seq_len})", t0)
         lab.build_tokenizer(client, cfg.tokenizer, str(work))
         index = lab.build_shards(client, cfg.shards, str(work))
         prep = lab.preparation_report(str(work))
         summary["preparation"] = prep
-        _say(f"    {index['n_tokens']:,} tokens in {index['n_sequences']:,} sequences, "
+        _say(f"    vocabulary {index['vocab_size']:,} (normalised disassembly has few distinct words; "
+             f"the size is a cap); {index['n_tokens']:,} tokens in {index['n_sequences']:,} sequences, "
              f"{index['n_bytes'] / 1e6:.1f} MB of shards ({index['dtype']}); "
              f"{prep['raw_bytes'] / 1e6:.1f} MB ELF -> {prep['shard_bytes'] / 1e6:.1f} MB "
              f"({prep['reduction_percent']} % smaller)", t0)

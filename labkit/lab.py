@@ -163,6 +163,12 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
     stats["seconds"] = round(time.perf_counter() - t0, 2)
     stats["config"] = to_dict(cfg)
     stats = json.loads(json.dumps(stats))  # the return value equals corpus.json (tuples as lists)
+    if stats["documents"] == 0:  # nothing to clean: say why here, not as an empty corpus later
+        from labkit.data.clean import EmptyCorpusError
+
+        raise EmptyCorpusError(f"corpus: no document found in {stats.get('files_read', 0)} files read under "
+                               f"{list(cfg.paths)}; skipped {stats['skipped']} (stripped executables have "
+                               "no function symbols: point paths at shared libraries or unstripped binaries)")
     _write_json(done, stats)
     return stats
 

@@ -379,6 +379,8 @@ def read_index(data_dir: str | os.PathLike) -> dict:
     """The ``index.json`` of a complete shard set. ``ShardError`` naming the file when it is
     missing, not JSON, of another format or version, or lacks a field."""
     path = Path(data_dir) / INDEX_NAME
+    if not Path(data_dir).is_dir():
+        raise ShardError(f"not a shard set: directory {data_dir} does not exist")
     if not path.is_file():
         raise ShardError(f"not a complete shard set: {INDEX_NAME} missing in {data_dir}")
     try:
