@@ -323,12 +323,23 @@ def restart_engines(cluster: ipp.Cluster, *, timeout: float | None = None) -> li
 
 
 def stop_cluster(cluster: ipp.Cluster) -> None:
-    """Close the client and stop engines and controller (the job too, on Slurm); safe twice."""
+    """Close the client and stop engines and controller (the job too, on Slurm); safe twice.
+
+    ipyparallel logs each engine's whole output at INFO when it stops; that is quietened here
+    (a notebook's last cell would otherwise end in a log dump). ``engine_logs`` keeps it."""
+    import logging
+
     client = getattr(cluster, "_labkit_client", None)
     if client is not None:
         client.close()
         cluster._labkit_client = None
-    cluster.stop_cluster_sync()
+    log = cluster.log
+    level = log.level
+    log.setLevel(max(level, logging.WARNING))
+    try:
+        cluster.stop_cluster_sync()
+    finally:
+        log.setLevel(level)
     try:
         _settings_path(cluster).unlink()
     except FileNotFoundError:
