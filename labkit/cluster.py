@@ -325,7 +325,8 @@ def restart_engines(cluster: ipp.Cluster, *, timeout: float | None = None) -> li
 def stop_cluster(cluster: ipp.Cluster) -> None:
     """Close the client and stop engines and controller (the job too, on Slurm); safe twice.
 
-    ipyparallel logs each engine's whole output at INFO when it stops; that is quietened here
+    ipyparallel logs each engine's whole output when it stops (a WARNING, as stopped engines exit
+    by signal); that is quietened here
     (a notebook's last cell would otherwise end in a log dump). ``engine_logs`` keeps it."""
     import logging
 
@@ -333,13 +334,16 @@ def stop_cluster(cluster: ipp.Cluster) -> None:
     if client is not None:
         client.close()
         cluster._labkit_client = None
-    log = cluster.log
-    level = log.level
-    log.setLevel(max(level, logging.WARNING))
+    launchers = [cluster.controller, *getattr(cluster, "engines", {}).values()]
+    logs = {id(lg): lg for lg in [cluster.log, *(getattr(la, "log", None) for la in launchers)] if lg is not None}
+    levels = {key: lg.level for key, lg in logs.items()}
+    for lg in logs.values():  # stopped engines exit by signal, which ipyparallel logs as a WARNING
+        lg.setLevel(logging.ERROR)
     try:
         cluster.stop_cluster_sync()
     finally:
-        log.setLevel(level)
+        for key, lg in logs.items():
+            lg.setLevel(levels[key])
     try:
         _settings_path(cluster).unlink()
     except FileNotFoundError:
