@@ -99,7 +99,7 @@ def test_bad_input():
 
 
 def _real_functions(n: int) -> list[str]:
-    from tests.data.test_shards import libc_functions
+    from tests.data.real_corpus import libc_functions
 
     return libc_functions(n)
 

@@ -21,7 +21,7 @@ HUGE = 10**9
 
 
 def _libc(n: int) -> list[str]:
-    from tests.data.test_shards import libc_functions
+    from tests.data.real_corpus import libc_functions
 
     return libc_functions(n)
 

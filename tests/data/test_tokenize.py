@@ -36,30 +36,7 @@ def disasm_docs(n_docs: int, seed: int = 0) -> list[str]:
     return docs
 
 
-def libc_functions(n: int) -> list[str]:
-    """Disassembly ("mnemonic operands" per line, capstone) of the first ``n`` exported functions
-    of this machine's libc, by address: real input. Skips the test when there is no libc."""
-    import glob
-
-    import capstone
-    from elftools.elf.elffile import ELFFile
-
-    arch = {"EM_X86_64": (capstone.CS_ARCH_X86, capstone.CS_MODE_64),
-            "EM_AARCH64": (capstone.CS_ARCH_ARM64, capstone.CS_MODE_ARM)}
-    for path in sorted(glob.glob("/usr/lib/*/libc.so.6") + glob.glob("/lib/*/libc.so.6")):
-        with open(path, "rb") as f:
-            elf = ELFFile(f)
-            text, dynsym = elf.get_section_by_name(".text"), elf.get_section_by_name(".dynsym")
-            if elf["e_machine"] not in arch or text is None or dynsym is None:
-                continue
-            lo, data = text["sh_addr"], text.data()
-            funcs = sorted({(s["st_value"], s["st_size"]) for s in dynsym.iter_symbols()
-                            if s["st_info"]["type"] == "STT_FUNC" and s["st_size"] > 0
-                            and lo <= s["st_value"] < lo + text["sh_size"]})
-            md = capstone.Cs(*arch[elf["e_machine"]])
-            return ["\n".join(f"{i.mnemonic} {i.op_str}".strip() for i in md.disasm(data[a - lo:a - lo + size], a))
-                    for a, size in funcs[:n]]
-    pytest.skip("no libc.so.6 of a supported architecture on this machine")
+from tests.data.real_corpus import libc_functions  # noqa: E402  (real input)
 
 
 @pytest.fixture(scope="module")
