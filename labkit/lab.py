@@ -520,11 +520,9 @@ def sweep_loader_workers(client, workdir: str, *, batch_size: int, step_time_s: 
     sweep) on its node's staged copy when ``staged`` is given. Worker counts already in
     ``sweeps/loader.parquet`` for the same batch_size and step_time_s are not rerun; ``knee`` is
     recomputed over the whole table (fewest workers with data-wait fraction below 5 %).
-    Raises ImportError naming the missing module when the loader sweep is not installed."""
-    try:
-        from labkit.data.loader_sweep import sweep_loader
-    except ImportError as err:
-        raise ImportError("sweep_loader_workers needs labkit.data.loader_sweep (the loader sweep, issue 4)") from err
+    """
+    from labkit.data.loader_sweep import sweep_loader
+
     out = _paths(workdir)["sweeps"] / "loader.parquet"
     rows = [{k: v for k, v in r.items() if k != "knee"} for r in _done_rows(out, force)]
     have = {(r["num_workers"], r["batch_size"], r["step_time_s_planned"]) for r in rows}

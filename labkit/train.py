@@ -284,7 +284,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     scaler = dist.grad_scaler(model, device, enabled=cfg.precision == "fp16")
     sharding = cfg.sharding if torch.distributed.is_initialized() else "none"  # one process: nothing to shard
     loader = make_loader(cfg.data_dir, batch_size=cfg.micro_batch_size, rank=rank, world_size=world,
-                         seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=vocab_size,
+                         seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=mcfg.vocab_size,
                          num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
                          seq_len=cfg.seq_len, tokenizer_sha256=_tokenizer_sha256(cfg.tokenizer_path),
                          verify=cfg.verify_data)  # refuses mismatched shards before any step
@@ -316,7 +316,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         tmp = metrics_path.with_name(".metrics.jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, metrics_path)  # drop records logged after the checkpoint we resume from
-    metrics_file = open(metrics_path, "a") if dist.is_main() else None
+    metrics_file = metrics_path if dist.is_main() else None  # appended to per record: no handle to leak
     batches_iter = _iterate(loader)
     if state is not None:
         _set_rng_state(state["ranks"][rank]["rng"])  # last, so nothing above consumes randomness
@@ -399,8 +399,8 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
             measure.reset_peak_memory(device)
             last_record = record
             if metrics_file is not None:
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
+                with open(metrics_file, "a") as f:
+                    f.write(json.dumps(record) + "\n")
                 if sink is not None:
                     sink(record)
         if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == stop:
@@ -414,8 +414,6 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                             {"rng": _rng_state(), "sampler": {**sampler.state_dict(), "epoch": epoch,
                                                               "position": position}},
                             keep=cfg.keep_checkpoints)
-    if metrics_file is not None:
-        metrics_file.close()
 
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()] \
         if dist.is_main() and metrics_path.exists() else [last_record]

@@ -170,12 +170,8 @@ class ShardDataset(Dataset):
     def _open(self):
         from labkit.data.shards import SequenceReader
 
-        reader = SequenceReader(self.data_dir)  # checks every shard's size against the index
-        dtype = np.dtype(reader.index["dtype"]).newbyteorder("<")
-        shards = reader.index["shards"]
-        self._maps = [np.memmap(os.path.join(self.data_dir, s["file"]), dtype=dtype, mode="r",
-                                shape=(s["n_sequences"], reader.seq_len)) for s in shards]
-        self._starts = np.cumsum([0] + [s["n_sequences"] for s in shards])
+        reader = SequenceReader(self.data_dir)  # checks every shard's size, maps each shard once
+        self._maps, self._starts = reader._maps, reader._starts
         return reader
 
     def __len__(self) -> int:
