@@ -255,6 +255,9 @@ def run_ddp(
                     unfinished = ", ".join(who(r) for r in sorted(pending))
                     stop_others()
                     raise DDPError(f"timeout after {timeout} s: {unfinished} not finished")
+            if stream:  # a result can arrive before the output printed ahead of it: drain the streams
+                for ar in ars.values():
+                    ar.wait_for_output(5)
         except KeyboardInterrupt:
             stop_others()
             end = time.monotonic() + 10
