@@ -364,11 +364,11 @@ def stage(client, workdir: str, *, local_root: str | None = None, verify: bool =
 def _stage_on_node(src: str, local_root: str | None, default_local: str, verify: bool) -> dict:
     """Engine side of ``stage``: resolve this engine's node name and local root, then copy."""
     import os as _os
-    import socket as _socket
 
     from labkit.data.stage import stage_shards
+    from labkit.topology import node_name
 
-    node = _os.environ.get("LABKIT_NODE_NAME") or _socket.gethostname()
+    node = node_name()
     if local_root is None:
         root = _os.path.join(default_local, node)
     elif local_root == "auto":
@@ -405,13 +405,12 @@ def train_on_cluster(client, cfg: TrainConfig, *, targets: list[int] | None = No
 def _train_entry(cfg: TrainConfig, *, sink=None, staged_paths: dict[str, str] | None = None) -> dict:
     """Engine side of ``train_on_cluster``: point data_dir at this node's staged copy, train."""
     import dataclasses as _dc
-    import os as _os
-    import socket as _socket
 
+    from labkit.topology import node_name
     from labkit.train import train
 
     if staged_paths:
-        node = _os.environ.get("LABKIT_NODE_NAME") or _socket.gethostname()
+        node = node_name()
         if node not in staged_paths:
             raise RuntimeError(f"node {node!r} has no staged copy; staged nodes are {sorted(staged_paths)}")
         cfg = _dc.replace(cfg, data_dir=staged_paths[node])
@@ -433,9 +432,7 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
     """
     out = _paths(workdir)["sweeps"] / "ranks.parquet"
     ranks = ranks or list(range(1, len(client.ids) + 1))
-    rows: list[dict] = []
-    if out.exists() and not force:
-        rows = pl.read_parquet(out).drop("efficiency").to_dicts()
+    rows = [{k: v for k, v in r.items() if k != "efficiency"} for r in _done_rows(out, force)]
     have = {(r["ranks"], r["model"], r["micro_batch_size"]) for r in rows}
     for n in ranks:
         if (n, base.model, base.micro_batch_size) in have:
@@ -451,11 +448,7 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
     df = df.join(one, on=["model", "micro_batch_size"], how="left").with_columns(
         (pl.col("tokens_per_s") / (pl.col("ranks") * pl.col("_t1"))).alias("efficiency")
     ).drop("_t1")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    df.write_parquet(tmp)
-    os.replace(tmp, out)
-    return df
+    return _save(df, out)
 
 
 def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: int, budget_bytes: int | None,
@@ -468,13 +461,10 @@ def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: in
     not rerun.
     """
     from labkit.model import model_config
-    from labkit.plan import max_micro_batch, max_micro_batch_cuda
+    from labkit.plan import max_micro_batch, max_micro_batch_cuda, model_state_bytes
 
     out = _paths(workdir)["sweeps"] / "microbatch.parquet"
-    rows: list[dict] = []
-    if out.exists() and not force:
-        rows = pl.read_parquet(out).to_dicts()
-    rows = [{"method": "budget", **r} for r in rows]  # tables written before the GPU method
+    rows = [{"method": "budget", **r} for r in _done_rows(out, force)]  # tables written before the GPU method
     have = {(r["model"], r["seq_len"], r["budget_bytes"] if r["method"] == "budget" else None) for r in rows}
     for name in models:
         if (name, seq_len, budget_bytes) in have:
@@ -483,19 +473,14 @@ def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: in
         engine = client[client.ids[0]]
         if budget_bytes is None:
             rep = engine.apply_sync(max_micro_batch_cuda, mcfg, seq_len)
-            rep |= {"state_bytes": 16 * rep["params"], "act_bytes_per_sample": None}
+            rep |= {"state_bytes": model_state_bytes(mcfg), "act_bytes_per_sample": None}
         else:
             rep = engine.apply_sync(max_micro_batch, mcfg, seq_len, budget_bytes) | {"budget_bytes": budget_bytes}
         rows.append({"method": "budget" if budget_bytes else "cuda_oom", "model": name, "params": int(rep["params"]),
                      "seq_len": seq_len, "budget_bytes": int(rep["budget_bytes"]), "state_bytes": int(rep["state_bytes"]),
                      "act_bytes_per_sample": rep["act_bytes_per_sample"],
                      "max_micro_batch": int(rep["max_micro_batch"])})
-    df = pl.DataFrame(rows).sort("params")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    df.write_parquet(tmp)
-    os.replace(tmp, out)
-    return df
+    return _save(pl.DataFrame(rows).sort("params"), out)
 
 
 def _save(df: pl.DataFrame, out: Path) -> pl.DataFrame:

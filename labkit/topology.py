@@ -20,6 +20,15 @@ LOCAL_ID_ENVS = ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID
 """Engine env vars giving the engine's local id on its node (Slurm, Open MPI, MPICH), first set wins."""
 
 
+def node_name() -> str:
+    """This process's node: env ``LABKIT_NODE_NAME`` (tests simulate several nodes on one host),
+    else the hostname. The one place the rule is written."""
+    import os
+    import socket
+
+    return os.environ.get(NODE_ENV) or socket.gethostname()
+
+
 def _engine_facts() -> dict:
     import os
     import socket
@@ -27,7 +36,7 @@ def _engine_facts() -> dict:
     local = next((os.environ[k] for k in ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
                                           "LABKIT_LOCAL_ID") if k in os.environ), None)
     host = socket.gethostname()
-    return {"hostname": host, "node": os.environ.get("LABKIT_NODE_NAME") or host,
+    return {"hostname": host, "node": node_name(),
             "local_id": None if local is None else int(local), "pid": os.getpid(),
             "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": len(os.sched_getaffinity(0))}
 

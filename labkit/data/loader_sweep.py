@@ -42,9 +42,9 @@ def planned_step_time(flops_per_token: float, *, seq_len: int, batch_size: int, 
     (PaLM arXiv:2204.02311 app. B; ``flops_per_token`` from ``labkit.model.flops_per_token``,
     ``peak_flops`` dense FLOP/s of the device, e.g. 989e12 for an H100 SXM in bf16).
     ValueError naming mfu outside (0, 1]."""
-    if not 0.0 < mfu <= 1.0:
-        raise ValueError(f"mfu: must be in (0, 1], got {mfu}")
-    return batch_size * seq_len * flops_per_token / (mfu * peak_flops)
+    from labkit.scaling import compute_time
+
+    return compute_time(flops_per_token, seq_len=seq_len, micro_batch=batch_size, peak_flops=peak_flops, mfu=mfu)
 
 
 def workers_needed(samples_per_s_needed: float, samples_per_s_per_worker: float) -> int:

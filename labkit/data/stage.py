@@ -16,7 +16,6 @@ import errno
 import getpass
 import os
 import shutil
-import socket
 import time
 from pathlib import Path
 
@@ -106,7 +105,9 @@ def stage_shards(src_dir: str, *, local_root: str | None = None, node_name: str 
     name = f"{src.resolve().name}-{index['tokenizer_sha256'][:8]}"
     dst = root / name
     n_bytes = _set_bytes(src, index)
-    node = node_name or os.environ.get("LABKIT_NODE_NAME") or socket.gethostname()
+    from labkit.topology import node_name as this_node
+
+    node = node_name or this_node()
 
     def report(copied: bool) -> dict:
         seconds = time.perf_counter() - t0
