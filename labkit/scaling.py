@@ -142,15 +142,20 @@ def network_limit(table) -> dict[str, Any]:
 
 def study_scaling(model: str, *, micro_batch: int, seq_len: int = 512, device: str = "H100 NVL",
                   mfu: float = 0.4, grad_dtype_bytes: int = 4, vocab_size: int | None = None,
-                  step_time_1: float | None = None, **kw):
+                  step_time_1: float | None = None, sparse_head: bool | None = None,
+                  mlm_probability: float = 0.15, **kw):
     """``efficiency_table`` for a named preset (``labkit.model.MODEL_SIZES``) on ``device``:
     compute from ``step_time_1`` when measured, else from FLOPs/token at ``mfu``; gradients of
-    all parameters at ``grad_dtype_bytes`` each (4: DDP's fp32 gradients)."""
+    all parameters at ``grad_dtype_bytes`` each (4: DDP's fp32 gradients). FLOPs/token count the
+    MLM decoder at every position with the dense head (``sparse_head=False``), at the masked
+    fraction ``mlm_probability`` with the sparse one; None keeps ``ModelConfig``'s default head."""
     from labkit.model import count_parameters, flops_per_token, model_config
     from labkit.plan import STUDY_VOCAB, device_info
 
-    cfg = model_config(model, vocab_size or STUDY_VOCAB, max_position_embeddings=max(512, seq_len))
-    compute = step_time_1 or compute_time(flops_per_token(cfg, seq_len), seq_len=seq_len, micro_batch=micro_batch,
+    head = {} if sparse_head is None else {"sparse_head": sparse_head}
+    cfg = model_config(model, vocab_size or STUDY_VOCAB, max_position_embeddings=max(512, seq_len), **head)
+    fpt = flops_per_token(cfg, seq_len, mlm_probability=mlm_probability)
+    compute = step_time_1 or compute_time(fpt, seq_len=seq_len, micro_batch=micro_batch,
                                           peak_flops=device_info(device)["peak_flops"], mfu=mfu)
     grad_bytes = grad_dtype_bytes * count_parameters(cfg)["total"]
     return efficiency_table(compute_s=compute, grad_bytes=grad_bytes, tokens_per_step=seq_len * micro_batch, **kw)

@@ -272,7 +272,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     torch.manual_seed(cfg.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
     model = BertMLM(mcfg)
     params = count_parameters(model)
-    fpt = flops_per_token(mcfg, seq_len)
+    fpt = flops_per_token(mcfg, seq_len, mlm_probability=cfg.mlm_probability)
     torch.manual_seed(cfg.seed + 1 + rank)  # dropout streams differ per rank
     random.seed(cfg.seed + 1 + rank)
     np.random.seed(cfg.seed + 1 + rank)

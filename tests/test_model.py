@@ -226,13 +226,22 @@ def test_parameter_counts_closed_form(name):
         assert total == 109_514_298  # transformers' bert-base-uncased BertForMaskedLM
 
 
-def test_flops_per_token_closed_form():
-    cfg = model_config("bert-120m", 30522)
-    n = count_parameters(cfg)["non_embedding"]
-    assert flops_per_token(cfg, 512) == 6 * n + 12 * 12 * 12 * 64 * 512
-    assert flops_per_token(cfg, 512) - flops_per_token(cfg, 128) == 12 * 12 * 768 * 384
+def test_flops_per_token_counts_the_mlm_output_layer():
+    dense = model_config("bert-120m", 30522, sparse_head=False)
+    assert count_parameters(dense)["non_embedding"] == 85_678_650
+    # the issue's worked value: 6 N + 6 V H + 12 L H T, BERT-base shape, dense head
+    assert flops_per_token(dense, 512) == 711_340_380
+    assert flops_per_token(dense, 512) - flops_per_token(dense, 128) == 12 * 12 * 768 * 384
+    sparse = model_config("bert-120m", 30522, sparse_head=True)
+    # the sparse head computes logits at the masked fraction of positions only
+    assert flops_per_token(sparse, 512, mlm_probability=0.15) == pytest.approx(
+        711_340_380 - 6 * 30522 * 768 * (1 - 0.15))
+    assert flops_per_token(sparse, 512, mlm_probability=0.3) > flops_per_token(sparse, 512, mlm_probability=0.15)
+    assert flops_per_token(dense, 512, mlm_probability=0.3) == flops_per_token(dense, 512)
     with pytest.raises(ValueError, match="seq_len"):
-        flops_per_token(cfg, 513)
+        flops_per_token(dense, 513)
+    with pytest.raises(ValueError, match="mlm_probability"):
+        flops_per_token(dense, 512, mlm_probability=0.0)
 
 
 def test_presets_build_and_errors_name_the_field():

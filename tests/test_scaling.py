@@ -103,6 +103,10 @@ def test_study_scaling_uses_the_planner_devices():
 
     fpt = flops_per_token(model_config("bert-120m", STUDY_VOCAB), 512)
     assert t["compute_s"][0] == pytest.approx(512 * 184 * fpt / (0.4 * 835.5e12))
+    dense = scaling.study_scaling("bert-120m", micro_batch=184, seq_len=512, sparse_head=False)
+    fpt_dense = flops_per_token(model_config("bert-120m", STUDY_VOCAB, sparse_head=False), 512)
+    assert dense["compute_s"][0] == pytest.approx(512 * 184 * fpt_dense / (0.4 * 835.5e12))
+    assert fpt_dense - fpt == pytest.approx(6 * STUDY_VOCAB * 768 * 0.85)  # the decoder at unmasked positions
     measured = scaling.study_scaling("bert-120m", micro_batch=184, step_time_1=0.5)
     assert measured["compute_s"][0] == 0.5
     with pytest.raises(ValueError, match="step_time_1"):
