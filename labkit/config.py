@@ -277,12 +277,19 @@ class ShardConfig:
     source_caps: dict[str, float] = field(default_factory=dict)
     """{group: c in (0, 1]}: that group's share of the kept tokens is at most c ("*": every other
     group); applied after the weights; empty caps nothing."""
+    heldout_fraction: float = 0.0
+    """Share of documents (drawn per document, after balancing) set aside as the held-out
+    evaluation split, never in the training shards (``labkit.data.heldout``); 0 sets none aside.
+    The demo and notebook 01 set 0.01."""
+    heldout_seed: int = 0
+    """Seed of the held-out draw."""
 
     def __post_init__(self) -> None:
         _require(self.seq_len >= 8, "seq_len", "must be at least 8")
         _require(self.sequences_per_shard > 0, "sequences_per_shard", "must be positive")
         _require(self.batch_docs > 0, "batch_docs", "must be positive")
         _require(self.part_docs > 0, "part_docs", "must be positive")
+        _require(0.0 <= self.heldout_fraction < 1.0, "heldout_fraction", f"must be in [0, 1), got {self.heldout_fraction}")
         _require(all(0.0 <= w <= 1.0 for w in self.source_weights.values()), "source_weights",
                  f"weights must be in [0, 1], got {self.source_weights}")
         _require(all(0.0 < c <= 1.0 for c in self.source_caps.values()), "source_caps",
@@ -551,7 +558,8 @@ class DemoConfig:
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
     clean: CleanConfig = field(default_factory=CleanConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    shards: ShardConfig = field(default_factory=ShardConfig)
+    shards: ShardConfig = field(default_factory=lambda: ShardConfig(heldout_fraction=0.01))
+    """Packing; 1 % of the documents are held out for evaluation."""
     model: str = "mini"
     """Model preset trained by the demo."""
     train_steps: int = 60

@@ -16,7 +16,8 @@
 # every function symbol is disassembled (capstone + pyelftools) into one document, the
 # documents are cleaned and exactly deduplicated (polars), a WordPiece tokenizer is trained
 # (HF tokenizers), and the documents are packed into fixed-length token-id shards with an
-# `index.json` written last.
+# `index.json` written last; 1 % of the documents (whole documents) are held out for the
+# evaluation loss (`labkit.data.heldout`).
 #
 # Each stage skips work whose artifact is already complete, so re-running the notebook after
 # `make demo` only reads the results back.
@@ -29,6 +30,7 @@ micro_batch_size = 16
 max_functions = 30_000  # bounded sample of functions to disassemble
 vocab_size = 8192
 seq_len = 128
+heldout_fraction = 0.01  # share of documents held out (by document) for the evaluation loss
 
 # %%
 import dataclasses
@@ -67,7 +69,7 @@ plots.drop_reasons_figure(drops)
 
 # %%
 tok_path = lab.build_tokenizer(client, TokenizerConfig(vocab_size=vocab_size), workdir)
-index = lab.build_shards(client, ShardConfig(seq_len=seq_len), workdir)
+index = lab.build_shards(client, ShardConfig(seq_len=seq_len, heldout_fraction=heldout_fraction), workdir)
 {k: v for k, v in index.items() if k != "shards"}
 
 # %%

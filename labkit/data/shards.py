@@ -35,6 +35,7 @@ import numpy as np
 import polars as pl
 
 from labkit.config import SPECIAL_TOKENS, ShardConfig
+from labkit.data.heldout import split_keep, write_heldout
 from labkit.data.tokenize import (LineCache, encode_flat, file_sha256, line_separable, load_tokenizer, text_row_count,
                                   tokenizer_sha256)
 
@@ -257,6 +258,7 @@ def finish_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardC
     lengths = np.concatenate([np.fromfile(Path(p["dir"]) / p["lens"]["file"], dtype="<i4")
                               for p in parts]).astype(np.int64)
     keep, balance = select_documents(docs_path, lengths, cfg)
+    keep, heldout = split_keep(keep, cfg.heldout_fraction, cfg.heldout_seed)  # labkit.data.heldout
     plan = hashlib.sha256(json.dumps([tok_sha, cfg.seq_len, cfg.sequences_per_shard, dtype.name,
                                       [p["ids"]["sha256"] for p in parts],
                                       hashlib.sha256(np.packbits(keep).tobytes()).hexdigest()]).encode()).hexdigest()
@@ -324,6 +326,10 @@ def finish_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardC
         "shards": [{k: s[k] for k in ("file", "n_sequences", "n_bytes", "sha256")} for s in shards],
         "balance": balance,
     }
+    entry = write_heldout(parts, lengths, heldout, out, seq_len=cfg.seq_len, dtype=dtype,
+                          fraction=cfg.heldout_fraction, seed=cfg.heldout_seed)
+    if entry:
+        index["heldout"] = entry
     _atomic_write(out / INDEX_NAME, (json.dumps(index, indent=1) + "\n").encode())
     return index
 
@@ -345,7 +351,8 @@ def write_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardCo
     "seq_len", "vocab_size", "tokenizer_sha256", "special_ids": {"[PAD]": 0, ...},
     "n_documents", "n_sequences", "n_tokens" (non-PAD ids), "n_bytes" (all shards),
     "shards": [{"file", "n_sequences", "n_bytes", "sha256"}, ...], "balance": token shares per
-    source group before/after balancing (``labkit.data.balance.select_documents``)}.
+    source group before/after balancing (``labkit.data.balance.select_documents``), "heldout":
+    the held-out split by document (``labkit.data.heldout``; absent when none)}.
     Raises ``ValueError`` naming ``docs_path`` when it holds no documents and ``ShardError``
     naming the tokenizer when its special tokens are not at ids 0..4.
     """
