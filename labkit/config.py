@@ -517,6 +517,14 @@ class TrainConfig:
     verify_data: bool = False
     """Recompute every shard's sha256 against index.json before training (a staged copy was
     already verified when it was made)."""
+    eval_every: int = 0
+    """Evaluate the held-out loss (``labkit.evaluation``) every this many optimiser steps and at
+    the end; 0: at the end only, and only when the shards have a held-out split (with
+    eval_every > 0 shards without one are refused)."""
+    eval_sequences: int = 256
+    """Held-out sequences in the fixed evaluation set (the first ones of the split)."""
+    eval_batch_size: int | None = None
+    """Sequences per evaluation forward per rank; None: micro_batch_size."""
 
     def __post_init__(self) -> None:
         _one_of(self.sharding, "sharding", ("ddp", "zero1", "fsdp"))
@@ -535,6 +543,10 @@ class TrainConfig:
         _require(self.timeout_s > 0, "timeout_s", "must be positive")
         _require(0.0 < self.wsd_decay_fraction <= 1.0, "wsd_decay_fraction", "must be in (0, 1]")
         _require(self.stop_after is None or self.stop_after > 0, "stop_after", "must be positive or None")
+        _require(self.eval_every >= 0, "eval_every", f"must be >= 0, got {self.eval_every}")
+        _require(self.eval_sequences > 0, "eval_sequences", f"must be positive, got {self.eval_sequences}")
+        _require(self.eval_batch_size is None or self.eval_batch_size > 0, "eval_batch_size",
+                 f"must be positive or None, got {self.eval_batch_size}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -260,7 +260,8 @@ def build_tokenizer(client, cfg: TokenizerConfig, workdir: str, *, force: bool =
     return client[client.ids[0]].apply_sync(train_tokenizer, str(p["clean"]), cfg, str(p["tokenizer"]))
 
 
-_OUTPUT_FIELDS = ("seq_len", "sequences_per_shard", "source_pattern", "source_weights", "source_caps")
+_OUTPUT_FIELDS = ("seq_len", "sequences_per_shard", "source_pattern", "source_weights", "source_caps",
+                  "heldout_fraction", "heldout_seed")
 """ShardConfig fields that change the shard bytes (batch and part sizes never do)."""
 
 

@@ -227,6 +227,28 @@ def _find_sampler(loader: torch.utils.data.DataLoader) -> Any:
 
 
 
+def _heldout_set(cfg: TrainConfig, rank: int, world: int, vocab_size: int, device: torch.device) -> Any:
+    """The fixed masked held-out set (``labkit.evaluation.HeldoutSet``) of this rank, or None
+    when eval_every is 0 and the shards have no held-out split (then no evaluation runs)."""
+    from labkit.evaluation import HeldoutSet
+
+    if cfg.eval_every == 0 and not read_index(cfg.data_dir).get("heldout"):
+        return None
+    return HeldoutSet(cfg.data_dir, rank=rank, world_size=world, vocab_size=vocab_size,
+                      mlm_probability=cfg.mlm_probability, max_sequences=cfg.eval_sequences,
+                      batch_size=cfg.eval_batch_size or cfg.micro_batch_size, device=device)
+
+
+def _maybe_evaluate(model: torch.nn.Module, heldout: Any, cfg: TrainConfig, step: int, stop: int) -> dict[str, Any]:
+    """Collective: {"eval_loss", "perplexity", "eval_masked", "eval_sequences"} at the steps
+    that evaluate (every eval_every, and the last), else {}."""
+    from labkit.evaluation import evaluate
+
+    if heldout is None or not ((cfg.eval_every and step % cfg.eval_every == 0) or step == stop):
+        return {}
+    return evaluate(model, heldout, precision=cfg.precision)
+
+
 # ------------------------------------------------------------------------------------------
 # The run
 # ------------------------------------------------------------------------------------------
@@ -236,7 +258,8 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
     """Run MLM pretraining per ``cfg`` as this process's rank (RANK/WORLD_SIZE/LOCAL_RANK/
     MASTER_ADDR/MASTER_PORT from the environment; absent = one process, no process group).
 
-    Returns the result dict (also rank 0's result.json): initial_loss, final_loss, tokens_per_s
+    Returns the result dict (also rank 0's result.json): initial_loss, final_loss, eval_loss and
+    perplexity (the last held-out evaluation, ``labkit.evaluation``; None without one), tokens_per_s
     and samples_per_s (time-weighted over this invocation's steps after timing_warmup_steps),
     data_wait_fraction, mfu, world_size, global_batch_size, steps, params, ... ``sink(record)``
     is called on rank 0 with each metrics record. Resumes from the newest checkpoint when
@@ -289,6 +312,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                          seq_len=cfg.seq_len, tokenizer_sha256=_tokenizer_sha256(cfg.tokenizer_path),
                          verify=cfg.verify_data)  # refuses mismatched shards before any step
     sampler = _find_sampler(loader)
+    heldout = _heldout_set(cfg, rank, world, mcfg.vocab_size, device)  # fixed masked held-out set
     step, epoch, position, tokens_seen = 0, 0, 0, 0  # position: batches of this epoch consumed
     if state is not None:
         if len(state["ranks"]) != world:
@@ -385,7 +409,8 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         n_tokens_i = int(n_tokens.item())
         tokens_seen += n_tokens_i
         timings.append((n_tokens_i, global_batch, step_time, wait_mean))
-        if step % cfg.log_every == 0 or step == stop:
+        evaluated = _maybe_evaluate(model, heldout, cfg, step, stop)  # held-out loss, outside the step time
+        if step % cfg.log_every == 0 or step == stop or evaluated:
             tps = measure.tokens_per_s(n_tokens_i, step_time)
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
                       "step_tokens": n_tokens_i, "n_masked": int(n_masked.item()), "tokens_per_s": tps,
@@ -395,7 +420,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                       "mfu": measure.mfu(tps, fpt, world, peak),
                       "peak_mem_bytes": measure.peak_memory_bytes(device), "world_size": world,
                       "global_batch_size": global_batch, "epoch": epoch, "skipped": not finite,
-                      "time": time.time()}
+                      **evaluated, "time": time.time()}
             measure.reset_peak_memory(device)
             last_record = record
             if metrics_file is not None:
@@ -420,8 +445,11 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     timed = timings[cfg.timing_warmup_steps:] or timings  # too short a run: time every step
     tok, samples, seconds, wait_s = (sum(t[i] for t in timed) for i in range(4))
     tps = measure.tokens_per_s(tok, seconds) if timed else None
+    evals = [r for r in records if r.get("eval_loss") is not None]
     result = {"initial_loss": records[0].get("loss") if records else None,
               "final_loss": records[-1].get("loss") if records else None,
+              "eval_loss": evals[-1]["eval_loss"] if evals else None,
+              "perplexity": evals[-1]["perplexity"] if evals else None,
               "tokens_per_s": tps,
               "samples_per_s": measure.samples_per_s(samples, seconds) if timed else None,
               "data_wait_fraction": measure.data_wait_fraction(wait_s, seconds) if timed else None,
