@@ -517,6 +517,10 @@ class TrainConfig:
     verify_data: bool = False
     """Recompute every shard's sha256 against index.json before training (a staged copy was
     already verified when it was made)."""
+    allow_safe_changes: bool = False
+    """Resume even though fields that leave the steps already taken unchanged differ from the
+    run directory's saved config (max_steps, log/checkpoint/eval intervals:
+    ``labkit.run_config.SAFE_FIELDS``). Result-changing differences are refused regardless."""
     eval_every: int = 0
     """Evaluate the held-out loss (``labkit.evaluation``) every this many optimiser steps and at
     the end; 0: at the end only, and only when the shards have a held-out split (with

@@ -18,7 +18,8 @@ numbers and lists so ``torch.load(weights_only=True)`` reads it. Weights and opt
 are whole (unsharded) under every sharding: zero1 consolidates the moments on rank 0, fsdp
 gathers parameters and moments (keyed by name) to rank 0. The LR is a pure function of the
 step (``lr_at``), so the step is the whole scheduler state. Resume needs the same world size
-and sharding (sharding "none" in a single process).
+and sharding (sharding "none" in a single process) and a config and data that match the run
+directory's config.json / data.json (``labkit.run_config``: one-line refusal naming each field).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from labkit.config import TrainConfig, to_dict
 from labkit.data.mlm import make_loader
 from labkit.data.shards import read_index
 from labkit.model import BertMLM, count_parameters, flops_per_token, model_config
+from labkit.run_config import check_resume, data_identity, save_run_config
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -301,6 +303,9 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     np.random.seed(cfg.seed + 1 + rank)
 
     resume_step = (checkpoint_steps(run_dir) or [0])[-1] if cfg.resume else 0
+    identity = data_identity(index)
+    if resume_step:  # refuse to continue a run under another configuration (labkit.run_config)
+        check_resume(run_dir, to_dict(cfg), identity, allow_safe_changes=cfg.allow_safe_changes)
     state = load_checkpoint(run_dir / "checkpoints" / f"step-{resume_step}", model) if resume_step else None
     model = dist.wrap_model(model.to(device), cfg, device)  # DDP, or FSDP2 fully_shard (in place)
     optimizer = build_optimizer(model, cfg)  # AdamW, or ZeroRedundancyOptimizer (zero1)
@@ -334,7 +339,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     metrics_path = run_dir / "metrics.jsonl"
     if dist.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
-        _write_json(run_dir / "config.json", to_dict(cfg))
+        save_run_config(run_dir, to_dict(cfg), identity, _write_json)  # earlier configs kept in configs/
         old = metrics_path.read_text().splitlines() if state is not None and metrics_path.exists() else []
         kept = [line for line in old if line.strip() and json.loads(line)["step"] <= step]
         tmp = metrics_path.with_name(".metrics.jsonl.tmp")

@@ -236,7 +236,7 @@ def test_resume_refuses_a_checkpoint_of_another_sharding(shards, tmp_path):
     assert state["sharding"] == "none"  # one process: nothing sharded
     torch.save({**state, "sharding": "fsdp"}, path)
     with pytest.raises(ValueError, match="sharding: checkpoint step-2 .* 'fsdp', this run uses 'none'"):
-        train(tiny_cfg(shards, run, max_steps=3))
+        train(tiny_cfg(shards, run, max_steps=3, allow_safe_changes=True))
 
 
 def test_mismatched_shards_are_refused_before_training(shards, tmp_path):
