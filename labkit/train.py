@@ -52,20 +52,21 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate of optimiser step ``step`` (0-based) under ``cfg.schedule``.
 
     Warm-up: ``lr * (step + 1) / warmup_steps`` for step < warmup_steps (linear, never 0).
-    Then, with progress p = (step - warmup) / (max_steps - warmup) in [0, 1] and
-    min_lr = lr * min_lr_ratio: linear ``min_lr + (lr - min_lr)(1 - p)``; cosine
-    ``min_lr + (lr - min_lr)(1 + cos(pi p)) / 2`` (arXiv:1608.03983); wsd: lr until the last
-    ``wsd_decay_fraction * max_steps`` steps, then linear to min_lr at max_steps
-    (warmup-stable-decay, arXiv:2404.06395).
+    Then, with progress p = (step - warmup) / (last - warmup) in [0, 1], last = max_steps - 1
+    (the run's last step, which therefore uses min_lr) and min_lr = lr * min_lr_ratio: linear
+    ``min_lr + (lr - min_lr)(1 - p)``; cosine ``min_lr + (lr - min_lr)(1 + cos(pi p)) / 2``
+    (arXiv:1608.03983); wsd: lr until the last ``wsd_decay_fraction * max_steps`` steps, then
+    linear to min_lr at the last step (warmup-stable-decay, arXiv:2404.06395).
     """
     peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    last = cfg.max_steps - 1
     if step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "wsd":
         decay_start = max(cfg.warmup_steps, cfg.max_steps - round(cfg.wsd_decay_fraction * cfg.max_steps))
-        p = min(1.0, (step - decay_start) / max(1, cfg.max_steps - decay_start)) if step >= decay_start else 0.0
+        p = min(1.0, (step - decay_start) / max(1, last - decay_start)) if step >= decay_start else 0.0
         return floor + (peak - floor) * (1.0 - p)
-    p = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    p = min(1.0, (step - cfg.warmup_steps) / max(1, last - cfg.warmup_steps))
     if cfg.schedule == "cosine":
         return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * p))
     return floor + (peak - floor) * (1.0 - p)

@@ -98,7 +98,7 @@ def test_sweep_micro_batch_resumes_with_a_real_measurement(tmp_path):
 
 
 def test_sweep_loader_workers_resumes(tmp_path, monkeypatch):
-    sweep = pytest.importorskip("labkit.data.loader_sweep", reason="the loader sweep (issue 4) is not on this branch")
+    from labkit.data import loader_sweep as sweep
     seen = []
 
     def fake(data_dir, *, batch_size, step_time_s, workers, n_batches, gpu_index, **kw):
@@ -143,5 +143,14 @@ def test_max_micro_batch_cuda_finds_the_out_of_memory_edge():
     from labkit.model import model_config
     from labkit.plan import max_micro_batch_cuda
 
-    rep = max_micro_batch_cuda(model_config("mini", 1024), 128, limit=64)
-    assert rep["max_micro_batch"] == 64 and rep["peak_bytes"] < rep["budget_bytes"]
+    # cap this process at 2 GiB so that out of memory, not the search's limit, ends the doubling
+    cap = 2 * 2**30
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    try:
+        rep = max_micro_batch_cuda(model_config("mini", 1024), 128, limit=1 << 16)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    assert 1 <= rep["max_micro_batch"] < 1 << 16  # stopped at the out-of-memory edge, far below the limit
+    assert rep["peak_bytes"] <= cap

@@ -8,13 +8,12 @@ import warnings
 
 import pytest
 import torch
+import transformers
 
 from labkit.attention import rotary_tables
 from labkit.model import (MODEL_SIZES, BertMLM, activation_bytes_outside_layers, activation_bytes_per_layer,
                           count_parameters, export_hf, flops_per_token, hf_config, load_hf_state_dict, model_config,
                           to_hf_state_dict)
-
-transformers = pytest.importorskip("transformers")
 
 V = 97
 
