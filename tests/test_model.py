@@ -100,6 +100,44 @@ def test_export_hf_loads_with_from_pretrained(tmp_path):
     assert hf.cls.predictions.decoder.weight.data_ptr() == hf.bert.embeddings.word_embeddings.weight.data_ptr()
 
 
+EXPORT_OPTIONS = [({"tie_embeddings": True}, None), ({"tie_embeddings": False}, None),
+                  ({"bias": False}, "bias"), ({"norm_type": "rmsnorm"}, "norm_type"),
+                  ({"norm_position": "pre"}, "norm_position"), ({"activation": "geglu"}, "activation"),
+                  ({"activation": "swiglu"}, "activation"), ({"position_embedding": "rotary"}, "position_embedding"),
+                  ({"attention": "linformer", "linformer_k": 8}, "attention"),
+                  ({"attention": "sliding_window", "window_size": 4}, "attention"), ({"attention": "linear"}, "attention")]
+"""Every model option that changes the parameters (their set or shapes): exported and reloaded, or refused."""
+
+
+@pytest.mark.parametrize("overrides, refused", EXPORT_OPTIONS, ids=[str(o) for o, _ in EXPORT_OPTIONS])
+def test_export_reload_round_trip_for_every_parameter_option(tmp_path, overrides, refused):
+    cfg = tiny(sparse_head=False, **overrides)
+    torch.manual_seed(6)
+    ours = BertMLM(cfg).eval()
+    with torch.no_grad():  # non-zero decoder bias and norm biases, so a dropped one shows
+        for name, p in ours.named_parameters():
+            if name.endswith("bias") or name == "decoder_bias":
+                p.normal_(0, 0.5)
+    if refused:
+        with pytest.raises(ValueError, match=rf"{refused}: BertForMaskedLM interop needs .* cannot express"):
+            export_hf(ours, tmp_path / "hf")
+        assert not (tmp_path / "hf" / "model.safetensors").exists()
+        return
+    out = export_hf(ours, tmp_path / "hf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf, info = transformers.BertForMaskedLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"] and not info["unexpected_keys"], info
+    ids, mask, _ = batch(seed=7)
+    with torch.no_grad():
+        mine = ours(ids, mask).logits
+    torch.testing.assert_close(hf_logits(hf.eval(), ids, mask)[mask.bool()], mine[mask.bool()], atol=1e-5, rtol=0)
+    back = BertMLM(cfg).eval()  # and back into labkit from the reloaded transformers model
+    load_hf_state_dict(back, hf.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids, mask).logits, mine, atol=1e-5, rtol=0)
+
+
 def test_load_hf_state_dict_names_missing_and_misshapen_keys():
     cfg = tiny()
     sd = dict(to_hf_state_dict(BertMLM(cfg)))
