@@ -517,6 +517,9 @@ class TrainConfig:
     verify_data: bool = False
     """Recompute every shard's sha256 against index.json before training (a staged copy was
     already verified when it was made)."""
+    compile: bool = False
+    """``torch.compile`` the model's forward (``nn.Module.compile``, in place, so parameter
+    names and checkpoints stay the same) before wrapping it for data parallelism."""
     allow_safe_changes: bool = False
     """Resume even though fields that leave the steps already taken unchanged differ from the
     run directory's saved config (max_steps, log/checkpoint/eval intervals:

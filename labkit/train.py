@@ -79,14 +79,17 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     (ZeRO stage 1: each rank holds and steps the AdamW state of its partition of the
     parameters, then broadcasts them); its ``param_groups`` are the whole groups, so setting
     the lr there reaches every partition at ``step()``. Under fsdp the parameters are DTensor
-    shards and plain AdamW steps each rank's shard."""
+    shards and plain AdamW steps each rank's shard. On CUDA (ddp, zero1 and single process)
+    AdamW is torch's fused implementation (``fused=True``: one kernel for all parameters, the
+    same update); fsdp's DTensor shards keep the default implementation."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    fused = {"fused": True} if params and params[0].is_cuda and not dist.is_fsdp(model) else {}
     if cfg.sharding == "zero1" and torch.distributed.is_initialized():
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=cfg.lr,
-                                       betas=(cfg.beta1, cfg.beta2))
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+                                       betas=(cfg.beta1, cfg.beta2), **fused)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **fused)
 
 
 def forward_backward(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]], *,
@@ -308,7 +311,10 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     if resume_step:  # refuse to continue a run under another configuration (labkit.run_config)
         check_resume(run_dir, to_dict(cfg), identity, allow_safe_changes=cfg.allow_safe_changes)
     state = load_checkpoint(run_dir / "checkpoints" / f"step-{resume_step}", model) if resume_step else None
-    model = dist.wrap_model(model.to(device), cfg, device)  # DDP, or FSDP2 fully_shard (in place)
+    model = model.to(device)
+    if cfg.compile:
+        model.compile()  # in place: state_dict keys unchanged (no _orig_mod prefix)
+    model = dist.wrap_model(model, cfg, device)  # DDP, or FSDP2 fully_shard (in place)
     optimizer = build_optimizer(model, cfg)  # AdamW, or ZeroRedundancyOptimizer (zero1)
     scaler = dist.grad_scaler(model, device, enabled=cfg.precision == "fp16")
     sharding = cfg.sharding if torch.distributed.is_initialized() else "none"  # one process: nothing to shard

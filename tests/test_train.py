@@ -254,3 +254,21 @@ def test_mismatched_shards_are_refused_before_training(shards, tmp_path):
         train(tiny_cfg(shards, tmp_path / "c", tokenizer_path=str(tmp_path / "missing.json")))
     for run in ("a", "b", "c"):
         assert not (tmp_path / run / "metrics.jsonl").exists() or not (tmp_path / run / "metrics.jsonl").read_text()
+
+
+@pytest.mark.slow  # inductor compiles forward and backward: 1-3 min on 2 shared cores
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")  # raised inside dynamo
+def test_compiled_model_trains_to_the_same_losses(shards, tmp_path):
+    """TrainConfig.compile: torch.compile (inductor) of the forward, in place; same losses as eager
+    to float tolerance without dropout (inductor draws dropout masks from its own generator), and
+    checkpoints keep the eager parameter names."""
+    from safetensors.torch import load_file
+
+    kw = dict(max_steps=2, grad_accum_steps=1, model_overrides={"hidden_dropout": 0.0, "attention_dropout": 0.0})
+    eager = train(tiny_cfg(shards, tmp_path / "eager", **kw))
+    compiled = train(tiny_cfg(shards, tmp_path / "compiled", compile=True, **kw))
+    assert [r["loss"] for r in read_metrics(tmp_path / "compiled")] == pytest.approx(
+        [r["loss"] for r in read_metrics(tmp_path / "eager")], rel=1e-4)
+    assert compiled["final_loss"] == pytest.approx(eager["final_loss"], rel=1e-4)
+    names = set(load_file(str(tmp_path / "compiled" / "checkpoints" / "step-2" / "model.safetensors")))
+    assert names == set(load_file(str(tmp_path / "eager" / "checkpoints" / "step-2" / "model.safetensors")))
