@@ -6,22 +6,30 @@ else. ``python docs/generate.py`` writes the files; ``python docs/generate.py --
 naming each file whose committed text differs from what the script produces
 (tests/test_docs_generated.py runs the same check).
 
-Blocks so far (the planner's, deterministic functions of labkit's code):
+Sources: the planner's blocks are deterministic functions of labkit's code; the measured
+blocks read the files the measuring command wrote, kept under docs/data/:
 
-- ``lesson3-planner`` (docs/results.md): ``scaling.compute_time`` of the study's two models at
-  their reported micro-batches, seq 512, 40 % MFU, H100 NVL, FLOPs per token with the dense
-  MLM head (``labkit.model.flops_per_token``).
-- ``lesson4-planner`` (docs/results.md): ``scaling.study_scaling`` efficiency at 256 GPUs per
-  network and gradient-accumulation count, same settings.
+- ``docs/data/demo.json``: ``work/demo/demo.json`` written by ``make demo`` (``labkit demo``);
+  ``docs/data/loader.parquet``: ``work/demo/sweeps/loader.parquet`` written by the demo's
+  notebook 04 (the loader-worker sweep).
+- ``docs/data/bench_model.jsonl`` / ``bench_ddp.jsonl``: the JSON lines printed by
+  ``python benchmarks/bench_model.py`` / ``bench_ddp.py`` (one record per line).
+
+Blocks: ``demo-summary`` (README.md); ``lesson1-measured``, ``lesson2-measured``,
+``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``,
+``lesson5-measured``, ``lesson5-planner``, ``one-story`` (docs/results.md); ``bench-model`` (docs/model.md);
+``bench-ddp`` (docs/training.md).
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+DATA = ROOT / "docs" / "data"
 sys.path.insert(0, str(ROOT))
 
 SEQ_LEN = 512
@@ -75,8 +83,193 @@ def lesson4_planner() -> str:
             f"gives {long:.0%}.\n").replace("%", " %")
 
 
-BLOCKS = {("docs/results.md", "lesson3-planner"): lesson3_planner,
-          ("docs/results.md", "lesson4-planner"): lesson4_planner}
+def _demo() -> dict:
+    return json.loads((DATA / "demo.json").read_text())
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def demo_summary() -> str:
+    """README's paragraph of what the demo measured."""
+    d = _demo()
+    p, t = d["preparation"], d["train"]
+    ranks = {r["ranks"]: r for r in d["sweep_ranks"]}
+    mb = {r["model"]: r for r in d["sweep_micro_batch"]}
+    return (f"On a 2-core VM without a GPU (`make demo`, {d['seconds']:.0f} s for the demo itself; shared with other\n"
+            f"jobs, so its rates are contaminated): {p['functions']:,} functions disassembled from {p['elf_files_read']}\n"
+            f"of this machine's ELF files, {p['documents_kept']:,} kept after cleaning and exact and near dedup,\n"
+            f"{p['tokens'] / 1e6:.1f} M training tokens; function dataset {_mb(p['function_dataset_bytes'])} -> "
+            f"training data {_mb(p['training_data_bytes'])}\n"
+            f"(reduction {p['reduction_percent']} %; machine code {_mb(p['machine_code_bytes'])}, ELF files read "
+            f"{_mb(p['raw_bytes'])}); DDP\n"
+            f"training of `{t['model']}` on {t['world_size']} ranks at {t['tokens_per_s']:,.0f} tokens/s with the MLM loss "
+            f"falling from {t['initial_loss']:.2f}\n"
+            f"to {t['final_loss']:.2f} in {t['steps']} steps and a held-out loss of {t['eval_loss']:.2f} (perplexity "
+            f"{t['perplexity']:.1f}); weak-scaling\n"
+            f"efficiency {ranks[2]['efficiency']:.2f} from 1 to 2 ranks; largest micro-batch under 2 GiB per rank "
+            f"{mb['mini']['max_micro_batch']} for `mini`\n"
+            f"({mb['mini']['params'] / 1e6:.1f} M parameters) and {mb['small']['max_micro_batch']} for `small` "
+            f"({mb['small']['params'] / 1e6:.1f} M). Generated from `docs/data/demo.json` by\n"
+            f"`python docs/generate.py`.\n")
+
+
+def lesson1_measured() -> str:
+    p = _demo()["preparation"]
+    drops = p["dropped"]
+    skipped = sum(p["skipped_inputs"].values())
+    return ("| quantity | labkit here | study |\n| --- | --- | --- |\n"
+            f"| function dataset as first written (corpus Parquet: text + metadata) | {_mb(p['function_dataset_bytes'])}"
+            f" ({p['functions']:,} functions) | 2 TB (unconfirmed) |\n"
+            f"| training data (shards, held-out file, index.json) | {_mb(p['training_data_bytes'])}: "
+            f"{p['tokens']:,} tokens, vocabulary {p['vocab_size']:,}, uint16 | 25 GB of ids ≈ 12.5 B tokens (derived) |\n"
+            f"| reduction | {p['reduction_percent']} % | 98.8 % |\n"
+            f"| context: machine code of the functions / ELF files read | {_mb(p['machine_code_bytes'])} / "
+            f"{_mb(p['raw_bytes'])} ({p['elf_files_read']} files, {skipped} without a usable function) | n/a |\n"
+            f"| functions kept | {p['documents_kept']:,} of {p['functions']:,} (exact duplicates "
+            f"{drops['exact_duplicate']:,}, near duplicates {drops['near_duplicate']:,}, filters "
+            f"{sum(v for k, v in drops.items() if not k.endswith('duplicate')):,}); held out "
+            f"{p.get('heldout_documents', 0):,} | n/a |\n")
+
+
+def lesson2_measured() -> str:
+    rows = ["| quantity | labkit here | study |", "| --- | --- | --- |"]
+    for node, r in _demo()["staging"].items():
+        rows.append(f"| staged copy on node `{node}` (bytes, seconds, MB/s) | {_mb(r['bytes'])} in {r['seconds']:.3f} s, "
+                    f"{r['mb_per_s']:,.0f} MB/s with sha256 verification (page cache warm) | not reported |")
+    return "\n".join(rows) + "\n"
+
+
+def lesson3_measured() -> str:
+    import polars as pl
+
+    path = DATA / "loader.parquet"
+    if not path.exists():
+        return "Loader sweep: no `docs/data/loader.parquet` (the demo's notebook 04 did not write one).\n"
+    df = pl.read_parquet(path).sort("num_workers")
+    cells = "; ".join(f"{r['num_workers']} workers: {r['data_wait_fraction']:.1%} wait, {r['samples_per_s']:,.0f} "
+                      f"samples/s" for r in df.iter_rows(named=True))
+    knee = df.filter(pl.col("knee"))["num_workers"].to_list()
+    return (f"| quantity | labkit here | study |\n| --- | --- | --- |\n"
+            f"| loader knee (fewest workers under 5 % data wait) | {knee[0] if knee else 'none'} ({cells}) | tuned, "
+            f"count not reported |\n").replace("%", " %").replace("  %", " %")
+
+
+def lesson4_measured() -> str:
+    d = _demo()
+    r = {x["ranks"]: x for x in d["sweep_ranks"]}
+    return ("| quantity | labkit here | study |\n| --- | --- | --- |\n"
+            f"| weak-scaling efficiency, 1 → 2 ranks (CPU, gloo, `{r[1]['model']}`, micro-batch {r[1]['micro_batch_size']}, "
+            f"seq {d['train']['seq_len']}; shared machine) | {r[2]['efficiency']:.2f} | \"near-linear\" to 256 GPUs |\n"
+            f"| tokens/s at 1 and 2 ranks | {r[1]['tokens_per_s']:,.0f} and {r[2]['tokens_per_s']:,.0f} | not reported |\n")
+
+
+def lesson5_measured() -> str:
+    rows = ["| model | labkit here: max micro-batch under 2 GiB per rank (CPU, fp32, seq 128, counted) |", "| --- | --- |"]
+    for r in _demo()["sweep_micro_batch"]:
+        rows.append(f"| `{r['model']}` ({r['params'] / 1e6:.1f} M parameters) | {r['max_micro_batch']} (state "
+                    f"{_mb(r['state_bytes'])}, {_mb(r['act_bytes_per_sample'])} of saved activations per sequence) |")
+    return "\n".join(rows) + "\n"
+
+
+def lesson5_planner() -> str:
+    """plan.study_table rows at seq 512 and every row within 10 % of the study, plus the breakdown."""
+    import polars as pl
+
+    from labkit import plan
+    from labkit.model import model_config
+
+    t = plan.study_table()
+    shown = t.filter((pl.col("seq_len") == 512) | pl.col("within_10pct")).sort("model", "seq_len", "precision",
+                                                                                "attention", "sparse_head")
+    rows = ["| model | seq | precision | attention | head | planned max micro-batch | study |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in shown.iter_rows(named=True):
+        planned = f"**{r['planned']}**" if r["within_10pct"] else str(r["planned"])
+        rows.append(f"| {r['model']} | {r['seq_len']} | {r['precision']} | {r['attention']} | "
+                    f"{'sparse' if r['sparse_head'] else 'dense'} | {planned} | {r['study']} |")
+    parts = []
+    for sparse in (False, True):
+        m = plan.memory_plan(model_config("bert-120m", plan.STUDY_VOCAB, sparse_head=sparse), seq_len=512,
+                             micro_batch=184, precision="bf16", attention="flash")
+        parts.append(f"{'sparse' if sparse else 'dense'} head: model state "
+                     f"{(m['params'] + m['grads'] + m['optimizer']) / 1e9:.1f} GB, autocast weight copies "
+                     f"{m['autocast_copies'] / 1e9:.1f} GB, activations {m['activations'] / 1e9:.1f} GB, logits "
+                     f"{m['logits'] / 1e9:.1f} GB, head backward {m['head_backward'] / 1e9:.1f} GB; "
+                     f"{m['total'] / 1e9:.1f} GB in total")
+    return ("\n".join(rows) + "\n\nBreakdown at bert-120m, micro-batch 184, seq 512, bf16, fused attention "
+            "(`plan.memory_plan`):\n\n" + "\n".join(f"- {x}" for x in parts) + "\n")
+
+
+def one_story() -> str:
+    """scaling.one_story: the settings under which lessons 4 and 5 hold at once, or none."""
+    from labkit import scaling
+
+    t = scaling.one_story()
+    rows = ["| model | seq | precision | attention | head | planned / study micro-batch | largest MFU with "
+            "efficiency >= 0.9 at 256 GPUs on 25 GbE | same setting fits both models |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in t.iter_rows(named=True):
+        mfu = f"{r['max_mfu']:.0%} (efficiency {r['efficiency_at_max_mfu']:.2f})" if r["max_mfu"] else "none"
+        rows.append(f"| {r['model']} | {r['seq_len']} | {r['precision']} | {r['attention']} | "
+                    f"{'sparse' if r['sparse_head'] else 'dense'} | {r['planned']} / {r['study']} | {mfu} | "
+                    f"{'yes' if r['shared_by_both_models'] else 'no'} |")
+    shared = t["shared_by_both_models"].any()
+    verdict = ("Some setting reproduces both models' micro-batches; see the rows marked yes." if shared else
+               "No single setting reproduces both models' micro-batches (lesson 5), whatever the MFU or the "
+               "network, so under this planner no one setting makes both lessons hold: the two runs differed in sequence length "
+               "and precision, or a reported batch was not the memory maximum. Per model, both lessons hold "
+               "at the setting above when the achieved MFU (against the bf16 peak) is at most the value "
+               "shown.")
+    return "\n".join(rows).replace("%", " %") + "\n\n" + verdict + "\n"
+
+
+def _records(name: str) -> list[dict]:
+    path = DATA / name
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def bench_model() -> str:
+    recs = [r for r in _records("bench_model.jsonl") if r.get("benchmark") == "model"]
+    if not recs:
+        return "No record yet (`docs/data/bench_model.jsonl` is empty).\n"
+    rows = ["| preset | seq x batch | labkit dense / HF sdpa (paired spread min-max) | sparse gain over dense | "
+            "losses dense / sparse / HF | load avg |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in recs:
+        s, g = r["ratio_paired_spread"], r["sparse_gain_paired_spread"]
+        rows.append(f"| {r['preset']} | {r['seq_len']} x {r['batch_size']} | {r['ratio']} ({s['min']}-{s['max']}) | "
+                    f"{r['sparse_gain']} ({g['min']}-{g['max']}) | {r['loss_dense']} / {r['loss_sparse']} / "
+                    f"{r['loss_hf_sdpa']} | {r['load_avg_1m']} |")
+    return "\n".join(rows) + "\n\nRecords:\n\n" + "".join(f"    {json.dumps(r)}\n" for r in recs)
+
+
+def bench_ddp() -> str:
+    recs = [r for r in _records("bench_ddp.jsonl") if r.get("benchmark") == "ddp"]
+    if not recs:
+        return "No record yet (`docs/data/bench_ddp.jsonl` is empty).\n"
+    rows = []
+    for r in recs:
+        s = r["efficiency_spread"]
+        rows.append(f"- `{r['model']}`, seq {r['seq_len']}, micro-batch {r['micro_batch_per_rank']} per rank, "
+                    f"{r['rounds']} paired rounds, load average {r['load_avg_1m']:.1f}: efficiency {r['value']:.3f} "
+                    f"(per-round min {s['min']:.3f}, median {s['median']:.3f}, max {s['max']:.3f}); 1 rank "
+                    f"{r['tokens_per_s_1rank']:,.0f} tokens/s, 2 ranks {r['tokens_per_s_2ranks']:,.0f}.")
+    return "\n".join(rows) + "\n\nRecords:\n\n" + "".join(f"    {json.dumps(r)}\n" for r in recs)
+
+
+BLOCKS = {("README.md", "demo-summary"): demo_summary,
+          ("docs/results.md", "lesson1-measured"): lesson1_measured,
+          ("docs/results.md", "lesson2-measured"): lesson2_measured,
+          ("docs/results.md", "lesson3-measured"): lesson3_measured,
+          ("docs/results.md", "lesson3-planner"): lesson3_planner,
+          ("docs/results.md", "lesson4-measured"): lesson4_measured,
+          ("docs/results.md", "lesson4-planner"): lesson4_planner,
+          ("docs/results.md", "lesson5-measured"): lesson5_measured,
+          ("docs/results.md", "lesson5-planner"): lesson5_planner,
+          ("docs/results.md", "one-story"): one_story,
+          ("docs/model.md", "bench-model"): bench_model,
+          ("docs/training.md", "bench-ddp"): bench_ddp}
 
 
 def render(text: str, name: str, body: str) -> str:

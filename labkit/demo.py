@@ -90,7 +90,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
              f"the size is a cap); {index['n_tokens']:,} tokens in {index['n_sequences']:,} sequences, "
              f"{index['n_bytes'] / 1e6:.1f} MB of shards ({index['dtype']}); "
              f"function dataset {prep['function_dataset_bytes'] / 1e6:.1f} MB -> training data "
-             f"{prep['training_data_bytes'] / 1e6:.1f} MB ({prep['reduction_percent']} % smaller; machine code "
+             f"{prep['training_data_bytes'] / 1e6:.1f} MB (reduction {prep['reduction_percent']} %, negative when larger; machine code "
              f"{prep['machine_code_bytes'] / 1e6:.1f} MB, ELF files read {prep['raw_bytes'] / 1e6:.1f} MB)", t0)
 
         _say("4/7 staging shards to node-local disk, one engine per node, checksums verified", t0)

@@ -167,3 +167,40 @@ def calibrate(step_time_1: float) -> float:
     if not step_time_1 > 0 or math.isnan(step_time_1):
         raise ValueError(f"step_time_1: must be a positive number of seconds, got {step_time_1}")
     return step_time_1
+
+
+def one_story(*, target_efficiency: float = 0.9, n_gpus: int = 256, network: str = "25GbE",
+              mfus: tuple[float, ...] = tuple(i / 100 for i in range(1, 61))):
+    """Settings under which lesson 4 (data-parallel efficiency >= ``target_efficiency`` at
+    ``n_gpus`` on ``network``, no gradient accumulation) and lesson 5 (the planner's largest
+    micro-batch within 10 % of the study's, ``labkit.plan.study_table``) hold at once.
+
+    Memory does not depend on MFU or the network, so lesson 5 fixes the candidate settings
+    (sequence length, precision, attention kernel, head) per model; for each, the largest
+    achieved MFU in ``mfus`` (relative to the bf16 dense peak, FLOPs per token with the head
+    counted) at which lesson 4 holds. polars DataFrame: model, seq_len, precision, attention,
+    sparse_head, planned, study, max_mfu (None: no MFU in the grid), efficiency_at_max_mfu,
+    shared_by_both_models (the same setting reproduces both models' micro-batches)."""
+    import polars as pl
+
+    from labkit.plan import STUDY_MICRO_BATCH, study_table
+
+    table = study_table()
+    ok = table.filter(pl.col("within_10pct"))
+    keys = ("seq_len", "precision", "attention", "sparse_head")
+    per_model = {m: {tuple(r[k] for k in keys) for r in ok.filter(pl.col("model") == m).iter_rows(named=True)}
+                 for m in STUDY_MICRO_BATCH}
+    shared = set.intersection(*per_model.values()) if per_model else set()
+    rows = []
+    for r in ok.iter_rows(named=True):
+        best, eff_best = None, None
+        for m in mfus:
+            t = study_scaling(r["model"], micro_batch=STUDY_MICRO_BATCH[r["model"]], seq_len=r["seq_len"], mfu=m,
+                              sparse_head=r["sparse_head"], network=network)
+            eff = t.filter(pl.col("n_gpus") == n_gpus)["efficiency"].item()
+            if eff >= target_efficiency:
+                best, eff_best = m, eff
+        rows.append({**{k: r[k] for k in ("model", *keys, "planned", "study")}, "max_mfu": best,
+                     "efficiency_at_max_mfu": eff_best,
+                     "shared_by_both_models": tuple(r[k] for k in keys) in shared})
+    return pl.DataFrame(rows)

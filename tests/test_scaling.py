@@ -111,3 +111,15 @@ def test_study_scaling_uses_the_planner_devices():
     assert measured["compute_s"][0] == 0.5
     with pytest.raises(ValueError, match="step_time_1"):
         scaling.calibrate(0.0)
+
+
+def test_one_story_searches_both_lessons():
+    import polars as pl
+
+    t = scaling.one_story()
+    assert t["model"].to_list() == ["bert-120m", "bert-350m"] and not t["shared_by_both_models"].any()
+    for r in t.iter_rows(named=True):
+        assert r["efficiency_at_max_mfu"] >= 0.9
+        above = scaling.study_scaling(r["model"], micro_batch=r["study"], seq_len=r["seq_len"],
+                                      mfu=r["max_mfu"] + 0.01, sparse_head=r["sparse_head"])
+        assert above.filter(pl.col("n_gpus") == 256)["efficiency"].item() < 0.9  # the largest MFU that holds
