@@ -15,7 +15,7 @@ blocks read the files the measuring command wrote, kept under docs/data/:
 - ``docs/data/bench_model.jsonl`` / ``bench_ddp.jsonl``: the JSON lines printed by
   ``python benchmarks/bench_model.py`` / ``bench_ddp.py`` (one record per line).
 
-Blocks: ``demo-summary`` (README.md); ``lesson1-measured``, ``lesson2-measured``,
+Blocks: ``demo-summary`` (README.md); ``lesson1-measured``, ``lesson1-planner``, ``parallel-planner``, ``lesson2-measured``,
 ``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``,
 ``lesson5-measured``, ``lesson5-planner``, ``one-story`` (docs/results.md); ``bench-model`` (docs/model.md);
 ``bench-ddp`` (docs/training.md).
@@ -225,6 +225,44 @@ def one_story() -> str:
     return "\n".join(rows).replace("%", " %") + "\n\n" + verdict + "\n"
 
 
+def lesson1_planner() -> str:
+    """laws.check_allocation of the study's two models on its 12.5 B tokens (Chinchilla's law)."""
+    from labkit import laws
+
+    small, large = (laws.check_allocation(n, 12.5e9) for n in (120e6, 350e6))
+    opt = small["optimal"]
+    return (f"Planner: at 20 tokens per parameter the study's 12.5 B tokens suit a model of about "
+            f"{12.5e9 / 20 / 1e6:.0f}M\nparameters. Under Chinchilla's constants (decoders on web text, "
+            f"`laws.check_allocation`), the\n120M model on 12.5 B tokens is \"{small['verdict'][6:]}\": it gives up "
+            f"{small['loss_given_up']:.3f} nats against the\ncompute-optimal {opt['n_params'] / 1e6:.0f}M / "
+            f"{opt['n_tokens'] / 1e9:.1f} B split of the same {opt['flops']:.0e} FLOPs. The 350M model on 12.5 B "
+            f"tokens is\nwithin {max(large['loss_given_up'], 0.001):.3f} nats of optimal. MLM on code needs its own "
+            f"constants (notebook 05).\n")
+
+
+def parallel_planner() -> str:
+    """plan.parallel_plans / first_fit for the 22 B encoder of notebook 04 on 16 H100 NVL."""
+    import polars as pl
+
+    from labkit import plan
+    from labkit.model import count_parameters, model_config
+
+    big = model_config("bert-1.3b", plan.STUDY_VOCAB, hidden_size=6144, num_heads=48, num_layers=48,
+                       intermediate_size=None)
+    splits = plan.parallel_plans(big, n_gpus=16, seq_len=512, micro_batch=4)
+    ddp = splits.filter((pl.col("dp") == 16) & (pl.col("zero_stage") == 0)).row(0, named=True)
+    fit = plan.first_fit(splits)
+    no_zero = plan.first_fit(splits.filter(pl.col("zero_stage") == 0))
+    return (f"`plan.parallel_plans` / `plan.first_fit`, for a {count_parameters(big)['total'] / 1e9:.1f} B-parameter "
+            f"encoder (48 layers, width\n6144) on 16 H100 NVL at micro-batch 4, seq 512:\n\n"
+            f"- plain DDP needs {ddp['total'] / 1e9:.0f} GB per GPU;\n"
+            f"- the first split that fits is ZeRO-{fit['zero_stage']} at DP {fit['dp']} x TP {fit['tp']} x PP {fit['pp']} "
+            f"({fit['total'] / 1e9:.0f} GB per GPU);\n"
+            f"- without ZeRO, the first is DP {no_zero['dp']} × TP {no_zero['tp']} × PP {no_zero['pp']} "
+            f"({no_zero['total'] / 1e9:.0f} GB per GPU, GPipe bubble {no_zero['bubble']:.0%} at 8\n  micro-batches).\n"
+            ).replace("%", " %")
+
+
 def _records(name: str) -> list[dict]:
     path = DATA / name
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -260,6 +298,8 @@ def bench_ddp() -> str:
 
 BLOCKS = {("README.md", "demo-summary"): demo_summary,
           ("docs/results.md", "lesson1-measured"): lesson1_measured,
+          ("docs/results.md", "lesson1-planner"): lesson1_planner,
+          ("docs/results.md", "parallel-planner"): parallel_planner,
           ("docs/results.md", "lesson2-measured"): lesson2_measured,
           ("docs/results.md", "lesson3-measured"): lesson3_measured,
           ("docs/results.md", "lesson3-planner"): lesson3_planner,
