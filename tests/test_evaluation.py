@@ -26,9 +26,9 @@ def _model(dropout: float = 0.1) -> BertMLM:
     return BertMLM(model_config("tiny", VOCAB, hidden_dropout=dropout, attention_dropout=dropout))
 
 
-def _heldout(shards: pathlib.Path, rank: int = 0, world: int = 1) -> HeldoutSet:
+def _heldout(shards: pathlib.Path, rank: int = 0, world: int = 1, n: int = 13) -> HeldoutSet:
     return HeldoutSet(shards, rank=rank, world_size=world, vocab_size=VOCAB, mlm_probability=0.15,
-                      max_sequences=13, batch_size=4, device=torch.device("cpu"))
+                      max_sequences=n, batch_size=4, device=torch.device("cpu"))
 
 
 @pytest.fixture
@@ -57,9 +57,16 @@ def _eval_worker(rank: int, world: int, port: int, shards: str, out: str) -> Non
     torch.set_num_threads(1)
     dist.init_distributed("gloo", 60.0, torch.device("cpu"))
     try:
+        from labkit.config import TrainConfig
+
         result = evaluate(_model(), _heldout(pathlib.Path(shards), rank, world))
+        # FSDP-sharded weights, 9 sequences: rank 1 holds one batch and repeats it (discarded) so
+        # that both ranks run the same number of forwards (each all-gathers the layers)
+        sharded = dist.wrap_model(_model(), TrainConfig(data_dir="-", run_dir="-", sharding="fsdp"),
+                                  torch.device("cpu"))
+        fsdp = evaluate(sharded, _heldout(pathlib.Path(shards), rank, world, n=9))
         if rank == 0:
-            pathlib.Path(out).write_text(json.dumps(result))
+            pathlib.Path(out).write_text(json.dumps({**result, "fsdp": fsdp}))
     finally:
         dist.teardown()
 
@@ -72,6 +79,10 @@ def test_two_ranks_give_the_one_rank_loss(shards, tmp_path):
     assert two["eval_masked"] == one["eval_masked"]  # same masks however the set is split
     assert two["eval_loss"] == pytest.approx(one["eval_loss"], abs=1e-6)
     assert _heldout(shards, 1, 2).n_batches == _heldout(shards, 0, 2).n_batches == 2
+    one_nine = evaluate(_model(), _heldout(shards, n=9))
+    assert two["fsdp"]["eval_masked"] == one_nine["eval_masked"]
+    assert two["fsdp"]["eval_loss"] == pytest.approx(one_nine["eval_loss"], abs=1e-6)
+    assert len(_heldout(shards, 1, 2, n=9).batches) == 1 < _heldout(shards, 1, 2, n=9).n_batches == 2
 
 
 def test_training_records_eval_loss(shards, tmp_path):
