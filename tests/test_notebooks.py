@@ -95,6 +95,8 @@ def test_notebooks_execute_and_export_offline_reports(reports, workdir):
     assert "bootstrap_p05" in text and "compute-optimal" in text
     law_records = [json.loads(line) for line in (workdir / "runs" / "law-16" / "metrics.jsonl").read_text().splitlines()]
     assert sum("eval_loss" in r for r in law_records) == PARAMS["law_points"]  # notebook 05 fits held-out loss
+    nb03 = [json.loads(line) for line in (workdir / "runs" / "notebook-03" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in nb03 if "eval_loss" in r] == list(range(1, PARAMS["steps"] + 1))  # every 6 // 4 steps
     nb04 = nbformat.read(reports["04_scaling"].with_suffix(".ipynb"), as_version=4)
     shown = "".join(o.get("data", {}).get("text/plain", "") for c in nb04.cells if c.cell_type == "code"
                     for o in c.get("outputs", []))
