@@ -135,7 +135,9 @@ def test_files_are_replaced_only_in_labkit_io():
 
 
 def test_cited_documents_exist():
-    """Every *.md a file in the repository names (DESIGN.md, docs/formats.md, ...) is in it."""
+    """The design notes a team keeps outside the repository (its design, style, references,
+    contract and cluster notes) are never cited unless the repository holds them: a user who
+    clones labkit can follow every citation. docs/ holds what they said, in our words."""
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
     names = {pathlib.Path(p).name for p in tracked}
     missing = set()
@@ -145,7 +147,9 @@ def test_cited_documents_exist():
         path = ROOT / rel
         if path.suffix not in (".py", ".md", ".ipynb", ".sh") or not path.exists():
             continue
-        for cited in re.findall(r"\b([A-Z][A-Z_]+\.md)\b", path.read_text(errors="replace")):
+        if path == pathlib.Path(__file__):
+            continue
+        for cited in re.findall(r"\b((?:DESIGN|STYLE|REFERENCES|CONTRACT|REAL_CLUSTER)\.md)\b", path.read_text(errors="replace")):
             if cited not in names:
                 missing.add(f"{rel}: {cited}")
     assert sorted(missing) == []
