@@ -2,11 +2,11 @@
 MLM decoder counted) and the largest micro-batch of labkit's training step for bert-120m and
 bert-350m at seq 128 and 512 on one NVIDIA GPU, eager and under ``torch.compile``; the
 planner's peak memory against ``torch.cuda.max_memory_allocated`` (per configuration, and
-``plan.gpu_memory_check`` with the optimiser training builds); a 1-GPU NCCL process-group init
+``study.gpu.gpu_memory_check`` with the optimiser training builds); a 1-GPU NCCL process-group init
 + all_reduce smoke test. Writes one JSON file and a short markdown summary beside it (.md).
 It has not run on a GPU yet (no GPU was available where it was written).
 
-Each configuration: build ``BertMLM`` (labkit/model.py), AdamW as ``train`` builds it, one step
+Each configuration: build ``BertMLM`` (labkit/model/encoder.py), AdamW as ``train`` builds it, one step
 at micro-batch 1 so the optimiser state exists, then ``largest_fitting`` finds the largest
 micro-batch whose whole step (bf16 autocast forward/backward through ``train.forward_backward``,
 global-norm clip, AdamW step) runs without ``torch.cuda.OutOfMemoryError``, emptying the CUDA
@@ -30,49 +30,18 @@ import pathlib
 import socket
 import sys
 import time
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from labkit import dist, measure  # noqa: E402
+from labkit import measure  # noqa: E402
+from labkit.io import atomic_write_json, atomic_write_text  # noqa: E402
 from labkit.config import TrainConfig  # noqa: E402
 from labkit.data.mlm import MLMCollator  # noqa: E402
 from labkit.model import BertMLM, count_parameters, flops_per_token, model_config  # noqa: E402
-from labkit.train import build_optimizer, forward_backward  # noqa: E402
-
-
-def largest_fitting(fits: Callable[[int], bool], *, limit: int, start: int = 1) -> tuple[int, list[int]]:
-    """Largest b in [1, limit] with ``fits(b)``, assuming fits is monotone (b fits => every
-    smaller b fits). Doubles from ``start`` until a try fails or ``limit`` is reached, then
-    bisects between the last success and the first failure: about 2·log2(answer) tries.
-    Returns ``(b, tried)``; b = 0 when not even 1 fits. Raises ValueError for limit < 1."""
-    if limit < 1 or start < 1:
-        raise ValueError(f"limit/start: must be >= 1, got limit={limit}, start={start}")
-    tried: list[int] = []
-
-    def attempt(b: int) -> bool:
-        tried.append(b)
-        return fits(b)
-
-    lo, hi, b = 0, limit + 1, min(start, limit)  # invariant: lo fits (0 trivially), hi does not
-    while True:
-        if attempt(b):
-            lo = b
-            if b == limit:
-                return lo, tried
-            b = min(2 * b, limit)
-        else:
-            hi = b
-            break
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if attempt(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo, tried
+from labkit.study.plan import largest_fitting  # noqa: E402
+from labkit.train import build_optimizer, dist, forward_backward  # noqa: E402
 
 
 def _is_oom(err: BaseException) -> bool:
@@ -86,7 +55,7 @@ def check_config(name: str, seq_len: int, *, vocab: int, device: torch.device, l
     ``micro_batch`` the search is skipped and that micro-batch is timed. The record also holds
     the planner's peak (``plan.memory_plan``, fused attention) for the timed micro-batch against
     ``peak_mem_bytes`` (``max_memory_allocated`` over the timed steps)."""
-    from labkit import plan
+    from labkit.study import plan
 
     mcfg = model_config(name, vocab, max_position_embeddings=max(512, seq_len))
     torch.manual_seed(0)
@@ -129,11 +98,12 @@ def check_config(name: str, seq_len: int, *, vocab: int, device: torch.device, l
         return {"model": name, "seq_len": seq_len, "compile": compile_, "max_micro_batch": 0,
                 "error": "micro-batch 1 does not fit"}
     t0 = time.perf_counter()
+    tried: list[int] = []
     if micro_batch is None:
-        best, tried = largest_fitting(fits, limit=limit)
+        best = largest_fitting(lambda n: tried.append(n) or fits(n), limit=limit)
         b = 1 << (best.bit_length() - 1)  # largest power of two <= best
     else:
-        best, tried, b = None, [], micro_batch
+        best, b = None, micro_batch
     search_s = time.perf_counter() - t0
     mb = batch(b)
     timer = measure.StepTimer(device)
@@ -228,24 +198,22 @@ def main(argv: list[str] | None = None) -> dict:
     report["wall_s"] = round(time.perf_counter() - t_start, 1)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, out)
+    atomic_write_json(out, report)
     md = out.with_suffix(".md")
-    md.write_text(summary_markdown(report))
+    atomic_write_text(md, summary_markdown(report))
     print(json.dumps({"gpu_check": str(out), "summary": str(md), "nccl_ok": report["nccl"].get("ok"),
                       "wall_s": report["wall_s"]}))
     return report
 
 
 def planner_check(device: torch.device) -> list[dict] | dict:
-    """``labkit.plan.gpu_memory_check`` (planned peak against ``max_memory_allocated`` with the
+    """``labkit.study.gpu.gpu_memory_check`` (planned peak against ``max_memory_allocated`` with the
     optimiser training builds) on CUDA; {"skipped": ...} elsewhere."""
     if device.type != "cuda":
         return {"skipped": "no CUDA device"}
-    from labkit import plan
+    from labkit.study.gpu import gpu_memory_check
 
-    return plan.gpu_memory_check()
+    return gpu_memory_check()
 
 
 def summary_markdown(report: dict) -> str:
@@ -267,7 +235,7 @@ def summary_markdown(report: dict) -> str:
                      f"{r['timed_micro_batch']} | {num(r['step_time_s'], '.4f')} | {num(r['tokens_per_s'], ',.0f')} | "
                      f"{num(r['mfu'], '.3f')} | {num(r.get('planned_over_measured'), '.3f')} |")
     check = report.get("planner_check")
-    lines += ["", "Planner check (`plan.gpu_memory_check`): " + (
+    lines += ["", "Planner check (`study.gpu.gpu_memory_check`): " + (
         check.get("skipped", "") if isinstance(check, dict) else
         "; ".join(f"{c['model']} b={c['micro_batch']}: peak ratio {c['peak_ratio']:.3f}, ok {c['ok']}" for c in check)),
         "", f"NCCL smoke test: {report['nccl']}", ""]

@@ -41,7 +41,7 @@ NETWORK_NAMES = {"25GbE": "25 GbE", "100GbE": "100 GbE", "IB-HDR": "IB HDR 200",
 def _eff_256(name: str, micro_batch: int, **kw) -> float:
     import polars as pl
 
-    from labkit import scaling
+    from labkit.study import scaling
 
     t = scaling.study_scaling(name, micro_batch=micro_batch, seq_len=kw.pop("seq_len", SEQ_LEN), mfu=MFU,
                               sparse_head=False, **kw)
@@ -50,7 +50,7 @@ def _eff_256(name: str, micro_batch: int, **kw) -> float:
 
 def lesson3_planner() -> str:
     """Planned compute per step and the samples/s the loaders must supply, both study models."""
-    from labkit import plan, scaling
+    from labkit.study import plan, scaling
 
     lines = []
     for name, b in plan.STUDY_MICRO_BATCH.items():
@@ -65,7 +65,7 @@ def lesson3_planner() -> str:
 
 def lesson4_planner() -> str:
     """Efficiency at 128 nodes per network and accumulation, plus the figures the prose quotes."""
-    from labkit import plan
+    from labkit.study import parallel, plan
     from labkit.model import count_parameters, model_config
 
     rows = ["| model, micro-batch | grad. accumulation | " + " | ".join(NETWORK_NAMES[n] for n in NETWORKS) + " |",
@@ -174,13 +174,13 @@ def lesson5_measured() -> str:
 
 
 def lesson5_planner() -> str:
-    """plan.study_table rows at seq 512 and every row within 10 % of the study, plus the breakdown."""
+    """parallel.study_table rows at seq 512 and every row within 10 % of the study, plus the breakdown."""
     import polars as pl
 
-    from labkit import plan
+    from labkit.study import parallel, plan
     from labkit.model import model_config
 
-    t = plan.study_table()
+    t = parallel.study_table()
     shown = t.filter((pl.col("seq_len") == 512) | pl.col("within_10pct")).sort("model", "seq_len", "precision",
                                                                                 "attention", "sparse_head")
     rows = ["| model | seq | precision | attention | head | planned max micro-batch | study |",
@@ -203,8 +203,8 @@ def lesson5_planner() -> str:
 
 
 def one_story() -> str:
-    """scaling.one_story: the settings under which lessons 4 and 5 hold at once, or none."""
-    from labkit import scaling
+    """study.scaling.one_story: the settings under which lessons 4 and 5 hold at once, or none."""
+    from labkit.study import scaling
 
     t = scaling.one_story()
     rows = ["| model | seq | precision | attention | head | planned / study micro-batch | largest MFU with "
@@ -227,7 +227,7 @@ def one_story() -> str:
 
 def lesson1_planner() -> str:
     """laws.check_allocation of the study's two models on its 12.5 B tokens (Chinchilla's law)."""
-    from labkit import laws
+    from labkit.study import laws
 
     small, large = (laws.check_allocation(n, 12.5e9) for n in (120e6, 350e6))
     opt = small["optimal"]
@@ -241,19 +241,19 @@ def lesson1_planner() -> str:
 
 
 def parallel_planner() -> str:
-    """plan.parallel_plans / first_fit for the 22 B encoder of notebook 04 on 16 H100 NVL."""
+    """parallel.parallel_plans / first_fit for the 22 B encoder of notebook 04 on 16 H100 NVL."""
     import polars as pl
 
-    from labkit import plan
+    from labkit.study import parallel, plan
     from labkit.model import count_parameters, model_config
 
     big = model_config("bert-1.3b", plan.STUDY_VOCAB, hidden_size=6144, num_heads=48, num_layers=48,
                        intermediate_size=None)
-    splits = plan.parallel_plans(big, n_gpus=16, seq_len=512, micro_batch=4)
+    splits = parallel.parallel_plans(big, n_gpus=16, seq_len=512, micro_batch=4)
     ddp = splits.filter((pl.col("dp") == 16) & (pl.col("zero_stage") == 0)).row(0, named=True)
-    fit = plan.first_fit(splits)
-    no_zero = plan.first_fit(splits.filter(pl.col("zero_stage") == 0))
-    return (f"`plan.parallel_plans` / `plan.first_fit`, for a {count_parameters(big)['total'] / 1e9:.1f} B-parameter "
+    fit = parallel.first_fit(splits)
+    no_zero = parallel.first_fit(splits.filter(pl.col("zero_stage") == 0))
+    return (f"`parallel.parallel_plans` / `parallel.first_fit`, for a {count_parameters(big)['total'] / 1e9:.1f} B-parameter "
             f"encoder (48 layers, width\n6144) on 16 H100 NVL at micro-batch 4, seq 512:\n\n"
             f"- plain DDP needs {ddp['total'] / 1e9:.0f} GB per GPU;\n"
             f"- the first split that fits is ZeRO-{fit['zero_stage']} at DP {fit['dp']} x TP {fit['tp']} x PP {fit['pp']} "

@@ -16,11 +16,15 @@ corpus so small that no document is drawn) writes no held-out file and no "heldo
 
 from __future__ import annotations
 
-import hashlib
+import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from labkit.config import SPECIAL_TOKENS
+from labkit.io import atomic_write_bytes, sha256_bytes
 
 HELDOUT_FILE = "heldout-00000.bin"
 RULE = "document row r is held out iff numpy.random.default_rng(seed).random(n_rows)[r] < fraction"
@@ -44,13 +48,15 @@ def split_keep(keep: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray
 
 
 def write_heldout(parts: list[dict], lengths: np.ndarray, heldout: np.ndarray, out_dir: str | os.PathLike, *,
-                  seq_len: int, dtype: np.dtype, fraction: float, seed: int) -> dict | None:
+                  seq_len: int, dtype: np.dtype, fraction: float, seed: int, pack: Callable,
+                  with_seps: Callable) -> dict | None:
     """Pack the ``heldout`` documents (bool mask over rows) of the encoded ``parts`` (markers of
     ``labkit.data.shards.encode_part``, sorted by start) into ``out_dir/heldout-00000.bin``,
     written atomically; returns the index entry (module docstring) or None when no document is
-    held out (a stale file is removed). ``lengths``: int64 [n_rows] ids per row (-1 = null text)."""
-    from labkit.data.shards import PAD_ID, _atomic_write, _with_seps, pack_rows
-
+    held out (a stale file is removed). ``lengths``: int64 [n_rows] ids per row (-1 = null text).
+    ``pack`` and ``with_seps`` are the shards' own ``pack_rows`` and ``_with_seps`` (passed in
+    so that this module does not import labkit.data.shards, which imports it)."""
+    pad_id = SPECIAL_TOKENS.index("[PAD]")
     path = Path(out_dir) / HELDOUT_FILE
     if not heldout.any():
         path.unlink(missing_ok=True)
@@ -63,30 +69,33 @@ def write_heldout(parts: list[dict], lengths: np.ndarray, heldout: np.ndarray, o
         valid = lens >= 0
         ids = np.fromfile(Path(p["dir"]) / p["ids"]["file"], dtype=np.dtype(p["dtype"]).newbyteorder("<"))
         token_keep = np.repeat(sel[valid], lens[valid])
-        streams.append(_with_seps(ids[token_keep].astype(np.int64), lens[sel]))
-    rows = pack_rows(np.concatenate(streams), seq_len, final=True)[0]
+        streams.append(with_seps(ids[token_keep].astype(np.int64), lens[sel]))
+    rows = pack(np.concatenate(streams), seq_len, final=True)[0]
     data = np.ascontiguousarray(rows, dtype=dtype).tobytes()
-    _atomic_write(path, data)
+    atomic_write_bytes(path, data)
     return {"rule": RULE, "fraction": fraction, "seed": seed, "n_documents": int(heldout.sum()),
-            "n_sequences": len(rows), "n_tokens": int(np.count_nonzero(rows != PAD_ID)),
+            "n_sequences": len(rows), "n_tokens": int(np.count_nonzero(rows != pad_id)),
             "shards": [{"file": HELDOUT_FILE, "n_sequences": len(rows), "n_bytes": len(data),
-                        "sha256": hashlib.sha256(data).hexdigest()}]}
+                        "sha256": sha256_bytes(data)}]}
+
+
+class HeldoutError(ValueError):
+    """A shard set has no held-out split, or its file is not as index.json says."""
 
 
 def read_heldout(data_dir: str | os.PathLike, max_sequences: int | None = None) -> np.ndarray:
     """The held-out sequences of the shard set in ``data_dir``: array [n, seq_len] of the index's
-    dtype, the first ``max_sequences`` rows when given. ``ShardError`` when the index records no
-    held-out split, or its file is missing or of another size than the index says."""
-    from labkit.data.shards import ShardError, read_index
-
-    index = read_index(data_dir)
+    dtype, the first ``max_sequences`` rows when given. ``HeldoutError`` (a ValueError) when the
+    index records no held-out split, or its file is missing or of another size than the index
+    says; the index itself is checked by ``labkit.data.shards.read_index`` before training."""
+    index = json.loads((Path(data_dir) / "index.json").read_text())
     entry = index.get("heldout")
     if not entry:
-        raise ShardError(f"{Path(data_dir) / 'index.json'}: no held-out split (rebuild the shards with "
+        raise HeldoutError(f"{Path(data_dir) / 'index.json'}: no held-out split (rebuild the shards with "
                          "ShardConfig.heldout_fraction > 0, or set eval_every=0)")
     shard = entry["shards"][0]
     path = Path(data_dir) / shard["file"]
     if not path.is_file() or path.stat().st_size != shard["n_bytes"]:
-        raise ShardError(f"{path}: held-out file missing or not {shard['n_bytes']} bytes as index.json says")
+        raise HeldoutError(f"{path}: held-out file missing or not {shard['n_bytes']} bytes as index.json says")
     rows = np.fromfile(path, dtype=np.dtype(index["dtype"]).newbyteorder("<")).reshape(-1, index["seq_len"])
     return rows[:max_sequences] if max_sequences else rows

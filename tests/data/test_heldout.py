@@ -9,7 +9,8 @@ import pytest
 
 from labkit.config import ShardConfig, TokenizerConfig
 from labkit.data.heldout import heldout_documents, read_heldout, split_keep
-from labkit.data.shards import ShardError, pack_documents, write_shards
+from labkit.data.heldout import HeldoutError
+from labkit.data.shards import pack_documents, write_shards
 from labkit.data.tokenize import load_tokenizer, train_tokenizer
 from tests.data.test_shards import disasm_docs
 
@@ -54,10 +55,10 @@ def test_no_document_on_both_sides_and_index_records_the_split(tmp_path):
     none = write_shards(str(tmp_path / "docs.parquet"), tok_path, str(tmp_path / "none"),
                         ShardConfig(seq_len=16), progress=False)
     assert "heldout" not in none
-    with pytest.raises(ShardError, match="no held-out split"):
+    with pytest.raises(HeldoutError, match="no held-out split"):
         read_heldout(tmp_path / "none")
     (tmp_path / "out" / entry["shards"][0]["file"]).write_bytes(b"\0\0")
-    with pytest.raises(ShardError, match="held-out file"):
+    with pytest.raises(HeldoutError, match="held-out file"):
         read_heldout(tmp_path / "out")
 
 
