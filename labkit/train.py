@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import load_model, save_file, save_model
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from labkit import dist, measure
+from labkit import dist, measure, provenance, sinks
 from labkit.config import TrainConfig, to_dict
 from labkit.data.mlm import make_loader
 from labkit.data.shards import read_index
@@ -243,6 +243,9 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
     ``cfg.resume``. Raises ``FloatingPointError`` on a non-finite loss when on_nonfinite="raise",
     ``ValueError`` naming the field for inconsistent settings; shard errors come from
     ``labkit.data.shards``. A process group this call creates is destroyed before it returns.
+    Rank 0 also sends each record to the sinks named in ``cfg.trackers`` (``labkit.sinks``:
+    TensorBoard event files under run_dir/tensorboard by default); config.json and result.json
+    carry the run's ``provenance`` (``labkit.provenance.collect``).
     """
     t_start = time.time()
     rank, local_rank, world = dist.dist_info()
@@ -250,10 +253,13 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     owns_group = not torch.distributed.is_initialized()
-    dist.init_distributed(cfg.backend, cfg.timeout_s, device)
+    trackers = sinks.open_sinks(cfg.trackers, cfg.run_dir) if rank == 0 else []
     try:
-        return _run(cfg, sink, rank, world, device, t_start)
+        dist.init_distributed(cfg.backend, cfg.timeout_s, device)
+        return _run(cfg, sinks.fan_out(sink, trackers), rank, world, device, t_start)
     finally:
+        for tracker in trackers:
+            tracker.close()
         if owns_group:
             dist.teardown()
 
@@ -308,9 +314,10 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         sampler.set_epoch(epoch)
 
     metrics_path = run_dir / "metrics.jsonl"
+    prov = provenance.collect(device, start_time=provenance.now_iso())  # collective: every rank's host, device
     if dist.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
-        _write_json(run_dir / "config.json", to_dict(cfg))
+        _write_json(run_dir / "config.json", to_dict(cfg) | {"provenance": prov})
         old = metrics_path.read_text().splitlines() if state is not None and metrics_path.exists() else []
         kept = [line for line in old if line.strip() and json.loads(line)["step"] <= step]
         tmp = metrics_path.with_name(".metrics.jsonl.tmp")
@@ -433,7 +440,16 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
               "resumed_from_step": resume_step or None, "skipped_steps": skipped, "model": cfg.model,
               "model_config": to_dict(mcfg), "seq_len": seq_len, "vocab_size": vocab_size,
               "device": str(device), "precision": cfg.precision, "sharding": sharding,
-              "activation_checkpointing": mcfg.activation_checkpointing, "wall_s": time.time() - t_start}
+              "activation_checkpointing": mcfg.activation_checkpointing, "wall_s": time.time() - t_start,
+              "provenance": prov | {"end_time": provenance.now_iso()}}
     if dist.is_main():
         _write_json(run_dir / "result.json", result)
     return result
+
+
+if __name__ == "__main__":  # python -m labkit.train CONFIG, or torchrun ... -m labkit.train CONFIG
+    import sys
+
+    from labkit.cli import train_main
+
+    sys.exit(train_main())
