@@ -117,7 +117,7 @@ as `BertForMaskedLM`; the tokenizer is labkit's, with [CLS]/[SEP] added around e
 ```python
 from transformers import pipeline
 fill = pipeline("fill-mask", model="path/to/this/directory")
-fill("push REG\\nmov REG , [MASK]")
+fill("test rax, rax\\n[MASK] ADDR")  # the jump after a test
 ```
 
 | setting | value |
