@@ -10,8 +10,9 @@ Top-level keys and one table per stage::
     [tokenizer]                    # TokenizerConfig
     [shards]                       # ShardConfig
     [stage]                        # StageConfig
-    [train]                        # TrainConfig; data_dir, run_dir and tokenizer_path default to
-                                   # <workdir>/shards, <workdir>/runs/main, <workdir>/tokenizer/tokenizer.json
+    [train]                        # TrainConfig; run_dir defaults to <workdir>/runs/main, data_dir
+                                   # to <workdir>/shards and then tokenizer_path to
+                                   # <workdir>/tokenizer/tokenizer.json
 
 ``--set section.key=value`` overrides one key (the value is read as a TOML value, else taken as
 a string: ``--set train.max_steps=20``, ``--set train.model=tiny``,
@@ -198,9 +199,14 @@ def build(cls: type, table: dict[str, Any], prefix: str) -> Any:
 
 
 def _train_defaults(train: dict[str, Any], workdir: str) -> dict[str, Any]:
+    """run_dir defaults to <workdir>/runs/main; data_dir to <workdir>/shards, and then (only
+    then) tokenizer_path to <workdir>/tokenizer/tokenizer.json, the tokenizer those shards are
+    checked against."""
     w = pathlib.Path(workdir)
-    return {"data_dir": str(w / "shards"), "run_dir": str(w / "runs" / "main"),
-            "tokenizer_path": str(w / "tokenizer" / "tokenizer.json"), **train}
+    defaults = {"run_dir": str(w / "runs" / "main")}
+    if "data_dir" not in train:
+        defaults |= {"data_dir": str(w / "shards"), "tokenizer_path": str(w / "tokenizer" / "tokenizer.json")}
+    return defaults | train
 
 
 def from_mapping(data: dict[str, Any]) -> LabConfig:
