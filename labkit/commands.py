@@ -61,6 +61,13 @@ def prepare(cfg: LabConfig, *, force: bool = False) -> int:
     return 0
 
 
+def _require_shards(data_dir: str | pathlib.Path, key: str) -> None:
+    """FileNotFoundError naming ``key`` when ``data_dir`` holds no shard index (checked here,
+    before engines are started for nothing)."""
+    if not (pathlib.Path(data_dir) / "index.json").is_file():
+        raise FileNotFoundError(f"{key}: {data_dir} holds no shard set (index.json); run labkit prepare first")
+
+
 def _stage(client, cfg: LabConfig) -> dict[str, dict]:
     from labkit import lab
 
@@ -69,6 +76,7 @@ def _stage(client, cfg: LabConfig) -> dict[str, dict]:
 
 def stage(cfg: LabConfig) -> int:
     """Copy the shards to every node's local disk, checksums verified (notebook 02)."""
+    _require_shards(pathlib.Path(cfg.workdir) / "shards", "workdir")
     with cluster_client(cfg.cluster) as client:
         _print_json(_stage(client, cfg))
     return 0
@@ -89,6 +97,7 @@ def train(cfg: LabConfig, *, stage_first: bool = True) -> int:
     the run's data_dir is the work directory's shards. Prints the result's main numbers."""
     from labkit import lab
 
+    _require_shards(cfg.train.data_dir, "train.data_dir")
     with cluster_client(cfg.cluster) as client:
         staged = _stage(client, cfg) if stage_first and _uses_workdir_shards(cfg) else None
         result = lab.train_on_cluster(client, cfg.train, staged=staged)
@@ -129,6 +138,7 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
     from labkit.data.shards import read_index
 
     w = cfg.workdir
+    _require_shards(cfg.train.data_dir, "train.data_dir")
     with cluster_client(cfg.cluster) as client:
         if kind == "ranks":
             staged = _stage(client, cfg) if _uses_workdir_shards(cfg) else None
