@@ -24,8 +24,6 @@ import os
 import shlex
 import sys
 
-from labkit.provenance import COMMAND_ENV
-
 EXAMPLES = {
     "prepare": "labkit prepare configs/walkthrough.toml --set corpus.max_functions=20000",
     "stage": "labkit stage configs/walkthrough.toml",
@@ -263,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    from labkit.provenance import COMMAND_ENV
+
     os.environ[COMMAND_ENV] = shlex.join(["labkit", *argv])  # engines inherit it: provenance's command line
     return _guarded(f"labkit {args.command}", args.func, args, _input_errors())
 
