@@ -82,12 +82,14 @@ SINKS: dict[str, Callable[[str], MetricSink]] = {"tensorboard": TensorBoardSink}
 """Sink name (as in ``TrainConfig.trackers``) -> factory taking the run directory."""
 
 
-def open_sinks(names: tuple[str, ...] | list[str], run_dir: str | os.PathLike) -> list[MetricSink]:
-    """One sink per name; ValueError naming an unknown one (before anything is opened)."""
+def open_sinks(names: tuple[str, ...] | list[str], run_dir: str | os.PathLike, *, main: bool = True) -> list[MetricSink]:
+    """One sink per name on the main rank (``main``), none elsewhere. Every rank checks the
+    names, so an unknown one raises ValueError naming it on all ranks alike (none waits in a
+    collective for a rank that stopped)."""
     unknown = [n for n in names if n not in SINKS]
     if unknown:
         raise ValueError(f"trackers: unknown {unknown}; known trackers are {sorted(SINKS)}")
-    return [SINKS[n](run_dir) for n in names]
+    return [SINKS[n](run_dir) for n in names] if main else []
 
 
 def fan_out(callback: Callable[[dict], None] | None, sinks: list[MetricSink]) -> Callable[[dict], None] | None:

@@ -253,7 +253,7 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     owns_group = not torch.distributed.is_initialized()
-    trackers = sinks.open_sinks(cfg.trackers, cfg.run_dir) if rank == 0 else []
+    trackers = sinks.open_sinks(cfg.trackers, cfg.run_dir, main=rank == 0)  # rank 0 writes
     try:
         dist.init_distributed(cfg.backend, cfg.timeout_s, device)
         return _run(cfg, sinks.fan_out(sink, trackers), rank, world, device, t_start)
