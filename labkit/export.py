@@ -117,7 +117,7 @@ as `BertForMaskedLM`; the tokenizer is labkit's, with [CLS]/[SEP] added around e
 ```python
 from transformers import pipeline
 fill = pipeline("fill-mask", model="path/to/this/directory")
-fill("test rax, rax\\n[MASK] ADDR")  # the jump after a test
+fill("test rax, rax\\n[MASK] ADDR")  # guesses for the instruction after a test
 ```
 
 | setting | value |
