@@ -9,10 +9,11 @@
     labkit export RUN_DIR OUT        model + tokenizer + model card for transformers
     labkit demo | verify SHARD_DIR | report NOTEBOOK OUT.html
 
-CONFIG is a TOML file (``labkit.configfile``); ``--set section.key=value`` overrides a key.
+CONFIG is a TOML file (``labkit.config.tomlfile``); ``--set section.key=value`` overrides a key.
 Errors caused by the input (a bad key, a missing file, a failed notebook cell, a dead kernel,
 an engine's error) print one line naming the cause and exit with status 2; ``--debug`` shows
-the traceback instead. ``python -m labkit.train CONFIG`` (also under torchrun) is ``train_main``.
+the traceback instead. ``python -m labkit.train CONFIG`` (also under torchrun) is
+``labkit/train/__main__.py``.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def _guarded(name: str, func, args: argparse.Namespace, errors: tuple[type[BaseE
 
 def _config(args: argparse.Namespace):
     """The LabConfig of CONFIG with --set and the cluster options applied."""
-    from labkit.configfile import load
+    from labkit.config.tomlfile import load
 
     overrides = list(args.set)
     for flag, key in (("engines", "engines"), ("profile", "profile"), ("cluster_id", "cluster_id")):
@@ -138,7 +139,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def _resume(args: argparse.Namespace) -> int:
     from labkit import commands
-    from labkit.configfile import ClusterConfig
+    from labkit.config.tomlfile import ClusterConfig
 
     engines = args.engines or commands.run_world_size(args.run_dir) or ClusterConfig().engines
     cluster = ClusterConfig(engines=engines, kind="slurm" if args.slurm else "local", profile=args.profile,
@@ -223,10 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--micro-batch", type=int, default=16, help="sequences per GPU per step")
-    p.add_argument("--device", default="H100 NVL", help="a labkit.plan.DEVICES name")
+    p.add_argument("--device", default="H100 NVL", help="a labkit.study.plan.DEVICES name")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--vocab-size", type=int, default=None, help="default: the study's vocabulary")
-    p.add_argument("--network", default="25GbE", help="a labkit.scaling.NETWORKS name")
+    p.add_argument("--network", default="25GbE", help="a labkit.study.scaling.NETWORKS name")
     p.add_argument("--top", type=int, default=8, help="splits shown")
     p.set_defaults(func=_command("plan"))
     p = _sub(sub, "export", "write a run's model, tokenizer and model card for transformers", debug)
@@ -261,40 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    from labkit.provenance import COMMAND_ENV
+    from labkit.train.provenance import COMMAND_ENV
 
     os.environ[COMMAND_ENV] = shlex.join(["labkit", *argv])  # engines inherit it: provenance's command line
     return _guarded(f"labkit {args.command}", args.func, args, _input_errors())
-
-
-def train_main(argv: list[str] | None = None) -> int:
-    """``python -m labkit.train CONFIG [--set train.key=value ...]``: this process is one rank
-    (RANK/WORLD_SIZE/LOCAL_RANK from the environment, as torchrun sets them; none: one process).
-    Trains ``[train]`` of CONFIG with ``labkit.train.train`` and prints rank 0's result as one
-    JSON line. Errors of the input print one line per rank and exit 2."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    debug = argparse.ArgumentParser(add_help=False)
-    debug.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    parser = argparse.ArgumentParser(prog="python -m labkit.train", parents=[debug],
-                                     description="Train one MLM run as this process's rank.",
-                                     epilog="examples:\n  python -m labkit.train configs/walkthrough.toml\n"
-                                            "  torchrun --nproc-per-node 2 -m labkit.train configs/walkthrough.toml "
-                                            "--set train.max_steps=50",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_common(parser, cluster=False)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    rank = os.environ.get("RANK", "0")
-
-    def run(a: argparse.Namespace) -> int:
-        from labkit.configfile import load
-        from labkit.train import train
-
-        result = train(load(a.config, a.set).train)
-        if rank == "0":
-            print(json.dumps(result, default=str))
-        return 0
-
-    return _guarded(f"labkit.train (rank {rank})", run, args, (ValueError, OSError, RuntimeError, FloatingPointError))
 
 
 if __name__ == "__main__":

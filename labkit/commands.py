@@ -12,7 +12,7 @@ import pathlib
 import sys
 from typing import Any, Iterator
 
-from labkit.configfile import ClusterConfig, LabConfig
+from labkit.config.tomlfile import ClusterConfig, LabConfig
 
 
 def _print_json(obj: Any) -> None:
@@ -110,7 +110,7 @@ def resume(run_dir: str, cluster: ClusterConfig, overrides: list[str]) -> int:
     config.json; ``train.key=value`` overrides), on as many engines as it ran on. The run's
     ``stop_after`` is dropped unless an override sets it again."""
     from labkit import lab
-    from labkit.configfile import read_run_config
+    from labkit.config.tomlfile import read_run_config
 
     cfg = read_run_config(run_dir, overrides)
     if not any(o.split("=", 1)[0].strip() == "train.stop_after" for o in overrides):
@@ -162,8 +162,8 @@ def plan(args) -> int:
     """The planner at a chosen scale (notebook 04's second half): memory per GPU term by term
     under plain data parallelism, the dp x tp x pp x ZeRO splits that fit, and the predicted
     data-parallel scaling from 1 GPU to ``args.gpus``. No cluster needed."""
-    from labkit import plan as lp
-    from labkit import scaling
+    from labkit.study import plan as lp
+    from labkit.study import parallel, scaling
     from labkit.model import model_config
 
     cfg = model_config(args.model, args.vocab_size or lp.STUDY_VOCAB,
@@ -174,7 +174,7 @@ def plan(args) -> int:
     print(f"memory per GPU, {args.model} on {args.device} ({cap / 1e9:.0f} GB), data parallel over {args.gpus} "
           f"GPUs, micro-batch {args.micro_batch} x {args.seq_len} tokens, {args.precision}:")
     _print_json({k: v for k, v in mem.items()} | {"fits": mem["total"] <= cap})
-    plans = lp.parallel_plans(cfg, n_gpus=args.gpus, seq_len=args.seq_len, micro_batch=args.micro_batch,
+    plans = parallel.parallel_plans(cfg, n_gpus=args.gpus, seq_len=args.seq_len, micro_batch=args.micro_batch,
                               device=args.device, gpus_per_node=args.gpus_per_node, precision=args.precision)
     print("splits that fit (dp x tp x pp, ZeRO stage), least model parallelism first:")
     import polars as pl

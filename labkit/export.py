@@ -1,7 +1,7 @@
 """Hand a trained run to transformers: model, tokenizer and a model card in one directory.
 
-``export_run(run_dir, out)`` writes, into a temporary directory renamed onto ``out`` last (a
-half-written export never appears under ``out``):
+``export_run(run_dir, out)`` writes, into a temporary directory renamed onto ``out`` last
+(``labkit.io.atomic_dir``: a half-written export never appears under ``out``):
 
     model.safetensors, config.json      ``labkit.model.export_hf`` (BertForMaskedLM)
     tokenizer.json                      the run's tokenizer with BERT's post-processor
@@ -22,10 +22,10 @@ import json
 import os
 import pathlib
 import shutil
-import tempfile
 from typing import Any
 
 from labkit.config import SPECIAL_TOKENS, ModelConfig, TrainConfig, from_dict, to_dict
+from labkit.io import atomic_dir
 
 SPECIAL_NAMES = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
                  "mask_token": "[MASK]"}
@@ -144,7 +144,7 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, tokenizer_
     import torch
     from safetensors.torch import load_model
 
-    from labkit.configfile import read_run_config
+    from labkit.config.tomlfile import read_run_config
     from labkit.data.tokenize import tokenizer_sha256
     from labkit.model import BertMLM, export_hf
 
@@ -165,20 +165,14 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, tokenizer_
     load_model(model, str(ckpt / "model.safetensors"), strict=True)
     model.eval()
     seq_len = int((result or {}).get("seq_len") or (index or {}).get("seq_len") or mcfg.max_position_embeddings)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
-    try:
+    with atomic_dir(dest) as tmp:  # published only when complete
+        tmp.chmod(0o755)
         with torch.no_grad():
             export_hf(model, tmp)
         files = hf_tokenizer_files(tok_path, model_max_length=seq_len)
         files["README.md"] = model_card(cfg, mcfg, result, int(ckpt.name[5:]))
         for name, text in files.items():
             (tmp / name).write_text(text, encoding="utf-8")
-        tmp.chmod(0o755)
-        if dest.exists():
+        if dest.exists():  # force: the old export goes only once the new one is complete
             shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dest

@@ -89,7 +89,7 @@ def test_resume_and_export_name_a_missing_run(tmp_path, capsys):
 
 
 def test_plan_prints_the_planners_numbers(capsys):
-    from labkit import plan
+    from labkit.study import plan
     from labkit.model import model_config
 
     assert main(["plan", "--model", "bert-120m", "--gpus", "8", "--micro-batch", "16", "--seq-len", "512"]) == 0

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from labkit.config import DedupConfig, TrainConfig, to_dict
-from labkit.configfile import apply_overrides, load, parse_override, read_run_config
+from labkit.config.tomlfile import apply_overrides, load, parse_override, read_run_config
 
 TOML = """
 workdir = "w"
