@@ -510,6 +510,9 @@ class TrainConfig:
     verify_data: bool = False
     """Recompute every shard's sha256 against index.json before training (a staged copy was
     already verified when it was made)."""
+    trackers: tuple[str, ...] = ("tensorboard",)
+    """Metric sinks rank 0 sends every record to besides metrics.jsonl (``labkit.train.sinks.SINKS``):
+    "tensorboard" writes event files under run_dir/tensorboard; () writes none."""
 
     def __post_init__(self) -> None:
         _one_of(self.sharding, "sharding", ("ddp", "zero1", "fsdp"))
