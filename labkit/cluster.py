@@ -23,12 +23,13 @@ import pathlib
 import signal
 import socket
 import stat
-import time
+import subprocess
 import warnings
 from typing import Any
 
 import ipyparallel as ipp
 
+from labkit.engine_watch import EngineStartError, registered, wait_for_engines  # noqa: F401 (re-exported)
 from labkit.topology import (LOCAL_ID_ENVS, NODE_ENV, assign_ranks, engine_info,  # noqa: F401 (re-exported)
                              per_node, set_node_names)
 
@@ -57,7 +58,9 @@ def slurm_batch_template(*, nodes: int, gpus_per_node: int, partition: str = "",
     `--gpus-per-node`); `srun` starts one engine per task, so SLURM_LOCALID is each engine's
     local id and every engine sees its node's GPUs (it uses cuda:LOCAL_RANK). `#SBATCH
     --export=ALL` passes the notebook's environment (and the engines' connection info) to the
-    job. `sbatch_lines` are extra "#SBATCH ..." lines (e.g. "#SBATCH --exclusive"), `setup_lines`
+    job. `--no-requeue`: when a node fails Slurm ends the job (NODE_FAIL) instead of requeueing it,
+    so engines of an old job can never come back and register beside the ones
+    `restart_engines` starts. `sbatch_lines` are extra "#SBATCH ..." lines (e.g. "#SBATCH --exclusive"), `setup_lines`
     shell lines run before srun (e.g. "module load cuda"). ipyparallel fills {cluster_id},
     {output_file} and {program_and_args}; literal braces in user lines are escaped.
     Raises ValueError naming the field for nodes/gpus_per_node < 1 or a line of sbatch_lines
@@ -74,7 +77,7 @@ def slurm_batch_template(*, nodes: int, gpus_per_node: int, partition: str = "",
     def esc(s: str) -> str:
         return s.replace("{", "{{").replace("}", "}}")
 
-    lines = ["#!/bin/bash", "#SBATCH --export=ALL", "#SBATCH --job-name=ipengine-{cluster_id}",
+    lines = ["#!/bin/bash", "#SBATCH --export=ALL", "#SBATCH --job-name=ipengine-{cluster_id}", "#SBATCH --no-requeue",
              f"#SBATCH --nodes={nodes}", f"#SBATCH --ntasks-per-node={gpus_per_node}",
              f"#SBATCH --gpus-per-node={gpus_per_node}", "#SBATCH --output={output_file}"]
     lines += [f"#SBATCH --cpus-per-task={cpus_per_task}"] if cpus_per_task else []
@@ -97,9 +100,28 @@ def _launcher_config(settings: dict) -> Any:
         launcher.batch_template = slurm_batch_template(**settings["slurm"])
         if settings.get("batch_file"):  # absolute: os.path.join(work_dir, it) is it
             launcher.batch_file_name = settings["batch_file"]
-    if settings["engines"] == "mpi" and settings.get("mpi_args"):
-        launcher.mpi_args = list(settings["mpi_args"])
+    if settings["engines"] == "mpi":
+        launcher.mpi_args = list(settings.get("mpi_args") or []) + _mpi_exports(launcher.environment)
     return c
+
+
+def _mpi_exports(environment: dict) -> list[str]:
+    """Open MPI's mpiexec passes only OMPI_* variables to ranks on other hosts: `-x NAME` for the
+    engines' environment and ipyparallel's IPP_CLUSTER_ID / IPP_PROFILE_DIR (MPICH's hydra
+    forwards the whole environment; nothing is added there or without mpiexec)."""
+    import shutil
+
+    exe = shutil.which("mpiexec")
+    if exe is None:
+        return []
+    try:
+        version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if "Open MPI" not in version and "OpenRTE" not in version:
+        return []
+    names = sorted({"IPP_CLUSTER_ID", "IPP_PROFILE_DIR", *environment})
+    return [arg for name in names for arg in ("-x", name)]
 
 
 def _settings_path(cluster: ipp.Cluster) -> pathlib.Path:
@@ -121,6 +143,7 @@ def start_cluster(
     keep_running: bool = False,
     slurm: dict | None = None,
     mpi_args: list[str] | None = None,
+    network_interface: str | None = None,
     **kw: Any,
 ) -> ipp.Cluster:
     """Start a controller and engines with ipyparallel's own launchers, and connect a client.
@@ -129,17 +152,24 @@ def start_cluster(
     per GPU: `slurm` holds the keywords of `slurm_batch_template`, nodes and gpus_per_node at
     least; n defaults to, and must equal, nodes * gpus_per_node) or "mpi" (`mpiexec -n n
     <mpi_args> ipengine --mpi`; needs mpi4py in the engines).
-    controller_ip: 127.0.0.1 by default for local engines (reachable from this machine only);
-    for Slurm the default is this host's own address (the compute nodes must reach it), an
-    error if that resolves to loopback. "*" / "0.0.0.0" listen on all interfaces and warn.
+    network_interface: the network interface the nodes talk over (for multi-homed nodes, e.g.
+    "ib0"): exported to the engines as GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (unless `env`
+    sets them), and its IPv4 address on this host is the default controller_ip.
+    controller_ip: default 127.0.0.1 for local engines (reachable from this machine only);
+    for Slurm and MPI the address of `network_interface`, else the address this host's name
+    resolves to; where that is a loopback address, MPI without a host list keeps 127.0.0.1 and
+    Slurm (and MPI with -H/--host/--hostfile) raise ValueError saying in one line what to pass.
+    "*" / "0.0.0.0" listen on all interfaces and warn.
     env: extra engine environment; the directory holding this `labkit` is prepended to
     PYTHONPATH so engines import the same code. keep_running: leave the cluster running when
     this Python process exits (reconnect later with `connect_cluster`). timeout: seconds for
     the engines to register (default 120, Slurm 3600 for the queue). Other keywords go to
     `ipyparallel.Cluster`. The settings are saved to security/labkit-<cluster_id>.json and every
     file in the profile's security/ directory is made owner-only (0600, directory 0700).
-    Raises ValueError naming the bad argument, TimeoutError when the engines do not register
-    in time (the cluster is stopped first).
+    Raises ValueError naming the bad argument; EngineStartError (a RuntimeError) within about a
+    second of the engines' exit when they cannot start, with their own output (local, MPI,
+    Slurm: see labkit.engine_watch); TimeoutError when they do not register in time. The
+    cluster is stopped first in every case.
     """
     if engines not in ENGINE_KINDS:
         raise ValueError(f"engines must be one of {ENGINE_KINDS}, got {engines!r}")
@@ -158,13 +188,17 @@ def start_cluster(
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if controller_ip is None:
-        controller_ip = _default_controller_ip(engines)
+        controller_ip = _default_controller_ip(engines, network_interface, mpi_args or [])
     engine_env = dict(env or {})
+    if network_interface:
+        engine_env.setdefault("GLOO_SOCKET_IFNAME", network_interface)
+        engine_env.setdefault("NCCL_SOCKET_IFNAME", network_interface)
     paths = [str(pathlib.Path(__file__).resolve().parent.parent)]
     paths += [p for p in (engine_env.get("PYTHONPATH"), os.environ.get("PYTHONPATH")) if p]
     engine_env["PYTHONPATH"] = os.pathsep.join(paths)
     settings = {"engines": engines, "n": n, "environment": engine_env, "slurm": slurm,
-                "mpi_args": list(mpi_args or []), "controller_ip": controller_ip}
+                "mpi_args": list(mpi_args or []), "controller_ip": controller_ip,
+                "network_interface": network_interface}
     for key, value in (("profile", profile), ("profile_dir", profile_dir)):
         if value is not None:
             kw[key] = value
@@ -184,7 +218,7 @@ def start_cluster(
         _write_private(_settings_path(cluster), settings)
         client = cluster.connect_client_sync()
         cluster._labkit_client = client
-        client.wait_for_engines(n, timeout=timeout, interactive=False)
+        wait_for_engines(cluster, client, n, timeout=timeout)
         secure_connection_files(cluster.profile_dir)
     except BaseException:
         stop_cluster(cluster)
@@ -192,13 +226,36 @@ def start_cluster(
     return cluster
 
 
-def _default_controller_ip(engines: str) -> str:
-    if engines != "slurm":
+def interface_address(name: str) -> str:
+    """The IPv4 address of this host's network interface `name`; ValueError listing the
+    interfaces when it has none."""
+    import psutil
+
+    addrs = psutil.net_if_addrs()
+    found = [a.address for a in addrs.get(name, []) if a.family == socket.AF_INET]
+    if not found:
+        have = ", ".join(f"{i} {a.address}" for i, lst in sorted(addrs.items()) for a in lst if a.family == socket.AF_INET)
+        raise ValueError(f"network_interface={name!r}: no IPv4 address on this host (interfaces: {have})")
+    return found[0]
+
+
+def _default_controller_ip(engines: str, network_interface: str | None, mpi_args: list[str]) -> str:
+    """See start_cluster's controller_ip."""
+    if network_interface:
+        return interface_address(network_interface)
+    if engines == "local":
         return "127.0.0.1"
-    addr = socket.gethostbyname(socket.gethostname())
-    if addr.startswith("127."):
-        raise ValueError(f"controller_ip: this host's name resolves to {addr}, which compute nodes cannot "
-                         "reach; pass controller_ip='<this node's cluster-network address>'")
+    host = socket.gethostname()
+    addr = socket.gethostbyname(host)
+    many_hosts = any(a in ("-H", "--host", "-host", "--hostfile", "-hostfile", "--machinefile") for a in mpi_args)
+    if addr.startswith("127.") and (engines == "slurm" or many_hosts):
+        import psutil
+
+        have = ", ".join(f"{i} {a.address}" for i, lst in sorted(psutil.net_if_addrs().items()) for a in lst
+                         if a.family == socket.AF_INET and not a.address.startswith("127."))
+        raise ValueError(f"controller_ip: this host's name {host!r} resolves to {addr}, which other nodes cannot "
+                         f"reach; pass controller_ip='<address>' or network_interface='<name>' "
+                         f"(this host has: {have or 'loopback only'}; 127.0.0.1 only if all nodes are this host)")
     return addr
 
 
@@ -287,37 +344,38 @@ def connect_cluster(cluster_id: str, *, profile: str | None = None, profile_dir:
 
 def restart_engines(cluster: ipp.Cluster, *, timeout: float | None = None) -> list[int]:
     """Kill every engine (SIGKILL; `scancel -s 9` on Slurm), stop and start the same number again
-    (ipyparallel `restart_engines`, same launcher settings and environment); wait for the new
-    engines and return their ids.
+    (same launcher settings and environment); wait for the new engines and return their ids.
 
     Use it after a failed or interrupted DDP run: surviving ranks may be blocked in a collective
-    that no signal ends. Engine ids change; node names set with `set_node_names` are gone.
-    Raises TimeoutError if the new engines do not register within `timeout` s (default as in
-    `start_cluster`).
+    that no signal ends. New engines are told apart from the old ones by their registration
+    uuid, not their id: MPI engines come back with the same ids (their MPI ranks), other
+    launchers give new ids. Node names set with `set_node_names` are gone. An engine set that
+    cannot be stopped cleanly (its Slurm job already ended after a node failure) is dropped and
+    a new one started. Raises EngineStartError when the new engines exit before registering
+    (with their output), TimeoutError if they do not register within `timeout` s (default as
+    in `start_cluster`).
     """
     client = get_client(cluster)
-    old = set(client.ids)
+    old = set(registered(client).values())
     path = _settings_path(cluster)
     settings = json.loads(path.read_text()) if path.exists() else {}
     n = sum(es.n for es in cluster.engines.values()) or int(settings.get("n", 0))
     if n < 1:
         raise RuntimeError(f"cluster {cluster.cluster_id}: no engine set to restart and no saved engine count")
-    if cluster.engines:
-        with contextlib.suppress(Exception):  # a rank stuck in a collective ignores SIGTERM; the state is disposable
-            cluster.signal_engines_sync(signal.SIGKILL)
-        cluster.restart_engines_sync()
-    else:  # every engine set already stopped
-        cluster.start_engines_sync(n)
+    kind = settings.get("engines") or ("slurm" if any("Slurm" in type(es).__name__ for es in cluster.engines.values())
+                                       else "local")
+    with contextlib.suppress(Exception):  # a rank stuck in a collective ignores SIGTERM; the state is disposable
+        cluster.signal_engines_sync(signal.SIGKILL)
+    for set_id in list(cluster.engines):
+        try:
+            cluster.stop_engines_sync(set_id)
+        except Exception as err:  # noqa: BLE001 - e.g. scancel of a job that already ended
+            cluster.log.warning("restart_engines: engine set %s did not stop cleanly (%s); dropped", set_id, err)
+            cluster.engines.pop(set_id, None)
+    cluster.start_engines_sync(n)
     if timeout is None:
-        timeout = 3600.0 if "Slurm" in type(next(iter(cluster.engines.values()))).__name__ else 120.0
-    deadline = time.monotonic() + timeout
-    while True:
-        new = sorted(set(client.ids) - old)
-        if len(new) >= n:
-            break
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"restart_engines: {len(new)} of {n} engines registered within {timeout} s")
-        time.sleep(0.2)
+        timeout = 3600.0 if kind == "slurm" else 120.0
+    new = wait_for_engines(cluster, client, n, timeout=timeout, exclude_uuids=old)
     secure_connection_files(cluster.profile_dir)
     return new
 

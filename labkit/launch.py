@@ -29,6 +29,7 @@ import ipyparallel as ipp
 from ipyparallel import error as ipp_error
 
 from labkit.cluster import get_client, restart_engines
+from labkit.engine_watch import unreachable
 from labkit.topology import assign_ranks, engine_info
 
 
@@ -36,11 +37,17 @@ class DDPError(RuntimeError):
     """A rank of a `run_ddp` call failed, died or timed out; the message names the rank.
 
     Attributes: `rank` (int or None for a timeout), `engine_id`, `died` (True when the engine
-    process is gone)."""
+    process is gone), `lost` (the ranks whose engines are gone or unreachable, e.g. their node
+    dropped off the network; empty when all answered)."""
 
-    def __init__(self, message: str, *, rank: int | None = None, engine_id: int | None = None, died: bool = False):
+    def __init__(self, message: str, *, rank: int | None = None, engine_id: int | None = None, died: bool = False,
+                 lost: list[int] | None = None):
         super().__init__(message)
-        self.rank, self.engine_id, self.died = rank, engine_id, died
+        self.rank, self.engine_id, self.died, self.lost = rank, engine_id, died, list(lost or [])
+
+
+LOST_PROBE_S = 5.0
+"""Seconds an engine has to answer a control request before run_ddp counts it as lost."""
 
 
 def _free_port() -> int:
@@ -246,12 +253,22 @@ def run_ddp(
                         ars[r].get(0)
                     except Exception as err:
                         died = isinstance(err, ipp_error.EngineError)
+                        lost = _lost(client, pending, engine_of)  # a rank's collective failed: is a peer gone?
+                        if lost:
+                            stop_others()
+                            raise DDPError(_lost_message(lost, who, name, f"{who(r)} failed: {_first_line(err)}"),
+                                           rank=lost[0], engine_id=engine_of[lost[0]], died=True, lost=lost) from err
                         stop_others()
                         what = "engine died" if died else "failed"
                         raise DDPError(f"{who(r)} {what} while running {name}:\n{_remote_text(err)}",
                                        rank=r, engine_id=engine_of[r], died=died) from err
                 shown = _show(lives, ars[0], shown)
                 if pending and deadline is not None and time.monotonic() > deadline:
+                    lost = _lost(client, pending, engine_of)
+                    if lost:
+                        stop_others()
+                        raise DDPError(_lost_message(lost, who, name, f"timeout after {timeout} s"),
+                                       rank=lost[0], engine_id=engine_of[lost[0]], died=True, lost=lost)
                     unfinished = ", ".join(who(r) for r in sorted(pending))
                     stop_others()
                     raise DDPError(f"timeout after {timeout} s: {unfinished} not finished")
@@ -272,6 +289,26 @@ def run_ddp(
                 if hasattr(cb, "flush"):
                     cb.flush()
     return [ars[r].get(0) for r in sorted(ars)]
+
+
+def _lost(client: ipp.Client, ranks: set[int], engine_of: dict[int, int]) -> list[int]:
+    """The ranks among `ranks` whose engines are unregistered or do not answer within LOST_PROBE_S."""
+    if not ranks:
+        return []
+    gone = set(unreachable(client, [engine_of[r] for r in ranks], timeout=LOST_PROBE_S))
+    return [r for r in sorted(ranks) if engine_of[r] in gone]
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [ln for ln in _remote_text(err).splitlines() if ln.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+def _lost_message(lost: list[int], who: Callable[[int], str], name: str, then: str) -> str:
+    return (f"{who(lost[0])}: engine lost while running {name} (no answer within {LOST_PROBE_S:g} s: its node is "
+            f"down or off the network); engines gone: {'; '.join(who(r) for r in lost)}; then {then}. "
+            "When the node is back, restart the engines (labkit.cluster.restart_engines) and run again "
+            "to resume from the last checkpoint")
 
 
 def _show(lives: list[Callable], ar: Any, shown: Any) -> Any:
