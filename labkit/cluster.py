@@ -29,11 +29,14 @@ from typing import Any
 
 import ipyparallel as ipp
 
-from labkit.engine_watch import EngineStartError, registered, wait_for_engines  # noqa: F401 (re-exported)
+from labkit.engine_watch import (EngineStartError, forget_engines, registered,  # noqa: F401 (re-exported)
+                                 wait_for_engines, wait_unregistered)
 from labkit.topology import (LOCAL_ID_ENVS, NODE_ENV, assign_ranks, engine_info,  # noqa: F401 (re-exported)
                              per_node, set_node_names)
 
 ENGINE_KINDS = ("local", "slurm", "mpi")
+STALE_ENGINE_WAIT_S = 30.0
+"""restart_engines waits up to this long for the old engines to be unregistered."""
 _LAUNCHERS = {"local": "LocalEngineSetLauncher", "slurm": "SlurmEngineSetLauncher", "mpi": "MPIEngineSetLauncher"}
 
 
@@ -351,9 +354,12 @@ def restart_engines(cluster: ipp.Cluster, *, timeout: float | None = None) -> li
     uuid, not their id: MPI engines come back with the same ids (their MPI ranks), other
     launchers give new ids. Node names set with `set_node_names` are gone. An engine set that
     cannot be stopped cleanly (its Slurm job already ended after a node failure) is dropped and
-    a new one started. Raises EngineStartError when the new engines exit before registering
-    (with their output), TimeoutError if they do not register within `timeout` s (default as
-    in `start_cluster`).
+    a new one started. The old engines are unregistered at once (`forget_engines`: the controller
+    would otherwise keep an engine of a lost node for ~33 s of missed heartbeats, and an orphan
+    on a returning node longer), so `client.ids` holds only the new engines; a warning names any
+    still registered after STALE_ENGINE_WAIT_S. Raises EngineStartError when the new engines
+    exit before registering (with their output), TimeoutError if they do not register within
+    `timeout` s (default as in `start_cluster`).
     """
     client = get_client(cluster)
     old = set(registered(client).values())
@@ -366,16 +372,23 @@ def restart_engines(cluster: ipp.Cluster, *, timeout: float | None = None) -> li
                                        else "local")
     with contextlib.suppress(Exception):  # a rank stuck in a collective ignores SIGTERM; the state is disposable
         cluster.signal_engines_sync(signal.SIGKILL)
+    old_ids = sorted(registered(client))
     for set_id in list(cluster.engines):
         try:
             cluster.stop_engines_sync(set_id)
         except Exception as err:  # noqa: BLE001 - e.g. scancel of a job that already ended
             cluster.log.warning("restart_engines: engine set %s did not stop cleanly (%s); dropped", set_id, err)
             cluster.engines.pop(set_id, None)
+    forget_engines(client, old_ids)  # killed, or on a lost node: do not wait for missed heartbeats
+    wait_unregistered(client, old, timeout=10)
     cluster.start_engines_sync(n)
     if timeout is None:
         timeout = 3600.0 if kind == "slurm" else 120.0
     new = wait_for_engines(cluster, client, n, timeout=timeout, exclude_uuids=old)
+    stale = wait_unregistered(client, old, timeout=STALE_ENGINE_WAIT_S)
+    if stale:  # run_ddp on all engines would pick these up
+        warnings.warn(f"restart_engines: old engines {stale} are still registered (their node is unreachable?); "
+                      f"pass targets={new} to run_ddp", stacklevel=2)
     secure_connection_files(cluster.profile_dir)
     return new
 

@@ -149,3 +149,25 @@ def unreachable(client: ipp.Client, engine_ids: list[int], *, timeout: float = 5
         except Exception:  # noqa: BLE001 - no answer (TimeoutError) or an error reply: not reachable
             gone.append(e)
     return sorted(set(gone))
+
+
+def wait_unregistered(client: ipp.Client, uuids: set[str], *, timeout: float, poll: float = 0.2) -> list[int]:
+    """Wait up to `timeout` s until no engine with one of `uuids` is registered; the ids of those
+    still registered then (empty when all are gone). Killed engines are unregistered by the
+    controller once it misses their heartbeats (ipyparallel: 10 x 3 s), or at once when their
+    nanny reports the exit."""
+    end = time.monotonic() + timeout
+    while True:
+        left = sorted(e for e, u in registered(client).items() if u in uuids)
+        if not left or time.monotonic() > end:
+            return left
+        time.sleep(poll)
+
+
+def forget_engines(client: ipp.Client, engine_ids: list[int]) -> None:
+    """Ask the controller to unregister `engine_ids` now: the `unregistration_request` an engine
+    sends when it leaves, sent for engines that were killed or whose node is gone, so neither
+    the ~33 s heartbeat timeout nor an orphan coming back on a returning node keeps them in
+    `client.ids`, and MPI engines restarted after them get their ids (their ranks) back."""
+    for eid in engine_ids:
+        client._send(client._query_stream, "unregistration_request", content={"id": int(eid)})

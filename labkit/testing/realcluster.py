@@ -365,6 +365,15 @@ class Slurm:
         kill_pids(self.job_pids(), timeout=5)  # slurmstepd left by a slurmd that died first
         self.munge.stop()
 
+    def reregister(self, node: str) -> None:
+        """Make `node`'s slurmd register with slurmctld now (SIGHUP: reconfigure), as a rebooted
+        node does; after a network partition slurmctld itself pings a DOWN node only every
+        ~100 s before it returns it to service (ReturnToService=2)."""
+        pid = _read_pid(self.dir / f"slurmd-{node}.pid")
+        if not pid:
+            raise RuntimeError(f"no slurmd pid file for {node} in {self.dir}")
+        os.kill(pid, signal.SIGHUP)
+
     def _ctld_alive(self) -> bool:
         pid = _read_pid(self.dir / "slurmctld.pid")
         return bool(pid) and pid_alive(pid)
