@@ -67,6 +67,18 @@ def _slurm_state(job_id: str) -> str | None:
     return out.stdout.strip() or None
 
 
+def _exit_code(launcher: Any) -> int | None:
+    """Exit status of a local launcher's process, None while it runs. (ipyparallel records the
+    exit through its event loop, which does not run between synchronous calls.)"""
+    proc = getattr(launcher, "_popen_process", None)
+    return None if proc is None else proc.poll()
+
+
+def _code(code: Any) -> str:
+    # 0 can be a stand-in: ipyparallel's wait thread may reap the process before Popen sees it
+    return f" with code {code}" if code not in (None, 0) else ""
+
+
 def startup_failure(launcher: Any, *, check_job: bool = True) -> str | None:
     """Why an engine-set launcher's engines can no longer register: a message ending with their
     output, or None while they may still come. Local engines: any engine process that exited;
@@ -74,16 +86,21 @@ def startup_failure(launcher: Any, *, check_job: bool = True) -> str | None:
     (`check_job`: also ask squeue, a subprocess)."""
     kind = type(launcher).__name__
     if hasattr(launcher, "launchers"):  # LocalEngineSetLauncher: one process per engine
-        stopped = (launcher.stop_data or {}).get("engines") or {}
+        stopped = dict((launcher.stop_data or {}).get("engines") or {})
+        for ident, el in list(launcher.launchers.items()):
+            code = _exit_code(el)
+            if code is not None:
+                stopped[ident] = {"exit_code": code, "output": _read(el.output_file)}
         for ident, data in sorted(stopped.items()):
-            out = launcher.outputs.get(ident) or ""
-            return f"local engine {ident} exited with code {data.get('exit_code')} before registering; its output:\n{_tail(out)}"
+            out = data.get("output") or launcher.outputs.get(ident) or ""
+            return f"local engine {ident} exited{_code(data.get('exit_code'))} before registering; its output:\n{_tail(out)}"
         return None
     if kind.startswith("MPI"):
-        if launcher.state == "after":
-            code = (launcher.stop_data or {}).get("exit_code")
-            out = launcher.get_output(remove=False)
-            return f"mpiexec exited with code {code} before the engines registered; its output:\n{_tail(out)}"
+        code = _exit_code(launcher)
+        if code is not None or launcher.state == "after":
+            code = code if code is not None else (launcher.stop_data or {}).get("exit_code")
+            out = _read(launcher.output_file)
+            return f"mpiexec exited{_code(code)} before the engines registered; its output:\n{_tail(out)}"
         return None
     job = getattr(launcher, "job_id", "")
     if not job:

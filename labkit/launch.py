@@ -46,7 +46,7 @@ class DDPError(RuntimeError):
         self.rank, self.engine_id, self.died, self.lost = rank, engine_id, died, list(lost or [])
 
 
-LOST_PROBE_S = 5.0
+LOST_PROBE_S = 3.0
 """Seconds an engine has to answer a control request before run_ddp counts it as lost."""
 
 
