@@ -95,9 +95,18 @@ def _read_pid(path: pathlib.Path) -> int | None:
         return None
 
 
+def _env(extra: dict | None = None) -> dict[str, str]:
+    """os.environ (+ extra) with /usr/sbin and /sbin on PATH, where Debian puts the daemons."""
+    env = {**os.environ, **(extra or {})}
+    env["PATH"] = env.get("PATH", "/usr/bin:/bin") + ":/usr/sbin:/sbin"
+    return env
+
+
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     """Run a setup command; raise RuntimeError with its stderr when it fails."""
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=kw.pop("timeout", 60), **kw)
+    env = _env(kw.pop("env", None))
+    cmd = [shutil.which(cmd[0], path=env["PATH"]) or cmd[0], *cmd[1:]]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=kw.pop("timeout", 60), env=env, **kw)
     if out.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {(out.stderr or out.stdout).strip()}")
     return out
@@ -144,7 +153,7 @@ class NetHosts:
 
     def pids(self, host: str) -> list[int]:
         """Processes running on `host` (in its network namespace)."""
-        out = subprocess.run(["ip", "netns", "pids", host], capture_output=True, text=True)
+        out = subprocess.run(["ip", "netns", "pids", host], capture_output=True, text=True, env=_env())
         return [int(p) for p in out.stdout.split()] if out.returncode == 0 else []
 
     def stop(self) -> None:
@@ -153,8 +162,8 @@ class NetHosts:
         for h in self.names:
             if h in present:
                 kill_pids(self.pids(h), timeout=5)
-                subprocess.run(["ip", "netns", "del", h], capture_output=True)
-        subprocess.run(["ip", "link", "del", "veth-h1"], capture_output=True)  # if it never moved
+                subprocess.run(["ip", "netns", "del", h], capture_output=True, env=_env())
+        subprocess.run(["ip", "link", "del", "veth-h1"], capture_output=True, env=_env())  # if it never moved
 
     def __enter__(self) -> "NetHosts":
         return self.start()
@@ -201,7 +210,7 @@ class Munge:
         run = pathlib.Path("/run/munge")
         run.mkdir(parents=True, exist_ok=True)
         shutil.chown(run, "munge", "munge")
-        _run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"])
+        _run(["runuser", "-u", "munge", "--", shutil.which("munged", path=_env()["PATH"]) or "/usr/sbin/munged"])
         self.pid = wait_for(lambda: _read_pid(self.pid_file), 10, "munged pid file")
         wait_for(self.running, 10, "munge -n | unmunge")
         return self
@@ -251,7 +260,7 @@ class Slurm:
     def run(self, cmd: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
         """Run a Slurm client command (sinfo, squeue, ...) where the controller is reachable."""
         return subprocess.run(self.client_prefix + cmd, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **self.env})
+                              env=_env(self.env))
 
     def conf_text(self) -> str:
         """slurm.conf for this cluster (no cgroups, no accounting, no mail, GRES gpus)."""
@@ -303,7 +312,7 @@ class Slurm:
         try:
             self._write_files()
             self.munge.start()
-            env = {**os.environ, **self.env}
+            env = self.env
             ctld_prefix = [] if self.hosts is None else self.hosts.wrap("h1")
             _run(ctld_prefix + ["slurmctld", "-f", str(self.conf)], env=env)
             for n in self.node_names:
