@@ -237,7 +237,8 @@ def interface_address(name: str) -> str:
     addrs = psutil.net_if_addrs()
     found = [a.address for a in addrs.get(name, []) if a.family == socket.AF_INET]
     if not found:
-        have = ", ".join(f"{i} {a.address}" for i, lst in sorted(addrs.items()) for a in lst if a.family == socket.AF_INET)
+        have = ", ".join(f"{i} {a.address}" for i, lst in sorted(addrs.items()) for a in lst
+                         if a.family == socket.AF_INET)
         raise ValueError(f"network_interface={name!r}: no IPv4 address on this host (interfaces: {have})")
     return found[0]
 

@@ -93,7 +93,8 @@ def startup_failure(launcher: Any, *, check_job: bool = True) -> str | None:
                 stopped[ident] = {"exit_code": code, "output": _read(el.output_file)}
         for ident, data in sorted(stopped.items()):
             out = data.get("output") or launcher.outputs.get(ident) or ""
-            return f"local engine {ident} exited{_code(data.get('exit_code'))} before registering; its output:\n{_tail(out)}"
+            code = _code(data.get("exit_code"))
+            return f"local engine {ident} exited{code} before registering; its output:\n{_tail(out)}"
         return None
     if kind.startswith("MPI"):
         code = _exit_code(launcher)

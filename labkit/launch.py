@@ -253,22 +253,15 @@ def run_ddp(
                         ars[r].get(0)
                     except Exception as err:
                         died = isinstance(err, ipp_error.EngineError)
-                        lost = _lost(client, pending, engine_of)  # a rank's collective failed: is a peer gone?
-                        if lost:
-                            stop_others()
-                            raise DDPError(_lost_message(lost, who, name, f"{who(r)} failed: {_first_line(err)}"),
-                                           rank=lost[0], engine_id=engine_of[lost[0]], died=True, lost=lost) from err
+                        _raise_if_lost(client, pending, engine_of, who, name, f"{who(r)} failed: {_first_line(err)}",
+                                       stop_others, err)  # a rank's collective failed: is a peer gone?
                         stop_others()
                         what = "engine died" if died else "failed"
                         raise DDPError(f"{who(r)} {what} while running {name}:\n{_remote_text(err)}",
                                        rank=r, engine_id=engine_of[r], died=died) from err
                 shown = _show(lives, ars[0], shown)
                 if pending and deadline is not None and time.monotonic() > deadline:
-                    lost = _lost(client, pending, engine_of)
-                    if lost:
-                        stop_others()
-                        raise DDPError(_lost_message(lost, who, name, f"timeout after {timeout} s"),
-                                       rank=lost[0], engine_id=engine_of[lost[0]], died=True, lost=lost)
+                    _raise_if_lost(client, pending, engine_of, who, name, f"timeout after {timeout} s", stop_others)
                     unfinished = ", ".join(who(r) for r in sorted(pending))
                     stop_others()
                     raise DDPError(f"timeout after {timeout} s: {unfinished} not finished")
@@ -291,12 +284,16 @@ def run_ddp(
     return [ars[r].get(0) for r in sorted(ars)]
 
 
-def _lost(client: ipp.Client, ranks: set[int], engine_of: dict[int, int]) -> list[int]:
-    """The ranks among `ranks` whose engines are unregistered or do not answer within LOST_PROBE_S."""
-    if not ranks:
-        return []
-    gone = set(unreachable(client, [engine_of[r] for r in ranks], timeout=LOST_PROBE_S))
-    return [r for r in sorted(ranks) if engine_of[r] in gone]
+def _raise_if_lost(client: ipp.Client, ranks: set[int], engine_of: dict[int, int], who: Callable[[int], str],
+                   name: str, then: str, stop_others: Callable[[], None], cause: BaseException | None = None) -> None:
+    """Raise DDPError naming the first lost rank if any of `ranks` has an engine that is
+    unregistered or does not answer within LOST_PROBE_S (its node is down or off the network)."""
+    gone = set(unreachable(client, [engine_of[r] for r in ranks], timeout=LOST_PROBE_S)) if ranks else set()
+    lost = [r for r in sorted(ranks) if engine_of[r] in gone]
+    if lost:
+        stop_others()
+        raise DDPError(_lost_message(lost, who, name, then), rank=lost[0], engine_id=engine_of[lost[0]],
+                       died=True, lost=lost) from cause
 
 
 def _first_line(err: BaseException) -> str:

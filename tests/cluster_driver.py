@@ -172,7 +172,8 @@ def cmd_node_loss(a: dict, out: dict) -> dict:
         out["old_job_state"] = _wait(lambda: (s := _job_state(old_job)) != "RUNNING" and s, 120)
         out["node_state_down"] = _node_state("n2")
         _ip_link("h2", "up")
-        os.kill(int(pathlib.Path(a["slurm_dir"], "slurmd-n2.pid").read_text().split()[0]), signal.SIGHUP)  # re-register now
+        slurmd_n2 = int(pathlib.Path(a["slurm_dir"], "slurmd-n2.pid").read_text().split()[0])
+        os.kill(slurmd_n2, signal.SIGHUP)  # register now, as a rebooted node would
         out["node_state_back"] = _wait(lambda: (st := _node_state("n2")) in ("idle", "mixed", "allocated") and st, 60)
         t = time.monotonic()
         out["restarted_ids"] = C.restart_engines(cl, timeout=300)
@@ -182,10 +183,10 @@ def cmd_node_loss(a: dict, out: dict) -> dict:
                                      text=True).stdout.split("\n")[:-1]
         out["client_ids"] = rc.ids
         out["where_after"] = _where(rc)
-        out["engine_procs"] = _wait(lambda: (p := {h: len(_engine_procs(h)) for h in ("h1", "h2")}) == {"h1": 1, "h2": 1}
-                                    and p, 120) or {h: len(_engine_procs(h)) for h in ("h1", "h2")}
-        out["engine_cmdlines"] = {h: [pathlib.Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
-                                      for p in _engine_procs(h)] for h in ("h1", "h2")}
+        def procs():
+            return {h: len(_engine_procs(h)) for h in ("h1", "h2")}
+
+        out["engine_procs"] = _wait(lambda: procs() == {"h1": 1, "h2": 1} and procs(), 120) or procs()
         res = C.run_ddp(rc, train_slow, cfg, timeout=300, stream=False)
         out.update(resumed_from=res[0]["resumed_from_step"], steps=res[0]["steps"], losses=_losses(a["run_dir"]))
     finally:

@@ -80,7 +80,8 @@ def test_slurm_engines_on_two_nodes(slurm, tmp_path):
         assert {f["GLOO_SOCKET_IFNAME"] for f in facts} == {"lo"}  # network_interface="lo"
         assert sorted(f["slurm_node"] for f in facts) == ["n1", "n1", "n2", "n2"]
         jobs = slurm.jobs()
-        assert [(j["name"], j["state"], j["nodes"]) for j in jobs] == [(f"ipengine-{cl.cluster_id}", "RUNNING", "n[1-2]")]
+        assert [(j["name"], j["state"], j["nodes"]) for j in jobs] == [
+            (f"ipengine-{cl.cluster_id}", "RUNNING", "n[1-2]")]
         first_job = jobs[0]["job_id"]
 
         workdir = tmp_path / "work"

@@ -202,7 +202,8 @@ class Munge:
     @staticmethod
     def running() -> bool:
         enc = subprocess.run(["munge", "-n"], capture_output=True)
-        return enc.returncode == 0 and subprocess.run(["unmunge"], input=enc.stdout, capture_output=True).returncode == 0
+        dec = subprocess.run(["unmunge"], input=enc.stdout, capture_output=True) if enc.returncode == 0 else enc
+        return enc.returncode == 0 and dec.returncode == 0
 
     def start(self) -> "Munge":
         if self.running():
