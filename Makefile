@@ -31,7 +31,7 @@ test: venv browser cluster-tools
 	$(PY) -m pytest
 
 # Real Slurm (two virtual nodes), munge, Open MPI and network namespaces for the real-cluster
-# tests (tests/test_real_cluster.py, tests/test_real_hosts.py; labkit/testing/realcluster.py
+# tests (tests/cluster/test_real_cluster.py, tests/cluster/test_real_hosts.py; labkit/testing/realcluster.py
 # starts and stops the daemons by pid from pytest fixtures). Debian's packages, installed only
 # when missing and when running as root; otherwise those tests are skipped with one line.
 CLUSTER_TOOLS := slurmctld slurmd sbatch munged mpiexec ip nsenter unshare
