@@ -34,8 +34,9 @@ from labkit.cluster.engine_watch import (EngineStartError, forget_engines, regis
 from labkit.io import atomic_write_json
 
 ENGINE_KINDS = ("local", "slurm", "mpi")
-STALE_ENGINE_WAIT_S = 30.0
-"""restart_engines waits up to this long for the old engines to be unregistered."""
+STALE_ENGINE_WAIT_S = 10.0
+"""restart_engines waits up to this long for killed engines to unregister themselves; those
+still registered then (their node is unreachable) are unregistered by labkit."""
 _LAUNCHERS = {"local": "LocalEngineSetLauncher", "slurm": "SlurmEngineSetLauncher", "mpi": "MPIEngineSetLauncher"}
 
 
@@ -342,12 +343,12 @@ def restart_engines(cluster: ipp.Cluster, *, timeout: float | None = None) -> li
     uuid, not their id: MPI engines come back with the same ids (their MPI ranks), other
     launchers give new ids. Node names set with `set_node_names` are gone. An engine set that
     cannot be stopped cleanly (its Slurm job already ended after a node failure) is dropped and
-    a new one started. The old engines are unregistered at once (`forget_engines`: the controller
-    would otherwise keep an engine of a lost node for ~33 s of missed heartbeats, and an orphan
-    on a returning node longer), so `client.ids` holds only the new engines; a warning names any
-    still registered after STALE_ENGINE_WAIT_S. Raises EngineStartError when the new engines
-    exit before registering (with their output), TimeoutError if they do not register within
-    `timeout` s (default as in `start_cluster`).
+    a new one started. Killed engines unregister themselves; those still registered after
+    STALE_ENGINE_WAIT_S (their node is unreachable) are unregistered by labkit
+    (`forget_engines`: the controller would otherwise keep them for ~33 s of missed heartbeats,
+    an orphan on a returning node longer), so `client.ids` holds only the new engines.
+    Raises EngineStartError when the new engines exit before registering (with their output),
+    TimeoutError if they do not register within `timeout` s (default as in `start_cluster`).
     """
     client = get_client(cluster)
     old = set(registered(client).values())
@@ -360,23 +361,26 @@ def restart_engines(cluster: ipp.Cluster, *, timeout: float | None = None) -> li
                                        else "local")
     with contextlib.suppress(Exception):  # a rank stuck in a collective ignores SIGTERM; the state is disposable
         cluster.signal_engines_sync(signal.SIGKILL)
-    old_ids = sorted(registered(client))
     for set_id in list(cluster.engines):
         try:
             cluster.stop_engines_sync(set_id)
         except Exception as err:  # noqa: BLE001 - e.g. scancel of a job that already ended
             cluster.log.warning("restart_engines: engine set %s did not stop cleanly (%s); dropped", set_id, err)
             cluster.engines.pop(set_id, None)
-    forget_engines(client, old_ids)  # killed, or on a lost node: do not wait for missed heartbeats
+    # engines that exit unregister themselves (a killed one through its nanny) within a second or
+    # two; wait for that first: an old engine unregistering late would cancel the registration of a
+    # new MPI engine that asked for the same id. Only engines on a lost node are left to forget.
+    left = wait_unregistered(client, old, timeout=STALE_ENGINE_WAIT_S)
+    forget_engines(client, left)  # do not wait ~33 s for the controller's missed heartbeats
     wait_unregistered(client, old, timeout=10)
     cluster.start_engines_sync(n)
     if timeout is None:
         timeout = 3600.0 if kind == "slurm" else 120.0
     new = wait_for_engines(cluster, client, n, timeout=timeout, exclude_uuids=old)
-    stale = wait_unregistered(client, old, timeout=STALE_ENGINE_WAIT_S)
+    stale = wait_unregistered(client, old, timeout=1)
     if stale:  # run_ddp on all engines would pick these up
-        warnings.warn(f"restart_engines: old engines {stale} are still registered (their node is unreachable?); "
-                      f"pass targets={new} to run_ddp", stacklevel=2)
+        warnings.warn(f"restart_engines: old engines {stale} are still registered; pass targets={new} to run_ddp",
+                      stacklevel=2)
     secure_connection_files(cluster.profile_dir)
     return new
 

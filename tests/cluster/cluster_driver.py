@@ -194,6 +194,16 @@ def cmd_node_loss(a: dict, out: dict) -> dict:
     return out
 
 
+def _keep_logs(cl, a: dict) -> None:
+    """Copy the controller and engine logs next to the run (stop_cluster removes them)."""
+    import shutil
+
+    src = pathlib.Path(cl.profile_dir, "log")
+    if src.is_dir():
+        shutil.copytree(src, pathlib.Path(a["run_dir"]).parent / "logs", dirs_exist_ok=True)
+        log(f"logs kept in {pathlib.Path(a['run_dir']).parent / 'logs'}")
+
+
 def cmd_mpi(a: dict, out: dict) -> dict:
     from labkit import cluster as C
 
@@ -206,6 +216,9 @@ def cmd_mpi(a: dict, out: dict) -> dict:
         out["pids_after"] = sorted(i["pid"] for i in C.engine_info(rc))
         out["where_after"] = _where(rc)
         out["ddp_after"] = sorted(C.run_ddp(rc, allreduce_ranks, timeout=120, stream=False))
+    except BaseException:
+        _keep_logs(cl, a)
+        raise
     finally:
         C.stop_cluster(cl)
     return out
