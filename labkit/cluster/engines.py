@@ -23,7 +23,6 @@ import pathlib
 import signal
 import socket
 import stat
-import subprocess
 import warnings
 from typing import Any
 
@@ -31,6 +30,7 @@ import ipyparallel as ipp
 
 from labkit.cluster.engine_watch import (EngineStartError, forget_engines, registered,  # noqa: F401 (re-exported)
                                          wait_for_engines, wait_unregistered)
+from labkit.cluster.network import default_controller_ip, mpi_exports
 from labkit.io import atomic_write_json
 
 ENGINE_KINDS = ("local", "slurm", "mpi")
@@ -96,27 +96,8 @@ def _launcher_config(settings: dict) -> Any:
         if settings.get("batch_file"):  # absolute: os.path.join(work_dir, it) is it
             launcher.batch_file_name = settings["batch_file"]
     if settings["engines"] == "mpi":
-        launcher.mpi_args = list(settings.get("mpi_args") or []) + _mpi_exports(launcher.environment)
+        launcher.mpi_args = list(settings.get("mpi_args") or []) + mpi_exports(launcher.environment)
     return c
-
-
-def _mpi_exports(environment: dict) -> list[str]:
-    """Open MPI's mpiexec passes only OMPI_* variables to ranks on other hosts: `-x NAME` for the
-    engines' environment and ipyparallel's IPP_CLUSTER_ID / IPP_PROFILE_DIR (MPICH's hydra
-    forwards the whole environment; nothing is added there or without mpiexec)."""
-    import shutil
-
-    exe = shutil.which("mpiexec")
-    if exe is None:
-        return []
-    try:
-        version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    if "Open MPI" not in version and "OpenRTE" not in version:
-        return []
-    names = sorted({"IPP_CLUSTER_ID", "IPP_PROFILE_DIR", *environment})
-    return [arg for name in names for arg in ("-x", name)]
 
 
 def _settings_path(cluster: ipp.Cluster) -> pathlib.Path:
@@ -183,7 +164,7 @@ def start_cluster(
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if controller_ip is None:
-        controller_ip = _default_controller_ip(engines, network_interface, mpi_args or [])
+        controller_ip = default_controller_ip(engines, network_interface, mpi_args or [])
     engine_env = dict(env or {})
     if network_interface:
         engine_env.setdefault("GLOO_SOCKET_IFNAME", network_interface)
@@ -219,40 +200,6 @@ def start_cluster(
         stop_cluster(cluster)
         raise
     return cluster
-
-
-def interface_address(name: str) -> str:
-    """The IPv4 address of this host's network interface `name`; ValueError listing the
-    interfaces when it has none."""
-    import psutil
-
-    addrs = psutil.net_if_addrs()
-    found = [a.address for a in addrs.get(name, []) if a.family == socket.AF_INET]
-    if not found:
-        have = ", ".join(f"{i} {a.address}" for i, lst in sorted(addrs.items()) for a in lst
-                         if a.family == socket.AF_INET)
-        raise ValueError(f"network_interface={name!r}: no IPv4 address on this host (interfaces: {have})")
-    return found[0]
-
-
-def _default_controller_ip(engines: str, network_interface: str | None, mpi_args: list[str]) -> str:
-    """See start_cluster's controller_ip."""
-    if network_interface:
-        return interface_address(network_interface)
-    if engines == "local":
-        return "127.0.0.1"
-    host = socket.gethostname()
-    addr = socket.gethostbyname(host)
-    many_hosts = any(a in ("-H", "--host", "-host", "--hostfile", "-hostfile", "--machinefile") for a in mpi_args)
-    if addr.startswith("127.") and (engines == "slurm" or many_hosts):
-        import psutil
-
-        have = ", ".join(f"{i} {a.address}" for i, lst in sorted(psutil.net_if_addrs().items()) for a in lst
-                         if a.family == socket.AF_INET and not a.address.startswith("127."))
-        raise ValueError(f"controller_ip: this host's name {host!r} resolves to {addr}, which other nodes cannot "
-                         f"reach; pass controller_ip='<address>' or network_interface='<name>' "
-                         f"(this host has: {have or 'loopback only'}; 127.0.0.1 only if all nodes are this host)")
-    return addr
 
 
 def _write_private(path: pathlib.Path, obj: Any) -> None:

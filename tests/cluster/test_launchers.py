@@ -18,6 +18,7 @@ import pytest
 
 from labkit import cluster as C
 from labkit.cluster import engines as cluster_engines
+from labkit.cluster import network as cluster_network
 
 HERE = pathlib.Path(__file__).resolve().parent
 TESTS = os.pathsep.join([str(HERE), str(HERE.parent)])  # engines import this module and tests/ helpers
@@ -76,12 +77,12 @@ def test_mpi_engine_command_line(tmp_path):
     launcher = _engine_launcher("mpi", {"engines": "mpi", "mpi_args": ["--bind-to", "none"]}, tmp_path)
     launcher.n = 4
     # Open MPI passes only OMPI_* variables to other hosts: labkit exports the engines' own
-    exports = ["-x", "IPP_CLUSTER_ID", "-x", "IPP_PROFILE_DIR"] if cluster_engines._mpi_exports({}) else []
+    exports = ["-x", "IPP_CLUSTER_ID", "-x", "IPP_PROFILE_DIR"] if cluster_network.mpi_exports({}) else []
     assert launcher.args == ["mpiexec", "-n", "4", "--bind-to", "none", *exports, sys.executable, "-m",
                              "ipyparallel.engine", "--mpi"]
     if shutil.which("mpiexec") and "Open MPI" in subprocess.run(["mpiexec", "--version"], capture_output=True,
                                                                text=True).stdout:
-        assert cluster_engines._mpi_exports({"PYTHONPATH": "/x"}) == ["-x", "IPP_CLUSTER_ID", "-x", "IPP_PROFILE_DIR",
+        assert cluster_network.mpi_exports({"PYTHONPATH": "/x"}) == ["-x", "IPP_CLUSTER_ID", "-x", "IPP_PROFILE_DIR",
                                                         "-x", "PYTHONPATH"]
 
 
