@@ -10,7 +10,7 @@ TORCH_VERSION := 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: venv demo test bench browser clean-venv
+.PHONY: venv demo test bench browser cluster-tools cluster-clean clean-venv
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -27,8 +27,24 @@ endif
 demo: venv
 	$(VENV)/bin/labkit demo
 
-test: venv browser
+test: venv browser cluster-tools
 	$(PY) -m pytest
+
+# Real Slurm (two virtual nodes), munge, Open MPI and network namespaces for the real-cluster
+# tests (tests/cluster/test_real_cluster.py, tests/cluster/test_real_hosts.py; labkit/testing/realcluster.py
+# starts and stops the daemons by pid from pytest fixtures). Debian's packages, installed only
+# when missing and when running as root; otherwise those tests are skipped with one line.
+CLUSTER_TOOLS := slurmctld slurmd sbatch munged mpiexec ip nsenter unshare
+CLUSTER_PACKAGES := slurmctld slurmd slurm-client munge openmpi-bin libopenmpi-dev iproute2 util-linux
+cluster-tools:
+	@missing=; for t in $(CLUSTER_TOOLS); do PATH="$$PATH:/usr/sbin:/sbin" command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	[ -z "$$missing" ] || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(CLUSTER_PACKAGES); } || \
+	  echo "missing$$missing (needs root + apt): the real-cluster tests will be skipped"
+
+# Stop what `python -m labkit.testing up` started (by pid) and delete the network hosts.
+cluster-clean: venv
+	$(PY) -m labkit.testing down
 
 # Headless Chromium for the report-rendering test (tests/test_notebooks.py): Debian's package,
 # installed only when missing and when running as root; otherwise that one test is skipped.

@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import ipyparallel as ipp
 from ipyparallel import error as ipp_error
 
+from labkit.cluster.engine_watch import unreachable
 from labkit.cluster.engines import get_client, restart_engines
 from labkit.config import TrainConfig
 from labkit.cluster.topology import assign_ranks, engine_info
@@ -37,11 +38,17 @@ class DDPError(RuntimeError):
     """A rank of a `run_ddp` call failed, died or timed out; the message names the rank.
 
     Attributes: `rank` (int or None for a timeout), `engine_id`, `died` (True when the engine
-    process is gone)."""
+    process is gone), `lost` (the ranks whose engines are gone or unreachable, e.g. their node
+    dropped off the network; empty when all answered)."""
 
-    def __init__(self, message: str, *, rank: int | None = None, engine_id: int | None = None, died: bool = False):
+    def __init__(self, message: str, *, rank: int | None = None, engine_id: int | None = None, died: bool = False,
+                 lost: list[int] | None = None):
         super().__init__(message)
-        self.rank, self.engine_id, self.died = rank, engine_id, died
+        self.rank, self.engine_id, self.died, self.lost = rank, engine_id, died, list(lost or [])
+
+
+LOST_PROBE_S = 3.0
+"""Seconds an engine has to answer a control request before run_ddp counts it as lost."""
 
 
 def _free_port() -> int:
@@ -247,12 +254,15 @@ def run_ddp(
                         ars[r].get(0)
                     except Exception as err:
                         died = isinstance(err, ipp_error.EngineError)
+                        _raise_if_lost(client, pending, engine_of, who, name, f"{who(r)} failed: {_first_line(err)}",
+                                       stop_others, err)  # a rank's collective failed: is a peer gone?
                         stop_others()
                         what = "engine died" if died else "failed"
                         raise DDPError(f"{who(r)} {what} while running {name}:\n{_remote_text(err)}",
                                        rank=r, engine_id=engine_of[r], died=died) from err
                 shown = _show(lives, ars[0], shown)
                 if pending and deadline is not None and time.monotonic() > deadline:
+                    _raise_if_lost(client, pending, engine_of, who, name, f"timeout after {timeout} s", stop_others)
                     unfinished = ", ".join(who(r) for r in sorted(pending))
                     stop_others()
                     raise DDPError(f"timeout after {timeout} s: {unfinished} not finished")
@@ -273,6 +283,30 @@ def run_ddp(
                 if hasattr(cb, "flush"):
                     cb.flush()
     return [ars[r].get(0) for r in sorted(ars)]
+
+
+def _raise_if_lost(client: ipp.Client, ranks: set[int], engine_of: dict[int, int], who: Callable[[int], str],
+                   name: str, then: str, stop_others: Callable[[], None], cause: BaseException | None = None) -> None:
+    """Raise DDPError naming the first lost rank if any of `ranks` has an engine that is
+    unregistered or does not answer within LOST_PROBE_S (its node is down or off the network)."""
+    gone = set(unreachable(client, [engine_of[r] for r in ranks], timeout=LOST_PROBE_S)) if ranks else set()
+    lost = [r for r in sorted(ranks) if engine_of[r] in gone]
+    if lost:
+        stop_others()
+        raise DDPError(_lost_message(lost, who, name, then), rank=lost[0], engine_id=engine_of[lost[0]],
+                       died=True, lost=lost) from cause
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [ln for ln in _remote_text(err).splitlines() if ln.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+def _lost_message(lost: list[int], who: Callable[[int], str], name: str, then: str) -> str:
+    return (f"{who(lost[0])}: engine lost while running {name} (no answer within {LOST_PROBE_S:g} s: its node is "
+            f"down or off the network); engines gone: {'; '.join(who(r) for r in lost)}; then {then}. "
+            "When the node is back, restart the engines (labkit.cluster.restart_engines) and run again "
+            "to resume from the last checkpoint")
 
 
 def _show(lives: list[Callable], ar: Any, shown: Any) -> Any:
