@@ -22,7 +22,8 @@ from plotly.subplots import make_subplots
 
 COLORS = {"loss": "#1f4e79", "throughput": "#c55a11", "ideal": "#7f7f7f", "bar": "#2e75b6"}
 """Named colours used across figures (colour-blind safe blue/orange pair, grey reference)."""
-COLORWAY = ("#1f4e79", "#c55a11", "#548235", "#7030a0", "#bf9000", "#2e75b6")
+COLORWAY = ("#1f4e79", "#c55a11", "#548235", "#7030a0", "#bf9000", "#2e75b6", "#c00000", "#00a3a3")
+"""Series colours in order; 8, so the 7 terms of ``memory_figure`` never share one."""
 FONT = {"family": "Inter, Helvetica, Arial, sans-serif", "size": 13, "color": "#222222"}
 RENDERER = "plotly_mimetype+notebook"
 """Kernel mimetype for live notebooks + the `notebook` renderer, which embeds plotly.js once
@@ -38,7 +39,30 @@ def style() -> go.layout.Template:
                     legend={"orientation": "h", "y": -0.18})
     t.layout.xaxis.update(showgrid=True, gridcolor="#e5e5e5")
     t.layout.yaxis.update(showgrid=True, gridcolor="#e5e5e5")
+    # simple_white draws shapes with line width 0 (and 0.3 opacity): reference lines would be invisible
+    t.layout.shapedefaults = {"line": {"width": 2, "color": COLORS["ideal"]}, "opacity": 1}
     return t
+
+
+def nice_step(span: float, target: int = 5) -> float:
+    """A round tick step (1, 2 or 5 x 10^k) giving about `target` intervals over `span` (> 0)."""
+    if not span > 0 or not math.isfinite(span):
+        return 1.0
+    raw = span / target
+    base = 10 ** math.floor(math.log10(raw))
+    return next(m * base for m in (1, 2, 5, 10) if m * base >= raw)
+
+
+def round_axis(values: Sequence[float], *, percent: bool = False) -> dict:
+    """Axis settings with round ticks from 0: ``{"tickmode": "linear", "tick0": 0, "dtick": step}``
+    for the largest of `values` (step from ``nice_step``); with `percent`, a ``tickformat`` with
+    just enough decimals that no two tick labels are equal (0.2 %, 0.4 %, ... not 0 %, 0 %)."""
+    top = max((v for v in values if v is not None and math.isfinite(v)), default=0.0)
+    step = nice_step(top) if top > 0 else (0.2 if percent else 1.0)
+    out = {"tickmode": "linear", "tick0": 0, "dtick": step}
+    if percent:
+        out["tickformat"] = f".{max(0, -math.floor(math.log10(step * 100) + 1e-9))}%"
+    return out
 
 
 def setup_notebook_plotting() -> None:
@@ -76,7 +100,8 @@ def loss_figure(metrics: pl.DataFrame | pl.LazyFrame, *, title: str = "Training 
         fig.add_trace(go.Scatter(x=d["step"].to_list(), y=d["tokens_per_s"].to_list(), name="tokens/s",
                                  mode="lines", line={"color": COLORS["throughput"], "dash": "dot"}),
                       secondary_y=True)
-        fig.update_yaxes(title_text="tokens/s", secondary_y=True, showgrid=False, rangemode="tozero")
+        fig.update_yaxes(title_text="tokens/s", secondary_y=True, showgrid=False, rangemode="tozero",
+                         **round_axis(d["tokens_per_s"].to_list()))
     fig.update_yaxes(title_text="MLM loss", secondary_y=False)
     fig.update_layout(template=style(), title=title, xaxis_title="step")
     return fig
@@ -300,8 +325,8 @@ def loader_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data loader 
         fig.add_vline(x=k["num_workers"], line={"color": COLORS["ideal"], "dash": "dash"},
                       annotation_text=f"knee: {k['num_workers']} workers")
     fig.update_yaxes(title_text="samples/s", secondary_y=False, rangemode="tozero")
-    fig.update_yaxes(title_text="data-wait fraction", secondary_y=True, tickformat=".0%", rangemode="tozero",
-                     showgrid=False)
+    fig.update_yaxes(title_text="data-wait fraction", secondary_y=True, rangemode="tozero", showgrid=False,
+                     **round_axis(d["data_wait_fraction"].to_list(), percent=True))
     fig.update_layout(template=style(), title=title, xaxis_title="DataLoader workers per rank")
     fig.update_xaxes(tickvals=x)
     return fig

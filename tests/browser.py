@@ -114,6 +114,8 @@ def run_all_and_watch(page, url: str, *, done_text: str, timeout_s: float = 240.
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
     page.wait_for_timeout(2000)  # the kernel's session settles after its first idle status
+    with contextlib.suppress(Exception):  # JupyterLab's "official Jupyter news?" toast: answer it
+        page.get_by_role("button", name="No").click(timeout=2000)
     page.locator(".jp-Notebook .jp-Cell .jp-InputPrompt").first.click()
     for _ in range(page.locator(".jp-Notebook .jp-Cell").count()):  # Shift+Enter: run, select the next cell
         page.keyboard.press("Shift+Enter")
@@ -122,6 +124,7 @@ def run_all_and_watch(page, url: str, *, done_text: str, timeout_s: float = 240.
         counts = page.evaluate(COUNT_POINTS_JS)
         samples.append((round(time.monotonic() - t0, 2), counts))
         if not shot and shot_when(counts):
+            page.locator(".jp-OutputArea-output .js-plotly-plot").first.scroll_into_view_if_needed()
             page.screenshot(path=str(screenshot), full_page=False)
             shot = True
         outputs = page.locator(".jp-OutputArea-output").all_inner_texts()

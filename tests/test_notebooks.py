@@ -113,3 +113,87 @@ def test_report_renders_in_headless_chromium(reports, tmp_path):
     rendered = len(re.findall(r'class="main-svg"', dom))
     # every chart of the report was drawn: plotly.js marks its div and adds (at least) two .main-svg layers
     assert expected >= 4 and plotted == expected and rendered >= 2 * expected, (expected, plotted, rendered)
+
+
+# ---- in JupyterLab, driven by Chromium (tests/browser.py) ------------------------------------------
+
+BROWSER_OUT = ROOT / "work" / "browser"
+"""Screenshots and point counts of the browser tests (outside git: /work/ is ignored)."""
+
+LIVE_FEED = """import time
+live = plots.LivePlot(plots.loss_figure, min_interval=0.3)
+records = []
+for step in range(1, 21):
+    records.append({"step": step, "loss": 10 / step, "tokens_per_s": 1000.0 + step})
+    live(records)
+    time.sleep(0.4)
+live.flush()
+print("fed", len(records), "records")"""
+
+
+def _grew(samples: list, total: int) -> list[int]:
+    """The distinct point counts of the first figure's first trace seen before the end."""
+    return sorted({c[0][0] for _, c in samples[:-1] if c and 0 < c[0][0] < total})
+
+
+def _save_timeline(name: str, samples: list) -> Path:
+    import json
+
+    BROWSER_OUT.mkdir(parents=True, exist_ok=True)
+    path = BROWSER_OUT / f"{name}.points.json"
+    path.write_text(json.dumps([{"t_s": t, "points_per_trace": c} for t, c in samples]))
+    print(f"{name}: point counts over time in {path}")
+    return path
+
+
+def test_live_figure_grows_in_place_in_jupyterlab(tmp_path):
+    import nbformat
+
+    from browser import chromium, jupyterlab, need_browser, run_all_and_watch
+
+    need_browser()
+    root = tmp_path / "lab"
+    root.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("from labkit import plots\nplots.setup_notebook_plotting()"),
+                nbformat.v4.new_code_cell(LIVE_FEED)]
+    nbformat.write(nb, root / "live.ipynb")
+    with jupyterlab(root, log=tmp_path / "lab.log") as (base, token), chromium() as browser:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        samples = run_all_and_watch(page, f"{base}/lab/tree/live.ipynb?token={token}", done_text="fed 20 records",
+                                    timeout_s=120)
+    _save_timeline("live", samples)
+    assert samples[-1][1] == [[20, 20]], samples[-1]  # one figure, both traces with every point
+    assert len(_grew(samples, 20)) >= 3, samples  # redrawn in place while the cell ran
+
+
+def test_03_train_live_figure_in_jupyterlab(workdir, tmp_path):
+    import nbformat
+
+    from browser import chromium, jupyterlab, need_browser, run_all_and_watch
+    from labkit.report import inject_parameters
+
+    need_browser()
+    root = tmp_path / "lab"
+    root.mkdir()
+    steps = 120
+    nb = nbformat.read(ROOT / "notebooks" / "03_train.ipynb", as_version=4)
+    inject_parameters(nb, {"workdir": str(workdir), "engines": 2, "model": "tiny", "micro_batch_size": 8,
+                           "steps": steps})
+    nb.cells.append(nbformat.v4.new_code_cell("print('notebook finished')"))
+    nbformat.write(nb, root / "03_train.ipynb")
+    BROWSER_OUT.mkdir(parents=True, exist_ok=True)
+    shot = BROWSER_OUT / "03_train-mid-run.png"
+    shot.unlink(missing_ok=True)
+    with jupyterlab(root, log=tmp_path / "lab.log") as (base, token), chromium() as browser:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        samples = run_all_and_watch(page, f"{base}/lab/tree/03_train.ipynb?token={token}",
+                                    done_text="notebook finished", timeout_s=300, screenshot=shot,
+                                    shot_when=lambda c: bool(c) and steps // 4 <= c[0][0] < steps)
+    _save_timeline("03_train", samples)
+    print(f"03_train mid-run screenshot: {shot}")
+    live = samples[-1][1][0]  # the live figure is the first on the page; the demo-run figure follows
+    assert live[0] == steps, samples[-1]  # the loss trace ends with every step
+    assert _grew(samples, steps), samples  # and was drawn while the engines trained
+    assert shot.is_file()
