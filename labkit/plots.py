@@ -25,9 +25,9 @@ COLORS = {"loss": "#1f4e79", "throughput": "#c55a11", "ideal": "#7f7f7f", "bar":
 COLORWAY = ("#1f4e79", "#c55a11", "#548235", "#7030a0", "#bf9000", "#2e75b6", "#c00000", "#00a3a3")
 """Series colours in order; 8, so the 7 terms of ``memory_figure`` never share one."""
 FONT = {"family": "Inter, Helvetica, Arial, sans-serif", "size": 13, "color": "#222222"}
-RENDERER = "plotly_mimetype+notebook"
-"""Kernel mimetype for live notebooks + the `notebook` renderer, which embeds plotly.js once
-so nbconvert's HTML export renders offline (plotly/io/_renderers.py)."""
+RENDERER = "plotly_mimetype+labkit_notebook"
+"""Kernel mimetype for JupyterLab + labkit's variant of plotly's `notebook` renderer, which embeds
+plotly.js once so nbconvert's HTML export renders offline (plotly/io/_renderers.py)."""
 
 
 @functools.cache
@@ -65,14 +65,33 @@ def round_axis(values: Sequence[float], *, percent: bool = False) -> dict:
     return out
 
 
-def setup_notebook_plotting() -> None:
-    """Make figures render in notebooks and in nbconvert HTML (plotly.js embedded once, offline).
+def _register_offline_renderer() -> None:
+    """Register "labkit_notebook": plotly's `notebook` renderer (plotly.js embedded by its
+    activate()) whose figure HTML does not load MathJax from a CDN, as plotly's hard-codes
+    (include_mathjax="cdn" in plotly/io/_base_renderers.py): a report makes no network request."""
+    from plotly.io._base_renderers import NotebookRenderer
+
+    class OfflineNotebookRenderer(NotebookRenderer):
+        def to_mimebundle(self, fig_dict):
+            html = pio.to_html(fig_dict, config=self.config, include_plotlyjs=False, include_mathjax=False,
+                               full_html=False, default_width="100%", default_height=525, validate=False)
+            return {"text/html": html}
+
+    if "labkit_notebook" not in pio.renderers:
+        pio.renderers["labkit_notebook"] = OfflineNotebookRenderer()
+
+
+def setup_notebook_plotting(*, table_rows: int = 100) -> None:
+    """Make figures render in notebooks and in nbconvert HTML (plotly.js embedded once, offline),
+    and show polars tables of up to `table_rows` rows whole (polars cuts at 10 rows with "…").
 
     Sets pio.renderers.default to RENDERER and activates it now, so plotly.js is emitted even if
     the notebook only draws through `LivePlot`.
     """
+    _register_offline_renderer()
     pio.renderers.default = RENDERER
     pio.renderers._activate_pending_renderers()  # emits the notebook renderer's plotly.js once
+    pl.Config.set_tbl_rows(table_rows)
 
 
 def _frame(df: pl.DataFrame | pl.LazyFrame, need: Sequence[str], what: str) -> pl.DataFrame:

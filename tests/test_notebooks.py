@@ -50,12 +50,14 @@ def workdir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reports(workdir) -> dict[str, Path]:
-    from labkit.report import execute_notebook
+    from labkit.report import declared_parameters, execute_notebook
 
     out = {}
     for name in NOTEBOOKS:
-        out[name] = execute_notebook(ROOT / "notebooks" / f"{name}.ipynb", workdir / "reports" / f"{name}.html",
-                                     parameters={"workdir": str(workdir), **PARAMS}, timeout=300, cwd=str(workdir))
+        src = ROOT / "notebooks" / f"{name}.ipynb"
+        params = {k: v for k, v in {"workdir": str(workdir), **PARAMS}.items() if k in declared_parameters(src)}
+        out[name] = execute_notebook(src, workdir / "reports" / f"{name}.html", parameters=params, timeout=300,
+                                     cwd=str(workdir))
     return out
 
 

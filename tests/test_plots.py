@@ -75,8 +75,12 @@ def test_liveplot_displays_once_then_updates_same_id(monkeypatch):
 
 def test_setup_notebook_plotting_sets_renderer(monkeypatch):
     monkeypatch.setattr(pio.renderers, "default", pio.renderers.default)  # restored afterwards
-    plots.setup_notebook_plotting()
-    assert pio.renderers.default == "plotly_mimetype+notebook"
+    with pl.Config():  # restores polars' table settings afterwards
+        plots.setup_notebook_plotting(table_rows=25)
+        assert pl.Config.state()["POLARS_FMT_MAX_ROWS"] == "25"  # tables up to 25 rows shown whole
+    assert pio.renderers.default == "plotly_mimetype+labkit_notebook"
+    html = pio.renderers["labkit_notebook"].to_mimebundle({"data": [], "layout": {}})["text/html"]
+    assert "mathjax" not in html.lower() and "<script src" not in html  # nothing fetched from a CDN
 
 
 def test_topology_figure_one_segment_per_engine_labelled_by_rank():
