@@ -171,7 +171,7 @@ def run_reports(cfg: DemoConfig, work: Path, *, t0: float | None = None) -> list
               "steps": min(cfg.train_steps, 20), "sweep_steps": cfg.sweep_steps,
               "sweep_models": list(cfg.sweep_models), "memory_budget_gb": cfg.memory_budget_gb}
     for name in NOTEBOOKS:
-        src = notebooks_dir() / f"{name}.ipynb"
+        src = notebooks_dir() / f"{name}.py"  # the jupytext script is the source
         out = work / "reports" / f"{name}.html"
         _say(f"    executing {src.name}", t0)
         declared = declared_parameters(src)  # each report shows only the parameters its notebook uses

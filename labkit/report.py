@@ -33,15 +33,29 @@ def _atomic_write(path: pathlib.Path, text: str) -> None:
         raise
 
 
+def read_notebook(path: str | os.PathLike) -> nbformat.NotebookNode:
+    """Read a notebook from its jupytext script (``.py``, the source in ``notebooks/``) or an ``.ipynb``.
+
+    Raises FileNotFoundError naming a missing file."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"notebook not found: {path}")
+    if path.suffix == ".py":
+        import jupytext
+
+        return jupytext.read(path)
+    return nbformat.read(path, as_version=4)
+
+
 def declared_parameters(nb: nbformat.NotebookNode | str | os.PathLike) -> list[str]:
     """Names assigned at top level in the notebook's cell tagged "parameters", in order.
 
-    `nb`: a notebook node or the path of an .ipynb. A notebook without such a cell declares none.
-    Raises SyntaxError (naming the notebook's line) if that cell is not valid Python."""
+    `nb`: a notebook node or the path of a notebook (``read_notebook``). A notebook without such a
+    cell declares none. Raises SyntaxError if that cell is not valid Python."""
     import ast
 
     if not isinstance(nb, nbformat.NotebookNode):
-        nb = nbformat.read(str(nb), as_version=4)
+        nb = read_notebook(nb)
     names: list[str] = []
     for cell in nb.cells:
         if cell.cell_type == "code" and PARAMETERS_TAG in cell.get("metadata", {}).get("tags", []):
@@ -95,6 +109,7 @@ def execute_notebook(
 ) -> pathlib.Path:
     """Run a notebook top to bottom with `parameters` injected; write `.ipynb` and HTML; return the HTML path.
 
+    `path`: a jupytext ``.py`` script or an ``.ipynb`` (``read_notebook``).
     `timeout`: seconds per cell (nbclient). `cwd`: the kernel's working directory (default: the
     notebook's folder). The executed notebook is written beside the HTML (same stem, .ipynb),
     both atomically (ValueError if that .ipynb is the source notebook). If a cell fails, the executed-so-far notebook is still written, no HTML is
@@ -104,9 +119,7 @@ def execute_notebook(
     from nbconvert import HTMLExporter
 
     src, out_html = pathlib.Path(path), pathlib.Path(out_html)
-    if not src.is_file():
-        raise FileNotFoundError(f"notebook not found: {src}")
-    nb = nbformat.read(src, as_version=4)
+    nb = read_notebook(src)
     inject_parameters(nb, parameters)
     out_html.parent.mkdir(parents=True, exist_ok=True)
     out_nb = out_html.with_suffix(".ipynb")

@@ -11,6 +11,7 @@ browser tests are skipped, saying so."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -53,22 +54,44 @@ def reports(workdir) -> dict[str, Path]:
 
     out = {}
     for name in NOTEBOOKS:
-        src = ROOT / "notebooks" / f"{name}.ipynb"
+        src = ROOT / "notebooks" / f"{name}.py"
         params = {k: v for k, v in {"workdir": str(workdir), **PARAMS}.items() if k in declared_parameters(src)}
         out[name] = execute_notebook(src, workdir / "reports" / f"{name}.html", parameters=params, timeout=300,
                                      cwd=str(workdir))
     return out
 
 
-def test_notebooks_are_paired_with_their_scripts():
+def test_saving_in_jupyterlab_leaves_the_tracked_scripts_unchanged(tmp_path):
+    """The .py scripts are the source; JupyterLab (jupytext's contents manager, as the server runs
+    it) writes outputs to the paired .ipynb, which git ignores, and rewrites the .py identically."""
+    import asyncio
+    import shutil
+
     import jupytext
+    from jupyter_server.services.contents.largefilemanager import AsyncLargeFileManager
+    from jupytext.async_contentsmanager import build_async_jupytext_contents_manager_class
+
+    shutil.copytree(ROOT / "notebooks", tmp_path / "notebooks", ignore=shutil.ignore_patterns("*.ipynb", ".*"))
+    cm = build_async_jupytext_contents_manager_class(AsyncLargeFileManager)(root_dir=str(tmp_path))
+
+    async def open_run_save(name: str) -> None:
+        model = await cm.get(f"notebooks/{name}.py")  # opened as a notebook
+        code = next(c for c in model["content"]["cells"] if c["cell_type"] == "code")
+        code["outputs"] = [{"output_type": "stream", "name": "stdout", "text": "x" * 100_000}]
+        code["execution_count"] = 1
+        await cm.save(model, f"notebooks/{name}.py")
 
     for name in NOTEBOOKS:
-        script = jupytext.read(ROOT / "notebooks" / f"{name}.py")
-        notebook = jupytext.read(ROOT / "notebooks" / f"{name}.ipynb")
-        assert [c.source for c in script.cells] == [c.source for c in notebook.cells], f"{name}: ipynb out of sync"
-        tagged = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
+        asyncio.run(open_run_save(name))
+        before = (ROOT / "notebooks" / f"{name}.py").read_bytes()
+        assert (tmp_path / "notebooks" / f"{name}.py").read_bytes() == before, f"{name}.py rewritten on save"
+        paired = tmp_path / "notebooks" / f"{name}.ipynb"
+        assert paired.stat().st_size > 100_000  # the outputs went to the paired notebook ...
+        tagged = [c for c in jupytext.read(paired).cells if "parameters" in c.metadata.get("tags", [])]
         assert len(tagged) == 1, f"{name}: needs exactly one cell tagged 'parameters'"
+    if shutil.which("git") and (ROOT / ".git").exists():  # ... which git ignores
+        ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", "notebooks/03_train.ipynb"])
+        assert ignored.returncode == 0
 
 
 def test_notebooks_execute_and_export_offline_reports(reports, workdir):
@@ -192,13 +215,13 @@ def test_03_train_live_figure_in_jupyterlab(workdir, tmp_path):
     import nbformat
 
     from browser import chromium, jupyterlab, need_browser, run_all_and_watch
-    from labkit.report import inject_parameters
+    from labkit.report import inject_parameters, read_notebook
 
     need_browser()
     root = tmp_path / "lab"
     root.mkdir()
     steps = 120
-    nb = nbformat.read(ROOT / "notebooks" / "03_train.ipynb", as_version=4)
+    nb = read_notebook(ROOT / "notebooks" / "03_train.py")
     inject_parameters(nb, {"workdir": str(workdir), "engines": 2, "model": "tiny", "micro_batch_size": 8,
                            "steps": steps})
     nb.cells.append(nbformat.v4.new_code_cell("print('notebook finished')"))
