@@ -20,7 +20,7 @@ import plotly.io as pio
 import polars as pl
 from plotly.subplots import make_subplots
 
-COLORS = {"loss": "#1f4e79", "throughput": "#c55a11", "ideal": "#7f7f7f", "bar": "#2e75b6"}
+COLORS = {"loss": "#1f4e79", "throughput": "#c55a11", "ideal": "#7f7f7f", "bar": "#2e75b6", "busy": "#c00000"}
 """Named colours used across figures (colour-blind safe blue/orange pair, grey reference)."""
 COLORWAY = ("#1f4e79", "#c55a11", "#548235", "#7030a0", "#bf9000", "#2e75b6", "#c00000", "#00a3a3")
 """Series colours in order; 8, so the 7 terms of ``memory_figure`` never share one."""
@@ -144,10 +144,13 @@ def scaling_table(df: pl.DataFrame | pl.LazyFrame) -> pl.DataFrame:
 def throughput_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data-parallel scaling") -> go.Figure:
     """Measured tokens/s vs ranks, the ideal linear line n x throughput(1), efficiency labels.
 
-    `df` columns: ranks (int), tokens_per_s (float). Traces: "measured", "ideal".
+    `df` columns: ranks (int), tokens_per_s (float) [, busy (bool), load_avg_1m, cpu_count:
+    ``labkit.lab.sweep_ranks``]. Traces: "ideal", "measured", and when a row was measured on a
+    busy machine, "busy machine" crosses on those ranks (their numbers are low by an unknown amount).
     Raises ValueError naming missing columns or a missing ranks == 1 row.
     """
-    t = scaling_table(_frame(df, ["ranks", "tokens_per_s"], "throughput_figure"))
+    df = _frame(df, ["ranks", "tokens_per_s"], "throughput_figure")
+    t = scaling_table(df)
     x = t["ranks"].to_list()
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=x, y=t["ideal"].to_list(), name="ideal", mode="lines",
@@ -159,10 +162,27 @@ def throughput_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data-par
     for n, y, e in zip(x, t["tokens_per_s"].to_list(), t["efficiency"].to_list()):
         fig.add_annotation(x=n, y=y, text=f"{e:.0%}", showarrow=False, yshift=14,
                            font={"color": COLORS["throughput"]})
+    _flag_busy(fig, df, t)
     fig.update_layout(template=style(), title=title, xaxis_title="ranks",
                       yaxis_title="tokens/s (all ranks)")
     fig.update_xaxes(tickvals=x)
     return fig
+
+
+def _flag_busy(fig: go.Figure, rows: pl.DataFrame, table: pl.DataFrame, *, x: str = "ranks") -> None:
+    """Cross the points of `table` whose `x` value has a row in `rows` with busy == True."""
+    if "busy" not in rows.columns or not rows["busy"].fill_null(False).any():
+        return
+    busy = rows.filter(pl.col("busy").fill_null(False))
+    load = busy.group_by(x).agg(pl.col("load_avg_1m").max() if "load_avg_1m" in busy.columns else pl.lit(None),
+                                pl.col("cpu_count").max() if "cpu_count" in busy.columns else pl.lit(None))
+    pts = table.join(load, on=x).sort(x)
+    fig.add_trace(go.Scatter(x=pts[x].to_list(), y=pts["tokens_per_s"].to_list(), mode="markers",
+                             name="busy machine (load >= CPUs)",
+                             marker={"symbol": "x-thin-open", "size": 16, "line": {"width": 3, "color": COLORS["busy"]},
+                                     "color": COLORS["busy"]},
+                             customdata=pts.select(pts.columns[-2:]).rows(),
+                             hovertemplate="measured while the 1-min load was %{customdata[0]} on %{customdata[1]} CPUs"))
 
 
 def microbatch_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Largest micro-batch that fits") -> go.Figure:

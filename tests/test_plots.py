@@ -167,3 +167,12 @@ def test_round_ticks_and_distinct_percent_labels():
     ax = plots.round_axis([0.012, 0.004], percent=True)
     labels = [f"{k * ax['dtick']:{ax['tickformat']}}" for k in range(4)]
     assert labels == ["0.0%", "0.5%", "1.0%", "1.5%"]  # not 0 %, 0 %, 1 %, 1 %
+
+
+def test_throughput_figure_flags_rows_measured_on_a_busy_machine():
+    df = pl.DataFrame({"ranks": [1, 2], "tokens_per_s": [100.0, 110.0], "busy": [False, True],
+                       "load_avg_1m": [0.3, 3.5], "cpu_count": [2, 2]})
+    fig = plots.throughput_figure(df)
+    busy = _trace(fig, "busy machine (load >= CPUs)")
+    assert list(busy.x) == [2] and list(busy.y) == [110.0] and list(busy.customdata[0]) == [3.5, 2]
+    assert [t.name for t in plots.throughput_figure(df.with_columns(busy=pl.lit(False))).data] == ["ideal", "measured"]
