@@ -32,9 +32,12 @@ test: venv browser
 
 # JupyterLab from .venv on the notebooks (as root too). The jupytext .py scripts are the source;
 # their paired .ipynb (outputs included) are made or refreshed here and stay out of git.
+# etc/jupyter turns ipyparallel's Clusters panel (server and lab extension) off: it adopts every
+# cluster it finds in the profile, labkit's too, and prints each stopped engine's whole log here.
 lab: venv
 	$(VENV)/bin/jupytext --sync --quiet notebooks/*.py
-	$(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks $$([ "$$(id -u)" = 0 ] && echo --allow-root)
+	JUPYTER_CONFIG_PATH="$(CURDIR)/etc/jupyter$${JUPYTER_CONFIG_PATH:+:$$JUPYTER_CONFIG_PATH}" \
+	  $(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 # Headless Chromium for the browser tests (tests/test_notebooks.py, driven by the playwright package
 # of the test extra; no browser download): Debian's package, installed only when missing and when

@@ -229,7 +229,8 @@ def test_03_train_live_figure_in_jupyterlab(workdir, tmp_path):
     BROWSER_OUT.mkdir(parents=True, exist_ok=True)
     shot = BROWSER_OUT / "03_train-mid-run.png"
     shot.unlink(missing_ok=True)
-    with jupyterlab(root, log=tmp_path / "lab.log") as (base, token), chromium() as browser:
+    log = tmp_path / "lab.log"
+    with jupyterlab(root, log=log) as (base, token), chromium() as browser:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         samples = run_all_and_watch(page, f"{base}/lab/tree/03_train.ipynb?token={token}",
                                     done_text="notebook finished", timeout_s=300, screenshot=shot,
@@ -240,3 +241,6 @@ def test_03_train_live_figure_in_jupyterlab(workdir, tmp_path):
     assert live[0] == steps, samples[-1]  # the loss trace ends with every step
     assert _grew(samples, steps), samples  # and was drawn while the engines trained
     assert shot.is_file()
+    # JupyterLab's terminal (the server's log) stayed quiet through training and stop_cluster
+    (BROWSER_OUT / "03_train-jupyterlab.log").write_text(log.read_text())
+    assert "Traceback" not in log.read_text(), f"see {BROWSER_OUT / '03_train-jupyterlab.log'}"
