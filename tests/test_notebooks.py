@@ -220,7 +220,7 @@ def test_03_train_live_figure_in_jupyterlab(workdir, tmp_path):
     need_browser()
     root = tmp_path / "lab"
     root.mkdir()
-    steps = 120
+    steps = 200
     nb = read_notebook(ROOT / "notebooks" / "03_train.py")
     inject_parameters(nb, {"workdir": str(workdir), "engines": 2, "model": "tiny", "micro_batch_size": 8,
                            "steps": steps})
