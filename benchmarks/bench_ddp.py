@@ -4,7 +4,7 @@ Each rank keeps the same micro-batch (weak scaling), runs with one torch thread,
 throughput is ``train()``'s own tokens/s (real tokens, all ranks, warm-up steps excluded;
 labkit/measure.py). After one warm-up run of each, 1-rank and 2-rank runs alternate for
 ``--rounds`` rounds; efficiency = median tokens/s(2) / (2 x median tokens/s(1))
-(``measure.scaling_efficiency``; DESIGN.md). The 1-rank run is a plain process (no process
+(``measure.scaling_efficiency``; docs/measurement.md). The 1-rank run is a plain process (no process
 group, no DDP), so the DDP wrapper and its all-reduce count against the 2-rank run.
 
 The machine's load average is printed with the result: on a shared 2-core machine other
@@ -38,7 +38,7 @@ from labkit.measure import scaling_efficiency  # noqa: E402
 
 
 def write_shards(out_dir: pathlib.Path, *, n_sequences: int, seq_len: int, vocab_size: int, seed: int = 0) -> None:
-    """A random shard set in labkit's format (CONTRACT.md): [CLS] + ids, no padding; uint16."""
+    """A random shard set in labkit's format (docs/formats.md): [CLS] + ids, no padding; uint16."""
     rng = np.random.default_rng(seed)
     arr = rng.integers(5, vocab_size, size=(n_sequences, seq_len), dtype=np.uint16)
     arr[:, 0] = 2

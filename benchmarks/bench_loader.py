@@ -16,7 +16,7 @@ Derived (printed before the JSON line): loader workers needed to feed one H100 S
 bert-120m preset at 40 % MFU at seq_len 512, from the measured one-worker rate:
     samples/s needed = 0.4 * 989e12 FLOP/s / (flops_per_token(bert-120m, 512) * 512)
     workers = ceil(samples/s needed / samples/s of one worker)
-and a loader sweep (labkit.data.loader_sweep) for that GPU's planned step time at batch 32.
+and a loader sweep (labkit.study.loader_sweep) for that GPU's planned step time at batch 32.
 Run from the repository root: python benchmarks/bench_loader.py
 """
 
@@ -36,14 +36,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from labkit.config import ShardConfig, TokenizerConfig  # noqa: E402
-from labkit.data.loader_sweep import planned_step_time, sweep_loader, workers_needed  # noqa: E402
+from labkit.study.loader_sweep import planned_step_time, sweep_loader, workers_needed  # noqa: E402
 from labkit.data.mlm import make_loader  # noqa: E402
 from labkit.data.shards import SequenceReader, write_shards  # noqa: E402
 from labkit.data.tokenize import train_tokenizer  # noqa: E402
 from labkit.model import flops_per_token, model_config  # noqa: E402
 
 BATCH, SEQ_LEN, N_BATCHES, REPEATS, MAX_FUNCTIONS = 32, 512, 150, 5, 12_000
-H100_PEAK, MFU = 989e12, 0.4  # H100 SXM dense bf16 (REFERENCES.md C2), target MFU
+H100_PEAK, MFU = 989e12, 0.4  # H100 SXM dense bf16 (docs/references.md C2), target MFU
 
 
 def disassemble(max_functions: int) -> list[str]:

@@ -4,13 +4,13 @@ keeps for backward.
 For the small presets (tiny, mini, small) at several micro-batches and sequence lengths, with
 the sparse and the dense MLM head, the planner's ``saved_activation_bytes`` (fp32 on CPU, the
 terms of Korthikanti et al. arXiv:2205.05198 written for this model) is compared with
-``labkit.plan.activation_bytes``: the distinct storages passed to
+``labkit.study.plan.activation_bytes``: the distinct storages passed to
 ``torch.autograd.graph.saved_tensors_hooks`` during one training forward, counted exactly.
-Goal: every point within 10 %. The last line is the JSON record of DESIGN.md ("Benchmarks"):
+Goal: every point within 10 %. The last line is the JSON record every benchmark prints (docs/measurement.md, "Benchmarks"):
 value = 1 - the worst relative error (1.0 = exact).
 
 The GPU half (planned peak vs ``torch.cuda.max_memory_allocated`` for bert-120m and bert-350m)
-is ``labkit.plan.gpu_memory_check()``, called from benchmarks/gpu_check.sh.
+is ``labkit.study.gpu.gpu_memory_check()``, called from benchmarks/gpu_check.sh.
 
 Run from the repository root: ``python benchmarks/bench_planner.py``.
 """
@@ -23,7 +23,7 @@ import time
 import torch
 
 from labkit.model import model_config
-from labkit.plan import activation_bytes, saved_activation_bytes
+from labkit.study.plan import activation_bytes, saved_activation_bytes
 
 VOCAB = 8192
 POINTS = [("tiny", 64, b) for b in (1, 4, 16)] + [("mini", 128, b) for b in (1, 4, 8)] + \

@@ -2,7 +2,7 @@
 micro-batch of labkit's training step for bert-120m and bert-350m at seq 128 and 512 on one
 NVIDIA GPU, plus a 1-GPU NCCL process-group init + all_reduce smoke test. Writes one JSON file.
 
-Each configuration: build ``BertMLM`` (labkit/model.py), AdamW as ``train`` builds it, one step
+Each configuration: build ``BertMLM`` (labkit/model/encoder.py), AdamW as ``train`` builds it, one step
 at micro-batch 1 so the optimiser state exists, then ``largest_fitting`` finds the largest
 micro-batch whose whole step (bf16 autocast forward/backward through ``train.forward_backward``,
 global-norm clip, AdamW step) runs without ``torch.cuda.OutOfMemoryError``, emptying the CUDA
@@ -26,49 +26,18 @@ import pathlib
 import socket
 import sys
 import time
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from labkit import dist, measure  # noqa: E402
+from labkit import measure  # noqa: E402
+from labkit.io import atomic_write_json  # noqa: E402
 from labkit.config import TrainConfig  # noqa: E402
 from labkit.data.mlm import MLMCollator  # noqa: E402
 from labkit.model import BertMLM, count_parameters, flops_per_token, model_config  # noqa: E402
-from labkit.train import build_optimizer, forward_backward  # noqa: E402
-
-
-def largest_fitting(fits: Callable[[int], bool], *, limit: int, start: int = 1) -> tuple[int, list[int]]:
-    """Largest b in [1, limit] with ``fits(b)``, assuming fits is monotone (b fits => every
-    smaller b fits). Doubles from ``start`` until a try fails or ``limit`` is reached, then
-    bisects between the last success and the first failure: about 2·log2(answer) tries.
-    Returns ``(b, tried)``; b = 0 when not even 1 fits. Raises ValueError for limit < 1."""
-    if limit < 1 or start < 1:
-        raise ValueError(f"limit/start: must be >= 1, got limit={limit}, start={start}")
-    tried: list[int] = []
-
-    def attempt(b: int) -> bool:
-        tried.append(b)
-        return fits(b)
-
-    lo, hi, b = 0, limit + 1, min(start, limit)  # invariant: lo fits (0 trivially), hi does not
-    while True:
-        if attempt(b):
-            lo = b
-            if b == limit:
-                return lo, tried
-            b = min(2 * b, limit)
-        else:
-            hi = b
-            break
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if attempt(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo, tried
+from labkit.study.plan import largest_fitting  # noqa: E402
+from labkit.train import build_optimizer, dist, forward_backward  # noqa: E402
 
 
 def _is_oom(err: BaseException) -> bool:
@@ -116,7 +85,8 @@ def check_config(name: str, seq_len: int, *, vocab: int, device: torch.device, l
     if not fits(1):
         return {"model": name, "seq_len": seq_len, "max_micro_batch": 0, "error": "micro-batch 1 does not fit"}
     t0 = time.perf_counter()
-    best, tried = largest_fitting(fits, limit=limit)
+    tried: list[int] = []
+    best = largest_fitting(lambda n: tried.append(n) or fits(n), limit=limit)
     search_s = time.perf_counter() - t0
     b = 1 << (best.bit_length() - 1)  # largest power of two <= best
     mb = batch(b)
@@ -197,9 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     report["wall_s"] = round(time.perf_counter() - t_start, 1)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, out)
+    atomic_write_json(out, report)
     print(json.dumps({"gpu_check": str(out), "nccl_ok": report["nccl"].get("ok"), "wall_s": report["wall_s"]}))
     return report
 

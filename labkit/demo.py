@@ -9,12 +9,12 @@ the same work directory so that each renders the demo's artifacts as an HTML rep
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
+from labkit.io import atomic_write_json
 from labkit.config import DemoConfig, TrainConfig, to_dict
 
 NOTEBOOKS: tuple[str, ...] = ("00_cluster", "01_prepare", "02_stage_and_load", "03_train", "04_scaling",
@@ -128,9 +128,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         summary["reports"] = run_reports(cfg, work, t0=t0)
     summary["seconds"] = round(time.perf_counter() - t0, 1)
     out = work / "demo.json"
-    tmp = out.with_name(".demo.json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2, default=str))
-    os.replace(tmp, out)
+    atomic_write_json(out, summary)
     _say(f"done in {summary['seconds']} s; summary in {out}", t0)
     for path in summary.get("reports", []):
         print(f"  report: {path}")

@@ -6,18 +6,9 @@ redoes it). "Complete" is decided the same way everywhere: the file a stage writ
 (``corpus.json``, the kept-documents Parquet and its ``.drops.json``, ``tokenizer.json``,
 ``index.json``, a staged copy that verifies, ``result.json``).
 
-Work directory layout (``workdir``)::
-
-    corpus/part-00000.parquet ... corpus.json   one document per disassembled function
-    clean/filtered.parquet  signatures/          after filters + exact dedup; MinHash signatures
-    clean/docs.parquet  clean/docs.drops.json   kept documents, drop counts per reason and stage
-    tokenizer/tokenizer.json  tokenizer.stats.json  HF tokenizers (WordPiece default); held-out UNK rate
-    shards/shard-00000.bin ... index.json        packed token ids, index written last
-    shards.parts/                               encoded parts + completion markers (resumable)
-    local/<node>/...                             node-local staged copies (simulated nodes)
-    runs/<name>/                                 config.json, metrics.jsonl, checkpoints/, result.json
-    sweeps/ranks.parquet  sweeps/microbatch.parquet  sweeps/loader.parquet  sweeps/model_size.parquet
-    reports/*.html                               executed notebooks
+The work directory's layout is defined once, in ``labkit.workdir``. Sweeps live in
+``labkit.study.sweeps`` and DDP training on the engines in ``labkit.cluster.launch``; both are
+re-exported here so notebooks call everything as ``lab.<stage>``.
 
 The cluster argument is an ``ipyparallel.Client`` (``labkit.cluster.start_cluster(...)``
 ``.connect_client_sync()``).
@@ -28,43 +19,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import polars as pl
 
-from labkit.config import (
-    CleanConfig,
-    CorpusConfig,
-    ShardConfig,
-    TokenizerConfig,
-    TrainConfig,
-    to_dict,
-)
+from labkit.cluster.launch import train_on_cluster
+from labkit.config import CleanConfig, CorpusConfig, ShardConfig, TokenizerConfig, to_dict
+from labkit.io import atomic_write_json
+from labkit.study.sweeps import sweep_loader_workers, sweep_micro_batch, sweep_model_size, sweep_ranks
+from labkit.workdir import paths
 
-
-def _paths(workdir: str | os.PathLike) -> dict[str, Path]:
-    w = Path(workdir)
-    return {
-        "corpus": w / "corpus",
-        "clean": w / "clean" / "docs.parquet",
-        "tokenizer": w / "tokenizer" / "tokenizer.json",
-        "shards": w / "shards",
-        "local": w / "local",
-        "runs": w / "runs",
-        "sweeps": w / "sweeps",
-        "reports": w / "reports",
-    }
-
-
-def _write_json(path: Path, data: Any) -> None:
-    """Write JSON to a temporary name, then rename: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
+__all__ = ["build_corpus", "build_shards", "build_tokenizer", "clean_corpus", "preparation_report", "read_metrics",
+           "stage", "sweep_loader_workers", "sweep_micro_batch", "sweep_model_size", "sweep_ranks", "train_on_cluster"]
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -117,7 +85,7 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
     from labkit.data.corpus import find_elf_files, write_corpus_part
     from labkit.data.sources import find_source_files, write_source_part
 
-    out = _paths(workdir)["corpus"]
+    out = paths(workdir)["corpus"]
     done = out / "corpus.json"
     if done.exists() and not force:
         return json.loads(done.read_text())
@@ -169,7 +137,7 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
         raise EmptyCorpusError(f"corpus: no document found in {stats.get('files_read', 0)} files read under "
                                f"{list(cfg.paths)}; skipped {stats['skipped']} (stripped executables have "
                                "no function symbols: point paths at shared libraries or unstripped binaries)")
-    _write_json(done, stats)
+    atomic_write_json(done, stats)
     return stats
 
 
@@ -203,7 +171,7 @@ def clean_corpus(client, cfg: CleanConfig, workdir: str, *, force: bool = False,
     from labkit.data.dedup import near_dedup_parquet, signature_part
     from labkit.data.tokenize import text_row_count
 
-    p = _paths(workdir)
+    p = paths(workdir)
     drops_path = p["clean"].with_name("docs.drops.json")
     if p["clean"].exists() and drops_path.exists() and not force:
         return json.loads(drops_path.read_text())
@@ -238,7 +206,7 @@ def clean_corpus(client, cfg: CleanConfig, workdir: str, *, force: bool = False,
                                "lsh_seconds": near["seconds"], "docs_per_s": round(near["input"] / seconds, 1),
                                "config": to_dict(cfg.near_dedup)}
     stats = json.loads(json.dumps(stats))  # equal to the file (tuples as lists)
-    _write_json(drops_path, stats)
+    atomic_write_json(drops_path, stats)
     return stats
 
 
@@ -252,7 +220,7 @@ def build_tokenizer(client, cfg: TokenizerConfig, workdir: str, *, force: bool =
     UNK report goes to ``tokenizer/tokenizer.stats.json`` (``labkit.data.tokenize``)."""
     from labkit.data.tokenize import train_tokenizer
 
-    p = _paths(workdir)
+    p = paths(workdir)
     stats = p["tokenizer"].with_name("tokenizer.stats.json")
     if p["tokenizer"].exists() and stats.exists() and not force:
         return str(p["tokenizer"])
@@ -278,7 +246,7 @@ def build_shards(client, cfg: ShardConfig, workdir: str, *, force: bool = False,
     from labkit.data.shards import encode_part, finish_shards, parts_dir_for, plan_parts, read_index, ShardError
     from labkit.data.tokenize import text_row_count, tokenizer_sha256
 
-    p = _paths(workdir)
+    p = paths(workdir)
     docs, tok, out = str(p["clean"]), str(p["tokenizer"]), str(p["shards"])
     parts_dir = parts_dir_for(out)
     settings = {k: getattr(cfg, k) for k in _OUTPUT_FIELDS} | {"tokenizer_sha256": tokenizer_sha256(tok)}
@@ -296,7 +264,7 @@ def build_shards(client, cfg: ShardConfig, workdir: str, *, force: bool = False,
               for i, (s, e) in enumerate(plan_parts(n, rows))]
     parts = _wait_all(asyncs, "shards: encoding parts", progress)
     index = client[client.ids[0]].apply_sync(finish_shards, docs, tok, out, cfg, parts, progress=False)
-    _write_json(parts_dir / "config.json", settings)
+    atomic_write_json(parts_dir / "config.json", settings)
     return index
 
 
@@ -305,7 +273,7 @@ def preparation_report(workdir: str) -> dict:
     read), documents left after each stage, tokens, shard bytes and the reduction in percent
     (1 - shard bytes / raw bytes; the study's 2 TB -> 25 GB is 98.8 %), token share per source
     group before and after balancing, and the UNK rate on held-out documents."""
-    p = _paths(workdir)
+    p = paths(workdir)
     corpus = json.loads((p["corpus"] / "corpus.json").read_text())
     drops = json.loads(p["clean"].with_name("docs.drops.json").read_text())
     index = json.loads((p["shards"] / "index.json").read_text())
@@ -356,8 +324,8 @@ def stage(client, workdir: str, *, local_root: str | None = None, verify: bool =
     """
     from labkit.cluster import per_node
 
-    src = str(Path(_paths(workdir)["shards"]).resolve())
-    local = str(Path(_paths(workdir)["local"]).resolve())
+    src = str(Path(paths(workdir)["shards"]).resolve())
+    local = str(Path(paths(workdir)["local"]).resolve())
     return per_node(client, _stage_on_node, src, local_root, local, verify)
 
 
@@ -366,7 +334,7 @@ def _stage_on_node(src: str, local_root: str | None, default_local: str, verify:
     import os as _os
 
     from labkit.data.stage import stage_shards
-    from labkit.topology import node_name
+    from labkit.cluster.topology import node_name
 
     node = node_name()
     if local_root is None:
@@ -376,216 +344,6 @@ def _stage_on_node(src: str, local_root: str | None, default_local: str, verify:
     else:
         root = local_root
     return stage_shards(src, local_root=root, node_name=node, verify=verify)
-
-
-# --------------------------------------------------------------------------------------------
-# 5. training under DDP on the engines
-# --------------------------------------------------------------------------------------------
-
-
-def train_on_cluster(client, cfg: TrainConfig, *, targets: list[int] | None = None,
-                     staged: dict[str, dict] | None = None,
-                     live: Callable[[list[dict]], None] | None = None, timeout: float | None = None) -> dict:
-    """Run ``labkit.train.train(cfg)`` under DDP on the engines (all, or ``targets``).
-
-    With ``staged`` (the output of ``stage``), each rank reads the copy on its own node: the
-    engine's node name picks ``staged[node]["path"]``. Returns rank 0's result dict (the same
-    as ``<run_dir>/result.json``). ``live(records)`` is called about once a second with rank 0's
-    recent metric records.
-    """
-    from labkit.cluster import run_ddp
-
-    kwargs: dict[str, Any] = {}
-    if staged is not None:
-        kwargs["staged_paths"] = {node: info["path"] for node, info in staged.items()}
-    results = run_ddp(client, _train_entry, cfg, targets=targets, live=live, timeout=timeout, **kwargs)
-    return results[0]
-
-
-def _train_entry(cfg: TrainConfig, *, sink=None, staged_paths: dict[str, str] | None = None) -> dict:
-    """Engine side of ``train_on_cluster``: point data_dir at this node's staged copy, train."""
-    import dataclasses as _dc
-
-    from labkit.topology import node_name
-    from labkit.train import train
-
-    if staged_paths:
-        node = node_name()
-        if node not in staged_paths:
-            raise RuntimeError(f"node {node!r} has no staged copy; staged nodes are {sorted(staged_paths)}")
-        cfg = _dc.replace(cfg, data_dir=staged_paths[node])
-    return train(cfg, sink=sink)
-
-
-# --------------------------------------------------------------------------------------------
-# 6. sweeps: throughput vs ranks, largest micro-batch per model size
-# --------------------------------------------------------------------------------------------
-
-
-BUSY_LOAD_PER_CPU = 1.0
-"""A sweep point counts as measured on a busy machine when the engine host's 1-minute load
-average, just before the point, was at least this many runnable tasks per usable CPU: other work
-already occupied every core, so the point's throughput is low by an unknown amount."""
-
-
-def machine_load() -> dict:
-    """This host's load: {"load_avg_1m", "load_avg_5m" (os.getloadavg: runnable + waiting tasks,
-    averaged over 1 and 5 minutes), "cpu_count" (CPUs this process may use, sched_getaffinity)}.
-    Runs on an engine in the sweeps (``client[id].apply_sync(machine_load)``)."""
-    import os
-
-    one, five, _ = os.getloadavg()
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return {"load_avg_1m": round(one, 2), "load_avg_5m": round(five, 2), "cpu_count": cpus}
-
-
-def _load_columns(client, engine_id: int) -> dict:
-    """``machine_load`` of an engine's host plus ``busy`` (load_avg_1m >= BUSY_LOAD_PER_CPU x cpu_count)."""
-    load = client[engine_id].apply_sync(machine_load)
-    return load | {"busy": load["load_avg_1m"] >= BUSY_LOAD_PER_CPU * load["cpu_count"]}
-
-
-def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | None = None,
-                staged: dict[str, dict] | None = None, force: bool = False) -> pl.DataFrame:
-    """Weak scaling: the same per-rank micro-batch at 1..N ranks, one short run per point.
-
-    Points already in ``sweeps/ranks.parquet`` are not rerun. Columns: ranks, model,
-    micro_batch_size, global_batch_size, tokens_per_s (all ranks, after timing warm-up),
-    samples_per_s, data_wait_fraction, efficiency = tokens_per_s(n) / (n * tokens_per_s(1)),
-    and the machine's load just before the point (``_load_columns``: load_avg_1m, load_avg_5m,
-    cpu_count, busy). Sweep runs write metrics and result.json, no checkpoint.
-    """
-    out = _paths(workdir)["sweeps"] / "ranks.parquet"
-    ranks = ranks or list(range(1, len(client.ids) + 1))
-    rows = [{k: v for k, v in r.items() if k != "efficiency"} for r in _done_rows(out, force)]
-    have = {(r["ranks"], r["model"], r["micro_batch_size"]) for r in rows}
-    for n in ranks:
-        if (n, base.model, base.micro_batch_size) in have:
-            continue
-        cfg = dataclasses.replace(base, run_dir=str(_paths(workdir)["runs"] / f"sweep-ranks-{base.model}-{n}"),
-                                  resume=False, checkpoints=False)
-        load = _load_columns(client, client.ids[0])
-        res = train_on_cluster(client, cfg, targets=client.ids[:n], staged=staged)
-        rows.append({"ranks": n, "model": base.model, "micro_batch_size": base.micro_batch_size,
-                     "global_batch_size": res["global_batch_size"], "tokens_per_s": res["tokens_per_s"],
-                     "samples_per_s": res["samples_per_s"], "data_wait_fraction": res["data_wait_fraction"], **load})
-    df = pl.DataFrame(rows).sort("model", "micro_batch_size", "ranks")
-    one = (df.filter(pl.col("ranks") == 1).select("model", "micro_batch_size", pl.col("tokens_per_s").alias("_t1")))
-    df = df.join(one, on=["model", "micro_batch_size"], how="left").with_columns(
-        (pl.col("tokens_per_s") / (pl.col("ranks") * pl.col("_t1"))).alias("efficiency")
-    ).drop("_t1")
-    return _save(df, out)
-
-
-def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: int, budget_bytes: int | None,
-                      workdir: str, force: bool = False) -> pl.DataFrame:
-    """Largest micro-batch per model size, measured on an engine: under a per-rank memory
-    budget (``labkit.plan.max_micro_batch``: model state at 16 B/parameter plus the activation
-    bytes autograd saves for backward, counted exactly), or with ``budget_bytes=None`` on the
-    engine's GPU until out of memory (``labkit.plan.max_micro_batch_cuda``; budget_bytes is
-    then the device's memory). Cached in ``sweeps/microbatch.parquet``; measured points are
-    not rerun.
-    """
-    from labkit.model import model_config
-    from labkit.plan import max_micro_batch, max_micro_batch_cuda, model_state_bytes
-
-    out = _paths(workdir)["sweeps"] / "microbatch.parquet"
-    rows = [{"method": "budget", **r} for r in _done_rows(out, force)]  # tables written before the GPU method
-    have = {(r["model"], r["seq_len"], r["budget_bytes"] if r["method"] == "budget" else None) for r in rows}
-    for name in models:
-        if (name, seq_len, budget_bytes) in have:
-            continue
-        mcfg = model_config(name, vocab_size)
-        engine = client[client.ids[0]]
-        if budget_bytes is None:
-            rep = engine.apply_sync(max_micro_batch_cuda, mcfg, seq_len)
-            rep |= {"state_bytes": model_state_bytes(mcfg), "act_bytes_per_sample": None}
-        else:
-            rep = engine.apply_sync(max_micro_batch, mcfg, seq_len, budget_bytes) | {"budget_bytes": budget_bytes}
-        rows.append({"method": "budget" if budget_bytes else "cuda_oom", "model": name, "params": int(rep["params"]),
-                     "seq_len": seq_len, "budget_bytes": int(rep["budget_bytes"]), "state_bytes": int(rep["state_bytes"]),
-                     "act_bytes_per_sample": rep["act_bytes_per_sample"],
-                     "max_micro_batch": int(rep["max_micro_batch"])})
-    return _save(pl.DataFrame(rows).sort("params"), out)
-
-
-def _save(df: pl.DataFrame, out: Path) -> pl.DataFrame:
-    """Write a sweep table to Parquet under a temporary name, then rename."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    df.write_parquet(tmp)
-    os.replace(tmp, out)
-    return df
-
-
-def _done_rows(out: Path, force: bool) -> list[dict]:
-    return pl.read_parquet(out).to_dicts() if out.exists() and not force else []
-
-
-def sweep_loader_workers(client, workdir: str, *, batch_size: int, step_time_s: float,
-                         workers: list[int] | tuple[int, ...] = (0, 1, 2), n_batches: int = 30,
-                         staged: dict[str, dict] | None = None, force: bool = False, **kw) -> pl.DataFrame:
-    """Lesson 3: samples/s and data-wait fraction per DataLoader worker count, in front of a
-    consumer taking ``step_time_s`` per batch (a planned GPU step, ``labkit.scaling.compute_time``),
-    run on the first engine with ``labkit.data.loader_sweep.sweep_loader`` (the loader helper's
-    sweep) on its node's staged copy when ``staged`` is given. Worker counts already in
-    ``sweeps/loader.parquet`` for the same batch_size and step_time_s are not rerun; ``knee`` is
-    recomputed over the whole table (fewest workers with data-wait fraction below 5 %).
-    """
-    from labkit.data.loader_sweep import sweep_loader
-
-    out = _paths(workdir)["sweeps"] / "loader.parquet"
-    rows = [{k: v for k, v in r.items() if k != "knee"} for r in _done_rows(out, force)]
-    have = {(r["num_workers"], r["batch_size"], r["step_time_s_planned"]) for r in rows}
-    todo = [w for w in workers if (w, batch_size, step_time_s) not in have]
-    data_dir = str(_paths(workdir)["shards"])
-    if staged:
-        data_dir = next(iter(staged.values()))["path"]
-    if todo:
-        table = client[client.ids[0]].apply_sync(sweep_loader, data_dir, batch_size=batch_size,
-                                                 step_time_s=step_time_s, workers=todo, n_batches=n_batches,
-                                                 gpu_index=None, **kw)
-        rows += [r | {"batch_size": batch_size, "step_time_s_planned": step_time_s}
-                 for r in table.drop("knee").to_dicts()]
-    df = pl.DataFrame(rows).sort("batch_size", "step_time_s_planned", "num_workers")
-    knee = (pl.col("data_wait_fraction") < 0.05) & (
-        pl.col("num_workers") == pl.col("num_workers").filter(pl.col("data_wait_fraction") < 0.05).min()
-        .over("batch_size", "step_time_s_planned"))
-    return _save(df.with_columns(knee=knee.fill_null(False)), out)
-
-
-def sweep_model_size(client, base: TrainConfig, workdir: str, *, models: list[str], ranks: int | None = None,
-                     staged: dict[str, dict] | None = None, force: bool = False) -> pl.DataFrame:
-    """Throughput per model size at a fixed number of ranks, one short run per model (lesson 5:
-    larger models fit smaller batches and cost throughput). Models already in
-    ``sweeps/model_size.parquet`` at the same ranks and micro-batch are not rerun. Columns:
-    model, params, non_embedding_params, ranks, micro_batch_size, seq_len, tokens_per_s,
-    samples_per_s, flops_per_token (``labkit.model.flops_per_token``), achieved_flops
-    (tokens_per_s x flops_per_token, all ranks), and the machine's load before the run
-    (load_avg_1m, load_avg_5m, cpu_count, busy; ``_load_columns``). No checkpoints are written."""
-    from labkit.data.shards import read_index
-    from labkit.model import count_parameters, flops_per_token, model_config
-
-    out = _paths(workdir)["sweeps"] / "model_size.parquet"
-    n = ranks or len(client.ids)
-    rows = _done_rows(out, force)
-    have = {(r["model"], r["ranks"], r["micro_batch_size"]) for r in rows}
-    index = read_index(base.data_dir)
-    for name in models:
-        if (name, n, base.micro_batch_size) in have:
-            continue
-        cfg = dataclasses.replace(base, model=name, resume=False, checkpoints=False,
-                                  run_dir=str(_paths(workdir)["runs"] / f"sweep-size-{name}-{n}"))
-        load = _load_columns(client, client.ids[0])
-        res = train_on_cluster(client, cfg, targets=client.ids[:n], staged=staged)
-        mcfg = model_config(name, index["vocab_size"], **base.model_overrides)
-        fpt = flops_per_token(mcfg, index["seq_len"])
-        counts = count_parameters(mcfg)
-        rows.append({"model": name, "params": counts["total"], "non_embedding_params": counts["non_embedding"],
-                     "ranks": n, "micro_batch_size": base.micro_batch_size, "seq_len": index["seq_len"],
-                     "tokens_per_s": res["tokens_per_s"], "samples_per_s": res["samples_per_s"],
-                     "flops_per_token": fpt, "achieved_flops": res["tokens_per_s"] * fpt, **load})
-    return _save(pl.DataFrame(rows).sort("params", "ranks"), out)
 
 
 def read_metrics(run_dir: str) -> pl.DataFrame:

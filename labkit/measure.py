@@ -1,4 +1,4 @@
-"""Measurements, each defined once (DESIGN.md, "Measurement definitions").
+"""Measurements, each defined once (docs/measurement.md).
 
 - tokens/s: real (non-[PAD]) tokens processed by all ranks per second of step time.
 - samples/s: sequences processed by all ranks per second of step time.
@@ -22,7 +22,7 @@ import torch
 
 PEAK_FLOPS: dict[tuple[str, str], float] = {
     # Dense tensor-core peaks in FLOP/s per GPU; dense = half of NVIDIA's with-sparsity figure.
-    # Sources (REFERENCES.md C2): https://www.nvidia.com/en-us/data-center/h100/ ,
+    # Sources (docs/references.md C2): https://www.nvidia.com/en-us/data-center/h100/ ,
     # https://www.nvidia.com/en-us/data-center/h200/ , https://www.nvidia.com/en-us/data-center/a100/
     ("H100 SXM", "bf16"): 989e12,
     ("H100 SXM", "fp16"): 989e12,
@@ -66,18 +66,18 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 
 
 def tokens_per_s(real_tokens_all_ranks: int | float, step_time_s: float) -> float:
-    """Real (non-pad) tokens summed over all ranks / step time in seconds (DESIGN.md)."""
+    """Real (non-pad) tokens summed over all ranks / step time in seconds (docs/measurement.md)."""
     return float(real_tokens_all_ranks) / step_time_s
 
 
 def samples_per_s(sequences_all_ranks: int | float, step_time_s: float) -> float:
-    """Sequences summed over all ranks / step time in seconds (DESIGN.md)."""
+    """Sequences summed over all ranks / step time in seconds (docs/measurement.md)."""
     return float(sequences_all_ranks) / step_time_s
 
 
 def data_wait_fraction(wait_s: float, step_time_s: float) -> float:
     """Share of the step a rank spends waiting for its next batch: wait_s / step_time_s
-    (DESIGN.md). ``wait_s`` is the time inside the loader's ``next`` (plus host-to-device copy)."""
+    (docs/measurement.md). ``wait_s`` is the time inside the loader's ``next`` (plus host-to-device copy)."""
     if step_time_s <= 0:
         raise ValueError(f"step_time_s: must be positive, got {step_time_s}")
     return wait_s / step_time_s
@@ -85,7 +85,7 @@ def data_wait_fraction(wait_s: float, step_time_s: float) -> float:
 
 def mfu(tokens_per_second: float, flops_per_token: float, n_gpus: int, peak: float | None) -> float | None:
     """Model FLOPs utilisation = tokens/s x FLOPs per token / (n_gpus x peak FLOP/s of one GPU)
-    (PaLM, arXiv:2204.02311 appendix B; DESIGN.md). ``tokens_per_second`` is over all GPUs;
+    (PaLM, arXiv:2204.02311 appendix B; docs/measurement.md). ``tokens_per_second`` is over all GPUs;
     ``peak`` from ``peak_flops``; None when the peak is unknown (CPU)."""
     if peak is None:
         return None
@@ -93,7 +93,7 @@ def mfu(tokens_per_second: float, flops_per_token: float, n_gpus: int, peak: flo
 
 
 def scaling_efficiency(throughput_n: float, throughput_1: float, n: int) -> float:
-    """Weak-scaling efficiency at ``n`` ranks = throughput(n) / (n x throughput(1)) (DESIGN.md),
+    """Weak-scaling efficiency at ``n`` ranks = throughput(n) / (n x throughput(1)) (docs/measurement.md),
     both in the same unit (tokens/s over all ranks) at the same per-rank batch. 1.0 is linear."""
     if n < 1 or throughput_1 <= 0:
         raise ValueError(f"n / throughput_1: need n >= 1 and throughput_1 > 0, got n={n}, throughput_1={throughput_1}")

@@ -3,7 +3,7 @@
 One style for every figure lives in `style()` (template, colours, fonts). Figures take polars
 frames (the tables labkit writes) and return `plotly.graph_objects.Figure`; nothing is shown.
 Notebooks call `setup_notebook_plotting()` once so exported HTML embeds plotly.js offline.
-Patterns: /work/shared/REFERENCES.md section E (plotly) and "Checked on a machine like ours".
+Patterns: /work/shared/docs/references.md section E (plotly) and "Checked on a machine like ours".
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def scaling_table(df: pl.DataFrame | pl.LazyFrame) -> pl.DataFrame:
     """Weak-scaling table: columns ranks, tokens_per_s, ideal (= ranks x throughput(1)),
     efficiency (= tokens_per_s / ideal), sorted by ranks; repeated ranks are averaged.
 
-    Definition: DESIGN.md "Measurement definitions". Raises ValueError without a ranks == 1 row.
+    Definition: docs/measurement.md. Raises ValueError without a ranks == 1 row.
     """
     lf = (df.lazy().group_by("ranks").agg(pl.col("tokens_per_s").mean()).sort("ranks"))
     out = lf.collect()
@@ -189,7 +189,7 @@ def microbatch_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Largest 
     """Bars: largest micro-batch per model (ordered by parameter count), one bar group per budget.
 
     `df` columns: model (str), params (int), max_micro_batch (int), budget_bytes (int; shown in
-    GiB). From labkit.plan.max_micro_batch. Raises ValueError naming missing columns.
+    GiB). From labkit.study.plan.max_micro_batch. Raises ValueError naming missing columns.
     """
     d = _frame(df, ["model", "params", "max_micro_batch", "budget_bytes"], "microbatch_figure").sort("params", "budget_bytes")
     order = d.unique("model", keep="first", maintain_order=True)["model"].to_list()
@@ -325,7 +325,7 @@ def efficiency_figure(predicted: pl.DataFrame | pl.LazyFrame, *, measured: pl.Da
     """Efficiency (step time(1) / step time(n)) vs GPUs on a log2 axis, one line per ``label``.
 
     `predicted` columns: n_gpus (int), efficiency (float) [, label (str), comm_hidden (bool)]:
-    ``labkit.scaling.efficiency_table`` rows, several tables stacked with a label column.
+    ``labkit.study.scaling.efficiency_table`` rows, several tables stacked with a label column.
     `measured` (optional) columns ranks, efficiency (``labkit.lab.sweep_ranks``) are drawn as
     markers. The 90 % line marks near-linear scaling. Raises ValueError naming missing columns."""
     d = _frame(predicted, ["n_gpus", "efficiency"], "efficiency_figure")
@@ -376,8 +376,8 @@ def law_figure(points: pl.DataFrame | pl.LazyFrame, law, *, frontier: pl.DataFra
     """Observed losses vs tokens (one colour per parameter count), the fitted law's curves at
     those sizes, and the compute-optimal frontier when given.
 
-    `points` columns: n_params, n_tokens, loss. `law`: ``labkit.laws.LawParams``. `frontier`
-    columns: n_tokens, loss (``labkit.laws.compute_optimal`` over a range of budgets)."""
+    `points` columns: n_params, n_tokens, loss. `law`: ``labkit.study.laws.LawParams``. `frontier`
+    columns: n_tokens, loss (``labkit.study.laws.compute_optimal`` over a range of budgets)."""
     import numpy as np
 
     d = _frame(points, ["n_params", "n_tokens", "loss"], "law_figure")
@@ -401,7 +401,7 @@ def law_figure(points: pl.DataFrame | pl.LazyFrame, law, *, frontier: pl.DataFra
 
 
 MEMORY_TERMS = ("params", "grads", "optimizer", "autocast_copies", "activations", "logits", "head_backward")
-"""Terms of ``labkit.plan.memory_plan`` drawn by ``memory_figure``, bottom to top."""
+"""Terms of ``labkit.study.plan.memory_plan`` drawn by ``memory_figure``, bottom to top."""
 
 
 def memory_figure(plans: pl.DataFrame | pl.LazyFrame, *, capacity_bytes: float | None = None,

@@ -2,35 +2,24 @@
 
 Parameters are injected papermill-style: a code cell tagged "injected-parameters" right after
 the cell tagged "parameters" (at the top when there is none). The kernel runs with
-IPP_NONINTERACTIVE=1 (no ipyparallel progress widgets, REFERENCES.md E) and with this labkit on
+IPP_NONINTERACTIVE=1 (no ipyparallel progress widgets, docs/references.md E) and with this labkit on
 its PYTHONPATH. Notebooks call `labkit.plots.setup_notebook_plotting()` so plotly.js is
 embedded once and the HTML renders offline; `check_report` verifies that.
 """
 
 from __future__ import annotations
 
+from labkit.io import atomic_write_text
+
 import os
 import pathlib
 import re
-import tempfile
 from typing import Any
 
 import nbformat
 
 INJECTED_TAG = "injected-parameters"
 PARAMETERS_TAG = "parameters"
-
-
-def _atomic_write(path: pathlib.Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a report is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def read_notebook(path: str | os.PathLike) -> nbformat.NotebookNode:
@@ -116,7 +105,6 @@ def execute_notebook(
     written, and nbclient's CellExecutionError (naming the cell and the error) is raised.
     """
     from nbclient import NotebookClient
-    from nbconvert import HTMLExporter
 
     src, out_html = pathlib.Path(path), pathlib.Path(out_html)
     nb = read_notebook(src)
@@ -134,9 +122,9 @@ def execute_notebook(
     try:
         client.execute(env=env, cwd=run_dir)
     finally:
-        _atomic_write(out_nb, nbformat.writes(nb))
+        atomic_write_text(out_nb, nbformat.writes(nb))
     body, _ = offline_exporter().from_notebook_node(nb)
-    _atomic_write(out_html, body)
+    atomic_write_text(out_html, body)
     return out_html
 
 

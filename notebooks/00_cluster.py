@@ -60,7 +60,7 @@ plots.topology_figure(ranks)
 # `world_size * (world_size + 1) / 2`.
 
 # %%
-from labkit.dist import all_reduce_smoke_test
+from labkit.train.dist import all_reduce_smoke_test
 
 results = lc.run_ddp(client, all_reduce_smoke_test)
 pl.DataFrame(results)

@@ -19,7 +19,7 @@
 # moments) plus the bytes autograd saves for backward, counted exactly.
 #
 # Points already measured (in `sweeps/*.parquet`) are not rerun. The second half plans the
-# study's scale from formulas (`labkit.plan`, `labkit.scaling`): memory per GPU, the largest
+# study's scale from formulas (`labkit.study.plan`, `labkit.study.scaling`): memory per GPU, the largest
 # micro-batch, parallel splits, and data-parallel efficiency up to 256 GPUs.
 
 # %% tags=["parameters"]
@@ -74,11 +74,11 @@ plots.microbatch_figure(mb)
 
 # %% [markdown]
 # ### The planner against the measurement
-# The same budget, planned from formulas (`labkit.plan.saved_activation_bytes`, fp32 on CPU)
+# The same budget, planned from formulas (`labkit.study.plan.saved_activation_bytes`, fp32 on CPU)
 # instead of measured with autograd's saved-tensor hooks.
 
 # %%
-from labkit import plan
+from labkit.study import parallel, plan
 from labkit.model import count_parameters, model_config
 
 rows = []
@@ -123,7 +123,7 @@ lc.stop_cluster(cluster)
 # Rows within 10 % of the reported value are the settings that reproduce it.
 
 # %%
-table = plan.study_table()
+table = parallel.study_table()
 shown = ("model", "seq_len", "precision", "attention", "sparse_head", "planned", "study")
 table.filter(pl.col("within_10pct")).select(shown)
 
@@ -150,9 +150,9 @@ plots.memory_figure(pl.DataFrame(plans), capacity_bytes=plan.device_info("H100 N
 big = model_config("bert-1.3b", plan.STUDY_VOCAB, hidden_size=6144, num_heads=48, num_layers=48,
                    intermediate_size=None)
 print(f"{count_parameters(big)['total'] / 1e9:.1f} B parameters")
-splits = plan.parallel_plans(big, n_gpus=16, seq_len=study_seq_len, micro_batch=4)
-fit = plan.first_fit(splits)
-no_zero = plan.first_fit(splits.filter(pl.col("zero_stage") == 0))
+splits = parallel.parallel_plans(big, n_gpus=16, seq_len=study_seq_len, micro_batch=4)
+fit = parallel.first_fit(splits)
+no_zero = parallel.first_fit(splits.filter(pl.col("zero_stage") == 0))
 for what, row in (("first split that fits", fit), ("first split without ZeRO", no_zero)):
     print(f"{what}:", {k: row[k] for k in ("dp", "tp", "pp", "zero_stage", "total", "bubble")} if row else None)
 splits.select("dp", "tp", "pp", "zero_stage", (pl.col("total") / 1e9).round(1).alias("GB per GPU"), "fits",
@@ -160,13 +160,13 @@ splits.select("dp", "tp", "pp", "zero_stage", (pl.col("total") / 1e9).round(1).a
 
 # %% [markdown]
 # ## Data-parallel efficiency from 1 to 256 GPUs
-# Step time = compute + the exposed part of DDP's bucketed ring all-reduce (`labkit.scaling`):
+# Step time = compute + the exposed part of DDP's bucketed ring all-reduce (`labkit.study.scaling`):
 # 25 MB buckets, 2 GPUs per node, 25 GbE between nodes (InfiniBand for comparison), fp32
 # gradients, compute at 40 % MFU. The line "measured here (model)" is the same model
 # calibrated from this machine's measured 1-rank step time.
 
 # %%
-from labkit import scaling
+from labkit.study import scaling
 
 curves = []
 for name, b in plan.STUDY_MICRO_BATCH.items():

@@ -13,7 +13,7 @@
 # # 05 · Scaling laws: how large a model for how many tokens
 #
 # Chinchilla's law L(N, D) = E + A/N^α + B/D^β (arXiv:2203.15556), fitted as they did: Huber
-# loss on log loss, L-BFGS from a grid of starts (`labkit.laws`). Three parts:
+# loss on log loss, L-BFGS from a grid of starts (`labkit.study.laws`). Three parts:
 #
 # 1. the published constants, and what they say about the study's runs;
 # 2. a fit on synthetic points generated from those constants, which must give them back;
@@ -36,7 +36,8 @@ import numpy as np
 import polars as pl
 import torch
 
-from labkit import laws, plots
+from labkit import plots
+from labkit.study import laws
 from labkit.config import TrainConfig
 from labkit.data.shards import read_index
 from labkit.model import count_parameters, model_config
@@ -48,7 +49,7 @@ index = read_index(f"{workdir}/shards")
 
 # %% [markdown]
 # ## 1. The published law and the study's runs
-# The study's 25 GB of token ids is about 12.5 B tokens (uint16, REFERENCES.md A). How far is
+# The study's 25 GB of token ids is about 12.5 B tokens (uint16, docs/references.md A). How far is
 # each of its models from the compute-optimal split of the same FLOPs, under Chinchilla's
 # constants?
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import pathlib
 import shutil
 import subprocess
@@ -17,23 +16,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
 gpu_check = importlib.util.module_from_spec(_spec)  # a script, not a package module
 _spec.loader.exec_module(gpu_check)
-
-
-@pytest.mark.parametrize("limit", [1, 7, 64, 1000])
-def test_largest_fitting_finds_every_threshold(limit):
-    for threshold in range(0, 130):
-        got, tried = gpu_check.largest_fitting(lambda b: b <= threshold, limit=limit)
-        assert got == min(threshold, limit), (threshold, limit)
-        assert len(tried) == len(set(tried))  # never retries a size
-        assert len(tried) <= 2 * math.ceil(math.log2(limit + 1)) + 2
-
-
-def test_largest_fitting_tries_doubling_then_bisection():
-    got, tried = gpu_check.largest_fitting(lambda b: b <= 37, limit=4096)
-    assert got == 37
-    assert tried == [1, 2, 4, 8, 16, 32, 64, 48, 40, 36, 38, 37]
-    with pytest.raises(ValueError, match="limit"):
-        gpu_check.largest_fitting(lambda b: True, limit=0)
 
 
 def test_cpu_flow_with_fake_oom(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""Tests of labkit/measure.py: closed forms of the DESIGN.md measurement definitions."""
+"""Tests of labkit/measure.py: closed forms of the docs/measurement.md."""
 
 from __future__ import annotations
 

@@ -6,7 +6,9 @@ import numpy as np
 import polars as pl
 import pytest
 
-from labkit import laws, plan, plots, scaling
+from labkit import plots
+
+from labkit.study import laws, plan, scaling
 from labkit.model import model_config
 
 

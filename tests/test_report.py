@@ -125,7 +125,7 @@ print("ranks", ranks, "draws", live.draws)
 
 
 def test_live_ddp_notebook_keeps_one_final_plot(tmp_path):
-    """REFERENCES.md 'Checked': raw-bundle update_display leaves one plot holding the final data."""
+    """docs/references.md 'Checked': raw-bundle update_display leaves one plot holding the final data."""
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell("n_steps = 2", metadata={"tags": ["parameters"]}),
                 nbformat.v4.new_code_cell(LIVE_CELL)]

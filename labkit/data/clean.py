@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import os
 import pathlib
 import tempfile
 
 import polars as pl
 
+from labkit.io import atomic_write, atomic_write_json
 from labkit.config import CleanConfig
 
 FILTERS: dict[str, str] = {
@@ -228,7 +228,6 @@ def clean_corpus(corpus_glob: str, out_path: str, cfg: CleanConfig, *,
                                f"({n} in, dropped {dropped})")
     out = pathlib.Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.parts-", dir=out.parent) as parts_dir:
         parts = []
         for lo in range(0, n, cfg.batch_rows):
@@ -236,10 +235,6 @@ def clean_corpus(corpus_glob: str, out_path: str, cfg: CleanConfig, *,
             if mask.any():
                 parts.append(os.path.join(parts_dir, f"part-{len(parts):08d}.parquet"))
                 scan.slice(lo, cfg.batch_rows).collect().filter(mask).write_parquet(parts[-1])
-        pl.scan_parquet(parts).sink_parquet(tmp, row_group_size=cfg.batch_rows)
-    os.replace(tmp, out)
-    drops = out.with_name(f"{out.stem}.drops.json")
-    tmp = drops.with_name(drops.name + ".tmp")
-    tmp.write_text(json.dumps(stats, indent=2) + "\n")
-    os.replace(tmp, drops)
+        atomic_write(out, lambda tmp: pl.scan_parquet(parts).sink_parquet(tmp, row_group_size=cfg.batch_rows))
+    atomic_write_json(out.with_name(f"{out.stem}.drops.json"), stats)
     return stats

@@ -47,12 +47,9 @@ import numpy as np
 import polars as pl
 
 from labkit.config import CorpusConfig, to_dict
-
-SCHEMA: dict[str, pl.DataType] = {
-    "id": pl.Utf8, "source": pl.Utf8, "name": pl.Utf8, "address": pl.UInt64,
-    "arch": pl.Utf8, "n_bytes": pl.UInt32, "text": pl.Utf8,
-}
-"""Columns of a corpus frame, in order."""
+from labkit.data.documents import SCHEMA
+from labkit.data.sources import find_source_files, write_source_part
+from labkit.io import atomic_write, atomic_write_json
 
 _ARCHES = {"EM_X86_64": "x86_64", "EM_AARCH64": "aarch64"}
 _SHF_EXECINSTR, _STT_FUNC = 0x4, 2
@@ -281,9 +278,7 @@ def extract_functions(path, cfg: CorpusConfig) -> tuple[pl.DataFrame, dict[str, 
 
 # --- parts --------------------------------------------------------------------------------
 def _atomic_write_json(data: dict, path: pathlib.Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    atomic_write_json(path, data, sort_keys=True)
 
 
 def write_corpus_part(files: list[str], cfg: CorpusConfig, out_path: str) -> dict:
@@ -319,9 +314,7 @@ def write_corpus_part(files: list[str], cfg: CorpusConfig, out_path: str) -> dic
     table = pl.concat(frames) if frames else pl.DataFrame(schema=SCHEMA)
     out = pathlib.Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    table.write_parquet(tmp)
-    os.replace(tmp, out)
+    atomic_write(out, table.write_parquet)
     text_bytes = int(table["text"].str.len_bytes().sum() or 0)
     return {"files_read": files_read, "functions": functions, "raw_bytes": raw_bytes,
             "text_bytes": text_bytes, "skipped": skipped, "skipped_files": skipped_files}
@@ -365,8 +358,6 @@ def build_corpus(cfg: CorpusConfig, out_dir: str, *, n_parts: int = 1) -> dict:
     ``parts`` (file names) and ``config`` (``to_dict(cfg)``). Raises FileNotFoundError naming a
     missing ``cfg.paths`` entry and ValueError for ``n_parts < 1``.
     """
-    from labkit.data.sources import find_source_files, write_source_part  # sources imports SCHEMA from here
-
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = find_elf_files(cfg) if cfg.paths else []

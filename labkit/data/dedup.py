@@ -20,8 +20,6 @@ Banding: with b bands of r rows a pair of Jaccard s becomes a candidate with pro
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -31,6 +29,7 @@ import numpy as np
 import polars as pl
 from datasketch import LeanMinHash, MinHash, MinHashLSH
 
+from labkit.io import atomic_write
 from labkit.config import DedupConfig
 
 _P = 0x9E3779B97F4A7C15
@@ -210,10 +209,7 @@ def signature_part(docs_path: str, start: int, stop: int, cfg: DedupConfig, out_
     sigs = np.concatenate(parts)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        np.save(f, sigs)
-    os.replace(tmp, out)
+    atomic_write(out, lambda tmp: tmp.write_bytes(_npy_bytes(sigs)))  # np.save(path) would add .npy
     return {"start": start, "stop": stop, "seconds": time.perf_counter() - t0}
 
 
@@ -245,9 +241,17 @@ def near_dedup_parquet(docs_path: str, sig_paths: list[str], out_path: str, cfg:
     out.parent.mkdir(parents=True, exist_ok=True)
     for frame, path in ((pl.scan_parquet(docs_path).filter(~pl.col("id").is_in(pairs["id"].implode())), out),
                         (pairs.lazy(), out.with_name(f"{out.stem}.near_duplicates.parquet"))):
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        frame.sink_parquet(tmp, row_group_size=cfg.batch_rows)  # bounded: rows buffer per row group
-        os.replace(tmp, path)
+        # bounded: rows buffer per row group
+        atomic_write(path, lambda tmp, frame=frame: frame.sink_parquet(tmp, row_group_size=cfg.batch_rows))
     seconds = time.perf_counter() - t0
     return {"input": len(ids), "kept": len(ids) - len(dup_of), "near_duplicate": len(dup_of),
             "seconds": round(seconds, 3), "docs_per_s": round(len(ids) / seconds, 1) if seconds else None}
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    """``array`` in NumPy's .npy format, as bytes."""
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()

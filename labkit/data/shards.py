@@ -15,15 +15,14 @@ Layout of a shard directory::
 - Writing (``write_shards``, or ``encode_part`` on engines + ``finish_shards``) encodes row
   ranges ("parts") into ``<out_dir>.parts/part-XXXXX.ids/.lens`` with a completion marker each, then packs
   them in one pass in row order; finished parts and shards are skipped by a re-run.
-- ``index.json`` (fields in ``write_shards``) is written after every shard, by temp file +
-  ``os.replace``; its presence means the set is complete, and a directory without it is never
+- ``index.json`` (fields in ``write_shards``) is written after every shard, by temp file and atomic
+  rename (``labkit.io``); its presence means the set is complete, and a directory without it is never
   read (``read_index`` raises ``ShardError``). Compare: mosaicml/streaming MDS ``index.json``,
   Megatron-LM ``.bin``/``.idx``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
@@ -35,7 +34,8 @@ import numpy as np
 import polars as pl
 
 from labkit.config import SPECIAL_TOKENS, ShardConfig
-from labkit.data.tokenize import (LineCache, encode_flat, file_sha256, line_separable, load_tokenizer, text_row_count,
+from labkit.io import atomic_write, atomic_write_bytes, sha256_bytes, sha256_file
+from labkit.data.tokenize import (LineCache, encode_flat, line_separable, load_tokenizer, text_row_count,
                                   tokenizer_sha256)
 
 FORMAT = "labkit-shards"
@@ -45,7 +45,7 @@ PAD_ID, CLS_ID, SEP_ID = (SPECIAL_TOKENS.index(t) for t in ("[PAD]", "[CLS]", "[
 _REQUIRED = ("dtype", "seq_len", "vocab_size", "tokenizer_sha256", "special_ids", "n_documents",
              "n_sequences", "n_tokens", "n_bytes", "shards")
 _SHARD_RE = re.compile(r"shard-\d{5}\.bin")
-_TMP_RE = re.compile(r"\.(shard-\d{5}\.bin|index\.json)\.tmp-\d+")
+_TMP_RE = re.compile(r"\.(shard-\d{5}\.bin|index\.json)\..+\.tmp")  # labkit.io's temporary names
 
 
 class ShardError(ValueError):
@@ -91,18 +91,6 @@ def pack_documents(ids_per_doc: list, seq_len: int) -> np.ndarray:
     return pack_rows(doc_stream(ids_per_doc), seq_len, final=True)[0]
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def parts_dir_for(out_dir: str | os.PathLike) -> Path:
     """Where the encoded parts and completion markers of ``out_dir`` live: the sibling directory
     ``<out_dir>.parts`` (outside the shard set, so copying or listing the set never sees them)."""
@@ -132,7 +120,7 @@ def _part_is_done(marker: Path, start: int, stop: int, tok_sha: str) -> dict | N
         return None
     for key in ("ids", "lens"):
         path = marker.parent / info[key]["file"]
-        if not path.is_file() or path.stat().st_size != info[key]["n_bytes"] or file_sha256(path) != info[key]["sha256"]:
+        if not path.is_file() or path.stat().st_size != info[key]["n_bytes"] or sha256_file(path) != info[key]["sha256"]:
             return None
     return info
 
@@ -165,38 +153,33 @@ def encode_part(docs_path: str, tokenizer_path: str, parts_dir: str, part: int, 
     dtype = shard_dtype(tok.get_vocab_size(with_added_tokens=True))
     lf = pl.scan_parquet(docs_path).select("text")
     lens_all: list[np.ndarray] = []
-    h = hashlib.sha256()
     n_tokens = 0
-    tmp = ids_path.with_name(f".{ids_path.name}.tmp-{os.getpid()}")
-    try:
+
+    def write_ids(tmp: Path) -> None:
+        nonlocal n_tokens
         with open(tmp, "wb") as f:
             for lo in range(start, stop, batch_docs):
                 col = lf.slice(lo, min(batch_docs, stop - lo)).collect().get_column("text")
                 lens = np.full(len(col), -1, dtype=np.int32)
                 valid = col.is_not_null().to_numpy()
                 flat, lens[valid] = encode_flat(tok, col.drop_nulls().to_list(), separable=separable, cache=cache)
-                data = flat.astype(dtype).tobytes()
-                f.write(data)
-                h.update(data)
+                f.write(flat.astype(dtype).tobytes())
                 n_tokens += len(flat)
                 lens_all.append(lens)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, ids_path)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    atomic_write(ids_path, write_ids)
     lens = np.concatenate(lens_all) if lens_all else np.empty(0, dtype=np.int32)
     if len(lens) != stop - start:
         raise ValueError(f"{docs_path}: rows {start}..{stop} requested, {len(lens)} read")
     lens_bytes = lens.astype("<i4").tobytes()
-    _atomic_write(lens_path, lens_bytes)
+    atomic_write_bytes(lens_path, lens_bytes)
     info = {"part": part, "dir": str(out.absolute()), "start": start, "stop": stop,
             "n_docs": int((lens >= 0).sum()), "n_tokens": n_tokens,
             "dtype": dtype.name, "tokenizer_sha256": tok_sha,
-            "ids": {"file": ids_path.name, "n_bytes": n_tokens * dtype.itemsize, "sha256": h.hexdigest()},
+            "ids": {"file": ids_path.name, "n_bytes": n_tokens * dtype.itemsize, "sha256": sha256_file(ids_path)},
             "lens": {"file": lens_path.name, "n_bytes": len(lens_bytes),
-                     "sha256": hashlib.sha256(lens_bytes).hexdigest()}}
-    _atomic_write(marker, (json.dumps(info, indent=1) + "\n").encode())
+                     "sha256": sha256_bytes(lens_bytes)}}
+    atomic_write_bytes(marker, (json.dumps(info, indent=1) + "\n").encode())
     return info | {"skipped": False}
 
 
@@ -257,9 +240,9 @@ def finish_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardC
     lengths = np.concatenate([np.fromfile(Path(p["dir"]) / p["lens"]["file"], dtype="<i4")
                               for p in parts]).astype(np.int64)
     keep, balance = select_documents(docs_path, lengths, cfg)
-    plan = hashlib.sha256(json.dumps([tok_sha, cfg.seq_len, cfg.sequences_per_shard, dtype.name,
-                                      [p["ids"]["sha256"] for p in parts],
-                                      hashlib.sha256(np.packbits(keep).tobytes()).hexdigest()]).encode()).hexdigest()
+    plan = sha256_bytes(json.dumps([tok_sha, cfg.seq_len, cfg.sequences_per_shard, dtype.name,
+                                    [p["ids"]["sha256"] for p in parts],
+                                    sha256_bytes(np.packbits(keep).tobytes())]).encode())
     (out / INDEX_NAME).unlink(missing_ok=True)  # incomplete from here until the new index is written
     for old in out.iterdir():
         if _TMP_RE.fullmatch(old.name):
@@ -277,18 +260,18 @@ def finish_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardC
             name = f"shard-{len(shards):05d}.bin"
             marker = parts_dir / f"{name[:-4]}.json"
             data = np.ascontiguousarray(block, dtype=dtype).tobytes()
-            sha = hashlib.sha256(data).hexdigest()
+            sha = sha256_bytes(data)
             try:
                 info = json.loads(marker.read_text())
             except (OSError, json.JSONDecodeError):
                 info = None
             if not (info and info["plan"] == plan and info["sha256"] == sha and (out / name).is_file()
-                    and (out / name).stat().st_size == len(data) and file_sha256(out / name) == sha):
+                    and (out / name).stat().st_size == len(data) and sha256_file(out / name) == sha):
                 marker.unlink(missing_ok=True)
-                _atomic_write(out / name, data)
+                atomic_write_bytes(out / name, data)
                 info = {"plan": plan, "file": name, "n_sequences": len(block), "n_bytes": len(data), "sha256": sha,
                         "n_tokens": int(np.count_nonzero(block != PAD_ID))}
-                _atomic_write(marker, (json.dumps(info) + "\n").encode())
+                atomic_write_bytes(marker, (json.dumps(info) + "\n").encode())
             shards.append(info)
         if len(rows):
             pending.append(rows)
@@ -324,7 +307,7 @@ def finish_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardC
         "shards": [{k: s[k] for k in ("file", "n_sequences", "n_bytes", "sha256")} for s in shards],
         "balance": balance,
     }
-    _atomic_write(out / INDEX_NAME, (json.dumps(index, indent=1) + "\n").encode())
+    atomic_write_bytes(out / INDEX_NAME, (json.dumps(index, indent=1) + "\n").encode())
     return index
 
 
@@ -419,7 +402,7 @@ def verify_shards(data_dir: str | os.PathLike) -> dict:
         path = _check_size(Path(data_dir), shard)
         if shard["n_bytes"] != shard["n_sequences"] * index["seq_len"] * itemsize:
             raise ShardError(f"{path}: index gives {shard['n_bytes']} bytes for {shard['n_sequences']} sequences")
-        digest = file_sha256(path)
+        digest = sha256_file(path)
         if digest != shard["sha256"]:
             raise ShardError(f"{path}: sha256 {digest} does not match index.json ({shard['sha256']})")
     if sum(s["n_sequences"] for s in index["shards"]) != index["n_sequences"]:

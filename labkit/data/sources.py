@@ -1,7 +1,7 @@
 """Text corpus sources: plain-text files, JSONL and Parquet, as documents of the corpus schema.
 
 The ELF path (one document per function) is ``labkit.data.corpus``; this module gives the other
-sources the same columns (``corpus.SCHEMA``) so cleaning, dedup, tokenization and shards treat
+sources the same columns (``labkit.data.documents.SCHEMA``) so cleaning, dedup, tokenization and shards treat
 every document alike. A text document has ``arch = "text"`` (the clean stage applies its text
 rules to those), ``source`` = the file path as given or found, and
 
@@ -48,8 +48,9 @@ from typing import Literal
 
 import polars as pl
 
+from labkit.io import atomic_write
 from labkit.config import CorpusConfig
-from labkit.data.corpus import SCHEMA
+from labkit.data.documents import SCHEMA
 
 Kind = Literal["text", "jsonl", "parquet"]
 SUFFIXES: dict[str, tuple[str, ...]] = {"jsonl": (".jsonl", ".ndjson", ".json"), "parquet": (".parquet",)}
@@ -253,8 +254,6 @@ def write_source_part(kind: Kind, files: list[str], cfg: CorpusConfig, out_path:
     table = pl.concat(frames) if frames else _frame(_empty_rows())
     out = pathlib.Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    table.write_parquet(tmp)
-    os.replace(tmp, out)
+    atomic_write(out, table.write_parquet)
     return {"kind": kind, "files_read": len(files), "functions": table.height, "raw_bytes": raw_bytes,
             "text_bytes": int(table["text"].str.len_bytes().sum() or 0), "skipped": skipped, "skipped_files": listed}

@@ -19,11 +19,10 @@ import shutil
 import time
 from pathlib import Path
 
+from labkit import env
 from labkit.data.shards import INDEX_NAME, ShardError, read_index, verify_shards
-from labkit.data.tokenize import file_sha256
-
-SCRATCH_ENV = "LABKIT_LOCAL_SCRATCH"
-"""Env var naming a node's local scratch directory (read by ``resolve_local_root``)."""
+from labkit.env import SCRATCH_ENV
+from labkit.io import fsync_tree, replace, sha256_file
 
 
 def resolve_local_root(local_root: str | None = None) -> Path:
@@ -89,7 +88,7 @@ def stage_shards(src_dir: str, *, local_root: str | None = None, node_name: str 
 
     ``local_root`` as in ``resolve_local_root``; ``node_name`` only labels the report (to
     simulate several nodes on one machine, give each its own local_root, or its engine its own
-    $LABKIT_LOCAL_SCRATCH and $LABKIT_NODE_NAME: ``set_local_roots``). A destination that fails
+    $LABKIT_LOCAL_SCRATCH and $LABKIT_NODE_NAME: ``labkit.cluster.set_local_roots``). A destination that fails
     verification is replaced, but only after the new copy has verified.
     Raises ``ShardError`` when ``src_dir`` is not a complete set or a copied shard does not
     match the index (naming the shard), ``OSError`` (ENOSPC) naming needed and free bytes when
@@ -105,9 +104,7 @@ def stage_shards(src_dir: str, *, local_root: str | None = None, node_name: str 
     name = f"{src.resolve().name}-{index['tokenizer_sha256'][:8]}"
     dst = root / name
     n_bytes = _set_bytes(src, index)
-    from labkit.topology import node_name as this_node
-
-    node = node_name or this_node()
+    node = node_name or env.node_name()
 
     def report(copied: bool) -> dict:
         seconds = time.perf_counter() - t0
@@ -142,19 +139,21 @@ def stage_shards(src_dir: str, *, local_root: str | None = None, node_name: str 
             size = target.stat().st_size
             if size != shard["n_bytes"]:
                 raise ShardError(f"{src / shard['file']}: copied {size} bytes, index says {shard['n_bytes']}")
-            if verify and (digest := file_sha256(target)) != shard["sha256"]:
+            if verify and (digest := sha256_file(target)) != shard["sha256"]:
                 raise ShardError(f"{src / shard['file']}: copy has sha256 {digest}, index says {shard['sha256']}")
         shutil.copyfile(src / INDEX_NAME, tmp / INDEX_NAME)
         if read_index(tmp) != index:
             raise ShardError(f"{src / INDEX_NAME}: changed while it was being staged")
         if dst.exists():  # a bad copy: move it aside only now that the new one verified
             old = root / f".old-{name}-{os.getpid()}"
-            os.rename(dst, old)
-            os.rename(tmp, dst)
+            fsync_tree(tmp)
+            replace(dst, old)
+            replace(tmp, dst)
             shutil.rmtree(old, ignore_errors=True)
         else:
             try:
-                os.rename(tmp, dst)
+                fsync_tree(tmp)
+                replace(tmp, dst)
             except OSError:  # another process on this node staged the same set meanwhile
                 if not _copy_is_good(dst, index, verify):
                     raise
@@ -164,36 +163,3 @@ def stage_shards(src_dir: str, *, local_root: str | None = None, node_name: str 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return report(True)
-
-
-def _set_scratch(root: str | None) -> None:
-    import os
-
-    if root is None:
-        os.environ.pop(SCRATCH_ENV, None)
-    else:
-        os.environ[SCRATCH_ENV] = root
-
-
-def set_local_roots(client, roots: dict[int, str | None], *, timeout: float = 30.0) -> None:
-    """Set (or with None, clear) env ``LABKIT_LOCAL_SCRATCH`` on ipyparallel engines:
-    {engine_id: directory}. With ``labkit.cluster.set_node_names`` this makes engines on one
-    machine act as separate nodes with separate local disks (tests, the laptop demo)."""
-    ars = [client[eid].apply_async(_set_scratch, root) for eid, root in roots.items()]
-    for ar in ars:
-        ar.get(timeout=timeout)
-
-
-def stage_on_nodes(client, src_dir: str, *, local_root: str | None = None, verify: bool = True,
-                   timeout: float | None = None):
-    """``stage_shards(src_dir, ...)`` once per node, on one engine per host
-    (``labkit.cluster.per_node``), all nodes at once. Returns a polars DataFrame, one row per
-    node sorted by node: node, path, copied, bytes, seconds, mb_per_s (columns as in
-    ``stage_shards``'s report). ``local_root=None`` lets each node resolve its own scratch
-    directory. The first engine error is raised (ipyparallel RemoteError with its traceback)."""
-    import polars as pl
-
-    from labkit.cluster import per_node
-
-    reports = per_node(client, stage_shards, src_dir, local_root=local_root, verify=verify, timeout=timeout)
-    return pl.DataFrame([{**r, "node": node} for node, r in sorted(reports.items())])

@@ -27,7 +27,6 @@ bounded by one slice and the trainer's word counts, never the whole corpus; the 
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
@@ -40,6 +39,7 @@ import polars as pl
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from labkit.config import SPECIAL_TOKENS, TokenizerConfig
+from labkit.io import atomic_write_text, sha256_file
 
 UNK_ID = SPECIAL_TOKENS.index("[UNK]")
 
@@ -135,7 +135,7 @@ def _complete_wordpiece(tok: Tokenizer, cfg: TokenizerConfig) -> None:
 
 def train_tokenizer(docs_path: str, cfg: TokenizerConfig, out_path: str) -> str:
     """Train a ``cfg.kind`` tokenizer on the ``text`` column of ``docs_path`` and save it as
-    ``tokenizer.json`` at ``out_path`` (temp file + ``os.replace``). Returns ``out_path``.
+    ``tokenizer.json`` at ``out_path`` (atomically, ``labkit.io``). Returns ``out_path``.
 
     The training sample and held-out documents come from ``split_rows`` (read in file order).
     After saving, the UNK rate on the held-out documents (``unk_report``) and the split sizes are
@@ -167,12 +167,7 @@ def train_tokenizer(docs_path: str, cfg: TokenizerConfig, out_path: str) -> str:
              "held_out_docs": len(held_texts), **unk_report(tok, held_texts)}
     for path, text in ((out, tok.to_str(pretty=True)), (out.with_name(f"{out.stem}.stats.json"),
                                                        json.dumps(stats, indent=1) + "\n")):
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        atomic_write_text(path, text)
     return out_path
 
 
@@ -183,18 +178,9 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     return Tokenizer.from_file(str(path))
 
 
-def file_sha256(path: str | os.PathLike, *, chunk_bytes: int = 1 << 20) -> str:
-    """Hex sha256 of the bytes of the file at ``path``, read in ``chunk_bytes`` chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk_bytes):
-            h.update(block)
-    return h.hexdigest()
-
-
 def tokenizer_sha256(path: str | os.PathLike) -> str:
     """Hex sha256 of the ``tokenizer.json`` file bytes: the tokenizer's identity in shard indexes."""
-    return file_sha256(path)
+    return sha256_file(path)
 
 
 def unk_rate(tokenizer: Tokenizer, texts: Iterable[str]) -> float:

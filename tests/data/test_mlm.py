@@ -31,7 +31,7 @@ def _threads():
 
 
 def write_tiny_shards(out_dir, rows: np.ndarray, vocab_size: int, per_shard: int) -> None:
-    """A shard set in CONTRACT.md's format (flat little-endian uint16 rows + index.json)."""
+    """A shard set in docs/formats.md's format (flat little-endian uint16 rows + index.json)."""
     rows = rows.astype("<u2")
     shards = []
     for k, start in enumerate(range(0, len(rows), per_shard)):

@@ -148,7 +148,7 @@ def test_rewrite_removes_old_shards_and_progress_goes_to_stderr(inputs, tmp_path
     docs_path, tok_path, _ = inputs
     write_shards(docs_path, tok_path, str(tmp_path), ShardConfig(seq_len=16, sequences_per_shard=3), progress=False)
     assert capsys.readouterr().err == "" and len(list(tmp_path.iterdir())) > 3
-    (tmp_path / ".shard-00042.bin.tmp-123").write_bytes(b"left by a crashed run")
+    (tmp_path / ".shard-00042.bin.x1y2z3.tmp").write_bytes(b"left by a crashed run")  # labkit.io temp name
     (tmp_path / "notes.txt").write_text("not ours")
     index = write_shards(docs_path, tok_path, str(tmp_path), ShardConfig(seq_len=16, sequences_per_shard=1000))
     assert "150/150" in capsys.readouterr().err
@@ -293,7 +293,7 @@ def test_interrupted_packing_skips_finished_shards(inputs, tmp_path, monkeypatch
     cfg = ShardConfig(seq_len=16, sequences_per_shard=6)
     ref = write_shards(docs_path, tok_path, str(tmp_path / "ref"), cfg, progress=False)
     assert len(ref["shards"]) > 5
-    real, written = S._atomic_write, []
+    real, written = S.atomic_write_bytes, []
 
     def crash_on_fourth_shard(path, data):
         if path.name.startswith("shard-") and path.suffix == ".bin":
@@ -302,13 +302,13 @@ def test_interrupted_packing_skips_finished_shards(inputs, tmp_path, monkeypatch
             written.append(path.name)
         real(path, data)
 
-    monkeypatch.setattr(S, "_atomic_write", crash_on_fourth_shard)
+    monkeypatch.setattr(S, "atomic_write_bytes", crash_on_fourth_shard)
     with pytest.raises(OSError, match="disk full"):
         write_shards(docs_path, tok_path, str(tmp_path / "run"), cfg, progress=False)
     assert not (tmp_path / "run" / "index.json").exists()
     before = {n: (tmp_path / "run" / n).stat().st_mtime_ns for n in written}
     written.clear()
-    monkeypatch.setattr(S, "_atomic_write", lambda path, data: (written.append(path.name) if path.suffix == ".bin" else None)
+    monkeypatch.setattr(S, "atomic_write_bytes", lambda path, data: (written.append(path.name) if path.suffix == ".bin" else None)
                         or real(path, data))
     index = write_shards(docs_path, tok_path, str(tmp_path / "run"), cfg, progress=False)
     assert index == ref

@@ -16,7 +16,7 @@ import pytest
 from labkit.config import ShardConfig, TokenizerConfig
 from labkit.data import stage
 from labkit.data.shards import ShardError, read_index, verify_shards, write_shards
-from labkit.data.stage import resolve_local_root, set_local_roots, stage_on_nodes, stage_shards
+from labkit.data.stage import resolve_local_root, stage_shards
 from labkit.data.tokenize import train_tokenizer
 
 
@@ -192,24 +192,28 @@ def test_two_simulated_nodes_on_a_real_cluster(src, tmp_path):
     """Two ipyparallel engines told they sit on node-a and node-b, each with its own scratch
     directory: one verified copy per node, and a second round copies nothing."""
     from labkit import cluster as C
+    from labkit import lab
 
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / "shards").symlink_to(src)  # lab.stage stages <workdir>/shards
     cl = C.start_cluster(2, env={"PYTHONPATH": str(Path(__file__).resolve().parent)})
     try:
         rc = C.get_client(cl)
         ids = sorted(rc.ids)
         C.set_node_names(rc, {ids[0]: "node-a", ids[1]: "node-b"})
-        set_local_roots(rc, {ids[0]: str(tmp_path / "a"), ids[1]: str(tmp_path / "b")})
+        C.set_local_roots(rc, {ids[0]: str(tmp_path / "a"), ids[1]: str(tmp_path / "b")})
         assert rc[ids].apply_sync(_stage_twice_info) == [("node-a", str(tmp_path / "a")), ("node-b", str(tmp_path / "b"))]
-        first = stage_on_nodes(rc, str(src))
+        first = pl.DataFrame([r for _, r in sorted(lab.stage(rc, str(workdir), local_root="auto").items())])
         user = f"labkit-{getpass.getuser()}"
         assert first["node"].to_list() == ["node-a", "node-b"] and first["copied"].to_list() == [True, True]
         assert first["path"].to_list() == [str(expected_dst(src, tmp_path / n / user)) for n in ("a", "b")]
         assert first["bytes"].to_list() == [sum(p.stat().st_size for p in src.iterdir())] * 2
         for path in first["path"]:
             assert verify_shards(path) == read_index(src) and same_files(src, Path(path))
-        again = stage_on_nodes(rc, str(src))
+        again = pl.DataFrame([r for _, r in sorted(lab.stage(rc, str(workdir), local_root="auto").items())])
         assert again["copied"].to_list() == [False, False] and again["path"].to_list() == first["path"].to_list()
-        set_local_roots(rc, {i: None for i in ids})
+        C.set_local_roots(rc, {i: None for i in ids})
         assert rc[ids].apply_sync(_stage_twice_info)[0][1] is None
     finally:
         C.stop_cluster(cl)

@@ -1,0 +1,347 @@
+"""ipyparallel clusters: start (local, Slurm, MPI), reconnect, restart, stop, logs.
+
+Clusters are started with ipyparallel's own launchers: local engines, `SlurmEngineSetLauncher`
+with a labkit `batch_template` (one engine per GPU on each node, `#SBATCH --export=ALL` kept,
+ipyparallel issue #243), or `MPIEngineSetLauncher`. The launcher settings are a traitlets Config
+rebuilt from a small settings file `security/labkit-<cluster_id>.json` that sits beside
+ipyparallel's own cluster file `security/cluster-<cluster_id>.json`, so a notebook can reconnect
+to a running cluster (`connect_cluster`) and restarts keep the engines' environment.
+
+Topology (`engine_info`, `assign_ranks`, `per_node`, `set_node_names`) is in
+`labkit.cluster.topology`, the DDP launch (`run_ddp`, `run_ddp_resumable`, `DDPError`,
+`progress_bar`) in `labkit.cluster.launch`; `labkit.cluster` re-exports all three modules' names.
+
+Patterns: /work/shared/docs/references.md section E (ipyparallel; DDP in persistent engines).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import signal
+import socket
+import stat
+import time
+import warnings
+from typing import Any
+
+import ipyparallel as ipp
+
+from labkit.io import atomic_write_json
+
+
+ENGINE_KINDS = ("local", "slurm", "mpi")
+_LAUNCHERS = {"local": "LocalEngineSetLauncher", "slurm": "SlurmEngineSetLauncher", "mpi": "MPIEngineSetLauncher"}
+
+
+# ---------------------------------------------------------------- Slurm batch script
+
+
+def slurm_batch_template(*, nodes: int, gpus_per_node: int, partition: str = "", time_limit: str = "",
+                         account: str = "", cpus_per_task: int | None = None,
+                         sbatch_lines: list[str] | tuple[str, ...] = (),
+                         setup_lines: list[str] | tuple[str, ...] = ()) -> str:
+    """The `SlurmEngineSetLauncher.batch_template` for one engine per GPU on each node.
+
+    One job of `nodes` nodes with `gpus_per_node` tasks each (`--ntasks-per-node`,
+    `--gpus-per-node`); `srun` starts one engine per task, so SLURM_LOCALID is each engine's
+    local id and every engine sees its node's GPUs (it uses cuda:LOCAL_RANK). `#SBATCH
+    --export=ALL` passes the notebook's environment (and the engines' connection info) to the
+    job. `sbatch_lines` are extra "#SBATCH ..." lines (e.g. "#SBATCH --exclusive"), `setup_lines`
+    shell lines run before srun (e.g. "module load cuda"). ipyparallel fills {cluster_id},
+    {output_file} and {program_and_args}; literal braces in user lines are escaped.
+    Raises ValueError naming the field for nodes/gpus_per_node < 1 or a line of sbatch_lines
+    not starting with "#SBATCH".
+    """
+    if nodes < 1:
+        raise ValueError(f"nodes must be >= 1, got {nodes}")
+    if gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
+    bad = [line for line in sbatch_lines if not line.startswith("#SBATCH ")]
+    if bad:
+        raise ValueError(f"sbatch_lines must start with '#SBATCH ': {bad}")
+
+    def esc(s: str) -> str:
+        return s.replace("{", "{{").replace("}", "}}")
+
+    lines = ["#!/bin/bash", "#SBATCH --export=ALL", "#SBATCH --job-name=ipengine-{cluster_id}",
+             f"#SBATCH --nodes={nodes}", f"#SBATCH --ntasks-per-node={gpus_per_node}",
+             f"#SBATCH --gpus-per-node={gpus_per_node}", "#SBATCH --output={output_file}"]
+    lines += [f"#SBATCH --cpus-per-task={cpus_per_task}"] if cpus_per_task else []
+    lines += [f"#SBATCH --partition={esc(partition)}"] if partition else []
+    lines += [f"#SBATCH --time={esc(str(time_limit))}"] if time_limit else []
+    lines += [f"#SBATCH --account={esc(account)}"] if account else []
+    lines += [esc(line) for line in sbatch_lines] + [esc(line) for line in setup_lines]
+    lines += ["srun --kill-on-bad-exit=0 {program_and_args}", ""]
+    return "\n".join(lines)
+
+
+def _launcher_config(settings: dict) -> Any:
+    """traitlets Config for the engine launcher from labkit's saved settings (see start_cluster)."""
+    from traitlets.config import Config
+
+    c = Config()
+    launcher = c[_LAUNCHERS[settings["engines"]]]
+    launcher.environment = dict(settings.get("environment") or {})
+    if settings["engines"] == "slurm":
+        launcher.batch_template = slurm_batch_template(**settings["slurm"])
+        if settings.get("batch_file"):  # absolute: os.path.join(work_dir, it) is it
+            launcher.batch_file_name = settings["batch_file"]
+    if settings["engines"] == "mpi" and settings.get("mpi_args"):
+        launcher.mpi_args = list(settings["mpi_args"])
+    return c
+
+
+def _settings_path(cluster: ipp.Cluster) -> pathlib.Path:
+    return pathlib.Path(cluster.profile_dir, "security", f"labkit-{cluster.cluster_id}.json")
+
+
+# ---------------------------------------------------------------- cluster lifecycle
+
+
+def start_cluster(
+    n: int | None = None,
+    *,
+    engines: str = "local",
+    profile: str | None = None,
+    profile_dir: str | None = None,
+    controller_ip: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+    keep_running: bool = False,
+    slurm: dict | None = None,
+    mpi_args: list[str] | None = None,
+    **kw: Any,
+) -> ipp.Cluster:
+    """Start a controller and engines with ipyparallel's own launchers, and connect a client.
+
+    engines: "local" (n engines on this machine, default n=2), "slurm" (one batch job, one engine
+    per GPU: `slurm` holds the keywords of `slurm_batch_template`, nodes and gpus_per_node at
+    least; n defaults to, and must equal, nodes * gpus_per_node) or "mpi" (`mpiexec -n n
+    <mpi_args> ipengine --mpi`; needs mpi4py in the engines).
+    controller_ip: 127.0.0.1 by default for local engines (reachable from this machine only);
+    for Slurm the default is this host's own address (the compute nodes must reach it), an
+    error if that resolves to loopback. "*" / "0.0.0.0" listen on all interfaces and warn.
+    env: extra engine environment; the directory holding this `labkit` is prepended to
+    PYTHONPATH so engines import the same code. keep_running: leave the cluster running when
+    this Python process exits (reconnect later with `connect_cluster`). timeout: seconds for
+    the engines to register (default 120, Slurm 3600 for the queue). Other keywords go to
+    `ipyparallel.Cluster`. The settings are saved to security/labkit-<cluster_id>.json and every
+    file in the profile's security/ directory is made owner-only (0600, directory 0700).
+    Raises ValueError naming the bad argument, TimeoutError when the engines do not register
+    in time (the cluster is stopped first).
+    """
+    if engines not in ENGINE_KINDS:
+        raise ValueError(f"engines must be one of {ENGINE_KINDS}, got {engines!r}")
+    if controller_ip in ("*", "0.0.0.0"):
+        warnings.warn(f"controller_ip={controller_ip!r} listens on all interfaces; anyone who can reach "
+                      "this machine can connect to the controller", stacklevel=2)
+    if engines == "slurm":
+        if not slurm or "nodes" not in slurm or "gpus_per_node" not in slurm:
+            raise ValueError("slurm: pass slurm={'nodes': N, 'gpus_per_node': G, ...} for engines='slurm'")
+        slurm_batch_template(**slurm)  # validate early
+        total = int(slurm["nodes"]) * int(slurm["gpus_per_node"])
+        if n is not None and n != total:
+            raise ValueError(f"n={n} but slurm asks for nodes*gpus_per_node={total} engines")
+        n = total
+    n = 2 if n is None else n
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if controller_ip is None:
+        controller_ip = _default_controller_ip(engines)
+    engine_env = dict(env or {})
+    paths = [str(pathlib.Path(__file__).resolve().parents[2])]
+    paths += [p for p in (engine_env.get("PYTHONPATH"), os.environ.get("PYTHONPATH")) if p]
+    engine_env["PYTHONPATH"] = os.pathsep.join(paths)
+    settings = {"engines": engines, "n": n, "environment": engine_env, "slurm": slurm,
+                "mpi_args": list(mpi_args or []), "controller_ip": controller_ip}
+    for key, value in (("profile", profile), ("profile_dir", profile_dir)):
+        if value is not None:
+            kw[key] = value
+    if engines == "slurm" and controller_ip != "127.0.0.1":
+        kw.setdefault("controller_location", controller_ip if controller_ip not in ("*", "0.0.0.0")
+                      else socket.gethostname())
+    cluster = ipp.Cluster(n=n, engines=engines, controller_ip=controller_ip, shutdown_atexit=not keep_running, **kw)
+    if engines == "slurm":  # the rendered script goes to the profile's log/, not the notebook's directory
+        settings["batch_file"] = os.path.join(cluster.profile_dir, "log", f"slurm-engines-{cluster.cluster_id}.sbatch")
+        os.makedirs(os.path.dirname(settings["batch_file"]), exist_ok=True)
+    cluster.config = _launcher_config(settings)
+    if timeout is None:
+        timeout = 3600.0 if engines == "slurm" else 120.0
+    try:
+        cluster.start_controller_sync()
+        cluster.start_engines_sync(n)
+        _write_private(_settings_path(cluster), settings)
+        client = cluster.connect_client_sync()
+        cluster._labkit_client = client
+        client.wait_for_engines(n, timeout=timeout, interactive=False)
+        secure_connection_files(cluster.profile_dir)
+    except BaseException:
+        stop_cluster(cluster)
+        raise
+    return cluster
+
+
+def _default_controller_ip(engines: str) -> str:
+    if engines != "slurm":
+        return "127.0.0.1"
+    addr = socket.gethostbyname(socket.gethostname())
+    if addr.startswith("127."):
+        raise ValueError(f"controller_ip: this host's name resolves to {addr}, which compute nodes cannot "
+                         "reach; pass controller_ip='<this node's cluster-network address>'")
+    return addr
+
+
+def _write_private(path: pathlib.Path, obj: Any) -> None:
+    """Write JSON readable by the owner only (mode 0600), atomically (``labkit.io``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, obj, indent=1, mode=0o600)
+
+
+def secure_connection_files(profile_dir: str) -> list[str]:
+    """Make `<profile_dir>/security` 0700 and every file in it 0600 (connection files hold the
+    controller's key; ipyparallel writes its cluster-*.json files with the default umask).
+    Returns the files whose mode was changed."""
+    sec = pathlib.Path(profile_dir, "security")
+    changed = []
+    if sec.is_dir():
+        if stat.S_IMODE(sec.stat().st_mode) != 0o700:
+            sec.chmod(0o700)
+        for f in sec.iterdir():
+            try:
+                if f.is_file() and f.stat().st_uid == os.getuid() and stat.S_IMODE(f.stat().st_mode) != 0o600:
+                    f.chmod(0o600)
+                    changed.append(str(f))
+            except FileNotFoundError:  # another cluster's file removed meanwhile
+                continue
+    return changed
+
+
+def get_client(cluster: ipp.Cluster) -> ipp.Client:
+    """The client `start_cluster` / `connect_cluster` connected (or a new one)."""
+    client = getattr(cluster, "_labkit_client", None)
+    if client is None:
+        client = cluster._labkit_client = cluster.connect_client_sync()
+    return client
+
+
+def list_clusters(*, profile: str | None = None, profile_dir: str | None = None) -> list[dict]:
+    """Clusters saved in a profile (default profile "default"): one dict per cluster file with
+    cluster_id, engines (launcher name), n (engines started) and controller_pid (None if none)."""
+    kw = {"profile_dir": profile_dir} if profile_dir else {"profile": profile or "default"}
+    sec = pathlib.Path(ipp.Cluster(**kw, shutdown_atexit=False).profile_dir, "security")
+    out = []
+    for f in sorted(sec.glob("cluster-*.json")):
+        try:
+            d = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        ctl = (d.get("controller") or {}).get("state") or {}
+        sets = (d.get("engines") or {}).get("sets") or {}
+        out.append({"cluster_id": d["cluster"]["cluster_id"], "engines": (d.get("engines") or {}).get("class"),
+                    "n": sum(int(s.get("n", 0)) for s in sets.values()), "controller_pid": ctl.get("pid")})
+    return out
+
+
+def connect_cluster(cluster_id: str, *, profile: str | None = None, profile_dir: str | None = None,
+                    timeout: float = 60.0) -> ipp.Cluster:
+    """Reconnect to a running cluster from its saved files (e.g. after a kernel restart).
+
+    Loads ipyparallel's `security/cluster-<cluster_id>.json` (`Cluster.from_file`) with labkit's
+    saved launcher settings, connects a client and waits up to `timeout` s for the engines.
+    The returned cluster is not stopped when this process exits; `stop_cluster` stops it.
+    Raises FileNotFoundError naming the missing file (and the saved cluster ids) and
+    RuntimeError when the controller is no longer running.
+    """
+    kw = {"profile_dir": profile_dir} if profile_dir else {"profile": profile or "default"}
+    probe = ipp.Cluster(cluster_id=cluster_id, shutdown_atexit=False, **kw)
+    if not os.path.exists(probe.cluster_file):
+        ids = [c["cluster_id"] for c in list_clusters(**kw)]
+        raise FileNotFoundError(f"no cluster file {probe.cluster_file}; saved clusters there: {ids}")
+    path = _settings_path(probe)
+    settings = json.loads(path.read_text()) if path.exists() else None
+    extra = {"config": _launcher_config(settings)} if settings else {}
+    cluster = ipp.Cluster.from_file(cluster_id=cluster_id, **kw, **extra)
+    if cluster.controller is None:
+        raise RuntimeError(f"cluster {cluster_id}: its controller is not running ({probe.cluster_file})")
+    client = cluster._labkit_client = cluster.connect_client_sync()
+    n = sum(es.n for es in cluster.engines.values())
+    client.wait_for_engines(n, timeout=timeout, interactive=False)
+    secure_connection_files(cluster.profile_dir)
+    return cluster
+
+
+def restart_engines(cluster: ipp.Cluster, *, timeout: float | None = None) -> list[int]:
+    """Kill every engine (SIGKILL; `scancel -s 9` on Slurm), stop and start the same number again
+    (ipyparallel `restart_engines`, same launcher settings and environment); wait for the new
+    engines and return their ids.
+
+    Use it after a failed or interrupted DDP run: surviving ranks may be blocked in a collective
+    that no signal ends. Engine ids change; node names set with `set_node_names` are gone.
+    Raises TimeoutError if the new engines do not register within `timeout` s (default as in
+    `start_cluster`).
+    """
+    client = get_client(cluster)
+    old = set(client.ids)
+    path = _settings_path(cluster)
+    settings = json.loads(path.read_text()) if path.exists() else {}
+    n = sum(es.n for es in cluster.engines.values()) or int(settings.get("n", 0))
+    if n < 1:
+        raise RuntimeError(f"cluster {cluster.cluster_id}: no engine set to restart and no saved engine count")
+    if cluster.engines:
+        with contextlib.suppress(Exception):  # a rank stuck in a collective ignores SIGTERM; the state is disposable
+            cluster.signal_engines_sync(signal.SIGKILL)
+        cluster.restart_engines_sync()
+    else:  # every engine set already stopped
+        cluster.start_engines_sync(n)
+    if timeout is None:
+        timeout = 3600.0 if "Slurm" in type(next(iter(cluster.engines.values()))).__name__ else 120.0
+    deadline = time.monotonic() + timeout
+    while True:
+        new = sorted(set(client.ids) - old)
+        if len(new) >= n:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"restart_engines: {len(new)} of {n} engines registered within {timeout} s")
+        time.sleep(0.2)
+    secure_connection_files(cluster.profile_dir)
+    return new
+
+
+def stop_cluster(cluster: ipp.Cluster) -> None:
+    """Close the client and stop engines and controller (the job too, on Slurm); safe twice.
+
+    ipyparallel logs each engine's whole output when it stops (a WARNING, as stopped engines exit
+    by signal); that is quietened here
+    (a notebook's last cell would otherwise end in a log dump). ``engine_logs`` keeps it."""
+    import logging
+
+    client = getattr(cluster, "_labkit_client", None)
+    if client is not None:
+        client.close()
+        cluster._labkit_client = None
+    launchers = [cluster.controller, *getattr(cluster, "engines", {}).values()]
+    logs = {id(lg): lg for lg in [cluster.log, *(getattr(la, "log", None) for la in launchers)] if lg is not None}
+    levels = {key: lg.level for key, lg in logs.items()}
+    for lg in logs.values():  # stopped engines exit by signal, which ipyparallel logs as a WARNING
+        lg.setLevel(logging.ERROR)
+    try:
+        cluster.stop_cluster_sync()
+    finally:
+        for key, lg in logs.items():
+            lg.setLevel(levels[key])
+    try:
+        _settings_path(cluster).unlink()
+    except FileNotFoundError:
+        pass
+
+
+def engine_logs(cluster: ipp.Cluster) -> dict[str, str]:
+    """{log file path: text} of this cluster's controller and engine logs (profile's log/).
+
+    Engines' own stdout/stderr outside of tasks (start-up errors, crashes, Slurm's srun
+    messages) go there, not to the notebook."""
+    logs = sorted(pathlib.Path(cluster.profile_dir, "log").glob(f"*{cluster.cluster_id}*.log"))
+    return {str(p): p.read_text(errors="replace") for p in logs}

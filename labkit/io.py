@@ -1,0 +1,166 @@
+"""Durable file writes and checksums: the one place labkit writes a file that must survive a crash.
+
+Every artifact a later stage trusts (corpus parts, cleaned documents, tokenizer, shards and their
+index, checkpoints, run configs and results, reports) is written the same way:
+
+1. write to a temporary file in the destination's own directory (so the rename never crosses a
+   file system);
+2. flush and ``fsync`` the temporary file, so its bytes are on disk before its name is;
+3. ``os.replace`` it onto the destination (atomic on POSIX: a reader sees the old file or the
+   new one, never a half-written one);
+4. ``fsync`` the directory, so the rename itself survives a power cut.
+
+A crash at any point leaves either the old artifact or none, plus at worst a stray
+``.NAME.*.tmp`` file that the next run ignores or removes. This is the pattern of SQLite's and
+PostgreSQL's durable renames (fsync file, rename, fsync directory).
+
+``sha256_file`` is the one checksum: shards, staged copies, tokenizer hashes and checkpoints
+all use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+_CHUNK = 1 << 20
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so that renames into it are durable (a no-op where the OS refuses)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _tmp_name(path: Path) -> Path:
+    """A fresh temporary name beside ``path`` (same directory, hidden, unique)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    return Path(tmp)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def replace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Rename ``src`` onto ``dst`` atomically (``os.replace``), then fsync ``dst``'s directory.
+
+    ``src`` may be a file or a directory (a directory replaces only a missing or empty ``dst``,
+    as ``os.replace`` does). The caller has made ``src``'s contents durable (``atomic_write``
+    does that for files).
+    """
+    os.replace(src, dst)
+    fsync_dir(Path(dst).parent)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any], *, mode: int | None = None) -> Path:
+    """Call ``write(tmp)`` to fill a temporary file beside ``path``, fsync it, rename it onto ``path``.
+
+    ``write`` receives the temporary path (a ``pathlib.Path``) and writes the whole file there,
+    for example ``lambda p: frame.write_parquet(p)`` or ``lambda p: save_file(tensors, p)``.
+    ``mode``: permission bits for the final file (default: what ``mkstemp`` gives, 0600, widened
+    to 0644 so reports and shards are readable by the group). On any error the temporary file is
+    removed and the error re-raised; ``path`` is untouched. Returns ``path`` as a Path.
+    """
+    path = Path(path)
+    tmp = _tmp_name(path)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644 if mode is None else mode)
+        _fsync_file(tmp)
+        replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes | bytearray | memoryview, *,
+                       mode: int | None = None) -> Path:
+    """Write ``data`` to ``path`` atomically and durably (see the module docstring)."""
+    return atomic_write(path, lambda p: p.write_bytes(data), mode=mode)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, *, mode: int | None = None) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically and durably."""
+    return atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"), mode=mode)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2, sort_keys: bool = False,
+                      mode: int | None = None) -> Path:
+    """Write ``obj`` as JSON to ``path`` atomically and durably; values JSON cannot hold are
+    written with ``str`` (paths, numpy scalars, dtypes). A trailing newline ends the file."""
+    text = json.dumps(obj, indent=indent, sort_keys=sort_keys, default=_json_default) + "\n"
+    return atomic_write_text(path, text, mode=mode)
+
+
+def _json_default(value: Any) -> Any:
+    item = getattr(value, "item", None)  # numpy / torch scalars
+    if callable(item):
+        with contextlib.suppress(Exception):
+            return item()
+    return str(value)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Build a directory under a temporary name beside ``path``; publish it only if the block ends.
+
+    Yields the temporary directory. When the block finishes without an error, every file in it is
+    fsynced and the directory is renamed onto ``path`` (which must not exist or be empty), then the
+    parent directory is fsynced. On error the temporary directory is removed. Used for
+    checkpoints and staged copies, where a set of files is complete only as a whole.
+    """
+    import shutil
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def fsync_tree(path: str | os.PathLike) -> None:
+    """fsync every file under ``path`` and the directories holding them (before a rename publishes them)."""
+    root = Path(path)
+    for f in sorted(root.rglob("*")):
+        if f.is_file():
+            _fsync_file(f)
+        elif f.is_dir():
+            fsync_dir(f)
+    fsync_dir(root)
+
+
+def sha256_file(path: str | os.PathLike, *, chunk: int = _CHUNK) -> str:
+    """Hex SHA-256 of a file's bytes, read in 1 MiB chunks (constant memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_bytes(data: bytes | bytearray | memoryview) -> str:
+    """Hex SHA-256 of an in-memory buffer."""
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,59 @@
+"""Parameter counts and training FLOPs per token of ``BertMLM``, in closed form from its config."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from labkit.config import ModelConfig
+from labkit.model.attention import attention_span, layer_attention
+from labkit.model.encoder import _validate
+
+
+def count_parameters(cfg_or_model: ModelConfig | nn.Module) -> dict[str, int]:
+    """{"total", "non_embedding"} parameter counts (a tied decoder counted once).
+
+    Convention (Kaplan arXiv:2001.08361 section 2.1): non_embedding = total minus the lookup
+    tables: word, position (absolute only) and token-type embeddings, and the decoder weight when
+    untied (a second vocabulary matrix). Biases, norms, Linformer projections and the head
+    transform count as non-embedding. For a ``ModelConfig`` the closed form is used; for a model
+    the real (unique) parameters are summed.
+    """
+    if isinstance(cfg_or_model, nn.Module):
+        params = {id(p): p for p in cfg_or_model.parameters()}
+        total = sum(p.numel() for p in params.values())
+        m = cfg_or_model
+        tables = [m.word.weight, m.token_type.weight] + [t for t in (m.decoder,) if t is not None]
+        if m.position is not None:
+            tables.append(m.position.weight)
+        return {"total": total, "non_embedding": total - sum(t.numel() for t in tables)}
+    cfg = cfg_or_model
+    _validate(cfg)
+    h, f, v, bias = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size, int(cfg.bias)
+    norm = h * (2 if cfg.norm_type == "layernorm" and cfg.bias else 1)
+    gates = 1 if cfg.activation == "gelu" else 2
+    per_layer = ((3 * h * h + 3 * h * bias) + (h * h + h * bias) + 2 * norm  # attention, norms
+                 + gates * (h * f + f * bias) + (f * h + h * bias))  # FFN
+    linformer = sum(2 * cfg.linformer_k * cfg.max_position_embeddings
+                    for i in range(cfg.num_layers) if layer_attention(cfg, i) == "linformer")
+    non_embedding = (norm + cfg.num_layers * per_layer + linformer + norm * (cfg.norm_position == "pre")
+                     + (h * h + h * bias) + norm + v * bias)  # embed norm, layers, final norm, head, bias
+    tables = (v + cfg.type_vocab_size + cfg.max_position_embeddings * (cfg.position_embedding == "absolute")) * h
+    untied = 0 if cfg.tie_embeddings else v * h
+    return {"total": tables + untied + non_embedding, "non_embedding": non_embedding}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token = 6 N + 12 L H Q T (PaLM arXiv:2204.02311 appendix B).
+
+    N = non-embedding parameters (``count_parameters``), L layers, H heads, Q head dim, T =
+    ``seq_len``. 6N = forward 2N + backward 4N (Kaplan arXiv:2001.08361 eq. 2.2); attention is
+    counted in full (no causal halving), right for an encoder. For efficient attention each
+    layer's T is replaced by ``labkit.model.attention.attention_span`` (the pattern's cost). The head
+    is counted at every position even when the sparse head runs it only at masked ones. Raises
+    ValueError if seq_len is not in [1, max_position_embeddings].
+    """
+    if not 0 < seq_len <= cfg.max_position_embeddings:
+        raise ValueError(f"seq_len: must be in [1, {cfg.max_position_embeddings}], got {seq_len}")
+    n = count_parameters(cfg)["non_embedding"]
+    span = sum(attention_span(cfg, i, seq_len) for i in range(cfg.num_layers))
+    return float(6 * n + 12 * cfg.num_heads * cfg.head_dim * span)

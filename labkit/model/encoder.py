@@ -1,0 +1,279 @@
+"""The BERT encoder with an MLM head, written for one device (parallelism is applied from outside).
+
+With the default options the architecture is transformers' ``BertForMaskedLM`` (BERT,
+arXiv:1810.04805): learned absolute positions + token-type embeddings (type 0 everywhere),
+post-norm blocks (LayerNorm eps ``cfg.norm_eps``), exact-erf GELU, and the MLM head dense -> GELU
+-> LayerNorm -> decoder tied to the word embedding with its own bias. With weights copied across
+(``load_hf_state_dict`` / ``to_hf_state_dict``) the logits agree with ``BertForMaskedLM`` to 1e-5
+in fp32 (eval mode).
+
+Options, one ``ModelConfig`` field each (see its docstrings): pre-norm, RMSNorm, Xavier/Kaiming
+init and depth-scaled residual init, rotary positions, GEGLU/SwiGLU, no biases, dropout, and the
+attention families of ``labkit.model.attention`` (sliding window with global layers, Linformer, linear).
+
+Differences that change speed, not results: Q/K/V are one fused ``Linear`` (HF has three),
+attention runs through ``F.scaled_dot_product_attention``, and with ``cfg.sparse_head`` the last
+layer and the head run only at positions whose label is not -100 (the head part as NVIDIA's
+BERT, MosaicBERT and ModernBERT do; the last layer's queries as the same argument allows).
+Parameter counts and FLOPs per token are in ``labkit.model.counts``, transformers interop in
+``labkit.model.hf``, the activation-memory model in ``labkit.study.plan``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from labkit.model.attention import (apply_rotary, full_attention, layer_attention, linear_attention,
+                              linformer_attention, rotary_tables, sliding_window_attention)
+from labkit.config import SPECIAL_TOKENS, ModelConfig
+
+IGNORE_INDEX = -100
+"""Label of positions that carry no MLM loss (PyTorch's cross_entropy default)."""
+
+MODEL_SIZES: dict[str, dict] = {
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=256,
+                 source="labkit test size (no paper)"),
+    "mini": dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024,
+                 source="BERT-Mini, Turc et al. arXiv:1908.08962 (L=4, H=256)"),
+    "small": dict(hidden_size=512, num_layers=6, num_heads=8, intermediate_size=2048,
+                  source="Turc et al. arXiv:1908.08962 grid L=6, H=512 (their named BERT-Small is L=4)"),
+    "bert-120m": dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072,
+                      source="BERT-Base, arXiv:1810.04805 (110M at vocab 30,522); the 120M model of "
+                             "arXiv:2509.05258 (its exact shape is not published)"),
+    "bert-350m": dict(hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=4096,
+                      source="BERT-Large, arXiv:1810.04805 (340M at vocab 30,522); the 350M model of "
+                             "arXiv:2509.05258 (its exact shape is not published)"),
+    "bert-1.3b": dict(hidden_size=2048, num_layers=24, num_heads=32, intermediate_size=8192,
+                      source="Megatron-LM BERT 1.3B, arXiv:1909.08053 table 4 (24 layers, 2048 hidden, 32 heads)"),
+}
+"""Named shapes: hidden_size, num_layers, num_heads, intermediate_size and where each comes from."""
+
+
+class MLMOutput(NamedTuple):
+    """What ``BertMLM.forward`` returns."""
+
+    loss_sum: torch.Tensor | None
+    """fp32 scalar: sum of cross-entropy over positions with label != -100 (None without labels)."""
+    n_masked: torch.Tensor
+    """int64 scalar: number of positions with label != -100 (0 without labels)."""
+    logits: torch.Tensor
+    """[n_masked, V] with the sparse head and labels, else [B, T, V]."""
+
+
+def model_config(name: str, vocab_size: int, **overrides) -> ModelConfig:
+    """The ``ModelConfig`` of preset ``name`` at ``vocab_size``; ``overrides`` replace fields.
+
+    Raises ValueError for an unknown name (listing the known ones) or an unknown override field.
+    """
+    if name not in MODEL_SIZES:
+        raise ValueError(f"model: unknown size {name!r}; known sizes are {sorted(MODEL_SIZES)}")
+    fields = {k: v for k, v in MODEL_SIZES[name].items() if k != "source"}
+    known = set(ModelConfig.__dataclass_fields__)
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"model_overrides: unknown fields {unknown}; known fields are {sorted(known)}")
+    return ModelConfig(**{**fields, "vocab_size": vocab_size, **overrides})
+
+
+def _validate(cfg: ModelConfig) -> None:
+    """Checks beyond ``ModelConfig.__post_init__``; ValueError naming the field."""
+    checks = [
+        (cfg.num_layers > 0, "num_layers", "must be positive"),
+        (cfg.num_heads > 0, "num_heads", "must be positive"),
+        (cfg.intermediate_size is None or cfg.intermediate_size > 0, "intermediate_size", "must be positive or None"),
+        (cfg.max_position_embeddings > 0, "max_position_embeddings", "must be positive"),
+        (cfg.type_vocab_size >= 1, "type_vocab_size", "must be at least 1"),
+        (cfg.norm_eps > 0, "norm_eps", "must be positive"),
+        (cfg.init_std > 0, "init_std", "must be positive"),
+    ]
+    for ok, name, message in checks:
+        if not ok:
+            raise ValueError(f"{name}: {message}, got {getattr(cfg, name)!r}")
+
+
+def _norm(cfg: ModelConfig) -> nn.Module:
+    """LayerNorm or RMSNorm over hidden_size (no bias with ``cfg.bias`` False)."""
+    if cfg.norm_type == "rmsnorm":
+        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+class Layer(nn.Module):
+    """One block. Post-norm (BERT): x = N(x + attn(x)); x = N(x + ffn(x)). Pre-norm:
+    x = x + attn(N(x)); x = x + ffn(N(x)). Attention per ``labkit.model.attention.layer_attention``."""
+
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.ffn_size
+        self.cfg = cfg
+        self.kind = layer_attention(cfg, index)
+        self.qkv = nn.Linear(h, 3 * h, bias=cfg.bias)  # rows: query, key, value (HF's three Linears stacked)
+        self.attn_out = nn.Linear(h, h, bias=cfg.bias)
+        self.attn_norm = _norm(cfg)
+        self.ffn_in = nn.Linear(h, 2 * f if cfg.activation != "gelu" else f, bias=cfg.bias)  # gated: [W (activated); V]
+        self.ffn_out = nn.Linear(f, h, bias=cfg.bias)
+        self.ffn_norm = _norm(cfg)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        if self.kind == "linformer":  # E, F of Linformer eq. 7, shared by the heads
+            self.proj_k = nn.Parameter(torch.empty(cfg.linformer_k, cfg.max_position_embeddings))
+            self.proj_v = nn.Parameter(torch.empty(cfg.linformer_k, cfg.max_position_embeddings))
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., H]: GELU, or GEGLU / SwiGLU = (act(x W) * x V) W2 (Shazeer arXiv:2002.05202)."""
+        y = self.ffn_in(x)
+        if self.cfg.activation == "gelu":
+            return self.ffn_out(F.gelu(y))
+        a, b = y.chunk(2, dim=-1)
+        return self.ffn_out((F.gelu(a) if self.cfg.activation == "geglu" else F.silu(a)) * b)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, rope: tuple | None = None,
+                select: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, H]; mask bool [B, 1, 1, T] (True = real token) or None; rope (cos, sin) [T, Q]
+        or None; select int64 [B, m] or None: only these positions' outputs are wanted (the keys
+        and values still come from all T), and the result is [B, m, H]."""
+        cfg, (b, t, h) = self.cfg, x.shape
+        pre = cfg.norm_position == "pre"
+        q, k, v = self.qkv(self.attn_norm(x) if pre else x).view(b, t, 3, cfg.num_heads, cfg.head_dim).permute(
+            2, 0, 3, 1, 4)  # 3 x [B, nh, T, Q]
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if select is not None:
+            x = x.gather(1, select[:, :, None].expand(-1, -1, h))
+            q = q.gather(2, select[:, None, :, None].expand(-1, cfg.num_heads, -1, cfg.head_dim))
+        p = cfg.attention_dropout if self.training else 0.0
+        if self.kind == "full":
+            a = full_attention(q, k, v, mask, dropout_p=p)
+        elif self.kind == "sliding_window":
+            a = sliding_window_attention(q, k, v, mask, window=cfg.window_size, q_pos=select, dropout_p=p)
+        elif self.kind == "linformer":
+            a = linformer_attention(q, k, v, mask, self.proj_k, self.proj_v, dropout_p=p)
+        else:
+            a = linear_attention(q, k, v, mask)
+        a = self.dropout(self.attn_out(a.transpose(1, 2).reshape(b, -1, h)))  # [B, Tq, H]
+        if pre:
+            x = x + a
+            return x + self.dropout(self.ffn(self.ffn_norm(x)))
+        x = self.attn_norm(x + a)
+        return self.ffn_norm(x + self.dropout(self.ffn(x)))
+
+
+class BertMLM(nn.Module):
+    """BERT encoder + MLM head. ``forward(input_ids [B,T] int64, attention_mask [B,T] | None,
+    labels [B,T] int64 | None) -> MLMOutput``; see the module docstring for the architecture."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        _validate(cfg)
+        self.cfg = cfg
+        h, v = cfg.hidden_size, cfg.vocab_size
+        self.word = nn.Embedding(v, h, padding_idx=SPECIAL_TOKENS.index("[PAD]"))
+        self.position = nn.Embedding(cfg.max_position_embeddings, h) if cfg.position_embedding == "absolute" else None
+        self.token_type = nn.Embedding(cfg.type_vocab_size, h)
+        self.embed_norm = _norm(cfg)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
+        self.final_norm = _norm(cfg) if cfg.norm_position == "pre" else None
+        self.head_dense = nn.Linear(h, h, bias=cfg.bias)
+        self.head_norm = _norm(cfg)
+        self.decoder = None if cfg.tie_embeddings else nn.Parameter(torch.empty(v, h))
+        self.decoder_bias = nn.Parameter(torch.zeros(v)) if cfg.bias else None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Init per ``cfg.init``: Linear weights normal(0, init_std) (BERT), Xavier-uniform
+        (Glorot & Bengio 2010) or Kaiming-normal fan_in with the ReLU gain sqrt(2) (He et al.
+        arXiv:1502.01852); embeddings and an untied decoder normal(0, init_std); biases 0; norms
+        1/0; the [PAD] embedding row 0; Linformer E, F normal(0, 1/sqrt(k)). With
+        ``scale_residual_init`` the attention-output and FFN-output weights are then multiplied by
+        1/sqrt(2 L) (GPT-2, Radford et al. 2019 section 2.3)."""
+        cfg = self.cfg
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                if cfg.init == "xavier":
+                    nn.init.xavier_uniform_(m.weight)
+                elif cfg.init == "kaiming":
+                    nn.init.kaiming_normal_(m.weight, mode="fan_in", nonlinearity="relu")
+                else:
+                    nn.init.normal_(m.weight, std=cfg.init_std)
+            if isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=cfg.init_std)
+            if isinstance(m, (nn.Linear, nn.LayerNorm)) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+            if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+                nn.init.ones_(m.weight)
+            if isinstance(m, Layer) and m.kind == "linformer":
+                nn.init.normal_(m.proj_k, std=cfg.linformer_k ** -0.5)
+                nn.init.normal_(m.proj_v, std=cfg.linformer_k ** -0.5)
+        if cfg.scale_residual_init:  # after the loop, which visits a Layer before its Linears
+            for layer in self.layers:
+                layer.attn_out.weight.mul_((2 * cfg.num_layers) ** -0.5)
+                layer.ffn_out.weight.mul_((2 * cfg.num_layers) ** -0.5)
+        if self.word.padding_idx is not None and not self.word.weight.is_meta:
+            self.word.weight[self.word.padding_idx].zero_()
+        if self.decoder is not None:
+            nn.init.normal_(self.decoder, std=cfg.init_std)
+        if self.decoder_bias is not None:
+            nn.init.zeros_(self.decoder_bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> MLMOutput:
+        """input_ids int64 [B, T]; attention_mask [B, T] (1/True = real token; None = all real);
+        labels int64 [B, T] (-100 = no loss). With ``cfg.sparse_head`` and labels, the last layer
+        computes its outputs only at positions with label != -100 (its keys and values still
+        from all positions; exact, as only those positions reach the loss) and the head runs
+        there only: logits [n_masked, V] (a host sync for the count). Raises ValueError if T
+        exceeds ``max_position_embeddings`` or a sliding window exceeds T."""
+        cfg, (b, t) = self.cfg, input_ids.shape
+        if t > cfg.max_position_embeddings:
+            raise ValueError(f"max_position_embeddings: sequence length {t} exceeds {cfg.max_position_embeddings}")
+        if cfg.attention == "sliding_window" and cfg.window_size > t:
+            raise ValueError(f"window_size: {cfg.window_size} exceeds seq_len {t}; allowed values are 1..{t}")
+        pos = torch.arange(t, device=input_ids.device)
+        x = self.word(input_ids) + self.token_type.weight[0]  # [B, T, H]
+        rope = None
+        if self.position is not None:
+            x = x + self.position(pos)
+        else:
+            rope = rotary_tables(pos, cfg.head_dim, cfg.rope_theta)
+        x = self.dropout(self.embed_norm(x))
+        mask = None  # bool [B, 1, 1, T]; None when every token is real (packed shards: almost every
+        if attention_mask is not None and not bool(attention_mask.bool().all()):  # batch), so SDPA
+            mask = attention_mask.bool()[:, None, None, :]  # may pick a fused kernel (a host sync)
+        n_masked = torch.zeros((), dtype=torch.int64, device=x.device)
+        select = valid = None
+        if labels is not None:
+            keep = labels != IGNORE_INDEX
+            counts = keep.sum(dim=1)  # [B]
+            n_masked = counts.sum()
+            m = int(counts.max()) if cfg.sparse_head else 0  # host sync
+            if m > 0:  # masked positions first in each row, in order; valid marks the real ones
+                select = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :m]
+                valid = torch.arange(m, device=x.device) < counts[:, None]  # [B, m]
+        for i, layer in enumerate(self.layers):
+            sel = select if i == len(self.layers) - 1 else None
+            if cfg.activation_checkpointing and self.training:
+                x = checkpoint(layer, x, mask, rope, sel, use_reentrant=False)
+            else:
+                x = layer(x, mask, rope, sel)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        if labels is not None and cfg.sparse_head:
+            x, labels = (x[valid], labels[keep]) if select is not None else (x[keep], labels[keep])
+        logits = self._head(x)
+        loss_sum = None
+        if labels is not None:
+            loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                       reduction="sum", ignore_index=IGNORE_INDEX)
+        return MLMOutput(loss_sum, n_masked, logits)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V]: dense, GELU, norm, decoder (tied or own weight) + bias."""
+        x = self.head_norm(F.gelu(self.head_dense(x)))
+        weight = self.word.weight if self.decoder is None else self.decoder
+        return F.linear(x, weight, self.decoder_bias)

@@ -1,0 +1,445 @@
+"""Memory planning: how large a micro-batch fits in a per-rank memory budget.
+
+Two halves. The first measures (CPU, exact): ``activation_bytes``, ``model_state_bytes``,
+``max_micro_batch``. The second plans from formulas, for sizes and devices no CPU can measure:
+``activation_terms`` (Korthikanti et al. arXiv:2205.05198, written for labkit's model and
+checked exactly against the measurement), ``zero_state_bytes`` (ZeRO arXiv:1910.02054),
+``memory_plan`` (one GPU under DP x TP x PP and ZeRO 0-3, with the GPipe bubble),
+``planned_max_micro_batch`` on a ``DEVICES`` entry, ``study_table`` (the study's reported
+micro-batches beside the plan), ``parallel_plans`` / ``first_fit``, and ``gpu_memory_check``
+(plan vs ``torch.cuda.max_memory_allocated``, for benchmarks/gpu_check.sh).
+
+Memory of one DDP rank = model state + activations saved for backward (+ transient buffers and
+allocator slack, not modelled; keep 10-20 % headroom, docs/references.md C4).
+
+- model state: 16 bytes per parameter, fp32 weights + fp32 grads + AdamW's two fp32 moments
+  (ZeRO, arXiv:1910.02054 section 3.1 counts 16 Psi for mixed-precision Adam; with autocast the
+  weights and grads stay fp32, which is also 16 B/param; docs/references.md C4).
+- activations: measured, not estimated: the bytes of the distinct tensor storages autograd
+  saves for backward during one training-mode forward at micro-batch b
+  (``torch.autograd.graph.saved_tensors_hooks``), parameters and buffers excluded.
+
+Activations grow linearly in b, so two measurements (b = 2, 3) give the per-sample slope and the
+fixed part; ``max_micro_batch`` solves for b and then verifies the answer by measuring it (and
+b + 1) directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from labkit.config import ModelConfig
+from labkit.model import BertMLM, count_parameters
+from labkit.model.attention import layer_attention
+
+STATE_BYTES_PER_PARAM = 16
+"""fp32 weights (4) + fp32 grads (4) + AdamW exp_avg (4) + exp_avg_sq (4); arXiv:1910.02054."""
+
+
+def _saved_bytes(model: torch.nn.Module, cfg: ModelConfig, seq_len: int, micro_batch: int, mlm_probability: float) -> int:
+    """Bytes of unique storages saved for backward by one forward of ``model`` (train mode) on
+    a synthetic batch int64[micro_batch, seq_len] with exactly round(mlm_probability * seq_len)
+    masked positions per sequence (so the sparse MLM head sees a count proportional to b)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, cfg.vocab_size, (micro_batch, seq_len), generator=g)
+    labels = torch.full_like(ids, -100)
+    n_mask = max(1, round(mlm_probability * seq_len))
+    labels[:, 1:1 + n_mask] = ids[:, 1:1 + n_mask]
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    state_ptrs = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in state_ptrs and storage.nbytes() > 0:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(ids, attention_mask=mask, labels=labels)
+    # every saved storage is held by the graph until ``out`` is dropped, so no address is reused
+    del out
+    return sum(seen.values())
+
+
+def largest_fitting(fits: Callable[[int], bool], *, limit: int, start: int = 1) -> int:
+    """Largest b in [0, limit] with ``fits(b)``, for a monotone ``fits`` (True up to some b, False above).
+
+    The one micro-batch search of labkit: the measured CPU budget (``max_micro_batch``), the
+    analytic planner (``planned_max_micro_batch``) and the CUDA out-of-memory search
+    (``labkit.study.gpu.max_micro_batch_cuda``) all call it. From ``start`` (a guess; exact
+    guesses cost two calls) it gallops upward with doubling steps while ``fits`` holds, or takes
+    [0, start) when it does not, then bisects. Returns 0 when even b = 1 does not fit. Raises
+    ValueError when limit < 1.
+    """
+    if limit < 1:
+        raise ValueError(f"limit: must be >= 1, got {limit}")
+    lo, hi = 0, limit + 1  # fits(lo) holds (or lo = 0); fits(hi) fails (or hi = limit + 1)
+    b = max(1, min(start, limit))
+    if fits(b):
+        lo, step = b, 1
+        while lo < limit:
+            nxt = min(limit, lo + step)
+            if not fits(nxt):
+                hi = nxt
+                break
+            lo, step = nxt, step * 2
+        else:
+            return lo
+    else:
+        hi = b
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def activation_bytes(model_cfg: ModelConfig, seq_len: int, micro_batch: int, *,
+                     mlm_probability: float = 0.15) -> int:
+    """Bytes autograd keeps for backward after one forward of ``BertMLM(model_cfg)`` (fp32, train
+    mode, dropout on) at ``micro_batch`` sequences of ``seq_len`` tokens: the sum over distinct
+    storages (``untyped_storage().data_ptr()``) passed to ``saved_tensors_hooks``, excluding
+    parameters and buffers. Measured exactly on CPU; transient buffers freed during the forward
+    are not counted. Raises ``ValueError`` for non-positive sizes."""
+    if micro_batch < 1 or seq_len < 1:
+        raise ValueError(f"micro_batch/seq_len: must be positive, got {micro_batch}/{seq_len}")
+    torch.manual_seed(0)
+    return _saved_bytes(BertMLM(model_cfg), model_cfg, seq_len, micro_batch, mlm_probability)
+
+
+def model_state_bytes(model_cfg: ModelConfig) -> int:
+    """Model-state bytes of one DDP rank: 16 B per parameter (fp32 weights, grads and AdamW's two
+    moments; arXiv:1910.02054, docs/references.md C4). Tied weights count once."""
+    return STATE_BYTES_PER_PARAM * int(count_parameters(model_cfg)["total"])
+
+
+def max_micro_batch(model_cfg: ModelConfig, seq_len: int, budget_bytes: int, *, name: str | None = None,
+                    mlm_probability: float = 0.15) -> dict[str, Any]:
+    """Largest micro-batch b with model_state_bytes + activation_bytes(b) <= budget_bytes.
+
+    Measures b = 2 and b = 3 to get the per-sample slope and fixed part (activations are linear
+    in b from b = 2; b = 1 can sit off the line), solves for b, then checks it by measurement: steps down while the measured b exceeds
+    the budget and up while b + 1 fits, so the answer is exact for this measurement.
+    Returns {model, params, seq_len, budget_bytes, state_bytes, act_bytes_per_sample,
+    act_bytes_fixed, act_bytes (at the answer), max_micro_batch}; max_micro_batch is 0 when even
+    b = 1 does not fit. ``name`` labels the report (default "<L>L/<H>H").
+    """
+    if budget_bytes <= 0:
+        raise ValueError(f"budget_bytes: must be positive, got {budget_bytes}")
+    torch.manual_seed(0)
+    model = BertMLM(model_cfg)
+    cache: dict[int, int] = {}
+
+    def act(b: int) -> int:
+        if b not in cache:
+            cache[b] = _saved_bytes(model, model_cfg, seq_len, b, mlm_probability)
+        return cache[b]
+
+    state = model_state_bytes(model_cfg)
+    # slope from b = 2 and 3: b = 1 sits off the line (measured: tiny model, T 32, 32 KiB above;
+    # some kernels take other paths at batch 1); the answer is verified by measurement below
+    per_sample = act(3) - act(2)
+    fixed = act(2) - 2 * per_sample
+    if per_sample <= 0:
+        raise RuntimeError(f"activation bytes did not grow with the micro-batch ({act(2)} -> {act(3)})")
+    guess = max(1, (budget_bytes - state - fixed) // per_sample)
+    b = largest_fitting(lambda n: state + act(n) <= budget_bytes, start=guess, limit=max(4 * guess, 1 << 16))
+    return {"model": name or f"{model_cfg.num_layers}L/{model_cfg.hidden_size}H",
+            "params": int(count_parameters(model_cfg)["total"]), "seq_len": seq_len,
+            "budget_bytes": int(budget_bytes), "state_bytes": state, "act_bytes_per_sample": per_sample,
+            "act_bytes_fixed": fixed, "act_bytes": act(b) if b else 0, "max_micro_batch": int(b)}
+
+
+# --------------------------------------------------------------------------------------------
+# The analytic planner: memory per GPU from formulas, for sizes no CPU can measure
+# --------------------------------------------------------------------------------------------
+
+DEVICES: dict[str, dict[str, Any]] = {
+    "H100 SXM": {"memory_gb": 80, "bandwidth_tb_s": 3.35, "peak_kind": "H100 SXM",
+                 "source": "https://www.nvidia.com/en-us/data-center/h100/ (80 GB HBM3, 3.35 TB/s)"},
+    "H100 NVL": {"memory_gb": 94, "bandwidth_tb_s": 3.9, "peak_kind": "H100 NVL",
+                 "source": "https://www.nvidia.com/en-us/data-center/h100/ (H100 NVL: 94 GB HBM3, 3.9 TB/s)"},
+    "H200": {"memory_gb": 141, "bandwidth_tb_s": 4.8, "peak_kind": "H200",
+             "source": "https://www.nvidia.com/en-us/data-center/h200/ (141 GB HBM3e, 4.8 TB/s)"},
+    "A100 40GB": {"memory_gb": 40, "bandwidth_tb_s": 1.6, "peak_kind": "A100",
+                  "source": "https://www.nvidia.com/en-us/data-center/a100/ (40 GB HBM2, 1.6 TB/s)"},
+    "A100 80GB": {"memory_gb": 80, "bandwidth_tb_s": 2.0, "peak_kind": "A100",
+                  "source": "https://www.nvidia.com/en-us/data-center/a100/ (80 GB HBM2e, 2.0 TB/s)"},
+}
+"""GPU memory (NVIDIA's nominal GB, taken as 1e9 bytes: the conservative reading) and memory
+bandwidth with the page they come from; dense bf16 peaks are ``labkit.measure.PEAK_FLOPS``
+under ``peak_kind`` (docs/references.md C2)."""
+
+STUDY_MICRO_BATCH = {"bert-120m": 184, "bert-350m": 20}
+"""Per-GPU micro-batches the study reports on H100 NVL (arXiv:2509.05258; docs/references.md A,
+unconfirmed against the full text). Sequence length, vocabulary and precision are not reported."""
+
+STUDY_VOCAB = 45_000
+"""(derived) The vocabulary at which BERT-Base/Large shapes have 120.6M and 350.0M parameters
+(``count_parameters``), i.e. the study's two names; the study does not give its vocabulary."""
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+ATTENTION = ("flash", "eager")
+
+
+def device_info(name: str) -> dict[str, Any]:
+    """``DEVICES[name]`` plus memory_bytes and peak_flops (bf16, from measure.PEAK_FLOPS).
+    Raises ValueError listing the known devices."""
+    from labkit.measure import PEAK_FLOPS
+
+    if name not in DEVICES:
+        raise ValueError(f"device: unknown {name!r}; known devices are {sorted(DEVICES)}")
+    d = DEVICES[name]
+    return {"device": name, **d, "memory_bytes": int(d["memory_gb"] * 1e9),
+            "peak_flops": PEAK_FLOPS.get((d["peak_kind"], "bf16"))}
+
+
+def _check_options(precision: str, attention: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: got {precision!r}; allowed values are {PRECISIONS}")
+    if attention not in ATTENTION:
+        raise ValueError(f"attention: got {attention!r}; allowed values are {ATTENTION}")
+
+
+def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precision: str = "bf16",
+                     attention: str = "flash", device: str = "cuda", tp: int = 1,
+                     mlm_probability: float = 0.15) -> dict[str, int]:
+    """Bytes kept for backward by ``BertMLM(cfg)`` at one micro-batch, term by term.
+
+    After Korthikanti et al. 2022 (arXiv:2205.05198, section 4.1), written for this model
+    (post-norm, fused QKV, SDPA, GELU, dropout, and with ``cfg.sparse_head`` a last layer that
+    runs its queries only at the masked positions). s = seq_len, b = micro_batch, h = hidden,
+    a = heads, f = ffn width, V = vocabulary. d = bytes of the compute dtype (fp32 4; bf16/fp16 2
+    under autocast with fp32 weights), m = dropout-mask bytes (1 on CUDA, d on CPU; 0 without
+    dropout), g = LayerNorm input bytes (4: autocast runs LayerNorm in fp32 and the residual
+    stream stays fp32). With the sparse head and labels the last layer has q = b·k query rows,
+    k = max(1, round(p·s)) (the most masked positions in a row; exact for the synthetic batch of
+    ``_saved_bytes``, which masks k per row). Terms:
+
+    - ``layers``, every layer but a sparse last one: QKV input, the fused Q/K/V (one storage) and
+      output-projection input 5·d·sbh, FFN input d·sbh, GELU input and output 2·d·sbf, two
+      LayerNorm inputs 2·g·sbh, two dropout masks 2·m·sbh, norm mean/rstd 16·sb. For d = 2,
+      m = 1, g = 2, f = 4h this is the paper's 34·sbh. (SDPA's math path saves its own copies
+      of Q, K, V instead of the fused storage: the same 3·d·sbh.)
+    - the sparse last layer (model.py ``Layer.forward`` with ``select``; measured on CPU, not
+      from the paper): the layer input d·sbh and the whole fused QKV output 3·d·sbh (the two
+      ``gather`` calls save their sources), the gather index 8·sb (``select`` is a slice of the
+      [b, s] int64 sort indices, which stay alive whole), then at q rows: output-projection
+      input, FFN input 2·d·qh, GELU 2·d·qf, norm inputs 2·g·qh, masks 2·m·qh, norm statistics
+      16·q; and its attention: "flash" keeps the gathered Q and the SDPA output 2·d·qh (a
+      separate storage from the output-projection input here, as the output follows Q's
+      layout); "eager" keeps a Q copy d·qh and K, V copies of all s positions 2·d·sbh.
+    - ``attention_scores``: "flash" (fused kernels, the paper's selective recompute; on CPU the
+      fused path runs when attention dropout is off, as the model passes no mask for a batch
+      without padding) keeps the log-sum-exp, 4·a·s·b per layer (4·a·q for the sparse last
+      layer). "eager" (SDPA's math path, which CPU takes when attention dropout is on) keeps
+      softmax output, dropout mask and dropped probabilities (2d + m)·a·s²·b, d·a·s²·b without
+      attention dropout: the paper's 5·a·s²·b; the sparse last layer a·q·s instead of a·s²·b.
+      (Measured on CPU, math path at b = 1: V's reshape is a view, so the whole fused QKV
+      storage is saved instead of a V copy, +2·d·sh per full layer; in the sparse last layer
+      that storage is already counted and the V copy is gone, -d·sh. Counted in ``layers``.)
+    - with ``cfg.activation_checkpointing``: each layer's input g·sbh (no scores), plus the
+      gather index 8·sb with the sparse head (``checkpoint`` saves ``select`` as an input).
+    - ``embedding``: token and position ids (8·sb + 8·s), norm input g·sbh and statistics 8·sb,
+      dropout mask m·sbh (RMSNorm: its normalised copy, g·sbh more).
+    - ``head`` at n positions (n = q with ``cfg.sparse_head``, else s·b): dense input, GELU
+      input/output, decoder input 4·d·nh, head-norm statistics 8·n, fp32 log-softmax 4·nV,
+      target indices 8·n, the loss's 4-byte total weight; with the sparse head also the bool
+      ``valid`` mask that picks the real rows, q bytes; RMSNorm's copy g·nh; with pre-norm the
+      final norm before the head, g·sbh (2·g·sbh with RMSNorm) and its statistics 8·sb.
+    - ``logits`` (held by the returned output, not saved): d·nV.
+
+    ``tp`` > 1 divides the activation terms that scale with h, f or V by t (tensor + sequence
+    parallel, arXiv:2205.05198 section 4.2.2); index and statistics terms are not divided. The
+    same terms serve device="cuda" (only m and the b = 1 math-path correction differ), where the
+    sparse last layer is likewise modelled as the gathers and SDPA save it. Checked exactly
+    against saved-tensor counts on CPU (fp32) in tests/test_plan.py and
+    benchmarks/bench_planner.py. The other model options (rotary, RMSNorm, gated FFN, sliding
+    window, Linformer, linear attention) add ``_option_bytes`` per layer (checked within 3 % on
+    CPU). This is labkit's one activation-memory model. Raises ValueError for unknown
+    precision/attention or non-positive sizes.
+    """
+    _check_options(precision, attention)
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device: must be 'cuda' or 'cpu', got {device!r}")
+    if seq_len < 1 or micro_batch < 1 or tp < 1:
+        raise ValueError(f"seq_len/micro_batch/tp: must be positive, got {seq_len}/{micro_batch}/{tp}")
+    s, b, h, a, f, v, L = seq_len, micro_batch, cfg.hidden_size, cfg.num_heads, cfg.ffn_size, cfg.vocab_size, cfg.num_layers
+    d = 4 if precision == "fp32" else 2
+    m = (1 if device == "cuda" else d) if cfg.hidden_dropout > 0 else 0
+    ma = 1 if device == "cuda" else d
+    g = 4
+    sbh = s * b * h
+    sparse = cfg.sparse_head
+    q = max(1, round(mlm_probability * s)) * b if sparse else 0  # query rows of the sparse last layer
+    index = 8 * s * b if sparse else 0  # [b, s] int64 sort indices behind ``select``
+    eager = attention == "eager"
+    cpu_math_b1 = device == "cpu" and b == 1 and eager and cfg.attention_dropout > 0
+    per_score = (2 * d + ma) if cfg.attention_dropout > 0 else d  # bytes per eager score element
+    base_layer = (6 * d + 2 * g + 2 * m) * sbh + 2 * d * s * b * f + 2 * d * sbh * cpu_math_b1
+    kinds = [layer_attention(cfg, i) for i in range(L)]
+    extra = [_option_bytes(cfg, kind, s, b, d, g) for kind in kinds]
+    full_layers = [base_layer + x for x, _ in extra]
+    full_scores = [(a * s * keys * b * per_score if eager else 4 * a * s * b * (keys > 0)) for _, keys in extra]
+    if cfg.activation_checkpointing:
+        layers, scores = L * g * sbh // tp + index, 0
+    elif not sparse:
+        layers = sum(full_layers) // tp + L * 16 * s * b
+        scores = sum(full_scores) // tp
+    else:
+        last = 4 * d * sbh + (2 * d + 2 * g + 2 * m) * q * h + 2 * d * q * f + extra[-1][0]
+        last += (d * q * h + 2 * d * sbh - d * s * h * cpu_math_b1) if eager else 2 * d * q * h
+        layers = (sum(full_layers[:-1]) + last) // tp + (L - 1) * 16 * s * b + 16 * q + index
+        keys = extra[-1][1]
+        scores = (sum(full_scores[:-1]) + (a * q * keys * per_score if eager else 4 * a * q * (keys > 0))) // tp
+    n = q if sparse else s * b
+    rms = cfg.norm_type == "rmsnorm"  # torch's RMSNorm keeps a normalised copy of its input
+    embedding = 8 * s * b + 8 * s + (g + m) * sbh + 8 * s * b + g * sbh * rms
+    final_norm = (g * sbh * (1 + rms) + 8 * s * b) if cfg.norm_position == "pre" else 0  # pre-norm's last norm
+    head = (4 * d * n * h + 4 * n * v + g * n * h * rms) // tp + 16 * n + 4 + (n if sparse else 0) + final_norm
+    return {"layers": int(layers), "attention_scores": int(scores), "embedding": int(embedding),
+            "head": int(head), "logits": int(d * n * v // tp)}
+
+
+def _option_bytes(cfg: ModelConfig, kind: str, s: int, b: int, d: int, g: int) -> tuple[int, int]:
+    """Extra bytes one layer of attention ``kind`` keeps beyond a BERT layer, and its keys per query.
+
+    Measured on CPU against saved tensors for each option (tests/study/test_plan.py), d = compute
+    dtype bytes, g = norm-input bytes: rotary 2·d·sbh (rotated Q, K); RMSNorm 2·g·sbh (torch's
+    RMSNorm keeps a normalised copy of each of the two inputs); a gated FFN (GEGLU, SwiGLU) 2·d·sbf
+    more (value and gate, act(gate), product instead of GELU's input and output); sliding window
+    d·b·s² (the additive band mask SDPA keeps: the O(T²) price of the mask implementation);
+    Linformer 2·d·sbh + 2·d·b·k·h (masked and projected K, V); linear attention 5·d·sbh + d·b·h·Q
+    (feature maps, numerator and the output copy). Keys per query for the score terms: s for full
+    and sliding-window attention, k for Linformer, 0 for linear attention (no score matrix).
+    """
+    h, f = cfg.hidden_size, cfg.ffn_size
+    sbh = s * b * h
+    k = min(cfg.linformer_k, s)
+    extra = 2 * d * sbh * (cfg.position_embedding == "rotary") + 2 * g * sbh * (cfg.norm_type == "rmsnorm")
+    extra += 2 * d * s * b * f * (cfg.activation != "gelu")
+    extra += {"full": 0, "sliding_window": d * b * s * s, "linformer": 2 * d * sbh + 2 * d * b * k * h,
+              "linear": 5 * d * sbh + d * b * h * cfg.head_dim}[kind]
+    return extra, {"full": s, "sliding_window": s, "linformer": k, "linear": 0}[kind]
+
+
+def saved_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, **kw) -> int:
+    """Planned bytes saved for backward (all ``activation_terms`` except the held logits): the
+    quantity ``activation_bytes`` measures."""
+    t = activation_terms(cfg, seq_len, micro_batch, **kw)
+    return t["layers"] + t["attention_scores"] + t["embedding"] + t["head"]
+
+
+def zero_state_bytes(n_params: float, *, zero_stage: int = 0, dp: int = 1,
+                     layout: tuple[float, float, float] = (4, 4, 8)) -> dict[str, float]:
+    """Model-state bytes per GPU under ZeRO (Rajbhandari et al., arXiv:1910.02054, section 5.1,
+    figure 1): ``layout`` = bytes per parameter of (parameters, gradients, optimizer states).
+    Stage 1 shards the optimizer states over ``dp`` ranks, stage 2 also the gradients, stage 3
+    also the parameters. The paper's mixed-precision Adam is (2, 2, 12): 16 Psi for DDP,
+    4 Psi + 12 Psi/N_d, 2 Psi + 14 Psi/N_d, 16 Psi/N_d. labkit trains with fp32 weights under
+    autocast and AdamW: (4, 4, 8), also 16 B/param. Returns {"params", "grads", "optimizer",
+    "total"}. Raises ValueError for a stage outside 0-3 or dp < 1."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage: must be 0, 1, 2 or 3, got {zero_stage}")
+    if dp < 1:
+        raise ValueError(f"dp: must be >= 1, got {dp}")
+    p, g, o = (x * n_params for x in layout)
+    out = {"params": p / dp if zero_stage >= 3 else p, "grads": g / dp if zero_stage >= 2 else g,
+           "optimizer": o / dp if zero_stage >= 1 else o}
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
+def _params_per_gpu(cfg: ModelConfig, tp: int, pp: int) -> float:
+    """Parameters one GPU holds: its pipeline stage's layers (ceil(L/pp)) plus the embeddings
+    and head (worst stage), divided over tp tensor-parallel ranks."""
+    total = count_parameters(cfg)["total"]
+    per_layer = count_parameters(dataclasses.replace(cfg, num_layers=2))["total"] - \
+        count_parameters(dataclasses.replace(cfg, num_layers=1))["total"]
+    other = total - cfg.num_layers * per_layer
+    return (math.ceil(cfg.num_layers / pp) * per_layer + other) / tp
+
+
+def memory_plan(cfg: ModelConfig, *, seq_len: int, micro_batch: int, precision: str = "bf16",
+                attention: str = "flash", zero_stage: int = 0, dp: int = 1, tp: int = 1, pp: int = 1,
+                pipeline_microbatches: int = 1, device: str = "cuda", mlm_probability: float = 0.15,
+                layout: tuple[float, float, float] = (4, 4, 8)) -> dict[str, Any]:
+    """Planned peak memory of one GPU, in bytes, term by term.
+
+    params / grads / optimizer: ``zero_state_bytes`` of this GPU's parameters
+    (``_params_per_gpu``: its pipeline stage, its 1/tp slice), ZeRO-sharded over ``dp``.
+    autocast_copies: the bf16/fp16 weight copies autocast caches during forward and backward
+    (2 B per local parameter; 0 in fp32; sharded with ZeRO-3, which casts as FSDP's mixed
+    precision does, one layer's gathered weights at a time). activations: ``activation_terms`` with the layers of
+    one stage; pipeline parallel with the 1F1B schedule keeps min(pp, m) micro-batches in
+    flight on the first stage (Narayanan et al. arXiv:2104.04473 section 2.2.1), the embedding
+    on the first stage and the head on the last, the worse stage counted. logits: held output.
+    With activation checkpointing one layer's full activations are added (its recompute in
+    backward). head_backward: two fp32 [n, V] gradient buffers alive when backward starts. Grads are
+    counted as allocated throughout (an upper estimate when they are set to None between steps).
+    ``bubble``: GPipe's idle fraction (p - 1) / (m + p - 1) (Huang et al. arXiv:1811.06965).
+    Returns the terms, "total", and the inputs.
+    """
+    if pipeline_microbatches < 1 or pp < 1:
+        raise ValueError(f"pipeline_microbatches/pp: must be >= 1, got {pipeline_microbatches}/{pp}")
+    state = zero_state_bytes(_params_per_gpu(cfg, tp, pp), zero_stage=zero_stage, dp=dp, layout=layout)
+    t = activation_terms(cfg, seq_len, micro_batch, precision=precision, attention=attention,
+                         device=device, tp=tp, mlm_probability=mlm_probability)
+    stage_layers = math.ceil(cfg.num_layers / pp) / cfg.num_layers
+    per_mb = (t["layers"] + t["attention_scores"]) * stage_layers
+    if cfg.activation_checkpointing:  # backward recomputes one layer at a time: its activations come back
+        full = activation_terms(dataclasses.replace(cfg, activation_checkpointing=False), seq_len, micro_batch,
+                                precision=precision, attention=attention, device=device, tp=tp,
+                                mlm_probability=mlm_probability)
+        per_mb += (full["layers"] + full["attention_scores"]) / cfg.num_layers
+    if pp == 1:
+        acts = per_mb + t["embedding"] + t["head"]
+        logits = t["logits"]
+    else:
+        first = min(pp, pipeline_microbatches) * (per_mb + t["embedding"])
+        last = per_mb + t["head"] + t["logits"]
+        acts, logits = max(first, last), 0  # the last stage's count includes its logits
+    n_positions = round(mlm_probability * seq_len) * micro_batch if cfg.sparse_head else seq_len * micro_batch
+    out = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
+           "autocast_copies": 0 if precision == "fp32" else 2 * _params_per_gpu(cfg, tp, pp) / (dp if zero_stage == 3 else 1),
+           "activations": acts, "logits": logits, "head_backward": 8 * n_positions * cfg.vocab_size / tp}
+    out = {k: int(v) for k, v in out.items()}
+    out["total"] = sum(out.values())
+    out.update(seq_len=seq_len, micro_batch=micro_batch, precision=precision, attention=attention,
+               zero_stage=zero_stage, dp=dp, tp=tp, pp=pp, pipeline_microbatches=pipeline_microbatches,
+               bubble=pipeline_bubble(pp, pipeline_microbatches),
+               sparse_head=cfg.sparse_head, checkpointing=cfg.activation_checkpointing)
+    return out
+
+
+def pipeline_bubble(p: int, m: int) -> float:
+    """Idle fraction of a GPipe/1F1B pipeline of p stages and m micro-batches: (p - 1)/(m + p - 1)
+    (Huang et al. arXiv:1811.06965; Narayanan et al. arXiv:2104.04473 eq. 1 in this form)."""
+    if p < 1 or m < 1:
+        raise ValueError(f"p/m: must be >= 1, got {p}/{m}")
+    return (p - 1) / (m + p - 1)
+
+
+def planned_max_micro_batch(cfg: ModelConfig, *, device: str = "H100 NVL", seq_len: int,
+                            reserve_bytes: int = 2**30, limit: int = 1 << 16, **kw) -> dict[str, Any]:
+    """Largest micro-batch b whose ``memory_plan(...)["total"]`` fits the device's memory less
+    ``reserve_bytes`` (CUDA context and allocator slack; 1 GiB by default). Memory grows
+    linearly in b, so it is solved from b = 1 and 2 and checked at the answer. Returns
+    {"max_micro_batch", "capacity_bytes", "plan" (at the answer, or at b = 1 when nothing fits)}."""
+    cap = device_info(device)["memory_bytes"] - reserve_bytes
+    one = memory_plan(cfg, seq_len=seq_len, micro_batch=1, **kw)["total"]
+    two = memory_plan(cfg, seq_len=seq_len, micro_batch=2, **kw)["total"]
+    guess = max(1, min(limit, int((cap - (2 * one - two)) // max(1, two - one))))
+    b = largest_fitting(lambda n: memory_plan(cfg, seq_len=seq_len, micro_batch=n, **kw)["total"] <= cap,
+                        start=guess, limit=limit)
+    return {"max_micro_batch": b, "capacity_bytes": cap,
+            "plan": memory_plan(cfg, seq_len=seq_len, micro_batch=max(b, 1), **kw)}

@@ -1,0 +1,164 @@
+"""Data-parallel scaling model: how step time grows with the number of GPUs.
+
+step time(n) = compute time of one rank's step + the exposed part of the gradient all-reduce.
+
+- all-reduce: DDP reduces gradients in buckets of 25 MB (``bucket_cap_mb``; PyTorch DDP docs)
+  with a ring: each bucket of S bytes over n ranks takes 2(n-1)/n · S/B + 2(n-1)·alpha (Patarasuk
+  & Yuan, JPDC 2009; docs/references.md C5), B the per-node network bandwidth, alpha the per-hop
+  latency. In a ring ordered by node every inter-node link carries the full 2(n-1)/n · S, so
+  several GPUs per node share one NIC without changing the bandwidth term; inside one node the
+  intra-node link (NVLink/PCIe) is used instead.
+- overlap: buckets are reduced while backward still runs. A fraction ``overlap`` of the backward
+  time (2/3 of compute: backward = 2 x forward, Kaplan arXiv:2001.08361 eq. 2.2) can hide
+  communication; the last bucket can only start when backward ends, so it is always exposed.
+  exposed = max(last bucket, comm - overlap x backward).
+- gradient accumulation of k micro-batches multiplies compute by k and communicates once.
+- calibration: compute time is a measured single-rank step time (``step_time_1``), or is
+  planned from a model's FLOPs per token at an assumed MFU (``compute_time``).
+
+efficiency(n) = step time(1) / step time(n) (weak scaling, docs/measurement.md).
+The network becomes the limit at the smallest n where communication can no longer be hidden
+(comm > overlap x backward), and efficiency falls after it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+NETWORKS: dict[str, dict[str, Any]] = {
+    "25GbE": {"bandwidth": 25e9 / 8, "latency": 20e-6,
+              "source": "25 Gb/s Ethernet per node, the study's network (docs/references.md A, unconfirmed); "
+                        "latency 20 us per hop is a lab parameter (TCP/RoCE), unconfirmed"},
+    "100GbE": {"bandwidth": 100e9 / 8, "latency": 10e-6, "source": "100 Gb/s Ethernet; latency a lab parameter"},
+    "IB-HDR": {"bandwidth": 200e9 / 8, "latency": 3e-6,
+               "source": "InfiniBand HDR 200 Gb/s per node; latency a lab parameter"},
+    "IB-NDR": {"bandwidth": 400e9 / 8, "latency": 3e-6,
+               "source": "InfiniBand NDR 400 Gb/s per node; latency a lab parameter"},
+}
+"""Per-node network options: bandwidth in bytes/s, per-hop latency alpha in seconds."""
+
+INTRA_NODE = {"bandwidth": 300e9, "latency": 5e-6,
+              "source": "NVLink bridge between the two H100 NVL of a node: 600 GB/s bidirectional "
+                        "(https://www.nvidia.com/en-us/data-center/h100/), 300 GB/s each way"}
+"""The link between GPUs of one node, used while all ranks sit on one node."""
+
+BUCKET_BYTES = 25 * 2**20
+"""DDP's default gradient bucket, ``bucket_cap_mb=25`` (torch.nn.parallel.DistributedDataParallel)."""
+
+
+def ring_allreduce_time(nbytes: float, n: int, *, bandwidth: float, latency: float) -> float:
+    """Seconds for a ring all-reduce of ``nbytes`` over ``n`` ranks: 2(n-1)/n · S/B + 2(n-1)·alpha
+    (Patarasuk & Yuan 2009). 0 for n = 1. Raises ValueError for n < 1 or bandwidth <= 0."""
+    if n < 1:
+        raise ValueError(f"n: must be >= 1, got {n}")
+    if bandwidth <= 0:
+        raise ValueError(f"bandwidth: must be positive, got {bandwidth}")
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+
+
+def bucketed_allreduce(grad_bytes: float, n: int, *, bandwidth: float, latency: float,
+                       bucket_bytes: float = BUCKET_BYTES) -> dict[str, float]:
+    """All-reduce of ``grad_bytes`` in buckets of ``bucket_bytes`` (the last one smaller), each a
+    ring all-reduce. Returns {"buckets", "total_s", "last_bucket_s"}."""
+    full, rest = divmod(grad_bytes, bucket_bytes)
+    sizes = [bucket_bytes] * int(full) + ([rest] if rest else [])
+    times = [ring_allreduce_time(s, n, bandwidth=bandwidth, latency=latency) for s in sizes]
+    return {"buckets": len(sizes), "total_s": sum(times), "last_bucket_s": times[-1] if times else 0.0}
+
+
+def step_time(n_gpus: int, *, compute_s: float, grad_bytes: float, network: str = "25GbE",
+              gpus_per_node: int = 2, overlap: float = 1.0, grad_accum: int = 1,
+              bucket_bytes: float = BUCKET_BYTES, bandwidth: float | None = None,
+              latency: float | None = None) -> dict[str, float]:
+    """Modelled seconds of one optimiser step at ``n_gpus`` data-parallel ranks.
+
+    ``compute_s``: one micro-batch's forward + backward on one GPU (measured at 1 rank, or
+    ``compute_time``). ``grad_bytes``: bytes all-reduced per step (parameters x 4 for fp32
+    gradients, x 2 with a bf16 compression hook). ``network`` names ``NETWORKS`` (``bandwidth``
+    / ``latency`` override it). Returns {"n_gpus", "compute_s", "comm_s", "exposed_s", "step_s",
+    "comm_hidden" (bool: comm <= overlap x backward)}. Raises ValueError naming a bad argument.
+    """
+    if network not in NETWORKS:
+        raise ValueError(f"network: unknown {network!r}; known networks are {sorted(NETWORKS)}")
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap: must be in [0, 1], got {overlap}")
+    if compute_s <= 0 or grad_accum < 1 or gpus_per_node < 1:
+        raise ValueError(f"compute_s/grad_accum/gpus_per_node: must be positive, got {compute_s}/{grad_accum}/{gpus_per_node}")
+    net = NETWORKS[network] if n_gpus > gpus_per_node else INTRA_NODE
+    bw = bandwidth if bandwidth is not None and n_gpus > gpus_per_node else net["bandwidth"]
+    lat = latency if latency is not None and n_gpus > gpus_per_node else net["latency"]
+    comm = bucketed_allreduce(grad_bytes, n_gpus, bandwidth=bw, latency=lat, bucket_bytes=bucket_bytes)
+    compute = compute_s * grad_accum
+    backward = compute_s * 2 / 3  # only the last micro-batch's backward overlaps the all-reduce
+    exposed = 0.0 if n_gpus == 1 else max(comm["last_bucket_s"], comm["total_s"] - overlap * backward)
+    return {"n_gpus": n_gpus, "compute_s": compute, "comm_s": comm["total_s"], "exposed_s": exposed,
+            "step_s": compute + exposed, "comm_hidden": comm["total_s"] <= overlap * backward}
+
+
+def compute_time(flops_per_token: float, *, seq_len: int, micro_batch: int, peak_flops: float,
+                 mfu: float = 0.4) -> float:
+    """Seconds of one micro-batch's forward + backward at a given MFU: tokens x FLOPs/token /
+    (MFU x peak) (PaLM arXiv:2204.02311 appendix B; docs/references.md B plans 30-45 % MFU)."""
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu: must be in (0, 1], got {mfu}")
+    return seq_len * micro_batch * flops_per_token / (mfu * peak_flops)
+
+
+def efficiency_table(*, compute_s: float, grad_bytes: float, tokens_per_step: int,
+                     gpus=(1, 2, 4, 8, 16, 32, 64, 128, 256), **kw):
+    """Predicted weak scaling from 1 to 256 GPUs: polars DataFrame with n_gpus, nodes (n /
+    gpus_per_node, at least 1), compute_s, comm_s, exposed_s, step_s, tokens_per_s (all ranks),
+    ideal_tokens_per_s, efficiency = step_s(1) / step_s(n), comm_hidden. ``kw`` go to
+    ``step_time`` (network, gpus_per_node, overlap, grad_accum, ...)."""
+    import polars as pl
+
+    rows = [step_time(n, compute_s=compute_s, grad_bytes=grad_bytes, **kw) for n in gpus]
+    gpn = kw.get("gpus_per_node", 2)
+    accum = kw.get("grad_accum", 1)
+    t1 = step_time(1, compute_s=compute_s, grad_bytes=grad_bytes, **kw)["step_s"]
+    df = pl.DataFrame(rows).with_columns(
+        nodes=(pl.col("n_gpus") / gpn).ceil().cast(pl.Int64),
+        tokens_per_s=pl.col("n_gpus") * tokens_per_step * accum / pl.col("step_s"),
+        ideal_tokens_per_s=pl.col("n_gpus") * tokens_per_step * accum / t1,
+        efficiency=t1 / pl.col("step_s"))
+    return df.select("n_gpus", "nodes", "compute_s", "comm_s", "exposed_s", "step_s", "tokens_per_s",
+                     "ideal_tokens_per_s", "efficiency", "comm_hidden")
+
+
+def network_limit(table) -> dict[str, Any]:
+    """Where the network becomes the limit in an ``efficiency_table``: the smallest n whose
+    all-reduce can no longer be hidden behind backward ("first_exposed_n", None if never) and the
+    smallest n with efficiency below 0.9 ("below_90pct_n", None if never)."""
+    import polars as pl
+
+    exposed = table.filter(~pl.col("comm_hidden") & (pl.col("n_gpus") > 1))
+    low = table.filter(pl.col("efficiency") < 0.9)
+    return {"first_exposed_n": exposed["n_gpus"].min() if exposed.height else None,
+            "below_90pct_n": low["n_gpus"].min() if low.height else None}
+
+
+def study_scaling(model: str, *, micro_batch: int, seq_len: int = 512, device: str = "H100 NVL",
+                  mfu: float = 0.4, grad_dtype_bytes: int = 4, vocab_size: int | None = None,
+                  step_time_1: float | None = None, **kw):
+    """``efficiency_table`` for a named preset (``labkit.model.MODEL_SIZES``) on ``device``:
+    compute from ``step_time_1`` when measured, else from FLOPs/token at ``mfu``; gradients of
+    all parameters at ``grad_dtype_bytes`` each (4: DDP's fp32 gradients)."""
+    from labkit.model import count_parameters, flops_per_token, model_config
+    from labkit.study.plan import STUDY_VOCAB, device_info
+
+    cfg = model_config(model, vocab_size or STUDY_VOCAB, max_position_embeddings=max(512, seq_len))
+    compute = step_time_1 or compute_time(flops_per_token(cfg, seq_len), seq_len=seq_len, micro_batch=micro_batch,
+                                          peak_flops=device_info(device)["peak_flops"], mfu=mfu)
+    grad_bytes = grad_dtype_bytes * count_parameters(cfg)["total"]
+    return efficiency_table(compute_s=compute, grad_bytes=grad_bytes, tokens_per_step=seq_len * micro_batch, **kw)
+
+
+def calibrate(step_time_1: float) -> float:
+    """The compute time of the model, from a measured single-rank step time (seconds): at one
+    rank there is no all-reduce, so compute = step time. Raises ValueError if not positive."""
+    if not step_time_1 > 0 or math.isnan(step_time_1):
+        raise ValueError(f"step_time_1: must be a positive number of seconds, got {step_time_1}")
+    return step_time_1

@@ -1,0 +1,175 @@
+"""Sweeps over a cluster: throughput vs ranks, the largest micro-batch per model size, loader
+workers, throughput per model size. Each point is one short run (or one measurement) on the
+engines; a sweep's table is Parquet under ``<workdir>/sweeps/`` and points already in it are
+not measured again (``force=True`` measures all)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import polars as pl
+
+from labkit.cluster.launch import train_on_cluster
+from labkit.config import TrainConfig
+from labkit.data.shards import read_index
+from labkit.io import atomic_write
+from labkit.model import count_parameters, flops_per_token, model_config
+from labkit.study import gpu, plan
+from labkit.study.loader_sweep import sweep_loader
+from labkit.workdir import paths
+
+BUSY_LOAD_PER_CPU = 1.0
+"""A sweep point counts as measured on a busy machine when the engine host's 1-minute load
+average, just before the point, was at least this many runnable tasks per usable CPU: other work
+already occupied every core, so the point's throughput is low by an unknown amount."""
+
+
+def machine_load() -> dict:
+    """This host's load: {"load_avg_1m", "load_avg_5m" (os.getloadavg: runnable + waiting tasks,
+    averaged over 1 and 5 minutes), "cpu_count" (CPUs this process may use, sched_getaffinity)}.
+    Runs on an engine in the sweeps (``client[id].apply_sync(machine_load)``)."""
+    import os
+
+    one, five, _ = os.getloadavg()
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return {"load_avg_1m": round(one, 2), "load_avg_5m": round(five, 2), "cpu_count": cpus}
+
+
+def _load_columns(client, engine_id: int) -> dict:
+    """``machine_load`` of an engine's host plus ``busy`` (load_avg_1m >= BUSY_LOAD_PER_CPU x cpu_count)."""
+    load = client[engine_id].apply_sync(machine_load)
+    return load | {"busy": load["load_avg_1m"] >= BUSY_LOAD_PER_CPU * load["cpu_count"]}
+
+
+def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | None = None,
+                staged: dict[str, dict] | None = None, force: bool = False) -> pl.DataFrame:
+    """Weak scaling: the same per-rank micro-batch at 1..N ranks, one short run per point.
+
+    Points already in ``sweeps/ranks.parquet`` are not rerun. Columns: ranks, model,
+    micro_batch_size, global_batch_size, tokens_per_s (all ranks, after timing warm-up),
+    samples_per_s, data_wait_fraction, efficiency = tokens_per_s(n) / (n * tokens_per_s(1)),
+    and the machine's load just before the point (``_load_columns``: load_avg_1m, load_avg_5m,
+    cpu_count, busy). Sweep runs write metrics and result.json, no checkpoint.
+    """
+    out = paths(workdir)["sweeps"] / "ranks.parquet"
+    ranks = ranks or list(range(1, len(client.ids) + 1))
+    rows = [{k: v for k, v in r.items() if k != "efficiency"} for r in _done_rows(out, force)]
+    have = {(r["ranks"], r["model"], r["micro_batch_size"]) for r in rows}
+    for n in ranks:
+        if (n, base.model, base.micro_batch_size) in have:
+            continue
+        cfg = dataclasses.replace(base, run_dir=str(paths(workdir)["runs"] / f"sweep-ranks-{base.model}-{n}"),
+                                  resume=False, checkpoints=False)
+        load = _load_columns(client, client.ids[0])
+        res = train_on_cluster(client, cfg, targets=client.ids[:n], staged=staged)
+        rows.append({"ranks": n, "model": base.model, "micro_batch_size": base.micro_batch_size,
+                     "global_batch_size": res["global_batch_size"], "tokens_per_s": res["tokens_per_s"],
+                     "samples_per_s": res["samples_per_s"], "data_wait_fraction": res["data_wait_fraction"], **load})
+    df = pl.DataFrame(rows).sort("model", "micro_batch_size", "ranks")
+    one = (df.filter(pl.col("ranks") == 1).select("model", "micro_batch_size", pl.col("tokens_per_s").alias("_t1")))
+    df = df.join(one, on=["model", "micro_batch_size"], how="left").with_columns(
+        (pl.col("tokens_per_s") / (pl.col("ranks") * pl.col("_t1"))).alias("efficiency")
+    ).drop("_t1")
+    return _save(df, out)
+
+
+def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: int, budget_bytes: int | None,
+                      workdir: str, force: bool = False) -> pl.DataFrame:
+    """Largest micro-batch per model size, measured on an engine: under a per-rank memory
+    budget (``labkit.study.plan.max_micro_batch``: model state at 16 B/parameter plus the activation
+    bytes autograd saves for backward, counted exactly), or with ``budget_bytes=None`` on the
+    engine's GPU until out of memory (``labkit.study.gpu.max_micro_batch_cuda``; budget_bytes is
+    then the device's memory). Cached in ``sweeps/microbatch.parquet``; measured points are
+    not rerun.
+    """
+    out = paths(workdir)["sweeps"] / "microbatch.parquet"
+    rows = [{"method": "budget", **r} for r in _done_rows(out, force)]  # tables written before the GPU method
+    have = {(r["model"], r["seq_len"], r["budget_bytes"] if r["method"] == "budget" else None) for r in rows}
+    for name in models:
+        if (name, seq_len, budget_bytes) in have:
+            continue
+        mcfg = model_config(name, vocab_size)
+        engine = client[client.ids[0]]
+        if budget_bytes is None:
+            rep = engine.apply_sync(gpu.max_micro_batch_cuda, mcfg, seq_len)
+            rep |= {"state_bytes": plan.model_state_bytes(mcfg), "act_bytes_per_sample": None}
+        else:
+            rep = engine.apply_sync(plan.max_micro_batch, mcfg, seq_len, budget_bytes) | {"budget_bytes": budget_bytes}
+        rows.append({"method": "budget" if budget_bytes else "cuda_oom", "model": name, "params": int(rep["params"]),
+                     "seq_len": seq_len, "budget_bytes": int(rep["budget_bytes"]), "state_bytes": int(rep["state_bytes"]),
+                     "act_bytes_per_sample": rep["act_bytes_per_sample"],
+                     "max_micro_batch": int(rep["max_micro_batch"])})
+    return _save(pl.DataFrame(rows).sort("params"), out)
+
+
+def _save(df: pl.DataFrame, out: Path) -> pl.DataFrame:
+    """Write a sweep table to Parquet atomically (``labkit.io``); returns ``df``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, df.write_parquet)
+    return df
+
+
+def _done_rows(out: Path, force: bool) -> list[dict]:
+    return pl.read_parquet(out).to_dicts() if out.exists() and not force else []
+
+
+def sweep_loader_workers(client, workdir: str, *, batch_size: int, step_time_s: float,
+                         workers: list[int] | tuple[int, ...] = (0, 1, 2), n_batches: int = 30,
+                         staged: dict[str, dict] | None = None, force: bool = False, **kw) -> pl.DataFrame:
+    """Lesson 3: samples/s and data-wait fraction per DataLoader worker count, in front of a
+    consumer taking ``step_time_s`` per batch (a planned GPU step, ``labkit.study.scaling.compute_time``),
+    run on the first engine with ``labkit.study.loader_sweep.sweep_loader`` (the loader helper's
+    sweep) on its node's staged copy when ``staged`` is given. Worker counts already in
+    ``sweeps/loader.parquet`` for the same batch_size and step_time_s are not rerun; ``knee`` is
+    recomputed over the whole table (fewest workers with data-wait fraction below 5 %).
+    """
+    out = paths(workdir)["sweeps"] / "loader.parquet"
+    rows = [{k: v for k, v in r.items() if k != "knee"} for r in _done_rows(out, force)]
+    have = {(r["num_workers"], r["batch_size"], r["step_time_s_planned"]) for r in rows}
+    todo = [w for w in workers if (w, batch_size, step_time_s) not in have]
+    data_dir = str(paths(workdir)["shards"])
+    if staged:
+        data_dir = next(iter(staged.values()))["path"]
+    if todo:
+        table = client[client.ids[0]].apply_sync(sweep_loader, data_dir, batch_size=batch_size,
+                                                 step_time_s=step_time_s, workers=todo, n_batches=n_batches,
+                                                 gpu_index=None, **kw)
+        rows += [r | {"batch_size": batch_size, "step_time_s_planned": step_time_s}
+                 for r in table.drop("knee").to_dicts()]
+    df = pl.DataFrame(rows).sort("batch_size", "step_time_s_planned", "num_workers")
+    knee = (pl.col("data_wait_fraction") < 0.05) & (
+        pl.col("num_workers") == pl.col("num_workers").filter(pl.col("data_wait_fraction") < 0.05).min()
+        .over("batch_size", "step_time_s_planned"))
+    return _save(df.with_columns(knee=knee.fill_null(False)), out)
+
+
+def sweep_model_size(client, base: TrainConfig, workdir: str, *, models: list[str], ranks: int | None = None,
+                     staged: dict[str, dict] | None = None, force: bool = False) -> pl.DataFrame:
+    """Throughput per model size at a fixed number of ranks, one short run per model (lesson 5:
+    larger models fit smaller batches and cost throughput). Models already in
+    ``sweeps/model_size.parquet`` at the same ranks and micro-batch are not rerun. Columns:
+    model, params, non_embedding_params, ranks, micro_batch_size, seq_len, tokens_per_s,
+    samples_per_s, flops_per_token (``labkit.model.flops_per_token``), achieved_flops
+    (tokens_per_s x flops_per_token, all ranks), and the machine's load before the run
+    (load_avg_1m, load_avg_5m, cpu_count, busy; ``_load_columns``). No checkpoints are written."""
+    out = paths(workdir)["sweeps"] / "model_size.parquet"
+    n = ranks or len(client.ids)
+    rows = _done_rows(out, force)
+    have = {(r["model"], r["ranks"], r["micro_batch_size"]) for r in rows}
+    index = read_index(base.data_dir)
+    for name in models:
+        if (name, n, base.micro_batch_size) in have:
+            continue
+        cfg = dataclasses.replace(base, model=name, resume=False, checkpoints=False,
+                                  run_dir=str(paths(workdir)["runs"] / f"sweep-size-{name}-{n}"))
+        load = _load_columns(client, client.ids[0])
+        res = train_on_cluster(client, cfg, targets=client.ids[:n], staged=staged)
+        mcfg = model_config(name, index["vocab_size"], **base.model_overrides)
+        fpt = flops_per_token(mcfg, index["seq_len"])
+        counts = count_parameters(mcfg)
+        rows.append({"model": name, "params": counts["total"], "non_embedding_params": counts["non_embedding"],
+                     "ranks": n, "micro_batch_size": base.micro_batch_size, "seq_len": index["seq_len"],
+                     "tokens_per_s": res["tokens_per_s"], "samples_per_s": res["samples_per_s"],
+                     "flops_per_token": fpt, "achieved_flops": res["tokens_per_s"] * fpt, **load})
+    return _save(pl.DataFrame(rows).sort("params", "ranks"), out)

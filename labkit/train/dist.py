@@ -1,0 +1,287 @@
+"""Distributed plumbing: rank from the environment, process group, DDP wrapping, collectives.
+
+Every rank runs the same code. Rank and world size come from the environment variables
+torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so ``train(cfg)`` runs
+the same way under torchrun, in ipyparallel engines (whose env the cluster layer sets) or in a
+test (pattern: ``karpathy/nanochat: nanochat/common.py`` ``get_dist_info``). Without those
+variables the process is a single rank and no process group is created.
+
+Parallelism is applied from outside the model (as torchtitan does): the model is built
+for one device, then, in this order (torchtitan's ``parallelize.py`` order): activation
+checkpointing (``ModelConfig.activation_checkpointing``, set before the model is built) ->
+data-parallel wrapper (``wrap_model``: DDP, or FSDP2 ``fully_shard`` per layer then the root)
+-> optimiser (``build_optimizer`` in train.py: AdamW, or ZeroRedundancyOptimizer for zero1).
+Strategies (TrainConfig.sharding; memory per ZeRO, arXiv:1910.02054, docs/references.md C4):
+
+- ``ddp``: everything replicated; gradients all-reduced (averaged) once per optimiser step.
+- ``zero1``: DDP for gradients + ``torch.distributed.optim.ZeroRedundancyOptimizer``: each
+  rank keeps the AdamW moments of its partition of the parameters, steps it and broadcasts
+  the updated parameters.
+- ``fsdp``: FSDP2 ``fully_shard``: parameters, gradients and moments sharded (dim 0, DTensor);
+  gathered per layer for forward/backward, gradients reduce-scattered (averaged) every
+  micro-batch so they stay sharded. ``reshard_after_forward=False`` is ZeRO-2-style.
+
+Every collective runs in the default group, whose timeout is ``init_distributed``'s explicit
+``timeout_s``.
+
+Nothing happens at import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+_FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+"""Gather the whole (unsharded) state onto rank 0's CPU; other ranks get an empty dict."""
+
+
+def dist_info() -> tuple[int, int, int]:
+    """``(rank, local_rank, world_size)`` read from RANK, LOCAL_RANK, WORLD_SIZE.
+
+    Absent variables mean a single process: ``(0, 0, 1)``. Raises ``ValueError`` naming the
+    variable when one is not an integer or the values are inconsistent.
+    """
+    values = {}
+    for name, default in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)):
+        raw = os.environ.get(name)
+        try:
+            values[name] = default if raw in (None, "") else int(raw)
+        except ValueError:
+            raise ValueError(f"{name}: expected an integer, got {raw!r}") from None
+    rank, local_rank, world = values["RANK"], values["LOCAL_RANK"], values["WORLD_SIZE"]
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"RANK/WORLD_SIZE: need 0 <= RANK < WORLD_SIZE, got RANK={rank} WORLD_SIZE={world}")
+    if local_rank < 0:
+        raise ValueError(f"LOCAL_RANK: must be >= 0, got {local_rank}")
+    return rank, local_rank, world
+
+
+def is_main() -> bool:
+    """True on global rank 0 (and in a single process)."""
+    return dist_info()[0] == 0
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """``print`` on rank 0 only, flushed."""
+    if is_main():
+        print(*args, **kwargs, flush=True)
+
+
+def resolve_device(device: str, local_rank: int) -> torch.device:
+    """The device of this rank: ``"auto"`` is ``cuda:<local_rank>`` when CUDA is available, else
+    cpu; ``"cuda"`` is ``cuda:<local_rank>`` and raises ``ValueError`` (field ``device``) without
+    CUDA; ``"cpu"`` is cpu."""
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was requested but torch.cuda.is_available() is False")
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(f"LOCAL_RANK: {local_rank} but only {torch.cuda.device_count()} CUDA devices are visible")
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(backend: str, timeout_s: float, device: torch.device) -> bool:
+    """Create the default process group from the environment (``env://``) if this is a
+    multi-rank run; return whether a process group is active.
+
+    backend: ``"auto"`` (nccl on cuda, gloo on cpu), ``"gloo"`` or ``"nccl"``.
+    timeout_s: timeout of setup and of every collective (seconds), passed explicitly because the
+    defaults are 10 min (NCCL) / 30 min (gloo) and a hung engine should surface as an error
+    (docs/references.md section E, "DDP in persistent engines").
+
+    A single process without MASTER_ADDR gets no process group (returns False). WORLD_SIZE > 1
+    requires MASTER_ADDR and MASTER_PORT (``ValueError`` naming the missing one). WORLD_SIZE 1
+    with MASTER_ADDR set creates a group of one (a one-engine cluster run). An already
+    initialised group is reused. On CPU with gloo, set ``GLOO_SOCKET_IFNAME=lo`` and
+    ``MASTER_ADDR=127.0.0.1`` for single-host runs (Debian maps the hostname to 127.0.1.1).
+    """
+    if dist.is_initialized():
+        return True
+    rank, _, world = dist_info()
+    if world == 1 and not os.environ.get("MASTER_ADDR"):
+        return False
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name):
+            raise ValueError(f"{name}: must be set for a distributed run (WORLD_SIZE={world})")
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend: got {backend!r}; allowed values are 'auto', 'gloo', 'nccl'")
+    kwargs: dict[str, Any] = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return True
+
+
+def wrap_model(model: torch.nn.Module, cfg: Any, device: torch.device) -> torch.nn.Module:
+    """Wrap ``model`` (already on ``device``) for data parallelism per ``cfg.sharding`` when a
+    process group is active; return ``model`` unchanged otherwise (one process).
+
+    ddp / zero1: ``DistributedDataParallel`` (``find_unused_parameters=False``; ``device_ids``
+    on CUDA only); zero1's sharding is in the optimiser. fsdp: ``fully_shard`` on each module
+    of ``model.layers`` (one all-gather / reduce-scatter unit per encoder layer), then on the
+    root (embeddings, head), with ``reshard_after_forward=cfg.fsdp_reshard_after_forward``;
+    the module is changed in place and returned. ``cfg`` None means ddp.
+    """
+    if not dist.is_initialized():
+        return model
+    if cfg is not None and cfg.sharding == "fsdp":
+        reshard = cfg.fsdp_reshard_after_forward
+        for layer in getattr(model, "layers", []):
+            fully_shard(layer, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
+        return model
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids, find_unused_parameters=False)
+
+
+def is_fsdp(model: torch.nn.Module) -> bool:
+    """True when ``fully_shard`` was applied to ``model``."""
+    return isinstance(model, FSDPModule)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The single-device module inside a DDP wrapper (``model`` itself otherwise, FSDP too)."""
+    return model.module if isinstance(model, DDP) else model
+
+
+def no_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+    """Context for one micro-batch: DDP's ``no_sync()`` (no gradient all-reduce) unless ``sync``;
+    a null context otherwise. FSDP reduce-scatters every micro-batch on purpose: its gradients
+    then stay sharded (ZeRO-2/3 memory) at the price of one reduce-scatter per micro-batch."""
+    if sync or not isinstance(model, DDP):
+        return contextlib.nullcontext()
+    return model.no_sync()
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Clip the gradients of ``model`` to a global L2 norm of ``max_norm`` (``inf``: measure
+    only) and return the norm before clipping, the same number on every rank.
+
+    ddp / zero1: gradients are already all-reduced, every rank holds all of them. fsdp: each
+    rank holds a DTensor shard; ``clip_grad_norm_`` on DTensors sums the squared shard norms
+    over ranks (DTensor's Partial -> Replicate reduction) and returns a replicated DTensor, read
+    here with ``full_tensor()``; every rank then scales its shard by the same factor;
+    tests/test_dist.py compares fsdp's norms and parameters with DDP's.
+    """
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm.item())
+
+
+def grad_scaler(model: torch.nn.Module, device: torch.device, enabled: bool) -> torch.amp.GradScaler:
+    """The fp16 loss scaler (disabled: a pass-through). Under fsdp each rank sees only its
+    gradient shard, so the overflow flag must be all-reduced before deciding to skip a step:
+    ``ShardedGradScaler`` does that; otherwise every rank holds all gradients."""
+    if is_fsdp(model):
+        return ShardedGradScaler(device.type, enabled=enabled)
+    return torch.amp.GradScaler(device.type, enabled=enabled)
+
+
+def model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective under fsdp (every rank calls). The full, unsharded weights by parameter name:
+    on rank 0 gathered to CPU under fsdp (an empty dict on other ranks); the unwrapped module's
+    ``state_dict()`` otherwise."""
+    if is_fsdp(model):
+        return get_model_state_dict(model, options=_FULL_ON_RANK0)
+    return unwrap(model).state_dict()
+
+
+def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """Collective for zero1 and fsdp (every rank calls). The whole optimiser state on rank 0,
+    None on the others (zero1, fsdp) or each rank's own copy (ddp, identical on all ranks).
+
+    zero1: ``consolidate_state_dict(to=0)`` sends every partition to rank 0, whose
+    ``state_dict()`` then has AdamW's format (state keyed by parameter index). fsdp:
+    ``get_optimizer_state_dict(full_state_dict=True, cpu_offload=True)``: state keyed by
+    parameter name, unsharded.
+    """
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if is_main() else None
+    if is_fsdp(model):
+        state = get_optimizer_state_dict(model, optimizer, options=_FULL_ON_RANK0)
+        return state if is_main() else None
+    return optimizer.state_dict()
+
+
+def load_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                              state: dict[str, Any]) -> None:
+    """Load the whole optimiser state written by ``optimizer_state_dict`` into this rank's
+    optimiser (every rank passes the whole state). zero1: each rank keeps its partition;
+    fsdp: ``set_optimizer_state_dict`` shards it (collective; the optimiser must not have
+    gradients yet)."""
+    if is_fsdp(model):
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(state)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` over all ranks in place and return it (identity without a process group)."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """``[obj of rank 0, obj of rank 1, ...]`` (``[obj]`` without a process group). Pickles; for
+    small state (RNG, sampler position) only."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    """Wait for all ranks (no-op without a process group)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_smoke_test(timeout_s: float = 60.0) -> dict[str, Any]:
+    """Check the process group: each rank all-reduces ``rank + 1``; every rank must get
+    world_size * (world_size + 1) / 2. Initialises the group from the environment if needed
+    (and then destroys it again). Returns {rank, local_rank, world_size, hostname, backend,
+    device, sum, expected, ok} for a table in the notebook (notebooks/00_cluster)."""
+    import socket
+
+    rank, local_rank, world = dist_info()
+    device = resolve_device("auto", local_rank)
+    owns = not dist.is_initialized()
+    init_distributed("auto", timeout_s, device)
+    try:
+        total = all_reduce_sum(torch.tensor([rank + 1], dtype=torch.int64, device=device)).item()
+        backend = dist.get_backend() if dist.is_initialized() else None
+    finally:
+        if owns:
+            teardown()
+    expected = world * (world + 1) // 2
+    return {"rank": rank, "local_rank": local_rank, "world_size": world, "hostname": socket.gethostname(),
+            "backend": backend, "device": str(device), "sum": int(total), "expected": expected,
+            "ok": int(total) == expected}
+
+
+def teardown() -> None:
+    """Destroy the default process group if one exists. A new group afterwards needs a fresh
+    MASTER_PORT (re-initialisation on the same store can hang; pytorch#55967)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,321 @@
+"""MLM pretraining: ``train(cfg)`` runs one run in this process, as one rank of many or alone.
+
+The optimiser step reads top to bottom in ``train`` (as nanoGPT's main loop does); the
+micro-batch part (count, forwards, backwards) is ``forward_backward`` so the 2-rank
+gradient test exercises exactly the code ``train`` runs.
+
+Loss normalisation (``pytorch/torchtitan: torchtitan/trainer.py``):
+the number of masked tokens over every micro-batch of the step on every rank is all-reduced
+once, before the forwards; each micro-batch's loss is ``loss_sum * world_size / n_masked_global``
+so that DDP's gradient average over ranks gives the gradient of (sum of CE over all masked
+tokens of the global batch) / (their count), the same as one process on the whole batch.
+
+Run directory (rank 0 writes): config.json, metrics.jsonl (one record per log step, appended
+and flushed), checkpoints/step-N/ (model.safetensors + state.pt), result.json (atomic).
+state.pt = {format, step, epoch, tokens, lr, optimizer, scaler, world_size, sharding, ranks:
+[{rng: {torch, cuda?, numpy, python}, sampler: {epoch, position}} per rank]}, all tensors,
+numbers and lists so ``torch.load(weights_only=True)`` reads it. Weights and optimiser state
+are whole (unsharded) under every sharding: zero1 consolidates the moments on rank 0, fsdp
+gathers parameters and moments (keyed by name) to rank 0. The LR is a pure function of the
+step (``lr_at``), so the step is the whole scheduler state. Resume needs the same world size
+and sharding (sharding "none" in a single process).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import random
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from labkit import measure
+from labkit.config import TrainConfig, to_dict
+from labkit.data.mlm import make_loader
+from labkit.data.shards import read_index
+from labkit.io import atomic_write_json, atomic_write_text
+from labkit.model import BertMLM, count_parameters, flops_per_token, model_config
+from labkit.train import dist
+from labkit.train.checkpoint import _rng_state, _set_rng_state, checkpoint_steps, load_checkpoint, save_checkpoint
+from labkit.train.optim import build_optimizer, lr_at
+
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def forward_backward(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]], *,
+                     world_size: int, precision: str = "fp32",
+                     scaler: torch.amp.GradScaler | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Accumulate the gradients of one optimiser step over ``micro_batches`` (this rank's).
+
+    Each batch holds input_ids int64[B,T], labels int64[B,T] (-100 = not masked) and
+    attention_mask bool[B,T], on the model's device. The masked and real-token counts of all
+    micro-batches on all ranks are all-reduced once before the forwards; gradient all-reduce
+    (DDP) happens on the last micro-batch only (``no_sync`` on the others). Returns
+    ``(loss_sum, n_masked_global, n_tokens_global)``: this rank's summed CE (fp32, detached),
+    the global masked count and the global real-token count (int64).
+    """
+    counts = torch.stack([torch.stack([(b["labels"] != -100).sum(), b["attention_mask"].sum()])
+                          for b in micro_batches]).sum(0).to(torch.int64)
+    dist.all_reduce_sum(counts)
+    n_masked_global, n_tokens_global = counts[0], counts[1]
+    dtype = AUTOCAST_DTYPES[precision]
+    device_type = micro_batches[0]["input_ids"].device.type
+    loss_sum = torch.zeros((), dtype=torch.float32, device=counts.device)
+    for i, batch in enumerate(micro_batches):
+        with dist.no_sync(model, sync=i == len(micro_batches) - 1):
+            with torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                out = model(batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+            loss = out.loss_sum.float() * world_size / n_masked_global.clamp(min=1)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        loss_sum += out.loss_sum.detach().float()
+    return loss_sum, n_masked_global, n_tokens_global
+
+
+# ------------------------------------------------------------------------------------------
+# Checkpoints and run files
+# ------------------------------------------------------------------------------------------
+
+
+def _iterate(loader: torch.utils.data.DataLoader) -> Any:
+    """``iter(loader)`` without touching torch's global RNG: a new DataLoader iterator draws a
+    worker base seed from it, persistent workers do not, so the dropout stream would depend on
+    num_workers and on where a resumed run restarted it."""
+    with torch.random.fork_rng(devices=[]):
+        return iter(loader)
+
+
+def _tokenizer_sha256(path: str | None) -> str | None:
+    """sha256 of the tokenizer file the run expects (None: no check); FileNotFoundError names it."""
+    if path is None:
+        return None
+    from labkit.data.tokenize import tokenizer_sha256
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"tokenizer_path: {path} does not exist")
+    return tokenizer_sha256(path)
+
+
+def _find_sampler(loader: torch.utils.data.DataLoader) -> Any:
+    """The RankSampler inside ``loader`` (as sampler, batch sampler or the batch sampler's sampler)."""
+    for cand in (loader.sampler, loader.batch_sampler, getattr(loader.batch_sampler, "sampler", None)):
+        if hasattr(cand, "set_epoch") and hasattr(cand, "state_dict"):
+            return cand
+    raise TypeError("make_loader returned a DataLoader without a RankSampler (set_epoch/state_dict)")
+
+
+
+
+# ------------------------------------------------------------------------------------------
+# The run
+# ------------------------------------------------------------------------------------------
+
+
+def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> dict[str, Any]:
+    """Run MLM pretraining per ``cfg`` as this process's rank (RANK/WORLD_SIZE/LOCAL_RANK/
+    MASTER_ADDR/MASTER_PORT from the environment; absent = one process, no process group).
+
+    Returns the result dict (also rank 0's result.json): initial_loss, final_loss, tokens_per_s
+    and samples_per_s (time-weighted over this invocation's steps after timing_warmup_steps),
+    data_wait_fraction, mfu, world_size, global_batch_size, steps, params, ... ``sink(record)``
+    is called on rank 0 with each metrics record. Resumes from the newest checkpoint when
+    ``cfg.resume``. Raises ``FloatingPointError`` on a non-finite loss when on_nonfinite="raise",
+    ``ValueError`` naming the field for inconsistent settings; shard errors come from
+    ``labkit.data.shards``. A process group this call creates is destroyed before it returns.
+    """
+    t_start = time.time()
+    rank, local_rank, world = dist.dist_info()
+    device = dist.resolve_device(cfg.device, local_rank)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    owns_group = not torch.distributed.is_initialized()
+    dist.init_distributed(cfg.backend, cfg.timeout_s, device)
+    try:
+        return _run(cfg, sink, rank, world, device, t_start)
+    finally:
+        if owns_group:
+            dist.teardown()
+
+
+def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world: int,
+         device: torch.device, t_start: float) -> dict[str, Any]:
+    run_dir = pathlib.Path(cfg.run_dir)
+    index = read_index(cfg.data_dir)
+    seq_len, vocab_size = int(index["seq_len"]), int(index["vocab_size"])
+    overrides = {**cfg.model_overrides, **({"activation_checkpointing": True} if cfg.activation_checkpointing else {})}
+    mcfg = model_config(cfg.model, vocab_size, **overrides)
+    if seq_len > mcfg.max_position_embeddings:
+        raise ValueError(f"model_overrides: shards in {cfg.data_dir} have seq_len {seq_len} > "
+                         f"max_position_embeddings {mcfg.max_position_embeddings}")
+    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * world
+    torch.manual_seed(cfg.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
+    model = BertMLM(mcfg)
+    params = count_parameters(model)
+    fpt = flops_per_token(mcfg, seq_len)
+    torch.manual_seed(cfg.seed + 1 + rank)  # dropout streams differ per rank
+    random.seed(cfg.seed + 1 + rank)
+    np.random.seed(cfg.seed + 1 + rank)
+
+    resume_step = (checkpoint_steps(run_dir) or [0])[-1] if cfg.resume else 0
+    state = load_checkpoint(run_dir / "checkpoints" / f"step-{resume_step}", model) if resume_step else None
+    model = dist.wrap_model(model.to(device), cfg, device)  # DDP, or FSDP2 fully_shard (in place)
+    optimizer = build_optimizer(model, cfg)  # AdamW, or ZeroRedundancyOptimizer (zero1)
+    scaler = dist.grad_scaler(model, device, enabled=cfg.precision == "fp16")
+    sharding = cfg.sharding if torch.distributed.is_initialized() else "none"  # one process: nothing to shard
+    loader = make_loader(cfg.data_dir, batch_size=cfg.micro_batch_size, rank=rank, world_size=world,
+                         seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=mcfg.vocab_size,
+                         num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
+                         seq_len=cfg.seq_len, tokenizer_sha256=_tokenizer_sha256(cfg.tokenizer_path),
+                         verify=cfg.verify_data)  # refuses mismatched shards before any step
+    sampler = _find_sampler(loader)
+    step, epoch, position, tokens_seen = 0, 0, 0, 0  # position: batches of this epoch consumed
+    if state is not None:
+        if len(state["ranks"]) != world:
+            raise ValueError(f"resume: checkpoint step-{resume_step} in {run_dir} was written by "
+                             f"{len(state['ranks'])} ranks; this run has {world} (set resume=False)")
+        if state.get("sharding", sharding) != sharding:
+            raise ValueError(f"sharding: checkpoint step-{resume_step} in {run_dir} was written with "
+                             f"{state.get('sharding')!r}, this run uses {sharding!r} (set resume=False)")
+        dist.load_optimizer_state_dict(model, optimizer, state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        step, epoch, tokens_seen = state["step"], state["epoch"], state["tokens"]
+        mine = state["ranks"][rank]
+        position = mine["sampler"]["position"]
+        sampler.set_epoch(epoch)
+        sampler.load_state_dict(mine["sampler"])
+    else:
+        sampler.set_epoch(epoch)
+
+    metrics_path = run_dir / "metrics.jsonl"
+    if dist.is_main():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(run_dir / "config.json", to_dict(cfg))
+        old = metrics_path.read_text().splitlines() if state is not None and metrics_path.exists() else []
+        kept = [line for line in old if line.strip() and json.loads(line)["step"] <= step]
+        # drop records logged after the checkpoint we resume from
+        atomic_write_text(metrics_path, "".join(line + "\n" for line in kept))
+    metrics_file = metrics_path if dist.is_main() else None  # appended to per record: no handle to leak
+    batches_iter = _iterate(loader)
+    if state is not None:
+        _set_rng_state(state["ranks"][rank]["rng"])  # last, so nothing above consumes randomness
+
+    stop = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
+    peak = measure.peak_flops(device, cfg.precision)
+    timer = measure.StepTimer(device)
+    timings: list[tuple[int, int, float, float]] = []  # (tokens, samples, step time, wait) per step
+    last_record: dict[str, Any] = {}
+    skipped = 0
+    measure.reset_peak_memory(device)
+    model.train()
+    while step < stop:
+        timer.start()
+        # 1. fetch this rank's micro-batches, timing the wait
+        micro_batches, wait = [], 0.0
+        for _ in range(cfg.grad_accum_steps):
+            t0 = time.perf_counter()
+            try:
+                batch = next(batches_iter)
+            except StopIteration:  # epoch over: reshuffle and start again
+                epoch, position = epoch + 1, 0
+                sampler.set_epoch(epoch)
+                batches_iter = _iterate(loader)
+                batch = next(batches_iter, None)
+                if batch is None:
+                    raise ValueError(f"data_dir: {cfg.data_dir} holds too few sequences for "
+                                     f"micro_batch_size {cfg.micro_batch_size} x {world} ranks") from None
+            position += 1
+            micro_batches.append({k: v.to(device, non_blocking=True) for k, v in batch.items()})
+            wait += time.perf_counter() - t0
+        # 2. set the learning rate (the schedule is a pure function of the step), count masked
+        #    tokens globally, then forward/backward every micro-batch
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum, n_masked, n_tokens = forward_backward(model, micro_batches, world_size=world,
+                                                        precision=cfg.precision, scaler=scaler)
+        summed = dist.all_reduce_sum(torch.stack([loss_sum.double(), torch.tensor(wait, dtype=torch.float64,
+                                                                                    device=loss_sum.device)]))
+        loss = summed[0].item() / max(1, n_masked.item())
+        wait_mean = summed[1].item() / world
+        # 3. unscale (fp16), clip the global grad norm, step; a non-finite loss (or, fp32/bf16,
+        #    grad norm) skips the step or raises. fp16 overflow in the grads alone is the
+        #    scaler's business: it skips that step and lowers the scale.
+        fp16 = cfg.precision == "fp16"
+        finite = math.isfinite(loss)
+        grad_norm = float("nan")
+        if finite or fp16:
+            scaler.unscale_(optimizer)
+            grad_norm = dist.clip_grad_norm(model, cfg.grad_clip or float("inf"))  # global norm, any sharding
+            finite = finite and (fp16 or math.isfinite(grad_norm))
+        if not finite and cfg.on_nonfinite == "raise":
+            raise FloatingPointError(f"step {step + 1}: non-finite loss {loss} / grad norm {grad_norm} "
+                                     "(on_nonfinite='raise')")
+        if finite or fp16:
+            scale = scaler.get_scale() if fp16 else 1.0
+            scaler.step(optimizer)  # fp16: skipped when the grads hold inf/nan
+            scaler.update()
+            finite = finite and not (fp16 and scaler.get_scale() < scale)
+        skipped += not finite
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        step_time = timer.stop()
+        # 4. measure and record
+        n_tokens_i = int(n_tokens.item())
+        tokens_seen += n_tokens_i
+        timings.append((n_tokens_i, global_batch, step_time, wait_mean))
+        if step % cfg.log_every == 0 or step == stop:
+            tps = measure.tokens_per_s(n_tokens_i, step_time)
+            record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
+                      "step_tokens": n_tokens_i, "n_masked": int(n_masked.item()), "tokens_per_s": tps,
+                      "samples_per_s": measure.samples_per_s(global_batch, step_time),
+                      "step_time_s": step_time, "data_wait_s": wait_mean,
+                      "data_wait_fraction": measure.data_wait_fraction(wait_mean, step_time),
+                      "mfu": measure.mfu(tps, fpt, world, peak),
+                      "peak_mem_bytes": measure.peak_memory_bytes(device), "world_size": world,
+                      "global_batch_size": global_batch, "epoch": epoch, "skipped": not finite,
+                      "time": time.time()}
+            measure.reset_peak_memory(device)
+            last_record = record
+            if metrics_file is not None:
+                with open(metrics_file, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                if sink is not None:
+                    sink(record)
+        if cfg.checkpoints and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == stop):
+            save_checkpoint(run_dir, step, model,
+                            {"format": 1, "step": step, "epoch": epoch, "tokens": tokens_seen,
+                             "optimizer": dist.optimizer_state_dict(model, optimizer),  # collective
+                             "lr": lr_at(step, cfg), "scaler": scaler.state_dict(), "world_size": world,
+                             "sharding": sharding},
+                            # the batches consumed, in RankSampler's state format (labkit/data/mlm.py):
+                            # with workers the sampler itself runs ahead of the trainer
+                            {"rng": _rng_state(), "sampler": {**sampler.state_dict(), "epoch": epoch,
+                                                              "position": position}},
+                            keep=cfg.keep_checkpoints)
+
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()] \
+        if dist.is_main() and metrics_path.exists() else [last_record]
+    timed = timings[cfg.timing_warmup_steps:] or timings  # too short a run: time every step
+    tok, samples, seconds, wait_s = (sum(t[i] for t in timed) for i in range(4))
+    tps = measure.tokens_per_s(tok, seconds) if timed else None
+    result = {"initial_loss": records[0].get("loss") if records else None,
+              "final_loss": records[-1].get("loss") if records else None,
+              "tokens_per_s": tps,
+              "samples_per_s": measure.samples_per_s(samples, seconds) if timed else None,
+              "data_wait_fraction": measure.data_wait_fraction(wait_s, seconds) if timed else None,
+              "mfu": measure.mfu(tps, fpt, world, peak) if tps else None,
+              "world_size": world, "global_batch_size": global_batch, "steps": step,
+              "max_steps": cfg.max_steps, "params": params["total"],
+              "non_embedding_params": params["non_embedding"], "flops_per_token": fpt, "tokens": tokens_seen,
+              "peak_mem_bytes": max((r.get("peak_mem_bytes") or 0) for r in records) if records else None,
+              "resumed_from_step": resume_step or None, "skipped_steps": skipped, "model": cfg.model,
+              "model_config": to_dict(mcfg), "seq_len": seq_len, "vocab_size": vocab_size,
+              "device": str(device), "precision": cfg.precision, "sharding": sharding,
+              "activation_checkpointing": mcfg.activation_checkpointing, "wall_s": time.time() - t_start}
+    if dist.is_main():
+        atomic_write_json(run_dir / "result.json", result)
+    return result

@@ -1,0 +1,236 @@
+"""Tests of labkit/study/plan.py: measured activation bytes, the micro-batch search, the planner."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from labkit.model import BertMLM, model_config
+from labkit.study import gpu, parallel, plan
+from labkit.study.plan import activation_bytes, max_micro_batch, model_state_bytes
+
+SEQ = 32
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _cfg(**kw):
+    return model_config("tiny", 128, **kw)
+
+
+def test_activation_bytes_grow_linearly_with_micro_batch():
+    sizes = [activation_bytes(_cfg(), SEQ, b) for b in (1, 2, 3, 4, 6)]
+    per_sample = sizes[2] - sizes[1]
+    assert per_sample > 0
+    assert sizes[3] - sizes[2] == per_sample and sizes[4] - sizes[3] == 2 * per_sample, sizes  # exact
+    # b = 1 sits off the line (measured: 32 KiB above it here), by well under a sample
+    assert abs(sizes[0] - (sizes[1] - per_sample)) <= 0.1 * per_sample, sizes
+    # dropout masks are saved for backward: turning dropout off saves less
+    assert activation_bytes(_cfg(hidden_dropout=0.0, attention_dropout=0.0), SEQ, 2) < sizes[1]
+    # longer sequences save more per sample
+    assert activation_bytes(_cfg(), 2 * SEQ, 1) > sizes[0]
+
+
+def test_activation_checkpointing_saves_less():
+    full = activation_bytes(_cfg(), SEQ, 2)
+    ckpt = activation_bytes(_cfg(activation_checkpointing=True), SEQ, 2)
+    assert ckpt < full / 2
+
+
+def test_model_state_is_16_bytes_per_unique_parameter():
+    model = BertMLM(_cfg())
+    unique = {id(p): p.numel() for p in model.parameters()}
+    assert model_state_bytes(_cfg()) == 16 * sum(unique.values())
+
+
+def test_max_micro_batch_respects_the_budget():
+    cfg = _cfg()
+    state = model_state_bytes(cfg)
+    a3, a4 = activation_bytes(cfg, SEQ, 3), activation_bytes(cfg, SEQ, 4)
+    budget = state + (a3 + a4) // 2
+    rep = max_micro_batch(cfg, SEQ, budget, name="tiny")
+    assert rep["max_micro_batch"] == 3
+    assert rep["state_bytes"] + activation_bytes(cfg, SEQ, 3) <= budget < state + activation_bytes(cfg, SEQ, 4)
+    assert rep["act_bytes"] == a3 and rep["model"] == "tiny" and rep["seq_len"] == SEQ
+    assert rep["act_bytes_per_sample"] == a4 - a3
+    assert set(rep) >= {"model", "params", "seq_len", "budget_bytes", "state_bytes",
+                        "act_bytes_per_sample", "max_micro_batch"}
+    # exactly at the boundary b = 4 fits; one byte less it does not
+    assert max_micro_batch(cfg, SEQ, state + a4)["max_micro_batch"] == 4
+    assert max_micro_batch(cfg, SEQ, state + a4 - 1)["max_micro_batch"] == 3
+    # not even one sequence fits
+    assert max_micro_batch(cfg, SEQ, state + activation_bytes(cfg, SEQ, 1) - 1)["max_micro_batch"] == 0
+    with pytest.raises(ValueError, match="budget_bytes"):
+        max_micro_batch(cfg, SEQ, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the analytic planner
+# ---------------------------------------------------------------------------------------------
+
+
+def test_planner_terms_against_hand_computed_values():
+    # tiny: L 2, h 64, a 2, f 256, V 1024; s 32, b 2; bf16 autocast on CUDA, fused attention,
+    # dense head (every layer full, head at all s b = 64 positions)
+    dense = model_config("tiny", 1024, sparse_head=False)
+    t = plan.activation_terms(dense, 32, 2, precision="bf16", attention="flash", device="cuda")
+    sbh = 32 * 2 * 64  # 4096
+    # per layer: (6 d + 2 g + 2 m) sbh + 2 d sbf + 16 sb with d 2, g 4, m 1 = 22 sbh + 4 * 32*2*256 + 16*64
+    assert t["layers"] == 2 * (22 * 4096 + 65536 + 1024) == 313344
+    assert t["attention_scores"] == 2 * 4 * 2 * 32 * 2 == 1024  # log-sum-exp, fp32, a s b per layer
+    assert t["embedding"] == 8 * 64 + 8 * 32 + 5 * sbh + 8 * 64 == 21760
+    # dense input, GELU in/out, decoder input 4 d nh; log-softmax 4 nV; norm stats + targets 16 n; total weight 4
+    assert t["head"] == 4 * 2 * 64 * 64 + 4 * 64 * 1024 + 16 * 64 + 4 == 295940
+    # Korthikanti et al. (arXiv:2205.05198 eq. 2): 34 sbh + 5 a s^2 b per layer in 16-bit with
+    # 1-byte masks; this model adds fp32 LayerNorm inputs under autocast (+4 sbh) and norm stats
+    eager = plan.activation_terms(dense, 32, 2, precision="bf16", attention="eager", device="cuda")
+    korthikanti = 34 * sbh + 5 * 2 * 32 * 32 * 2
+    assert eager["layers"] + eager["attention_scores"] == 2 * (korthikanti + 4 * sbh + 16 * 64)
+    # sparse head (the default): round(0.15 * 32) = 5 masked positions per sequence -> q = 10 rows
+    cfg = model_config("tiny", 1024)
+    sp = plan.activation_terms(cfg, 32, 2, precision="bf16", attention="flash", device="cuda")
+    full = 22 * 4096 + 65536  # layer 0 as above, without its norm statistics
+    # last layer: input + fused QKV 4 d sbh; (2 d + 2 g + 2 m) qh + 2 d qf; gathered Q + SDPA output 2 d qh
+    last = 8 * sbh + 14 * 10 * 64 + 4 * 10 * 256 + 4 * 10 * 64
+    assert sp["layers"] == full + last + 16 * 64 + 16 * 10 + 8 * 64 == 211872  # + stats, gather index
+    assert sp["attention_scores"] == 4 * 2 * 32 * 2 + 4 * 2 * 10 == 592
+    assert sp["head"] == 4 * 2 * 10 * 64 + 4 * 10 * 1024 + 16 * 10 + 4 + 10 == 46254  # + valid mask
+    assert sp["logits"] == 2 * 10 * 1024 == 20480
+    # full recompute keeps the layer input only (fp32 residual stream), and the gather index
+    ckpt = plan.activation_terms(model_config("tiny", 1024, activation_checkpointing=True), 32, 2)
+    assert ckpt["layers"] == 2 * 4 * sbh + 8 * 64 and ckpt["attention_scores"] == 0
+    # tensor + sequence parallel divides the layer terms (not the statistics and indices)
+    assert plan.activation_terms(dense, 32, 2, tp=2)["layers"] == 2 * (22 * 4096 + 65536) // 2 + 2 * 1024
+    with pytest.raises(ValueError, match="precision"):
+        plan.activation_terms(cfg, 32, 2, precision="int8")
+
+
+@pytest.mark.parametrize("kw", [{}, {"sparse_head": False}, {"activation_checkpointing": True},
+                                {"hidden_dropout": 0.0, "attention_dropout": 0.0}])
+def test_planner_matches_saved_tensor_count_on_cpu(kw):
+    cfg = _cfg(**kw)
+    for seq, b in ((32, 1), (32, 2), (64, 3)):
+        measured = activation_bytes(cfg, seq, b)
+        # CPU's SDPA keeps the s x s scores (math path) only when attention dropout is on
+        attention = "eager" if cfg.attention_dropout > 0 else "flash"
+        planned = plan.saved_activation_bytes(cfg, seq, b, precision="fp32", attention=attention, device="cpu")
+        # b = 1 takes other CPU kernel paths (the math path saves the fused QKV storage; the
+        # planner models it, exact when measured), but is held to 5 %; b >= 2 to 0.5 %
+        assert planned == pytest.approx(measured, rel=0.05 if b == 1 else 0.005), (kw, seq, b)
+
+
+def test_zero_stages_match_the_paper_example():
+    # ZeRO (arXiv:1910.02054) figure 1: 7.5B parameters, N_d = 64, mixed-precision Adam (K = 12)
+    gb = [plan.zero_state_bytes(7.5e9, zero_stage=z, dp=64, layout=(2, 2, 12))["total"] / 1e9 for z in range(4)]
+    assert gb == pytest.approx([120, 31.4, 16.6, 1.9], abs=0.05)
+    s2 = plan.zero_state_bytes(1e9, zero_stage=2, dp=8)
+    assert (s2["params"], s2["grads"], s2["optimizer"]) == (4e9, 4e9 / 8, 8e9 / 8)
+    with pytest.raises(ValueError, match="zero_stage"):
+        plan.zero_state_bytes(1e9, zero_stage=4)
+
+
+def test_memory_plan_adds_up_and_matches_state_bytes():
+    cfg = model_config("bert-120m", 30522)
+    p = plan.memory_plan(cfg, seq_len=128, micro_batch=8, precision="fp32", attention="eager")
+    terms = ("params", "grads", "optimizer", "autocast_copies", "activations", "logits", "head_backward")
+    assert p["total"] == sum(p[k] for k in terms)
+    assert p["params"] + p["grads"] + p["optimizer"] == model_state_bytes(cfg)
+    assert p["autocast_copies"] == 0 and p["bubble"] == 0
+    assert plan.memory_plan(cfg, seq_len=128, micro_batch=8)["autocast_copies"] == 2 * plan.count_parameters(cfg)["total"]
+    # checkpointing: the layer inputs plus one layer's full activations during its recompute
+    ck = model_config("bert-120m", 30522, activation_checkpointing=True)
+    t_ck, t_full = plan.activation_terms(ck, 128, 8), plan.activation_terms(cfg, 128, 8)
+    got = plan.memory_plan(ck, seq_len=128, micro_batch=8)["activations"]
+    want = t_ck["layers"] + (t_full["layers"] + t_full["attention_scores"]) / 12 + t_ck["embedding"] + t_ck["head"]
+    assert got == int(want)
+
+
+def test_pipeline_bubble_and_first_fitting_split():
+    assert plan.pipeline_bubble(1, 8) == 0
+    assert plan.pipeline_bubble(4, 8) == pytest.approx(3 / 11)
+    assert plan.pipeline_bubble(8, 1) == pytest.approx(7 / 8)
+    # 48 layers of width 6144 (~22B parameters): 350 GB of model state, more than any one GPU
+    big = model_config("bert-1.3b", 45000, hidden_size=6144, num_heads=48, num_layers=48, intermediate_size=None)
+    plans = parallel.parallel_plans(big, n_gpus=16, seq_len=512, micro_batch=4, device="H100 NVL")
+    ddp = plans.filter((plans["tp"] == 1) & (plans["pp"] == 1) & (plans["zero_stage"] == 0)).row(0, named=True)
+    assert not ddp["fits"]
+    fit = parallel.first_fit(plans)
+    assert fit is not None and fit["fits"] and fit["tp"] <= 2
+    before = plans.head(plans.with_row_index().filter(
+        (plans["dp"] == fit["dp"]) & (plans["tp"] == fit["tp"]) & (plans["pp"] == fit["pp"])
+        & (plans["zero_stage"] == fit["zero_stage"]))["index"][0])
+    assert not before.filter(before["tp_within_node"])["fits"].any()  # nothing earlier fits
+
+
+def test_study_table_lists_reported_micro_batches():
+    t = parallel.study_table(seq_lens=(512,), precisions=("bf16",))
+    assert set(t["study"].to_list()) == {184, 20}
+    assert t.height == 2 * 2 * 2
+    assert (t["planned"] > 0).all()
+    info = plan.device_info("H100 NVL")
+    assert info["memory_bytes"] == 94e9 and info["peak_flops"] == 835.5e12
+    with pytest.raises(ValueError, match="device"):
+        plan.device_info("V100")
+
+
+@pytest.mark.gpu
+def test_gpu_memory_check():
+    rows = gpu.gpu_memory_check()
+    assert all(r["ok"] for r in rows), rows
+
+
+@pytest.mark.gpu
+def test_activation_bytes_match_cuda_allocations():
+    """Reference: bytes the CUDA allocator holds after a training forward, minus the weights."""
+    cfg = model_config("mini", 1024)
+    torch.manual_seed(0)
+    model = BertMLM(cfg).cuda().train()
+    ids = torch.randint(5, cfg.vocab_size, (8, 128), device="cuda")
+    labels = torch.full_like(ids, -100)
+    labels[:, 1:20] = ids[:, 1:20]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = model(ids, attention_mask=torch.ones_like(ids, dtype=torch.bool), labels=labels)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before - ids.numel() * 8
+    measured = activation_bytes(cfg, 128, 8, mlm_probability=19 / 128)
+    assert out.loss_sum is not None
+    assert measured == pytest.approx(held, rel=0.05)
+
+
+def _recorded(fits):
+    tried: list[int] = []
+
+    def wrapped(b: int) -> bool:
+        tried.append(b)
+        return fits(b)
+    return wrapped, tried
+
+
+@pytest.mark.parametrize("limit", [1, 7, 64, 1000])
+@pytest.mark.parametrize("start", [1, 5, 2000])
+def test_largest_fitting_finds_every_threshold(limit, start):
+    for threshold in range(0, 130):
+        fits, tried = _recorded(lambda b: b <= threshold)
+        got = plan.largest_fitting(fits, limit=limit, start=start)
+        assert got == min(threshold, limit), (threshold, limit, start)
+        assert len(tried) == len(set(tried))  # never retries a size
+        assert len(tried) <= 2 * math.ceil(math.log2(limit + 1)) + 3
+
+
+def test_largest_fitting_tries_doubling_then_bisection():
+    fits, tried = _recorded(lambda b: b <= 37)
+    assert plan.largest_fitting(fits, limit=4096) == 37
+    assert tried == [1, 2, 4, 8, 16, 32, 64, 48, 40, 36, 38, 37]
+    fits, tried = _recorded(lambda b: b <= 37)  # an exact guess costs two tries
+    assert plan.largest_fitting(fits, limit=4096, start=37) == 37 and tried == [37, 38]
+    with pytest.raises(ValueError, match="limit"):
+        plan.largest_fitting(lambda b: True, limit=0)

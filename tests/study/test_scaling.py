@@ -1,0 +1,109 @@
+"""labkit/scaling.py: the ring all-reduce model against a simulated ring and its closed form,
+bucketing, overlap and the efficiency table."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from labkit.study import scaling
+
+
+def _simulate_ring(chunks_per_rank: list[np.ndarray]) -> tuple[list[np.ndarray], int, int]:
+    """Ring all-reduce done for real on n simulated ranks: reduce-scatter then all-gather, each
+    of n - 1 steps sending one chunk (S/n elements) to the next rank. Returns the per-rank
+    results, the steps taken and the elements each rank sent."""
+    n = len(chunks_per_rank)
+    data = [np.array_split(x.astype(np.float64), n) for x in chunks_per_rank]
+    steps = sent = 0
+    for k in range(n - 1):  # reduce-scatter: rank r sends chunk (r - k) mod n
+        msgs = [(r, (r - k) % n, data[r][(r - k) % n].copy()) for r in range(n)]
+        for r, c, payload in msgs:
+            data[(r + 1) % n][c] += payload
+        steps += 1
+        sent += msgs[0][2].size
+    for k in range(n - 1):  # all-gather: rank r sends its finished chunk (r + 1 - k) mod n
+        msgs = [(r, (r + 1 - k) % n, data[r][(r + 1 - k) % n].copy()) for r in range(n)]
+        for r, c, payload in msgs:
+            data[(r + 1) % n][c] = payload
+        steps += 1
+        sent += msgs[0][2].size
+    return [np.concatenate(d) for d in data], steps, sent
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_ring_allreduce_model_equals_a_simulated_ring(n):
+    rng = np.random.default_rng(n)
+    size = 8 * n * 5  # elements, divisible by n
+    xs = [rng.normal(size=size) for _ in range(n)]
+    out, steps, sent = _simulate_ring(xs)
+    for o in out:
+        np.testing.assert_allclose(o, np.sum(xs, axis=0))
+    assert steps == 2 * (n - 1) and sent == 2 * (n - 1) * size // n
+    nbytes, bw, alpha = size * 4, 1e9, 5e-6  # fp32 elements
+    simulated = steps * alpha + sent * 4 / bw  # each step: one hop latency + its bytes on the link
+    assert scaling.ring_allreduce_time(nbytes, n, bandwidth=bw, latency=alpha) == pytest.approx(simulated, rel=1e-12)
+
+
+def test_ring_closed_form_and_bucketing():
+    # 2 (n-1)/n * S / B + 2 (n-1) alpha at n 4, S 100 MB, B 1 GB/s, alpha 10 us
+    assert scaling.ring_allreduce_time(100e6, 4, bandwidth=1e9, latency=1e-5) == pytest.approx(0.15 + 6e-5)
+    assert scaling.ring_allreduce_time(1e9, 1, bandwidth=1e9, latency=1.0) == 0.0
+    mib = 2**20
+    b = scaling.bucketed_allreduce(60 * mib, 4, bandwidth=1e9, latency=1e-5)  # 25 + 25 + 10 MiB
+    assert b["buckets"] == 3
+    assert b["total_s"] == pytest.approx(1.5 * 60 * mib / 1e9 + 3 * 6e-5)
+    assert b["last_bucket_s"] == pytest.approx(1.5 * 10 * mib / 1e9 + 6e-5)
+    with pytest.raises(ValueError, match="bandwidth"):
+        scaling.ring_allreduce_time(1, 2, bandwidth=0, latency=0)
+
+
+def test_step_time_overlap_and_exposure():
+    grad = 400e6  # bytes
+    one = scaling.step_time(1, compute_s=0.3, grad_bytes=grad)
+    assert one["step_s"] == 0.3 and one["exposed_s"] == 0
+    # 16 GPUs on 8 nodes of 25 GbE: comm = sum over 16 buckets of the ring time
+    s = scaling.step_time(16, compute_s=0.3, grad_bytes=grad, network="25GbE", overlap=0.5)
+    comm = scaling.bucketed_allreduce(grad, 16, bandwidth=25e9 / 8, latency=20e-6)
+    assert s["comm_s"] == pytest.approx(comm["total_s"])
+    assert s["exposed_s"] == pytest.approx(comm["total_s"] - 0.5 * 0.2)  # backward = 2/3 of compute
+    assert s["step_s"] == pytest.approx(0.3 + s["exposed_s"])
+    # a fast network hides everything but the last bucket
+    f = scaling.step_time(16, compute_s=0.3, grad_bytes=grad, network="IB-NDR")
+    last = scaling.bucketed_allreduce(grad, 16, bandwidth=400e9 / 8, latency=3e-6)["last_bucket_s"]
+    assert f["comm_hidden"] and f["exposed_s"] == pytest.approx(last) and last < f["comm_s"] / 15
+    # within one node the intra-node link is used
+    assert scaling.step_time(2, compute_s=0.3, grad_bytes=grad)["comm_s"] < comm["total_s"] / 10
+    # accumulation: compute x k, one all-reduce
+    acc = scaling.step_time(16, compute_s=0.3, grad_bytes=grad, grad_accum=4, overlap=0.5)
+    assert acc["compute_s"] == pytest.approx(1.2) and acc["exposed_s"] == pytest.approx(s["exposed_s"])
+    with pytest.raises(ValueError, match="network"):
+        scaling.step_time(2, compute_s=1, grad_bytes=1, network="carrier pigeon")
+    with pytest.raises(ValueError, match="overlap"):
+        scaling.step_time(2, compute_s=1, grad_bytes=1, overlap=2)
+
+
+def test_efficiency_table_and_network_limit():
+    t = scaling.efficiency_table(compute_s=0.2, grad_bytes=480e6, tokens_per_step=512 * 184)
+    assert t["n_gpus"].to_list() == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert t["efficiency"][0] == 1.0
+    eff = t["efficiency"].to_list()
+    assert all(a >= b - 1e-12 for a, b in zip(eff[1:], eff[2:]))  # falls once it leaves the node
+    assert t["tokens_per_s"][0] == pytest.approx(512 * 184 / 0.2)
+    lim = scaling.network_limit(t)
+    assert lim["first_exposed_n"] == 4  # the first count that leaves the node's NVLink
+    fast = scaling.efficiency_table(compute_s=0.2, grad_bytes=480e6, tokens_per_step=1, network="IB-NDR")
+    assert scaling.network_limit(fast)["below_90pct_n"] is None
+
+
+def test_study_scaling_uses_the_planner_devices():
+    t = scaling.study_scaling("bert-120m", micro_batch=184, seq_len=512)
+    from labkit.model import flops_per_token, model_config
+    from labkit.study.plan import STUDY_VOCAB
+
+    fpt = flops_per_token(model_config("bert-120m", STUDY_VOCAB), 512)
+    assert t["compute_s"][0] == pytest.approx(512 * 184 * fpt / (0.4 * 835.5e12))
+    measured = scaling.study_scaling("bert-120m", micro_batch=184, step_time_1=0.5)
+    assert measured["compute_s"][0] == 0.5
+    with pytest.raises(ValueError, match="step_time_1"):
+        scaling.calibrate(0.0)

@@ -1,0 +1,161 @@
+"""labkit/study/sweeps.py: tidy Parquet tables, and points already measured are not rerun.
+
+The cluster is replaced by a fake whose engine calls run the function in this process, and
+training by a stub that records what it was asked to run (the real DDP path is tested in
+tests/test_demo.py); what is under test here is the bookkeeping of the sweeps."""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+import torch
+
+from labkit import lab
+from labkit.study import sweeps
+from labkit.config import TrainConfig
+
+
+class _Engine:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def apply_sync(self, fn, *args, **kwargs):
+        self.calls.append(args)
+        return fn(*args, **kwargs)
+
+
+class FakeClient:
+    """``client.ids`` and ``client[id].apply_sync`` run locally, each call recorded."""
+
+    def __init__(self, n):
+        self.ids = list(range(n))
+        self.calls = []
+
+    def __getitem__(self, i):
+        return _Engine(self.calls)
+
+
+@pytest.fixture
+def trained(monkeypatch):
+    runs = []
+
+    def fake_train(client, cfg, *, targets=None, staged=None, live=None, timeout=None):
+        n = len(targets)
+        assert cfg.checkpoints is False  # sweep runs write metrics and results, no checkpoint
+        runs.append((cfg.model, n))
+        tps = 1000.0 * n * (0.9 if n > 1 else 1.0) / (2 if cfg.model == "mini" else 1)
+        return {"global_batch_size": cfg.micro_batch_size * n, "tokens_per_s": tps, "samples_per_s": tps / 64,
+                "data_wait_fraction": 0.01}
+
+    monkeypatch.setattr(sweeps, "train_on_cluster", fake_train)
+    return runs
+
+
+def test_sweep_ranks_resumes(tmp_path, trained):
+    base = TrainConfig(data_dir=str(tmp_path / "shards"), run_dir=str(tmp_path / "r"), model="tiny",
+                       micro_batch_size=4)
+    client = FakeClient(4)
+    df = lab.sweep_ranks(client, base, str(tmp_path), ranks=[1, 2])
+    assert trained == [("tiny", 1), ("tiny", 2)]
+    assert df["efficiency"].to_list() == pytest.approx([1.0, 0.9])
+    df = lab.sweep_ranks(client, base, str(tmp_path), ranks=[1, 2, 4])
+    assert trained[2:] == [("tiny", 4)]  # 1 and 2 were read back, not rerun
+    assert df["ranks"].to_list() == [1, 2, 4] and df["efficiency"].to_list() == pytest.approx([1.0, 0.9, 0.9])
+    assert pl.read_parquet(tmp_path / "sweeps" / "ranks.parquet").equals(df)
+    lab.sweep_ranks(client, base, str(tmp_path), ranks=[1], force=True)
+    assert trained[3:] == [("tiny", 1)]
+
+
+def test_sweep_model_size_resumes(tmp_path, trained, monkeypatch):
+    monkeypatch.setattr(sweeps, "read_index", lambda d: {"vocab_size": 512, "seq_len": 64})
+    base = TrainConfig(data_dir=str(tmp_path / "shards"), run_dir=str(tmp_path / "r"), model="tiny",
+                       micro_batch_size=4)
+    client = FakeClient(2)
+    lab.sweep_model_size(client, base, str(tmp_path), models=["tiny"])
+    df = lab.sweep_model_size(client, base, str(tmp_path), models=["tiny", "mini"])
+    assert trained == [("tiny", 2), ("mini", 2)]
+    assert df["model"].to_list() == ["tiny", "mini"] and df["params"].is_sorted()
+    from labkit.model import flops_per_token, model_config
+
+    fpt = flops_per_token(model_config("mini", 512), 64)
+    row = df.filter(pl.col("model") == "mini").row(0, named=True)
+    assert row["flops_per_token"] == fpt and row["achieved_flops"] == pytest.approx(row["tokens_per_s"] * fpt)
+
+
+def test_sweep_micro_batch_resumes_with_a_real_measurement(tmp_path):
+    torch.set_num_threads(1)
+    client = FakeClient(2)
+    budget = 64 * 2**20
+    lab.sweep_micro_batch(client, ["tiny"], seq_len=32, vocab_size=256, budget_bytes=budget, workdir=str(tmp_path))
+    assert len(client.calls) == 1
+    df = lab.sweep_micro_batch(client, ["tiny"], seq_len=32, vocab_size=256, budget_bytes=budget,
+                               workdir=str(tmp_path))
+    assert len(client.calls) == 1  # read back, not measured again
+    from labkit.model import model_config
+    from labkit.study.plan import max_micro_batch
+
+    assert df["max_micro_batch"].item() == max_micro_batch(model_config("tiny", 256), 32, budget)["max_micro_batch"]
+
+
+def test_sweep_loader_workers_resumes(tmp_path, monkeypatch):
+    seen = []
+
+    def fake(data_dir, *, batch_size, step_time_s, workers, n_batches, gpu_index, **kw):
+        seen.append(list(workers))
+        return pl.DataFrame({"num_workers": list(workers), "samples_per_s": [100.0 * (1 + w) for w in workers],
+                             "data_wait_fraction": [0.5 / (1 + 4 * w) for w in workers],
+                             "knee": [False] * len(workers)})
+
+    monkeypatch.setattr(sweeps, "sweep_loader", fake)
+    client = FakeClient(1)
+    lab.sweep_loader_workers(client, str(tmp_path), batch_size=8, step_time_s=0.01, workers=[0, 1])
+    df = lab.sweep_loader_workers(client, str(tmp_path), batch_size=8, step_time_s=0.01, workers=[0, 1, 2, 3])
+    assert seen == [[0, 1], [2, 3]]
+    assert df["num_workers"].to_list() == [0, 1, 2, 3]
+    assert df.filter(pl.col("knee"))["num_workers"].to_list() == [3]  # 0.5/13 < 0.05 first at 3
+
+
+def test_sweep_micro_batch_until_out_of_memory_resumes(tmp_path, monkeypatch):
+    """budget_bytes=None measures on the engine's GPU until out of memory; stubbed here (the
+    real search, ``labkit.study.gpu.max_micro_batch_cuda``, needs CUDA)."""
+    import labkit.study.gpu as gpu
+
+    seen = []
+
+    def fake_cuda(cfg, seq_len):
+        seen.append(cfg.hidden_size)
+        return {"max_micro_batch": 4096 // cfg.hidden_size, "peak_bytes": 1, "budget_bytes": 94 * 10**9,
+                "params": cfg.hidden_size * 1000, "seq_len": seq_len}
+
+    monkeypatch.setattr(gpu, "max_micro_batch_cuda", fake_cuda)
+    client = FakeClient(1)
+    lab.sweep_micro_batch(client, ["tiny"], seq_len=32, vocab_size=256, budget_bytes=None, workdir=str(tmp_path))
+    df = lab.sweep_micro_batch(client, ["tiny", "mini"], seq_len=32, vocab_size=256, budget_bytes=None,
+                               workdir=str(tmp_path))
+    assert seen == [64, 256]  # tiny was not measured again
+    assert df["method"].to_list() == ["cuda_oom", "cuda_oom"] and df["max_micro_batch"].to_list() == [64, 16]
+    assert df["budget_bytes"].to_list() == [94 * 10**9] * 2
+
+
+@pytest.mark.gpu
+def test_max_micro_batch_cuda_finds_the_out_of_memory_edge():
+    from labkit.model import model_config
+    from labkit.study.gpu import max_micro_batch_cuda
+
+    rep = max_micro_batch_cuda(model_config("mini", 1024), 128, limit=64)
+    assert rep["max_micro_batch"] == 64 and rep["peak_bytes"] < rep["budget_bytes"]
+
+
+def test_sweep_rows_record_the_machine_load_and_flag_a_busy_machine(tmp_path, trained, monkeypatch):
+    import os
+
+    base = TrainConfig(data_dir=str(tmp_path / "shards"), run_dir=str(tmp_path / "r"), model="tiny",
+                       micro_batch_size=4)
+    load = sweeps.machine_load()
+    assert load["cpu_count"] == len(os.sched_getaffinity(0))
+    assert load["load_avg_1m"] == pytest.approx(os.getloadavg()[0], abs=1.0)
+    loads = iter([{"load_avg_1m": 0.2, "load_avg_5m": 0.5, "cpu_count": 2},
+                  {"load_avg_1m": 2.5, "load_avg_5m": 1.0, "cpu_count": 2}])
+    monkeypatch.setattr(sweeps, "machine_load", lambda: next(loads))
+    df = lab.sweep_ranks(FakeClient(2), base, str(tmp_path), ranks=[1, 2])
+    assert df.select("ranks", "load_avg_1m", "cpu_count", "busy").rows() == [(1, 0.2, 2, False), (2, 2.5, 2, True)]

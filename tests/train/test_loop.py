@@ -1,0 +1,263 @@
+"""Tests of labkit/train.py: the LR schedule, a single-process run on a tiny shard set,
+checkpoints loadable with weights_only=True, and exact resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+
+from labkit import train as train_mod
+from labkit.train import loop
+from labkit.config import TrainConfig, from_dict
+from labkit.train import lr_at, train
+from tiny_shards import write_tiny_shards
+
+SEQ_LEN = 32
+VOCAB = 96
+
+
+@pytest.fixture
+def shards(tmp_path: pathlib.Path) -> pathlib.Path:
+    return write_tiny_shards(tmp_path / "shards")
+
+
+def tiny_cfg(shards: pathlib.Path, run_dir: pathlib.Path, **kw) -> TrainConfig:
+    base = dict(data_dir=str(shards), run_dir=str(run_dir), model="tiny", micro_batch_size=4,
+                grad_accum_steps=2, max_steps=10, lr=3e-3, warmup_steps=2, num_threads=1,
+                timing_warmup_steps=1, device="cpu", seed=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def read_metrics(run_dir: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# -- schedule ---------------------------------------------------------------------------------
+
+
+def _sched_cfg(schedule: str) -> TrainConfig:
+    return TrainConfig(data_dir="d", run_dir="r", lr=1.0, min_lr_ratio=0.1, warmup_steps=2,
+                       max_steps=12, schedule=schedule, wsd_decay_fraction=0.25)
+
+
+def test_lr_linear_exact():
+    cfg = _sched_cfg("linear")
+    got = [lr_at(s, cfg) for s in range(13)]
+    # warm-up 0.5, 1.0; then 1 - 0.9 * (s - 2) / 10
+    want = [0.5, 1.0] + [1.0 - 0.9 * (s - 2) / 10 for s in range(2, 13)]
+    assert got == pytest.approx(want, abs=1e-15)
+    assert got[12] == pytest.approx(0.1)
+
+
+def test_lr_cosine_exact():
+    cfg = _sched_cfg("cosine")
+    assert lr_at(0, cfg) == 0.5
+    assert lr_at(2, cfg) == 1.0
+    assert lr_at(7, cfg) == pytest.approx(0.55)  # half way: (1 + 0.1) / 2
+    assert lr_at(12, cfg) == pytest.approx(0.1)
+    assert lr_at(4, cfg) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.2)))
+
+
+def test_lr_wsd_exact():
+    cfg = _sched_cfg("wsd")  # decay over the last 3 of 12 steps: from step 9 to 12
+    got = [lr_at(s, cfg) for s in range(13)]
+    assert got[:9] == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert got[9:] == pytest.approx([1.0, 0.7, 0.4, 0.1])
+
+
+def test_optimizer_decays_matrices_only():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    opt = train_mod.build_optimizer(model, _sched_cfg("linear"))
+    decay, no_decay = opt.param_groups
+    assert [p.shape for p in decay["params"]] == [torch.Size([4, 3])]
+    assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
+
+
+# -- a whole run ------------------------------------------------------------------------------
+
+
+def test_train_single_process(shards, tmp_path):
+    run_dir = tmp_path / "run"
+    seen = []
+    cfg = tiny_cfg(shards, run_dir, max_steps=12, ckpt_every=4, keep_checkpoints=2)
+    result = train(cfg, sink=seen.append)
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert seen == records
+    fields = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "samples_per_s", "step_time_s",
+              "data_wait_s", "data_wait_fraction", "mfu", "peak_mem_bytes", "world_size", "global_batch_size"}
+    assert fields <= set(records[0])
+    losses = [r["loss"] for r in records]
+    assert np.mean(losses[-3:]) < losses[0] - 0.3, losses
+    assert all(r["mfu"] is None and r["world_size"] == 1 and r["global_batch_size"] == 8 for r in records)
+    assert [r["lr"] for r in records] == pytest.approx([lr_at(s, cfg) for s in range(12)])
+    # real tokens: the cumulative count is the sum of per-step counts, each at most 8 x 32
+    assert records[-1]["tokens"] == sum(r["step_tokens"] for r in records)
+    assert all(0 < r["step_tokens"] <= 8 * SEQ_LEN for r in records)
+    on_disk = json.loads((run_dir / "result.json").read_text())
+    assert on_disk["final_loss"] == losses[-1] and on_disk["initial_loss"] == losses[0]
+    assert on_disk["steps"] == 12 and on_disk["world_size"] == 1 and result["params"] == on_disk["params"]
+    assert from_dict(TrainConfig, json.loads((run_dir / "config.json").read_text())) == cfg
+    assert train_mod.checkpoint_steps(run_dir) == [8, 12]  # keep_checkpoints=2 pruned step-4
+    state = torch.load(run_dir / "checkpoints" / "step-12" / "state.pt", weights_only=True)
+    assert state["step"] == 12 and len(state["ranks"]) == 1
+    from safetensors.torch import load_file
+    weights = load_file(run_dir / "checkpoints" / "step-12" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values()) and len(weights) > 5
+
+
+def test_resume_reproduces_uninterrupted_run(shards, tmp_path):
+    """fp32, CPU, dropout on: a run interrupted after step 3 (mid-epoch) and step 6 (in the next
+    epoch) and resumed each time gives exactly the uninterrupted run's losses."""
+    full = tiny_cfg(shards, tmp_path / "full", max_steps=8, micro_batch_size=8)  # 4 steps per epoch
+    train(full)
+    part = dataclasses.replace(full, run_dir=str(tmp_path / "part"), stop_after=3)
+    train(part)
+    assert [r["step"] for r in read_metrics(tmp_path / "part")] == [1, 2, 3]
+    assert train(dataclasses.replace(part, stop_after=6))["resumed_from_step"] == 3
+    result = train(dataclasses.replace(part, stop_after=None))
+    assert result["resumed_from_step"] == 6 and result["steps"] == 8
+    assert [r["epoch"] for r in read_metrics(tmp_path / "part")] == [0, 0, 0, 0, 1, 1, 1, 1]
+    want = [(r["step"], r["loss"], r["grad_norm"], r["tokens"]) for r in read_metrics(tmp_path / "full")]
+    got = [(r["step"], r["loss"], r["grad_norm"], r["tokens"]) for r in read_metrics(tmp_path / "part")]
+    assert got == want
+    assert result["initial_loss"] == want[0][1] and result["final_loss"] == want[-1][1]
+
+
+def test_nonfinite_loss_raises_or_skips(shards, tmp_path, monkeypatch):
+    real = train_mod.forward_backward
+
+    def poisoned(*args, **kwargs):
+        loss_sum, n_masked, n_tokens = real(*args, **kwargs)
+        return loss_sum * float("nan"), n_masked, n_tokens
+
+    monkeypatch.setattr(loop, "forward_backward", poisoned)
+    with pytest.raises(FloatingPointError, match="step 1: non-finite loss"):
+        train(tiny_cfg(shards, tmp_path / "raise", max_steps=2))
+    run = tmp_path / "skip"
+    result = train(tiny_cfg(shards, run, max_steps=2, on_nonfinite="skip"))
+    assert result["skipped_steps"] == 2
+    assert [r["skipped"] for r in read_metrics(run)] == [True, True]
+
+
+def test_checkpoints_false_writes_metrics_and_result_only(shards, tmp_path):
+    run = tmp_path / "sweep"
+    result = train(tiny_cfg(shards, run, max_steps=3, ckpt_every=1, checkpoints=False))
+    assert result["steps"] == 3 and len(read_metrics(run)) == 3 and (run / "result.json").is_file()
+    assert train_mod.checkpoint_steps(run) == [] and not (run / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_train_autocast_precisions_run(shards, tmp_path, precision):
+    """bf16/fp16 autocast on CPU: the run completes and the loss is within bf16 noise of fp32's
+    at step 1 (same init, data and masks; the loss sum is computed in fp32)."""
+    ref = train(tiny_cfg(shards, tmp_path / "fp32", max_steps=1))
+    got = train(tiny_cfg(shards, tmp_path / precision, max_steps=3, precision=precision))
+    assert got["steps"] == 3 and math.isfinite(got["final_loss"])
+    assert got["initial_loss"] == pytest.approx(ref["initial_loss"], rel=2e-2)
+
+
+def test_resume_with_loader_workers(shards, tmp_path):
+    """With a worker process the sampler runs ahead of the trainer; the checkpoint stores the
+    batches consumed, so a resumed run with workers still matches a worker-less full run."""
+    full = tiny_cfg(shards, tmp_path / "full", max_steps=6, micro_batch_size=8)
+    train(full)
+    part = dataclasses.replace(full, run_dir=str(tmp_path / "part"), num_workers=1, stop_after=3)
+    train(part)
+    train(dataclasses.replace(part, stop_after=None))
+    want = [(r["step"], r["loss"], r["tokens"]) for r in read_metrics(tmp_path / "full")]
+    assert [(r["step"], r["loss"], r["tokens"]) for r in read_metrics(tmp_path / "part")] == want
+
+
+def test_lr_applied_once_per_optimizer_step_across_accumulation_and_resume(shards, tmp_path, monkeypatch):
+    """The lr the optimiser actually steps with (read inside ``optimizer.step``) is lr_at(step):
+    one step per 3 accumulated micro-batches, and the same sequence after a stop and resume."""
+    seen: list[tuple[str, list[float]]] = []
+    real_build = train_mod.build_optimizer
+
+    def recording_build(model, cfg):
+        opt = real_build(model, cfg)
+        real_step = opt.step
+
+        def step(*args, **kwargs):
+            seen.append((pathlib.Path(cfg.run_dir).name, [g["lr"] for g in opt.param_groups]))
+            return real_step(*args, **kwargs)
+
+        opt.step = step
+        return opt
+
+    monkeypatch.setattr(loop, "build_optimizer", recording_build)
+    full = tiny_cfg(shards, tmp_path / "full", grad_accum_steps=3, max_steps=7, warmup_steps=2, schedule="cosine")
+    train(full)
+    part = dataclasses.replace(full, run_dir=str(tmp_path / "part"), stop_after=3)
+    train(part)
+    train(dataclasses.replace(part, stop_after=None))
+    want = [[lr_at(s, full)] * 2 for s in range(7)]  # both param groups
+    assert [lrs for run, lrs in seen if run == "full"] == want
+    assert [lrs for run, lrs in seen if run == "part"] == want  # 3 steps, then 4 after the resume
+    assert want[0][0] == pytest.approx(full.lr / 2) and want[6][0] < want[2][0]
+    assert [r["lr"] for r in read_metrics(tmp_path / "part")] == [w[0] for w in want]
+    state = torch.load(tmp_path / "part" / "checkpoints" / "step-3" / "state.pt", weights_only=True)
+    assert state["lr"] == lr_at(3, full)
+
+
+def test_activation_checkpointing_same_losses(shards, tmp_path):
+    """Recomputing each layer in backward (dropout on; torch's checkpoint replays the RNG) gives
+    the same losses and grad norms as keeping the activations."""
+    ref = train(tiny_cfg(shards, tmp_path / "keep", max_steps=3))
+    got = train(tiny_cfg(shards, tmp_path / "recompute", max_steps=3, activation_checkpointing=True))
+    assert got["activation_checkpointing"] is True and ref["activation_checkpointing"] is False
+    assert got["model_config"]["activation_checkpointing"] is True
+    want = [(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / "keep")]
+    have = [(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / "recompute")]
+    assert np.allclose(have, want, rtol=1e-6, atol=0), (have, want)
+
+
+@pytest.mark.gpu
+def test_train_bf16_on_cuda(shards, tmp_path):
+    """On a GPU: a bf16 run records CUDA peak memory, and MFU exactly when the device's peak is
+    in measure.PEAK_FLOPS."""
+    from labkit import measure
+
+    result = train(tiny_cfg(shards, tmp_path / "cuda", device="cuda", precision="bf16", max_steps=3))
+    records = read_metrics(tmp_path / "cuda")
+    assert result["device"].startswith("cuda") and math.isfinite(result["final_loss"])
+    assert all(r["peak_mem_bytes"] > 0 for r in records)
+    kind = measure.device_kind(torch.cuda.get_device_name())
+    assert all((r["mfu"] is None) == (kind is None) for r in records)
+
+
+def test_resume_refuses_a_checkpoint_of_another_sharding(shards, tmp_path):
+    """Optimiser state layouts differ between shardings (fsdp keys moments by name): a mismatch is
+    a ValueError naming the field, not a silent mis-load."""
+    run = tmp_path / "run"
+    train(tiny_cfg(shards, run, max_steps=2))
+    path = run / "checkpoints" / "step-2" / "state.pt"
+    state = torch.load(path, weights_only=True)
+    assert state["sharding"] == "none"  # one process: nothing sharded
+    torch.save({**state, "sharding": "fsdp"}, path)
+    with pytest.raises(ValueError, match="sharding: checkpoint step-2 .* 'fsdp', this run uses 'none'"):
+        train(tiny_cfg(shards, run, max_steps=3))
+
+
+def test_mismatched_shards_are_refused_before_training(shards, tmp_path):
+    from labkit.data.shards import ShardError, read_index
+
+    index = read_index(str(shards))
+    with pytest.raises(ShardError, match=r"index\.json.*seq_len: run expects 64, shards have 32"):
+        train(tiny_cfg(shards, tmp_path / "a", seq_len=2 * index["seq_len"]))
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text('{"not": "the tokenizer the shards were built with"}')
+    with pytest.raises(ShardError, match="tokenizer_sha256: run expects"):
+        train(tiny_cfg(shards, tmp_path / "b", tokenizer_path=str(tok)))
+    with pytest.raises(FileNotFoundError, match="tokenizer_path"):
+        train(tiny_cfg(shards, tmp_path / "c", tokenizer_path=str(tmp_path / "missing.json")))
+    for run in ("a", "b", "c"):
+        assert not (tmp_path / run / "metrics.jsonl").exists() or not (tmp_path / run / "metrics.jsonl").read_text()
