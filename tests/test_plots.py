@@ -107,8 +107,8 @@ def _all_figures() -> dict:
     """One figure from every labkit figure function, on small tables like those labkit writes."""
     import numpy as np
 
-    from labkit import laws, plan, scaling
     from labkit.model import model_config
+    from labkit.study import laws, plan, scaling
 
     eff = scaling.efficiency_table(compute_s=0.2, grad_bytes=4e8, tokens_per_step=1000)
     p = plan.memory_plan(model_config("bert-120m", 30522), seq_len=512, micro_batch=32)
