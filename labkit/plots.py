@@ -396,7 +396,8 @@ def law_figure(points: pl.DataFrame | pl.LazyFrame, law, *, frontier: pl.DataFra
         fig.add_trace(go.Scatter(x=f["n_tokens"].to_list(), y=f["loss"].to_list(), mode="lines",
                                  name="compute-optimal", line={"color": COLORS["ideal"], "dash": "dash", "width": 3}))
     fig.update_layout(template=style(), title=title, xaxis_title="training tokens D", yaxis_title="MLM loss")
-    fig.update_xaxes(type="log")
+    # one label per decade: plotly's default log ticks label 2..9 of every decade, repeating them
+    fig.update_xaxes(type="log", dtick=1 if t_hi / t_lo >= 10 else None)
     return fig
 
 
