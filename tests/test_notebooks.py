@@ -107,6 +107,10 @@ def test_notebooks_execute_and_export_offline_reports(reports, workdir):
         errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
                   if o.get("output_type") == "error"]
         assert not errors, (name, errors)
+        shown = "".join(o.get("data", {}).get("text/plain", "") for c in nb.cells if c.cell_type == "code"
+                        for o in c.get("outputs", []))
+        cut = re.findall(r"^│\s*…\s*(?:┆\s*…\s*)*│$", shown, re.M)  # polars' row of "…" for rows left out
+        assert not cut, (name, "a table is cut short")
     # the sweeps of notebook 04 and the law runs of notebook 05 left their artifacts
     sizes = pl.read_parquet(workdir / "sweeps" / "model_size.parquet")
     assert sizes["model"].to_list() == ["tiny", "mini"] and (sizes["tokens_per_s"] > 0).all()
