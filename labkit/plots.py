@@ -53,6 +53,15 @@ def nice_step(span: float, target: int = 5) -> float:
     return next(m * base for m in (1, 2, 5, 10) if m * base >= raw)
 
 
+def log_ticks(lo: float, hi: float) -> list[float]:
+    """Tick values 1, 2 and 5 x 10^k between `lo` and `hi` (> 0) for a log axis: labels that never
+    repeat (plotly labels a log axis's minor ticks by their leading digit only: 2, 3, ... 9, 2, 3)."""
+    if not 0 < lo <= hi:
+        raise ValueError(f"log_ticks needs 0 < lo <= hi; got {lo}, {hi}")
+    return [m * 10.0**k for k in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+            for m in (1, 2, 5) if lo <= m * 10.0**k <= hi]
+
+
 def round_axis(values: Sequence[float], *, percent: bool = False) -> dict:
     """Axis settings with round ticks from 0: ``{"tickmode": "linear", "tick0": 0, "dtick": step}``
     for the largest of `values` (step from ``nice_step``); with `percent`, a ``tickformat`` with
@@ -396,8 +405,8 @@ def law_figure(points: pl.DataFrame | pl.LazyFrame, law, *, frontier: pl.DataFra
         fig.add_trace(go.Scatter(x=f["n_tokens"].to_list(), y=f["loss"].to_list(), mode="lines",
                                  name="compute-optimal", line={"color": COLORS["ideal"], "dash": "dash", "width": 3}))
     fig.update_layout(template=style(), title=title, xaxis_title="training tokens D", yaxis_title="MLM loss")
-    # one label per decade: plotly's default log ticks label 2..9 of every decade, repeating them
-    fig.update_xaxes(type="log", dtick=1 if t_hi / t_lo >= 10 else None)
+    # ticks at 1, 2, 5 x 10^k: plotly's default log ticks label the digits 2..9 of every decade
+    fig.update_xaxes(type="log", tickvals=log_ticks(grid[0], grid[-1]), tickformat="~s")
     return fig
 
 

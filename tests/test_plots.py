@@ -161,6 +161,7 @@ def test_every_figure_draws_visible_reference_lines_and_distinct_series_colours(
 
 
 def test_round_ticks_and_distinct_percent_labels():
+    assert plots.log_ticks(7_000, 160_000) == [10_000, 20_000, 50_000, 100_000]
     assert [plots.nice_step(s) for s in (4090, 1.0, 0.012, 7)] == [1000, 0.2, 0.005, 2]
     tps = plots.loss_figure(pl.DataFrame({"step": [1, 2], "loss": [7.0, 6.0], "tokens_per_s": [320.0, 4090.0]}))
     assert (tps.layout.yaxis2.tick0, tps.layout.yaxis2.dtick) == (0, 1000)
