@@ -478,6 +478,9 @@ class TrainConfig:
     """Checkpoint every this many steps (0: only at the end)."""
     keep_checkpoints: int = 2
     """Keep the newest this many checkpoints."""
+    checkpoints: bool = True
+    """False: write no checkpoint at all (sweep runs: metrics.jsonl and result.json only; such a
+    run cannot be resumed)."""
     resume: bool = True
     """Continue from the newest checkpoint in run_dir/checkpoints if there is one."""
     on_nonfinite: Literal["skip", "raise"] = "raise"
