@@ -157,9 +157,18 @@ class DedupConfig:
     batch_rows: int = 16_384
     """Documents whose texts are read and hashed at once (signatures): bounds memory, never
     changes the result."""
+    max_bucket: int = 64
+    """LSH buckets are sorted by document (corpus order); each document is compared with the
+    next ``max_bucket`` documents of its bucket (every pair when a bucket holds at most
+    ``max_bucket + 1``): bounds the pairs of a huge bucket (``labkit.data.dedup.bucket_pairs``)."""
+    memory_mb: int = 256
+    """Memory budget per engine of the distributed near-dedup steps (band buckets of one
+    partition and their pairs): sets the number of partitions (``labkit.data.partitioned``)."""
 
     def __post_init__(self) -> None:
         _require(self.shingle_size >= 1, "shingle_size", "must be at least 1")
+        _require(self.max_bucket >= 1, "max_bucket", "must be at least 1")
+        _require(self.memory_mb >= 1, "memory_mb", "must be at least 1")
         _require(self.batch_rows > 0, "batch_rows", "must be positive")
         _require(self.bands >= 1 and self.rows >= 1, "bands", "bands and rows must be at least 1")
         _require(0.0 < self.threshold <= 1.0, "threshold", "must be in (0, 1]")
@@ -211,9 +220,13 @@ class CleanConfig:
     batch_rows: int = 16_384
     """Documents read and filtered at once by ``clean_corpus`` (each of its two passes): bounds
     memory, never changes the result."""
+    memory_mb: int = 256
+    """Memory budget per engine of distributed exact dedup (the hash keys of one partition):
+    sets the number of partitions (``labkit.data.partitioned``); never changes the result."""
 
     def __post_init__(self) -> None:
         _require(self.batch_rows > 0, "batch_rows", "must be positive")
+        _require(self.memory_mb >= 1, "memory_mb", "must be at least 1")
         if isinstance(self.near_dedup, dict):  # from_dict / config.json
             self.near_dedup = DedupConfig(**self.near_dedup)
         _require(self.max_line_chars > 0, "max_line_chars", "must be positive")
