@@ -9,8 +9,8 @@ redoes it). "Complete" is decided the same way everywhere: the file a stage writ
 Work directory layout (``workdir``)::
 
     corpus/part-00000.parquet ... corpus.json   one document per disassembled function
-    clean/filtered.parquet  signatures/          after filters + exact dedup; MinHash signatures
-    clean/docs.parquet  clean/docs.drops.json   kept documents, drop counts per reason and stage
+    clean/docs.parquet/part-00000.parquet ...   kept documents (one Parquet dataset, corpus order)
+    clean/docs.drops.json  near_duplicates.parquet  drop counts per reason and stage; (id, duplicate_of)
     tokenizer/tokenizer.json  tokenizer.stats.json  HF tokenizers (WordPiece default); held-out UNK rate
     shards/shard-00000.bin ... index.json        packed token ids, index written last
     shards.parts/                               encoded parts + completion markers (resumable)
@@ -178,65 +178,58 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
 # --------------------------------------------------------------------------------------------
 
 
-def _row_ranges(n: int, parts: int) -> list[tuple[int, int]]:
-    size = max(1, math.ceil(n / max(1, parts)))
-    return [(s, min(s + size, n)) for s in range(0, n, size)]
+def _engine_map(client, desc: str, progress: bool):
+    """``pmap(fn, [args, ...])`` over the engines: one load-balanced task per args, results in order."""
+    view = client.load_balanced_view()
+
+    def pmap(fn: Callable, args: list[tuple]) -> list:
+        return _wait_all([view.apply_async(fn, *a) for a in args], f"{desc}: {fn.__name__}", progress)
+    return pmap
 
 
 def clean_corpus(client, cfg: CleanConfig, workdir: str, *, force: bool = False, progress: bool = True,
                  extra_filters: dict | None = None) -> dict:
-    """Filter, exactly deduplicate and near-deduplicate the corpus.
+    """Filter, exactly deduplicate and near-deduplicate the corpus on all engines
+    (``labkit.data.partitioned.dedup_corpus``): per corpus part, filters and hash keys; per
+    hash partition, exact dedup; per part, MinHash signatures and LSH band keys; per band
+    partition, candidate pairs checked against the threshold; on one engine, connected
+    components of those pairs; per part, the kept rows. The kept set does not depend on the
+    engine count (hash partitions hold every copy of a text and every entry of a bucket).
 
-    1. one engine: ``labkit.data.clean.clean_corpus`` (polars, lazy) -> ``clean/filtered.parquet``;
-    2. all engines: MinHash signatures of row ranges of it (``labkit.data.dedup.signature_part``),
-       2 ranges per engine -> ``clean/signatures/part-XXXXX.npy``;
-    3. one engine: the LSH pass in id order (``near_dedup_parquet``) -> ``clean/docs.parquet``.
-    With ``cfg.near_dedup`` None, step 1 writes ``clean/docs.parquet`` directly. The kept ids do
-    not depend on the engine count (signatures are per document; the LSH pass is in id order).
+    Writes ``clean/docs.parquet/part-XXXXX.parquet`` (one per corpus part, kept rows in corpus
+    order: read the directory as one Parquet dataset), ``clean/near_duplicates.parquet`` and
+    last ``clean/docs.drops.json``. Intermediates live in ``clean/work/`` and are removed.
 
     Returns ``{"input", "kept", "dropped": {reason: n}, "stages": {"corpus", "filters",
-    "exact_dedup", "near_dedup"} (documents left after each), "near_dedup": {"seconds",
-    "signature_seconds", "lsh_seconds", "docs_per_s", "config"} | None}``, also written last to
-    ``clean/docs.drops.json``. Raises ``labkit.data.clean.EmptyCorpusError`` when nothing is kept.
+    "exact_dedup", "near_dedup"} (documents left after each), "partitions": {"exact", "near"},
+    "seconds": {step: s}, "near_dedup": {"seconds", "docs_per_s", "config"} | None}``, also
+    written to ``clean/docs.drops.json``. Raises ``labkit.data.clean.EmptyCorpusError`` when
+    nothing is kept.
     """
-    from labkit.data.clean import clean_corpus as _clean
-    from labkit.data.dedup import near_dedup_parquet, signature_part
-    from labkit.data.tokenize import text_row_count
+    import shutil
+
+    from labkit.data.clean import EmptyCorpusError
+    from labkit.data.partitioned import dedup_corpus
 
     p = _paths(workdir)
     drops_path = p["clean"].with_name("docs.drops.json")
     if p["clean"].exists() and drops_path.exists() and not force:
         return json.loads(drops_path.read_text())
     drops_path.unlink(missing_ok=True)
-    glob = str(p["corpus"] / "part-*.parquet")
-    engine = client[client.ids[0]]
-    filtered = p["clean"] if cfg.near_dedup is None else p["clean"].with_name("filtered.parquet")
-    stats = engine.apply_sync(_clean, glob, str(filtered), cfg, extra_filters=extra_filters)
-    after_filters = stats["input"] - sum(n for r, n in stats["dropped"].items() if r != "exact_duplicate")
-    stats["stages"] = {"corpus": stats["input"], "filters": after_filters, "exact_dedup": stats["kept"],
-                       "near_dedup": stats["kept"]}
+    if p["clean"].is_file():  # a single-file docs.parquet of an earlier labkit
+        p["clean"].unlink()
+    parts = sorted(str(f) for f in p["corpus"].glob("part-*.parquet"))
+    stats = dedup_corpus(parts, cfg, str(p["clean"].parent / "work"), str(p["clean"]), n_engines=len(client.ids),
+                         pmap=_engine_map(client, "clean", progress), extra_filters=extra_filters)
+    if stats["kept"] == 0:
+        shutil.rmtree(p["clean"], ignore_errors=True)
+        raise EmptyCorpusError(f"clean: no document of {p['corpus']} was kept ({stats['input']} in, "
+                               f"dropped {stats['dropped']})")
     stats["near_dedup"] = None
     if cfg.near_dedup is not None:
-        t0 = time.perf_counter()
-        sig_dir = p["clean"].parent / "signatures"
-        for stale in sig_dir.glob("part-*.npy"):
-            stale.unlink()
-        ranges = _row_ranges(text_row_count(str(filtered)), 2 * len(client.ids))
-        sig_paths = [str(sig_dir / f"part-{i:05d}.npy") for i in range(len(ranges))]
-        view = client.load_balanced_view()
-        asyncs = [view.apply_async(signature_part, str(filtered), s, e, cfg.near_dedup, path)
-                  for (s, e), path in zip(ranges, sig_paths)]
-        _wait_all(asyncs, "near-dedup: MinHash signatures", progress)
-        t1 = time.perf_counter()
-        near = engine.apply_sync(near_dedup_parquet, str(filtered), sig_paths, str(p["clean"]), cfg.near_dedup)
-        seconds = time.perf_counter() - t0
-        stats["kept"] = near["kept"]
-        if near["near_duplicate"]:
-            stats["dropped"]["near_duplicate"] = near["near_duplicate"]
-        stats["stages"]["near_dedup"] = near["kept"]
-        stats["near_dedup"] = {"seconds": round(seconds, 3), "signature_seconds": round(t1 - t0, 3),
-                               "lsh_seconds": near["seconds"], "docs_per_s": round(near["input"] / seconds, 1),
-                               "config": to_dict(cfg.near_dedup)}
+        sec = sum(v for k, v in stats["seconds"].items() if k.startswith("near_"))
+        stats["near_dedup"] = {"seconds": round(sec, 3), "docs_per_s": round(stats["stages"]["exact_dedup"] / sec, 1)
+                               if sec else None, "config": to_dict(cfg.near_dedup)}
     stats = json.loads(json.dumps(stats))  # equal to the file (tuples as lists)
     _write_json(drops_path, stats)
     return stats

@@ -172,9 +172,11 @@ class _Signatures:
 
     def __init__(self, work_dir: str) -> None:
         near = Path(work_dir) / "near"
-        self.rows = [np.load(p, mmap_mode="r") for p in sorted(near.glob("rows-*.npy"))]
-        self.sigs = [np.load(p, mmap_mode="r") for p in sorted(near.glob("sigs-*.npy"))]
-        self.first = np.array([r[0] if len(r) else np.iinfo(np.int64).max for r in self.rows], dtype=np.int64)
+        pairs = [(np.load(r, mmap_mode="r"), np.load(s, mmap_mode="r"))
+                 for r, s in zip(sorted(near.glob("rows-*.npy")), sorted(near.glob("sigs-*.npy")))]
+        pairs = [(r, s) for r, s in pairs if len(r)]  # parts in corpus order: first rows ascending
+        self.rows, self.sigs = [r for r, _ in pairs], [s for _, s in pairs]
+        self.first = np.array([r[0] for r in self.rows], dtype=np.int64)
 
     def __call__(self, docs: np.ndarray) -> np.ndarray:
         out = np.empty((len(docs), self.sigs[0].shape[1]), dtype=np.uint32)
