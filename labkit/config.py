@@ -274,8 +274,15 @@ class ShardConfig:
 
     seq_len: int = 128
     """Tokens per sequence, [CLS] included."""
-    sequences_per_shard: int = 4096
-    """Sequences per shard file (the last shard may hold fewer)."""
+    sequences_per_shard: int | None = None
+    """Sequences per shard file (a packing group's last shard may hold fewer); None: as many as
+    fit in ``shard_bytes``."""
+    shard_bytes: int = 32 * 2**20
+    """Target shard size when ``sequences_per_shard`` is None: 32 MiB, the order of Mosaic
+    streaming's 64 MB default (``size_limit``), so a 25 GB set is ~800 files, not 24,000."""
+    model_vocab_size: int | None = None
+    """The vocabulary size of the model the shards are for: writing refuses a tokenizer that can
+    emit an id at or above it (``ShardError``); None checks nothing."""
     batch_docs: int = 4096
     """Documents encoded per batch: bounds memory, never changes the output."""
     part_docs: int = 20_000
@@ -293,7 +300,9 @@ class ShardConfig:
 
     def __post_init__(self) -> None:
         _require(self.seq_len >= 8, "seq_len", "must be at least 8")
-        _require(self.sequences_per_shard > 0, "sequences_per_shard", "must be positive")
+        _require(self.sequences_per_shard is None or self.sequences_per_shard > 0, "sequences_per_shard",
+                 "must be positive or None")
+        _require(self.shard_bytes > 0, "shard_bytes", "must be positive")
         _require(self.batch_docs > 0, "batch_docs", "must be positive")
         _require(self.part_docs > 0, "part_docs", "must be positive")
         _require(all(0.0 <= w <= 1.0 for w in self.source_weights.values()), "source_weights",

@@ -253,7 +253,7 @@ def build_tokenizer(client, cfg: TokenizerConfig, workdir: str, *, force: bool =
     return client[client.ids[0]].apply_sync(train_tokenizer, str(p["clean"]), cfg, str(p["tokenizer"]))
 
 
-_OUTPUT_FIELDS = ("seq_len", "sequences_per_shard", "source_pattern", "source_weights", "source_caps")
+_OUTPUT_FIELDS = ("seq_len", "sequences_per_shard", "shard_bytes", "source_pattern", "source_weights", "source_caps")
 """ShardConfig fields that change the shard bytes (batch and part sizes never do)."""
 
 
@@ -262,19 +262,25 @@ def build_shards(client, cfg: ShardConfig, workdir: str, *, force: bool = False,
     """Tokenize the kept documents into packed shards on all engines; returns the index dict.
 
     Engines encode row ranges (``labkit.data.shards.encode_part``; at most ``cfg.part_docs``
-    rows, ``parts_per_engine`` per engine) into ``shards.parts/``, then one engine balances and
-    packs them in row order (``finish_shards``): the bytes equal ``write_shards`` in one process.
+    rows, ``parts_per_engine`` per engine) into ``shards.parts/``; one engine selects documents
+    and plans the packing (``plan_shards``: one group of consecutive parts per engine, each with
+    its own range of shard numbers); the engines pack the groups (``labkit.data.pack.pack_group``);
+    one engine merges the shard lists into ``index.json`` (``write_index``). The bytes equal
+    ``write_shards(..., groups=len(client.ids))`` in one process.
     Finished parts and shards of an interrupted run are not redone. A shard set whose
     ``index.json`` exists, was built with the current tokenizer and the same output settings
     (``_OUTPUT_FIELDS``, kept in ``shards.parts/config.json``) is returned as is.
     """
-    from labkit.data.shards import encode_part, finish_shards, parts_dir_for, plan_parts, read_index, ShardError
+    from labkit.data.pack import pack_group
+    from labkit.data.shards import (ShardError, encode_part, parts_dir_for, plan_parts, plan_shards, read_index,
+                                    write_index)
     from labkit.data.tokenize import text_row_count, tokenizer_sha256
 
     p = _paths(workdir)
     docs, tok, out = str(p["clean"]), str(p["tokenizer"]), str(p["shards"])
     parts_dir = parts_dir_for(out)
-    settings = {k: getattr(cfg, k) for k in _OUTPUT_FIELDS} | {"tokenizer_sha256": tokenizer_sha256(tok)}
+    settings = {k: getattr(cfg, k) for k in _OUTPUT_FIELDS} | {"tokenizer_sha256": tokenizer_sha256(tok),
+                                                              "pack_groups": len(client.ids)}
     if (p["shards"] / "index.json").exists() and not force:
         try:
             index = read_index(out)
@@ -288,7 +294,11 @@ def build_shards(client, cfg: ShardConfig, workdir: str, *, force: bool = False,
     asyncs = [view.apply_async(encode_part, docs, tok, str(parts_dir), i, s, e, batch_docs=cfg.batch_docs)
               for i, (s, e) in enumerate(plan_parts(n, rows))]
     parts = _wait_all(asyncs, "shards: encoding parts", progress)
-    index = client[client.ids[0]].apply_sync(finish_shards, docs, tok, out, cfg, parts, progress=False)
+    engine = client[client.ids[0]]
+    plan = engine.apply_sync(plan_shards, docs, tok, out, cfg, parts, groups=len(client.ids))
+    done = _wait_all([view.apply_async(pack_group, plan, g) for g in range(len(plan["groups"]))],
+                     "shards: packing groups", progress)
+    index = engine.apply_sync(write_index, plan, done)
     _write_json(parts_dir / "config.json", settings)
     return index
 

@@ -100,7 +100,7 @@ def test_clean_and_near_dedup_match_a_single_process_run(prepared, tmp_path):
 def test_shards_from_engines_equal_a_single_process_run(prepared, tmp_path):
     work, cfg, index = prepared["work"], prepared["shard_cfg"], prepared["index"]
     ref = write_shards(os.path.join(work, "clean", "docs.parquet"), prepared["tokenizer"], str(tmp_path / "one"),
-                       cfg, progress=False)
+                       cfg, progress=False, groups=2)  # one packing group per engine
     assert index == ref and verify_shards(os.path.join(work, "shards")) == ref
     for s in ref["shards"]:
         assert open(os.path.join(work, "shards", s["file"]), "rb").read() == (tmp_path / "one" / s["file"]).read_bytes()
