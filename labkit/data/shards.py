@@ -379,30 +379,71 @@ def read_index(data_dir: str | os.PathLike) -> dict:
     return index
 
 
-def _check_size(data_dir: Path, shard: dict) -> Path:
-    path = data_dir / shard["file"]
-    if not path.is_file():
-        raise ShardError(f"{path}: shard file missing")
-    size = path.stat().st_size
-    if size != shard["n_bytes"]:
-        raise ShardError(f"{path}: {size} bytes on disk, index says {shard['n_bytes']}")
-    return path
-
-
-def verify_shards(data_dir: str | os.PathLike) -> dict:
-    """Recompute every shard's size and sha256 and compare with ``index.json``; returns the index.
-    ``ShardError`` naming the first shard that differs (or the index on inconsistent totals)."""
-    index = read_index(data_dir)
+def check_entries(data_dir: str | os.PathLike, index: dict) -> list[Path]:
+    """Everything a reader needs of a shard set, without reading its bytes; the shard paths in
+    order. ``ShardError`` naming the file (or ``index.json``) when: the dtype cannot hold ids up
+    to ``vocab_size - 1``; an entry is not a ``shard-NNNNN.bin`` name, is listed twice, holds no
+    sequence (an empty shard cannot be memory-mapped) or gives n_bytes other than n_sequences *
+    seq_len * itemsize; a shard file is missing, has another size or is not a whole number of
+    sequences; a ``shard-NNNNN.bin`` in the directory is not in the index; the entries'
+    n_sequences do not sum to ``n_sequences``. ``verify_shards`` and ``SequenceReader`` both call
+    it, so every set verify accepts can be read and every one the reader refuses verify refuses."""
+    d = Path(data_dir)
+    index_path = d / INDEX_NAME
     itemsize = np.dtype(index["dtype"]).itemsize
+    if index["vocab_size"] > 256 ** itemsize:
+        raise ShardError(f"{index_path}: dtype {index['dtype']} cannot hold ids up to vocab_size - 1 = "
+                         f"{index['vocab_size'] - 1}")
+    row_bytes = index["seq_len"] * itemsize
+    paths, seen = [], set()
     for shard in index["shards"]:
-        path = _check_size(Path(data_dir), shard)
-        if shard["n_bytes"] != shard["n_sequences"] * index["seq_len"] * itemsize:
+        name = shard.get("file")
+        if not isinstance(name, str) or not _SHARD_RE.fullmatch(name):
+            raise ShardError(f"{index_path}: entry {name!r} is not a shard file name (shard-NNNNN.bin)")
+        path = d / name
+        if name in seen:
+            raise ShardError(f"{path}: listed twice in {INDEX_NAME}")
+        seen.add(name)
+        if shard["n_sequences"] <= 0:
+            raise ShardError(f"{path}: empty shard ({shard['n_sequences']} sequences) in {INDEX_NAME}")
+        if shard["n_bytes"] != shard["n_sequences"] * row_bytes:
             raise ShardError(f"{path}: index gives {shard['n_bytes']} bytes for {shard['n_sequences']} sequences")
-        digest = file_sha256(path)
-        if digest != shard["sha256"]:
-            raise ShardError(f"{path}: sha256 {digest} does not match index.json ({shard['sha256']})")
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise ShardError(f"{path}: shard file missing") from None
+        if size != shard["n_bytes"]:
+            partial = (f"; not a whole number of {index['seq_len']}-token {index['dtype']} sequences"
+                       if size % row_bytes else "")
+            raise ShardError(f"{path}: {size} bytes on disk, index says {shard['n_bytes']}{partial}")
+        paths.append(path)
+    extra = sorted(e.name for e in os.scandir(d) if _SHARD_RE.fullmatch(e.name) and e.name not in seen)
+    if extra:
+        raise ShardError(f"{d / extra[0]}: shard file not listed in {INDEX_NAME} ({len(extra)} such files)")
     if sum(s["n_sequences"] for s in index["shards"]) != index["n_sequences"]:
-        raise ShardError(f"{Path(data_dir) / INDEX_NAME}: shard n_sequences do not sum to n_sequences")
+        raise ShardError(f"{index_path}: shard n_sequences do not sum to n_sequences")
+    return paths
+
+
+def verify_shards(data_dir: str | os.PathLike, *, tokenizer_path: str | os.PathLike | None = None) -> dict:
+    """``check_entries``, then every shard's sha256 and largest id, compared with ``index.json``;
+    returns the index. ``ShardError`` naming the first shard that differs, holds an id >=
+    ``vocab_size``, or the index when ``tokenizer_path`` is given and is not the tokenizer the
+    set was built with (``check_tokenizer``)."""
+    index = read_index(data_dir)
+    if tokenizer_path is not None:
+        check_tokenizer(data_dir, tokenizer_path)
+    dtype = np.dtype(index["dtype"]).newbyteorder("<")
+    for shard, path in zip(index["shards"], check_entries(data_dir, index)):
+        h, top = hashlib.sha256(), 0
+        with open(path, "rb") as f:
+            while block := f.read(1 << 22):  # a multiple of 4 bytes: whole ids
+                h.update(block)
+                top = max(top, int(np.frombuffer(block, dtype=dtype).max()))
+        if h.hexdigest() != shard["sha256"]:
+            raise ShardError(f"{path}: sha256 {h.hexdigest()} does not match index.json ({shard['sha256']})")
+        if top >= index["vocab_size"]:
+            raise ShardError(f"{path}: holds id {top}, not below the index's vocab_size {index['vocab_size']}")
     return index
 
 
@@ -417,47 +458,82 @@ def check_compatible(index: dict, *, seq_len: int | None = None, vocab_size: int
 
 
 class SequenceReader:
-    """Random access to the sequences of a complete shard set through one ``np.memmap`` per shard.
+    """Random access to the sequences of a complete shard set through memory maps, opened
+    lazily and kept in an LRU of at most ``max_open`` (each map holds one file descriptor), so
+    any number of shards reads under a low open-files limit (``ulimit -n``).
 
     ``len(r)`` is ``n_sequences``; ``r[i]`` is a copy of sequence i, shape ``[seq_len]``, dtype of
-    the index (uint16/uint32); negative i counts from the end. Opening checks each shard's size
-    against the index (``ShardError`` naming the file); ``verify=True`` also checks sha256;
+    the index (uint16/uint32); negative i counts from the end; ``r.rows(ids)`` gathers many
+    (int64 ids -> [len(ids), seq_len], one read per shard touched). Opening runs
+    ``check_entries`` (sizes, names, no empty, missing, extra or duplicated shards: ``ShardError``
+    naming the file); ``verify=True`` also checks sha256 and ids (``verify_shards``);
     ``tokenizer_path`` refuses (``check_tokenizer``) a tokenizer the shards were not built with.
     Pickles small (directory + index), so it can go to DataLoader workers under spawn.
     """
 
     def __init__(self, data_dir: str | os.PathLike, *, verify: bool = False,
-                 tokenizer_path: str | os.PathLike | None = None) -> None:
+                 tokenizer_path: str | os.PathLike | None = None, max_open: int = 64) -> None:
+        if max_open < 1:
+            raise ValueError(f"max_open: must be at least 1, got {max_open}")
         self.data_dir = Path(data_dir)
         self.index = verify_shards(data_dir) if verify else read_index(data_dir)
         if tokenizer_path is not None:
             check_tokenizer(data_dir, tokenizer_path)
+        self.max_open = max_open
         self.seq_len: int = self.index["seq_len"]
         self.vocab_size: int = self.index["vocab_size"]
         self._open()
 
     def _open(self) -> None:
-        dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
-        self._maps = []
-        for shard in self.index["shards"]:
-            path = _check_size(self.data_dir, shard)
-            if shard["n_bytes"] != shard["n_sequences"] * self.seq_len * dtype.itemsize:
-                raise ShardError(f"{path}: index gives {shard['n_bytes']} bytes for {shard['n_sequences']} sequences")
-            self._maps.append(np.memmap(path, dtype=dtype, mode="r", shape=(shard["n_sequences"], self.seq_len)))
+        from collections import OrderedDict
+
+        self._paths = check_entries(self.data_dir, self.index)
+        self._dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
+        self._maps: OrderedDict[int, np.memmap] = OrderedDict()
         self._starts = np.cumsum([0] + [s["n_sequences"] for s in self.index["shards"]])
 
+    def shard(self, k: int) -> np.memmap:
+        """The memory map of shard k, [n_sequences, seq_len]; opens it (closing the least recently
+        used map beyond ``max_open``) when it is not open."""
+        m = self._maps.get(k)
+        if m is not None:
+            self._maps.move_to_end(k)
+            return m
+        while len(self._maps) >= self.max_open:
+            self._maps.popitem(last=False)  # its mmap and descriptor close with the last reference
+        m = np.memmap(self._paths[k], dtype=self._dtype, mode="r",
+                      shape=(self.index["shards"][k]["n_sequences"], self.seq_len))
+        self._maps[k] = m
+        return m
+
     def __getstate__(self) -> dict:
-        """Pickle the directory and index only (a memmap would pickle its data); the copy in a
-        DataLoader worker reopens the files, checking sizes again."""
-        return {"data_dir": self.data_dir, "index": self.index}
+        """Pickle the directory, index and limit only (a memmap would pickle its data); the copy in
+        a DataLoader worker checks the entries again and opens maps as it reads."""
+        return {"data_dir": self.data_dir, "index": self.index, "max_open": self.max_open}
 
     def __setstate__(self, state: dict) -> None:
         self.data_dir, self.index = state["data_dir"], state["index"]
+        self.max_open = state.get("max_open", 64)
         self.seq_len, self.vocab_size = self.index["seq_len"], self.index["vocab_size"]
         self._open()
 
     def __len__(self) -> int:
         return int(self._starts[-1])
+
+    def rows(self, ids) -> np.ndarray:
+        """Sequences ``ids`` (int, any order, repeats allowed) as [len(ids), seq_len] of the
+        index's dtype; IndexError naming the range for an id outside [0, len)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        n = len(self)
+        if ids.size and (ids.min() < 0 or ids.max() >= n):
+            raise IndexError(f"sequence ids must be in [0, {n}) for {self.data_dir}, "
+                             f"got range [{ids.min()}, {ids.max()}]")
+        which = np.searchsorted(self._starts, ids, side="right") - 1
+        out = np.empty((len(ids), self.seq_len), dtype=self._dtype)
+        for k in np.unique(which):
+            sel = which == k
+            out[sel] = self.shard(int(k))[ids[sel] - self._starts[k]]  # one gather per shard
+        return out
 
     def __getitem__(self, i: int) -> np.ndarray:
         n = len(self)
@@ -465,5 +541,4 @@ class SequenceReader:
             i += n
         if not 0 <= i < n:
             raise IndexError(f"sequence {i} out of range for {n} sequences in {self.data_dir}")
-        k = int(np.searchsorted(self._starts, i, side="right")) - 1
-        return np.array(self._maps[k][i - self._starts[k]])
+        return self.rows([i])[0]
