@@ -72,6 +72,9 @@ class CorpusConfig:
     """Functions with more machine-code bytes than this are skipped at extraction."""
     max_file_bytes: int = 256 * 1024 * 1024
     """ELF files larger than this are skipped (counted under 'too_large')."""
+    max_file_seconds: float = 120.0
+    """Seconds one ELF file may take (parsing and disassembly); a file over it is skipped and
+    counted under 'timeout', so a hostile file cannot stall an engine."""
     normalize: bool = True
     """Abstract addresses, immediates and jump targets into a few classes (so the vocabulary
     generalises across binaries); False keeps capstone's operand text unchanged."""
@@ -247,7 +250,9 @@ class TokenizerConfig:
     min_frequency: int = 2
     """Pairs/pieces seen fewer times than this are not merged into the vocabulary."""
     max_train_docs: int = 50_000
-    """Train on at most this many documents (a seeded sample)."""
+    """Train on at most this many documents: a sample drawn with ``seed`` (deterministic), so the
+    trainer's memory (word counts of the sample) does not grow with the corpus; slices of the
+    documents without a sampled row are not read."""
     seed: int = 0
     """Seed of the training sample."""
     held_out_docs: int = 2000

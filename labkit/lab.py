@@ -111,6 +111,7 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
     Returns the summed statistics, also written last to ``corpus/corpus.json``: files_found,
     parts, files_read, functions (ELF), documents (all sources), by_kind {elf|text|jsonl|parquet:
     documents}, raw_bytes (input file sizes), text_bytes, skipped {reason: n}, skipped_files,
+    dropped_functions {reason: n} (functions left out at extraction: "disassembly_stopped"),
     seconds, config. Raises ``FileNotFoundError`` naming a missing input path, ``ValueError``
     when no input file is found.
     """
@@ -150,7 +151,7 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
     parts = _wait_all(asyncs, "corpus: reading sources", progress)
     stats: dict[str, Any] = {"files_found": len(elf) + sum(map(len, text.values())), "parts": len(asyncs),
                              "files_read": 0, "functions": 0, "documents": 0, "by_kind": {}, "raw_bytes": 0,
-                             "text_bytes": 0, "skipped": {}, "skipped_files": {}}
+                             "text_bytes": 0, "skipped": {}, "skipped_files": {}, "dropped_functions": {}}
     for kind, p in zip(kinds, parts):
         for key in ("files_read", "raw_bytes", "text_bytes"):
             stats[key] += int(p[key])
@@ -158,6 +159,8 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
         stats["by_kind"][kind] = stats["by_kind"].get(kind, 0) + int(p["functions"])
         for reason, n in p["skipped"].items():
             stats["skipped"][reason] = stats["skipped"].get(reason, 0) + int(n)
+        for reason, n in p.get("dropped_functions", {}).items():
+            stats["dropped_functions"][reason] = stats["dropped_functions"].get(reason, 0) + int(n)
         stats["skipped_files"].update(p["skipped_files"])
     stats["documents"] += stats["functions"]
     stats["seconds"] = round(time.perf_counter() - t0, 2)
@@ -202,7 +205,9 @@ def clean_corpus(client, cfg: CleanConfig, workdir: str, *, force: bool = False,
 
     Returns ``{"input", "kept", "dropped": {reason: n}, "stages": {"corpus", "filters",
     "exact_dedup", "near_dedup"} (documents left after each), "partitions": {"exact", "near"},
-    "seconds": {step: s}, "near_dedup": {"seconds", "docs_per_s", "config"} | None}``, also
+    "seconds": {step: s}, "extraction": {reason: n} (functions left out before the corpus,
+    from ``corpus.json``: "disassembly_stopped"), "near_dedup": {"seconds", "docs_per_s",
+    "config"} | None}``, also
     written to ``clean/docs.drops.json``. Raises ``labkit.data.clean.EmptyCorpusError`` when
     nothing is kept.
     """
@@ -225,6 +230,9 @@ def clean_corpus(client, cfg: CleanConfig, workdir: str, *, force: bool = False,
         shutil.rmtree(p["clean"], ignore_errors=True)
         raise EmptyCorpusError(f"clean: no document of {p['corpus']} was kept ({stats['input']} in, "
                                f"dropped {stats['dropped']})")
+    corpus_json = p["corpus"] / "corpus.json"
+    stats["extraction"] = (json.loads(corpus_json.read_text()).get("dropped_functions", {})
+                           if corpus_json.exists() else {})
     stats["near_dedup"] = None
     if cfg.near_dedup is not None:
         sec = sum(v for k, v in stats["seconds"].items() if k.startswith("near_"))
@@ -329,6 +337,7 @@ def preparation_report(workdir: str) -> dict:
                                 **{f"after_{k}": v for k, v in stages.items() if k != "corpus"},
                                 "in_shards": index["n_documents"]},
         "skipped_inputs": corpus["skipped"],
+        "functions_left_out": corpus.get("dropped_functions", {}),
         "near_dedup_docs_per_s": near.get("docs_per_s"),
         "vocab_size": index["vocab_size"],
         "unk_rate_held_out": tok.get("unk_rate"),
