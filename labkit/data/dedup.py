@@ -26,11 +26,10 @@ Banding: with b bands of r rows a pair of Jaccard s becomes a candidate with pro
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import polars as pl

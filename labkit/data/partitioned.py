@@ -34,10 +34,10 @@ import dataclasses
 import glob as _glob
 import json
 import math
+import os
 import shutil
 import time
-from typing import Callable
-import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np

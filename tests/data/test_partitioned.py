@@ -29,7 +29,7 @@ def planted_corpus(seed: int = 0, n_single: int = 150, n_clusters: int = 40):
     0.95 with the base and 0.91 between variants, far above 0.8); some members also get an exact copy. Ids
     are random hex, so the smallest id is anywhere in the cluster."""
     rng = random.Random(seed)
-    new_id = lambda: f"{rng.getrandbits(64):016x}"  # noqa: E731
+    new_id = lambda: f"{rng.getrandbits(64):016x}"
     rows, clusters, singles = [], [], []
     for _ in range(n_single):
         rows.append((new_id(), "\n".join(_line(rng) for _ in range(60))))
@@ -132,7 +132,7 @@ def test_a_chain_is_one_component():
     cfg = DedupConfig(bands=64, rows=4, threshold=0.8)
     texts = ["\n".join(x) for x in (a, b, c)]
     sig = signatures(texts, cfg)
-    est = lambda i, j: float((sig[i] == sig[j]).mean())  # noqa: E731
+    est = lambda i, j: float((sig[i] == sig[j]).mean())
     assert est(0, 1) >= 0.8 and est(1, 2) >= 0.8 and est(0, 2) < 0.8
     dup = near_duplicates(["a", "b", "c"], signatures(texts, cfg), cfg)
     assert dup == {"b": "a", "c": "a"}
