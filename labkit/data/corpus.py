@@ -50,6 +50,7 @@ import os
 import pathlib
 import random
 import re
+import shutil
 import signal
 import threading
 import time
@@ -345,7 +346,7 @@ def _atomic_write_json(data: dict, path: pathlib.Path) -> None:
     os.replace(tmp, path)
 
 
-def write_corpus_part(files: list[str], cfg: CorpusConfig, out_path: str) -> dict:
+def write_corpus_part(files: list[str], cfg: CorpusConfig, out_path: str, *, flush_rows: int = 16_384) -> dict:
     """Extract functions from ``files`` in order until ``cfg.max_functions`` (this call's budget)
     are reached; write them to one Parquet file at ``out_path`` (temp file + rename).
 
@@ -353,36 +354,55 @@ def write_corpus_part(files: list[str], cfg: CorpusConfig, out_path: str) -> dic
     "dropped_functions"}``: files opened (used or skipped), rows written, summed sizes of the
     files opened (bytes on disk, too-large and unreadable files excluded), summed UTF-8 bytes
     of ``text``, counts by skip reason, ``{path: reason}`` for every skipped file, and functions
-    left out by reason (``{"disassembly_stopped": n}``). Files after the budget is
-    reached are not opened. Callers splitting files over engines split the budget too
+    left out by reason (``{"disassembly_stopped": n}``). Memory: one file's functions plus
+    ``flush_rows`` rows; more are spilled to temporary files and streamed into ``out_path``.
+    Files after the budget is reached are not opened. Callers splitting files over engines split the budget too
     (``split_work``).
     """
     frames, skipped, skipped_files, dropped = [], {}, {}, {}
-    files_read = raw_bytes = functions = 0
-    for path in files:
-        if cfg.max_functions is not None and functions >= cfg.max_functions:
-            break
-        remaining = None if cfg.max_functions is None else cfg.max_functions - functions
-        frame, skips = extract_functions(path, dataclasses.replace(cfg, max_functions=remaining), dropped)
-        files_read += 1
-        for reason in skips:
-            skipped[reason] = skipped.get(reason, 0) + 1
-            skipped_files[str(path)] = reason
-        if not skips.keys() & {"unreadable", "too_large"}:
-            try:
-                raw_bytes += os.path.getsize(path)
-            except OSError:  # removed since it was read
-                pass
-        if frame.height:
-            frames.append(frame)
-            functions += frame.height
-    table = pl.concat(frames) if frames else pl.DataFrame(schema=SCHEMA)
+    files_read = raw_bytes = functions = text_bytes = 0
     out = pathlib.Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    table.write_parquet(tmp)
-    os.replace(tmp, out)
-    text_bytes = int(table["text"].str.len_bytes().sum() or 0)
+    spill_dir = out.with_name(f".{out.name}.spill-{os.getpid()}")
+    spills: list[pathlib.Path] = []
+
+    def spill() -> None:  # the frames so far to one temporary file: memory stays at ~flush_rows rows
+        spill_dir.mkdir(exist_ok=True)
+        spills.append(spill_dir / f"{len(spills):05d}.parquet")
+        pl.concat(frames).write_parquet(spills[-1])
+        frames.clear()
+
+    try:
+        for path in files:
+            if cfg.max_functions is not None and functions >= cfg.max_functions:
+                break
+            remaining = None if cfg.max_functions is None else cfg.max_functions - functions
+            frame, skips = extract_functions(path, dataclasses.replace(cfg, max_functions=remaining), dropped)
+            files_read += 1
+            for reason in skips:
+                skipped[reason] = skipped.get(reason, 0) + 1
+                skipped_files[str(path)] = reason
+            if not skips.keys() & {"unreadable", "too_large"}:
+                try:
+                    raw_bytes += os.path.getsize(path)
+                except OSError:  # removed since it was read
+                    pass
+            if frame.height:
+                frames.append(frame)
+                functions += frame.height
+                text_bytes += int(frame["text"].str.len_bytes().sum() or 0)
+                if sum(f.height for f in frames) >= flush_rows:
+                    spill()
+        tmp = out.with_name(out.name + ".tmp")
+        if spills:
+            if frames:
+                spill()
+            pl.scan_parquet(spills).sink_parquet(tmp)
+        else:
+            (pl.concat(frames) if frames else pl.DataFrame(schema=SCHEMA)).write_parquet(tmp)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(spill_dir, ignore_errors=True)
     return {"files_read": files_read, "functions": functions, "raw_bytes": raw_bytes,
             "text_bytes": text_bytes, "skipped": skipped, "skipped_files": skipped_files, "dropped_functions": dropped}
 

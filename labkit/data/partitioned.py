@@ -85,28 +85,29 @@ def exact_keys_part(corpus_part: str, part: int, cfg: CleanConfig, work_dir: str
     """Step 1 for corpus part number ``part``: filter (``labkit.data.clean.clean``, without
     exact dedup) in ``cfg.batch_rows`` slices and write the keys of the passing rows -- id (Utf8),
     h1, h2 (UInt64, ``clean``'s two text hashes), part (UInt32), row (UInt64, row in the part)
-    -- to ``work_dir/exact/keys-<p>/part-<part>.parquet`` for each partition p = h1 mod
+    -- to ``work_dir/exact/keys-<p>/part-<part>-<slice>.parquet`` for each partition p = h1 mod
     ``n_parts``. Returns {"part", "input": rows, "passed": rows, "dropped": {reason: n}}.
-    Memory: one slice of texts plus the keys of the part (~60 B per row)."""
+    Memory: one slice (``cfg.batch_rows`` rows) of texts and its keys."""
     from labkit.data.clean import _SEED_1, _SEED_2, clean
 
     filters_only = dataclasses.replace(cfg, exact_dedup=False)
     scan = pl.scan_parquet(corpus_part)
     n = int(scan.select(pl.len()).collect().item())
-    keys, counts = [], {}
-    for lo in range(0, n, cfg.batch_rows):
+    counts: dict[str, int] = {}
+    passed = 0
+    for b, lo in enumerate(range(0, n, cfg.batch_rows)):
         frame = clean(scan.slice(lo, cfg.batch_rows), filters_only, extra_filters=extra_filters).collect()
         for reason, count in frame.get_column("drop_reason").drop_nulls().value_counts().iter_rows():
             counts[reason] = counts.get(reason, 0) + int(count)
-        keys.append(frame.with_row_index("row", offset=lo).filter(pl.col("drop_reason").is_null()).select(
+        keys = frame.with_row_index("row", offset=lo).filter(pl.col("drop_reason").is_null()).select(
             pl.col("id"), h1=pl.col("text").hash(_SEED_1), h2=pl.col("text").hash(_SEED_2),
-            part=pl.lit(part, dtype=pl.UInt32), row=pl.col("row").cast(pl.UInt64)))
-    schema = {"id": pl.Utf8, "h1": pl.UInt64, "h2": pl.UInt64, "part": pl.UInt32, "row": pl.UInt64}
-    table = pl.concat(keys) if keys else pl.DataFrame(schema=schema)
-    table = table.with_columns(p=(pl.col("h1") % n_parts).cast(pl.Int64))
-    for (p,), group in table.partition_by("p", as_dict=True).items():
-        _write(group.drop("p"), Path(work_dir) / "exact" / f"keys-{p:05d}" / f"part-{part:05d}.parquet")
-    return {"part": part, "input": n, "passed": table.height, "dropped": counts}
+            part=pl.lit(part, dtype=pl.UInt32), row=pl.col("row").cast(pl.UInt64))
+        del frame
+        passed += keys.height
+        keys = keys.with_columns(p=(pl.col("h1") % n_parts).cast(pl.Int64))
+        for (p,), group in keys.partition_by("p", as_dict=True).items():
+            _write(group.drop("p"), Path(work_dir) / "exact" / f"keys-{p:05d}" / f"part-{part:05d}-{b:05d}.parquet")
+    return {"part": part, "input": n, "passed": passed, "dropped": counts}
 
 
 def exact_partition(work_dir: str, partition: int) -> dict:
@@ -137,34 +138,36 @@ def _exact_rows(work_dir: str, part: int) -> np.ndarray:
 def near_bands_part(corpus_part: str, part: int, offset: int, cfg: DedupConfig, work_dir: str,
                     n_parts: int) -> dict:
     """Step 3 for corpus part ``part`` (its first row is corpus row ``offset``): MinHash
-    signatures (``labkit.data.dedup.signatures``) of the rows exact dedup kept, saved as
-    ``near/sigs-<part>.npy`` (uint32 [n, num_perm]) with their corpus rows ``near/rows-<part>.npy``
-    (int64, ascending); each (document, band) key goes to ``near/bands-<p>/part-<part>.npy``
-    (int64 [m, 2]: key as int64 bits, corpus row) for p = key mod ``n_parts``.
-    Returns {"part", "documents", "entries"}. Memory: ``cfg.batch_rows`` texts, the part's
-    signatures and band keys."""
+    signatures (``labkit.data.dedup.signatures``) of the rows exact dedup kept, ``cfg.batch_rows``
+    at a time, each batch saved as ``near/sigs-<part>-<batch>.npy`` (uint32 [n, num_perm]) with
+    its corpus rows ``near/rows-<part>-<batch>.npy`` (int64, ascending); each (document, band)
+    key goes to ``near/bands-<p>/part-<part>-<batch>.npy`` (int64 [m, 2]: key as int64 bits,
+    corpus row) for p = key mod ``n_parts``. Returns {"part", "documents", "entries"}.
+    Memory: one batch of texts, its signatures and band keys, and the part's kept row numbers
+    (8 B per row)."""
     from labkit.data.dedup import band_hashes, signatures
 
     rows = _exact_rows(work_dir, part)
     texts = (pl.scan_parquet(corpus_part).select(pl.col("text").fill_null("")).with_row_index("row")
              .with_columns(pl.col("row").cast(pl.Int64)))
-    sigs = [np.zeros((0, cfg.num_perm), dtype=np.uint32)]
-    for lo in range(0, len(rows), cfg.batch_rows):
+    near = Path(work_dir) / "near"
+    entries = 0
+    for b, lo in enumerate(range(0, len(rows), cfg.batch_rows)):
         want = rows[lo:lo + cfg.batch_rows]
         batch = texts.filter(pl.col("row").is_between(int(want[0]), int(want[-1])))
         batch = batch.filter(pl.col("row").is_in(pl.Series(want, dtype=pl.Int64).implode())).collect()
-        sigs.append(signatures(batch["text"].to_list(), cfg))
-    sig = np.concatenate(sigs)
-    near = Path(work_dir) / "near"
-    _save(sig, near / f"sigs-{part:05d}.npy")
-    _save(rows + offset, near / f"rows-{part:05d}.npy")
-    keys = band_hashes(sig, cfg).reshape(-1)  # [n * bands], document-major
-    docs = np.repeat(rows + offset, cfg.bands)
-    target = (keys % np.uint64(n_parts)).astype(np.int64)
-    for p in np.unique(target):
-        sel = target == p
-        _save(np.stack([keys[sel].view(np.int64), docs[sel]], axis=1), near / f"bands-{p:05d}" / f"part-{part:05d}.npy")
-    return {"part": part, "documents": len(rows), "entries": len(keys)}
+        sig = signatures(batch["text"].to_list(), cfg)
+        stem = f"{part:05d}-{b:05d}"
+        _save(sig, near / f"sigs-{stem}.npy")
+        _save(want + offset, near / f"rows-{stem}.npy")
+        keys = band_hashes(sig, cfg).reshape(-1)  # [n * bands], document-major
+        docs = np.repeat(want + offset, cfg.bands)
+        target = (keys % np.uint64(n_parts)).astype(np.int64)
+        for p in np.unique(target):
+            sel = target == p
+            _save(np.stack([keys[sel].view(np.int64), docs[sel]], axis=1), near / f"bands-{p:05d}" / f"part-{stem}.npy")
+        entries += len(keys)
+    return {"part": part, "documents": len(rows), "entries": entries}
 
 
 class _Signatures:
@@ -236,19 +239,39 @@ def near_components(corpus_parts: list[str], work_dir: str) -> dict:
 
 
 def write_kept_part(corpus_part: str, part: int, offset: int, work_dir: str, out_path: str,
-                    near: bool = True) -> dict:
+                    near: bool = True, batch_rows: int = 16_384) -> dict:
     """Step 6: the rows of corpus part ``part`` that exact dedup kept, minus the near
     duplicates (``near``), in corpus order, all input columns, to ``out_path`` (temp file +
-    rename). Returns {"part", "kept"}. Memory: one part."""
+    rename). Returns {"part", "kept"}. Memory: ``batch_rows`` rows of the part at a time
+    (each slice to a temporary file, then streamed into ``out_path``: ``sink_parquet``)."""
     rows = _exact_rows(work_dir, part)
+    scan = pl.scan_parquet(corpus_part)
+    n = int(scan.select(pl.len()).collect().item())
     if near:
-        dups = pl.read_parquet(Path(work_dir) / "near" / "duplicates.parquet")["row"].to_numpy()
+        dups = pl.scan_parquet(Path(work_dir) / "near" / "duplicates.parquet").filter(
+            pl.col("row").is_between(offset, offset + n - 1)).select("row").collect()["row"].to_numpy()
         rows = np.setdiff1d(rows, dups - offset)
-    frame = (pl.scan_parquet(corpus_part).with_row_index("_row")
-             .filter(pl.col("_row").cast(pl.Int64).is_in(pl.Series(rows, dtype=pl.Int64).implode()))
-             .drop("_row").collect())
-    _write(frame, Path(out_path))
-    return {"part": part, "kept": frame.height}
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = out.with_name(f".{out.name}.slices-{os.getpid()}")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir()
+    try:
+        slices = []
+        for b, lo in enumerate(range(0, max(n, 1), batch_rows)):
+            a, z = np.searchsorted(rows, [lo, lo + batch_rows])
+            frame = scan.slice(lo, batch_rows).collect()
+            mask = np.zeros(frame.height, dtype=bool)
+            mask[rows[a:z] - lo] = True
+            frame = frame.filter(pl.Series(mask))
+            slices.append(tmp_dir / f"{b:05d}.parquet")
+            frame.write_parquet(slices[-1])
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        pl.scan_parquet(slices).sink_parquet(tmp, row_group_size=batch_rows)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return {"part": part, "kept": len(rows)}
 
 
 def dedup_corpus(corpus_parts: list[str], cfg: CleanConfig, work_dir: str, out_dir: str, *, n_engines: int,
@@ -306,8 +329,8 @@ def dedup_corpus(corpus_parts: list[str], cfg: CleanConfig, work_dir: str, out_d
         seconds["near_components"], t = time.perf_counter() - t, time.perf_counter()
         if n_near:
             counts["near_duplicate"] = n_near
-    pmap(write_kept_part, [(path, k, int(offsets[k]), str(work), str(out / f"part-{k:05d}.parquet"), near is not None)
-                           for k, path in enumerate(corpus_parts)])
+    pmap(write_kept_part, [(path, k, int(offsets[k]), str(work), str(out / f"part-{k:05d}.parquet"), near is not None,
+                            cfg.batch_rows) for k, path in enumerate(corpus_parts)])
     seconds["write"] = time.perf_counter() - t
     if near is not None:
         dups = pl.read_parquet(work / "near" / "duplicates.parquet").select("id", "duplicate_of")

@@ -79,3 +79,15 @@ def test_undecodable_bytes_drop_the_function_and_are_counted(tmp_path):
     assert set(before["name"]) - set(after["name"]) == {victim["name"]}
     stats = write_corpus_part([str(patched)], cfg, str(tmp_path / "part.parquet"))
     assert stats["dropped_functions"] == dropped and stats["functions"] == after.height
+
+
+def test_spilled_parts_equal_one_in_memory(tmp_path):
+    if not os.path.exists(LIBZ):
+        pytest.skip("libz not installed")
+    cfg = CorpusConfig(max_functions=None, max_functions_per_file=None)
+    one = write_corpus_part([LIBZ, LIBZ], cfg, str(tmp_path / "one.parquet"))
+    many = write_corpus_part([LIBZ, LIBZ], cfg, str(tmp_path / "many.parquet"), flush_rows=10)
+    import polars as pl
+
+    assert one == many and pl.read_parquet(tmp_path / "one.parquet").equals(pl.read_parquet(tmp_path / "many.parquet"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many.parquet", "one.parquet"]

@@ -136,3 +136,17 @@ def test_a_chain_is_one_component():
     assert est(0, 1) >= 0.8 and est(1, 2) >= 0.8 and est(0, 2) < 0.8
     dup = near_duplicates(["a", "b", "c"], signatures(texts, cfg), cfg)
     assert dup == {"b": "a", "c": "a"}
+
+
+def test_slices_and_an_empty_part_do_not_change_the_result(corpus, tmp_path):
+    ref = _single_engine(corpus, tmp_path, CleanConfig())
+    empty = corpus["dir"] / "corpus" / "part-00009.parquet"  # sorts last: an empty part at the end
+    corpus["frame"].head(0).write_parquet(empty)
+    try:
+        cfg = CleanConfig(batch_rows=37, near_dedup=DedupConfig(batch_rows=29))
+        stats = partitioned.dedup_corpus([*corpus["parts"], str(empty)], cfg, str(tmp_path / "w"),
+                                         str(tmp_path / "d"), n_engines=3)
+    finally:
+        empty.unlink()
+    assert pl.read_parquet(tmp_path / "d").equals(ref) and stats["kept"] == ref.height
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [f"part-{k:05d}.parquet" for k in range(4)]
