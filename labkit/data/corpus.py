@@ -258,7 +258,8 @@ class _deadline:
             signal.signal(signal.SIGALRM, self.previous)
 
 
-def extract_functions(path, cfg: CorpusConfig, dropped: dict[str, int] | None = None) -> tuple[pl.DataFrame, dict[str, int]]:
+def extract_functions(path, cfg: CorpusConfig,
+                      dropped: dict[str, int] | None = None) -> tuple[pl.DataFrame, dict[str, int]]:
     """Disassemble the functions of one ELF file.
 
     Returns a frame with ``SCHEMA``'s columns, one row per function address, sorted by address:

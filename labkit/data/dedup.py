@@ -316,8 +316,8 @@ def near_dedup_parquet(docs_path: str, sig_paths: list[str], out_path: str, cfg:
     Memory: the ids (one column), the signatures (uint32 [n, num_perm], 448 bytes per document
     by default) and the band keys and candidate pairs of ``near_duplicates`` (about 3 x 16
     bytes per document and band); grows with the corpus (one engine): the bounded, distributed
-    version is ``labkit.data.partitioned``; never the texts: the kept rows are streamed from ``docs_path`` (``sink_parquet``,
-    row groups of ``cfg.batch_rows`` rows).
+    version is ``labkit.data.partitioned``; never the texts: the kept rows are streamed from
+    ``docs_path`` (``sink_parquet``, row groups of ``cfg.batch_rows`` rows).
     """
     t0 = time.perf_counter()
     ids = pl.scan_parquet(docs_path).select("id").collect()["id"].to_list()

@@ -235,12 +235,13 @@ def plan_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardCon
         raise ShardError(f"{tokenizer_path}: emits ids up to {vocab_size - 1}, not below the model's vocabulary "
                          f"size {cfg.model_vocab_size} (ShardConfig.model_vocab_size)")
     dtype = shard_dtype(vocab_size)
-    lens = np.concatenate([np.fromfile(Path(p["dir"]) / p["lens"]["file"], dtype="<i4") for p in parts]).astype(np.int64)
+    lens = np.concatenate([np.fromfile(Path(p["dir"]) / p["lens"]["file"], dtype="<i4")
+                           for p in parts]).astype(np.int64)
     keep, balance = select_documents(docs_path, lens, cfg)
     per_shard = rows_per_shard(cfg, dtype)
+    keep_sha = hashlib.sha256(np.packbits(keep).tobytes()).hexdigest()
     plan_hash = hashlib.sha256(json.dumps([tok_sha, cfg.seq_len, per_shard, dtype.name, groups,
-                                           [p["ids"]["sha256"] for p in parts],
-                                           hashlib.sha256(np.packbits(keep).tobytes()).hexdigest()]).encode()).hexdigest()
+                                           [p["ids"]["sha256"] for p in parts], keep_sha]).encode()).hexdigest()
     keep_path = parts_dir / "keep.npy"
     with open(keep_path.with_name(f".keep.npy.tmp-{os.getpid()}"), "wb") as f:
         np.save(f, keep)
@@ -252,7 +253,8 @@ def plan_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardCon
     return {"out_dir": str(out.absolute()), "parts_dir": str(parts_dir), "keep_path": str(keep_path),
             "hash": plan_hash, "seq_len": cfg.seq_len, "rows_per_shard": per_shard, "dtype": dtype.name,
             "vocab_size": vocab_size, "tokenizer_sha256": tok_sha, "n_documents": int(keep.sum()),
-            "balance": balance, "parts": parts, "groups": plan_groups(parts, lens, keep, cfg.seq_len, per_shard, groups)}
+            "balance": balance, "parts": parts,
+            "groups": plan_groups(parts, lens, keep, cfg.seq_len, per_shard, groups)}
 
 
 def write_index(plan: dict, group_shards: list[list[dict]]) -> dict:

@@ -83,8 +83,8 @@ def test_distributed_dedup_keeps_the_single_engine_set_and_one_per_planted_clust
     assert set(got["id"]) == expected
     n_exact = sum(len(c) - len({t for t in corpus["frame"].filter(pl.col("id").is_in(list(c)))["text"]})
                   for c in corpus["clusters"])
-    assert stats["dropped"] == {"exact_duplicate": n_exact,
-                                "near_duplicate": sum(len(c) for c in corpus["clusters"]) - len(corpus["clusters"]) - n_exact}
+    n_near = sum(len(c) for c in corpus["clusters"]) - len(corpus["clusters"]) - n_exact
+    assert stats["dropped"] == {"exact_duplicate": n_exact, "near_duplicate": n_near}
     assert stats["kept"] == len(expected) and stats["input"] == corpus["frame"].height
     dups = pl.read_parquet(tmp_path / "near_duplicates.parquet")
     owner = {i: min(c) for c in corpus["clusters"] for i in c}
