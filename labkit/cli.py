@@ -1,8 +1,19 @@
-"""``labkit`` command line: the same functions the notebooks call.
+"""labkit command line: the same functions the notebooks call, one subcommand per stage.
 
-    labkit demo [--workdir DIR] [--engines N] [--max-functions N] [--steps N] [--no-reports]
-    labkit verify SHARD_DIR
-    labkit report NOTEBOOK OUT.html [--param key=value ...]
+    labkit prepare CONFIG            corpus, cleaning, tokenizer, shards (on the engines)
+    labkit stage CONFIG              shards to node-local disk, checksums verified
+    labkit train CONFIG              DDP training on the engines
+    labkit resume RUN_DIR            continue a run from its newest checkpoint
+    labkit sweep ranks|micro-batch|loaders CONFIG
+    labkit plan                      the planner's memory and scaling tables
+    labkit export RUN_DIR OUT        model + tokenizer + model card for transformers
+    labkit demo | verify SHARD_DIR | report NOTEBOOK OUT.html
+
+CONFIG is a TOML file (``labkit.config.tomlfile``); ``--set section.key=value`` overrides a key.
+Errors caused by the input (a bad key, a missing file, a failed notebook cell, a dead kernel,
+an engine's error) print one line naming the cause and exit with status 2; ``--debug`` shows
+the traceback instead. ``python -m labkit.train CONFIG`` (also under torchrun) is
+``labkit/train/__main__.py``.
 """
 
 from __future__ import annotations
@@ -11,7 +22,78 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import sys
+
+EXAMPLES = {
+    "prepare": "labkit prepare configs/walkthrough.toml --set corpus.max_functions=20000",
+    "stage": "labkit stage configs/walkthrough.toml",
+    "train": "labkit train configs/walkthrough.toml --set train.max_steps=200 --engines 2",
+    "resume": "labkit resume work/walkthrough/runs/main --set train.max_steps=400",
+    "sweep": "labkit sweep ranks configs/walkthrough.toml --ranks 1 2\n"
+             "  labkit sweep micro-batch configs/walkthrough.toml --models mini small --budget-gb 2\n"
+             "  labkit sweep loaders configs/walkthrough.toml --workers 0 1 2 --step-time-s 0.05",
+    "plan": 'labkit plan --model bert-350m --gpus 256 --micro-batch 16 --seq-len 512 --device "H100 NVL"',
+    "export": "labkit export work/walkthrough/runs/main work/walkthrough/export",
+    "demo": "labkit demo --workdir work/demo --engines 2",
+    "verify": "labkit verify work/demo/shards",
+    "report": "labkit report notebooks/03_train.ipynb work/demo/reports/03_train.html --param steps=20",
+}
+
+
+def _one_line(exc: BaseException) -> str:
+    """The cause of ``exc`` in one line: a notebook cell's or an engine's error name and value,
+    a dead kernel, or the first line of the message."""
+    from nbclient.exceptions import CellExecutionError, DeadKernelError
+
+    def first(text: object) -> str:
+        return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
+
+    if isinstance(exc, CellExecutionError):
+        return f"a notebook cell failed: {exc.ename}: {first(exc.evalue)}"
+    if isinstance(exc, DeadKernelError):
+        return f"the notebook's kernel died while running a cell (DeadKernelError: {first(exc)})"
+    if hasattr(exc, "ename") and hasattr(exc, "evalue"):  # ipyparallel RemoteError
+        return f"error on an engine: {exc.ename}: {first(exc.evalue)}"
+    return first(exc) or type(exc).__name__
+
+
+def _input_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "the input or a notebook is wrong", not a bug in labkit."""
+    from ipyparallel.error import RemoteError
+    from nbclient.exceptions import CellControlSignal
+
+    return (ValueError, OSError, RuntimeError, FloatingPointError, RemoteError, CellControlSignal)
+
+
+def _guarded(name: str, func, args: argparse.Namespace, errors: tuple[type[BaseException], ...]) -> int:
+    """Run ``func(args)``: an error of ``errors`` prints ``<name>: error: <cause>`` and returns
+    2 (with ``--debug`` it is raised); Ctrl-C returns 130."""
+    try:
+        return func(args)
+    except errors as exc:
+        if getattr(args, "debug", False):
+            raise
+        print(f"{name}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted; engines were stopped. Completed stages are kept and are reused by the "
+              "next run with the same work directory.", file=sys.stderr)
+        return 130
+
+
+def _config(args: argparse.Namespace):
+    """The LabConfig of CONFIG with --set and the cluster options applied."""
+    from labkit.config.tomlfile import load
+
+    overrides = list(args.set)
+    for flag, key in (("engines", "engines"), ("profile", "profile"), ("cluster_id", "cluster_id")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides.append(f"cluster.{key}={json.dumps(value)}")
+    if getattr(args, "slurm", False):
+        overrides.append('cluster.kind="slurm"')
+    return load(args.config, overrides)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -44,7 +126,9 @@ def _report(args: argparse.Namespace) -> int:
 
     params = {}
     for item in args.param:
-        key, _, value = item.partition("=")
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--param {item!r}: expected key=value")
         try:
             params[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -53,46 +137,135 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resume(args: argparse.Namespace) -> int:
+    from labkit import commands
+    from labkit.config.tomlfile import ClusterConfig
+
+    engines = args.engines or commands.run_world_size(args.run_dir) or ClusterConfig().engines
+    cluster = ClusterConfig(engines=engines, kind="slurm" if args.slurm else "local", profile=args.profile,
+                            cluster_id=args.cluster_id)
+    return commands.resume(args.run_dir, cluster, args.set)
+
+
+def _command(name: str):
+    """The handler of subcommand ``name`` (imports labkit.commands lazily: --help stays fast)."""
+    def run(args: argparse.Namespace) -> int:
+        from labkit import commands
+
+        if name == "sweep":
+            return commands.sweep(args.kind, _config(args), args)
+        if name in ("plan", "export"):
+            return getattr(commands, name)(args)
+        cfg = _config(args)
+        if name == "prepare":
+            return commands.prepare(cfg, force=args.force)
+        if name == "train":
+            return commands.train(cfg, stage_first=not args.no_stage)
+        return commands.stage(cfg)
+    return run
+
+
+def _add_common(p: argparse.ArgumentParser, *, config: bool = True, cluster: bool = True) -> None:
+    if config:
+        p.add_argument("config", help="TOML config file (see configs/walkthrough.toml)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config key (TOML value, else a string); repeatable")
+    if cluster:
+        g = p.add_argument_group("cluster (default: local engines, as the notebooks)")
+        g.add_argument("--engines", type=int, default=None, help="number of engines (default: [cluster] engines)")
+        g.add_argument("--profile", default=None, help="IPython profile of the cluster")
+        g.add_argument("--slurm", action="store_true", help="start the engines as a Slurm job ([cluster.slurm])")
+        g.add_argument("--cluster-id", default=None, help="connect to this running cluster instead of starting one")
+
+
+def _sub(sub, name: str, help_text: str, debug_parent: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help_text, description=help_text, parents=[debug_parent],
+                          epilog=f"example:\n  {EXAMPLES[name]}", formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``labkit`` argument parser (every subcommand's ``--help`` ends with an example)."""
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the full traceback of an error")
+    parser = argparse.ArgumentParser(prog="labkit", description=__doc__.split("\n\n")[0], parents=[debug],
+                                     epilog="\n".join(f"  {e}" for e in EXAMPLES.values()),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = _sub(sub, "prepare", "corpus, cleaning, tokenizer and shards on the engines (notebook 01)", debug)
+    _add_common(p)
+    p.add_argument("--force", action="store_true", help="redo every stage even if its artifact is complete")
+    p.set_defaults(func=_command("prepare"))
+    p = _sub(sub, "stage", "copy the shards to node-local disk, verifying checksums (notebook 02)", debug)
+    _add_common(p)
+    p.set_defaults(func=_command("stage"))
+    p = _sub(sub, "train", "train under DDP on the engines (notebook 03)", debug)
+    _add_common(p)
+    p.add_argument("--no-stage", action="store_true", help="read data_dir directly instead of staged copies")
+    p.set_defaults(func=_command("train"))
+    p = _sub(sub, "resume", "continue a run from its newest checkpoint with its saved config", debug)
+    p.add_argument("run_dir")
+    _add_common(p, config=False)
+    p.set_defaults(func=_resume)
+    p = _sub(sub, "sweep", "scaling sweeps: ranks, micro-batch or DataLoader workers (notebook 04)", debug)
+    p.add_argument("kind", choices=("ranks", "micro-batch", "loaders"))
+    _add_common(p)
+    p.add_argument("--ranks", type=int, nargs="+", default=None, help="ranks: the rank counts (default 1..engines)")
+    p.add_argument("--models", nargs="+", default=None, help="micro-batch: model presets (default: train.model)")
+    p.add_argument("--budget-gb", type=float, default=2.0, help="micro-batch: GiB per rank; 0 = the GPU until OOM")
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="loaders: worker counts")
+    p.add_argument("--step-time-s", type=float, default=0.05, help="loaders: the consumer's step time (s)")
+    p.add_argument("--force", action="store_true", help="rerun points already in the sweep's table")
+    p.set_defaults(func=_command("sweep"))
+    p = _sub(sub, "plan", "the planner's memory per GPU, parallel splits and scaling for a model and cluster", debug)
+    p.add_argument("--model", default="bert-120m", help="model preset (labkit.model.MODEL_SIZES)")
+    p.add_argument("--gpus", type=int, default=256, help="GPUs in all")
+    p.add_argument("--gpus-per-node", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--micro-batch", type=int, default=16, help="sequences per GPU per step")
+    p.add_argument("--device", default="H100 NVL", help="a labkit.study.plan.DEVICES name")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--vocab-size", type=int, default=None, help="default: the study's vocabulary")
+    p.add_argument("--network", default="25GbE", help="a labkit.study.scaling.NETWORKS name")
+    p.add_argument("--top", type=int, default=8, help="splits shown")
+    p.set_defaults(func=_command("plan"))
+    p = _sub(sub, "export", "write a run's model, tokenizer and model card for transformers", debug)
+    p.add_argument("run_dir")
+    p.add_argument("out")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's tokenizer_path)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    p.set_defaults(func=_command("export"))
+
+    p = _sub(sub, "demo", "the end-to-end lab on local engines, CPU, real ELF binaries", debug)
+    p.add_argument("--workdir", default="work/demo", help="where every artifact goes (default: work/demo)")
+    p.add_argument("--engines", type=int, default=2, help="local ipyparallel engines (default: 2)")
+    p.add_argument("--max-functions", type=int, default=None, help="functions to disassemble (default: 30000)")
+    p.add_argument("--paths", nargs="*", default=None, help="ELF files or directories (default: system dirs)")
+    p.add_argument("--steps", type=int, default=None, help="DDP training steps")
+    p.add_argument("--no-reports", action="store_true", help="skip executing the notebooks")
+    p.set_defaults(func=_demo)
+    p = _sub(sub, "verify", "check a shard set's index and every shard's sha256", debug)
+    p.add_argument("shard_dir")
+    p.set_defaults(func=_verify)
+    p = _sub(sub, "report", "execute a notebook and export it as self-contained HTML", debug)
+    p.add_argument("notebook")
+    p.add_argument("out")
+    p.add_argument("--param", action="append", default=[], help="key=value (JSON value) for the parameters cell")
+    p.set_defaults(func=_report)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``labkit`` console script; returns the exit status."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    parser = argparse.ArgumentParser(prog="labkit", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    from labkit.train.provenance import COMMAND_ENV
 
-    demo = sub.add_parser("demo", help="the end-to-end lab on local engines, CPU, real ELF binaries")
-    demo.add_argument("--workdir", default="work/demo", help="where every artifact goes (default: work/demo)")
-    demo.add_argument("--engines", type=int, default=2, help="local ipyparallel engines (default: 2)")
-    demo.add_argument("--max-functions", type=int, default=None, help="functions to disassemble (default: 30000)")
-    demo.add_argument("--paths", nargs="*", default=None, help="ELF files or directories (default: system dirs)")
-    demo.add_argument("--steps", type=int, default=None, help="DDP training steps")
-    demo.add_argument("--no-reports", action="store_true", help="skip executing the notebooks")
-    demo.set_defaults(func=_demo)
-
-    verify = sub.add_parser("verify", help="check a shard set's index and every shard's sha256")
-    verify.add_argument("shard_dir")
-    verify.set_defaults(func=_verify)
-
-    report = sub.add_parser("report", help="execute a notebook and export it as self-contained HTML")
-    report.add_argument("notebook")
-    report.add_argument("out")
-    report.add_argument("--param", action="append", default=[], help="key=value (JSON value) for the parameters cell")
-    report.set_defaults(func=_report)
-
-    args = parser.parse_args(argv)
-    from ipyparallel.error import RemoteError
-
-    try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError, OSError) as exc:
-        print(f"labkit {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except RemoteError as exc:  # an engine raised: its error in one line, not the whole traceback
-        print(f"labkit {args.command}: error on an engine: {exc.ename}: {exc.evalue}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"labkit {args.command}: interrupted; engines were stopped. Completed stages are kept and "
-              "are reused by the next run with the same --workdir.", file=sys.stderr)
-        return 130
+    os.environ[COMMAND_ENV] = shlex.join(["labkit", *argv])  # engines inherit it: provenance's command line
+    return _guarded(f"labkit {args.command}", args.func, args, _input_errors())
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -42,7 +43,8 @@ cfg = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/noteboo
                   tokenizer_path=f"{workdir}/tokenizer/tokenizer.json",
                   micro_batch_size=micro_batch_size, max_steps=steps, warmup_steps=max(1, steps // 10),
                   schedule="cosine", lr=1e-3, num_threads=1, resume=False,
-                  eval_every=max(1, steps // 4) if held_out else 0)
+                  eval_every=max(1, steps // 4) if held_out else 0,
+                  checkpoints=False)  # a look at training; the demo's main run keeps its checkpoint
 live = plots.LivePlot(plots.loss_figure)
 result = lab.train_on_cluster(client, cfg, staged=staged, live=live)
 

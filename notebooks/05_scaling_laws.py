@@ -2,6 +2,7 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -31,6 +32,8 @@ law_points = 6  # held-out evaluations per run: its (N, D, eval loss) points
 bootstrap = 16  # bootstrap refits for the uncertainty
 
 # %%
+import os
+
 import numpy as np
 import polars as pl
 import torch
@@ -82,16 +85,18 @@ pl.DataFrame({"constant": ["E", "A", "B", "alpha", "beta"],
 # evaluates the held-out loss `law_points` times (`eval_loss`: whole documents never trained
 # on, the same fixed masks every time, dropout off; `labkit.train.evaluation`), and each evaluation
 # is one (N, D, loss) point (D = tokens seen). N counts non-embedding parameters (Kaplan's
-# convention). Runs already in `runs/law-*` are read back.
+# convention). Finished runs in `runs/law-*` (their `result.json` is written last) are read
+# back; they keep no checkpoint.
 
 # %%
 def law_run(width: int) -> pl.DataFrame:
     cfg = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/law-{width}", model="tiny",
                       model_overrides={"hidden_size": width, "intermediate_size": 4 * width, "num_heads": 2},
                       micro_batch_size=law_micro_batch, max_steps=law_steps, warmup_steps=5, lr=2e-3,
-                      min_lr_ratio=1.0, num_threads=1, resume=True, seed=0,
+                      min_lr_ratio=1.0, num_threads=1, resume=False, checkpoints=False, seed=0,
                       eval_every=max(1, law_steps // law_points), eval_sequences=128)
-    train(cfg)
+    if not os.path.exists(f"{cfg.run_dir}/result.json"):  # a finished run is read back, not rerun
+        train(cfg)
     return (pl.read_ndjson(f"{cfg.run_dir}/metrics.jsonl").filter(pl.col("eval_loss").is_not_null())
             .select("step", "tokens", pl.col("eval_loss").alias("loss"))).with_columns(
         width=pl.lit(width),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from labkit.cli import main
 
 
@@ -24,7 +26,7 @@ def test_verify_refuses_a_directory_without_index(tmp_path, capsys):
 
 def test_console_script_help_lists_the_commands():
     out = subprocess.run([sys.executable, "-m", "labkit.cli", "--help"], capture_output=True, text=True, check=True)
-    for command in ("demo", "verify", "report"):
+    for command in ("prepare", "stage", "train", "resume", "sweep", "plan", "export", "demo", "verify", "report"):
         assert command in out.stdout
 
 
@@ -52,3 +54,78 @@ def test_interrupt_is_one_line_and_exit_130(monkeypatch, tmp_path, capsys):
 def test_verify_names_a_missing_directory(tmp_path, capsys):
     assert main(["verify", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_every_subcommand_help_shows_an_example():
+    from labkit.cli import EXAMPLES, build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert set(sub.choices) == set(EXAMPLES)
+    for name, p in sub.choices.items():
+        text = p.format_help()
+        assert "example:" in text and f"labkit {name}" in text.split("example:")[1], name
+
+
+def test_a_bad_config_key_is_one_line_and_exit_2(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[train]\nmax_step = 3\n")
+    assert main(["train", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("labkit train: error: train.max_step: unknown key"), err
+    cfg.write_text("[train]\nmax_steps = 3\n")
+    assert main(["prepare", str(cfg), "--set", "train.lr=fast"]) == 2
+    assert "train.lr: expected float, got 'fast'" in capsys.readouterr().err
+    cfg.write_text("[train]\nmax_step = 3\n")
+    with pytest.raises(ValueError, match="train.max_step: unknown key"):
+        main(["train", str(cfg), "--debug"])
+
+
+def test_resume_and_export_name_a_missing_run(tmp_path, capsys):
+    assert main(["resume", str(tmp_path / "run")]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
+
+
+def test_plan_prints_the_planners_numbers(capsys):
+    from labkit.study import plan
+    from labkit.model import model_config
+
+    assert main(["plan", "--model", "bert-120m", "--gpus", "8", "--micro-batch", "16", "--seq-len", "512"]) == 0
+    out = capsys.readouterr().out
+    mem = plan.memory_plan(model_config("bert-120m", plan.STUDY_VOCAB), seq_len=512, micro_batch=16, dp=8)
+    assert f'"total": {mem["total"]}' in out
+    assert "splits that fit" in out and "predicted data-parallel scaling" in out and "efficiency" in out
+
+
+def _notebook(path, *cells):
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+    return path
+
+
+def test_report_on_a_failing_cell_and_a_dead_kernel_is_one_line(tmp_path, capsys):
+    failing = _notebook(tmp_path / "fails.ipynb", "x = 1", "1 / 0")
+    assert main(["report", str(failing), str(tmp_path / "out" / "fails.html")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["labkit report: error: a notebook cell failed: ZeroDivisionError: division by zero"], err
+    dies = _notebook(tmp_path / "dies.ipynb", "import os\nos._exit(1)")
+    assert main(["report", str(dies), str(tmp_path / "out" / "dies.html")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "kernel died" in err[0] and "DeadKernelError" in err[0], err
+    assert main(["report", str(failing), str(tmp_path / "out" / "f.html"), "--param", "novalue"]) == 2
+    assert "--param 'novalue': expected key=value" in capsys.readouterr().err
+
+
+def test_train_without_shards_says_so_before_starting_engines(tmp_path, capsys):
+    assert main(["train", "--set", f"workdir={str(tmp_path)!r}", str(tmp_path / "none.toml")]) == 2
+    assert "none.toml does not exist" in capsys.readouterr().err
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"workdir = {str(tmp_path / 'w')!r}\n")
+    assert main(["train", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "run labkit prepare first" in err and "starting" not in err

@@ -3,7 +3,7 @@
 Rule (deterministic, by document): document row r of the documents file is held out iff
 ``numpy.random.default_rng(seed).random(n_rows)[r] < fraction`` and it was kept by the
 balancing selection. Held-out documents are removed from the training shards and packed, by
-the same rule as the shards (``labkit.data.shards.pack_rows``: [CLS] + ids, [SEP] after each
+the same rule as the shards (``labkit.data.pack.pack_rows``: [CLS] + ids, [SEP] after each
 document, the last row [PAD]-padded), into one file ``heldout-00000.bin`` beside them, so no
 document has tokens on both sides. ``index.json`` records it under "heldout":
 
@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from labkit.config import SPECIAL_TOKENS
+from labkit.data.pack import PAD_ID, pack_rows, with_seps
 from labkit.io import atomic_write_bytes, sha256_bytes
 
 HELDOUT_FILE = "heldout-00000.bin"
@@ -48,15 +47,11 @@ def split_keep(keep: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray
 
 
 def write_heldout(parts: list[dict], lengths: np.ndarray, heldout: np.ndarray, out_dir: str | os.PathLike, *,
-                  seq_len: int, dtype: np.dtype, fraction: float, seed: int, pack: Callable,
-                  with_seps: Callable) -> dict | None:
+                  seq_len: int, dtype: np.dtype, fraction: float, seed: int) -> dict | None:
     """Pack the ``heldout`` documents (bool mask over rows) of the encoded ``parts`` (markers of
     ``labkit.data.shards.encode_part``, sorted by start) into ``out_dir/heldout-00000.bin``,
     written atomically; returns the index entry (module docstring) or None when no document is
-    held out (a stale file is removed). ``lengths``: int64 [n_rows] ids per row (-1 = null text).
-    ``pack`` and ``with_seps`` are the shards' own ``pack_rows`` and ``_with_seps`` (passed in
-    so that this module does not import labkit.data.shards, which imports it)."""
-    pad_id = SPECIAL_TOKENS.index("[PAD]")
+    held out (a stale file is removed). ``lengths``: int64 [n_rows] ids per row (-1 = null text)."""
     path = Path(out_dir) / HELDOUT_FILE
     if not heldout.any():
         path.unlink(missing_ok=True)
@@ -70,11 +65,11 @@ def write_heldout(parts: list[dict], lengths: np.ndarray, heldout: np.ndarray, o
         ids = np.fromfile(Path(p["dir"]) / p["ids"]["file"], dtype=np.dtype(p["dtype"]).newbyteorder("<"))
         token_keep = np.repeat(sel[valid], lens[valid])
         streams.append(with_seps(ids[token_keep].astype(np.int64), lens[sel]))
-    rows = pack(np.concatenate(streams), seq_len, final=True)[0]
+    rows = pack_rows(np.concatenate(streams), seq_len, final=True)[0]
     data = np.ascontiguousarray(rows, dtype=dtype).tobytes()
     atomic_write_bytes(path, data)
     return {"rule": RULE, "fraction": fraction, "seed": seed, "n_documents": int(heldout.sum()),
-            "n_sequences": len(rows), "n_tokens": int(np.count_nonzero(rows != pad_id)),
+            "n_sequences": len(rows), "n_tokens": int(np.count_nonzero(rows != PAD_ID)),
             "shards": [{"file": HELDOUT_FILE, "n_sequences": len(rows), "n_bytes": len(data),
                         "sha256": sha256_bytes(data)}]}
 

@@ -41,7 +41,7 @@ from labkit.data.mlm import make_loader
 from labkit.data.shards import read_index
 from labkit.io import atomic_write_json, atomic_write_text
 from labkit.model import BertMLM, count_parameters, flops_per_token, model_config
-from labkit.train import dist
+from labkit.train import dist, provenance, sinks
 from labkit.train.checkpoint import _rng_state, _set_rng_state, checkpoint_steps, load_checkpoint, save_checkpoint
 from labkit.train.optim import build_optimizer, lr_at
 from labkit.train.run_config import check_resume, data_identity, save_run_config
@@ -151,6 +151,9 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
     ``cfg.resume``. Raises ``FloatingPointError`` on a non-finite loss when on_nonfinite="raise",
     ``ValueError`` naming the field for inconsistent settings; shard errors come from
     ``labkit.data.shards``. A process group this call creates is destroyed before it returns.
+    Rank 0 also sends each record to the sinks named in ``cfg.trackers`` (``labkit.train.sinks``:
+    TensorBoard event files under run_dir/tensorboard by default); config.json and result.json
+    carry the run's ``provenance`` (``labkit.train.provenance.collect``).
     """
     t_start = time.time()
     rank, local_rank, world = dist.dist_info()
@@ -158,10 +161,13 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     owns_group = not torch.distributed.is_initialized()
-    dist.init_distributed(cfg.backend, cfg.timeout_s, device)
+    trackers = sinks.open_sinks(cfg.trackers, cfg.run_dir, main=rank == 0)  # rank 0 writes
     try:
-        return _run(cfg, sink, rank, world, device, t_start)
+        dist.init_distributed(cfg.backend, cfg.timeout_s, device)
+        return _run(cfg, sinks.fan_out(sink, trackers), rank, world, device, t_start)
     finally:
+        for tracker in trackers:
+            tracker.close()
         if owns_group:
             dist.teardown()
 
@@ -223,9 +229,11 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         sampler.set_epoch(epoch)
 
     metrics_path = run_dir / "metrics.jsonl"
+    prov = provenance.collect(device, start_time=provenance.now_iso())  # collective: every rank's host, device
     if dist.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_run_config(run_dir, to_dict(cfg), identity, atomic_write_json)  # earlier configs kept in configs/
+        # earlier configs kept in configs/; provenance (host, device, times) is not compared
+        save_run_config(run_dir, to_dict(cfg) | {"provenance": prov}, identity, atomic_write_json)
         old = metrics_path.read_text().splitlines() if state is not None and metrics_path.exists() else []
         kept = [line for line in old if line.strip() and json.loads(line)["step"] <= step]
         # drop records logged after the checkpoint we resume from
@@ -318,7 +326,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                     f.write(json.dumps(record) + "\n")
                 if sink is not None:
                     sink(record)
-        if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == stop:
+        if cfg.checkpoints and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == stop):
             save_checkpoint(run_dir, step, model,
                             {"format": 1, "step": step, "epoch": epoch, "tokens": tokens_seen,
                              "optimizer": dist.optimizer_state_dict(model, optimizer),  # collective
@@ -351,7 +359,8 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
               "resumed_from_step": resume_step or None, "skipped_steps": skipped, "model": cfg.model,
               "model_config": to_dict(mcfg), "seq_len": seq_len, "vocab_size": vocab_size,
               "device": str(device), "precision": cfg.precision, "sharding": sharding,
-              "activation_checkpointing": mcfg.activation_checkpointing, "wall_s": time.time() - t_start}
+              "activation_checkpointing": mcfg.activation_checkpointing, "wall_s": time.time() - t_start,
+              "provenance": prov | {"end_time": provenance.now_iso()}}
     if dist.is_main():
         atomic_write_json(run_dir / "result.json", result)
     return result

@@ -6,7 +6,8 @@ the new run's, field by field (``config_drift``):
 
 - ``FREE_FIELDS`` never matter: where things are (run_dir, data_dir, tokenizer_path; the data
   and tokenizer themselves are compared by hash instead), how the process runs (threads,
-  loader workers, backend, timeout, verification), ``stop_after`` (a simulated interruption:
+  loader workers, backend, timeout, verification, metric trackers, the provenance record that
+  config.json carries), ``stop_after`` (a simulated interruption:
   the schedule follows max_steps) and this module's own switch.
 - ``SAFE_FIELDS`` change what is logged, saved or how far the run goes, not the steps already
   taken: more steps (``max_steps``; with a decaying schedule the LR of the
@@ -30,10 +31,11 @@ import pathlib
 from typing import Any
 
 FREE_FIELDS = frozenset({"run_dir", "data_dir", "tokenizer_path", "num_workers", "num_threads", "backend",
-                         "timeout_s", "verify_data", "resume", "allow_safe_changes", "stop_after"})
+                         "timeout_s", "verify_data", "resume", "allow_safe_changes", "stop_after", "trackers",
+                         "provenance"})
 """TrainConfig fields that never change a run's result."""
 
-SAFE_FIELDS = frozenset({"max_steps", "log_every", "ckpt_every", "keep_checkpoints", "eval_every",
+SAFE_FIELDS = frozenset({"max_steps", "checkpoints", "log_every", "ckpt_every", "keep_checkpoints", "eval_every",
                          "eval_sequences", "eval_batch_size", "timing_warmup_steps"})
 """TrainConfig fields that may change on resume with ``allow_safe_changes=True``."""
 
@@ -84,6 +86,11 @@ def check_resume(run_dir: str | os.PathLike, new: dict, new_data: dict, *, allow
         raise ValueError(f"resume: {run_dir} was started with another configuration: {'; '.join(drift)} ({hint})")
 
 
+def _comparable(config: dict) -> dict:
+    """A saved config without its provenance record (host, device, times: different every run)."""
+    return {k: v for k, v in config.items() if k != "provenance"}
+
+
 def save_run_config(run_dir: str | os.PathLike, new: dict, new_data: dict, write_json) -> None:
     """Write config.json and data.json into ``run_dir`` with ``write_json(path, obj)`` (atomic);
     a config.json that differs from ``new`` is first moved to configs/config-<k>.json."""
@@ -91,7 +98,7 @@ def save_run_config(run_dir: str | os.PathLike, new: dict, new_data: dict, write
     path = run_dir / "config.json"
     if path.exists():
         old = json.loads(path.read_text())
-        if old != new:
+        if _comparable(old) != _comparable(new):
             history = run_dir / "configs"
             history.mkdir(exist_ok=True)
             k = 1 + max((int(p.stem.split("-")[1]) for p in history.glob("config-*.json")

@@ -103,7 +103,8 @@ def test_train_single_process(shards, tmp_path):
     on_disk = json.loads((run_dir / "result.json").read_text())
     assert on_disk["final_loss"] == losses[-1] and on_disk["initial_loss"] == losses[0]
     assert on_disk["steps"] == 12 and on_disk["world_size"] == 1 and result["params"] == on_disk["params"]
-    assert from_dict(TrainConfig, json.loads((run_dir / "config.json").read_text())) == cfg
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved.pop("provenance")["world_size"] == 1 and from_dict(TrainConfig, saved) == cfg
     assert train_mod.checkpoint_steps(run_dir) == [8, 12]  # keep_checkpoints=2 pruned step-4
     state = torch.load(run_dir / "checkpoints" / "step-12" / "state.pt", weights_only=True)
     assert state["step"] == 12 and len(state["ranks"]) == 1
@@ -144,6 +145,13 @@ def test_nonfinite_loss_raises_or_skips(shards, tmp_path, monkeypatch):
     result = train(tiny_cfg(shards, run, max_steps=2, on_nonfinite="skip"))
     assert result["skipped_steps"] == 2
     assert [r["skipped"] for r in read_metrics(run)] == [True, True]
+
+
+def test_checkpoints_false_writes_metrics_and_result_only(shards, tmp_path):
+    run = tmp_path / "sweep"
+    result = train(tiny_cfg(shards, run, max_steps=3, ckpt_every=1, checkpoints=False))
+    assert result["steps"] == 3 and len(read_metrics(run)) == 3 and (run / "result.json").is_file()
+    assert train_mod.checkpoint_steps(run) == [] and not (run / "checkpoints").exists()
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

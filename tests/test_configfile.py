@@ -1,0 +1,89 @@
+"""TOML config files onto the dataclasses: types checked, unknown keys and bad values refused in
+one line naming the dotted key, --set overrides, the train defaults from the work directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from labkit.config import DedupConfig, TrainConfig, to_dict
+from labkit.config.tomlfile import apply_overrides, load, parse_override, read_run_config
+
+TOML = """
+workdir = "w"
+[corpus]
+paths = ["/usr/lib"]
+max_functions = 500
+[clean.near_dedup]
+bands = 7
+[train]
+model = "tiny"
+lr = 1          # an integer where a float is asked for: taken as 1.0
+model_overrides = {hidden_dropout = 0.0}
+"""
+
+
+@pytest.fixture
+def cfg_file(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(TOML)
+    return path
+
+
+def test_file_maps_onto_the_dataclasses(cfg_file):
+    cfg = load(cfg_file)
+    assert cfg.workdir == "w" and cfg.corpus.paths == ("/usr/lib",) and cfg.corpus.max_functions == 500
+    assert cfg.clean.near_dedup == DedupConfig(bands=7)
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert cfg.train.model_overrides == {"hidden_dropout": 0.0}
+    assert (cfg.train.data_dir, cfg.train.run_dir, cfg.train.tokenizer_path) == (
+        "w/shards", "w/runs/main", "w/tokenizer/tokenizer.json")
+    assert cfg.tokenizer.vocab_size == 8192, "a missing section takes the dataclass defaults"
+
+
+def test_set_overrides_parse_toml_values_else_strings(cfg_file):
+    cfg = load(cfg_file, ["train.max_steps=7", "train.model=mini", 'corpus.paths=["/a", "/b"]',
+                          "train.num_threads=none", "clean.near_dedup.threshold=0.9", "train.trackers=[]"])
+    assert cfg.train.max_steps == 7 and cfg.train.model == "mini" and cfg.corpus.paths == ("/a", "/b")
+    assert cfg.train.num_threads is None and cfg.clean.near_dedup.threshold == 0.9 and cfg.train.trackers == ()
+    assert parse_override("a.b=x=y") == (["a", "b"], "x=y")
+    assert apply_overrides({"train": {"lr": 1.0}}, ["train.lr=2e-3"]) == {"train": {"lr": 2e-3}}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.max_step=3", "train.max_step: unknown key; TrainConfig has data_dir"),
+    ("train.max_steps=ten", "train.max_steps: expected int, got 'ten'"),
+    ("train.max_steps=0", "train.max_steps: must be positive, got 0"),
+    ("train.precision=fp8", "train.precision: expected one of 'fp32', 'bf16', 'fp16', got 'fp8'"),
+    ("train.resume=1", "train.resume: expected bool, got 1"),
+    ("corpus.paths=[1]", "corpus.paths[0]: expected str, got 1"),
+    ("clean.near_dedup.bands=x", "clean.near_dedup.bands: expected int, got 'x'"),
+    ("trainer.lr=1", "trainer: unknown key; known top-level keys are workdir and the sections cluster"),
+    ("cluster.engines=0", "cluster.engines: must be at least 1, got 0"),
+    ("train", "--set 'train': expected section.key=value"),
+])
+def test_bad_keys_and_values_are_named_in_one_line(cfg_file, override, message):
+    with pytest.raises(ValueError) as err:
+        load(cfg_file, [override])
+    assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+
+
+def test_file_errors_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.toml does not exist"):
+        load(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nlr = 1\n")
+    with pytest.raises(ValueError, match=r"bad.toml: not valid TOML: .*line 1"):
+        load(bad)
+
+
+def test_run_config_reads_back_without_provenance(tmp_path):
+    cfg = TrainConfig(data_dir="d", run_dir=str(tmp_path), model="tiny", max_steps=9, stop_after=3)
+    (tmp_path / "config.json").write_text(json.dumps(to_dict(cfg) | {"provenance": {"world_size": 2}}))
+    assert read_run_config(tmp_path) == cfg
+    assert read_run_config(tmp_path, ["train.max_steps=12"]).max_steps == 12
+    with pytest.raises(ValueError, match="a run directory holds a \\[train\\] config only"):
+        read_run_config(tmp_path, ["corpus.max_functions=1"])
+    with pytest.raises(FileNotFoundError, match="is not a run directory"):
+        read_run_config(tmp_path / "elsewhere")
