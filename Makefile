@@ -10,7 +10,7 @@ TORCH_VERSION := 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: venv demo test bench browser clean-venv
+.PHONY: venv demo test lab bench browser cluster-tools cluster-clean clean-venv
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -27,11 +27,37 @@ endif
 demo: venv
 	$(VENV)/bin/labkit demo
 
-test: venv browser
+test: venv browser cluster-tools
 	$(PY) -m pytest
 
-# Headless Chromium for the report-rendering test (tests/test_notebooks.py): Debian's package,
-# installed only when missing and when running as root; otherwise that one test is skipped.
+# Real Slurm (two virtual nodes), munge, Open MPI and network namespaces for the real-cluster
+# tests (tests/cluster/test_real_cluster.py, tests/cluster/test_real_hosts.py; labkit/testing/realcluster.py
+# starts and stops the daemons by pid from pytest fixtures). Debian's packages, installed only
+# when missing and when running as root; otherwise those tests are skipped with one line.
+CLUSTER_TOOLS := slurmctld slurmd sbatch munged mpiexec ip nsenter unshare
+CLUSTER_PACKAGES := slurmctld slurmd slurm-client munge openmpi-bin libopenmpi-dev iproute2 util-linux
+cluster-tools:
+	@missing=; for t in $(CLUSTER_TOOLS); do PATH="$$PATH:/usr/sbin:/sbin" command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	[ -z "$$missing" ] || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(CLUSTER_PACKAGES); } || \
+	  echo "missing$$missing (needs root + apt): the real-cluster tests will be skipped"
+
+# Stop what `python -m labkit.testing up` started (by pid) and delete the network hosts.
+cluster-clean: venv
+	$(PY) -m labkit.testing down
+
+# JupyterLab from .venv on the notebooks (as root too). The jupytext .py scripts are the source;
+# their paired .ipynb (outputs included) are made or refreshed here and stay out of git.
+# etc/jupyter turns ipyparallel's Clusters panel (server and lab extension) off: it adopts every
+# cluster it finds in the profile, labkit's too, and prints each stopped engine's whole log here.
+lab: venv
+	$(VENV)/bin/jupytext --sync --quiet notebooks/*.py
+	JUPYTER_CONFIG_PATH="$(CURDIR)/etc/jupyter$${JUPYTER_CONFIG_PATH:+:$$JUPYTER_CONFIG_PATH}" \
+	  $(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks $$([ "$$(id -u)" = 0 ] && echo --allow-root)
+
+# Headless Chromium for the browser tests (tests/test_notebooks.py, driven by the playwright package
+# of the test extra; no browser download): Debian's package, installed only when missing and when
+# running as root; otherwise those tests are skipped, saying so.
 browser:
 	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } || \

@@ -159,7 +159,7 @@ def _write_figures(work: Path) -> list[str]:
 def run_reports(cfg: DemoConfig, work: Path, *, t0: float | None = None) -> list[str]:
     """Execute each notebook headlessly on the demo's work directory and export it as a
     self-contained HTML report under ``<workdir>/reports``; returns the report paths."""
-    from labkit.report import execute_notebook
+    from labkit.report import declared_parameters, execute_notebook
 
     t0 = time.perf_counter() if t0 is None else t0
     reports = []
@@ -169,10 +169,12 @@ def run_reports(cfg: DemoConfig, work: Path, *, t0: float | None = None) -> list
               "steps": min(cfg.train_steps, 20), "sweep_steps": cfg.sweep_steps,
               "sweep_models": list(cfg.sweep_models), "memory_budget_gb": cfg.memory_budget_gb}
     for name in NOTEBOOKS:
-        src = notebooks_dir() / f"{name}.ipynb"
+        src = notebooks_dir() / f"{name}.py"  # the jupytext script is the source
         out = work / "reports" / f"{name}.html"
         _say(f"    executing {src.name}", t0)
-        execute_notebook(str(src), str(out), parameters=params, timeout=900, cwd=str(work))
+        declared = declared_parameters(src)  # each report shows only the parameters its notebook uses
+        execute_notebook(str(src), str(out), parameters={k: v for k, v in params.items() if k in declared},
+                         timeout=900, cwd=str(work))
         reports.append(str(out))
     return reports
 

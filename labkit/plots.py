@@ -20,13 +20,14 @@ import plotly.io as pio
 import polars as pl
 from plotly.subplots import make_subplots
 
-COLORS = {"loss": "#1f4e79", "throughput": "#c55a11", "ideal": "#7f7f7f", "bar": "#2e75b6"}
+COLORS = {"loss": "#1f4e79", "throughput": "#c55a11", "ideal": "#7f7f7f", "bar": "#2e75b6", "busy": "#c00000"}
 """Named colours used across figures (colour-blind safe blue/orange pair, grey reference)."""
-COLORWAY = ("#1f4e79", "#c55a11", "#548235", "#7030a0", "#bf9000", "#2e75b6")
+COLORWAY = ("#1f4e79", "#c55a11", "#548235", "#7030a0", "#bf9000", "#2e75b6", "#c00000", "#00a3a3")
+"""Series colours in order; 8, so the 7 terms of ``memory_figure`` never share one."""
 FONT = {"family": "Inter, Helvetica, Arial, sans-serif", "size": 13, "color": "#222222"}
-RENDERER = "plotly_mimetype+notebook"
-"""Kernel mimetype for live notebooks + the `notebook` renderer, which embeds plotly.js once
-so nbconvert's HTML export renders offline (plotly/io/_renderers.py)."""
+RENDERER = "plotly_mimetype+labkit_notebook"
+"""Kernel mimetype for JupyterLab + labkit's variant of plotly's `notebook` renderer, which embeds
+plotly.js once so nbconvert's HTML export renders offline (plotly/io/_renderers.py)."""
 
 
 @functools.cache
@@ -38,17 +39,68 @@ def style() -> go.layout.Template:
                     legend={"orientation": "h", "y": -0.18})
     t.layout.xaxis.update(showgrid=True, gridcolor="#e5e5e5")
     t.layout.yaxis.update(showgrid=True, gridcolor="#e5e5e5")
+    # simple_white draws shapes with line width 0 (and 0.3 opacity): reference lines would be invisible
+    t.layout.shapedefaults = {"line": {"width": 2, "color": COLORS["ideal"]}, "opacity": 1}
     return t
 
 
-def setup_notebook_plotting() -> None:
-    """Make figures render in notebooks and in nbconvert HTML (plotly.js embedded once, offline).
+def nice_step(span: float, target: int = 5) -> float:
+    """A round tick step (1, 2 or 5 x 10^k) giving about `target` intervals over `span` (> 0)."""
+    if not span > 0 or not math.isfinite(span):
+        return 1.0
+    raw = span / target
+    base = 10 ** math.floor(math.log10(raw))
+    return next(m * base for m in (1, 2, 5, 10) if m * base >= raw)
+
+
+def log_ticks(lo: float, hi: float) -> list[float]:
+    """Tick values 1, 2 and 5 x 10^k between `lo` and `hi` (> 0) for a log axis: labels that never
+    repeat (plotly labels a log axis's minor ticks by their leading digit only: 2, 3, ... 9, 2, 3)."""
+    if not 0 < lo <= hi:
+        raise ValueError(f"log_ticks needs 0 < lo <= hi; got {lo}, {hi}")
+    return [m * 10.0**k for k in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+            for m in (1, 2, 5) if lo <= m * 10.0**k <= hi]
+
+
+def round_axis(values: Sequence[float], *, percent: bool = False) -> dict:
+    """Axis settings with round ticks from 0: ``{"tickmode": "linear", "tick0": 0, "dtick": step}``
+    for the largest of `values` (step from ``nice_step``); with `percent`, a ``tickformat`` with
+    just enough decimals that no two tick labels are equal (0.2 %, 0.4 %, ... not 0 %, 0 %)."""
+    top = max((v for v in values if v is not None and math.isfinite(v)), default=0.0)
+    step = nice_step(top) if top > 0 else (0.2 if percent else 1.0)
+    out = {"tickmode": "linear", "tick0": 0, "dtick": step}
+    if percent:
+        out["tickformat"] = f".{max(0, -math.floor(math.log10(step * 100) + 1e-9))}%"
+    return out
+
+
+def _register_offline_renderer() -> None:
+    """Register "labkit_notebook": plotly's `notebook` renderer (plotly.js embedded by its
+    activate()) whose figure HTML does not load MathJax from a CDN, as plotly's hard-codes
+    (include_mathjax="cdn" in plotly/io/_base_renderers.py): a report makes no network request."""
+    from plotly.io._base_renderers import NotebookRenderer
+
+    class OfflineNotebookRenderer(NotebookRenderer):
+        def to_mimebundle(self, fig_dict):
+            html = pio.to_html(fig_dict, config=self.config, include_plotlyjs=False, include_mathjax=False,
+                               full_html=False, default_width="100%", default_height=525, validate=False)
+            return {"text/html": html}
+
+    if "labkit_notebook" not in pio.renderers:
+        pio.renderers["labkit_notebook"] = OfflineNotebookRenderer()
+
+
+def setup_notebook_plotting(*, table_rows: int = 100) -> None:
+    """Make figures render in notebooks and in nbconvert HTML (plotly.js embedded once, offline),
+    and show polars tables of up to `table_rows` rows whole (polars cuts at 10 rows with "…").
 
     Sets pio.renderers.default to RENDERER and activates it now, so plotly.js is emitted even if
     the notebook only draws through `LivePlot`.
     """
+    _register_offline_renderer()
     pio.renderers.default = RENDERER
     pio.renderers._activate_pending_renderers()  # emits the notebook renderer's plotly.js once
+    pl.Config.set_tbl_rows(table_rows)
 
 
 def _frame(df: pl.DataFrame | pl.LazyFrame, need: Sequence[str], what: str) -> pl.DataFrame:
@@ -76,7 +128,8 @@ def loss_figure(metrics: pl.DataFrame | pl.LazyFrame, *, title: str = "Training 
         fig.add_trace(go.Scatter(x=d["step"].to_list(), y=d["tokens_per_s"].to_list(), name="tokens/s",
                                  mode="lines", line={"color": COLORS["throughput"], "dash": "dot"}),
                       secondary_y=True)
-        fig.update_yaxes(title_text="tokens/s", secondary_y=True, showgrid=False, rangemode="tozero")
+        fig.update_yaxes(title_text="tokens/s", secondary_y=True, showgrid=False, rangemode="tozero",
+                         **round_axis(d["tokens_per_s"].to_list()))
     fig.update_yaxes(title_text="MLM loss", secondary_y=False)
     fig.update_layout(template=style(), title=title, xaxis_title="step")
     return fig
@@ -100,10 +153,13 @@ def scaling_table(df: pl.DataFrame | pl.LazyFrame) -> pl.DataFrame:
 def throughput_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data-parallel scaling") -> go.Figure:
     """Measured tokens/s vs ranks, the ideal linear line n x throughput(1), efficiency labels.
 
-    `df` columns: ranks (int), tokens_per_s (float). Traces: "measured", "ideal".
+    `df` columns: ranks (int), tokens_per_s (float) [, busy (bool), load_avg_1m, cpu_count:
+    ``labkit.lab.sweep_ranks``]. Traces: "ideal", "measured", and when a row was measured on a
+    busy machine, "busy machine" crosses on those ranks (their numbers are low by an unknown amount).
     Raises ValueError naming missing columns or a missing ranks == 1 row.
     """
-    t = scaling_table(_frame(df, ["ranks", "tokens_per_s"], "throughput_figure"))
+    df = _frame(df, ["ranks", "tokens_per_s"], "throughput_figure")
+    t = scaling_table(df)
     x = t["ranks"].to_list()
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=x, y=t["ideal"].to_list(), name="ideal", mode="lines",
@@ -115,10 +171,27 @@ def throughput_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data-par
     for n, y, e in zip(x, t["tokens_per_s"].to_list(), t["efficiency"].to_list()):
         fig.add_annotation(x=n, y=y, text=f"{e:.0%}", showarrow=False, yshift=14,
                            font={"color": COLORS["throughput"]})
+    _flag_busy(fig, df, t)
     fig.update_layout(template=style(), title=title, xaxis_title="ranks",
                       yaxis_title="tokens/s (all ranks)")
     fig.update_xaxes(tickvals=x)
     return fig
+
+
+def _flag_busy(fig: go.Figure, rows: pl.DataFrame, table: pl.DataFrame, *, x: str = "ranks") -> None:
+    """Cross the points of `table` whose `x` value has a row in `rows` with busy == True."""
+    if "busy" not in rows.columns or not rows["busy"].fill_null(False).any():
+        return
+    busy = rows.filter(pl.col("busy").fill_null(False))
+    load = busy.group_by(x).agg(pl.col("load_avg_1m").max() if "load_avg_1m" in busy.columns else pl.lit(None),
+                                pl.col("cpu_count").max() if "cpu_count" in busy.columns else pl.lit(None))
+    pts = table.join(load, on=x).sort(x)
+    fig.add_trace(go.Scatter(x=pts[x].to_list(), y=pts["tokens_per_s"].to_list(), mode="markers",
+                             name="busy machine (load >= CPUs)",
+                             marker={"symbol": "x-thin-open", "size": 16, "line": {"width": 3, "color": COLORS["busy"]},
+                                     "color": COLORS["busy"]},
+                             customdata=pts.select(pts.columns[-2:]).rows(),
+                             hovertemplate="measured while the 1-min load was %{customdata[0]} on %{customdata[1]} CPUs"))
 
 
 def microbatch_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Largest micro-batch that fits") -> go.Figure:
@@ -148,42 +221,80 @@ def figure_bundle(fig: go.Figure) -> dict:
             "text/html": pio.to_html(fig, include_plotlyjs=False, full_html=False)}
 
 
+_LIVE_SCRIPT = """<div id="{div_id}" class="plotly-graph-div" style="height:{height}px; width:100%;"></div>
+<script type="text/javascript">
+(function () {{
+  var fig = {fig_json};
+  function draw(tries) {{
+    var el = document.getElementById("{div_id}");
+    if (el && window.Plotly) {{ window.Plotly.newPlot(el, fig.data, fig.layout, {{"responsive": true}}); }}
+    else if (tries > 0) {{ setTimeout(function () {{ draw(tries - 1); }}, 100); }}
+  }}
+  draw(100);
+}})();
+</script>"""
+
+
+def live_html(fig: go.Figure, div_id: str, *, height: int = 450) -> str:
+    """HTML (a plotly div and a script drawing `fig` into it with the page's plotly.js) for a live output.
+
+    JupyterLab and the classic notebook re-render a text/html output on update_display_data, but
+    not a plotly mimetype output (plotly/plotly.py#3053), so live frames are HTML. The script
+    waits up to 10 s for ``window.Plotly`` (defined by ``setup_notebook_plotting``'s embedded
+    plotly.js) and for the div, then calls ``Plotly.newPlot``. `height` in CSS pixels."""
+    fig_json = pio.to_json(fig, validate=False).replace("</", "<\\/")  # keep </script> out of the JSON
+    return _LIVE_SCRIPT.format(div_id=div_id, height=int(height), fig_json=fig_json)
+
+
 class LivePlot:
     """A figure redrawn in place in a notebook output, at most once per `min_interval` seconds.
 
     `LivePlot(make_figure)(records)`: records (list of dicts, e.g. metrics records published by
     `labkit.cluster.run_ddp`) become a polars DataFrame passed to make_figure. The first draw is
-    `display(bundle, raw=True, display_id=...)`, later ones `update_display(...)` of the same id,
-    so an executed notebook keeps one output holding the final data. Calls inside the interval
-    are kept and drawn by the next call or by `flush()` (run_ddp calls it at the end).
+    `display(bundle, raw=True, display_id=...)`, later ones `update_display(...)` of the same id.
+    Frames while running are text/html (``live_html``), which JupyterLab redraws on every update;
+    `flush()` (run_ddp calls it at the end) draws the final frame with the plotly mimetype added,
+    so the saved notebook renders even untrusted and the exported HTML keeps every point offline.
+    Calls inside the interval are kept and drawn by the next call or by `flush()`.
     """
 
-    def __init__(self, make_figure: Callable[[pl.DataFrame], go.Figure], *, min_interval: float = 1.0):
+    def __init__(self, make_figure: Callable[[pl.DataFrame], go.Figure], *, min_interval: float = 1.0,
+                 height: int = 450):
         self.make_figure = make_figure
         self.min_interval = min_interval
+        self.height = height
         self.display_id = f"labkit-live-{uuid.uuid4().hex}"
         self.draws = 0
-        self._pending: list[dict] | None = None
+        self._records: list[dict] | None = None
+        self._pending = False
+        self._final = False
         self._last = float("-inf")
 
     def __call__(self, records: list[dict]) -> None:
-        self._pending = list(records)
+        self._records, self._pending = list(records), True
         if time.monotonic() - self._last >= self.min_interval:
-            self.flush()
+            self._draw(final=False)
 
     def flush(self) -> None:
-        """Draw the latest records if they have not been drawn yet."""
-        if self._pending is None:
+        """Draw the latest records as the final frame (HTML + plotly mimetype); no-op if already drawn."""
+        if self._records is None or (self._final and not self._pending):
             return
+        self._draw(final=True)
+
+    def _draw(self, *, final: bool) -> None:
         from IPython.display import display, update_display
 
-        bundle = figure_bundle(self.make_figure(pl.from_dicts(self._pending, infer_schema_length=None)))
+        fig = self.make_figure(pl.from_dicts(self._records, infer_schema_length=None))
+        bundle = {"text/html": live_html(fig, f"{self.display_id}-plot", height=self.height),
+                  "text/plain": f"<labkit live figure: {len(self._records)} records>"}
+        if final:
+            bundle["application/vnd.plotly.v1+json"] = json.loads(pio.to_json(fig, validate=False))
         if self.draws == 0:
             display(bundle, raw=True, display_id=self.display_id)
         else:
             update_display(bundle, raw=True, display_id=self.display_id)
         self.draws += 1
-        self._pending = None
+        self._pending, self._final = False, final
         self._last = time.monotonic()
 
 
@@ -262,8 +373,8 @@ def loader_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data loader 
         fig.add_vline(x=k["num_workers"], line={"color": COLORS["ideal"], "dash": "dash"},
                       annotation_text=f"knee: {k['num_workers']} workers")
     fig.update_yaxes(title_text="samples/s", secondary_y=False, rangemode="tozero")
-    fig.update_yaxes(title_text="data-wait fraction", secondary_y=True, tickformat=".0%", rangemode="tozero",
-                     showgrid=False)
+    fig.update_yaxes(title_text="data-wait fraction", secondary_y=True, rangemode="tozero", showgrid=False,
+                     **round_axis(d["data_wait_fraction"].to_list(), percent=True))
     fig.update_layout(template=style(), title=title, xaxis_title="DataLoader workers per rank")
     fig.update_xaxes(tickvals=x)
     return fig
@@ -294,7 +405,8 @@ def law_figure(points: pl.DataFrame | pl.LazyFrame, law, *, frontier: pl.DataFra
         fig.add_trace(go.Scatter(x=f["n_tokens"].to_list(), y=f["loss"].to_list(), mode="lines",
                                  name="compute-optimal", line={"color": COLORS["ideal"], "dash": "dash", "width": 3}))
     fig.update_layout(template=style(), title=title, xaxis_title="training tokens D", yaxis_title="MLM loss")
-    fig.update_xaxes(type="log")
+    # ticks at 1, 2, 5 x 10^k: plotly's default log ticks label the digits 2..9 of every decade
+    fig.update_xaxes(type="log", tickvals=log_ticks(grid[0], grid[-1]), tickformat="~s")
     return fig
 
 

@@ -22,19 +22,58 @@ INJECTED_TAG = "injected-parameters"
 PARAMETERS_TAG = "parameters"
 
 
+def read_notebook(path: str | os.PathLike) -> nbformat.NotebookNode:
+    """Read a notebook from its jupytext script (``.py``, the source in ``notebooks/``) or an ``.ipynb``.
+
+    Raises FileNotFoundError naming a missing file."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"notebook not found: {path}")
+    if path.suffix == ".py":
+        import jupytext
+
+        return jupytext.read(path)
+    return nbformat.read(path, as_version=4)
+
+
+def declared_parameters(nb: nbformat.NotebookNode | str | os.PathLike) -> list[str]:
+    """Names assigned at top level in the notebook's cell tagged "parameters", in order.
+
+    `nb`: a notebook node or the path of a notebook (``read_notebook``). A notebook without such a
+    cell declares none. Raises SyntaxError if that cell is not valid Python."""
+    import ast
+
+    if not isinstance(nb, nbformat.NotebookNode):
+        nb = read_notebook(nb)
+    names: list[str] = []
+    for cell in nb.cells:
+        if cell.cell_type == "code" and PARAMETERS_TAG in cell.get("metadata", {}).get("tags", []):
+            for node in ast.parse(cell.source).body:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                    if isinstance(node, ast.AnnAssign) else []
+                names += [t.id for t in targets if isinstance(t, ast.Name) and t.id not in names]
+    return names
+
+
 def inject_parameters(nb: nbformat.NotebookNode, parameters: dict[str, Any]) -> nbformat.NotebookNode:
     """Insert (in place) a cell assigning `name = repr(value)` after the "parameters" cell.
 
     Earlier injected cells are removed first. Values must round-trip through repr (str, int,
     float, bool, None, and lists/tuples/dicts of those). Raises ValueError naming a key that is
-    not an identifier or a value whose repr is not a Python literal.
+    not an identifier, a parameter the notebook's "parameters" cell does not declare
+    (``declared_parameters``; a misspelt name would otherwise be ignored silently), or a value
+    whose repr is not a Python literal.
     """
     import ast
 
     lines = ["# Parameters (injected by labkit.report)"]
+    declared = declared_parameters(nb)
     for name, value in parameters.items():
         if not (isinstance(name, str) and name.isidentifier()):
             raise ValueError(f"parameter name {name!r} is not a Python identifier")
+        if name not in declared:
+            raise ValueError(f"parameter {name!r} is not declared in the notebook's parameters cell "
+                             f"(declared: {', '.join(declared) or 'none'})")
         try:
             ast.literal_eval(repr(value))
         except (ValueError, SyntaxError) as err:
@@ -59,18 +98,16 @@ def execute_notebook(
 ) -> pathlib.Path:
     """Run a notebook top to bottom with `parameters` injected; write `.ipynb` and HTML; return the HTML path.
 
+    `path`: a jupytext ``.py`` script or an ``.ipynb`` (``read_notebook``).
     `timeout`: seconds per cell (nbclient). `cwd`: the kernel's working directory (default: the
     notebook's folder). The executed notebook is written beside the HTML (same stem, .ipynb),
     both atomically (ValueError if that .ipynb is the source notebook). If a cell fails, the executed-so-far notebook is still written, no HTML is
     written, and nbclient's CellExecutionError (naming the cell and the error) is raised.
     """
     from nbclient import NotebookClient
-    from nbconvert import HTMLExporter
 
     src, out_html = pathlib.Path(path), pathlib.Path(out_html)
-    if not src.is_file():
-        raise FileNotFoundError(f"notebook not found: {src}")
-    nb = nbformat.read(src, as_version=4)
+    nb = read_notebook(src)
     inject_parameters(nb, parameters)
     out_html.parent.mkdir(parents=True, exist_ok=True)
     out_nb = out_html.with_suffix(".ipynb")
@@ -86,12 +123,32 @@ def execute_notebook(
         client.execute(env=env, cwd=run_dir)
     finally:
         atomic_write_text(out_nb, nbformat.writes(nb))
-    body, _ = HTMLExporter().from_notebook_node(nb)
+    body, _ = offline_exporter().from_notebook_node(nb)
     atomic_write_text(out_html, body)
     return out_html
 
 
+_OFFLINE_TEMPLATE = """{%- extends 'index.html.j2' -%}
+{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
+{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
+{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
+"""
+
+
+def offline_exporter():
+    """nbconvert's JupyterLab HTML exporter without the CDN scripts of its template (require.js,
+    MathJax, mermaid): a labkit report loads nothing from the network. plotly figures need none of
+    them (plotly.js is embedded by ``labkit.plots.setup_notebook_plotting``); the notebooks use
+    no LaTeX. Returns an ``nbconvert.HTMLExporter``."""
+    import jinja2
+    from nbconvert import HTMLExporter
+
+    return HTMLExporter(extra_loaders=[jinja2.DictLoader({"labkit_offline.html.j2": _OFFLINE_TEMPLATE})],
+                        template_file="labkit_offline.html.j2")
+
+
 _EXTERNAL_PLOTLY = re.compile(r"<script[^>]*\bsrc\s*=\s*[\"']?[^\"'>]*plotly[^\"'>]*", re.I)
+_EXTERNAL = re.compile(r"<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)\s*=\s*[\"']?(?:https?:)?//[^\"'>\s]*", re.I)
 _PLOTLY_JS = re.compile(r"plotly\.js v\d+\.\d+\.\d+")
 
 
@@ -101,9 +158,9 @@ def check_report(html_path: str | os.PathLike) -> dict:
     Returns {"bytes": file size, "plotly_js_embedded": True if the plotly.js library source is
     inline, "external_plotly_scripts": <script src=...plotly...> tags (must be empty to work
     offline), "figures": number of plotly figure divs, "widgets": number of widget-view+json
-    outputs (blank in HTML), "ok": embedded and no external plotly scripts and no widgets}.
-    CDN links to require.js/MathJax from nbconvert's template are not counted (plotly renders
-    without them). Raises FileNotFoundError naming a missing file.
+    outputs (blank in HTML), "external_resources": script/link/img/iframe tags loading from
+    another host (require.js or MathJax from a CDN, say), "ok": embedded, no external resources
+    and no widgets}. Raises FileNotFoundError naming a missing file.
     """
     p = pathlib.Path(html_path)
     if not p.is_file():
@@ -114,6 +171,8 @@ def check_report(html_path: str | os.PathLike) -> dict:
             "plotly_js_embedded": bool(_PLOTLY_JS.search(html)),
             "external_plotly_scripts": external,
             "figures": len(re.findall(r"class=\"plotly-graph-div\"", html)),
-            "widgets": html.count("application/vnd.jupyter.widget-view+json")}
-    info["ok"] = info["plotly_js_embedded"] and not external and info["widgets"] == 0
+            "widgets": html.count("application/vnd.jupyter.widget-view+json"),
+            "external_resources": _EXTERNAL.findall(html)}
+    info["ok"] = (info["plotly_js_embedded"] and not external and not info["external_resources"]
+                  and info["widgets"] == 0)
     return info

@@ -2,6 +2,7 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -38,7 +39,8 @@ staged = lab.stage(client, workdir)
 cfg = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/notebook-03", model=model,
                   tokenizer_path=f"{workdir}/tokenizer/tokenizer.json",
                   micro_batch_size=micro_batch_size, max_steps=steps, warmup_steps=max(1, steps // 10),
-                  schedule="cosine", lr=1e-3, num_threads=1, resume=False)
+                  schedule="cosine", lr=1e-3, num_threads=1, resume=False,
+                  checkpoints=False)  # a look at training; the demo's main run keeps its checkpoint
 live = plots.LivePlot(plots.loss_figure)
 result = lab.train_on_cluster(client, cfg, staged=staged, live=live)
 

@@ -2,6 +2,7 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -31,6 +32,8 @@ law_points = 6  # (N, D) points read from each run's loss curve
 bootstrap = 16  # bootstrap refits for the uncertainty
 
 # %%
+import os
+
 import numpy as np
 import polars as pl
 import torch
@@ -80,16 +83,17 @@ pl.DataFrame({"constant": ["E", "A", "B", "alpha", "beta"],
 # ## 3. A small real fit from tiny CPU runs
 # One single-process run per width at a constant learning rate after warm-up; the loss
 # curve of each run gives several (N, D) points (D = tokens seen, loss averaged over a few
-# steps). N counts non-embedding parameters (Kaplan's convention). Runs already in
-# `runs/law-*` are read back.
+# steps). N counts non-embedding parameters (Kaplan's convention). Finished runs in
+# `runs/law-*` (their `result.json` is written last) are read back; they keep no checkpoint.
 
 # %%
 def law_run(width: int) -> pl.DataFrame:
     cfg = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/law-{width}", model="tiny",
                       model_overrides={"hidden_size": width, "intermediate_size": 4 * width, "num_heads": 2},
                       micro_batch_size=law_micro_batch, max_steps=law_steps, warmup_steps=5, lr=2e-3,
-                      min_lr_ratio=1.0, num_threads=1, resume=True, seed=0)
-    train(cfg)
+                      min_lr_ratio=1.0, num_threads=1, resume=False, checkpoints=False, seed=0)
+    if not os.path.exists(f"{cfg.run_dir}/result.json"):  # a finished run is read back, not rerun
+        train(cfg)
     return pl.read_ndjson(f"{cfg.run_dir}/metrics.jsonl").select("step", "tokens", "loss").with_columns(
         width=pl.lit(width),
         n_params=pl.lit(count_parameters(model_config("tiny", index["vocab_size"], **cfg.model_overrides))["non_embedding"]))

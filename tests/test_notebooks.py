@@ -1,16 +1,16 @@
-"""Notebooks 00..05 executed headlessly with a small setting on a tiny real corpus, and one
-exported report opened in headless Chromium to check that its plotly charts rendered.
+"""Notebooks 00..05 executed headlessly with a small setting on a tiny real corpus; every exported
+report opened in Chromium with the network cut; a live figure and 03_train run in JupyterLab.
 
 The work directory is prepared once per module with the single-process data functions (a C
 file compiled here plus three of this machine's shared libraries, as tests/test_demo.py does);
 the notebooks then find complete artifacts, read them back, and run their own cluster work on
 2 local engines. Chromium is Debian's ``chromium`` package, installed by ``make test`` (its
-``browser`` prerequisite); without it the browser test is skipped, saying so."""
+``browser`` prerequisite), driven by the playwright package (tests/browser.py); without either the
+browser tests are skipped, saying so."""
 
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -50,24 +50,48 @@ def workdir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reports(workdir) -> dict[str, Path]:
-    from labkit.report import execute_notebook
+    from labkit.report import declared_parameters, execute_notebook
 
     out = {}
     for name in NOTEBOOKS:
-        out[name] = execute_notebook(ROOT / "notebooks" / f"{name}.ipynb", workdir / "reports" / f"{name}.html",
-                                     parameters={"workdir": str(workdir), **PARAMS}, timeout=300, cwd=str(workdir))
+        src = ROOT / "notebooks" / f"{name}.py"
+        params = {k: v for k, v in {"workdir": str(workdir), **PARAMS}.items() if k in declared_parameters(src)}
+        out[name] = execute_notebook(src, workdir / "reports" / f"{name}.html", parameters=params, timeout=300,
+                                     cwd=str(workdir))
     return out
 
 
-def test_notebooks_are_paired_with_their_scripts():
+def test_saving_in_jupyterlab_leaves_the_tracked_scripts_unchanged(tmp_path):
+    """The .py scripts are the source; JupyterLab (jupytext's contents manager, as the server runs
+    it) writes outputs to the paired .ipynb, which git ignores, and rewrites the .py identically."""
+    import asyncio
+    import shutil
+
     import jupytext
+    from jupyter_server.services.contents.largefilemanager import AsyncLargeFileManager
+    from jupytext.async_contentsmanager import build_async_jupytext_contents_manager_class
+
+    shutil.copytree(ROOT / "notebooks", tmp_path / "notebooks", ignore=shutil.ignore_patterns("*.ipynb", ".*"))
+    cm = build_async_jupytext_contents_manager_class(AsyncLargeFileManager)(root_dir=str(tmp_path))
+
+    async def open_run_save(name: str) -> None:
+        model = await cm.get(f"notebooks/{name}.py")  # opened as a notebook
+        code = next(c for c in model["content"]["cells"] if c["cell_type"] == "code")
+        code["outputs"] = [{"output_type": "stream", "name": "stdout", "text": "x" * 100_000}]
+        code["execution_count"] = 1
+        await cm.save(model, f"notebooks/{name}.py")
 
     for name in NOTEBOOKS:
-        script = jupytext.read(ROOT / "notebooks" / f"{name}.py")
-        notebook = jupytext.read(ROOT / "notebooks" / f"{name}.ipynb")
-        assert [c.source for c in script.cells] == [c.source for c in notebook.cells], f"{name}: ipynb out of sync"
-        tagged = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
+        asyncio.run(open_run_save(name))
+        before = (ROOT / "notebooks" / f"{name}.py").read_bytes()
+        assert (tmp_path / "notebooks" / f"{name}.py").read_bytes() == before, f"{name}.py rewritten on save"
+        paired = tmp_path / "notebooks" / f"{name}.ipynb"
+        assert paired.stat().st_size > 100_000  # the outputs went to the paired notebook ...
+        tagged = [c for c in jupytext.read(paired).cells if "parameters" in c.metadata.get("tags", [])]
         assert len(tagged) == 1, f"{name}: needs exactly one cell tagged 'parameters'"
+    if shutil.which("git") and (ROOT / ".git").exists():  # ... which git ignores
+        ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", "notebooks/03_train.ipynb"])
+        assert ignored.returncode == 0
 
 
 def test_notebooks_execute_and_export_offline_reports(reports, workdir):
@@ -83,6 +107,10 @@ def test_notebooks_execute_and_export_offline_reports(reports, workdir):
         errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
                   if o.get("output_type") == "error"]
         assert not errors, (name, errors)
+        shown = "".join(o.get("data", {}).get("text/plain", "") for c in nb.cells if c.cell_type == "code"
+                        for o in c.get("outputs", []))
+        cut = re.findall(r"^│\s*…\s*(?:┆\s*…\s*)*│$", shown, re.M)  # polars' row of "…" for rows left out
+        assert not cut, (name, "a table is cut short")
     # the sweeps of notebook 04 and the law runs of notebook 05 left their artifacts
     sizes = pl.read_parquet(workdir / "sweeps" / "model_size.parquet")
     assert sizes["model"].to_list() == ["tiny", "mini"] and (sizes["tokens_per_s"] > 0).all()
@@ -97,19 +125,126 @@ def test_notebooks_execute_and_export_offline_reports(reports, workdir):
     assert re.search(r"┆ 184\s+│", shown), "the study's micro-batch (184) is not shown beside the plan"
 
 
-def test_report_renders_in_headless_chromium(reports, tmp_path):
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    if browser is None:
-        pytest.skip("chromium is not installed (make test installs Debian's chromium package as root)")
-    html = reports["04_scaling"]
-    expected = len(re.findall(r'class="plotly-graph-div"', html.read_text()))
-    dom = subprocess.run(
-        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=15000", "--dump-dom",
-         html.resolve().as_uri()],
-        capture_output=True, text=True, timeout=120, check=True).stdout
-    plotted = len(re.findall(r'class="plotly-graph-div js-plotly-plot"', dom))  # plotly.js ran on the div
-    rendered = len(re.findall(r'class="main-svg"', dom))
-    # every chart of the report was drawn: plotly.js marks its div and adds (at least) two .main-svg layers
-    assert expected >= 4 and plotted == expected and rendered >= 2 * expected, (expected, plotted, rendered)
+REPORT_CHECK_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].map(gd => ({
+    traces: (gd.data || []).length,
+    shapes: ((gd.layout || {}).shapes || []).length,
+    shape_widths: [...gd.querySelectorAll('.shapelayer path')].map(p => parseFloat(getComputedStyle(p).strokeWidth)),
+    ticks: Object.fromEntries(['xtick', 'ytick', 'y2tick'].map(c =>
+        [c, [...gd.querySelectorAll('g.' + c + ' text')].map(t => t.textContent)])),
+}))"""
+"""Per drawn plotly figure: traces, layout shapes, the stroke width of each drawn shape, tick labels per axis."""
+
+
+def test_reports_open_offline_in_chromium_with_every_reference_line_drawn(reports):
+    from browser import chromium, need_browser
+
+    need_browser()
+    with chromium() as browser:
+        context = browser.new_context()
+        context.set_offline(True)  # the network is cut: anything a report fetches fails
+        for name, html in reports.items():
+            page = context.new_page()
+            failed, remote = [], []
+            page.on("requestfailed", lambda r: failed.append(r.url))
+            page.on("request", lambda r: remote.append(r.url) if not r.url.startswith(("file:", "data:")) else None)
+            page.goto(html.resolve().as_uri(), wait_until="load")
+            page.wait_for_timeout(500)
+            figs = page.evaluate(REPORT_CHECK_JS)
+            expected = len(re.findall(r'class="plotly-graph-div"', html.read_text()))
+            assert failed == [] and remote == [], (name, failed, remote)
+            assert expected >= 1 and len(figs) == expected, (name, expected, len(figs))  # every chart drawn
+            for fig in figs:
+                assert len(fig["shape_widths"]) == fig["shapes"] and all(w > 0 for w in fig["shape_widths"]), (name, fig)
+                for axis, labels in fig["ticks"].items():
+                    assert len(labels) == len(set(labels)), (name, axis, labels)  # no repeated tick label
+            if name == "04_scaling":  # the 90 % line and the capacity line (the knee only when one is found)
+                assert sum(f["shapes"] for f in figs) >= 2, figs
+            page.close()
+
+
+# ---- in JupyterLab, driven by Chromium (tests/browser.py) ------------------------------------------
+
+BROWSER_OUT = ROOT / "work" / "browser"
+"""Screenshots and point counts of the browser tests (outside git: /work/ is ignored)."""
+
+LIVE_FEED = """import time
+live = plots.LivePlot(plots.loss_figure, min_interval=0.3)
+records = []
+for step in range(1, 21):
+    records.append({"step": step, "loss": 10 / step, "tokens_per_s": 1000.0 + step})
+    live(records)
+    time.sleep(0.4)
+live.flush()
+print("fed", len(records), "records")"""
+
+
+def _grew(samples: list, total: int) -> list[int]:
+    """The distinct point counts of the first figure's first trace seen before the end."""
+    return sorted({c[0][0] for _, c in samples[:-1] if c and 0 < c[0][0] < total})
+
+
+def _save_timeline(name: str, samples: list) -> Path:
+    import json
+
+    BROWSER_OUT.mkdir(parents=True, exist_ok=True)
+    path = BROWSER_OUT / f"{name}.points.json"
+    path.write_text(json.dumps([{"t_s": t, "points_per_trace": c} for t, c in samples]))
+    print(f"{name}: point counts over time in {path}")
+    return path
+
+
+def test_live_figure_grows_in_place_in_jupyterlab(tmp_path):
+    import nbformat
+
+    from browser import chromium, jupyterlab, need_browser, run_all_and_watch
+
+    need_browser()
+    root = tmp_path / "lab"
+    root.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("from labkit import plots\nplots.setup_notebook_plotting()"),
+                nbformat.v4.new_code_cell(LIVE_FEED)]
+    nbformat.write(nb, root / "live.ipynb")
+    with jupyterlab(root, log=tmp_path / "lab.log") as (base, token), chromium() as browser:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        samples = run_all_and_watch(page, f"{base}/lab/tree/live.ipynb?token={token}", done_text="fed 20 records",
+                                    timeout_s=120)
+    _save_timeline("live", samples)
+    assert samples[-1][1] == [[20, 20]], samples[-1]  # one figure, both traces with every point
+    assert len(_grew(samples, 20)) >= 3, samples  # redrawn in place while the cell ran
+
+
+def test_03_train_live_figure_in_jupyterlab(workdir, tmp_path):
+    import nbformat
+
+    from browser import chromium, jupyterlab, need_browser, run_all_and_watch
+    from labkit.report import inject_parameters, read_notebook
+
+    need_browser()
+    root = tmp_path / "lab"
+    root.mkdir()
+    steps = 200
+    nb = read_notebook(ROOT / "notebooks" / "03_train.py")
+    inject_parameters(nb, {"workdir": str(workdir), "engines": 2, "model": "tiny", "micro_batch_size": 8,
+                           "steps": steps})
+    nb.cells.append(nbformat.v4.new_code_cell("print('notebook finished')"))
+    nbformat.write(nb, root / "03_train.ipynb")
+    BROWSER_OUT.mkdir(parents=True, exist_ok=True)
+    shot = BROWSER_OUT / "03_train-mid-run.png"
+    shot.unlink(missing_ok=True)
+    log = tmp_path / "lab.log"
+    with jupyterlab(root, log=log) as (base, token), chromium() as browser:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        samples = run_all_and_watch(page, f"{base}/lab/tree/03_train.ipynb?token={token}",
+                                    done_text="notebook finished", timeout_s=300, screenshot=shot,
+                                    shot_when=lambda c: bool(c) and steps // 4 <= c[0][0] < steps)
+    _save_timeline("03_train", samples)
+    print(f"03_train mid-run screenshot: {shot}")
+    live = samples[-1][1][0]  # the live figure is the first on the page; the demo-run figure follows
+    assert live[0] == steps, samples[-1]  # the loss trace ends with every step
+    assert _grew(samples, steps), samples  # and was drawn while the engines trained
+    assert shot.is_file()
+    # JupyterLab's terminal (the server's log) stayed quiet through training and stop_cluster
+    (BROWSER_OUT / "03_train-jupyterlab.log").write_text(log.read_text())
+    assert "Traceback" not in log.read_text(), f"see {BROWSER_OUT / '03_train-jupyterlab.log'}"

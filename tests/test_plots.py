@@ -75,8 +75,12 @@ def test_liveplot_displays_once_then_updates_same_id(monkeypatch):
 
 def test_setup_notebook_plotting_sets_renderer(monkeypatch):
     monkeypatch.setattr(pio.renderers, "default", pio.renderers.default)  # restored afterwards
-    plots.setup_notebook_plotting()
-    assert pio.renderers.default == "plotly_mimetype+notebook"
+    with pl.Config():  # restores polars' table settings afterwards
+        plots.setup_notebook_plotting(table_rows=25)
+        assert pl.Config.state()["POLARS_FMT_MAX_ROWS"] == "25"  # tables up to 25 rows shown whole
+    assert pio.renderers.default == "plotly_mimetype+labkit_notebook"
+    html = pio.renderers["labkit_notebook"].to_mimebundle({"data": [], "layout": {}})["text/html"]
+    assert "mathjax" not in html.lower() and "<script src" not in html  # nothing fetched from a CDN
 
 
 def test_topology_figure_one_segment_per_engine_labelled_by_rank():
@@ -97,3 +101,79 @@ def test_staging_figure_rates_per_node():
                           "a": {"bytes": 2e6, "seconds": 1.0, "mb_per_s": 2.0, "copied": False}})
     assert list(fig.data[0].x) == ["a", "b"] and list(fig.data[0].y) == [2.0, 4.0]
     assert "kept" in fig.data[0].text[0]
+
+
+def _all_figures() -> dict:
+    """One figure from every labkit figure function, on small tables like those labkit writes."""
+    import numpy as np
+
+    from labkit.model import model_config
+    from labkit.study import laws, plan, scaling
+
+    eff = scaling.efficiency_table(compute_s=0.2, grad_bytes=4e8, tokens_per_step=1000)
+    p = plan.memory_plan(model_config("bert-120m", 30522), seq_len=512, micro_batch=32)
+    n, d = np.repeat([1e4, 1e5], 3), np.tile([1e4, 1e5, 1e6], 2)
+    return {
+        "loss": plots.loss_figure(pl.DataFrame({"step": [1, 2, 3], "loss": [7.0, 6.0, 5.5],
+                                                "tokens_per_s": [320.0, 2210.0, 4090.0]})),
+        "throughput": plots.throughput_figure(pl.DataFrame({"ranks": [1, 2], "tokens_per_s": [100.0, 180.0]})),
+        "microbatch": plots.microbatch_figure(pl.DataFrame({"model": ["a", "b"], "params": [1, 2],
+                                                            "max_micro_batch": [8, 4], "budget_bytes": [2**30] * 2})),
+        "drops": plots.drop_reasons_figure({"input": 10, "kept": 7, "dropped": {"empty": 1, "exact": 2}}),
+        "topology": plots.topology_figure(pl.DataFrame({"engine_id": [0, 1], "node": ["n0", "n0"],
+                                                        "RANK": ["0", "1"], "LOCAL_RANK": ["0", "1"]})),
+        "efficiency": plots.efficiency_figure(eff, measured=pl.DataFrame({"ranks": [1, 2], "efficiency": [1.0, 0.9]})),
+        "loader": plots.loader_figure(pl.DataFrame({"num_workers": [0, 1, 2], "samples_per_s": [10.0, 30.0, 31.0],
+                                                    "data_wait_fraction": [0.012, 0.008, 0.004],
+                                                    "knee": [False, True, False]})),
+        "law": plots.law_figure(pl.DataFrame({"n_params": n, "n_tokens": d, "loss": laws.CHINCHILLA.loss(n, d)}),
+                                laws.CHINCHILLA,
+                                frontier=pl.DataFrame([laws.compute_optimal(c) for c in (1e10, 1e11)])),
+        "memory": plots.memory_figure(pl.DataFrame([p | {"label": "120m"}]), capacity_bytes=94e9),
+        "staging": plots.staging_figure({"n0": {"bytes": 1e6, "seconds": 0.1, "mb_per_s": 10.0}}),
+    }
+
+
+def _colour(fig, i, trace) -> str:
+    for attr in ("line", "marker"):
+        c = getattr(getattr(trace, attr, None), "color", None)
+        if isinstance(c, str):
+            return c.lower()
+    colorway = fig.layout.colorway or fig.layout.template.layout.colorway
+    return colorway[i % len(colorway)].lower()  # plotly's default: the i-th colour of the colorway
+
+
+def test_every_figure_draws_visible_reference_lines_and_distinct_series_colours():
+    figs = _all_figures()
+    shapes = 0
+    for name, fig in figs.items():
+        defaults = fig.layout.template.layout.shapedefaults
+        for shape in fig.layout.shapes:
+            width = shape.line.width if shape.line.width is not None else defaults.line.width
+            opacity = shape.opacity if shape.opacity is not None else defaults.opacity
+            assert width and width > 0 and (opacity is None or opacity > 0), (name, shape)
+            shapes += 1
+        shown = [(t.name, _colour(fig, i, t)) for i, t in enumerate(fig.data) if t.showlegend is not False]
+        if name != "topology":  # one bar per engine, deliberately one colour and no legend
+            assert len({c for _, c in shown}) == len(shown), (name, shown)
+    assert shapes == 3  # the 90 % line, the loader knee, the capacity line
+    assert len(figs["memory"].data) == 7
+
+
+def test_round_ticks_and_distinct_percent_labels():
+    assert plots.log_ticks(7_000, 160_000) == [10_000, 20_000, 50_000, 100_000]
+    assert [plots.nice_step(s) for s in (4090, 1.0, 0.012, 7)] == [1000, 0.2, 0.005, 2]
+    tps = plots.loss_figure(pl.DataFrame({"step": [1, 2], "loss": [7.0, 6.0], "tokens_per_s": [320.0, 4090.0]}))
+    assert (tps.layout.yaxis2.tick0, tps.layout.yaxis2.dtick) == (0, 1000)
+    ax = plots.round_axis([0.012, 0.004], percent=True)
+    labels = [f"{k * ax['dtick']:{ax['tickformat']}}" for k in range(4)]
+    assert labels == ["0.0%", "0.5%", "1.0%", "1.5%"]  # not 0 %, 0 %, 1 %, 1 %
+
+
+def test_throughput_figure_flags_rows_measured_on_a_busy_machine():
+    df = pl.DataFrame({"ranks": [1, 2], "tokens_per_s": [100.0, 110.0], "busy": [False, True],
+                       "load_avg_1m": [0.3, 3.5], "cpu_count": [2, 2]})
+    fig = plots.throughput_figure(df)
+    busy = _trace(fig, "busy machine (load >= CPUs)")
+    assert list(busy.x) == [2] and list(busy.y) == [110.0] and list(busy.customdata[0]) == [3.5, 2]
+    assert [t.name for t in plots.throughput_figure(df.with_columns(busy=pl.lit(False))).data] == ["ideal", "measured"]

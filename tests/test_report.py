@@ -45,8 +45,11 @@ def test_inject_parameters_after_tagged_cell_replaces_old_injection(tmp_path):
     assert (ns["n_points"], ns["title"]) == (5, "it's")
     with pytest.raises(ValueError, match="not a Python identifier"):
         report.inject_parameters(nb, {"bad name": 1})
-    with pytest.raises(ValueError, match="'x'.*not a Python literal"):
-        report.inject_parameters(nb, {"x": object()})
+    with pytest.raises(ValueError, match="'title'.*not a Python literal"):
+        report.inject_parameters(nb, {"title": object()})
+    with pytest.raises(ValueError, match=r"'n_pionts' is not declared .*\(declared: n_points, title\)"):
+        report.inject_parameters(nb, {"n_pionts": 4})  # a misspelt parameter is an error, not ignored
+    assert report.declared_parameters(nb) == ["n_points", "title"]
 
 
 def test_execute_notebook_exports_offline_html(tmp_path):
@@ -60,7 +63,9 @@ def test_execute_notebook_exports_offline_html(tmp_path):
     info = report.check_report(out)
     assert info["figures"] == 1 and info["plotly_js_embedded"] and info["ok"]
     assert info["external_plotly_scripts"] == [] and info["widgets"] == 0
-    assert "injected" in out.read_text()
+    html = out.read_text()
+    assert info["external_resources"] == [] and "require.js" not in html and "MathJax.js" not in html
+    assert "injected" in html
     assert sorted(p.name for p in out.parent.iterdir()) == ["tiny.html", "tiny.ipynb"]  # no temp files left
 
 
@@ -70,7 +75,7 @@ def test_check_report_flags_cdn_plotly_and_widgets(tmp_path):
                    '<div class="plotly-graph-div"></div>'
                    '<script type="application/vnd.jupyter.widget-view+json">{}</script>')
     info = report.check_report(bad)
-    assert not info["ok"] and not info["plotly_js_embedded"]
+    assert not info["ok"] and not info["plotly_js_embedded"] and len(info["external_resources"]) == 1
     assert len(info["external_plotly_scripts"]) == 1 and info["widgets"] == 1 and info["figures"] == 1
     with pytest.raises(FileNotFoundError, match="missing.html"):
         report.check_report(tmp_path / "missing.html")
@@ -131,8 +136,8 @@ def test_live_ddp_notebook_keeps_one_final_plot(tmp_path):
                                   timeout=180)
     executed = nbformat.read(out.with_suffix(".ipynb"), as_version=4)
     outputs = executed.cells[2].outputs
-    plots = [o for o in outputs if "application/vnd.plotly.v1+json" in o.get("data", {})]
-    assert len(plots) == 1
+    plots = [o for o in outputs if "text/html" in o.get("data", {}) and "plotly-graph-div" in o["data"]["text/html"]]
+    assert len(plots) == 1  # live frames were HTML; the final frame adds the plotly mimetype
     fig = pio.from_json(pio.to_json(plots[0]["data"]["application/vnd.plotly.v1+json"]))
     assert list(fig.data[0].x) == list(range(8))  # the final history, all 8 steps
     assert list(fig.data[0].y) == [10.0 / (s + 1) for s in range(8)]

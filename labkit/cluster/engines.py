@@ -23,16 +23,20 @@ import pathlib
 import signal
 import socket
 import stat
-import time
 import warnings
 from typing import Any
 
 import ipyparallel as ipp
 
+from labkit.cluster.engine_watch import (EngineStartError, forget_engines, registered,  # noqa: F401 (re-exported)
+                                         wait_for_engines, wait_unregistered)
+from labkit.cluster.network import default_controller_ip, mpi_exports
 from labkit.io import atomic_write_json
 
-
 ENGINE_KINDS = ("local", "slurm", "mpi")
+STALE_ENGINE_WAIT_S = 10.0
+"""restart_engines waits up to this long for killed engines to unregister themselves; those
+still registered then (their node is unreachable) are unregistered by labkit."""
 _LAUNCHERS = {"local": "LocalEngineSetLauncher", "slurm": "SlurmEngineSetLauncher", "mpi": "MPIEngineSetLauncher"}
 
 
@@ -49,7 +53,9 @@ def slurm_batch_template(*, nodes: int, gpus_per_node: int, partition: str = "",
     `--gpus-per-node`); `srun` starts one engine per task, so SLURM_LOCALID is each engine's
     local id and every engine sees its node's GPUs (it uses cuda:LOCAL_RANK). `#SBATCH
     --export=ALL` passes the notebook's environment (and the engines' connection info) to the
-    job. `sbatch_lines` are extra "#SBATCH ..." lines (e.g. "#SBATCH --exclusive"), `setup_lines`
+    job. `--no-requeue`: when a node fails Slurm ends the job (NODE_FAIL) instead of requeueing it,
+    so engines of an old job can never come back and register beside the ones
+    `restart_engines` starts. `sbatch_lines` are extra "#SBATCH ..." lines (e.g. "#SBATCH --exclusive"), `setup_lines`
     shell lines run before srun (e.g. "module load cuda"). ipyparallel fills {cluster_id},
     {output_file} and {program_and_args}; literal braces in user lines are escaped.
     Raises ValueError naming the field for nodes/gpus_per_node < 1 or a line of sbatch_lines
@@ -66,7 +72,7 @@ def slurm_batch_template(*, nodes: int, gpus_per_node: int, partition: str = "",
     def esc(s: str) -> str:
         return s.replace("{", "{{").replace("}", "}}")
 
-    lines = ["#!/bin/bash", "#SBATCH --export=ALL", "#SBATCH --job-name=ipengine-{cluster_id}",
+    lines = ["#!/bin/bash", "#SBATCH --export=ALL", "#SBATCH --job-name=ipengine-{cluster_id}", "#SBATCH --no-requeue",
              f"#SBATCH --nodes={nodes}", f"#SBATCH --ntasks-per-node={gpus_per_node}",
              f"#SBATCH --gpus-per-node={gpus_per_node}", "#SBATCH --output={output_file}"]
     lines += [f"#SBATCH --cpus-per-task={cpus_per_task}"] if cpus_per_task else []
@@ -89,8 +95,8 @@ def _launcher_config(settings: dict) -> Any:
         launcher.batch_template = slurm_batch_template(**settings["slurm"])
         if settings.get("batch_file"):  # absolute: os.path.join(work_dir, it) is it
             launcher.batch_file_name = settings["batch_file"]
-    if settings["engines"] == "mpi" and settings.get("mpi_args"):
-        launcher.mpi_args = list(settings["mpi_args"])
+    if settings["engines"] == "mpi":
+        launcher.mpi_args = list(settings.get("mpi_args") or []) + mpi_exports(launcher.environment)
     return c
 
 
@@ -113,6 +119,7 @@ def start_cluster(
     keep_running: bool = False,
     slurm: dict | None = None,
     mpi_args: list[str] | None = None,
+    network_interface: str | None = None,
     **kw: Any,
 ) -> ipp.Cluster:
     """Start a controller and engines with ipyparallel's own launchers, and connect a client.
@@ -121,17 +128,24 @@ def start_cluster(
     per GPU: `slurm` holds the keywords of `slurm_batch_template`, nodes and gpus_per_node at
     least; n defaults to, and must equal, nodes * gpus_per_node) or "mpi" (`mpiexec -n n
     <mpi_args> ipengine --mpi`; needs mpi4py in the engines).
-    controller_ip: 127.0.0.1 by default for local engines (reachable from this machine only);
-    for Slurm the default is this host's own address (the compute nodes must reach it), an
-    error if that resolves to loopback. "*" / "0.0.0.0" listen on all interfaces and warn.
+    network_interface: the network interface the nodes talk over (for multi-homed nodes, e.g.
+    "ib0"): exported to the engines as GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (unless `env`
+    sets them), and its IPv4 address on this host is the default controller_ip.
+    controller_ip: default 127.0.0.1 for local engines (reachable from this machine only);
+    for Slurm and MPI the address of `network_interface`, else the address this host's name
+    resolves to; where that is a loopback address, MPI without a host list keeps 127.0.0.1 and
+    Slurm (and MPI with -H/--host/--hostfile) raise ValueError saying in one line what to pass.
+    "*" / "0.0.0.0" listen on all interfaces and warn.
     env: extra engine environment; the directory holding this `labkit` is prepended to
     PYTHONPATH so engines import the same code. keep_running: leave the cluster running when
     this Python process exits (reconnect later with `connect_cluster`). timeout: seconds for
     the engines to register (default 120, Slurm 3600 for the queue). Other keywords go to
     `ipyparallel.Cluster`. The settings are saved to security/labkit-<cluster_id>.json and every
     file in the profile's security/ directory is made owner-only (0600, directory 0700).
-    Raises ValueError naming the bad argument, TimeoutError when the engines do not register
-    in time (the cluster is stopped first).
+    Raises ValueError naming the bad argument; EngineStartError (a RuntimeError) within about a
+    second of the engines' exit when they cannot start, with their own output (local, MPI,
+    Slurm: see labkit.cluster.engine_watch); TimeoutError when they do not register in time. The
+    cluster is stopped first in every case.
     """
     if engines not in ENGINE_KINDS:
         raise ValueError(f"engines must be one of {ENGINE_KINDS}, got {engines!r}")
@@ -150,13 +164,17 @@ def start_cluster(
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if controller_ip is None:
-        controller_ip = _default_controller_ip(engines)
+        controller_ip = default_controller_ip(engines, network_interface, mpi_args or [])
     engine_env = dict(env or {})
+    if network_interface:
+        engine_env.setdefault("GLOO_SOCKET_IFNAME", network_interface)
+        engine_env.setdefault("NCCL_SOCKET_IFNAME", network_interface)
     paths = [str(pathlib.Path(__file__).resolve().parents[2])]
     paths += [p for p in (engine_env.get("PYTHONPATH"), os.environ.get("PYTHONPATH")) if p]
     engine_env["PYTHONPATH"] = os.pathsep.join(paths)
     settings = {"engines": engines, "n": n, "environment": engine_env, "slurm": slurm,
-                "mpi_args": list(mpi_args or []), "controller_ip": controller_ip}
+                "mpi_args": list(mpi_args or []), "controller_ip": controller_ip,
+                "network_interface": network_interface}
     for key, value in (("profile", profile), ("profile_dir", profile_dir)):
         if value is not None:
             kw[key] = value
@@ -176,22 +194,12 @@ def start_cluster(
         _write_private(_settings_path(cluster), settings)
         client = cluster.connect_client_sync()
         cluster._labkit_client = client
-        client.wait_for_engines(n, timeout=timeout, interactive=False)
+        wait_for_engines(cluster, client, n, timeout=timeout)
         secure_connection_files(cluster.profile_dir)
     except BaseException:
         stop_cluster(cluster)
         raise
     return cluster
-
-
-def _default_controller_ip(engines: str) -> str:
-    if engines != "slurm":
-        return "127.0.0.1"
-    addr = socket.gethostbyname(socket.gethostname())
-    if addr.startswith("127."):
-        raise ValueError(f"controller_ip: this host's name resolves to {addr}, which compute nodes cannot "
-                         "reach; pass controller_ip='<this node's cluster-network address>'")
-    return addr
 
 
 def _write_private(path: pathlib.Path, obj: Any) -> None:
@@ -275,37 +283,51 @@ def connect_cluster(cluster_id: str, *, profile: str | None = None, profile_dir:
 
 def restart_engines(cluster: ipp.Cluster, *, timeout: float | None = None) -> list[int]:
     """Kill every engine (SIGKILL; `scancel -s 9` on Slurm), stop and start the same number again
-    (ipyparallel `restart_engines`, same launcher settings and environment); wait for the new
-    engines and return their ids.
+    (same launcher settings and environment); wait for the new engines and return their ids.
 
     Use it after a failed or interrupted DDP run: surviving ranks may be blocked in a collective
-    that no signal ends. Engine ids change; node names set with `set_node_names` are gone.
-    Raises TimeoutError if the new engines do not register within `timeout` s (default as in
-    `start_cluster`).
+    that no signal ends. New engines are told apart from the old ones by their registration
+    uuid, not their id: MPI engines come back with the same ids (their MPI ranks), other
+    launchers give new ids. Node names set with `set_node_names` are gone. An engine set that
+    cannot be stopped cleanly (its Slurm job already ended after a node failure) is dropped and
+    a new one started. Killed engines unregister themselves; those still registered after
+    STALE_ENGINE_WAIT_S (their node is unreachable) are unregistered by labkit
+    (`forget_engines`: the controller would otherwise keep them for ~33 s of missed heartbeats,
+    an orphan on a returning node longer), so `client.ids` holds only the new engines.
+    Raises EngineStartError when the new engines exit before registering (with their output),
+    TimeoutError if they do not register within `timeout` s (default as in `start_cluster`).
     """
     client = get_client(cluster)
-    old = set(client.ids)
+    old = set(registered(client).values())
     path = _settings_path(cluster)
     settings = json.loads(path.read_text()) if path.exists() else {}
     n = sum(es.n for es in cluster.engines.values()) or int(settings.get("n", 0))
     if n < 1:
         raise RuntimeError(f"cluster {cluster.cluster_id}: no engine set to restart and no saved engine count")
-    if cluster.engines:
-        with contextlib.suppress(Exception):  # a rank stuck in a collective ignores SIGTERM; the state is disposable
-            cluster.signal_engines_sync(signal.SIGKILL)
-        cluster.restart_engines_sync()
-    else:  # every engine set already stopped
-        cluster.start_engines_sync(n)
+    kind = settings.get("engines") or ("slurm" if any("Slurm" in type(es).__name__ for es in cluster.engines.values())
+                                       else "local")
+    with contextlib.suppress(Exception):  # a rank stuck in a collective ignores SIGTERM; the state is disposable
+        cluster.signal_engines_sync(signal.SIGKILL)
+    for set_id in list(cluster.engines):
+        try:
+            cluster.stop_engines_sync(set_id)
+        except Exception as err:  # noqa: BLE001 - e.g. scancel of a job that already ended
+            cluster.log.warning("restart_engines: engine set %s did not stop cleanly (%s); dropped", set_id, err)
+            cluster.engines.pop(set_id, None)
+    # engines that exit unregister themselves (a killed one through its nanny) within a second or
+    # two; wait for that first: an old engine unregistering late would cancel the registration of a
+    # new MPI engine that asked for the same id. Only engines on a lost node are left to forget.
+    left = wait_unregistered(client, old, timeout=STALE_ENGINE_WAIT_S)
+    forget_engines(client, left)  # do not wait ~33 s for the controller's missed heartbeats
+    wait_unregistered(client, old, timeout=10)
+    cluster.start_engines_sync(n)
     if timeout is None:
-        timeout = 3600.0 if "Slurm" in type(next(iter(cluster.engines.values()))).__name__ else 120.0
-    deadline = time.monotonic() + timeout
-    while True:
-        new = sorted(set(client.ids) - old)
-        if len(new) >= n:
-            break
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"restart_engines: {len(new)} of {n} engines registered within {timeout} s")
-        time.sleep(0.2)
+        timeout = 3600.0 if kind == "slurm" else 120.0
+    new = wait_for_engines(cluster, client, n, timeout=timeout, exclude_uuids=old)
+    stale = wait_unregistered(client, old, timeout=1)
+    if stale:  # run_ddp on all engines would pick these up
+        warnings.warn(f"restart_engines: old engines {stale} are still registered; pass targets={new} to run_ddp",
+                      stacklevel=2)
     secure_connection_files(cluster.profile_dir)
     return new
 

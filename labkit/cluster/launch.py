@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import re
 import signal
 import socket
 import sys
@@ -28,20 +29,31 @@ from typing import Any, Callable, Sequence
 import ipyparallel as ipp
 from ipyparallel import error as ipp_error
 
+from labkit.cluster.engine_watch import unreachable
 from labkit.cluster.engines import get_client, restart_engines
 from labkit.config import TrainConfig
 from labkit.cluster.topology import assign_ranks, engine_info
 
 
 class DDPError(RuntimeError):
-    """A rank of a `run_ddp` call failed, died or timed out; the message names the rank.
+    """A rank of a `run_ddp` call failed, died or timed out; the message names the rank(s), one
+    line per failing rank (``failure_line``).
 
-    Attributes: `rank` (int or None for a timeout), `engine_id`, `died` (True when the engine
-    process is gone)."""
+    Attributes: `rank` (the first failing rank; None for a timeout), `engine_id`, `died` (True
+    when the engine process is gone), `lost` (the ranks whose engines are gone or unreachable,
+    e.g. their node dropped off the network; empty when all answered), `remote_traceback` (the
+    engines' full tracebacks as plain text, by rank; "" when there is none), `failures`
+    ({rank: one-line summary})."""
 
-    def __init__(self, message: str, *, rank: int | None = None, engine_id: int | None = None, died: bool = False):
+    def __init__(self, message: str, *, rank: int | None = None, engine_id: int | None = None, died: bool = False,
+                 lost: list[int] | None = None, remote_traceback: str = "", failures: dict[int, str] | None = None):
         super().__init__(message)
-        self.rank, self.engine_id, self.died = rank, engine_id, died
+        self.rank, self.engine_id, self.died, self.lost = rank, engine_id, died, list(lost or [])
+        self.remote_traceback, self.failures = remote_traceback, dict(failures or {})
+
+
+LOST_PROBE_S = 3.0
+"""Seconds an engine has to answer a control request before run_ddp counts it as lost."""
 
 
 def _free_port() -> int:
@@ -99,12 +111,56 @@ def _ddp_entry(fn: Callable, env: dict, args: tuple, kwargs: dict, history: int)
                 os.environ[k] = v
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_FRAME = re.compile(r'File "?([^"\n:]*?labkit/[^"\n:]+\.py)"?(?:, line |:)(\d+)(?:,)? in (\w+)')
+
+
 def _remote_text(err: BaseException) -> str:
+    """An engine error as plain text: exception line and the engine's traceback, ANSI colours removed."""
     if isinstance(err, ipp_error.CompositeError):
         return "\n".join(_remote_text(e) for e in err.elements) if hasattr(err, "elements") else str(err)
     if isinstance(err, ipp_error.RemoteError):
-        return f"{err.ename}: {err.evalue}\n{err.traceback or ''}"
+        return _ANSI.sub("", f"{err.ename}: {err.evalue}\n{err.traceback or ''}")
     return f"{type(err).__name__}: {err}"
+
+
+def labkit_frame(traceback_text: str) -> str | None:
+    """The innermost labkit frame of a traceback (IPython's or Python's format, colours allowed),
+    as "labkit/model.py:78 in model_config"; None when no frame is in labkit."""
+    frames = _FRAME.findall(_ANSI.sub("", traceback_text))
+    if not frames:
+        return None
+    path, line, func = frames[-1]
+    return f"labkit/{path.rsplit('labkit/', 1)[1]}:{line} in {func}"
+
+
+def failure_line(rank: int, node: str, engine_id: int, err: BaseException, name: str = "its task") -> str:
+    """One readable line for a rank whose call `name` raised: rank, node, engine, exception type and
+    the first line of its message, and the labkit frame it came from (``labkit_frame``)."""
+    if isinstance(err, ipp_error.RemoteError):
+        ename, evalue, tb = err.ename, str(err.evalue), err.traceback or ""
+    else:
+        ename, evalue, tb = type(err).__name__, str(err), ""
+    lines = evalue.strip().splitlines()
+    msg = lines[0] if lines else ""
+    msg = msg if len(msg) <= 300 else msg[:297] + "..."
+    frame = labkit_frame(tb)
+    what = "engine died" if isinstance(err, ipp_error.EngineError) else "failed"
+    return (f"rank {rank} (node {node}, engine {engine_id}) {what} while running {name}: {ename}: {msg}"
+            + (f" [{frame}]" if frame else ""))
+
+
+def _stream_without_errors(ar: Any) -> Any:
+    """``ar.stream_output()`` for the engines' stdout/stderr, without the coloured tracebacks it
+    prints for engine errors: run_ddp reports those itself, one line per failing rank."""
+    shown = ar._iopub_streaming_output_callback  # bound method; stream_output() looks it up on the instance
+
+    def callback(eid: int, msg_future: Any, msg: dict) -> None:
+        if msg.get("header", {}).get("msg_type") != "error":
+            shown(eid, msg_future, msg)
+
+    ar._iopub_streaming_output_callback = callback
+    return ar.stream_output()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -227,7 +283,7 @@ def run_ddp(
     with contextlib.ExitStack() as streams:
         if stream:
             for ar in ars.values():
-                streams.enter_context(ar.stream_output())
+                streams.enter_context(_stream_without_errors(ar))
         try:
             while pending:
                 ars[min(pending)].wait(poll)
@@ -239,20 +295,16 @@ def run_ddp(
                     raise DDPError(f"{who(r)}: engine died while running {name}; the other ranks were "
                                    "interrupted. Restart the engines (labkit.cluster.restart_engines) and run "
                                    "again to resume from the last checkpoint", rank=r, engine_id=engine_of[r], died=True)
-                for r in sorted(pending):
-                    if not ars[r].ready():
-                        continue
-                    pending.discard(r)
-                    try:
-                        ars[r].get(0)
-                    except Exception as err:
-                        died = isinstance(err, ipp_error.EngineError)
-                        stop_others()
-                        what = "engine died" if died else "failed"
-                        raise DDPError(f"{who(r)} {what} while running {name}:\n{_remote_text(err)}",
-                                       rank=r, engine_id=engine_of[r], died=died) from err
+                failed = _failed_ranks(ars, pending)
+                if failed:
+                    first = min(failed)  # a rank's collective failed: is a peer gone?
+                    _raise_if_lost(client, pending, engine_of, who, name,
+                                   f"{who(first)} failed: {_first_line(failed[first])}", stop_others, failed[first])
+                    stop_others()
+                    raise _failure_error(failed, name, {r: by_id[engine_of[r]] for r in failed})
                 shown = _show(lives, ars[0], shown)
                 if pending and deadline is not None and time.monotonic() > deadline:
+                    _raise_if_lost(client, pending, engine_of, who, name, f"timeout after {timeout} s", stop_others)
                     unfinished = ", ".join(who(r) for r in sorted(pending))
                     stop_others()
                     raise DDPError(f"timeout after {timeout} s: {unfinished} not finished")
@@ -273,6 +325,64 @@ def run_ddp(
                 if hasattr(cb, "flush"):
                     cb.flush()
     return [ars[r].get(0) for r in sorted(ars)]
+
+
+def _raise_if_lost(client: ipp.Client, ranks: set[int], engine_of: dict[int, int], who: Callable[[int], str],
+                   name: str, then: str, stop_others: Callable[[], None], cause: BaseException | None = None) -> None:
+    """Raise DDPError naming the first lost rank if any of `ranks` has an engine that is
+    unregistered or does not answer within LOST_PROBE_S (its node is down or off the network)."""
+    gone = set(unreachable(client, [engine_of[r] for r in ranks], timeout=LOST_PROBE_S)) if ranks else set()
+    lost = [r for r in sorted(ranks) if engine_of[r] in gone]
+    if lost:
+        stop_others()
+        raise DDPError(_lost_message(lost, who, name, then), rank=lost[0], engine_id=engine_of[lost[0]],
+                       died=True, lost=lost) from cause
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [ln for ln in _remote_text(err).splitlines() if ln.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+def _lost_message(lost: list[int], who: Callable[[int], str], name: str, then: str) -> str:
+    return (f"{who(lost[0])}: engine lost while running {name} (no answer within {LOST_PROBE_S:g} s: its node is "
+            f"down or off the network); engines gone: {'; '.join(who(r) for r in lost)}; then {then}. "
+            "When the node is back, restart the engines (labkit.cluster.restart_engines) and run again "
+            "to resume from the last checkpoint")
+
+
+def _failed_ranks(ars: dict[int, Any], pending: set[int], *, grace: float = 2.0) -> dict[int, BaseException]:
+    """Ranks of `pending` whose call has finished with an error, {rank: error}; finished ranks
+    leave `pending`. After a first failure, waits up to `grace` s for the other ranks, so ranks
+    failing together (a bad config fails on all) are reported together."""
+    def collect() -> dict[int, BaseException]:
+        out = {}
+        for r in sorted(pending):
+            if ars[r].ready():
+                pending.discard(r)
+                try:
+                    ars[r].get(0)
+                except Exception as err:
+                    out[r] = err
+        return out
+
+    failed = collect()
+    end = time.monotonic() + grace
+    while failed and pending and time.monotonic() < end:
+        ars[min(pending)].wait(min(0.2, max(0.0, end - time.monotonic())))
+        failed |= collect()
+    return failed
+
+
+def _failure_error(failed: dict[int, BaseException], name: str, infos: dict[int, dict]) -> DDPError:
+    """A DDPError with one line per failing rank (``failure_line``) and the engines' tracebacks."""
+    lines = {r: failure_line(r, infos[r]["node"], infos[r]["engine_id"], err, name) for r, err in sorted(failed.items())}
+    first = min(failed)
+    died = isinstance(failed[first], ipp_error.EngineError)
+    tracebacks = "\n\n".join(f"--- rank {r} ---\n{_remote_text(err)}" for r, err in sorted(failed.items()))
+    message = "\n".join(lines.values()) + "\n(the engines' full tracebacks: this DDPError's .remote_traceback)"
+    return DDPError(message, rank=first, engine_id=infos[first]["engine_id"], died=died,
+                    remote_traceback=tracebacks, failures=lines)
 
 
 def _show(lives: list[Callable], ar: Any, shown: Any) -> Any:

@@ -25,7 +25,13 @@ def _engine_facts() -> dict:
 
     local = local_id()
     host = socket.gethostname()
-    return {"hostname": host, "node": node_name(),
+    addr = None
+    if os.environ.get("GLOO_SOCKET_IFNAME"):  # labkit.cluster's network_interface: rank 0 is reached there
+        import psutil
+
+        ifname = os.environ["GLOO_SOCKET_IFNAME"].split(",")[0]
+        addr = next((a.address for a in psutil.net_if_addrs().get(ifname, []) if a.family == socket.AF_INET), None)
+    return {"hostname": host, "node": node_name(), "addr": addr,
             "local_id": None if local is None else int(local), "pid": os.getpid(),
             "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "cpus": len(os.sched_getaffinity(0))}
 
@@ -33,7 +39,8 @@ def _engine_facts() -> dict:
 def engine_info(client: ipp.Client, targets: list[int] | None = None, *, timeout: float = 60.0) -> list[dict]:
     """Ask each engine who it is: one dict per engine, sorted by engine_id.
 
-    Keys: engine_id (int), hostname, node (env LABKIT_NODE_NAME, else hostname), local_id (int:
+    Keys: engine_id (int), hostname, node (env LABKIT_NODE_NAME, else hostname), addr (IPv4
+    address of the interface named by env GLOO_SOCKET_IFNAME, else None), local_id (int:
     env SLURM_LOCALID / OMPI_COMM_WORLD_LOCAL_RANK / MPI_LOCALRANKID / LABKIT_LOCAL_ID, else the
     engine's order by id among engines on its host), pid, gpus (CUDA_VISIBLE_DEVICES or None),
     cpus (usable CPU cores). Raises TimeoutError if an engine does not answer within `timeout` s.
@@ -56,7 +63,8 @@ def assign_ranks(infos: list[dict], *, master_port: int) -> dict[int, dict[str, 
 
     Nodes are sorted by name (NODE_RANK = position); within a node engines are sorted by
     (local_id, engine_id) (LOCAL_RANK = position); RANK counts through nodes in order.
-    MASTER_ADDR is 127.0.0.1 when every engine shares one hostname, else rank 0's hostname.
+    MASTER_ADDR is 127.0.0.1 when every engine shares one hostname, else rank 0's "addr" (its
+    network interface's address, see engine_info) if known, else its hostname.
     Raises ValueError for an empty list, duplicate engine ids or a port outside 1..65535.
     """
     if not infos:
@@ -70,7 +78,7 @@ def assign_ranks(infos: list[dict], *, master_port: int) -> dict[int, dict[str, 
                           key=lambda i: (i["local_id"], i["engine_id"])) for nd in nodes}
     ordered = [i for nd in nodes for i in by_node[nd]]
     single_host = len({i["hostname"] for i in infos}) == 1
-    master = "127.0.0.1" if single_host else ordered[0]["hostname"]
+    master = "127.0.0.1" if single_host else ordered[0].get("addr") or ordered[0]["hostname"]
     env = {}
     for rank, info in enumerate(ordered):
         members = by_node[info["node"]]

@@ -19,7 +19,27 @@ from labkit.study import gpu, plan
 from labkit.study.loader_sweep import sweep_loader
 from labkit.workdir import paths
 
+BUSY_LOAD_PER_CPU = 1.0
+"""A sweep point counts as measured on a busy machine when the engine host's 1-minute load
+average, just before the point, was at least this many runnable tasks per usable CPU: other work
+already occupied every core, so the point's throughput is low by an unknown amount."""
 
+
+def machine_load() -> dict:
+    """This host's load: {"load_avg_1m", "load_avg_5m" (os.getloadavg: runnable + waiting tasks,
+    averaged over 1 and 5 minutes), "cpu_count" (CPUs this process may use, sched_getaffinity)}.
+    Runs on an engine in the sweeps (``client[id].apply_sync(machine_load)``)."""
+    import os
+
+    one, five, _ = os.getloadavg()
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return {"load_avg_1m": round(one, 2), "load_avg_5m": round(five, 2), "cpu_count": cpus}
+
+
+def _load_columns(client, engine_id: int) -> dict:
+    """``machine_load`` of an engine's host plus ``busy`` (load_avg_1m >= BUSY_LOAD_PER_CPU x cpu_count)."""
+    load = client[engine_id].apply_sync(machine_load)
+    return load | {"busy": load["load_avg_1m"] >= BUSY_LOAD_PER_CPU * load["cpu_count"]}
 
 
 def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | None = None,
@@ -28,7 +48,9 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
 
     Points already in ``sweeps/ranks.parquet`` are not rerun. Columns: ranks, model,
     micro_batch_size, global_batch_size, tokens_per_s (all ranks, after timing warm-up),
-    samples_per_s, data_wait_fraction, efficiency = tokens_per_s(n) / (n * tokens_per_s(1)).
+    samples_per_s, data_wait_fraction, efficiency = tokens_per_s(n) / (n * tokens_per_s(1)),
+    and the machine's load just before the point (``_load_columns``: load_avg_1m, load_avg_5m,
+    cpu_count, busy). Sweep runs write metrics and result.json, no checkpoint.
     """
     out = paths(workdir)["sweeps"] / "ranks.parquet"
     ranks = ranks or list(range(1, len(client.ids) + 1))
@@ -38,11 +60,12 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
         if (n, base.model, base.micro_batch_size) in have:
             continue
         cfg = dataclasses.replace(base, run_dir=str(paths(workdir)["runs"] / f"sweep-ranks-{base.model}-{n}"),
-                                  resume=False)
+                                  resume=False, checkpoints=False)
+        load = _load_columns(client, client.ids[0])
         res = train_on_cluster(client, cfg, targets=client.ids[:n], staged=staged)
         rows.append({"ranks": n, "model": base.model, "micro_batch_size": base.micro_batch_size,
                      "global_batch_size": res["global_batch_size"], "tokens_per_s": res["tokens_per_s"],
-                     "samples_per_s": res["samples_per_s"], "data_wait_fraction": res["data_wait_fraction"]})
+                     "samples_per_s": res["samples_per_s"], "data_wait_fraction": res["data_wait_fraction"], **load})
     df = pl.DataFrame(rows).sort("model", "micro_batch_size", "ranks")
     one = (df.filter(pl.col("ranks") == 1).select("model", "micro_batch_size", pl.col("tokens_per_s").alias("_t1")))
     df = df.join(one, on=["model", "micro_batch_size"], how="left").with_columns(
@@ -128,7 +151,8 @@ def sweep_model_size(client, base: TrainConfig, workdir: str, *, models: list[st
     ``sweeps/model_size.parquet`` at the same ranks and micro-batch are not rerun. Columns:
     model, params, non_embedding_params, ranks, micro_batch_size, seq_len, tokens_per_s,
     samples_per_s, flops_per_token (``labkit.model.flops_per_token``), achieved_flops
-    (tokens_per_s x flops_per_token, all ranks)."""
+    (tokens_per_s x flops_per_token, all ranks), and the machine's load before the run
+    (load_avg_1m, load_avg_5m, cpu_count, busy; ``_load_columns``). No checkpoints are written."""
     out = paths(workdir)["sweeps"] / "model_size.parquet"
     n = ranks or len(client.ids)
     rows = _done_rows(out, force)
@@ -137,8 +161,9 @@ def sweep_model_size(client, base: TrainConfig, workdir: str, *, models: list[st
     for name in models:
         if (name, n, base.micro_batch_size) in have:
             continue
-        cfg = dataclasses.replace(base, model=name, resume=False,
+        cfg = dataclasses.replace(base, model=name, resume=False, checkpoints=False,
                                   run_dir=str(paths(workdir)["runs"] / f"sweep-size-{name}-{n}"))
+        load = _load_columns(client, client.ids[0])
         res = train_on_cluster(client, cfg, targets=client.ids[:n], staged=staged)
         mcfg = model_config(name, index["vocab_size"], **base.model_overrides)
         fpt = flops_per_token(mcfg, index["seq_len"])
@@ -146,5 +171,5 @@ def sweep_model_size(client, base: TrainConfig, workdir: str, *, models: list[st
         rows.append({"model": name, "params": counts["total"], "non_embedding_params": counts["non_embedding"],
                      "ranks": n, "micro_batch_size": base.micro_batch_size, "seq_len": index["seq_len"],
                      "tokens_per_s": res["tokens_per_s"], "samples_per_s": res["samples_per_s"],
-                     "flops_per_token": fpt, "achieved_flops": res["tokens_per_s"] * fpt})
+                     "flops_per_token": fpt, "achieved_flops": res["tokens_per_s"] * fpt, **load})
     return _save(pl.DataFrame(rows).sort("params", "ranks"), out)

@@ -292,7 +292,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                     f.write(json.dumps(record) + "\n")
                 if sink is not None:
                     sink(record)
-        if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == stop:
+        if cfg.checkpoints and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == stop):
             save_checkpoint(run_dir, step, model,
                             {"format": 1, "step": step, "epoch": epoch, "tokens": tokens_seen,
                              "optimizer": dist.optimizer_state_dict(model, optimizer),  # collective

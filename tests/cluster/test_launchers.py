@@ -18,6 +18,7 @@ import pytest
 
 from labkit import cluster as C
 from labkit.cluster import engines as cluster_engines
+from labkit.cluster import network as cluster_network
 
 HERE = pathlib.Path(__file__).resolve().parent
 TESTS = os.pathsep.join([str(HERE), str(HERE.parent)])  # engines import this module and tests/ helpers
@@ -46,6 +47,7 @@ def test_slurm_batch_script_rendered(tmp_path):
         "#!/bin/bash",
         "#SBATCH --export=ALL",
         "#SBATCH --job-name=ipengine-abc",
+        "#SBATCH --no-requeue",  # a node failure ends the job; old engines never come back
         "#SBATCH --nodes=3",
         "#SBATCH --ntasks-per-node=2",
         "#SBATCH --gpus-per-node=2",
@@ -74,8 +76,14 @@ def test_slurm_batch_script_rendered(tmp_path):
 def test_mpi_engine_command_line(tmp_path):
     launcher = _engine_launcher("mpi", {"engines": "mpi", "mpi_args": ["--bind-to", "none"]}, tmp_path)
     launcher.n = 4
-    assert launcher.args == ["mpiexec", "-n", "4", "--bind-to", "none", sys.executable, "-m",
+    # Open MPI passes only OMPI_* variables to other hosts: labkit exports the engines' own
+    exports = ["-x", "IPP_CLUSTER_ID", "-x", "IPP_PROFILE_DIR"] if cluster_network.mpi_exports({}) else []
+    assert launcher.args == ["mpiexec", "-n", "4", "--bind-to", "none", *exports, sys.executable, "-m",
                              "ipyparallel.engine", "--mpi"]
+    if shutil.which("mpiexec") and "Open MPI" in subprocess.run(["mpiexec", "--version"], capture_output=True,
+                                                               text=True).stdout:
+        assert cluster_network.mpi_exports({"PYTHONPATH": "/x"}) == ["-x", "IPP_CLUSTER_ID", "-x", "IPP_PROFILE_DIR",
+                                                        "-x", "PYTHONPATH"]
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no MPI runtime (mpiexec) on this machine")

@@ -153,7 +153,7 @@ def test_rewrite_removes_old_shards_and_progress_goes_to_stderr(inputs, tmp_path
     index = write_shards(docs_path, tok_path, str(tmp_path), ShardConfig(seq_len=16, sequences_per_shard=1000))
     assert "150/150" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["index.json", "notes.txt", "shard-00000.bin"]
-    assert sorted(p.name for p in parts_dir_for(tmp_path).iterdir()) == ["part-00000.ids", "part-00000.json",
+    assert sorted(p.name for p in parts_dir_for(tmp_path).iterdir()) == ["keep.npy", "part-00000.ids", "part-00000.json",
                                                                        "part-00000.lens", "shard-00000.json"]
     assert verify_shards(tmp_path) == index
 
@@ -287,7 +287,7 @@ def test_interrupted_encoding_resumes_and_skips_finished_parts(inputs, tmp_path,
 
 
 def test_interrupted_packing_skips_finished_shards(inputs, tmp_path, monkeypatch):
-    import labkit.data.shards as S
+    import labkit.data.pack as S  # shards are written by pack.atomic_write_bytes
 
     docs_path, tok_path, _ = inputs
     cfg = ShardConfig(seq_len=16, sequences_per_shard=6)

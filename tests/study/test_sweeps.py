@@ -41,6 +41,7 @@ def trained(monkeypatch):
 
     def fake_train(client, cfg, *, targets=None, staged=None, live=None, timeout=None):
         n = len(targets)
+        assert cfg.checkpoints is False  # sweep runs write metrics and results, no checkpoint
         runs.append((cfg.model, n))
         tps = 1000.0 * n * (0.9 if n > 1 else 1.0) / (2 if cfg.model == "mini" else 1)
         return {"global_batch_size": cfg.micro_batch_size * n, "tokens_per_s": tps, "samples_per_s": tps / 64,
@@ -143,3 +144,18 @@ def test_max_micro_batch_cuda_finds_the_out_of_memory_edge():
 
     rep = max_micro_batch_cuda(model_config("mini", 1024), 128, limit=64)
     assert rep["max_micro_batch"] == 64 and rep["peak_bytes"] < rep["budget_bytes"]
+
+
+def test_sweep_rows_record_the_machine_load_and_flag_a_busy_machine(tmp_path, trained, monkeypatch):
+    import os
+
+    base = TrainConfig(data_dir=str(tmp_path / "shards"), run_dir=str(tmp_path / "r"), model="tiny",
+                       micro_batch_size=4)
+    load = sweeps.machine_load()
+    assert load["cpu_count"] == len(os.sched_getaffinity(0))
+    assert load["load_avg_1m"] == pytest.approx(os.getloadavg()[0], abs=1.0)
+    loads = iter([{"load_avg_1m": 0.2, "load_avg_5m": 0.5, "cpu_count": 2},
+                  {"load_avg_1m": 2.5, "load_avg_5m": 1.0, "cpu_count": 2}])
+    monkeypatch.setattr(sweeps, "machine_load", lambda: next(loads))
+    df = lab.sweep_ranks(FakeClient(2), base, str(tmp_path), ranks=[1, 2])
+    assert df.select("ranks", "load_avg_1m", "cpu_count", "busy").rows() == [(1, 0.2, 2, False), (2, 2.5, 2, True)]

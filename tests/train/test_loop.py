@@ -148,6 +148,13 @@ def test_nonfinite_loss_raises_or_skips(shards, tmp_path, monkeypatch):
     assert [r["skipped"] for r in read_metrics(run)] == [True, True]
 
 
+def test_checkpoints_false_writes_metrics_and_result_only(shards, tmp_path):
+    run = tmp_path / "sweep"
+    result = train(tiny_cfg(shards, run, max_steps=3, ckpt_every=1, checkpoints=False))
+    assert result["steps"] == 3 and len(read_metrics(run)) == 3 and (run / "result.json").is_file()
+    assert train_mod.checkpoint_steps(run) == [] and not (run / "checkpoints").exists()
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_train_autocast_precisions_run(shards, tmp_path, precision):
     """bf16/fp16 autocast on CPU: the run completes and the loss is within bf16 noise of fp32's

@@ -1,0 +1,141 @@
+"""Test helpers: JupyterLab on 127.0.0.1 with a token, driven by Debian's Chromium through Playwright.
+
+Playwright is the Python package only: it drives the system's ``/usr/bin/chromium`` (``make test``
+installs Debian's package as root); no browser is downloaded. ``need_browser()`` skips the calling
+test with one line when either is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+
+COUNT_POINTS_JS = """() => [...document.querySelectorAll('.jp-OutputArea-output .js-plotly-plot, .jp-OutputArea-output.js-plotly-plot')]
+    .map(gd => (gd.data || []).map(t => (t.x || []).length))"""
+"""Per plotly figure on the page (as drawn by plotly.js), the number of points of each trace."""
+
+
+def chromium_path() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def need_browser() -> str:
+    """The chromium path; skips the test (one line) without chromium or the playwright package."""
+    path = chromium_path()
+    if path is None:
+        pytest.skip("chromium is not installed (make test installs Debian's chromium package as root)")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        pytest.skip("the playwright package is not installed (make test installs the test extra)")
+    return path
+
+
+@contextlib.contextmanager
+def chromium() -> Iterator:
+    """A headless Playwright Browser on the system Chromium."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=need_browser(), headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def jupyterlab(root_dir: Path, *, log: Path) -> Iterator[tuple[str, str]]:
+    """Start JupyterLab (this venv's) serving `root_dir` on 127.0.0.1 with a random token; yields
+    (base URL, token). Kernels see this labkit on PYTHONPATH. Stops the server after."""
+    token, port = secrets.token_hex(16), _free_port()
+    state = root_dir.parent / f"{root_dir.name}-jupyter"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+               JUPYTER_CONFIG_DIR=str(state / "config"), JUPYTER_RUNTIME_DIR=str(state / "runtime"),
+               JUPYTERLAB_WORKSPACES_DIR=str(state / "workspaces"), IPYTHONDIR=str(state / "ipython"),
+               JUPYTER_CONFIG_PATH=str(ROOT / "etc" / "jupyter"))  # as `make lab` runs it
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root_dir}",
+           "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-root")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=root_dir, env=env, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"JupyterLab did not start; see {log}:\n{log.read_text()[-2000:]}")
+                time.sleep(0.5)
+        yield base, token
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_all_and_watch(page, url: str, *, done_text: str, timeout_s: float = 240.0, every_s: float = 0.25,
+                      screenshot: Path | None = None, shot_when=None) -> list[tuple[float, list[list[int]]]]:
+    """Open a notebook, run all its cells as a person does (Shift+Enter on each), and sample the point counts of
+    every plotly figure on the page every `every_s` s until an output contains `done_text`.
+
+    Returns [(seconds since the run started, COUNT_POINTS_JS result)], the last sample taken after
+    `done_text` appeared. `screenshot`: written once, the first time ``shot_when(counts)`` is true.
+    Raises AssertionError on timeout, naming the last counts and any error output."""
+    page.goto(url)
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+    page.wait_for_timeout(2000)  # the kernel's session settles after its first idle status
+    with contextlib.suppress(Exception):  # JupyterLab's "official Jupyter news?" toast: answer it
+        page.get_by_role("button", name="No").click(timeout=2000)
+    page.locator(".jp-Notebook .jp-Cell .jp-InputPrompt").first.click()
+    for _ in range(page.locator(".jp-Notebook .jp-Cell").count()):  # Shift+Enter: run, select the next cell
+        page.keyboard.press("Shift+Enter")
+    t0, samples, shot = time.monotonic(), [], screenshot is None
+    while True:
+        counts = page.evaluate(COUNT_POINTS_JS)
+        samples.append((round(time.monotonic() - t0, 2), counts))
+        if not shot and shot_when(counts):
+            page.locator(".jp-OutputArea-output .js-plotly-plot").first.scroll_into_view_if_needed()
+            page.screenshot(path=str(screenshot), full_page=False)
+            shot = True
+        outputs = page.locator(".jp-OutputArea-output").all_inner_texts()
+        if any(done_text in o for o in outputs):
+            page.wait_for_timeout(1000)  # the final frame follows the text output within the same cell
+            samples.append((round(time.monotonic() - t0, 2), page.evaluate(COUNT_POINTS_JS)))
+            return samples
+        errors = [o for o in outputs if "Traceback" in o]
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"no {done_text!r} after {timeout_s} s; last counts {counts}; outputs {outputs[-3:]}")
+        if errors:
+            raise AssertionError(f"the notebook failed: {errors[-1][-3000:]}")
+        page.wait_for_timeout(int(every_s * 1000))
