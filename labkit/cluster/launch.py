@@ -244,17 +244,7 @@ def run_ddp(
     lives = [] if live is None else list(live) if isinstance(live, (list, tuple)) else [live]
     infos = engine_info(client, targets, timeout=60)
     by_id = {i["engine_id"]: i for i in infos}
-    rank0 = next(e for e, v in assign_ranks(infos, master_port=1).items() if v["RANK"] == "0")
-    port = client[rank0].apply_async(_free_port).get(timeout=30)
-    envs = assign_ranks(infos, master_port=port)
-    hosts = [i["hostname"] for i in infos]
-    single_host = len(set(hosts)) == 1
-    for eid, env in envs.items():
-        threads = str(max(1, by_id[eid]["cpus"] // hosts.count(by_id[eid]["hostname"])))
-        env.update(OMP_NUM_THREADS=threads, POLARS_MAX_THREADS=threads, RAYON_NUM_THREADS=threads,
-                   TOKENIZERS_PARALLELISM="false")
-        if single_host:
-            env.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
+    envs = _rank_environments(client, infos)
     rank_of = {eid: int(env["RANK"]) for eid, env in envs.items()}
     engine_of = {r: eid for eid, r in rank_of.items()}
     ars = {rank_of[eid]: client[eid].apply_async(_ddp_entry, fn, env, args, kwargs, history)
@@ -313,18 +303,46 @@ def run_ddp(
                     ar.wait_for_output(5)
         except KeyboardInterrupt:
             stop_others()
-            end = time.monotonic() + 10
-            for r in sorted(pending):
-                with contextlib.suppress(Exception):
-                    ars[r].wait(max(0.0, end - time.monotonic()))
+            _wait_quietly([ars[r] for r in sorted(pending)], 10.0)
             raise
         if lives:
-            ars[0].wait_for_output(5)
-            _show(lives, ars[0], shown)
-            for cb in lives:
-                if hasattr(cb, "flush"):
-                    cb.flush()
+            _final_show(lives, ars[0], shown)
     return [ars[r].get(0) for r in sorted(ars)]
+
+
+def _rank_environments(client: ipp.Client, infos: list[dict]) -> dict[int, dict[str, str]]:
+    """{engine_id: environment} for one DDP job: ``assign_ranks`` with a fresh MASTER_PORT (a free
+    port found on rank 0's engine), thread counts = the host's usable cores // its engines, and
+    on a single host MASTER_ADDR=127.0.0.1 and GLOO_SOCKET_IFNAME=lo."""
+    by_id = {i["engine_id"]: i for i in infos}
+    rank0 = next(e for e, v in assign_ranks(infos, master_port=1).items() if v["RANK"] == "0")
+    port = client[rank0].apply_async(_free_port).get(timeout=30)
+    envs = assign_ranks(infos, master_port=port)
+    hosts = [i["hostname"] for i in infos]
+    for eid, env in envs.items():
+        threads = str(max(1, by_id[eid]["cpus"] // hosts.count(by_id[eid]["hostname"])))
+        env.update(OMP_NUM_THREADS=threads, POLARS_MAX_THREADS=threads, RAYON_NUM_THREADS=threads,
+                   TOKENIZERS_PARALLELISM="false")
+        if len(set(hosts)) == 1:
+            env.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
+    return envs
+
+
+def _wait_quietly(results: list[Any], seconds: float) -> None:
+    """Wait up to ``seconds`` in all for ``results`` (AsyncResults) to finish, ignoring their errors."""
+    end = time.monotonic() + seconds
+    for ar in results:
+        with contextlib.suppress(Exception):
+            ar.wait(max(0.0, end - time.monotonic()))
+
+
+def _final_show(lives: list[Callable], ar: Any, shown: Any) -> None:
+    """After the run: the last records to every ``live`` callback, then their ``flush()``."""
+    ar.wait_for_output(5)
+    _show(lives, ar, shown)
+    for cb in lives:
+        if hasattr(cb, "flush"):
+            cb.flush()
 
 
 def _raise_if_lost(client: ipp.Client, ranks: set[int], engine_of: dict[int, int], who: Callable[[int], str],

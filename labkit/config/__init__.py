@@ -540,7 +540,7 @@ class TrainConfig:
     same as model_overrides={"activation_checkpointing": True})."""
     seq_len: int | None = None
     """Sequence length the run expects; shards of another length are refused before training
-    (labkit.data.mlm.check_shards). None takes the shards' length."""
+    (labkit.data.shards.check_shards). None takes the shards' length."""
     tokenizer_path: str | None = None
     """tokenizer.json the run expects; shards built with a tokenizer of another sha256 are
     refused before training. None skips the check."""

@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from labkit.config import SPECIAL_TOKENS
+from labkit.data.shards import check_shards
 
 IGNORE_INDEX = -100
 """Label of positions without MLM loss."""
@@ -313,29 +314,6 @@ class MLMLoader(DataLoader):
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return _as_tensors(super().__iter__())
-
-
-def check_shards(data_dir: str, *, seq_len: int | None = None, dtype: str | None = None,
-                 vocab_size: int | None = None, tokenizer_sha256: str | None = None,
-                 verify: bool = False) -> dict:
-    """Check a shard set against what the run expects, before anything trains; returns its index.
-
-    ``ShardError`` (a ValueError) naming ``<data_dir>/index.json`` and every field that differs
-    (expected vs found) for seq_len, dtype ("uint16"/"uint32"), tokenizer_sha256, and vocab_size
-    (the run's must be at least the shards'); ShardError naming the file for a missing or
-    malformed index or shard; with ``verify`` every shard's sha256 is recomputed too.
-    """
-    from labkit.data.shards import INDEX_NAME, ShardError, read_index, verify_shards
-
-    index = verify_shards(data_dir) if verify else read_index(data_dir)
-    wanted = {"seq_len": seq_len, "dtype": dtype, "tokenizer_sha256": tokenizer_sha256}
-    diffs = [f"{k}: run expects {v!r}, shards have {index.get(k)!r}" for k, v in wanted.items()
-             if v is not None and index.get(k) != v]
-    if vocab_size is not None and vocab_size < index["vocab_size"]:
-        diffs.append(f"vocab_size: run has {vocab_size}, smaller than the shards' {index['vocab_size']}")
-    if diffs:
-        raise ShardError(f"{os.path.join(str(data_dir), INDEX_NAME)}: " + "; ".join(diffs))
-    return index
 
 
 def make_loader(data_dir: str, *, batch_size: int, rank: int, world_size: int, seed: int,

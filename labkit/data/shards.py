@@ -243,6 +243,39 @@ def plan_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardCon
             "groups": plan_groups(parts, lens, keep, cfg.seq_len, per_shard, groups)}
 
 
+def write_rows(out_dir: str | os.PathLike, rows: np.ndarray, *, vocab_size: int, tokenizer_sha256: str,
+               rows_per_shard: int, n_documents: int | None = None) -> dict:
+    """Write already packed rows ``[n_sequences, seq_len]`` (ints, [CLS]-prefixed as ``pack_rows``
+    makes them) as a complete shard set: ``shard-NNNNN.bin`` of ``rows_per_shard`` rows each, in
+    the dtype ``shard_dtype(vocab_size)`` gives, then ``index.json`` last, all through
+    ``labkit.io``. For sets whose rows come from elsewhere than a tokenizer (tests, benchmarks,
+    synthetic loads). ``n_documents`` defaults to the number of rows. Returns the index.
+    ShardError when an id is not below ``vocab_size``; ValueError for an empty ``rows``."""
+    rows = np.asarray(rows)
+    if rows.ndim != 2 or not len(rows):
+        raise ValueError(f"rows: need a non-empty [n_sequences, seq_len] array, got shape {rows.shape}")
+    if rows.min() < 0 or rows.max() >= vocab_size:
+        raise ShardError(f"rows: id {int(rows.max())} is not below vocab_size {vocab_size}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = shard_dtype(vocab_size)
+    shards = []
+    for k, start in enumerate(range(0, len(rows), rows_per_shard)):
+        block = np.ascontiguousarray(rows[start:start + rows_per_shard], dtype=dtype)
+        data = block.tobytes()
+        atomic_write_bytes(out / f"shard-{k:05d}.bin", data)
+        shards.append({"file": f"shard-{k:05d}.bin", "n_sequences": len(block), "n_bytes": len(data),
+                       "sha256": sha256_bytes(data), "n_tokens": int(np.count_nonzero(block != PAD_ID))})
+    index = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "seq_len": int(rows.shape[1]),
+             "vocab_size": int(vocab_size), "tokenizer_sha256": tokenizer_sha256,
+             "special_ids": {t: i for i, t in enumerate(SPECIAL_TOKENS)},
+             "n_documents": len(rows) if n_documents is None else int(n_documents),
+             "n_sequences": len(rows), "n_tokens": sum(s.pop("n_tokens") for s in shards),
+             "n_bytes": sum(s["n_bytes"] for s in shards), "shards": shards}
+    atomic_write_bytes(out / INDEX_NAME, (json.dumps(index, indent=1) + "\n").encode())
+    return index
+
+
 def write_index(plan: dict, group_shards: list[list[dict]]) -> dict:
     """Merge the shard infos ``pack_group`` returned for each group of ``plan`` (in group order),
     remove shards of an earlier, longer run and write ``index.json`` last. Returns the index."""
@@ -438,14 +471,26 @@ def verify_shards(data_dir: str | os.PathLike, *, tokenizer_path: str | os.PathL
     return index
 
 
-def check_compatible(index: dict, *, seq_len: int | None = None, vocab_size: int | None = None,
-                     tokenizer_sha256: str | None = None) -> None:
-    """``ShardError`` naming each given field whose value in ``index`` differs (expected vs found)."""
-    wanted = {"seq_len": seq_len, "vocab_size": vocab_size, "tokenizer_sha256": tokenizer_sha256}
-    diffs = [f"{k}: expected {v!r}, found {index.get(k)!r}" for k, v in wanted.items()
+def check_shards(data_dir: str, *, seq_len: int | None = None, dtype: str | None = None,
+                 vocab_size: int | None = None, tokenizer_sha256: str | None = None,
+                 verify: bool = False) -> dict:
+    """Check a shard set against what a reader expects, before anything trains; returns its index.
+    The one compatibility check of a shard set (``labkit.data.mlm.make_loader`` and training call it).
+
+    ``ShardError`` (a ValueError) naming ``<data_dir>/index.json`` and every field that differs
+    (expected vs found) for seq_len, dtype ("uint16"/"uint32"), tokenizer_sha256, and vocab_size
+    (the run's must be at least the shards'); ShardError naming the file for a missing or
+    malformed index or shard; with ``verify`` every shard's sha256 is recomputed too.
+    """
+    index = verify_shards(data_dir) if verify else read_index(data_dir)
+    wanted = {"seq_len": seq_len, "dtype": dtype, "tokenizer_sha256": tokenizer_sha256}
+    diffs = [f"{k}: run expects {v!r}, shards have {index.get(k)!r}" for k, v in wanted.items()
              if v is not None and index.get(k) != v]
+    if vocab_size is not None and vocab_size < index["vocab_size"]:
+        diffs.append(f"vocab_size: run has {vocab_size}, smaller than the shards' {index['vocab_size']}")
     if diffs:
-        raise ShardError("shard set is not compatible: " + "; ".join(diffs))
+        raise ShardError(f"{Path(data_dir) / INDEX_NAME}: " + "; ".join(diffs))
+    return index
 
 
 class SequenceReader:

@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from labkit.config import SPECIAL_TOKENS, ShardConfig, TokenizerConfig
-from labkit.data.shards import (ShardError, SequenceReader, check_compatible, check_tokenizer, doc_stream,
+from labkit.data.shards import (ShardError, SequenceReader, check_shards, check_tokenizer, doc_stream,
                                 encode_part, finish_shards, pack_documents, pack_rows, parts_dir_for, plan_parts,
                                 read_index, shard_dtype, verify_shards, write_shards)
 from labkit.data.tokenize import load_tokenizer, tokenizer_sha256, train_tokenizer
@@ -202,14 +202,15 @@ def test_index_errors(inputs, tmp_path):
         SequenceReader(tmp_path)
 
 
-def test_check_compatible(inputs, tmp_path):
+def test_check_shards(inputs, tmp_path):
     docs_path, tok_path, _ = inputs
     index = write_shards(docs_path, tok_path, str(tmp_path), ShardConfig(seq_len=16), progress=False)
-    check_compatible(index, seq_len=16, vocab_size=index["vocab_size"], tokenizer_sha256=tokenizer_sha256(tok_path))
-    with pytest.raises(ShardError, match="seq_len: expected 128, found 16"):
-        check_compatible(index, seq_len=128)
-    with pytest.raises(ShardError, match=r"vocab_size: expected 8192.*tokenizer_sha256: expected 'abc'"):
-        check_compatible(index, vocab_size=8192, tokenizer_sha256="abc")
+    assert check_shards(tmp_path, seq_len=16, vocab_size=index["vocab_size"], dtype=index["dtype"],
+                        tokenizer_sha256=tokenizer_sha256(tok_path), verify=True) == index
+    with pytest.raises(ShardError, match="seq_len: run expects 128, shards have 16"):
+        check_shards(tmp_path, seq_len=128)
+    with pytest.raises(ShardError, match=r"tokenizer_sha256: run expects 'abc'.*vocab_size: run has 8, smaller"):
+        check_shards(tmp_path, vocab_size=8, tokenizer_sha256="abc")
 
 
 def test_no_documents_and_bad_tokenizer(inputs, tmp_path):
