@@ -37,7 +37,7 @@ EXAMPLES = {
     "export": "labkit export work/walkthrough/runs/main work/walkthrough/export",
     "demo": "labkit demo --workdir work/demo --engines 2",
     "verify": "labkit verify work/demo/shards",
-    "report": "labkit report notebooks/03_train.ipynb work/demo/reports/03_train.html --param steps=20",
+    "report": "labkit report notebooks/03_train.py work/demo/reports/03_train.html --param steps=20",
 }
 
 
