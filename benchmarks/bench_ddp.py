@@ -18,7 +18,6 @@ Run: ``python benchmarks/bench_ddp.py`` from the repository root. Last line: one
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import pathlib
@@ -34,6 +33,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from labkit.config import TrainConfig, from_dict, to_dict  # noqa: E402
+from labkit.data.shards import write_rows  # noqa: E402
 from labkit.measure import scaling_efficiency  # noqa: E402
 
 
@@ -42,16 +42,7 @@ def write_shards(out_dir: pathlib.Path, *, n_sequences: int, seq_len: int, vocab
     rng = np.random.default_rng(seed)
     arr = rng.integers(5, vocab_size, size=(n_sequences, seq_len), dtype=np.uint16)
     arr[:, 0] = 2
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "shard-00000.bin").write_bytes(arr.tobytes())
-    index = {"format": "labkit-shards", "version": 1, "dtype": "uint16", "seq_len": seq_len,
-             "vocab_size": vocab_size, "tokenizer_sha256": "0" * 64,
-             "special_ids": {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4},
-             "n_documents": n_sequences, "n_sequences": n_sequences, "n_tokens": int(arr.size),
-             "n_bytes": int(arr.nbytes), "shards": [{"file": "shard-00000.bin", "n_sequences": n_sequences,
-                                                     "n_bytes": int(arr.nbytes),
-                                                     "sha256": hashlib.sha256(arr.tobytes()).hexdigest()}]}
-    (out_dir / "index.json").write_text(json.dumps(index))
+    write_rows(out_dir, arr, vocab_size=vocab_size, tokenizer_sha256="0" * 64, rows_per_shard=n_sequences)
 
 
 def _free_port() -> int:

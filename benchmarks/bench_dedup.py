@@ -1,5 +1,6 @@
 """Benchmark `dedup`: labkit's near-duplicate pass (vectorised word-5-gram MinHash with
-datasketch's affine32 permutations + datasketch MinHashLSH in id order, ``labkit.data.dedup``)
+datasketch's affine32 permutations + LSH band buckets, verified pairs and connected components,
+``labkit.data.dedup``)
 in documents/s on the demo corpus, vs the textbook datasketch recipe on the same documents:
 ``MinHash.bulk`` over each document's set of UTF-8 shingles (sha1 per shingle) and the same LSH
 pass. Both find near duplicates with the same DedupConfig; the JSON gives how many each found.

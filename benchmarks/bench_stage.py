@@ -10,7 +10,6 @@ Run from the repository root: python benchmarks/bench_stage.py
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import statistics
@@ -24,28 +23,20 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from labkit.data.shards import write_rows  # noqa: E402
 from labkit.data.stage import stage_shards  # noqa: E402
+from labkit.io import sha256_bytes  # noqa: E402
 
 N_SHARDS, SHARD_MB, REPEATS, VOCAB, SEQ_LEN = 48, 4, 5, 8192, 512
 
 
 def write_set(out: Path) -> int:
-    """A valid labkit shard set of random uint16 ids; returns its size in bytes (with index)."""
-    out.mkdir(parents=True)
+    """A valid labkit shard set of random uint16 ids (``labkit.data.shards.write_rows``); returns
+    its size in bytes (with index)."""
     rng = np.random.default_rng(0)
     rows = SHARD_MB * 2**20 // (2 * SEQ_LEN)
-    shards = []
-    for k in range(N_SHARDS):
-        data = rng.integers(5, VOCAB, size=(rows, SEQ_LEN), dtype=np.uint16).tobytes()
-        (out / f"shard-{k:05d}.bin").write_bytes(data)
-        shards.append({"file": f"shard-{k:05d}.bin", "n_sequences": rows, "n_bytes": len(data),
-                       "sha256": hashlib.sha256(data).hexdigest()})
-    index = {"format": "labkit-shards", "version": 1, "dtype": "uint16", "seq_len": SEQ_LEN, "vocab_size": VOCAB,
-             "tokenizer_sha256": hashlib.sha256(b"bench").hexdigest(),
-             "special_ids": {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4},
-             "n_documents": N_SHARDS * rows, "n_sequences": N_SHARDS * rows, "n_tokens": N_SHARDS * rows * SEQ_LEN,
-             "n_bytes": sum(s["n_bytes"] for s in shards), "shards": shards}
-    (out / "index.json").write_text(json.dumps(index))
+    ids = rng.integers(5, VOCAB, size=(N_SHARDS * rows, SEQ_LEN), dtype=np.uint16)
+    write_rows(out, ids, vocab_size=VOCAB, tokenizer_sha256=sha256_bytes(b"bench"), rows_per_shard=rows)
     return sum(p.stat().st_size for p in out.iterdir())
 
 

@@ -152,13 +152,30 @@ def fsync_tree(path: str | os.PathLike) -> None:
     fsync_dir(root)
 
 
-def sha256_file(path: str | os.PathLike, *, chunk: int = _CHUNK) -> str:
-    """Hex SHA-256 of a file's bytes, read in 1 MiB chunks (constant memory)."""
+def sha256_file(path: str | os.PathLike, *, chunk: int = _CHUNK,
+                on_block: Callable[[bytes], Any] | None = None) -> str:
+    """Hex SHA-256 of a file's bytes, read in ``chunk``-byte blocks (1 MiB; constant memory).
+    ``on_block(block)`` sees every block too, so one read can also scan the data (the shard
+    verifier checks the largest token id this way)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(chunk), b""):
             h.update(block)
+            if on_block is not None:
+                on_block(block)
     return h.hexdigest()
+
+
+def atomic_write_npy(path: str | os.PathLike, array: Any) -> Path:
+    """Write a NumPy array in .npy format to ``path`` atomically (``np.save`` on a path would add
+    ".npy" to the temporary name)."""
+    import numpy as np
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            np.save(f, array, allow_pickle=False)
+
+    return atomic_write(path, write)
 
 
 def sha256_bytes(data: bytes | bytearray | memoryview) -> str:

@@ -21,7 +21,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import polars as pl
 
@@ -79,6 +79,7 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
     Returns the summed statistics, also written last to ``corpus/corpus.json``: files_found,
     parts, files_read, functions (ELF), documents (all sources), by_kind {elf|text|jsonl|parquet:
     documents}, raw_bytes (input file sizes), text_bytes, skipped {reason: n}, skipped_files,
+    dropped_functions {reason: n} (functions left out at extraction: "disassembly_stopped"),
     seconds, config. Raises ``FileNotFoundError`` naming a missing input path, ``ValueError``
     when no input file is found.
     """
@@ -118,7 +119,7 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
     parts = _wait_all(asyncs, "corpus: reading sources", progress)
     stats: dict[str, Any] = {"files_found": len(elf) + sum(map(len, text.values())), "parts": len(asyncs),
                              "files_read": 0, "functions": 0, "documents": 0, "by_kind": {}, "raw_bytes": 0,
-                             "text_bytes": 0, "skipped": {}, "skipped_files": {}}
+                             "text_bytes": 0, "skipped": {}, "skipped_files": {}, "dropped_functions": {}}
     for kind, p in zip(kinds, parts):
         for key in ("files_read", "raw_bytes", "text_bytes"):
             stats[key] += int(p[key])
@@ -126,6 +127,8 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
         stats["by_kind"][kind] = stats["by_kind"].get(kind, 0) + int(p["functions"])
         for reason, n in p["skipped"].items():
             stats["skipped"][reason] = stats["skipped"].get(reason, 0) + int(n)
+        for reason, n in p.get("dropped_functions", {}).items():
+            stats["dropped_functions"][reason] = stats["dropped_functions"].get(reason, 0) + int(n)
         stats["skipped_files"].update(p["skipped_files"])
     stats["documents"] += stats["functions"]
     stats["seconds"] = round(time.perf_counter() - t0, 2)
@@ -146,65 +149,63 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
 # --------------------------------------------------------------------------------------------
 
 
-def _row_ranges(n: int, parts: int) -> list[tuple[int, int]]:
-    size = max(1, math.ceil(n / max(1, parts)))
-    return [(s, min(s + size, n)) for s in range(0, n, size)]
+def _engine_map(client, desc: str, progress: bool):
+    """``pmap(fn, [args, ...])`` over the engines: one load-balanced task per args, results in order."""
+    view = client.load_balanced_view()
+
+    def pmap(fn: Callable, args: list[tuple]) -> list:
+        return _wait_all([view.apply_async(fn, *a) for a in args], f"{desc}: {fn.__name__}", progress)
+    return pmap
 
 
 def clean_corpus(client, cfg: CleanConfig, workdir: str, *, force: bool = False, progress: bool = True,
                  extra_filters: dict | None = None) -> dict:
-    """Filter, exactly deduplicate and near-deduplicate the corpus.
+    """Filter, exactly deduplicate and near-deduplicate the corpus on all engines
+    (``labkit.data.partitioned.dedup_corpus``): per corpus part, filters and hash keys; per
+    hash partition, exact dedup; per part, MinHash signatures and LSH band keys; per band
+    partition, candidate pairs checked against the threshold; on one engine, connected
+    components of those pairs; per part, the kept rows. The kept set does not depend on the
+    engine count (hash partitions hold every copy of a text and every entry of a bucket).
 
-    1. one engine: ``labkit.data.clean.clean_corpus`` (polars, lazy) -> ``clean/filtered.parquet``;
-    2. all engines: MinHash signatures of row ranges of it (``labkit.data.dedup.signature_part``),
-       2 ranges per engine -> ``clean/signatures/part-XXXXX.npy``;
-    3. one engine: the LSH pass in id order (``near_dedup_parquet``) -> ``clean/docs.parquet``.
-    With ``cfg.near_dedup`` None, step 1 writes ``clean/docs.parquet`` directly. The kept ids do
-    not depend on the engine count (signatures are per document; the LSH pass is in id order).
+    Writes ``clean/docs.parquet/part-XXXXX.parquet`` (one per corpus part, kept rows in corpus
+    order: read the directory as one Parquet dataset), ``clean/near_duplicates.parquet`` and
+    last ``clean/docs.drops.json``. Intermediates live in ``clean/work/`` and are removed.
 
     Returns ``{"input", "kept", "dropped": {reason: n}, "stages": {"corpus", "filters",
-    "exact_dedup", "near_dedup"} (documents left after each), "near_dedup": {"seconds",
-    "signature_seconds", "lsh_seconds", "docs_per_s", "config"} | None}``, also written last to
-    ``clean/docs.drops.json``. Raises ``labkit.data.clean.EmptyCorpusError`` when nothing is kept.
+    "exact_dedup", "near_dedup"} (documents left after each), "partitions": {"exact", "near"},
+    "seconds": {step: s}, "extraction": {reason: n} (functions left out before the corpus,
+    from ``corpus.json``: "disassembly_stopped"), "near_dedup": {"seconds", "docs_per_s",
+    "config"} | None}``, also
+    written to ``clean/docs.drops.json``. Raises ``labkit.data.clean.EmptyCorpusError`` when
+    nothing is kept.
     """
-    from labkit.data.clean import clean_corpus as _clean
-    from labkit.data.dedup import near_dedup_parquet, signature_part
-    from labkit.data.tokenize import text_row_count
+    import shutil
+
+    from labkit.data.clean import EmptyCorpusError
+    from labkit.data.partitioned import dedup_corpus
 
     p = paths(workdir)
     drops_path = p["clean"].with_name("docs.drops.json")
     if p["clean"].exists() and drops_path.exists() and not force:
         return json.loads(drops_path.read_text())
     drops_path.unlink(missing_ok=True)
-    glob = str(p["corpus"] / "part-*.parquet")
-    engine = client[client.ids[0]]
-    filtered = p["clean"] if cfg.near_dedup is None else p["clean"].with_name("filtered.parquet")
-    stats = engine.apply_sync(_clean, glob, str(filtered), cfg, extra_filters=extra_filters)
-    after_filters = stats["input"] - sum(n for r, n in stats["dropped"].items() if r != "exact_duplicate")
-    stats["stages"] = {"corpus": stats["input"], "filters": after_filters, "exact_dedup": stats["kept"],
-                       "near_dedup": stats["kept"]}
+    if p["clean"].is_file():  # a single-file docs.parquet of an earlier labkit
+        p["clean"].unlink()
+    parts = sorted(str(f) for f in p["corpus"].glob("part-*.parquet"))
+    stats = dedup_corpus(parts, cfg, str(p["clean"].parent / "work"), str(p["clean"]), n_engines=len(client.ids),
+                         pmap=_engine_map(client, "clean", progress), extra_filters=extra_filters)
+    if stats["kept"] == 0:
+        shutil.rmtree(p["clean"], ignore_errors=True)
+        raise EmptyCorpusError(f"clean: no document of {p['corpus']} was kept ({stats['input']} in, "
+                               f"dropped {stats['dropped']})")
+    corpus_json = p["corpus"] / "corpus.json"
+    stats["extraction"] = (json.loads(corpus_json.read_text()).get("dropped_functions", {})
+                           if corpus_json.exists() else {})
     stats["near_dedup"] = None
     if cfg.near_dedup is not None:
-        t0 = time.perf_counter()
-        sig_dir = p["clean"].parent / "signatures"
-        for stale in sig_dir.glob("part-*.npy"):
-            stale.unlink()
-        ranges = _row_ranges(text_row_count(str(filtered)), 2 * len(client.ids))
-        sig_paths = [str(sig_dir / f"part-{i:05d}.npy") for i in range(len(ranges))]
-        view = client.load_balanced_view()
-        asyncs = [view.apply_async(signature_part, str(filtered), s, e, cfg.near_dedup, path)
-                  for (s, e), path in zip(ranges, sig_paths)]
-        _wait_all(asyncs, "near-dedup: MinHash signatures", progress)
-        t1 = time.perf_counter()
-        near = engine.apply_sync(near_dedup_parquet, str(filtered), sig_paths, str(p["clean"]), cfg.near_dedup)
-        seconds = time.perf_counter() - t0
-        stats["kept"] = near["kept"]
-        if near["near_duplicate"]:
-            stats["dropped"]["near_duplicate"] = near["near_duplicate"]
-        stats["stages"]["near_dedup"] = near["kept"]
-        stats["near_dedup"] = {"seconds": round(seconds, 3), "signature_seconds": round(t1 - t0, 3),
-                               "lsh_seconds": near["seconds"], "docs_per_s": round(near["input"] / seconds, 1),
-                               "config": to_dict(cfg.near_dedup)}
+        sec = sum(v for k, v in stats["seconds"].items() if k.startswith("near_"))
+        stats["near_dedup"] = {"seconds": round(sec, 3), "docs_per_s": round(stats["stages"]["exact_dedup"] / sec, 1)
+                               if sec else None, "config": to_dict(cfg.near_dedup)}
     stats = json.loads(json.dumps(stats))  # equal to the file (tuples as lists)
     atomic_write_json(drops_path, stats)
     return stats
@@ -228,7 +229,7 @@ def build_tokenizer(client, cfg: TokenizerConfig, workdir: str, *, force: bool =
     return client[client.ids[0]].apply_sync(train_tokenizer, str(p["clean"]), cfg, str(p["tokenizer"]))
 
 
-_OUTPUT_FIELDS = ("seq_len", "sequences_per_shard", "source_pattern", "source_weights", "source_caps")
+_OUTPUT_FIELDS = ("seq_len", "sequences_per_shard", "shard_bytes", "source_pattern", "source_weights", "source_caps")
 """ShardConfig fields that change the shard bytes (batch and part sizes never do)."""
 
 
@@ -237,19 +238,25 @@ def build_shards(client, cfg: ShardConfig, workdir: str, *, force: bool = False,
     """Tokenize the kept documents into packed shards on all engines; returns the index dict.
 
     Engines encode row ranges (``labkit.data.shards.encode_part``; at most ``cfg.part_docs``
-    rows, ``parts_per_engine`` per engine) into ``shards.parts/``, then one engine balances and
-    packs them in row order (``finish_shards``): the bytes equal ``write_shards`` in one process.
+    rows, ``parts_per_engine`` per engine) into ``shards.parts/``; one engine selects documents
+    and plans the packing (``plan_shards``: one group of consecutive parts per engine, each with
+    its own range of shard numbers); the engines pack the groups (``labkit.data.pack.pack_group``);
+    one engine merges the shard lists into ``index.json`` (``write_index``). The bytes equal
+    ``write_shards(..., groups=len(client.ids))`` in one process.
     Finished parts and shards of an interrupted run are not redone. A shard set whose
     ``index.json`` exists, was built with the current tokenizer and the same output settings
     (``_OUTPUT_FIELDS``, kept in ``shards.parts/config.json``) is returned as is.
     """
-    from labkit.data.shards import encode_part, finish_shards, parts_dir_for, plan_parts, read_index, ShardError
+    from labkit.data.pack import pack_group
+    from labkit.data.shards import (ShardError, encode_part, parts_dir_for, plan_parts, plan_shards, read_index,
+                                    write_index)
     from labkit.data.tokenize import text_row_count, tokenizer_sha256
 
     p = paths(workdir)
     docs, tok, out = str(p["clean"]), str(p["tokenizer"]), str(p["shards"])
     parts_dir = parts_dir_for(out)
-    settings = {k: getattr(cfg, k) for k in _OUTPUT_FIELDS} | {"tokenizer_sha256": tokenizer_sha256(tok)}
+    settings = {k: getattr(cfg, k) for k in _OUTPUT_FIELDS} | {"tokenizer_sha256": tokenizer_sha256(tok),
+                                                              "pack_groups": len(client.ids)}
     if (p["shards"] / "index.json").exists() and not force:
         try:
             index = read_index(out)
@@ -263,7 +270,11 @@ def build_shards(client, cfg: ShardConfig, workdir: str, *, force: bool = False,
     asyncs = [view.apply_async(encode_part, docs, tok, str(parts_dir), i, s, e, batch_docs=cfg.batch_docs)
               for i, (s, e) in enumerate(plan_parts(n, rows))]
     parts = _wait_all(asyncs, "shards: encoding parts", progress)
-    index = client[client.ids[0]].apply_sync(finish_shards, docs, tok, out, cfg, parts, progress=False)
+    engine = client[client.ids[0]]
+    plan = engine.apply_sync(plan_shards, docs, tok, out, cfg, parts, groups=len(client.ids))
+    done = _wait_all([view.apply_async(pack_group, plan, g) for g in range(len(plan["groups"]))],
+                     "shards: packing groups", progress)
+    index = engine.apply_sync(write_index, plan, done)
     atomic_write_json(parts_dir / "config.json", settings)
     return index
 
@@ -294,6 +305,7 @@ def preparation_report(workdir: str) -> dict:
                                 **{f"after_{k}": v for k, v in stages.items() if k != "corpus"},
                                 "in_shards": index["n_documents"]},
         "skipped_inputs": corpus["skipped"],
+        "functions_left_out": corpus.get("dropped_functions", {}),
         "near_dedup_docs_per_s": near.get("docs_per_s"),
         "vocab_size": index["vocab_size"],
         "unk_rate_held_out": tok.get("unk_rate"),

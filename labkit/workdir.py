@@ -3,8 +3,8 @@
 Work directory layout (``workdir``)::
 
     corpus/part-00000.parquet ... corpus.json   one document per disassembled function
-    clean/filtered.parquet  signatures/          after filters + exact dedup; MinHash signatures
-    clean/docs.parquet  clean/docs.drops.json   kept documents, drop counts per reason and stage
+    clean/docs.parquet/part-00000.parquet ...   kept documents (one Parquet dataset, corpus order)
+    clean/docs.drops.json  near_duplicates.parquet  drop counts per reason and stage; (id, duplicate_of)
     tokenizer/tokenizer.json  tokenizer.stats.json  HF tokenizers (WordPiece default); held-out UNK rate
     shards/shard-00000.bin ... index.json        packed token ids, index written last
     shards.parts/                               encoded parts + completion markers (resumable)

@@ -14,7 +14,8 @@ import pytest
 
 from labkit import lab
 from labkit.config import CleanConfig, CorpusConfig, ShardConfig, TokenizerConfig
-from labkit.data.dedup import near_dedup_parquet, signature_part
+from labkit.data.clean import clean_corpus
+from labkit.data.dedup import near_duplicates, signatures
 from labkit.data.shards import parts_dir_for, verify_shards, write_shards
 
 LIBS = [f"/usr/lib/x86_64-linux-gnu/{n}" for n in ("libz.so.1", "libbz2.so.1.0", "liblzma.so.5", "libexpat.so.1")]
@@ -84,20 +85,22 @@ def test_clean_and_near_dedup_match_a_single_process_run(prepared, tmp_path):
     st = s["stages"]
     assert st["corpus"] >= st["filters"] >= st["exact_dedup"] >= st["near_dedup"] == s["kept"] > 150
     assert s["input"] - s["kept"] == sum(s["dropped"].values())
-    filtered = os.path.join(prepared["work"], "clean", "filtered.parquet")
-    n = pl.scan_parquet(filtered).select(pl.len()).collect().item()
-    signature_part(filtered, 0, n, CleanConfig().near_dedup, str(tmp_path / "sig.npy"))  # one "engine"
-    ref = near_dedup_parquet(filtered, [str(tmp_path / "sig.npy")], str(tmp_path / "docs.parquet"),
-                             CleanConfig().near_dedup)
-    assert ref["kept"] == s["kept"] and ref["near_duplicate"] == s["dropped"].get("near_duplicate", 0)
-    assert pl.read_parquet(tmp_path / "docs.parquet").equals(
+    assert s["partitions"] == {"exact": 2, "near": 2}  # one per engine at this size
+    # the single-process reference: clean_corpus (filters, exact dedup) then near_duplicates
+    ref_stats = clean_corpus(os.path.join(prepared["work"], "corpus", "part-*.parquet"), str(tmp_path / "f.parquet"),
+                             CleanConfig(near_dedup=None))
+    filtered = pl.read_parquet(tmp_path / "f.parquet")
+    cfg = CleanConfig().near_dedup
+    dup = near_duplicates(filtered["id"].to_list(), signatures(filtered["text"].to_list(), cfg), cfg)
+    assert ref_stats["kept"] == s["stages"]["exact_dedup"] and len(dup) == s["dropped"].get("near_duplicate", 0)
+    assert filtered.filter(~pl.col("id").is_in(list(dup))).equals(
         pl.read_parquet(os.path.join(prepared["work"], "clean", "docs.parquet")))
 
 
 def test_shards_from_engines_equal_a_single_process_run(prepared, tmp_path):
     work, cfg, index = prepared["work"], prepared["shard_cfg"], prepared["index"]
     ref = write_shards(os.path.join(work, "clean", "docs.parquet"), prepared["tokenizer"], str(tmp_path / "one"),
-                       cfg, progress=False)
+                       cfg, progress=False, groups=2)  # one packing group per engine
     assert index == ref and verify_shards(os.path.join(work, "shards")) == ref
     for s in ref["shards"]:
         assert open(os.path.join(work, "shards", s["file"]), "rb").read() == (tmp_path / "one" / s["file"]).read_bytes()

@@ -242,7 +242,9 @@ def run_ddp(
     timeout: `labkit.cluster.restart_engines` ends them for sure.
     """
     lives = [] if live is None else list(live) if isinstance(live, (list, tuple)) else [live]
-    by_id, envs = _rank_environments(client, targets)
+    infos = engine_info(client, targets, timeout=60)
+    by_id = {i["engine_id"]: i for i in infos}
+    envs = _rank_environments(client, infos)
     rank_of = {eid: int(env["RANK"]) for eid, env in envs.items()}
     engine_of = {r: eid for eid, r in rank_of.items()}
     ars = {rank_of[eid]: client[eid].apply_async(_ddp_entry, fn, env, args, kwargs, history)
@@ -301,46 +303,43 @@ def run_ddp(
                     ar.wait_for_output(5)
         except KeyboardInterrupt:
             stop_others()
-            _wait_all([ars[r] for r in sorted(pending)], 10.0)
+            _wait_quietly([ars[r] for r in sorted(pending)], 10.0)
             raise
-        _finish_lives(lives, ars[0], shown)
+        if lives:
+            _final_show(lives, ars[0], shown)
     return [ars[r].get(0) for r in sorted(ars)]
 
 
-def _rank_environments(client: ipp.Client, targets: list[int] | None) -> tuple[dict[int, dict], dict[int, dict]]:
-    """({engine id: engine_info}, {engine id: environment}) for a run_ddp call: ``assign_ranks``
-    with a fresh MASTER_PORT bound on rank 0's engine, per-engine thread counts (its host's usable
-    cores // engines on that host) and, on a single host, the loopback interface."""
-    infos = engine_info(client, targets, timeout=60)
+def _rank_environments(client: ipp.Client, infos: list[dict]) -> dict[int, dict[str, str]]:
+    """{engine_id: environment} for one DDP job: ``assign_ranks`` with a fresh MASTER_PORT (a free
+    port found on rank 0's engine), thread counts = the host's usable cores // its engines, and
+    on a single host MASTER_ADDR=127.0.0.1 and GLOO_SOCKET_IFNAME=lo."""
     by_id = {i["engine_id"]: i for i in infos}
     rank0 = next(e for e, v in assign_ranks(infos, master_port=1).items() if v["RANK"] == "0")
     port = client[rank0].apply_async(_free_port).get(timeout=30)
     envs = assign_ranks(infos, master_port=port)
     hosts = [i["hostname"] for i in infos]
-    single_host = len(set(hosts)) == 1
     for eid, env in envs.items():
         threads = str(max(1, by_id[eid]["cpus"] // hosts.count(by_id[eid]["hostname"])))
         env.update(OMP_NUM_THREADS=threads, POLARS_MAX_THREADS=threads, RAYON_NUM_THREADS=threads,
                    TOKENIZERS_PARALLELISM="false")
-        if single_host:
+        if len(set(hosts)) == 1:
             env.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
-    return by_id, envs
+    return envs
 
 
-def _wait_all(ars: list, seconds: float) -> None:
-    """Wait up to `seconds` in all for these AsyncResults to finish (errors are theirs to report)."""
+def _wait_quietly(results: list[Any], seconds: float) -> None:
+    """Wait up to ``seconds`` in all for ``results`` (AsyncResults) to finish, ignoring their errors."""
     end = time.monotonic() + seconds
-    for ar in ars:
+    for ar in results:
         with contextlib.suppress(Exception):
             ar.wait(max(0.0, end - time.monotonic()))
 
 
-def _finish_lives(lives: list[Callable], ar0: Any, shown: Any) -> None:
-    """After a run: show rank 0's last records to each live callback, then its ``flush()`` if any."""
-    if not lives:
-        return
-    ar0.wait_for_output(5)
-    _show(lives, ar0, shown)
+def _final_show(lives: list[Callable], ar: Any, shown: Any) -> None:
+    """After the run: the last records to every ``live`` callback, then their ``flush()``."""
+    ar.wait_for_output(5)
+    _show(lives, ar, shown)
     for cb in lives:
         if hasattr(cb, "flush"):
             cb.flush()

@@ -72,6 +72,9 @@ class CorpusConfig:
     """Functions with more machine-code bytes than this are skipped at extraction."""
     max_file_bytes: int = 256 * 1024 * 1024
     """ELF files larger than this are skipped (counted under 'too_large')."""
+    max_file_seconds: float = 120.0
+    """Seconds one ELF file may take (parsing and disassembly); a file over it is skipped and
+    counted under 'timeout', so a hostile file cannot stall an engine."""
     normalize: bool = True
     """Abstract addresses, immediates and jump targets into a few classes (so the vocabulary
     generalises across binaries); False keeps capstone's operand text unchanged."""
@@ -157,9 +160,18 @@ class DedupConfig:
     batch_rows: int = 16_384
     """Documents whose texts are read and hashed at once (signatures): bounds memory, never
     changes the result."""
+    max_bucket: int = 64
+    """LSH buckets are sorted by document (corpus order); each document is compared with the
+    next ``max_bucket`` documents of its bucket (every pair when a bucket holds at most
+    ``max_bucket + 1``): bounds the pairs of a huge bucket (``labkit.data.dedup.bucket_pairs``)."""
+    memory_mb: int = 256
+    """Memory budget per engine of the distributed near-dedup steps (band buckets of one
+    partition and their pairs): sets the number of partitions (``labkit.data.partitioned``)."""
 
     def __post_init__(self) -> None:
         _require(self.shingle_size >= 1, "shingle_size", "must be at least 1")
+        _require(self.max_bucket >= 1, "max_bucket", "must be at least 1")
+        _require(self.memory_mb >= 1, "memory_mb", "must be at least 1")
         _require(self.batch_rows > 0, "batch_rows", "must be positive")
         _require(self.bands >= 1 and self.rows >= 1, "bands", "bands and rows must be at least 1")
         _require(0.0 < self.threshold <= 1.0, "threshold", "must be in (0, 1]")
@@ -211,9 +223,13 @@ class CleanConfig:
     batch_rows: int = 16_384
     """Documents read and filtered at once by ``clean_corpus`` (each of its two passes): bounds
     memory, never changes the result."""
+    memory_mb: int = 256
+    """Memory budget per engine of distributed exact dedup (the hash keys of one partition):
+    sets the number of partitions (``labkit.data.partitioned``); never changes the result."""
 
     def __post_init__(self) -> None:
         _require(self.batch_rows > 0, "batch_rows", "must be positive")
+        _require(self.memory_mb >= 1, "memory_mb", "must be at least 1")
         if isinstance(self.near_dedup, dict):  # from_dict / config.json
             self.near_dedup = DedupConfig(**self.near_dedup)
         _require(self.max_line_chars > 0, "max_line_chars", "must be positive")
@@ -234,7 +250,9 @@ class TokenizerConfig:
     min_frequency: int = 2
     """Pairs/pieces seen fewer times than this are not merged into the vocabulary."""
     max_train_docs: int = 50_000
-    """Train on at most this many documents (a seeded sample)."""
+    """Train on at most this many documents: a sample drawn with ``seed`` (deterministic), so the
+    trainer's memory (word counts of the sample) does not grow with the corpus; slices of the
+    documents without a sampled row are not read."""
     seed: int = 0
     """Seed of the training sample."""
     held_out_docs: int = 2000
@@ -261,8 +279,15 @@ class ShardConfig:
 
     seq_len: int = 128
     """Tokens per sequence, [CLS] included."""
-    sequences_per_shard: int = 4096
-    """Sequences per shard file (the last shard may hold fewer)."""
+    sequences_per_shard: int | None = None
+    """Sequences per shard file (a packing group's last shard may hold fewer); None: as many as
+    fit in ``shard_bytes``."""
+    shard_bytes: int = 32 * 2**20
+    """Target shard size when ``sequences_per_shard`` is None: 32 MiB, the order of Mosaic
+    streaming's 64 MB default (``size_limit``), so a 25 GB set is ~800 files, not 24,000."""
+    model_vocab_size: int | None = None
+    """The vocabulary size of the model the shards are for: writing refuses a tokenizer that can
+    emit an id at or above it (``ShardError``); None checks nothing."""
     batch_docs: int = 4096
     """Documents encoded per batch: bounds memory, never changes the output."""
     part_docs: int = 20_000
@@ -280,7 +305,9 @@ class ShardConfig:
 
     def __post_init__(self) -> None:
         _require(self.seq_len >= 8, "seq_len", "must be at least 8")
-        _require(self.sequences_per_shard > 0, "sequences_per_shard", "must be positive")
+        _require(self.sequences_per_shard is None or self.sequences_per_shard > 0, "sequences_per_shard",
+                 "must be positive or None")
+        _require(self.shard_bytes > 0, "shard_bytes", "must be positive")
         _require(self.batch_docs > 0, "batch_docs", "must be positive")
         _require(self.part_docs > 0, "part_docs", "must be positive")
         _require(all(0.0 <= w <= 1.0 for w in self.source_weights.values()), "source_weights",
@@ -506,7 +533,7 @@ class TrainConfig:
     same as model_overrides={"activation_checkpointing": True})."""
     seq_len: int | None = None
     """Sequence length the run expects; shards of another length are refused before training
-    (labkit.data.mlm.check_shards). None takes the shards' length."""
+    (labkit.data.shards.check_shards). None takes the shards' length."""
     tokenizer_path: str | None = None
     """tokenizer.json the run expects; shards built with a tokenizer of another sha256 are
     refused before training. None skips the check."""

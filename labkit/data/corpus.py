@@ -24,7 +24,15 @@ reason              meaning
 ``unsupported_type`` not an executable or shared object (relocatable ``.o``/``.ko``, core dump)
 ``no_symbols``      neither ``.symtab`` nor ``.dynsym``
 ``no_functions``    symbol tables hold no function within the size bounds in executable code
+``timeout``         parsing and disassembly took longer than ``cfg.max_file_seconds``
 =================== ===========================================================================
+
+A function whose disassembly stops before its last byte (capstone cannot decode a byte: data in
+code, an instruction set extension capstone lacks) is not kept -- its first lines alone would be
+a wrong document -- and is counted per file under ``disassembly_stopped`` (``extract_functions``'
+``dropped`` argument; ``corpus.json``'s ``dropped_functions``; the cleaning report's
+``extraction``). pyelftools >= 0.33 is required: 0.31 loops forever on a 0.5 KB file whose
+section-header count is 0 and whose section 0 claims a huge size (the real count).
 
 Normalisation (``cfg.normalize``; see ``normalize_instruction``) abstracts what differs between
 binaries but not between programs: branch/call targets, rip-relative displacements and large
@@ -42,6 +50,10 @@ import os
 import pathlib
 import random
 import re
+import shutil
+import signal
+import threading
+import time
 
 import numpy as np
 import polars as pl
@@ -214,21 +226,62 @@ def _select_functions(mm, elf, cfg: CorpusConfig) -> list[tuple[str, int, int, i
     return out
 
 
-def extract_functions(path, cfg: CorpusConfig) -> tuple[pl.DataFrame, dict[str, int]]:
+class _Timeout(BaseException):  # not an Exception: parser errors are caught as "corrupt", this is not
+    """A file took longer than ``cfg.max_file_seconds``."""
+
+
+class _deadline:
+    """Raise ``_Timeout`` in this (main) thread after ``seconds`` (SIGALRM via ``setitimer``), so a
+    parser stuck inside a library call is interrupted; elsewhere (another thread, or an alarm
+    already set) only the per-function checks of ``extract_functions`` apply."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.armed = seconds, False
+
+    def __enter__(self):
+        if (threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+                and signal.getitimer(signal.ITIMER_REAL)[0] == 0 and signal.getsignal(signal.SIGALRM) in
+                (signal.SIG_DFL, signal.SIG_IGN, None)):
+            def on_alarm(signum, frame):
+                raise _Timeout()
+            self.previous = signal.signal(signal.SIGALRM, on_alarm)
+            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+            self.armed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous)
+
+
+def extract_functions(path, cfg: CorpusConfig,
+                      dropped: dict[str, int] | None = None) -> tuple[pl.DataFrame, dict[str, int]]:
     """Disassemble the functions of one ELF file.
 
     Returns a frame with ``SCHEMA``'s columns, one row per function address, sorted by address:
     ``id`` = ``sha1(f"{arch}|{source}|{name}|{address}").hexdigest()[:16]``, ``source`` =
     ``str(path)`` as given, ``address`` the symbol's virtual address (UInt64), ``n_bytes`` the
     symbol size in bytes (UInt32), ``text`` one ``"mnemonic operands"`` line per instruction
-    (normalised if ``cfg.normalize``; disassembly stops at the first byte capstone cannot
-    decode). At most ``cfg.max_functions`` and ``cfg.max_functions_per_file`` rows: the lowest
+    (normalised if ``cfg.normalize``); a function capstone cannot decode to its last byte is
+    left out. At most ``cfg.max_functions`` and ``cfg.max_functions_per_file`` rows: the lowest
     addresses; only those are disassembled.
 
     The second value counts skipped files by reason (see the module docstring), e.g.
     ``{"corrupt": 1}`` with an empty frame; ``{}`` when the file was used. Never raises for a
-    bad file.
+    bad file. Functions whose disassembly stopped early are left out and counted in ``dropped``
+    (a dict updated in place, when given) under "disassembly_stopped". The whole call is
+    bounded by ``cfg.max_file_seconds`` ("timeout").
     """
+    try:
+        with _deadline(cfg.max_file_seconds):
+            return _extract(path, cfg, dropped, time.monotonic() + cfg.max_file_seconds)
+    except _Timeout:
+        return _empty(), {"timeout": 1}
+
+
+def _extract(path, cfg: CorpusConfig, dropped: dict[str, int] | None, deadline: float):
+    """``extract_functions`` without the alarm; raises ``_Timeout`` past ``deadline`` (monotonic)."""
     source = str(path)
     try:
         with open(source, "rb") as f:
@@ -261,8 +314,14 @@ def extract_functions(path, cfg: CorpusConfig) -> tuple[pl.DataFrame, dict[str, 
             return _empty(), {"corrupt": 1}
         md = _disassembler(arch)
         ids, names, addresses, n_bytes, texts = [], [], [], [], []
+        stopped = 0
         for name, address, n, offset in functions:
-            insns = md.disasm_lite(mm[offset: offset + n], address)  # (address, size, mnemonic, op_str)
+            if time.monotonic() > deadline:
+                raise _Timeout()
+            insns = list(md.disasm_lite(mm[offset: offset + n], address))  # (address, size, mnemonic, op_str)
+            if sum(i[1] for i in insns) < n:  # capstone stopped at a byte it cannot decode
+                stopped += 1
+                continue
             text = "\n".join(f"{m} {o}" if o else m for _, _, m, o in insns)
             ids.append(hashlib.sha1(f"{arch}|{source}|{name}|{address}".encode()).hexdigest()[:16])
             names.append(name)
@@ -271,6 +330,8 @@ def extract_functions(path, cfg: CorpusConfig) -> tuple[pl.DataFrame, dict[str, 
             texts.append(_normalize_text(text) if cfg.normalize else text)
     finally:
         mm.close()
+    if stopped and dropped is not None:
+        dropped["disassembly_stopped"] = dropped.get("disassembly_stopped", 0) + stopped
     frame = pl.DataFrame({"id": ids, "source": [source] * len(ids), "name": names, "address": addresses,
                           "arch": [arch] * len(ids), "n_bytes": n_bytes, "text": texts}, schema=SCHEMA)
     return frame, {}
@@ -281,43 +342,63 @@ def _atomic_write_json(data: dict, path: pathlib.Path) -> None:
     atomic_write_json(path, data, sort_keys=True)
 
 
-def write_corpus_part(files: list[str], cfg: CorpusConfig, out_path: str) -> dict:
+def write_corpus_part(files: list[str], cfg: CorpusConfig, out_path: str, *, flush_rows: int = 16_384) -> dict:
     """Extract functions from ``files`` in order until ``cfg.max_functions`` (this call's budget)
     are reached; write them to one Parquet file at ``out_path`` (temp file + rename).
 
-    Returns ``{"files_read", "functions", "raw_bytes", "text_bytes", "skipped", "skipped_files"}``:
-    files opened (used or skipped), rows written, summed sizes of the files opened (bytes on
-    disk, too-large and unreadable files excluded), summed UTF-8 bytes of ``text``, counts by
-    skip reason, and ``{path: reason}`` for every skipped file. Files after the budget is
-    reached are not opened. Callers splitting files over engines split the budget too
+    Returns ``{"files_read", "functions", "raw_bytes", "text_bytes", "skipped", "skipped_files",
+    "dropped_functions"}``: files opened (used or skipped), rows written, summed sizes of the
+    files opened (bytes on disk, too-large and unreadable files excluded), summed UTF-8 bytes
+    of ``text``, counts by skip reason, ``{path: reason}`` for every skipped file, and functions
+    left out by reason (``{"disassembly_stopped": n}``). Memory: one file's functions plus
+    ``flush_rows`` rows; more are spilled to temporary files and streamed into ``out_path``.
+    Files after the budget is reached are not opened. Callers splitting files over engines split the budget too
     (``split_work``).
     """
-    frames, skipped, skipped_files = [], {}, {}
-    files_read = raw_bytes = functions = 0
-    for path in files:
-        if cfg.max_functions is not None and functions >= cfg.max_functions:
-            break
-        remaining = None if cfg.max_functions is None else cfg.max_functions - functions
-        frame, skips = extract_functions(path, dataclasses.replace(cfg, max_functions=remaining))
-        files_read += 1
-        for reason in skips:
-            skipped[reason] = skipped.get(reason, 0) + 1
-            skipped_files[str(path)] = reason
-        if not skips.keys() & {"unreadable", "too_large"}:
-            try:
-                raw_bytes += os.path.getsize(path)
-            except OSError:  # removed since it was read
-                pass
-        if frame.height:
-            frames.append(frame)
-            functions += frame.height
-    table = pl.concat(frames) if frames else pl.DataFrame(schema=SCHEMA)
+    frames, skipped, skipped_files, dropped = [], {}, {}, {}
+    files_read = raw_bytes = functions = text_bytes = 0
     out = pathlib.Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out, table.write_parquet)
-    text_bytes = int(table["text"].str.len_bytes().sum() or 0)
+    spill_dir = out.with_name(f".{out.name}.spill-{os.getpid()}")
+    spills: list[pathlib.Path] = []
+
+    def spill() -> None:  # the frames so far to one temporary file: memory stays at ~flush_rows rows
+        spill_dir.mkdir(exist_ok=True)
+        spills.append(spill_dir / f"{len(spills):05d}.parquet")
+        pl.concat(frames).write_parquet(spills[-1])
+        frames.clear()
+
+    try:
+        for path in files:
+            if cfg.max_functions is not None and functions >= cfg.max_functions:
+                break
+            remaining = None if cfg.max_functions is None else cfg.max_functions - functions
+            frame, skips = extract_functions(path, dataclasses.replace(cfg, max_functions=remaining), dropped)
+            files_read += 1
+            for reason in skips:
+                skipped[reason] = skipped.get(reason, 0) + 1
+                skipped_files[str(path)] = reason
+            if not skips.keys() & {"unreadable", "too_large"}:
+                try:
+                    raw_bytes += os.path.getsize(path)
+                except OSError:  # removed since it was read
+                    pass
+            if frame.height:
+                frames.append(frame)
+                functions += frame.height
+                text_bytes += int(frame["text"].str.len_bytes().sum() or 0)
+                if sum(f.height for f in frames) >= flush_rows:
+                    spill()
+        if spills:
+            if frames:
+                spill()
+            atomic_write(out, lambda tmp: pl.scan_parquet(spills).sink_parquet(tmp))
+        else:
+            atomic_write(out, (pl.concat(frames) if frames else pl.DataFrame(schema=SCHEMA)).write_parquet)
+    finally:
+        shutil.rmtree(spill_dir, ignore_errors=True)
     return {"files_read": files_read, "functions": functions, "raw_bytes": raw_bytes,
-            "text_bytes": text_bytes, "skipped": skipped, "skipped_files": skipped_files}
+            "text_bytes": text_bytes, "skipped": skipped, "skipped_files": skipped_files, "dropped_functions": dropped}
 
 
 def split_work(files: list, cfg: CorpusConfig, n_parts: int) -> list[tuple[list[str], CorpusConfig]]:
@@ -338,8 +419,11 @@ def split_work(files: list, cfg: CorpusConfig, n_parts: int) -> list[tuple[list[
 
 def merge_stats(parts: list[dict]) -> dict:
     """Sum ``write_corpus_part`` results: counts added, skip reasons added, skipped files merged."""
-    total = {"files_read": 0, "functions": 0, "raw_bytes": 0, "text_bytes": 0, "skipped": {}, "skipped_files": {}}
+    total = {"files_read": 0, "functions": 0, "raw_bytes": 0, "text_bytes": 0, "skipped": {}, "skipped_files": {},
+             "dropped_functions": {}}
     for part in parts:
+        for reason, n in part.get("dropped_functions", {}).items():
+            total["dropped_functions"][reason] = total["dropped_functions"].get(reason, 0) + n
         for key in ("files_read", "functions", "raw_bytes", "text_bytes"):
             total[key] += part[key]
         for reason, n in part["skipped"].items():

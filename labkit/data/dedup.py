@@ -5,11 +5,17 @@ Three steps, so the expensive one spreads over engines and the result does not d
 1. ``signatures(texts, cfg)`` -> uint32 array [n_docs, num_perm]: word-shingle MinHash per
    document with datasketch's affine32 permutations, vectorised over documents (pure per
    document: any split of the documents gives the same rows);
-2. ``near_duplicates(ids, sigs, cfg)``: documents are visited in ascending id order; each is
-   queried against the LSH index of the documents kept so far; a candidate whose estimated
-   Jaccard similarity is >= ``cfg.threshold`` makes it a duplicate of that candidate, else it
-   is inserted and kept. Visiting by id makes the kept set the same for any input order or
-   engine count: of a group of near duplicates the smallest id survives;
+2. ``near_duplicates(ids, sigs, cfg)``: each signature is cut into ``cfg.bands`` bands, each
+   band hashed to a 64-bit key (``band_hashes``); documents sharing a key are candidate pairs
+   (``bucket_pairs``); a candidate pair whose estimated Jaccard similarity is >= ``cfg.threshold``
+   is an edge (``similar_pairs``); of each connected component of the edges (``components``)
+   the smallest id is kept, the others are near duplicates of it. This is how datatrove
+   (``MinhashDedupBuckets`` -> ``MinhashDedupCluster``) and NeMo Curator (LSH buckets ->
+   Jaccard check -> connected components) deduplicate at scale; ``labkit.data.partitioned``
+   runs the same steps over engines with the band keys hash-partitioned on disk and gives the
+   same kept set for any engine count. (Until 2026-11-30 this step was greedy: documents in id
+   order, each checked against the LSH index of those kept so far. A chain a~b~c with a and c
+   dissimilar then kept a and c; connected components keep a only. docs/log.md.)
 3. ``near_dedup(lf, cfg)``: both on a LazyFrame with ``id`` and ``text``, returning it with a
    ``drop_reason`` of "near_duplicate" (and ``duplicate_of``) on the dropped rows.
 
@@ -20,17 +26,16 @@ Banding: with b bands of r rows a pair of Jaccard s becomes a candidate with pro
 from __future__ import annotations
 
 import hashlib
-import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import polars as pl
-from datasketch import LeanMinHash, MinHash, MinHashLSH
+from datasketch import MinHash
 
-from labkit.io import atomic_write
 from labkit.config import DedupConfig
+from labkit.io import atomic_write, atomic_write_npy
 
 _P = 0x9E3779B97F4A7C15
 """Odd 64-bit multiplier of the shingle hash (the golden-ratio constant)."""
@@ -131,37 +136,119 @@ def candidate_probability(jaccard: float, cfg: DedupConfig = DedupConfig()) -> f
     return 1.0 - (1.0 - jaccard**cfg.rows) ** cfg.bands
 
 
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(h: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser (Steele, Lea, Flood 2014) on uint64 arrays: a well-spread 64-bit hash."""
+    with np.errstate(over="ignore"):
+        h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return h ^ (h >> np.uint64(31))
+
+
+def band_hashes(sigs: np.ndarray, cfg: DedupConfig = DedupConfig()) -> np.ndarray:
+    """uint64 [n_docs, bands]: one 64-bit key per LSH band of each signature (``sigs`` uint32
+    [n_docs, bands * rows]). Band b's key hashes b and its ``rows`` values (FNV-style
+    multiply-xor, then SplitMix64), so equal bands of different band numbers never share a key;
+    two different bands share one with probability 2^-64. Pure per document."""
+    n = len(sigs)
+    s = sigs.reshape(n, cfg.bands, cfg.rows).astype(np.uint64)
+    h = np.broadcast_to(_splitmix64(np.arange(1, cfg.bands + 1, dtype=np.uint64)), (n, cfg.bands)).copy()
+    with np.errstate(over="ignore"):
+        for j in range(cfg.rows):
+            h = (h ^ s[:, :, j]) * _MIX
+    return _splitmix64(h)
+
+
+def bucket_pairs(keys: np.ndarray, docs: np.ndarray, max_bucket: int) -> np.ndarray:
+    """Candidate pairs from LSH band entries: int64 [n_pairs, 2], each row (a, b) with a < b, unique.
+
+    ``keys`` (uint64) and ``docs`` (int64, a document number in corpus order) are one entry per
+    (document, band). A bucket is the entries of one key; after sorting by (key, doc), each
+    document pairs with the next ``max_bucket`` documents of its bucket -- every pair of a bucket
+    of at most ``max_bucket + 1`` documents. Depends only on the entries of each bucket, so any
+    partition of the keys over engines gives the same pairs."""
+    keys, docs = np.asarray(keys, dtype=np.uint64), np.asarray(docs, dtype=np.int64)
+    order = np.lexsort((docs, keys))
+    keys, docs = keys[order], docs[order]
+    shared = np.zeros(len(keys), dtype=bool)  # entries whose bucket holds another entry
+    if len(keys) > 1:
+        same = keys[1:] == keys[:-1]
+        shared[1:] |= same
+        shared[:-1] |= same
+    keys, docs = keys[shared], docs[shared]
+    pairs = []
+    for d in range(1, max_bucket + 1):
+        same = keys[d:] == keys[:-d]
+        if not same.any():
+            break
+        pairs.append(np.stack([docs[:-d][same], docs[d:][same]], axis=1))
+    if not pairs:
+        return np.empty((0, 2), dtype=np.int64)
+    p = np.concatenate(pairs)
+    p = p[p[:, 0] != p[:, 1]]
+    return np.unique(np.sort(p, axis=1), axis=0)
+
+
+def similar_pairs(pairs: np.ndarray, gather, cfg: DedupConfig = DedupConfig(), *, chunk: int = 8192) -> np.ndarray:
+    """The rows of ``pairs`` (int64 [m, 2]) whose estimated Jaccard similarity -- the share of
+    equal signature values -- is at least ``cfg.threshold`` (NeMo Curator's false-positive
+    check). ``gather(docs)`` returns the signatures uint32 [len(docs), num_perm] of document
+    numbers ``docs``. Memory: ``chunk`` pairs of signatures at a time."""
+    keep = np.zeros(len(pairs), dtype=bool)
+    for lo in range(0, len(pairs), chunk):
+        a, b = gather(pairs[lo:lo + chunk, 0]), gather(pairs[lo:lo + chunk, 1])
+        keep[lo:lo + chunk] = (a == b).mean(axis=1) >= cfg.threshold
+    return pairs[keep]
+
+
+def components(pairs: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """Connected components of the graph with edges ``pairs`` (int64 [m, 2] of node numbers
+    0..n-1): int64 [n], each node's label = the smallest ``rank`` in its component (``rank`` a
+    permutation of 0..n-1, e.g. the order of the documents' ids). Union-find by min-label
+    propagation with pointer jumping (vectorised; Shiloach-Vishkin style hooking), deterministic."""
+    label = np.asarray(rank, dtype=np.int64).copy()
+    by_rank = np.argsort(label)  # node of each rank
+    a, b = pairs[:, 0], pairs[:, 1]
+    while True:
+        m = np.minimum(label[a], label[b])
+        new = label.copy()
+        np.minimum.at(new, a, m)
+        np.minimum.at(new, b, m)
+        new = new[by_rank[new]]  # pointer jumping: take the label of the node holding my label
+        if np.array_equal(new, label):
+            return label
+        label = new
+
+
 def near_duplicates(ids: list[str], sigs: np.ndarray, cfg: DedupConfig = DedupConfig(), *,
                     progress: bool = False) -> dict[str, str]:
-    """Map each near-duplicate id to the kept id it duplicates (see module docstring).
+    """Map each near-duplicate id to the id kept for it (see module docstring), in memory: the
+    reference the distributed steps (``labkit.data.partitioned``) reproduce.
 
-    ``sigs[i]`` is the signature of ``ids[i]``; raises ValueError if the shapes disagree or an
-    id repeats. ``progress``: a tqdm bar (stderr) over the documents.
+    Candidate pairs share an LSH band (``bucket_pairs``, documents numbered in the order of
+    ``ids``); pairs with estimated Jaccard >= ``cfg.threshold`` are edges (``similar_pairs``);
+    of each connected component (``components``) the smallest id is kept and every other
+    member maps to it. ``sigs[i]`` is the signature of ``ids[i]``; raises ValueError if the
+    shapes disagree or an id repeats. ``progress`` is accepted for compatibility (no bar).
     """
-    from tqdm.std import tqdm
-
     if sigs.shape != (len(ids), cfg.num_perm):
         raise ValueError(f"sigs: expected shape ({len(ids)}, {cfg.num_perm}), got {sigs.shape}")
     if len(set(ids)) != len(ids):
         raise ValueError("ids: document ids must be unique")
-    lsh = MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm, params=(cfg.bands, cfg.rows))
-    kept_sigs: dict[str, np.ndarray] = {}
-    dup_of: dict[str, str] = {}
-    for i in tqdm(np.argsort(np.asarray(ids, dtype=object), kind="stable"), desc="near-dedup: LSH", unit="doc",
-                  disable=not progress, mininterval=2.0, file=sys.stderr):
-        doc_id = ids[i]
-        mh = LeanMinHash(seed=cfg.seed, hashvalues=sigs[i], scheme=_SCHEME)
-        best, best_sim = None, -1.0
-        for cand in sorted(lsh.query(mh)):
-            sim = float(np.mean(kept_sigs[cand] == sigs[i]))
-            if sim > best_sim:
-                best, best_sim = cand, sim
-        if best is not None and best_sim >= cfg.threshold:
-            dup_of[doc_id] = best
-        else:
-            lsh.insert(doc_id, mh)
-            kept_sigs[doc_id] = sigs[i]
-    return dup_of
+    keys = band_hashes(sigs, cfg)
+    docs = np.repeat(np.arange(len(ids), dtype=np.int64), cfg.bands)
+    edges = similar_pairs(bucket_pairs(keys.reshape(-1), docs, cfg.max_bucket), lambda d: sigs[d], cfg)
+    nodes = np.unique(edges)
+    if not len(nodes):
+        return {}
+    node_ids = np.asarray(ids, dtype=object)[nodes]
+    rank = np.empty(len(nodes), dtype=np.int64)
+    rank[np.argsort(node_ids, kind="stable")] = np.arange(len(nodes))
+    label = components(np.searchsorted(nodes, edges), rank)
+    by_rank = node_ids[np.argsort(rank)]
+    return {str(node_ids[i]): str(by_rank[label[i]]) for i in range(len(nodes)) if label[i] != rank[i]}
 
 
 def near_dedup(lf: pl.LazyFrame, cfg: DedupConfig = DedupConfig()) -> pl.LazyFrame:
@@ -172,8 +259,8 @@ def near_dedup(lf: pl.LazyFrame, cfg: DedupConfig = DedupConfig()) -> pl.LazyFra
     ``drop_reason``; rows already dropped take no part). Streams ``id`` and ``text`` of the
     candidate rows once (polars ``collect_batches``, ``cfg.batch_rows`` rows at a time) to
     compute signatures; memory: one batch of texts, the ids (one column) and the signatures,
-    uint32 [n, num_perm] (448 bytes per document by default), plus the LSH index of
-    ``near_duplicates``.
+    uint32 [n, num_perm] (448 bytes per document by default), plus the band keys and candidate
+    pairs of ``near_duplicates`` (about 3 x 16 bytes per document and band).
     """
     has_reason = "drop_reason" in lf.collect_schema().names()
     live = lf.filter(pl.col("drop_reason").is_null()) if has_reason else lf
@@ -209,7 +296,7 @@ def signature_part(docs_path: str, start: int, stop: int, cfg: DedupConfig, out_
     sigs = np.concatenate(parts)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out, lambda tmp: tmp.write_bytes(_npy_bytes(sigs)))  # np.save(path) would add .npy
+    atomic_write_npy(out, sigs)
     return {"start": start, "stop": stop, "seconds": time.perf_counter() - t0}
 
 
@@ -224,10 +311,10 @@ def near_dedup_parquet(docs_path: str, sig_paths: list[str], out_path: str, cfg:
     ValueError naming ``sig_paths`` when the signature rows do not match the documents.
 
     Memory: the ids (one column), the signatures (uint32 [n, num_perm], 448 bytes per document
-    by default) and the LSH index (datasketch ``MinHashLSH``: Python objects per kept document
-    and band, measured about 4.7 KB per kept document with the default 14 bands; the largest
-    term); never the texts: the kept rows are streamed from ``docs_path`` (``sink_parquet``,
-    row groups of ``cfg.batch_rows`` rows).
+    by default) and the band keys and candidate pairs of ``near_duplicates`` (about 3 x 16
+    bytes per document and band); grows with the corpus (one engine): the bounded, distributed
+    version is ``labkit.data.partitioned``; never the texts: the kept rows are streamed from
+    ``docs_path`` (``sink_parquet``, row groups of ``cfg.batch_rows`` rows).
     """
     t0 = time.perf_counter()
     ids = pl.scan_parquet(docs_path).select("id").collect()["id"].to_list()
@@ -246,12 +333,3 @@ def near_dedup_parquet(docs_path: str, sig_paths: list[str], out_path: str, cfg:
     seconds = time.perf_counter() - t0
     return {"input": len(ids), "kept": len(ids) - len(dup_of), "near_duplicate": len(dup_of),
             "seconds": round(seconds, 3), "docs_per_s": round(len(ids) / seconds, 1) if seconds else None}
-
-
-def _npy_bytes(array: np.ndarray) -> bytes:
-    """``array`` in NumPy's .npy format, as bytes."""
-    import io
-
-    buf = io.BytesIO()
-    np.save(buf, array, allow_pickle=False)
-    return buf.getvalue()

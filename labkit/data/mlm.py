@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from labkit.config import SPECIAL_TOKENS
+from labkit.data.shards import check_shards
 
 IGNORE_INDEX = -100
 """Label of positions without MLM loss."""
@@ -155,24 +156,18 @@ class ShardDataset(Dataset):
     """Sequences of a shard set (``labkit.data.shards``), read through memory maps; nothing loads
     the whole set. ``ds[i]`` -> np.ndarray [seq_len] of the index's dtype (uint16/uint32);
     ``ds.__getitems__(ids)`` -> np.ndarray [len(ids), seq_len], one fancy-index read per shard
-    touched (the DataLoader calls it once per batch when a batch_sampler is used). The maps open
-    lazily in each process and are not pickled, so the dataset is cheap to send to
-    spawn/forkserver workers. Raises ShardError (a ValueError) naming the file if index.json or a
+    touched (the DataLoader calls it once per batch when a batch_sampler is used). Reads through
+    ``labkit.data.shards.SequenceReader``: maps open lazily, at most ``max_open`` at a time (an
+    LRU), and are not pickled, so the dataset is cheap to send to spawn/forkserver workers. Raises ShardError (a ValueError) naming the file if index.json or a
     shard is missing or malformed, or a shard's size differs from the index."""
 
-    def __init__(self, data_dir: str) -> None:
-        self.data_dir = str(data_dir)
-        self._maps = None
-        reader = self._open()
-        self.seq_len, self.vocab_size, self.index = reader.seq_len, reader.vocab_size, reader.index
-        self._n = len(reader)
-
-    def _open(self):
+    def __init__(self, data_dir: str, *, max_open: int = 64) -> None:
         from labkit.data.shards import SequenceReader
 
-        reader = SequenceReader(self.data_dir)  # checks every shard's size, maps each shard once
-        self._maps, self._starts = reader._maps, reader._starts
-        return reader
+        self.data_dir = str(data_dir)
+        self._reader = SequenceReader(self.data_dir, max_open=max_open)  # checks every entry; maps lazily
+        self.seq_len, self.vocab_size = self._reader.seq_len, self._reader.vocab_size
+        self.index, self._n = self._reader.index, len(self._reader)
 
     def __len__(self) -> int:
         return self._n
@@ -181,21 +176,7 @@ class ShardDataset(Dataset):
         return self.__getitems__([i])[0]
 
     def __getitems__(self, ids: Sequence[int]) -> np.ndarray:
-        if self._maps is None:
-            self._open()
-        ids = np.asarray(ids, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self._n):
-            raise IndexError(f"sequence ids must be in [0, {self._n}) for {self.data_dir}, "
-                             f"got range [{ids.min()}, {ids.max()}]")
-        shard = np.searchsorted(self._starts, ids, side="right") - 1
-        out = np.empty((len(ids), self.seq_len), dtype=self._maps[0].dtype)
-        for k in np.unique(shard):
-            sel = shard == k
-            out[sel] = self._maps[k][ids[sel] - self._starts[k]]  # one gather per shard
-        return out
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_maps": None, "_starts": None}
+        return self._reader.rows(ids)
 
 
 class RankSampler(Sampler[list[int]]):
@@ -333,29 +314,6 @@ class MLMLoader(DataLoader):
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return _as_tensors(super().__iter__())
-
-
-def check_shards(data_dir: str, *, seq_len: int | None = None, dtype: str | None = None,
-                 vocab_size: int | None = None, tokenizer_sha256: str | None = None,
-                 verify: bool = False) -> dict:
-    """Check a shard set against what the run expects, before anything trains; returns its index.
-
-    ``ShardError`` (a ValueError) naming ``<data_dir>/index.json`` and every field that differs
-    (expected vs found) for seq_len, dtype ("uint16"/"uint32"), tokenizer_sha256, and vocab_size
-    (the run's must be at least the shards'); ShardError naming the file for a missing or
-    malformed index or shard; with ``verify`` every shard's sha256 is recomputed too.
-    """
-    from labkit.data.shards import INDEX_NAME, ShardError, read_index, verify_shards
-
-    index = verify_shards(data_dir) if verify else read_index(data_dir)
-    wanted = {"seq_len": seq_len, "dtype": dtype, "tokenizer_sha256": tokenizer_sha256}
-    diffs = [f"{k}: run expects {v!r}, shards have {index.get(k)!r}" for k, v in wanted.items()
-             if v is not None and index.get(k) != v]
-    if vocab_size is not None and vocab_size < index["vocab_size"]:
-        diffs.append(f"vocab_size: run has {vocab_size}, smaller than the shards' {index['vocab_size']}")
-    if diffs:
-        raise ShardError(f"{os.path.join(str(data_dir), INDEX_NAME)}: " + "; ".join(diffs))
-    return index
 
 
 def make_loader(data_dir: str, *, batch_size: int, rank: int, world_size: int, seed: int,

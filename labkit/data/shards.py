@@ -15,7 +15,7 @@ Layout of a shard directory::
 - Writing (``write_shards``, or ``encode_part`` on engines + ``finish_shards``) encodes row
   ranges ("parts") into ``<out_dir>.parts/part-XXXXX.ids/.lens`` with a completion marker each, then packs
   them in one pass in row order; finished parts and shards are skipped by a re-run.
-- ``index.json`` (fields in ``write_shards``) is written after every shard, by temp file and atomic
+- ``index.json`` (fields in ``write_shards``) is written after every shard, by temp file +
   rename (``labkit.io``); its presence means the set is complete, and a directory without it is never
   read (``read_index`` raises ``ShardError``). Compare: mosaicml/streaming MDS ``index.json``,
   Megatron-LM ``.bin``/``.idx``.
@@ -23,7 +23,6 @@ Layout of a shard directory::
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import re
@@ -34,14 +33,15 @@ import numpy as np
 import polars as pl
 
 from labkit.config import SPECIAL_TOKENS, ShardConfig
-from labkit.io import atomic_write, atomic_write_bytes, sha256_bytes, sha256_file
+from labkit.io import atomic_write, atomic_write_bytes, atomic_write_npy, sha256_bytes, sha256_file
+from labkit.data.pack import (CLS_ID, PAD_ID, SEP_ID, doc_stream, pack_documents, pack_group, pack_rows,  # noqa: F401
+                              plan_groups)
 from labkit.data.tokenize import (LineCache, encode_flat, line_separable, load_tokenizer, text_row_count,
                                   tokenizer_sha256)
 
 FORMAT = "labkit-shards"
 VERSION = 1
 INDEX_NAME = "index.json"
-PAD_ID, CLS_ID, SEP_ID = (SPECIAL_TOKENS.index(t) for t in ("[PAD]", "[CLS]", "[SEP]"))
 _REQUIRED = ("dtype", "seq_len", "vocab_size", "tokenizer_sha256", "special_ids", "n_documents",
              "n_sequences", "n_tokens", "n_bytes", "shards")
 _SHARD_RE = re.compile(r"shard-\d{5}\.bin")
@@ -54,41 +54,20 @@ class ShardError(ValueError):
 
 
 def shard_dtype(vocab_size: int) -> np.dtype:
-    """Little-endian ``uint16`` when ids fit (vocab_size <= 65536), else ``uint32``."""
+    """Little-endian ``uint16`` when ids 0..vocab_size-1 fit (vocab_size <= 65536), else
+    ``uint32``; ``ShardError`` when they fit neither (vocab_size > 2^32). Pass the largest id
+    the tokenizer can emit plus one (``id_bound``), not its count of ids."""
+    if vocab_size > 2**32:
+        raise ShardError(f"vocab_size: ids up to {vocab_size - 1} fit neither uint16 nor uint32")
     return np.dtype("<u2") if vocab_size <= 65536 else np.dtype("<u4")
 
 
-def doc_stream(ids_per_doc: list) -> np.ndarray:
-    """Concatenate documents' ids (sequences of ints), each followed by [SEP]: int64 [sum(len)+n].
-    ``np.fromiter`` over ``itertools.chain`` keeps the per-token loop in C."""
-    lengths = np.fromiter((len(d) for d in ids_per_doc), dtype=np.int64, count=len(ids_per_doc))
-    flat = np.fromiter(itertools.chain.from_iterable(ids_per_doc), dtype=np.int64, count=int(lengths.sum()))
-    out = np.full(len(flat) + len(lengths), SEP_ID, dtype=np.int64)
-    is_token = np.ones(len(out), dtype=bool)
-    is_token[np.cumsum(lengths + 1) - 1] = False  # the [SEP] after each document
-    out[is_token] = flat
-    return out
+def id_bound(tokenizer) -> int:
+    """The largest id a HF ``tokenizers.Tokenizer`` can emit, plus one: what the shard dtype and
+    a model's embedding must hold. Equals ``get_vocab_size()`` for a tokenizer with ids
+    0..n-1; larger for one with gaps in its ids (a vocabulary edited by hand, merged or pruned)."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
-
-def pack_rows(stream: np.ndarray, seq_len: int, *, final: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Cut ``stream`` (1-D ids) into rows ``[n, seq_len]``: [CLS] + ``seq_len - 1`` stream tokens.
-    Returns (rows, rest): with ``final=False`` the incomplete tail is returned as ``rest`` (the
-    carry-over into the next batch); with ``final=True`` it becomes one [PAD]-padded row and
-    ``rest`` is empty."""
-    body = seq_len - 1
-    n = len(stream) // body
-    if final and len(stream) % body:
-        stream = np.concatenate([stream, np.full(body - len(stream) % body, PAD_ID, dtype=stream.dtype)])
-        n += 1
-    rows = np.empty((n, seq_len), dtype=stream.dtype)
-    rows[:, 0] = CLS_ID
-    rows[:, 1:] = stream[: n * body].reshape(n, body)  # [n * body] -> [n, body]
-    return rows, stream[n * body:]
-
-
-def pack_documents(ids_per_doc: list, seq_len: int) -> np.ndarray:
-    """The packed rows ``[n_sequences, seq_len]`` (int64) of whole documents, as written to shards."""
-    return pack_rows(doc_stream(ids_per_doc), seq_len, final=True)[0]
 
 
 def parts_dir_for(out_dir: str | os.PathLike) -> Path:
@@ -150,7 +129,8 @@ def encode_part(docs_path: str, tokenizer_path: str, parts_dir: str, part: int, 
     marker.unlink(missing_ok=True)
     tok = _checked_tokenizer(tokenizer_path)
     separable, cache = line_separable(tok), LineCache()
-    dtype = shard_dtype(tok.get_vocab_size(with_added_tokens=True))
+    bound = id_bound(tok)
+    dtype = shard_dtype(bound)
     lf = pl.scan_parquet(docs_path).select("text")
     lens_all: list[np.ndarray] = []
     n_tokens = 0
@@ -163,6 +143,9 @@ def encode_part(docs_path: str, tokenizer_path: str, parts_dir: str, part: int, 
                 lens = np.full(len(col), -1, dtype=np.int32)
                 valid = col.is_not_null().to_numpy()
                 flat, lens[valid] = encode_flat(tok, col.drop_nulls().to_list(), separable=separable, cache=cache)
+                if flat.size and (flat.min() < 0 or flat.max() >= bound):
+                    raise ShardError(f"{tokenizer_path}: emitted id {int(flat.max())} outside 0..{bound - 1} "
+                                     f"(rows {lo}.. of {docs_path})")
                 f.write(flat.astype(dtype).tobytes())
                 n_tokens += len(flat)
                 lens_all.append(lens)
@@ -192,30 +175,26 @@ def _checked_tokenizer(tokenizer_path: str):
     return tok
 
 
-def _with_seps(flat: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Documents' ids back to back (``flat``) with [SEP] inserted after each: [len(flat) + len(lens)]."""
-    out = np.full(len(flat) + len(lens), SEP_ID, dtype=np.int64)
-    is_token = np.ones(len(out), dtype=bool)
-    is_token[np.cumsum(lens + 1) - 1] = False  # the [SEP] after each document
-    out[is_token] = flat
-    return out
+def rows_per_shard(cfg: ShardConfig, dtype: np.dtype) -> int:
+    """Sequences per shard: ``cfg.sequences_per_shard``, or as many as fit in ``cfg.shard_bytes``."""
+    if cfg.sequences_per_shard is not None:
+        return cfg.sequences_per_shard
+    return max(1, cfg.shard_bytes // (cfg.seq_len * np.dtype(dtype).itemsize))
 
 
-def finish_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardConfig, parts: list[dict], *,
-                  progress: bool = True) -> dict:
-    """Select documents (``labkit.data.balance``) and pack the encoded ``parts`` (the markers
-    ``encode_part`` returned, any order) in row order into shards, then write ``index.json``.
+def plan_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardConfig, parts: list[dict], *,
+                groups: int = 1) -> dict:
+    """Everything packing needs, decided before any shard is written: select documents
+    (``labkit.data.balance``; the choice saved as ``<out_dir>.parts/keep.npy``), cut the rows
+    into ``groups`` contiguous ranges and count each one's rows and shards
+    (``labkit.data.pack.plan_groups``); ``parts`` are the ``encode_part`` markers, any order. Removes ``index.json``
+    (the set is incomplete until ``write_index``). Returns a small JSON-able plan for
+    ``pack.pack_group`` (one call per group, any engine) and ``write_index``.
 
-    One sequential pass, so the output is the same whatever engines encoded the parts. Each
-    shard is followed by a marker ``<out_dir>.parts/shard-<k>.json`` naming the plan it belongs to (a
-    hash of tokenizer, parts, packing settings and selection); a re-run does not write a shard
-    again whose marker names the same plan and whose file has the size and sha256 of the bytes
-    it would write. Shards and markers of other plans beyond the new count are removed. Raises
-    ShardError naming a part encoded with another tokenizer, ``ValueError`` naming
-    ``docs_path`` when there are no documents.
+    Raises ShardError naming a part encoded with another tokenizer, or the tokenizer when it can
+    emit an id >= ``cfg.model_vocab_size``; ``ValueError`` naming ``docs_path`` when there are no
+    documents or the parts do not tile its rows.
     """
-    from tqdm.std import tqdm
-
     from labkit.data.balance import select_documents
 
     out = Path(out_dir)
@@ -235,89 +214,123 @@ def finish_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardC
         raise ValueError(f"parts: row ranges {ranges} do not tile the {n_rows} rows of {docs_path}")
     if sum(p["n_docs"] for p in parts) == 0 or not n_rows:
         raise ValueError(f"{docs_path}: no documents to write shards from")
-    vocab_size = load_tokenizer(tokenizer_path).get_vocab_size(with_added_tokens=True)
+    vocab_size = id_bound(load_tokenizer(tokenizer_path))
+    if cfg.model_vocab_size is not None and vocab_size > cfg.model_vocab_size:
+        raise ShardError(f"{tokenizer_path}: emits ids up to {vocab_size - 1}, not below the model's vocabulary "
+                         f"size {cfg.model_vocab_size} (ShardConfig.model_vocab_size)")
     dtype = shard_dtype(vocab_size)
-    lengths = np.concatenate([np.fromfile(Path(p["dir"]) / p["lens"]["file"], dtype="<i4")
-                              for p in parts]).astype(np.int64)
-    keep, balance = select_documents(docs_path, lengths, cfg)
-    plan = sha256_bytes(json.dumps([tok_sha, cfg.seq_len, cfg.sequences_per_shard, dtype.name,
-                                    [p["ids"]["sha256"] for p in parts],
-                                    sha256_bytes(np.packbits(keep).tobytes())]).encode())
+    lens = np.concatenate([np.fromfile(Path(p["dir"]) / p["lens"]["file"], dtype="<i4")
+                           for p in parts]).astype(np.int64)
+    keep, balance = select_documents(docs_path, lens, cfg)
+    per_shard = rows_per_shard(cfg, dtype)
+    keep_sha = sha256_bytes(np.packbits(keep).tobytes())
+    plan_hash = sha256_bytes(json.dumps([tok_sha, cfg.seq_len, per_shard, dtype.name, groups,
+                                         [p["ids"]["sha256"] for p in parts], keep_sha]).encode())
+    keep_path = parts_dir / "keep.npy"
+    atomic_write_npy(keep_path, keep)
     (out / INDEX_NAME).unlink(missing_ok=True)  # incomplete from here until the new index is written
     for old in out.iterdir():
         if _TMP_RE.fullmatch(old.name):
             old.unlink()
+    return {"out_dir": str(out.absolute()), "parts_dir": str(parts_dir), "keep_path": str(keep_path),
+            "hash": plan_hash, "seq_len": cfg.seq_len, "rows_per_shard": per_shard, "dtype": dtype.name,
+            "vocab_size": vocab_size, "tokenizer_sha256": tok_sha, "n_documents": int(keep.sum()),
+            "balance": balance, "parts": parts,
+            "groups": plan_groups(parts, lens, keep, cfg.seq_len, per_shard, groups)}
 
-    shards: list[dict] = []
-    pending: list[np.ndarray] = []
-    carry = np.empty(0, dtype=np.int64)
 
-    def flush(final: bool) -> None:
-        rows = np.concatenate(pending) if pending else np.empty((0, cfg.seq_len), dtype=dtype)
-        pending.clear()
-        while len(rows) >= cfg.sequences_per_shard or (final and len(rows)):
-            block, rows = rows[: cfg.sequences_per_shard], rows[cfg.sequences_per_shard:]
-            name = f"shard-{len(shards):05d}.bin"
-            marker = parts_dir / f"{name[:-4]}.json"
-            data = np.ascontiguousarray(block, dtype=dtype).tobytes()
-            sha = sha256_bytes(data)
-            try:
-                info = json.loads(marker.read_text())
-            except (OSError, json.JSONDecodeError):
-                info = None
-            if not (info and info["plan"] == plan and info["sha256"] == sha and (out / name).is_file()
-                    and (out / name).stat().st_size == len(data) and sha256_file(out / name) == sha):
-                marker.unlink(missing_ok=True)
-                atomic_write_bytes(out / name, data)
-                info = {"plan": plan, "file": name, "n_sequences": len(block), "n_bytes": len(data), "sha256": sha,
-                        "n_tokens": int(np.count_nonzero(block != PAD_ID))}
-                atomic_write_bytes(marker, (json.dumps(info) + "\n").encode())
-            shards.append(info)
-        if len(rows):
-            pending.append(rows)
+def write_rows(out_dir: str | os.PathLike, rows: np.ndarray, *, vocab_size: int, tokenizer_sha256: str,
+               rows_per_shard: int, n_documents: int | None = None) -> dict:
+    """Write already packed rows ``[n_sequences, seq_len]`` (ints, [CLS]-prefixed as ``pack_rows``
+    makes them) as a complete shard set: ``shard-NNNNN.bin`` of ``rows_per_shard`` rows each, in
+    the dtype ``shard_dtype(vocab_size)`` gives, then ``index.json`` last, all through
+    ``labkit.io``. For sets whose rows come from elsewhere than a tokenizer (tests, benchmarks,
+    synthetic loads). ``n_documents`` defaults to the number of rows. Returns the index.
+    ShardError when an id is not below ``vocab_size``; ValueError for an empty ``rows``."""
+    rows = np.asarray(rows)
+    if rows.ndim != 2 or not len(rows):
+        raise ValueError(f"rows: need a non-empty [n_sequences, seq_len] array, got shape {rows.shape}")
+    if rows.min() < 0 or rows.max() >= vocab_size:
+        raise ShardError(f"rows: id {int(rows.max())} is not below vocab_size {vocab_size}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = shard_dtype(vocab_size)
+    shards = []
+    for k, start in enumerate(range(0, len(rows), rows_per_shard)):
+        block = np.ascontiguousarray(rows[start:start + rows_per_shard], dtype=dtype)
+        data = block.tobytes()
+        atomic_write_bytes(out / f"shard-{k:05d}.bin", data)
+        shards.append({"file": f"shard-{k:05d}.bin", "n_sequences": len(block), "n_bytes": len(data),
+                       "sha256": sha256_bytes(data), "n_tokens": int(np.count_nonzero(block != PAD_ID))})
+    index = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "seq_len": int(rows.shape[1]),
+             "vocab_size": int(vocab_size), "tokenizer_sha256": tokenizer_sha256,
+             "special_ids": {t: i for i, t in enumerate(SPECIAL_TOKENS)},
+             "n_documents": len(rows) if n_documents is None else int(n_documents),
+             "n_sequences": len(rows), "n_tokens": sum(s.pop("n_tokens") for s in shards),
+             "n_bytes": sum(s["n_bytes"] for s in shards), "shards": shards}
+    atomic_write_bytes(out / INDEX_NAME, (json.dumps(index, indent=1) + "\n").encode())
+    return index
 
-    with tqdm(total=sum(p["n_docs"] for p in parts), unit="doc", desc="shards: packing", file=sys.stderr,
-              disable=not progress, mininterval=2.0) as bar:
-        for p in parts:
-            lens = lengths[p["start"]:p["stop"]]
-            sel = keep[p["start"]:p["stop"]]
-            valid = lens >= 0
-            ids = np.fromfile(Path(p["dir"]) / p["ids"]["file"], dtype=np.dtype(p["dtype"]).newbyteorder("<"))
-            token_keep = np.repeat(sel[valid], lens[valid])  # [n_tokens of the part]
-            stream = np.concatenate([carry, _with_seps(ids[token_keep].astype(np.int64), lens[sel])])
-            rows, carry = pack_rows(stream, cfg.seq_len, final=False)
-            pending.append(rows.astype(dtype))
-            flush(final=False)
-            bar.update(p["n_docs"])
-    pending.append(pack_rows(carry, cfg.seq_len, final=True)[0].astype(dtype))
-    flush(final=True)
+
+def write_index(plan: dict, group_shards: list[list[dict]]) -> dict:
+    """Merge the shard infos ``pack_group`` returned for each group of ``plan`` (in group order),
+    remove shards of an earlier, longer run and write ``index.json`` last. Returns the index."""
+    out, parts_dir = Path(plan["out_dir"]), Path(plan["parts_dir"])
+    shards = [s for group in group_shards for s in group]
+    if [s["file"] for s in shards] != [f"shard-{k:05d}.bin" for k in range(len(shards))]:
+        raise ShardError(f"{out}: the groups' shards are not numbered 0..{len(shards) - 1} in order")
     for old in out.iterdir():  # shards of an earlier, longer run
-        m = _SHARD_RE.fullmatch(old.name)
-        if m and int(old.name[6:11]) >= len(shards):
+        if _SHARD_RE.fullmatch(old.name) and int(old.name[6:11]) >= len(shards):
             old.unlink()
             (parts_dir / f"{old.name[:-4]}.json").unlink(missing_ok=True)
-
     index = {
-        "format": FORMAT, "version": VERSION, "dtype": dtype.name, "seq_len": cfg.seq_len,
-        "vocab_size": vocab_size, "tokenizer_sha256": tok_sha,
-        "special_ids": {t: i for i, t in enumerate(SPECIAL_TOKENS)}, "n_documents": int(keep.sum()),
+        "format": FORMAT, "version": VERSION, "dtype": plan["dtype"], "seq_len": plan["seq_len"],
+        "vocab_size": plan["vocab_size"], "tokenizer_sha256": plan["tokenizer_sha256"],
+        "special_ids": {t: i for i, t in enumerate(SPECIAL_TOKENS)}, "n_documents": plan["n_documents"],
         "n_sequences": sum(s["n_sequences"] for s in shards),
         "n_tokens": sum(s["n_tokens"] for s in shards),
         "n_bytes": sum(s["n_bytes"] for s in shards),
+        "pack_groups": len(plan["groups"]),
         "shards": [{k: s[k] for k in ("file", "n_sequences", "n_bytes", "sha256")} for s in shards],
-        "balance": balance,
+        "balance": plan["balance"],
     }
     atomic_write_bytes(out / INDEX_NAME, (json.dumps(index, indent=1) + "\n").encode())
     return index
 
 
+def finish_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardConfig, parts: list[dict], *,
+                  progress: bool = True, groups: int = 1) -> dict:
+    """Select documents and pack the encoded ``parts`` (the markers ``encode_part`` returned,
+    any order) into shards in this process, then write ``index.json``: ``plan_shards``,
+    ``pack.pack_group`` for each of the ``groups`` groups, ``write_index`` -- the steps
+    ``labkit.lab.build_shards`` spreads over engines, so both give identical bytes.
+
+    Each shard is followed by a marker ``<out_dir>.parts/shard-<k>.json`` naming the plan it
+    belongs to (a hash of tokenizer, parts, packing settings, group count and selection); a
+    re-run does not write a shard again whose marker names the same plan and whose file has
+    the size and sha256 of the bytes it would write. Shards and markers beyond the new count
+    are removed. Errors as ``plan_shards``. ``progress``: a tqdm bar (stderr) over the groups.
+    """
+    from tqdm.std import tqdm
+
+    plan = plan_shards(docs_path, tokenizer_path, out_dir, cfg, parts, groups=groups)
+    done = []
+    with tqdm(total=sum(p["n_docs"] for p in plan["parts"]), unit="doc", desc="shards: packing", file=sys.stderr,
+              disable=not progress, mininterval=2.0) as bar:
+        for g, group in enumerate(plan["groups"]):
+            done.append(pack_group(plan, g))
+            bar.update(sum(plan["parts"][i]["n_docs"] for i in group["parts"]))
+    return write_index(plan, done)
+
+
 def write_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardConfig, *,
-                 progress: bool = True) -> dict:
+                 progress: bool = True, groups: int = 1) -> dict:
     """Tokenize the ``text`` column of ``docs_path`` (Parquet file or glob) with the tokenizer at
     ``tokenizer_path`` and write packed shards + ``index.json`` (last) to ``out_dir``: in one
     process, ``encode_part`` for every part of ``plan_parts`` then ``finish_shards`` -- the same
     steps ``labkit.lab.build_shards`` spreads over engines, so both give identical bytes.
 
+    ``groups``: packing groups (``labkit.data.pack``; ``build_shards`` uses one per engine).
     Memory is bounded by one part (``cfg.part_docs`` rows of ids) and one ``cfg.batch_docs``
     slice of text; neither changes the output. Special-token strings in the text are encoded as
     text, so only packing inserts ids 0, 2, 3. Resumable: finished parts (``parts_dir_for(out_dir)``) and
@@ -344,7 +357,7 @@ def write_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardCo
             parts.append(encode_part(docs_path, tokenizer_path, str(parts_dir), i, start, stop,
                                      batch_docs=cfg.batch_docs))
             bar.update(stop - start)
-    return finish_shards(docs_path, tokenizer_path, out_dir, cfg, parts, progress=progress)
+    return finish_shards(docs_path, tokenizer_path, out_dir, cfg, parts, progress=progress, groups=groups)
 
 
 def check_tokenizer(data_dir: str | os.PathLike, tokenizer_path: str | os.PathLike) -> dict:
@@ -383,85 +396,173 @@ def read_index(data_dir: str | os.PathLike) -> dict:
     return index
 
 
-def _check_size(data_dir: Path, shard: dict) -> Path:
-    path = data_dir / shard["file"]
-    if not path.is_file():
-        raise ShardError(f"{path}: shard file missing")
-    size = path.stat().st_size
-    if size != shard["n_bytes"]:
-        raise ShardError(f"{path}: {size} bytes on disk, index says {shard['n_bytes']}")
-    return path
-
-
-def verify_shards(data_dir: str | os.PathLike) -> dict:
-    """Recompute every shard's size and sha256 and compare with ``index.json``; returns the index.
-    ``ShardError`` naming the first shard that differs (or the index on inconsistent totals)."""
-    index = read_index(data_dir)
+def check_entries(data_dir: str | os.PathLike, index: dict) -> list[Path]:
+    """Everything a reader needs of a shard set, without reading its bytes; the shard paths in
+    order. ``ShardError`` naming the file (or ``index.json``) when: the dtype cannot hold ids up
+    to ``vocab_size - 1``; an entry is not a ``shard-NNNNN.bin`` name, is listed twice, holds no
+    sequence (an empty shard cannot be memory-mapped) or gives n_bytes other than n_sequences *
+    seq_len * itemsize; a shard file is missing, has another size or is not a whole number of
+    sequences; a ``shard-NNNNN.bin`` in the directory is not in the index; the entries'
+    n_sequences do not sum to ``n_sequences``. ``verify_shards`` and ``SequenceReader`` both call
+    it, so every set verify accepts can be read and every one the reader refuses verify refuses."""
+    d = Path(data_dir)
+    index_path = d / INDEX_NAME
     itemsize = np.dtype(index["dtype"]).itemsize
+    if index["vocab_size"] > 256 ** itemsize:
+        raise ShardError(f"{index_path}: dtype {index['dtype']} cannot hold ids up to vocab_size - 1 = "
+                         f"{index['vocab_size'] - 1}")
+    row_bytes = index["seq_len"] * itemsize
+    paths, seen = [], set()
     for shard in index["shards"]:
-        path = _check_size(Path(data_dir), shard)
-        if shard["n_bytes"] != shard["n_sequences"] * index["seq_len"] * itemsize:
+        name = shard.get("file")
+        if not isinstance(name, str) or not _SHARD_RE.fullmatch(name):
+            raise ShardError(f"{index_path}: entry {name!r} is not a shard file name (shard-NNNNN.bin)")
+        path = d / name
+        if name in seen:
+            raise ShardError(f"{path}: listed twice in {INDEX_NAME}")
+        seen.add(name)
+        if shard["n_sequences"] <= 0:
+            raise ShardError(f"{path}: empty shard ({shard['n_sequences']} sequences) in {INDEX_NAME}")
+        if shard["n_bytes"] != shard["n_sequences"] * row_bytes:
             raise ShardError(f"{path}: index gives {shard['n_bytes']} bytes for {shard['n_sequences']} sequences")
-        digest = sha256_file(path)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise ShardError(f"{path}: shard file missing") from None
+        if size != shard["n_bytes"]:
+            partial = (f"; not a whole number of {index['seq_len']}-token {index['dtype']} sequences"
+                       if size % row_bytes else "")
+            raise ShardError(f"{path}: {size} bytes on disk, index says {shard['n_bytes']}{partial}")
+        paths.append(path)
+    extra = sorted(e.name for e in os.scandir(d) if _SHARD_RE.fullmatch(e.name) and e.name not in seen)
+    if extra:
+        raise ShardError(f"{d / extra[0]}: shard file not listed in {INDEX_NAME} ({len(extra)} such files)")
+    if sum(s["n_sequences"] for s in index["shards"]) != index["n_sequences"]:
+        raise ShardError(f"{index_path}: shard n_sequences do not sum to n_sequences")
+    return paths
+
+
+def verify_shards(data_dir: str | os.PathLike, *, tokenizer_path: str | os.PathLike | None = None) -> dict:
+    """``check_entries``, then every shard's sha256 and largest id, compared with ``index.json``;
+    returns the index. ``ShardError`` naming the first shard that differs, holds an id >=
+    ``vocab_size``, or the index when ``tokenizer_path`` is given and is not the tokenizer the
+    set was built with (``check_tokenizer``)."""
+    index = read_index(data_dir)
+    if tokenizer_path is not None:
+        check_tokenizer(data_dir, tokenizer_path)
+    dtype = np.dtype(index["dtype"]).newbyteorder("<")
+    for shard, path in zip(index["shards"], check_entries(data_dir, index)):
+        tops = [0]
+        # blocks of 4 MiB, a multiple of 4 bytes: whole ids
+        digest = sha256_file(path, chunk=1 << 22,
+                             on_block=lambda b: tops.append(int(np.frombuffer(b, dtype=dtype).max())))
+        top = max(tops)
         if digest != shard["sha256"]:
             raise ShardError(f"{path}: sha256 {digest} does not match index.json ({shard['sha256']})")
-    if sum(s["n_sequences"] for s in index["shards"]) != index["n_sequences"]:
-        raise ShardError(f"{Path(data_dir) / INDEX_NAME}: shard n_sequences do not sum to n_sequences")
+        if top >= index["vocab_size"]:
+            raise ShardError(f"{path}: holds id {top}, not below the index's vocab_size {index['vocab_size']}")
     return index
 
 
-def check_compatible(index: dict, *, seq_len: int | None = None, vocab_size: int | None = None,
-                     tokenizer_sha256: str | None = None) -> None:
-    """``ShardError`` naming each given field whose value in ``index`` differs (expected vs found)."""
-    wanted = {"seq_len": seq_len, "vocab_size": vocab_size, "tokenizer_sha256": tokenizer_sha256}
-    diffs = [f"{k}: expected {v!r}, found {index.get(k)!r}" for k, v in wanted.items()
+def check_shards(data_dir: str, *, seq_len: int | None = None, dtype: str | None = None,
+                 vocab_size: int | None = None, tokenizer_sha256: str | None = None,
+                 verify: bool = False) -> dict:
+    """Check a shard set against what a reader expects, before anything trains; returns its index.
+    The one compatibility check of a shard set (``labkit.data.mlm.make_loader`` and training call it).
+
+    ``ShardError`` (a ValueError) naming ``<data_dir>/index.json`` and every field that differs
+    (expected vs found) for seq_len, dtype ("uint16"/"uint32"), tokenizer_sha256, and vocab_size
+    (the run's must be at least the shards'); ShardError naming the file for a missing or
+    malformed index or shard; with ``verify`` every shard's sha256 is recomputed too.
+    """
+    index = verify_shards(data_dir) if verify else read_index(data_dir)
+    wanted = {"seq_len": seq_len, "dtype": dtype, "tokenizer_sha256": tokenizer_sha256}
+    diffs = [f"{k}: run expects {v!r}, shards have {index.get(k)!r}" for k, v in wanted.items()
              if v is not None and index.get(k) != v]
+    if vocab_size is not None and vocab_size < index["vocab_size"]:
+        diffs.append(f"vocab_size: run has {vocab_size}, smaller than the shards' {index['vocab_size']}")
     if diffs:
-        raise ShardError("shard set is not compatible: " + "; ".join(diffs))
+        raise ShardError(f"{Path(data_dir) / INDEX_NAME}: " + "; ".join(diffs))
+    return index
 
 
 class SequenceReader:
-    """Random access to the sequences of a complete shard set through one ``np.memmap`` per shard.
+    """Random access to the sequences of a complete shard set through memory maps, opened
+    lazily and kept in an LRU of at most ``max_open`` (each map holds one file descriptor), so
+    any number of shards reads under a low open-files limit (``ulimit -n``).
 
     ``len(r)`` is ``n_sequences``; ``r[i]`` is a copy of sequence i, shape ``[seq_len]``, dtype of
-    the index (uint16/uint32); negative i counts from the end. Opening checks each shard's size
-    against the index (``ShardError`` naming the file); ``verify=True`` also checks sha256;
+    the index (uint16/uint32); negative i counts from the end; ``r.rows(ids)`` gathers many
+    (int64 ids -> [len(ids), seq_len], one read per shard touched). Opening runs
+    ``check_entries`` (sizes, names, no empty, missing, extra or duplicated shards: ``ShardError``
+    naming the file); ``verify=True`` also checks sha256 and ids (``verify_shards``);
     ``tokenizer_path`` refuses (``check_tokenizer``) a tokenizer the shards were not built with.
     Pickles small (directory + index), so it can go to DataLoader workers under spawn.
     """
 
     def __init__(self, data_dir: str | os.PathLike, *, verify: bool = False,
-                 tokenizer_path: str | os.PathLike | None = None) -> None:
+                 tokenizer_path: str | os.PathLike | None = None, max_open: int = 64) -> None:
+        if max_open < 1:
+            raise ValueError(f"max_open: must be at least 1, got {max_open}")
         self.data_dir = Path(data_dir)
         self.index = verify_shards(data_dir) if verify else read_index(data_dir)
         if tokenizer_path is not None:
             check_tokenizer(data_dir, tokenizer_path)
+        self.max_open = max_open
         self.seq_len: int = self.index["seq_len"]
         self.vocab_size: int = self.index["vocab_size"]
         self._open()
 
     def _open(self) -> None:
-        dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
-        self._maps = []
-        for shard in self.index["shards"]:
-            path = _check_size(self.data_dir, shard)
-            if shard["n_bytes"] != shard["n_sequences"] * self.seq_len * dtype.itemsize:
-                raise ShardError(f"{path}: index gives {shard['n_bytes']} bytes for {shard['n_sequences']} sequences")
-            self._maps.append(np.memmap(path, dtype=dtype, mode="r", shape=(shard["n_sequences"], self.seq_len)))
+        from collections import OrderedDict
+
+        self._paths = check_entries(self.data_dir, self.index)
+        self._dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
+        self._maps: OrderedDict[int, np.memmap] = OrderedDict()
         self._starts = np.cumsum([0] + [s["n_sequences"] for s in self.index["shards"]])
 
+    def shard(self, k: int) -> np.memmap:
+        """The memory map of shard k, [n_sequences, seq_len]; opens it (closing the least recently
+        used map beyond ``max_open``) when it is not open."""
+        m = self._maps.get(k)
+        if m is not None:
+            self._maps.move_to_end(k)
+            return m
+        while len(self._maps) >= self.max_open:
+            self._maps.popitem(last=False)  # its mmap and descriptor close with the last reference
+        m = np.memmap(self._paths[k], dtype=self._dtype, mode="r",
+                      shape=(self.index["shards"][k]["n_sequences"], self.seq_len))
+        self._maps[k] = m
+        return m
+
     def __getstate__(self) -> dict:
-        """Pickle the directory and index only (a memmap would pickle its data); the copy in a
-        DataLoader worker reopens the files, checking sizes again."""
-        return {"data_dir": self.data_dir, "index": self.index}
+        """Pickle the directory, index and limit only (a memmap would pickle its data); the copy in
+        a DataLoader worker checks the entries again and opens maps as it reads."""
+        return {"data_dir": self.data_dir, "index": self.index, "max_open": self.max_open}
 
     def __setstate__(self, state: dict) -> None:
         self.data_dir, self.index = state["data_dir"], state["index"]
+        self.max_open = state.get("max_open", 64)
         self.seq_len, self.vocab_size = self.index["seq_len"], self.index["vocab_size"]
         self._open()
 
     def __len__(self) -> int:
         return int(self._starts[-1])
+
+    def rows(self, ids) -> np.ndarray:
+        """Sequences ``ids`` (int, any order, repeats allowed) as [len(ids), seq_len] of the
+        index's dtype; IndexError naming the range for an id outside [0, len)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        n = len(self)
+        if ids.size and (ids.min() < 0 or ids.max() >= n):
+            raise IndexError(f"sequence ids must be in [0, {n}) for {self.data_dir}, "
+                             f"got range [{ids.min()}, {ids.max()}]")
+        which = np.searchsorted(self._starts, ids, side="right") - 1
+        out = np.empty((len(ids), self.seq_len), dtype=self._dtype)
+        for k in np.unique(which):
+            sel = which == k
+            out[sel] = self.shard(int(k))[ids[sel] - self._starts[k]]  # one gather per shard
+        return out
 
     def __getitem__(self, i: int) -> np.ndarray:
         n = len(self)
@@ -469,5 +570,4 @@ class SequenceReader:
             i += n
         if not 0 <= i < n:
             raise IndexError(f"sequence {i} out of range for {n} sequences in {self.data_dir}")
-        k = int(np.searchsorted(self._starts, i, side="right")) - 1
-        return np.array(self._maps[k][i - self._starts[k]])
+        return self.rows([i])[0]

@@ -69,12 +69,13 @@ def iter_texts(docs_path: str, *, batch_docs: int, rows: np.ndarray | None = Non
     n = text_row_count(docs_path)
     lf = pl.scan_parquet(docs_path).select("text")
     for start in range(0, n, batch_docs):
-        col = lf.slice(start, batch_docs).collect().get_column("text")
         if rows is not None:
             lo, hi = np.searchsorted(rows, [start, start + batch_docs])
             if lo == hi:
-                continue
-            col = col.gather(rows[lo:hi] - start)
+                continue  # no sampled row here: not read at all
+            col = lf.slice(start, batch_docs).collect().get_column("text").gather(rows[lo:hi] - start)
+        else:
+            col = lf.slice(start, batch_docs).collect().get_column("text")
         yield col.drop_nulls().to_list()
 
 

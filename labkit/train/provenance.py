@@ -44,7 +44,7 @@ def git_commit(root: str | os.PathLike | None = None) -> dict[str, Any] | None:
     """``{"commit": sha, "dirty": bool}`` of the git checkout holding this labkit (``root``:
     another directory), or None when it is not in a checkout or git is not installed. Dirty
     means tracked files differ from the commit (``git status --porcelain --untracked-files=no``)."""
-    where = pathlib.Path(root) if root is not None else pathlib.Path(__file__).resolve().parent.parent
+    where = pathlib.Path(root) if root is not None else pathlib.Path(__file__).resolve().parents[2]
     if not (where / ".git").exists():
         return None
     try:
@@ -83,6 +83,18 @@ def library_versions() -> dict[str, str | None]:
             "nccl": nccl}
 
 
+def command_line() -> str:
+    """This process's command line; a module run with ``-m`` (argv[0] is its file) is written
+    as ``python -m <module>``; under torchrun (TORCHELASTIC_RUN_ID set) it says so."""
+    argv = list(sys.argv)
+    root = pathlib.Path(__file__).resolve().parents[2]  # the directory holding labkit/
+    if argv and argv[0].endswith(".py") and pathlib.Path(argv[0]).resolve().is_relative_to(root / "labkit"):
+        module = ".".join(pathlib.Path(argv[0]).resolve().relative_to(root).with_suffix("").parts)
+        argv[:1] = ["-m", module.removesuffix(".__main__")]
+    text = shlex.join([sys.executable, *argv])
+    return f"torchrun worker: {text}" if "TORCHELASTIC_RUN_ID" in os.environ else text
+
+
 def collect(device: torch.device, *, start_time: str | None = None) -> dict[str, Any]:
     """Provenance of this run; collective (every rank calls it once the process group exists).
 
@@ -91,7 +103,7 @@ def collect(device: torch.device, *, start_time: str | None = None) -> dict[str,
     "command": the command line (``$LABKIT_COMMAND`` or this process's argv), "start_time"}``
     with times in ISO 8601 UTC."""
     ranks = dist.all_gather_object({"host": socket.gethostname(), "device": device_name(device)})
-    command = os.environ.get(COMMAND_ENV) or shlex.join([sys.executable, *sys.argv])
+    command = os.environ.get(COMMAND_ENV) or command_line()
     return {"labkit_version": labkit_version(), "git": git_commit() if dist.is_main() else None,
             **library_versions(), "world_size": len(ranks), "hostnames": [r["host"] for r in ranks],
             "devices": [r["device"] for r in ranks], "command": command, "start_time": start_time or now_iso()}

@@ -3,8 +3,6 @@ batch reads from the memory maps, compact labels, bad shard sets stopped before 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import pickle
 import subprocess
@@ -17,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from labkit.data.mlm import ArrayBatch, MLMCollator, RankSampler, ShardDataset, check_shards, dense_labels, make_loader
-from labkit.data.shards import SequenceReader, ShardError
+from labkit.data.shards import SequenceReader, ShardError, write_rows
 
 V = 1000
 
@@ -31,21 +29,8 @@ def _threads():
 
 
 def write_tiny_shards(out_dir, rows: np.ndarray, vocab_size: int, per_shard: int) -> None:
-    """A shard set in docs/formats.md's format (flat little-endian uint16 rows + index.json)."""
-    rows = rows.astype("<u2")
-    shards = []
-    for k, start in enumerate(range(0, len(rows), per_shard)):
-        data = rows[start:start + per_shard].tobytes()
-        name = f"shard-{k:05d}.bin"
-        (out_dir / name).write_bytes(data)
-        shards.append({"file": name, "n_sequences": len(rows[start:start + per_shard]), "n_bytes": len(data),
-                       "sha256": hashlib.sha256(data).hexdigest()})
-    index = {"format": "labkit-shards", "version": 1, "dtype": "uint16", "seq_len": rows.shape[1],
-             "vocab_size": vocab_size, "tokenizer_sha256": "0" * 64,
-             "special_ids": {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4},
-             "n_documents": len(rows), "n_sequences": len(rows), "n_tokens": int((rows != 0).sum()),
-             "n_bytes": sum(s["n_bytes"] for s in shards), "shards": shards}
-    (out_dir / "index.json").write_text(json.dumps(index))
+    """A shard set of these rows, written by labkit's writer (``labkit.data.shards.write_rows``)."""
+    write_rows(out_dir, rows, vocab_size=vocab_size, tokenizer_sha256="0" * 64, rows_per_shard=per_shard)
 
 
 def packed_rows(n: int, t: int, seed: int = 0) -> np.ndarray:

@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from labkit.config import SPECIAL_TOKENS, ShardConfig, TokenizerConfig
-from labkit.data.shards import (ShardError, SequenceReader, check_compatible, check_tokenizer, doc_stream,
+from labkit.data.shards import (ShardError, SequenceReader, check_shards, check_tokenizer, doc_stream,
                                 encode_part, finish_shards, pack_documents, pack_rows, parts_dir_for, plan_parts,
                                 read_index, shard_dtype, verify_shards, write_shards)
 from labkit.data.tokenize import load_tokenizer, tokenizer_sha256, train_tokenizer
@@ -153,7 +153,7 @@ def test_rewrite_removes_old_shards_and_progress_goes_to_stderr(inputs, tmp_path
     index = write_shards(docs_path, tok_path, str(tmp_path), ShardConfig(seq_len=16, sequences_per_shard=1000))
     assert "150/150" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["index.json", "notes.txt", "shard-00000.bin"]
-    assert sorted(p.name for p in parts_dir_for(tmp_path).iterdir()) == ["part-00000.ids", "part-00000.json",
+    assert sorted(p.name for p in parts_dir_for(tmp_path).iterdir()) == ["keep.npy", "part-00000.ids", "part-00000.json",
                                                                        "part-00000.lens", "shard-00000.json"]
     assert verify_shards(tmp_path) == index
 
@@ -202,14 +202,15 @@ def test_index_errors(inputs, tmp_path):
         SequenceReader(tmp_path)
 
 
-def test_check_compatible(inputs, tmp_path):
+def test_check_shards(inputs, tmp_path):
     docs_path, tok_path, _ = inputs
     index = write_shards(docs_path, tok_path, str(tmp_path), ShardConfig(seq_len=16), progress=False)
-    check_compatible(index, seq_len=16, vocab_size=index["vocab_size"], tokenizer_sha256=tokenizer_sha256(tok_path))
-    with pytest.raises(ShardError, match="seq_len: expected 128, found 16"):
-        check_compatible(index, seq_len=128)
-    with pytest.raises(ShardError, match=r"vocab_size: expected 8192.*tokenizer_sha256: expected 'abc'"):
-        check_compatible(index, vocab_size=8192, tokenizer_sha256="abc")
+    assert check_shards(tmp_path, seq_len=16, vocab_size=index["vocab_size"], dtype=index["dtype"],
+                        tokenizer_sha256=tokenizer_sha256(tok_path), verify=True) == index
+    with pytest.raises(ShardError, match="seq_len: run expects 128, shards have 16"):
+        check_shards(tmp_path, seq_len=128)
+    with pytest.raises(ShardError, match=r"tokenizer_sha256: run expects 'abc'.*vocab_size: run has 8, smaller"):
+        check_shards(tmp_path, vocab_size=8, tokenizer_sha256="abc")
 
 
 def test_no_documents_and_bad_tokenizer(inputs, tmp_path):
@@ -287,7 +288,7 @@ def test_interrupted_encoding_resumes_and_skips_finished_parts(inputs, tmp_path,
 
 
 def test_interrupted_packing_skips_finished_shards(inputs, tmp_path, monkeypatch):
-    import labkit.data.shards as S
+    import labkit.data.pack as S  # shards are written by pack.atomic_write_bytes
 
     docs_path, tok_path, _ = inputs
     cfg = ShardConfig(seq_len=16, sequences_per_shard=6)

@@ -61,7 +61,7 @@ def test_torchrun_two_ranks_matches_one_process(tmp_path):
     assert result["world_size"] == 2 and result["global_batch_size"] == 8 and result["steps"] == 6
     prov = result["provenance"]
     assert prov["world_size"] == 2 and len(prov["hostnames"]) == 2 and prov["devices"][0] == prov["devices"][1]
-    assert "-m labkit.train" in prov["command"] or "labkit/train.py" in prov["command"]
+    assert prov["command"].startswith(f"torchrun worker: {sys.executable} -m labkit.train {cfg}"), prov["command"]
 
     # the reference: the same TrainConfig on 2 ranks spawned by hand (tests/test_dist.py's worker)
     import torch.multiprocessing as mp
@@ -83,6 +83,7 @@ def test_torchrun_two_ranks_matches_one_process(tmp_path):
     one = json.loads((solo / "result.json").read_text())
     assert one["world_size"] == 1 and one["global_batch_size"] == 4 and one["steps"] == 6
     assert one["provenance"]["hostnames"] == prov["hostnames"][:1]
+    assert one["provenance"]["command"].startswith(f"{sys.executable} -m labkit.train {cfg}")
 
 
 def test_train_module_refuses_a_bad_key_in_one_line(tmp_path):

@@ -1,0 +1,173 @@
+"""Benchmark `prep_scale`: the whole data preparation (extract -> clean -> exact and near dedup
+-> tokenizer -> encode and pack) through ``labkit.lab``'s stages on a real local ipyparallel
+cluster, on corpora of 1x, 4x and 16x a base size, with 1 and 2 engines.
+
+Input: functions disassembled from this machine's ELF files (default ``CorpusConfig`` paths,
+``max_functions`` = the corpus size). Where the machine has fewer functions than a size needs,
+the corpus is grown by a documented, deterministic transformation (``grow``): copy c of the real
+documents renames the x86-64 general registers by a permutation seeded with c (a new text with
+the same structure, so a new document for both dedups), and of every 20 renamed documents one
+is planted as an exact copy of a real document and one as a near copy (one line changed).
+
+Each (size, engines) runs on a fresh cluster (peak RSS is a process's lifetime maximum). Per
+stage: wall seconds, documents in, documents/s per engine (documents in / seconds / engines),
+peak RSS per engine so far (``ru_maxrss`` of each engine process, the maximum over engines, in
+MiB; cumulative over the stages run so far), bytes in and out (files read and written).
+
+Goals (issue 14): time per document at 16x at most 1.2 x that at 1x (``cost_ratio_16x_1x``,
+2 engines; fixed costs such as the bounded tokenizer sample make it below 1); 2 engines at
+least 1.7 x as fast as 1 at 16x (``speedup_2_engines``, whole preparation, wall time); peak RSS
+per engine at 16x at most 1.25 x that at 4x (``rss_ratio_16x_4x``, 2 engines).
+Timings move with whatever else runs on the machine. Run from the repository root:
+``python benchmarks/bench_prep_scale.py`` (``BENCH_BASE`` documents at 1x, default 1,500;
+``BENCH_SIZES`` default "1,4,16"; ``BENCH_ENGINES`` default "1,2"). Prints one JSON line per
+run, then the summary as the last line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import polars as pl  # noqa: E402
+
+from labkit import lab  # noqa: E402
+from labkit.config import CleanConfig, CorpusConfig, ShardConfig, TokenizerConfig  # noqa: E402
+
+BASE = int(os.environ.get("BENCH_BASE", 1500))
+SIZES = [int(s) for s in os.environ.get("BENCH_SIZES", "1,4,16").split(",")]
+ENGINES = [int(s) for s in os.environ.get("BENCH_ENGINES", "1,2").split(",")]
+REGS = ["rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15"]
+_REG_RE = re.compile(r"\b(" + "|".join(REGS) + r")\b")
+
+
+def grow(real: pl.DataFrame, copy: int) -> pl.DataFrame:
+    """Copy ``copy`` (>= 1) of the real documents: registers renamed by a permutation seeded with
+    ``copy``; of every 20 rows, row 0 is replaced by an exact copy of a real document and row 1
+    by that document with one line changed (planted duplicates). New ids; deterministic."""
+    rng = random.Random(copy)
+    perm = dict(zip(REGS, rng.sample(REGS, len(REGS))))
+    texts = [_REG_RE.sub(lambda m: perm[m.group(1)], t) for t in real["text"].to_list()]
+    originals = real["text"].to_list()
+    for i in range(0, len(texts) - 1, 20):
+        src = originals[rng.randrange(len(originals))]
+        lines = src.split("\n")
+        texts[i] = src
+        lines[rng.randrange(len(lines))] = "nop"
+        texts[i + 1] = "\n".join(lines)
+    return real.with_columns(id=pl.format("g{}-{}", pl.lit(copy), pl.col("id")), text=pl.Series(texts))
+
+
+def _dir_bytes(path: Path, pattern: str = "**/*") -> int:
+    return sum(p.stat().st_size for p in path.glob(pattern) if p.is_file())
+
+
+def _rss_mib(client) -> float:
+    def peak():
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux -> MiB
+    return round(max(client[:].apply_sync(peak)), 1)
+
+
+def _grow_corpus(work: Path, target: int) -> int:
+    """Add grown parts until the corpus holds ``target`` documents; returns how many were added."""
+    corpus = work / "corpus"
+    real = pl.read_parquet(sorted(corpus.glob("part-*.parquet")))
+    have, copy, added = real.height, 1, 0
+    while have < target:
+        part = grow(real, copy).head(target - have)
+        part.write_parquet(corpus / f"part-{1000 + copy:05d}.parquet")
+        have, copy, added = have + part.height, copy + 1, added + part.height
+    return added
+
+
+def run(size: int, engines: int, root: Path) -> dict:
+    from labkit.cluster import get_client, start_cluster, stop_cluster
+
+    n_docs = BASE * size
+    work = root / f"x{size}-e{engines}"
+    shutil.rmtree(work, ignore_errors=True)
+    cluster = start_cluster(engines)
+    stages: dict[str, dict] = {}
+    try:
+        client = get_client(cluster)
+
+        def stage(name: str, fn, docs_in: int, bytes_in: int, out: Path, pattern: str = "**/*"):
+            t0 = time.perf_counter()
+            result = fn()
+            sec = time.perf_counter() - t0
+            stages[name] = {"seconds": round(sec, 2), "documents_in": docs_in,
+                            "docs_per_s_per_engine": round(docs_in / sec / engines, 1),
+                            "peak_rss_mib_per_engine": _rss_mib(client), "bytes_in": bytes_in,
+                            "bytes_out": _dir_bytes(out, pattern) if out.is_dir() else out.stat().st_size}
+            return result
+
+        chunks = 4 * max(ENGINES) // engines  # the same chunks, so the same corpus, for every engine count
+        corpus = stage("extract", lambda: lab.build_corpus(client, CorpusConfig(max_functions=n_docs), str(work),
+                                                           chunks_per_engine=chunks, progress=False),
+                       n_docs, 0, work / "corpus")
+        stages["extract"]["bytes_in"] = corpus["raw_bytes"]
+        stages["extract"]["documents_in"] = corpus["functions"]
+        grown = _grow_corpus(work, n_docs)
+        n = corpus["documents"] + grown
+        corpus_bytes = _dir_bytes(work / "corpus", "part-*.parquet")
+        clean = stage("clean_dedup", lambda: lab.clean_corpus(client, CleanConfig(), str(work), progress=False),
+                      n, corpus_bytes, work / "clean" / "docs.parquet")
+        clean_bytes = stages["clean_dedup"]["bytes_out"]
+        stage("tokenizer", lambda: lab.build_tokenizer(client, TokenizerConfig(), str(work)), clean["kept"],
+              clean_bytes, work / "tokenizer" / "tokenizer.json")
+        index = stage("encode_pack", lambda: lab.build_shards(client, ShardConfig(), str(work), progress=False),
+                      clean["kept"], clean_bytes, work / "shards", "shard-*.bin")
+    finally:
+        stop_cluster(cluster)
+    total = sum(s["seconds"] for s in stages.values())
+    return {"size": size, "engines": engines, "documents": n, "real_functions": corpus["functions"],
+            "grown_documents": grown, "kept": clean["kept"], "dropped": clean["dropped"],
+            "partitions": clean["partitions"], "tokens": index["n_tokens"], "shards": len(index["shards"]),
+            "seconds": round(total, 2), "seconds_per_doc": total / n,
+            "peak_rss_mib_per_engine": max(s["peak_rss_mib_per_engine"] for s in stages.values()), "stages": stages}
+
+
+def main() -> None:
+    root = Path(tempfile.mkdtemp(prefix="labkit-bench-prep-scale-"))
+    results = {}
+    try:
+        for size in SIZES:
+            for engines in ENGINES:
+                r = run(size, engines, root)
+                results[(size, engines)] = r
+                print(json.dumps(r), flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    big, e = max(SIZES), max(ENGINES)
+    get = results.get
+    cost = (get((big, e))["seconds_per_doc"] / get((1, e))["seconds_per_doc"]) if get((1, e)) and big != 1 else None
+    speedup = (get((big, 1))["seconds"] / get((big, 2))["seconds"]) if get((big, 1)) and get((big, 2)) else None
+    rss = (get((big, e))["peak_rss_mib_per_engine"] / get((4, e))["peak_rss_mib_per_engine"]) if get((4, e)) else None
+    summary = {"bench": "prep_scale", "base_documents": BASE, "sizes": SIZES, "engines": ENGINES,
+               "cost_ratio_16x_1x": round(cost, 3) if cost else None,
+               "speedup_2_engines": round(speedup, 3) if speedup else None,
+               "rss_ratio_16x_4x": round(rss, 3) if rss else None,
+               "goals": {"cost_ratio_16x_1x": "<= 1.2", "speedup_2_engines": ">= 1.7", "rss_ratio_16x_4x": "<= 1.25"},
+               "met": {"cost_ratio_16x_1x": cost is not None and cost <= 1.2,
+                       "speedup_2_engines": speedup is not None and speedup >= 1.7,
+                       "rss_ratio_16x_4x": rss is not None and rss <= 1.25},
+               "docs_per_s_per_engine_16x": {f"{k[1]}_engines": {s: v["docs_per_s_per_engine"]
+                                                                  for s, v in r["stages"].items()}
+                                             for k, r in results.items() if k[0] == big},
+               "cpu_count": os.cpu_count(), "load_average_1min": round(os.getloadavg()[0], 2)}
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
