@@ -3,8 +3,10 @@
 Each rank keeps the same micro-batch (weak scaling), runs with one torch thread, and the
 throughput is ``train()``'s own tokens/s (real tokens, all ranks, warm-up steps excluded;
 labkit/measure.py). After one warm-up run of each, 1-rank and 2-rank runs alternate for
-``--rounds`` rounds; efficiency = median tokens/s(2) / (2 x median tokens/s(1))
-(``measure.scaling_efficiency``; docs/measurement.md). The 1-rank run is a plain process (no process
+``--rounds`` paired rounds (the order flips every round, so neither size always runs first);
+efficiency = median tokens/s(2) / (2 x median tokens/s(1)) (``measure.scaling_efficiency``;
+docs/measurement.md), and the spread of the per-round (paired) efficiencies is printed: min,
+quartiles, max. The 1-rank run is a plain process (no process
 group, no DDP), so the DDP wrapper and its all-reduce count against the 2-rank run.
 
 The machine's load average is printed with the result: on a shared 2-core machine other
@@ -43,6 +45,14 @@ def write_shards(out_dir: pathlib.Path, *, n_sequences: int, seq_len: int, vocab
     arr = rng.integers(5, vocab_size, size=(n_sequences, seq_len), dtype=np.uint16)
     arr[:, 0] = 2
     write_rows(out_dir, arr, vocab_size=vocab_size, tokenizer_sha256="0" * 64, rows_per_shard=n_sequences)
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """{"min", "p25", "median", "p75", "max"} of ``values`` (quartiles: statistics.quantiles,
+    inclusive method; with fewer than 2 values the quartiles are the median)."""
+    med = statistics.median(values)
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) >= 2 else [med, med, med]
+    return {"min": min(values), "p25": q[0], "median": med, "p75": q[2], "max": max(values)}
 
 
 def _free_port() -> int:
@@ -109,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup-steps", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=9, help="paired rounds (3 gave 0.58-0.87 on an idle machine)")
     p.add_argument("--sharding", default="ddp", choices=["ddp", "zero1", "fsdp"])
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -122,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
                      vocab_size=args.vocab)
         k = 0
         for rnd in range(args.rounds + 1):  # round 0 is the warm-up (page cache, imports)
-            for world in (1, 2):
+            for world in ((1, 2) if rnd % 2 == 0 else (2, 1)):  # alternate who goes first
                 k += 1
                 cfg = TrainConfig(data_dir=str(data), run_dir=f"{tmp}/run-{k}", model=args.model,
                                   micro_batch_size=args.micro_batch, max_steps=args.steps, warmup_steps=1,
@@ -140,11 +150,13 @@ def main(argv: list[str] | None = None) -> dict:
     comm_s = allreduce_seconds(n_params)
     one, two = statistics.median(tps[1]), statistics.median(tps[2])
     eff = scaling_efficiency(two, one, 2)
+    per_round = [scaling_efficiency(b, a, 2) for a, b in zip(tps[1], tps[2])]
     out = {"benchmark": "ddp", "metric": "scaling_efficiency", "value": eff,
            "baseline": "linear scaling: 2 x median tokens/s of 1 rank", "baseline_value": 1.0,
            "ratio": eff, "goal": 0.85, "higher_is_better": True,
            "tokens_per_s_1rank": one, "tokens_per_s_2ranks": two,
-           "per_round_efficiency": [scaling_efficiency(b, a, 2) for a, b in zip(tps[1], tps[2])],
+           "per_round_efficiency": per_round,
+           "efficiency_spread": spread(per_round),
            "model": args.model, "seq_len": args.seq_len, "micro_batch_per_rank": args.micro_batch,
            "sharding": args.sharding, "threads_per_rank": 1, "rounds": args.rounds, "params": n_params,
            "step_s_1rank": step_s, "allreduce_grads_s": comm_s,
@@ -153,6 +165,10 @@ def main(argv: list[str] | None = None) -> dict:
            # i.e. a wall-clock loss then comes from ranks waiting for cores (a shared machine)
            "cpu_work_ratio": statistics.median(cpu_per_token[1]) / statistics.median(cpu_per_token[2]),
            "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "wall_s": round(time.time() - t0, 1)}
+    s = out["efficiency_spread"]
+    print(f"efficiency {eff:.3f}; per-round spread min {s['min']:.3f} p25 {s['p25']:.3f} median {s['median']:.3f} "
+          f"p75 {s['p75']:.3f} max {s['max']:.3f} over {args.rounds} paired rounds; load average {out['load_avg_1m']:.1f}",
+          flush=True)
     print(json.dumps(out), flush=True)
     return out
 

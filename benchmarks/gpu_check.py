@@ -1,6 +1,10 @@
-"""GPU check (run by ``benchmarks/gpu_check.sh``): bf16 step time, tokens/s, MFU and the largest
-micro-batch of labkit's training step for bert-120m and bert-350m at seq 128 and 512 on one
-NVIDIA GPU, plus a 1-GPU NCCL process-group init + all_reduce smoke test. Writes one JSON file.
+"""GPU check (run by ``benchmarks/gpu_check.sh``): bf16 step time, tokens/s, MFU (FLOPs with the
+MLM decoder counted) and the largest micro-batch of labkit's training step for bert-120m and
+bert-350m at seq 128 and 512 on one NVIDIA GPU, eager and under ``torch.compile``; the
+planner's peak memory against ``torch.cuda.max_memory_allocated`` (per configuration, and
+``study.gpu.gpu_memory_check`` with the optimiser training builds); a 1-GPU NCCL process-group init
++ all_reduce smoke test. Writes one JSON file and a short markdown summary beside it (.md).
+It has not run on a GPU yet (no GPU was available where it was written).
 
 Each configuration: build ``BertMLM`` (labkit/model/encoder.py), AdamW as ``train`` builds it, one step
 at micro-batch 1 so the optimiser state exists, then ``largest_fitting`` finds the largest
@@ -32,7 +36,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from labkit import measure  # noqa: E402
-from labkit.io import atomic_write_json  # noqa: E402
+from labkit.io import atomic_write_json, atomic_write_text  # noqa: E402
 from labkit.config import TrainConfig  # noqa: E402
 from labkit.data.mlm import MLMCollator  # noqa: E402
 from labkit.model import BertMLM, count_parameters, flops_per_token, model_config  # noqa: E402
@@ -45,12 +49,20 @@ def _is_oom(err: BaseException) -> bool:
 
 
 def check_config(name: str, seq_len: int, *, vocab: int, device: torch.device, limit: int, steps: int,
-                 warmup: int) -> dict:
-    """Largest micro-batch and bf16 timing of one (model size, seq_len) on ``device``."""
+                 warmup: int, compile_: bool = False, micro_batch: int | None = None) -> dict:
+    """Largest micro-batch and bf16 timing of one (model size, seq_len) on ``device``; with
+    ``compile_`` the model's forward is ``torch.compile``d (``TrainConfig.compile``). With
+    ``micro_batch`` the search is skipped and that micro-batch is timed. The record also holds
+    the planner's peak (``plan.memory_plan``, fused attention) for the timed micro-batch against
+    ``peak_mem_bytes`` (``max_memory_allocated`` over the timed steps)."""
+    from labkit.study import plan
+
     mcfg = model_config(name, vocab, max_position_embeddings=max(512, seq_len))
     torch.manual_seed(0)
     model = BertMLM(mcfg).to(device)
     model.train()
+    if compile_:
+        model.compile()
     optimizer = build_optimizer(model, TrainConfig(data_dir="-", run_dir="-"))
     collate = MLMCollator(vocab_size=vocab, seed=0)
     gen = torch.Generator().manual_seed(0)
@@ -83,12 +95,16 @@ def check_config(name: str, seq_len: int, *, vocab: int, device: torch.device, l
         return ok
 
     if not fits(1):
-        return {"model": name, "seq_len": seq_len, "max_micro_batch": 0, "error": "micro-batch 1 does not fit"}
+        return {"model": name, "seq_len": seq_len, "compile": compile_, "max_micro_batch": 0,
+                "error": "micro-batch 1 does not fit"}
     t0 = time.perf_counter()
     tried: list[int] = []
-    best = largest_fitting(lambda n: tried.append(n) or fits(n), limit=limit)
+    if micro_batch is None:
+        best = largest_fitting(lambda n: tried.append(n) or fits(n), limit=limit)
+        b = 1 << (best.bit_length() - 1)  # largest power of two <= best
+    else:
+        best, b = None, micro_batch
     search_s = time.perf_counter() - t0
-    b = 1 << (best.bit_length() - 1)  # largest power of two <= best
     mb = batch(b)
     timer = measure.StepTimer(device)
     for _ in range(warmup):
@@ -99,14 +115,18 @@ def check_config(name: str, seq_len: int, *, vocab: int, device: torch.device, l
         step(mb)
     step_s = timer.stop() / steps
     tps = measure.tokens_per_s(b * seq_len, step_s)
-    fpt = flops_per_token(mcfg, seq_len)
+    fpt = flops_per_token(mcfg, seq_len)  # the MLM decoder counted at the masked positions (sparse head)
     peak = measure.peak_flops(device, "bf16")
-    out = {"model": name, "seq_len": seq_len, "vocab_size": vocab, "params": count_parameters(mcfg)["total"],
+    measured_peak = measure.peak_memory_bytes(device)
+    planned_peak = plan.memory_plan(mcfg, seq_len=seq_len, micro_batch=b, precision="bf16", attention="flash")["total"]
+    out = {"model": name, "seq_len": seq_len, "compile": compile_, "vocab_size": vocab,
+           "params": count_parameters(mcfg)["total"],
            "max_micro_batch": best, "search_tries": tried, "search_s": round(search_s, 2),
            "timed_micro_batch": b, "step_time_s": step_s, "tokens_per_s": tps,
            "samples_per_s": measure.samples_per_s(b, step_s), "flops_per_token": fpt, "peak_flops": peak,
-           "mfu": measure.mfu(tps, fpt, 1, peak), "peak_mem_bytes": measure.peak_memory_bytes(device),
-           "precision": "bf16"}
+           "mfu": measure.mfu(tps, fpt, 1, peak), "peak_mem_bytes": measured_peak,
+           "planned_peak_bytes": planned_peak,
+           "planned_over_measured": planned_peak / measured_peak if measured_peak else None, "precision": "bf16"}
     del model, optimizer, mb
     gc.collect()
     if device.type == "cuda":
@@ -144,6 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=400.0, help="skip configurations started after this")
+    p.add_argument("--compile-modes", default="0,1",
+                   help="0: eager (with the micro-batch search), 1: torch.compile at eager's timed micro-batch")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     device = torch.device(args.device)
@@ -154,22 +176,70 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "cuda": torch.version.cuda, "results": []}
-    for name in args.models.split(","):
-        for seq in map(int, args.seq_lens.split(",")):
-            if time.perf_counter() - t_start > args.budget_s:
-                rec = {"model": name, "seq_len": seq, "skipped": f"time budget {args.budget_s} s spent"}
-            else:
-                rec = check_config(name, seq, vocab=args.vocab, device=device, steps=args.steps,
-                                   warmup=args.warmup, limit=max(1, args.limit * 128 // seq))
-            report["results"].append(rec)
-            print(json.dumps(rec), flush=True)
+    timed: dict[tuple[str, int], int] = {}  # eager's timed micro-batch, reused by the compiled run
+    for compile_ in (m == "1" for m in args.compile_modes.split(",")):  # all eager configurations first
+        for name in args.models.split(","):
+            for seq in map(int, args.seq_lens.split(",")):
+                if time.perf_counter() - t_start > args.budget_s:
+                    rec = {"model": name, "seq_len": seq, "compile": compile_,
+                           "skipped": f"time budget {args.budget_s} s spent"}
+                elif compile_ and (name, seq) not in timed and "0" in args.compile_modes.split(","):
+                    rec = {"model": name, "seq_len": seq, "compile": True, "skipped": "no eager result to reuse"}
+                else:
+                    rec = check_config(name, seq, vocab=args.vocab, device=device, steps=args.steps,
+                                       warmup=args.warmup, limit=max(1, args.limit * 128 // seq), compile_=compile_,
+                                       micro_batch=timed.get((name, seq)) if compile_ else None)
+                    if not compile_ and rec.get("timed_micro_batch"):
+                        timed[(name, seq)] = rec["timed_micro_batch"]
+                report["results"].append(rec)
+                print(json.dumps(rec), flush=True)
     report["nccl"] = nccl_smoke() if device.type == "cuda" else {"skipped": "no CUDA device"}
+    report["planner_check"] = planner_check(device)
     report["wall_s"] = round(time.perf_counter() - t_start, 1)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out, report)
-    print(json.dumps({"gpu_check": str(out), "nccl_ok": report["nccl"].get("ok"), "wall_s": report["wall_s"]}))
+    md = out.with_suffix(".md")
+    atomic_write_text(md, summary_markdown(report))
+    print(json.dumps({"gpu_check": str(out), "summary": str(md), "nccl_ok": report["nccl"].get("ok"),
+                      "wall_s": report["wall_s"]}))
     return report
+
+
+def planner_check(device: torch.device) -> list[dict] | dict:
+    """``labkit.study.gpu.gpu_memory_check`` (planned peak against ``max_memory_allocated`` with the
+    optimiser training builds) on CUDA; {"skipped": ...} elsewhere."""
+    if device.type != "cuda":
+        return {"skipped": "no CUDA device"}
+    from labkit.study.gpu import gpu_memory_check
+
+    return gpu_memory_check()
+
+
+def summary_markdown(report: dict) -> str:
+    """A short markdown summary of a gpu_check report: one table row per configuration, the
+    planner check and the NCCL smoke test."""
+    def num(v, fmt):
+        return format(v, fmt) if isinstance(v, (int, float)) else "n/a"
+
+    lines = [f"# labkit GPU check: {report['device']}", "",
+             f"{report['date_utc']}, torch {report['torch']}, CUDA {report['cuda']}, {report.get('wall_s')} s", "",
+             "| model | seq | compile | max micro-batch | timed micro-batch | step s | tokens/s | MFU | "
+             "planned / measured peak |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in report["results"]:
+        if "skipped" in r or "error" in r:
+            lines.append(f"| {r['model']} | {r['seq_len']} | {r.get('compile')} | {r.get('skipped') or r.get('error')} "
+                         "| | | | | |")
+            continue
+        lines.append(f"| {r['model']} | {r['seq_len']} | {r['compile']} | {num(r['max_micro_batch'], 'd')} | "
+                     f"{r['timed_micro_batch']} | {num(r['step_time_s'], '.4f')} | {num(r['tokens_per_s'], ',.0f')} | "
+                     f"{num(r['mfu'], '.3f')} | {num(r.get('planned_over_measured'), '.3f')} |")
+    check = report.get("planner_check")
+    lines += ["", "Planner check (`study.gpu.gpu_memory_check`): " + (
+        check.get("skipped", "") if isinstance(check, dict) else
+        "; ".join(f"{c['model']} b={c['micro_batch']}: peak ratio {c['peak_ratio']:.3f}, ok {c['ok']}" for c in check)),
+        "", f"NCCL smoke test: {report['nccl']}", ""]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ def demo_train_config(cfg: DemoConfig, workdir: Path, *, run: str = "demo") -> T
         schedule="cosine",
         num_threads=1,
         log_every=1,
+        eval_every=max(1, cfg.train_steps // 6),  # held-out loss (labkit.train.evaluation) 6 times and at the end
         ckpt_every=0,
         resume=False,
         timeout_s=300.0,
@@ -88,8 +89,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         _say(f"    vocabulary {index['vocab_size']:,} (normalised disassembly has few distinct words; "
              f"the size is a cap); {index['n_tokens']:,} tokens in {index['n_sequences']:,} sequences, "
              f"{index['n_bytes'] / 1e6:.1f} MB of shards ({index['dtype']}); "
-             f"{prep['raw_bytes'] / 1e6:.1f} MB ELF -> {prep['shard_bytes'] / 1e6:.1f} MB "
-             f"({prep['reduction_percent']} % smaller)", t0)
+             f"function dataset {prep['function_dataset_bytes'] / 1e6:.1f} MB -> training data "
+             f"{prep['training_data_bytes'] / 1e6:.1f} MB (reduction {prep['reduction_percent']} %, negative when larger; machine code "
+             f"{prep['machine_code_bytes'] / 1e6:.1f} MB, ELF files read {prep['raw_bytes'] / 1e6:.1f} MB)", t0)
 
         _say("4/7 staging shards to node-local disk, one engine per node, checksums verified", t0)
         staged = lab.stage(client, str(work))
@@ -102,7 +104,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
              f"{cfg.train_steps} steps", t0)
         result = lab.train_on_cluster(client, tcfg, staged=staged, live=_TerminalProgress(cfg.train_steps))
         summary["train"] = result
-        _say(f"    loss {result['initial_loss']:.3f} -> {result['final_loss']:.3f}; "
+        _say(f"    loss {result['initial_loss']:.3f} -> {result['final_loss']:.3f}; held-out loss "
+             f"{result['eval_loss']:.3f} (perplexity {result['perplexity']:.1f}); "
              f"{result['tokens_per_s']:,.0f} tokens/s over {result['world_size']} ranks", t0)
 
         _say(f"6/7 scaling sweep: tokens/s at 1..{cfg.engines} ranks; largest micro-batch under "
@@ -166,6 +169,7 @@ def run_reports(cfg: DemoConfig, work: Path, *, t0: float | None = None) -> list
     params = {"workdir": str(work), "engines": cfg.engines, "model": cfg.model,
               "micro_batch_size": cfg.micro_batch_size, "max_functions": cfg.corpus.max_functions,
               "vocab_size": cfg.tokenizer.vocab_size, "seq_len": cfg.shards.seq_len,
+              "heldout_fraction": cfg.shards.heldout_fraction,
               "steps": min(cfg.train_steps, 20), "sweep_steps": cfg.sweep_steps,
               "sweep_models": list(cfg.sweep_models), "memory_budget_gb": cfg.memory_budget_gb}
     for name in NOTEBOOKS:

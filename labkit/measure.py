@@ -4,7 +4,9 @@
 - samples/s: sequences processed by all ranks per second of step time.
 - data-wait fraction: time a rank waits for its next batch / step time.
 - MFU: achieved FLOP/s / (number of GPUs x dense peak FLOP/s of one GPU), with FLOPs per token
-  6N + 12·L·H·Q·T (PaLM, arXiv:2204.02311 appendix B; ``labkit.model.flops_per_token``).
+  6N + 12·L·H·Q·T (PaLM, arXiv:2204.02311 appendix B) + 6·V·H at each position where the MLM
+  head computes logits (all with the dense head, the masked ones with the sparse head;
+  Megatron-LM's count of the output layer; ``labkit.model.flops_per_token``).
 - peak memory: CUDA ``max_memory_allocated`` on a GPU, else the process's peak RSS.
 - scaling efficiency at n ranks: throughput(n) / (n x throughput(1)), weak scaling.
 

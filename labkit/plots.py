@@ -115,7 +115,8 @@ def loss_figure(metrics: pl.DataFrame | pl.LazyFrame, *, title: str = "Training 
     """Loss (left axis) and, when a tokens_per_s column is present, throughput (right axis) vs step.
 
     `metrics`: rows of metrics.jsonl (labkit.train), columns step (int), loss (float)
-    [, tokens_per_s (float, real tokens/s over all ranks)]. Null values are skipped.
+    [, eval_loss (float, held-out loss; dashed), tokens_per_s (float, real tokens/s over all
+    ranks)]. Null values are skipped.
     Raises ValueError naming missing columns.
     """
     df = _frame(metrics, ["step", "loss"], "loss_figure").sort("step")
@@ -123,6 +124,11 @@ def loss_figure(metrics: pl.DataFrame | pl.LazyFrame, *, title: str = "Training 
     d = df.drop_nulls("loss")
     fig.add_trace(go.Scatter(x=d["step"].to_list(), y=d["loss"].to_list(), name="loss",
                              mode="lines+markers", line={"color": COLORS["loss"]}), secondary_y=False)
+    if "eval_loss" in df.columns:  # held-out loss (labkit.train.evaluation), at the evaluated steps only
+        e = df.drop_nulls("eval_loss")
+        fig.add_trace(go.Scatter(x=e["step"].to_list(), y=e["eval_loss"].to_list(), name="eval loss (held out)",
+                                 mode="lines+markers", line={"color": COLORS["loss"], "dash": "dash"}),
+                      secondary_y=False)
     if "tokens_per_s" in df.columns:
         d = df.drop_nulls("tokens_per_s")
         fig.add_trace(go.Scatter(x=d["step"].to_list(), y=d["tokens_per_s"].to_list(), name="tokens/s",

@@ -36,10 +36,14 @@ client = lc.get_client(cluster)
 staged = lab.stage(client, workdir)
 
 # %%
+from labkit.data.shards import read_index
+
+held_out = "heldout" in read_index(f"{workdir}/shards")  # evaluate the held-out loss 4 times if there is a split
 cfg = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/notebook-03", model=model,
                   tokenizer_path=f"{workdir}/tokenizer/tokenizer.json",
                   micro_batch_size=micro_batch_size, max_steps=steps, warmup_steps=max(1, steps // 10),
                   schedule="cosine", lr=1e-3, num_threads=1, resume=False,
+                  eval_every=max(1, steps // 4) if held_out else 0,
                   checkpoints=False)  # a look at training; the demo's main run keeps its checkpoint
 live = plots.LivePlot(plots.loss_figure)
 result = lab.train_on_cluster(client, cfg, staged=staged, live=live)

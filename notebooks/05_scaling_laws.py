@@ -28,7 +28,7 @@ workdir = "../work/demo"
 law_widths = [32, 64, 128]  # hidden sizes of the tiny encoders (2 layers, 2 heads)
 law_steps = 60  # optimiser steps per run
 law_micro_batch = 8
-law_points = 6  # (N, D) points read from each run's loss curve
+law_points = 6  # held-out evaluations per run: its (N, D, eval loss) points
 bootstrap = 16  # bootstrap refits for the uncertainty
 
 # %%
@@ -81,31 +81,30 @@ pl.DataFrame({"constant": ["E", "A", "B", "alpha", "beta"],
 
 # %% [markdown]
 # ## 3. A small real fit from tiny CPU runs
-# One single-process run per width at a constant learning rate after warm-up; the loss
-# curve of each run gives several (N, D) points (D = tokens seen, loss averaged over a few
-# steps). N counts non-embedding parameters (Kaplan's convention). Finished runs in
-# `runs/law-*` (their `result.json` is written last) are read back; they keep no checkpoint.
+# One single-process run per width at a constant learning rate after warm-up. Each run
+# evaluates the held-out loss `law_points` times (`eval_loss`: whole documents never trained
+# on, the same fixed masks every time, dropout off; `labkit.train.evaluation`), and each evaluation
+# is one (N, D, loss) point (D = tokens seen). N counts non-embedding parameters (Kaplan's
+# convention). Finished runs in `runs/law-*` (their `result.json` is written last) are read
+# back; they keep no checkpoint.
 
 # %%
 def law_run(width: int) -> pl.DataFrame:
     cfg = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/law-{width}", model="tiny",
                       model_overrides={"hidden_size": width, "intermediate_size": 4 * width, "num_heads": 2},
                       micro_batch_size=law_micro_batch, max_steps=law_steps, warmup_steps=5, lr=2e-3,
-                      min_lr_ratio=1.0, num_threads=1, resume=False, checkpoints=False, seed=0)
+                      min_lr_ratio=1.0, num_threads=1, resume=False, checkpoints=False, seed=0,
+                      eval_every=max(1, law_steps // law_points), eval_sequences=128)
     if not os.path.exists(f"{cfg.run_dir}/result.json"):  # a finished run is read back, not rerun
         train(cfg)
-    return pl.read_ndjson(f"{cfg.run_dir}/metrics.jsonl").select("step", "tokens", "loss").with_columns(
+    return (pl.read_ndjson(f"{cfg.run_dir}/metrics.jsonl").filter(pl.col("eval_loss").is_not_null())
+            .select("step", "tokens", pl.col("eval_loss").alias("loss"))).with_columns(
         width=pl.lit(width),
         n_params=pl.lit(count_parameters(model_config("tiny", index["vocab_size"], **cfg.model_overrides))["non_embedding"]))
 
 
 curves = pl.concat([law_run(w) for w in law_widths])
-window = 5
-picks = np.unique(np.geomspace(window * 2, law_steps, law_points).astype(int))
-points = (curves.sort("width", "step")
-          .with_columns(loss=pl.col("loss").rolling_mean(window).over("width"))
-          .filter(pl.col("step").is_in(picks.tolist()))
-          .select("width", "n_params", pl.col("tokens").alias("n_tokens"), "loss"))
+points = curves.sort("width", "step").select("width", "n_params", pl.col("tokens").alias("n_tokens"), "loss")
 points
 
 # %%
@@ -139,4 +138,5 @@ summary
 budgets = np.geomspace(6 * points["n_params"].min() * points["n_tokens"].min(),
                        6 * points["n_params"].max() * points["n_tokens"].max() * 10, 20)
 frontier = pl.DataFrame([laws.compute_optimal(c, law) for c in budgets])
-plots.law_figure(points, law, frontier=frontier, title="MLM loss of tiny encoders on binary code, with the fitted law")
+plots.law_figure(points, law, frontier=frontier,
+                 title="Held-out MLM loss of tiny encoders on binary code, with the fitted law")

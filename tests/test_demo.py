@@ -4,6 +4,7 @@ machine's shared libraries, 2 local engines, CPU, gloo, the notebooks executed i
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 from pathlib import Path
@@ -58,7 +59,7 @@ def demo(tmp_path_factory):
         corpus=CorpusConfig(paths=tuple(_tiny_inputs(tmp)), max_functions=4000),
         clean=CleanConfig(),
         tokenizer=TokenizerConfig(vocab_size=1024),
-        shards=ShardConfig(seq_len=64, sequences_per_shard=256),
+        shards=ShardConfig(seq_len=64, sequences_per_shard=256, heldout_fraction=0.05),
         model="tiny",
         train_steps=30,
         micro_batch_size=8,
@@ -121,6 +122,10 @@ def test_training_run_directory(demo):
         assert all(r[key] is not None for r in records), key
     result = json.loads((run / "result.json").read_text())
     assert result["world_size"] == 2
+    evals = [r for r in records if "eval_loss" in r]  # held-out loss every 30 // 6 steps
+    assert [r["step"] for r in evals] == [5, 10, 15, 20, 25, 30]
+    assert result["eval_loss"] == evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert summary["train"]["perplexity"] == pytest.approx(math.exp(result["eval_loss"]))
     assert result["final_loss"] < result["initial_loss"] - 0.5, result
     ckpts = sorted((run / "checkpoints").glob("step-*"))
     assert ckpts, "no checkpoint written"

@@ -31,7 +31,7 @@ def test_cpu_flow_with_fake_oom(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_check, "forward_backward", oom_above_5)
     torch.set_num_threads(1)
     out = tmp_path / "gpu.json"
-    report = gpu_check.main(["--device", "cpu", "--models", "tiny", "--seq-lens", "32,64", "--vocab", "96",
+    report = gpu_check.main(["--device", "cpu", "--models", "tiny", "--seq-lens", "32,64", "--vocab", "96", "--compile-modes", "0",
                              "--limit", "64", "--steps", "2", "--warmup", "1", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     first, second = report["results"]
@@ -40,7 +40,33 @@ def test_cpu_flow_with_fake_oom(tmp_path, monkeypatch):
     assert (second["seq_len"], second["max_micro_batch"]) == (64, 5)  # limit 64*128/64 = 128 > 5
     assert first["mfu"] is None and first["peak_flops"] is None
     assert first["tokens_per_s"] == pytest.approx(4 * 32 / first["step_time_s"])
-    assert report["nccl"] == {"skipped": "no CUDA device"}
+    assert report["nccl"] == {"skipped": "no CUDA device"} and report["planner_check"] == {"skipped": "no CUDA device"}
+    from labkit.study import plan
+    from labkit.model import model_config
+
+    planned = plan.memory_plan(model_config("tiny", 96), seq_len=32, micro_batch=4, precision="bf16", attention="flash")
+    assert first["planned_peak_bytes"] == planned["total"] and first["compile"] is False
+    md = out.with_suffix(".md").read_text()
+    assert md.startswith("# labkit GPU check: cpu") and md.count("| tiny |") == 2 and "NCCL smoke test" in md
+
+
+def test_compiled_runs_reuse_the_eager_micro_batch_and_the_planner_check_is_summarised(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_check(name, seq, *, compile_, micro_batch, **kw):
+        calls.append((name, seq, compile_, micro_batch))
+        return {"model": name, "seq_len": seq, "compile": compile_, "max_micro_batch": 37 if not compile_ else None,
+                "timed_micro_batch": micro_batch or 32, "step_time_s": 0.5, "tokens_per_s": 1000.0, "mfu": 0.41,
+                "planned_over_measured": 1.02}
+
+    monkeypatch.setattr(gpu_check, "check_config", fake_check)
+    monkeypatch.setattr(gpu_check, "planner_check", lambda device: [
+        {"model": "bert-120m", "micro_batch": 64, "peak_ratio": 0.97, "ok": True}])
+    report = gpu_check.main(["--device", "cpu", "--models", "a,b", "--seq-lens", "128", "--out", str(tmp_path / "g.json")])
+    assert calls == [("a", 128, False, None), ("b", 128, False, None), ("a", 128, True, 32), ("b", 128, True, 32)]
+    md = (tmp_path / "g.md").read_text()
+    assert "bert-120m b=64: peak ratio 0.970, ok True" in md and "| a | 128 | True | n/a | 32 |" in md
+    assert len(report["results"]) == 4
 
 
 def test_other_errors_are_not_taken_for_oom(monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shutil
 import struct
 
@@ -126,7 +127,13 @@ def test_preparation_report(prepared):
     rep = lab.preparation_report(prepared["work"])
     c, s, index = prepared["corpus"], prepared["clean"], prepared["index"]
     assert rep["raw_bytes"] == c["raw_bytes"] > 0 and rep["shard_bytes"] == index["n_bytes"]
-    assert rep["reduction_percent"] == round(100 * (1 - index["n_bytes"] / c["raw_bytes"]), 2)
+    assert rep["elf_reduction_percent"] == round(100 * (1 - index["n_bytes"] / c["raw_bytes"]), 2)
+    work = pathlib.Path(prepared["work"])
+    dataset = sum(f.stat().st_size for f in (work / "corpus").glob("part-*.parquet"))
+    training = index["n_bytes"] + (work / "shards" / "index.json").stat().st_size
+    assert rep["function_dataset_bytes"] == dataset > 0 and rep["training_data_bytes"] == training
+    assert rep["reduction_percent"] == round(100 * (1 - training / dataset), 2)
+    assert 0 < rep["machine_code_bytes"] < rep["raw_bytes"]
     assert rep["documents_per_stage"] == {"read": c["documents"], "after_filters": s["stages"]["filters"],
                                           "after_exact_dedup": s["stages"]["exact_dedup"],
                                           "after_near_dedup": s["kept"], "in_shards": index["n_documents"]}

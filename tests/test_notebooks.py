@@ -10,6 +10,7 @@ browser tests are skipped, saying so."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PARAMS = {"engines": 2, "model": "tiny", "micro_batch_size": 8, "max_functions": 3000, "vocab_size": 1024,
           "seq_len": 64, "steps": 6, "sweep_steps": 3, "sweep_models": ["tiny", "mini"], "memory_budget_gb": 0.25,
           "loader_workers": [0, 1], "loader_step_time_s": 0.005, "law_widths": [16, 32, 64], "law_steps": 30,
-          "law_points": 5, "bootstrap": 6}
+          "law_points": 5, "bootstrap": 6, "heldout_fraction": 0.05}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,8 @@ def workdir(tmp_path_factory) -> Path:
     train_tokenizer(str(work / "clean" / "docs.parquet"), TokenizerConfig(vocab_size=PARAMS["vocab_size"]),
                     str(work / "tokenizer" / "tokenizer.json"))
     write_shards(str(work / "clean" / "docs.parquet"), str(work / "tokenizer" / "tokenizer.json"),
-                 str(work / "shards"), ShardConfig(seq_len=PARAMS["seq_len"], sequences_per_shard=256), progress=False)
+                 str(work / "shards"), ShardConfig(seq_len=PARAMS["seq_len"], sequences_per_shard=256,
+                                                         heldout_fraction=PARAMS["heldout_fraction"]), progress=False)
     return work
 
 
@@ -119,6 +121,10 @@ def test_notebooks_execute_and_export_offline_reports(reports, workdir):
     assert sorted(p.name for p in (workdir / "runs").glob("law-*")) == ["law-16", "law-32", "law-64"]
     text = (reports["05_scaling_laws"]).read_text()
     assert "bootstrap_p05" in text and "compute-optimal" in text
+    law_records = [json.loads(line) for line in (workdir / "runs" / "law-16" / "metrics.jsonl").read_text().splitlines()]
+    assert sum("eval_loss" in r for r in law_records) == PARAMS["law_points"]  # notebook 05 fits held-out loss
+    nb03 = [json.loads(line) for line in (workdir / "runs" / "notebook-03" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in nb03 if "eval_loss" in r] == list(range(1, PARAMS["steps"] + 1))  # every 6 // 4 steps
     nb04 = nbformat.read(reports["04_scaling"].with_suffix(".ipynb"), as_version=4)
     shown = "".join(o.get("data", {}).get("text/plain", "") for c in nb04.cells if c.cell_type == "code"
                     for o in c.get("outputs", []))

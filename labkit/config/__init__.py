@@ -302,6 +302,12 @@ class ShardConfig:
     source_caps: dict[str, float] = field(default_factory=dict)
     """{group: c in (0, 1]}: that group's share of the kept tokens is at most c ("*": every other
     group); applied after the weights; empty caps nothing."""
+    heldout_fraction: float = 0.0
+    """Share of documents (drawn per document, after balancing) set aside as the held-out
+    evaluation split, never in the training shards (``labkit.data.heldout``); 0 sets none aside.
+    The demo and notebook 01 set 0.01."""
+    heldout_seed: int = 0
+    """Seed of the held-out draw."""
 
     def __post_init__(self) -> None:
         _require(self.seq_len >= 8, "seq_len", "must be at least 8")
@@ -310,6 +316,7 @@ class ShardConfig:
         _require(self.shard_bytes > 0, "shard_bytes", "must be positive")
         _require(self.batch_docs > 0, "batch_docs", "must be positive")
         _require(self.part_docs > 0, "part_docs", "must be positive")
+        _require(0.0 <= self.heldout_fraction < 1.0, "heldout_fraction", f"must be in [0, 1), got {self.heldout_fraction}")
         _require(all(0.0 <= w <= 1.0 for w in self.source_weights.values()), "source_weights",
                  f"weights must be in [0, 1], got {self.source_weights}")
         _require(all(0.0 < c <= 1.0 for c in self.source_caps.values()), "source_caps",
@@ -540,6 +547,21 @@ class TrainConfig:
     verify_data: bool = False
     """Recompute every shard's sha256 against index.json before training (a staged copy was
     already verified when it was made)."""
+    compile: bool = False
+    """``torch.compile`` the model's forward (``nn.Module.compile``, in place, so parameter
+    names and checkpoints stay the same) before wrapping it for data parallelism."""
+    allow_safe_changes: bool = False
+    """Resume even though fields that leave the steps already taken unchanged differ from the
+    run directory's saved config (max_steps, log/checkpoint/eval intervals:
+    ``labkit.train.run_config.SAFE_FIELDS``). Result-changing differences are refused regardless."""
+    eval_every: int = 0
+    """Evaluate the held-out loss (``labkit.train.evaluation``) every this many optimiser steps and at
+    the end; 0: at the end only, and only when the shards have a held-out split (with
+    eval_every > 0 shards without one are refused)."""
+    eval_sequences: int = 256
+    """Held-out sequences in the fixed evaluation set (the first ones of the split)."""
+    eval_batch_size: int | None = None
+    """Sequences per evaluation forward per rank; None: micro_batch_size."""
     trackers: tuple[str, ...] = ("tensorboard",)
     """Metric sinks rank 0 sends every record to besides metrics.jsonl (``labkit.train.sinks.SINKS``):
     "tensorboard" writes event files under run_dir/tensorboard; () writes none."""
@@ -561,6 +583,10 @@ class TrainConfig:
         _require(self.timeout_s > 0, "timeout_s", "must be positive")
         _require(0.0 < self.wsd_decay_fraction <= 1.0, "wsd_decay_fraction", "must be in (0, 1]")
         _require(self.stop_after is None or self.stop_after > 0, "stop_after", "must be positive or None")
+        _require(self.eval_every >= 0, "eval_every", f"must be >= 0, got {self.eval_every}")
+        _require(self.eval_sequences > 0, "eval_sequences", f"must be positive, got {self.eval_sequences}")
+        _require(self.eval_batch_size is None or self.eval_batch_size > 0, "eval_batch_size",
+                 f"must be positive or None, got {self.eval_batch_size}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -584,7 +610,8 @@ class DemoConfig:
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
     clean: CleanConfig = field(default_factory=CleanConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    shards: ShardConfig = field(default_factory=ShardConfig)
+    shards: ShardConfig = field(default_factory=lambda: ShardConfig(heldout_fraction=0.01))
+    """Packing; 1 % of the documents are held out for evaluation."""
     model: str = "mini"
     """Model preset trained by the demo."""
     train_steps: int = 60

@@ -33,6 +33,7 @@ import numpy as np
 import polars as pl
 
 from labkit.config import SPECIAL_TOKENS, ShardConfig
+from labkit.data.heldout import split_keep, write_heldout
 from labkit.io import atomic_write, atomic_write_bytes, atomic_write_npy, sha256_bytes, sha256_file
 from labkit.data.pack import (CLS_ID, PAD_ID, SEP_ID, doc_stream, pack_documents, pack_group, pack_rows,  # noqa: F401
                               plan_groups)
@@ -222,6 +223,9 @@ def plan_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardCon
     lens = np.concatenate([np.fromfile(Path(p["dir"]) / p["lens"]["file"], dtype="<i4")
                            for p in parts]).astype(np.int64)
     keep, balance = select_documents(docs_path, lens, cfg)
+    keep, heldout = split_keep(keep, cfg.heldout_fraction, cfg.heldout_seed)  # labkit.data.heldout
+    heldout_entry = write_heldout(parts, lens, heldout, out, seq_len=cfg.seq_len, dtype=dtype,
+                                  fraction=cfg.heldout_fraction, seed=cfg.heldout_seed)
     per_shard = rows_per_shard(cfg, dtype)
     keep_sha = sha256_bytes(np.packbits(keep).tobytes())
     plan_hash = sha256_bytes(json.dumps([tok_sha, cfg.seq_len, per_shard, dtype.name, groups,
@@ -235,7 +239,7 @@ def plan_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardCon
     return {"out_dir": str(out.absolute()), "parts_dir": str(parts_dir), "keep_path": str(keep_path),
             "hash": plan_hash, "seq_len": cfg.seq_len, "rows_per_shard": per_shard, "dtype": dtype.name,
             "vocab_size": vocab_size, "tokenizer_sha256": tok_sha, "n_documents": int(keep.sum()),
-            "balance": balance, "parts": parts,
+            "balance": balance, "parts": parts, "heldout": heldout_entry,
             "groups": plan_groups(parts, lens, keep, cfg.seq_len, per_shard, groups)}
 
 
@@ -294,6 +298,8 @@ def write_index(plan: dict, group_shards: list[list[dict]]) -> dict:
         "shards": [{k: s[k] for k in ("file", "n_sequences", "n_bytes", "sha256")} for s in shards],
         "balance": plan["balance"],
     }
+    if plan.get("heldout"):
+        index["heldout"] = plan["heldout"]  # written by plan_shards (labkit.data.heldout)
     atomic_write_bytes(out / INDEX_NAME, (json.dumps(index, indent=1) + "\n").encode())
     return index
 
@@ -341,7 +347,8 @@ def write_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardCo
     "seq_len", "vocab_size", "tokenizer_sha256", "special_ids": {"[PAD]": 0, ...},
     "n_documents", "n_sequences", "n_tokens" (non-PAD ids), "n_bytes" (all shards),
     "shards": [{"file", "n_sequences", "n_bytes", "sha256"}, ...], "balance": token shares per
-    source group before/after balancing (``labkit.data.balance.select_documents``)}.
+    source group before/after balancing (``labkit.data.balance.select_documents``), "heldout":
+    the held-out split by document (``labkit.data.heldout``; absent when none)}.
     Raises ``ValueError`` naming ``docs_path`` when it holds no documents and ``ShardError``
     naming the tokenizer when its special tokens are not at ids 0..4.
     """

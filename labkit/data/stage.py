@@ -124,7 +124,7 @@ def stage_shards(src_dir: str, *, local_root: str | None = None, node_name: str 
     copied = 0
     try:
         tmp.mkdir()
-        for shard in index["shards"]:
+        for shard in index["shards"] + index.get("heldout", {}).get("shards", []):  # held-out split too
             target = tmp / shard["file"]
             try:
                 shutil.copyfile(src / shard["file"], target)

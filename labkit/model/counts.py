@@ -42,18 +42,30 @@ def count_parameters(cfg_or_model: ModelConfig | nn.Module) -> dict[str, int]:
     return {"total": tables + untied + non_embedding, "non_embedding": non_embedding}
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token = 6 N + 12 L H Q T (PaLM arXiv:2204.02311 appendix B).
+def flops_per_token(cfg: ModelConfig, seq_len: int, *, mlm_probability: float = 0.15) -> float:
+    """Training FLOPs per token (per sequence position) = 6 N + 12 L H Q T + 6 V H f.
 
     N = non-embedding parameters (``count_parameters``), L layers, H heads, Q head dim, T =
-    ``seq_len``. 6N = forward 2N + backward 4N (Kaplan arXiv:2001.08361 eq. 2.2); attention is
-    counted in full (no causal halving), right for an encoder. For efficient attention each
-    layer's T is replaced by ``labkit.model.attention.attention_span`` (the pattern's cost). The head
-    is counted at every position even when the sparse head runs it only at masked ones. Raises
-    ValueError if seq_len is not in [1, max_position_embeddings].
+    ``seq_len``, V vocabulary, H_model = hidden_size. Sources: PaLM arXiv:2204.02311 appendix B
+    (6N + 12·L·H·Q·T; 6 = forward 2 + backward 4, Kaplan arXiv:2001.08361 eq. 2.2) and
+    Megatron-LM (Narayanan et al. arXiv:2104.04473 section 5.1, whose per-token count includes the
+    output layer's 6·V·h). Attention is counted in full (no causal halving), right for an encoder;
+    for efficient attention each layer's T is ``labkit.model.attention.attention_span``.
+
+    The decoder (the V x H_model output matmul, an embedding table excluded from N) costs
+    6·V·H_model at every position where logits are computed: f = 1 with the dense head (every
+    position), f = ``mlm_probability`` with ``cfg.sparse_head`` (the masked positions only, in
+    expectation). Worked value: BERT-base shape (L 12, H 768, V 30,522, T 512, N = 85,678,650),
+    dense head: 6·85,678,650 + 6·30,522·768 + 12·12·768·512 = 711,340,380 FLOPs per token.
+    Raises ValueError if seq_len is not in [1, max_position_embeddings] or mlm_probability not
+    in (0, 1].
     """
     if not 0 < seq_len <= cfg.max_position_embeddings:
         raise ValueError(f"seq_len: must be in [1, {cfg.max_position_embeddings}], got {seq_len}")
+    if not 0.0 < mlm_probability <= 1.0:
+        raise ValueError(f"mlm_probability: must be in (0, 1], got {mlm_probability}")
     n = count_parameters(cfg)["non_embedding"]
     span = sum(attention_span(cfg, i, seq_len) for i in range(cfg.num_layers))
-    return float(6 * n + 12 * cfg.num_heads * cfg.head_dim * span)
+    logits_fraction = mlm_probability if cfg.sparse_head else 1.0
+    decoder = 6 * cfg.vocab_size * cfg.hidden_size * logits_fraction
+    return float(6 * n + 12 * cfg.num_heads * cfg.head_dim * span + decoder)

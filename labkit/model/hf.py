@@ -26,7 +26,8 @@ def _require_bert(cfg: ModelConfig) -> None:
     """ValueError naming the first option that ``BertForMaskedLM`` cannot represent."""
     for name, value in BERT_OPTIONS.items():
         if getattr(cfg, name) != value:
-            raise ValueError(f"{name}: BertForMaskedLM interop needs {value!r}, got {getattr(cfg, name)!r}")
+            raise ValueError(f"{name}: BertForMaskedLM interop needs {value!r}, got {getattr(cfg, name)!r} "
+                             "(transformers' BERT cannot express this option)")
 
 
 def hf_config(cfg: ModelConfig):
@@ -114,16 +115,21 @@ def load_hf_state_dict(model: BertMLM, sd: dict[str, torch.Tensor]) -> None:
 
 def export_hf(model: BertMLM, out_dir: str | os.PathLike) -> pathlib.Path:
     """Write ``out_dir/model.safetensors`` then ``out_dir/config.json`` (each atomically), a
-    directory that ``BertForMaskedLM.from_pretrained(out_dir)`` loads offline. Returns out_dir."""
+    directory that ``BertForMaskedLM.from_pretrained(out_dir)`` loads offline with no missing
+    key, tied or untied embeddings (logits equal to 1e-5 in fp32, tests/model/). Returns
+    out_dir. Raises ValueError naming the option for a model transformers' BERT cannot express
+    (``BERT_OPTIONS``: pre-norm, RMSNorm, no biases, gated activations, rotary positions,
+    efficient attention)."""
     from safetensors.torch import save_file
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors, seen = {}, set()
+    tensors = {}
     for k, v in to_hf_state_dict(model).items():
-        if v.data_ptr() in seen and k.startswith("cls.predictions.decoder."):
-            continue  # tied to another key: HF re-ties it on load
-        seen.add(v.data_ptr())
+        if k == "cls.predictions.decoder.weight" and model.cfg.tie_embeddings:
+            continue  # the word embedding: HF re-ties it on load
+        # decoder.bias is written even though it equals cls.predictions.bias: with untied
+        # embeddings transformers does not re-tie it and would leave it at its initial zeros
         tensors[k] = v.to("cpu", torch.float32, copy=True).contiguous()
     atomic_write(out / "model.safetensors", lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
     config = json.loads(hf_config(model.cfg).to_json_string())

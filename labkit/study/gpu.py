@@ -18,8 +18,9 @@ from labkit.study.plan import STUDY_VOCAB, largest_fitting, memory_plan
 def gpu_memory_check(models=(("bert-120m", 64), ("bert-350m", 16)), *, seq_len: int = 512,
                      vocab_size: int = STUDY_VOCAB, precision: str = "bf16", tolerance: float = 0.10,
                      steps: int = 3) -> list[dict[str, Any]]:
-    """The planner against a real GPU (for benchmarks/gpu_check.sh): for each (preset,
-    micro-batch), train ``steps`` AdamW steps under autocast on CUDA and compare
+    """The planner against a real GPU (called by benchmarks/gpu_check.py): for each (preset,
+    micro-batch), train ``steps`` steps under autocast on CUDA with the optimiser training
+    builds (``labkit.train.optim.build_optimizer``: AdamW, fused on CUDA) and compare
     ``memory_plan(...)["total"]`` (attention "flash": CUDA's fused SDPA kernels) with
     ``torch.cuda.max_memory_allocated`` over the last step, and the planned activations + held
     logits with the bytes allocated by the last forward. Returns one dict per model: model,
@@ -35,7 +36,10 @@ def gpu_memory_check(models=(("bert-120m", 64), ("bert-350m", 16)), *, seq_len: 
         cfg = model_config(name, vocab_size)
         torch.manual_seed(0)
         model = BertMLM(cfg).cuda().train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+        from labkit.config import TrainConfig
+        from labkit.train.optim import build_optimizer
+
+        opt = build_optimizer(model, TrainConfig(data_dir="-", run_dir="-"))  # the optimiser training uses
         g = torch.Generator(device="cuda").manual_seed(0)
         ids = torch.randint(5, vocab_size, (b, seq_len), device="cuda", generator=g)
         labels = torch.full_like(ids, -100)

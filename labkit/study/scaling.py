@@ -142,15 +142,20 @@ def network_limit(table) -> dict[str, Any]:
 
 def study_scaling(model: str, *, micro_batch: int, seq_len: int = 512, device: str = "H100 NVL",
                   mfu: float = 0.4, grad_dtype_bytes: int = 4, vocab_size: int | None = None,
-                  step_time_1: float | None = None, **kw):
+                  step_time_1: float | None = None, sparse_head: bool | None = None,
+                  mlm_probability: float = 0.15, **kw):
     """``efficiency_table`` for a named preset (``labkit.model.MODEL_SIZES``) on ``device``:
     compute from ``step_time_1`` when measured, else from FLOPs/token at ``mfu``; gradients of
-    all parameters at ``grad_dtype_bytes`` each (4: DDP's fp32 gradients)."""
+    all parameters at ``grad_dtype_bytes`` each (4: DDP's fp32 gradients). FLOPs/token count the
+    MLM decoder at every position with the dense head (``sparse_head=False``), at the masked
+    fraction ``mlm_probability`` with the sparse one; None keeps ``ModelConfig``'s default head."""
     from labkit.model import count_parameters, flops_per_token, model_config
     from labkit.study.plan import STUDY_VOCAB, device_info
 
-    cfg = model_config(model, vocab_size or STUDY_VOCAB, max_position_embeddings=max(512, seq_len))
-    compute = step_time_1 or compute_time(flops_per_token(cfg, seq_len), seq_len=seq_len, micro_batch=micro_batch,
+    head = {} if sparse_head is None else {"sparse_head": sparse_head}
+    cfg = model_config(model, vocab_size or STUDY_VOCAB, max_position_embeddings=max(512, seq_len), **head)
+    fpt = flops_per_token(cfg, seq_len, mlm_probability=mlm_probability)
+    compute = step_time_1 or compute_time(fpt, seq_len=seq_len, micro_batch=micro_batch,
                                           peak_flops=device_info(device)["peak_flops"], mfu=mfu)
     grad_bytes = grad_dtype_bytes * count_parameters(cfg)["total"]
     return efficiency_table(compute_s=compute, grad_bytes=grad_bytes, tokens_per_step=seq_len * micro_batch, **kw)
@@ -162,3 +167,41 @@ def calibrate(step_time_1: float) -> float:
     if not step_time_1 > 0 or math.isnan(step_time_1):
         raise ValueError(f"step_time_1: must be a positive number of seconds, got {step_time_1}")
     return step_time_1
+
+
+def one_story(*, target_efficiency: float = 0.9, n_gpus: int = 256, network: str = "25GbE",
+              mfus: tuple[float, ...] = tuple(i / 100 for i in range(1, 61))):
+    """Settings under which lesson 4 (data-parallel efficiency >= ``target_efficiency`` at
+    ``n_gpus`` on ``network``, no gradient accumulation) and lesson 5 (the planner's largest
+    micro-batch within 10 % of the study's, ``labkit.study.parallel.study_table``) hold at once.
+
+    Memory does not depend on MFU or the network, so lesson 5 fixes the candidate settings
+    (sequence length, precision, attention kernel, head) per model; for each, the largest
+    achieved MFU in ``mfus`` (relative to the bf16 dense peak, FLOPs per token with the head
+    counted) at which lesson 4 holds. polars DataFrame: model, seq_len, precision, attention,
+    sparse_head, planned, study, max_mfu (None: no MFU in the grid), efficiency_at_max_mfu,
+    shared_by_both_models (the same setting reproduces both models' micro-batches)."""
+    import polars as pl
+
+    from labkit.study.parallel import study_table
+    from labkit.study.plan import STUDY_MICRO_BATCH
+
+    table = study_table()
+    ok = table.filter(pl.col("within_10pct"))
+    keys = ("seq_len", "precision", "attention", "sparse_head")
+    per_model = {m: {tuple(r[k] for k in keys) for r in ok.filter(pl.col("model") == m).iter_rows(named=True)}
+                 for m in STUDY_MICRO_BATCH}
+    shared = set.intersection(*per_model.values()) if per_model else set()
+    rows = []
+    for r in ok.iter_rows(named=True):
+        best, eff_best = None, None
+        for m in mfus:
+            t = study_scaling(r["model"], micro_batch=STUDY_MICRO_BATCH[r["model"]], seq_len=r["seq_len"], mfu=m,
+                              sparse_head=r["sparse_head"], network=network)
+            eff = t.filter(pl.col("n_gpus") == n_gpus)["efficiency"].item()
+            if eff >= target_efficiency:
+                best, eff_best = m, eff
+        rows.append({**{k: r[k] for k in ("model", *keys, "planned", "study")}, "max_mfu": best,
+                     "efficiency_at_max_mfu": eff_best,
+                     "shared_by_both_models": tuple(r[k] for k in keys) in shared})
+    return pl.DataFrame(rows)

@@ -166,7 +166,7 @@ def sweep_model_size(client, base: TrainConfig, workdir: str, *, models: list[st
         load = _load_columns(client, client.ids[0])
         res = train_on_cluster(client, cfg, targets=client.ids[:n], staged=staged)
         mcfg = model_config(name, index["vocab_size"], **base.model_overrides)
-        fpt = flops_per_token(mcfg, index["seq_len"])
+        fpt = flops_per_token(mcfg, index["seq_len"], mlm_probability=base.mlm_probability)
         counts = count_parameters(mcfg)
         rows.append({"model": name, "params": counts["total"], "non_embedding_params": counts["non_embedding"],
                      "ranks": n, "micro_batch_size": base.micro_batch_size, "seq_len": index["seq_len"],

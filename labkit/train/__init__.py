@@ -3,7 +3,9 @@
 - ``labkit.train.loop``: ``train`` and the step (``forward_backward``), read top to bottom;
 - ``labkit.train.optim``: AdamW and the learning-rate schedule ``lr_at``;
 - ``labkit.train.checkpoint``: atomic checkpoints and exact resume;
-- ``labkit.train.dist``: process groups, DDP / ZeRO-1 / FSDP2 wrapping, collectives.
+- ``labkit.train.dist``: process groups, DDP / ZeRO-1 / FSDP2 wrapping, collectives;
+- ``labkit.train.evaluation``: the held-out loss on a fixed masked set, reduced over ranks;
+- ``labkit.train.run_config``: a run directory's config and data identity; resume refuses drift.
 
 ``train`` reads RANK / WORLD_SIZE / LOCAL_RANK from the environment, as under ``torchrun``, so
 the same call runs in a plain process, on ipyparallel engines or in a test.

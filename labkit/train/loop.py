@@ -18,7 +18,8 @@ numbers and lists so ``torch.load(weights_only=True)`` reads it. Weights and opt
 are whole (unsharded) under every sharding: zero1 consolidates the moments on rank 0, fsdp
 gathers parameters and moments (keyed by name) to rank 0. The LR is a pure function of the
 step (``lr_at``), so the step is the whole scheduler state. Resume needs the same world size
-and sharding (sharding "none" in a single process).
+and sharding (sharding "none" in a single process) and a config and data that match the run
+directory's config.json / data.json (``labkit.train.run_config``: one-line refusal naming each field).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from labkit.model import BertMLM, count_parameters, flops_per_token, model_confi
 from labkit.train import dist, provenance, sinks
 from labkit.train.checkpoint import _rng_state, _set_rng_state, checkpoint_steps, load_checkpoint, save_checkpoint
 from labkit.train.optim import build_optimizer, lr_at
+from labkit.train.run_config import check_resume, data_identity, save_run_config
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -110,6 +112,28 @@ def _find_sampler(loader: torch.utils.data.DataLoader) -> Any:
 
 
 
+def _heldout_set(cfg: TrainConfig, rank: int, world: int, vocab_size: int, device: torch.device) -> Any:
+    """The fixed masked held-out set (``labkit.train.evaluation.HeldoutSet``) of this rank, or None
+    when eval_every is 0 and the shards have no held-out split (then no evaluation runs)."""
+    from labkit.train.evaluation import HeldoutSet
+
+    if cfg.eval_every == 0 and not read_index(cfg.data_dir).get("heldout"):
+        return None
+    return HeldoutSet(cfg.data_dir, rank=rank, world_size=world, vocab_size=vocab_size,
+                      mlm_probability=cfg.mlm_probability, max_sequences=cfg.eval_sequences,
+                      batch_size=cfg.eval_batch_size or cfg.micro_batch_size, device=device)
+
+
+def _maybe_evaluate(model: torch.nn.Module, heldout: Any, cfg: TrainConfig, step: int, stop: int) -> dict[str, Any]:
+    """Collective: {"eval_loss", "perplexity", "eval_masked", "eval_sequences"} at the steps
+    that evaluate (every eval_every, and the last), else {}."""
+    from labkit.train.evaluation import evaluate
+
+    if heldout is None or not ((cfg.eval_every and step % cfg.eval_every == 0) or step == stop):
+        return {}
+    return evaluate(model, heldout, precision=cfg.precision)
+
+
 # ------------------------------------------------------------------------------------------
 # The run
 # ------------------------------------------------------------------------------------------
@@ -119,7 +143,8 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
     """Run MLM pretraining per ``cfg`` as this process's rank (RANK/WORLD_SIZE/LOCAL_RANK/
     MASTER_ADDR/MASTER_PORT from the environment; absent = one process, no process group).
 
-    Returns the result dict (also rank 0's result.json): initial_loss, final_loss, tokens_per_s
+    Returns the result dict (also rank 0's result.json): initial_loss, final_loss, eval_loss and
+    perplexity (the last held-out evaluation, ``labkit.train.evaluation``; None without one), tokens_per_s
     and samples_per_s (time-weighted over this invocation's steps after timing_warmup_steps),
     data_wait_fraction, mfu, world_size, global_batch_size, steps, params, ... ``sink(record)``
     is called on rank 0 with each metrics record. Resumes from the newest checkpoint when
@@ -161,14 +186,20 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     torch.manual_seed(cfg.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
     model = BertMLM(mcfg)
     params = count_parameters(model)
-    fpt = flops_per_token(mcfg, seq_len)
+    fpt = flops_per_token(mcfg, seq_len, mlm_probability=cfg.mlm_probability)
     torch.manual_seed(cfg.seed + 1 + rank)  # dropout streams differ per rank
     random.seed(cfg.seed + 1 + rank)
     np.random.seed(cfg.seed + 1 + rank)
 
     resume_step = (checkpoint_steps(run_dir) or [0])[-1] if cfg.resume else 0
+    identity = data_identity(index)
+    if resume_step:  # refuse to continue a run under another configuration (labkit.train.run_config)
+        check_resume(run_dir, to_dict(cfg), identity, allow_safe_changes=cfg.allow_safe_changes)
     state = load_checkpoint(run_dir / "checkpoints" / f"step-{resume_step}", model) if resume_step else None
-    model = dist.wrap_model(model.to(device), cfg, device)  # DDP, or FSDP2 fully_shard (in place)
+    model = model.to(device)
+    if cfg.compile:
+        model.compile()  # in place: state_dict keys unchanged (no _orig_mod prefix)
+    model = dist.wrap_model(model, cfg, device)  # DDP, or FSDP2 fully_shard (in place)
     optimizer = build_optimizer(model, cfg)  # AdamW, or ZeroRedundancyOptimizer (zero1)
     scaler = dist.grad_scaler(model, device, enabled=cfg.precision == "fp16")
     sharding = cfg.sharding if torch.distributed.is_initialized() else "none"  # one process: nothing to shard
@@ -178,6 +209,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                          seq_len=cfg.seq_len, tokenizer_sha256=_tokenizer_sha256(cfg.tokenizer_path),
                          verify=cfg.verify_data)  # refuses mismatched shards before any step
     sampler = _find_sampler(loader)
+    heldout = _heldout_set(cfg, rank, world, mcfg.vocab_size, device)  # fixed masked held-out set
     step, epoch, position, tokens_seen = 0, 0, 0, 0  # position: batches of this epoch consumed
     if state is not None:
         if len(state["ranks"]) != world:
@@ -200,7 +232,8 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     prov = provenance.collect(device, start_time=provenance.now_iso())  # collective: every rank's host, device
     if dist.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(run_dir / "config.json", to_dict(cfg) | {"provenance": prov})
+        # earlier configs kept in configs/; provenance (host, device, times) is not compared
+        save_run_config(run_dir, to_dict(cfg) | {"provenance": prov}, identity, atomic_write_json)
         old = metrics_path.read_text().splitlines() if state is not None and metrics_path.exists() else []
         kept = [line for line in old if line.strip() and json.loads(line)["step"] <= step]
         # drop records logged after the checkpoint we resume from
@@ -274,7 +307,8 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         n_tokens_i = int(n_tokens.item())
         tokens_seen += n_tokens_i
         timings.append((n_tokens_i, global_batch, step_time, wait_mean))
-        if step % cfg.log_every == 0 or step == stop:
+        evaluated = _maybe_evaluate(model, heldout, cfg, step, stop)  # held-out loss, outside the step time
+        if step % cfg.log_every == 0 or step == stop or evaluated:
             tps = measure.tokens_per_s(n_tokens_i, step_time)
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
                       "step_tokens": n_tokens_i, "n_masked": int(n_masked.item()), "tokens_per_s": tps,
@@ -284,7 +318,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                       "mfu": measure.mfu(tps, fpt, world, peak),
                       "peak_mem_bytes": measure.peak_memory_bytes(device), "world_size": world,
                       "global_batch_size": global_batch, "epoch": epoch, "skipped": not finite,
-                      "time": time.time()}
+                      **evaluated, "time": time.time()}
             measure.reset_peak_memory(device)
             last_record = record
             if metrics_file is not None:
@@ -309,8 +343,11 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     timed = timings[cfg.timing_warmup_steps:] or timings  # too short a run: time every step
     tok, samples, seconds, wait_s = (sum(t[i] for t in timed) for i in range(4))
     tps = measure.tokens_per_s(tok, seconds) if timed else None
+    evals = [r for r in records if r.get("eval_loss") is not None]
     result = {"initial_loss": records[0].get("loss") if records else None,
               "final_loss": records[-1].get("loss") if records else None,
+              "eval_loss": evals[-1]["eval_loss"] if evals else None,
+              "perplexity": evals[-1]["perplexity"] if evals else None,
               "tokens_per_s": tps,
               "samples_per_s": measure.samples_per_s(samples, seconds) if timed else None,
               "data_wait_fraction": measure.data_wait_fraction(wait_s, seconds) if timed else None,

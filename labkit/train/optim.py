@@ -15,20 +15,21 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate of optimiser step ``step`` (0-based) under ``cfg.schedule``.
 
     Warm-up: ``lr * (step + 1) / warmup_steps`` for step < warmup_steps (linear, never 0).
-    Then, with progress p = (step - warmup) / (max_steps - warmup) in [0, 1] and
-    min_lr = lr * min_lr_ratio: linear ``min_lr + (lr - min_lr)(1 - p)``; cosine
-    ``min_lr + (lr - min_lr)(1 + cos(pi p)) / 2`` (arXiv:1608.03983); wsd: lr until the last
-    ``wsd_decay_fraction * max_steps`` steps, then linear to min_lr at max_steps
-    (warmup-stable-decay, arXiv:2404.06395).
+    Then, with progress p = (step - warmup) / (last - warmup) in [0, 1], last = max_steps - 1
+    (the run's last step, which therefore uses min_lr) and min_lr = lr * min_lr_ratio: linear
+    ``min_lr + (lr - min_lr)(1 - p)``; cosine ``min_lr + (lr - min_lr)(1 + cos(pi p)) / 2``
+    (arXiv:1608.03983); wsd: lr until the last ``wsd_decay_fraction * max_steps`` steps, then
+    linear to min_lr at the last step (warmup-stable-decay, arXiv:2404.06395).
     """
     peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    last = cfg.max_steps - 1
     if step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "wsd":
         decay_start = max(cfg.warmup_steps, cfg.max_steps - round(cfg.wsd_decay_fraction * cfg.max_steps))
-        p = min(1.0, (step - decay_start) / max(1, cfg.max_steps - decay_start)) if step >= decay_start else 0.0
+        p = min(1.0, (step - decay_start) / max(1, last - decay_start)) if step >= decay_start else 0.0
         return floor + (peak - floor) * (1.0 - p)
-    p = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    p = min(1.0, (step - cfg.warmup_steps) / max(1, last - cfg.warmup_steps))
     if cfg.schedule == "cosine":
         return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * p))
     return floor + (peak - floor) * (1.0 - p)
@@ -41,11 +42,16 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     (ZeRO stage 1: each rank holds and steps the AdamW state of its partition of the
     parameters, then broadcasts them); its ``param_groups`` are the whole groups, so setting
     the lr there reaches every partition at ``step()``. Under fsdp the parameters are DTensor
-    shards and plain AdamW steps each rank's shard."""
+    shards and plain AdamW steps each rank's shard. On CUDA (ddp, zero1 and single process)
+    AdamW is torch's fused implementation (``fused=True``: one kernel for all parameters, the
+    same update); fsdp's DTensor shards keep the default implementation."""
+    from torch.distributed.fsdp import FSDPModule
+
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    fused = {"fused": True} if params and params[0].is_cuda and not isinstance(model, FSDPModule) else {}
     if cfg.sharding == "zero1" and torch.distributed.is_initialized():
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=cfg.lr,
-                                       betas=(cfg.beta1, cfg.beta2))
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+                                       betas=(cfg.beta1, cfg.beta2), **fused)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **fused)

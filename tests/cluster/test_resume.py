@@ -1,7 +1,8 @@
 """Failure recovery on a real 2-engine cluster of its own: an engine SIGKILLed in the middle of a
 gloo DDP run makes `run_ddp` raise a DDPError naming the rank (no hang), `run_ddp_resumable`
 restarts the engines and the run resumes from its newest checkpoint to the same result as an
-uninterrupted run; a second run in the same (new) engines works."""
+uninterrupted run; a second run in the same (new) engines works. (The same recovery with a plain
+function instead of labkit.train was an always-skipped duplicate and is gone.)"""
 
 from __future__ import annotations
 

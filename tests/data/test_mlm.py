@@ -152,7 +152,6 @@ def test_dataloader_workers_give_the_single_process_batches():
 
 
 def test_make_loader_resumes_exactly(tmp_path):
-    pytest.importorskip("labkit.data.shards")
     rows = packed_rows(90, 32, seed=2)
     write_tiny_shards(tmp_path, rows, V, per_shard=40)
     kw = dict(batch_size=4, rank=1, world_size=2, seed=3, mlm_probability=0.15, vocab_size=V)
@@ -170,7 +169,6 @@ def test_make_loader_resumes_exactly(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_make_loader_with_two_workers(tmp_path):
-    pytest.importorskip("labkit.data.shards")
     write_tiny_shards(tmp_path, packed_rows(40, 16, seed=4), V, per_shard=16)
     kw = dict(batch_size=4, rank=0, world_size=1, seed=0, mlm_probability=0.15, vocab_size=V)
     loader = make_loader(tmp_path, num_workers=2, **kw)

@@ -8,13 +8,12 @@ import warnings
 
 import pytest
 import torch
+import transformers
 
 from labkit.model.attention import rotary_tables
 from labkit.model import (MODEL_SIZES, BertMLM, count_parameters, export_hf, flops_per_token, hf_config,
                           load_hf_state_dict, model_config, to_hf_state_dict)
 from labkit.study import plan
-
-transformers = pytest.importorskip("transformers")
 
 V = 97
 
@@ -99,6 +98,44 @@ def test_export_hf_loads_with_from_pretrained(tmp_path):
         mine = ours(ids, mask).logits
     torch.testing.assert_close(hf_logits(hf, ids, mask)[mask.bool()], mine[mask.bool()], atol=1e-5, rtol=0)
     assert hf.cls.predictions.decoder.weight.data_ptr() == hf.bert.embeddings.word_embeddings.weight.data_ptr()
+
+
+EXPORT_OPTIONS = [({"tie_embeddings": True}, None), ({"tie_embeddings": False}, None),
+                  ({"bias": False}, "bias"), ({"norm_type": "rmsnorm"}, "norm_type"),
+                  ({"norm_position": "pre"}, "norm_position"), ({"activation": "geglu"}, "activation"),
+                  ({"activation": "swiglu"}, "activation"), ({"position_embedding": "rotary"}, "position_embedding"),
+                  ({"attention": "linformer", "linformer_k": 8}, "attention"),
+                  ({"attention": "sliding_window", "window_size": 4}, "attention"), ({"attention": "linear"}, "attention")]
+"""Every model option that changes the parameters (their set or shapes): exported and reloaded, or refused."""
+
+
+@pytest.mark.parametrize("overrides, refused", EXPORT_OPTIONS, ids=[str(o) for o, _ in EXPORT_OPTIONS])
+def test_export_reload_round_trip_for_every_parameter_option(tmp_path, overrides, refused):
+    cfg = tiny(sparse_head=False, **overrides)
+    torch.manual_seed(6)
+    ours = BertMLM(cfg).eval()
+    with torch.no_grad():  # non-zero decoder bias and norm biases, so a dropped one shows
+        for name, p in ours.named_parameters():
+            if name.endswith("bias") or name == "decoder_bias":
+                p.normal_(0, 0.5)
+    if refused:
+        with pytest.raises(ValueError, match=rf"{refused}: BertForMaskedLM interop needs .* cannot express"):
+            export_hf(ours, tmp_path / "hf")
+        assert not (tmp_path / "hf" / "model.safetensors").exists()
+        return
+    out = export_hf(ours, tmp_path / "hf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf, info = transformers.BertForMaskedLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"] and not info["unexpected_keys"], info
+    ids, mask, _ = batch(seed=7)
+    with torch.no_grad():
+        mine = ours(ids, mask).logits
+    torch.testing.assert_close(hf_logits(hf.eval(), ids, mask)[mask.bool()], mine[mask.bool()], atol=1e-5, rtol=0)
+    back = BertMLM(cfg).eval()  # and back into labkit from the reloaded transformers model
+    load_hf_state_dict(back, hf.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids, mask).logits, mine, atol=1e-5, rtol=0)
 
 
 def test_load_hf_state_dict_names_missing_and_misshapen_keys():
@@ -226,13 +263,22 @@ def test_parameter_counts_closed_form(name):
         assert total == 109_514_298  # transformers' bert-base-uncased BertForMaskedLM
 
 
-def test_flops_per_token_closed_form():
-    cfg = model_config("bert-120m", 30522)
-    n = count_parameters(cfg)["non_embedding"]
-    assert flops_per_token(cfg, 512) == 6 * n + 12 * 12 * 12 * 64 * 512
-    assert flops_per_token(cfg, 512) - flops_per_token(cfg, 128) == 12 * 12 * 768 * 384
+def test_flops_per_token_counts_the_mlm_output_layer():
+    dense = model_config("bert-120m", 30522, sparse_head=False)
+    assert count_parameters(dense)["non_embedding"] == 85_678_650
+    # the issue's worked value: 6 N + 6 V H + 12 L H T, BERT-base shape, dense head
+    assert flops_per_token(dense, 512) == 711_340_380
+    assert flops_per_token(dense, 512) - flops_per_token(dense, 128) == 12 * 12 * 768 * 384
+    sparse = model_config("bert-120m", 30522, sparse_head=True)
+    # the sparse head computes logits at the masked fraction of positions only
+    assert flops_per_token(sparse, 512, mlm_probability=0.15) == pytest.approx(
+        711_340_380 - 6 * 30522 * 768 * (1 - 0.15))
+    assert flops_per_token(sparse, 512, mlm_probability=0.3) > flops_per_token(sparse, 512, mlm_probability=0.15)
+    assert flops_per_token(dense, 512, mlm_probability=0.3) == flops_per_token(dense, 512)
     with pytest.raises(ValueError, match="seq_len"):
-        flops_per_token(cfg, 513)
+        flops_per_token(dense, 513)
+    with pytest.raises(ValueError, match="mlm_probability"):
+        flops_per_token(dense, 512, mlm_probability=0.0)
 
 
 def test_presets_build_and_errors_name_the_field():

@@ -103,7 +103,23 @@ def test_study_scaling_uses_the_planner_devices():
 
     fpt = flops_per_token(model_config("bert-120m", STUDY_VOCAB), 512)
     assert t["compute_s"][0] == pytest.approx(512 * 184 * fpt / (0.4 * 835.5e12))
+    dense = scaling.study_scaling("bert-120m", micro_batch=184, seq_len=512, sparse_head=False)
+    fpt_dense = flops_per_token(model_config("bert-120m", STUDY_VOCAB, sparse_head=False), 512)
+    assert dense["compute_s"][0] == pytest.approx(512 * 184 * fpt_dense / (0.4 * 835.5e12))
+    assert fpt_dense - fpt == pytest.approx(6 * STUDY_VOCAB * 768 * 0.85)  # the decoder at unmasked positions
     measured = scaling.study_scaling("bert-120m", micro_batch=184, step_time_1=0.5)
     assert measured["compute_s"][0] == 0.5
     with pytest.raises(ValueError, match="step_time_1"):
         scaling.calibrate(0.0)
+
+
+def test_one_story_searches_both_lessons():
+    import polars as pl
+
+    t = scaling.one_story()
+    assert t["model"].to_list() == ["bert-120m", "bert-350m"] and not t["shared_by_both_models"].any()
+    for r in t.iter_rows(named=True):
+        assert r["efficiency_at_max_mfu"] >= 0.9
+        above = scaling.study_scaling(r["model"], micro_batch=r["study"], seq_len=r["seq_len"],
+                                      mfu=r["max_mfu"] + 0.01, sparse_head=r["sparse_head"])
+        assert above.filter(pl.col("n_gpus") == 256)["efficiency"].item() < 0.9  # the largest MFU that holds

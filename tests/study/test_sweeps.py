@@ -142,8 +142,17 @@ def test_max_micro_batch_cuda_finds_the_out_of_memory_edge():
     from labkit.model import model_config
     from labkit.study.gpu import max_micro_batch_cuda
 
-    rep = max_micro_batch_cuda(model_config("mini", 1024), 128, limit=64)
-    assert rep["max_micro_batch"] == 64 and rep["peak_bytes"] < rep["budget_bytes"]
+    # cap this process at 2 GiB so that out of memory, not the search's limit, ends the doubling
+    cap = 2 * 2**30
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    try:
+        rep = max_micro_batch_cuda(model_config("mini", 1024), 128, limit=1 << 16)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    assert 1 <= rep["max_micro_batch"] < 1 << 16  # stopped at the out-of-memory edge, far below the limit
+    assert rep["peak_bytes"] <= cap
 
 
 def test_sweep_rows_record_the_machine_load_and_flag_a_busy_machine(tmp_path, trained, monkeypatch):

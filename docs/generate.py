@@ -1,0 +1,347 @@
+"""Regenerate the derived figures in docs/ from the functions and files that produce them.
+
+Each generated block in a Markdown file sits between ``<!-- generated:NAME -->`` and
+``<!-- /generated:NAME -->``; this script rewrites the text between the markers and nothing
+else. ``python docs/generate.py`` writes the files; ``python docs/generate.py --check`` exits 1
+naming each file whose committed text differs from what the script produces
+(tests/test_docs_generated.py runs the same check).
+
+Sources: the planner's blocks are deterministic functions of labkit's code; the measured
+blocks read the files the measuring command wrote, kept under docs/data/:
+
+- ``docs/data/demo.json``: ``work/demo/demo.json`` written by ``make demo`` (``labkit demo``);
+  ``docs/data/loader.parquet``: ``work/demo/sweeps/loader.parquet`` written by the demo's
+  notebook 04 (the loader-worker sweep).
+- ``docs/data/bench_model.jsonl`` / ``bench_ddp.jsonl``: the JSON lines printed by
+  ``python benchmarks/bench_model.py`` / ``bench_ddp.py`` (one record per line).
+
+Blocks: ``demo-summary`` (README.md); ``lesson1-measured``, ``lesson1-planner``, ``parallel-planner``, ``lesson2-measured``,
+``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``,
+``lesson5-measured``, ``lesson5-planner``, ``one-story`` (docs/results.md); ``bench-model`` (docs/model.md);
+``bench-ddp`` (docs/training.md).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DATA = ROOT / "docs" / "data"
+sys.path.insert(0, str(ROOT))
+
+SEQ_LEN = 512
+MFU = 0.4
+NETWORKS = ("25GbE", "100GbE", "IB-HDR", "IB-NDR")
+NETWORK_NAMES = {"25GbE": "25 GbE", "100GbE": "100 GbE", "IB-HDR": "IB HDR 200", "IB-NDR": "IB NDR 400"}
+
+
+def _eff_256(name: str, micro_batch: int, **kw) -> float:
+    import polars as pl
+
+    from labkit.study import scaling
+
+    t = scaling.study_scaling(name, micro_batch=micro_batch, seq_len=kw.pop("seq_len", SEQ_LEN), mfu=MFU,
+                              sparse_head=False, **kw)
+    return t.filter(pl.col("n_gpus") == 256)["efficiency"].item()
+
+
+def lesson3_planner() -> str:
+    """Planned compute per step and the samples/s the loaders must supply, both study models."""
+    from labkit.study import plan, scaling
+
+    lines = []
+    for name, b in plan.STUDY_MICRO_BATCH.items():
+        t = scaling.study_scaling(name, micro_batch=b, seq_len=SEQ_LEN, mfu=MFU, sparse_head=False)
+        s = t["compute_s"][0]
+        lines.append(f"{name} at micro-batch {b}: {s:.3f} s per step, {b / s:,.0f} sequences/s "
+                     f"({b * SEQ_LEN / s / 1e3:,.0f}k tokens/s) per GPU")
+    return ("Planner (`scaling.compute_time`, 40 % MFU, seq 512, FLOPs per token with the dense MLM head:\n"
+            "6N + 12·L·H·T + 6·V·H, `model.flops_per_token`), one H100 NVL; the loaders must supply\n"
+            "each GPU at this rate:\n\n" + "\n".join(f"- {line}" for line in lines) + "\n")
+
+
+def lesson4_planner() -> str:
+    """Efficiency at 128 nodes per network and accumulation, plus the figures the prose quotes."""
+    from labkit.study import parallel, plan
+    from labkit.model import count_parameters, model_config
+
+    rows = ["| model, micro-batch | grad. accumulation | " + " | ".join(NETWORK_NAMES[n] for n in NETWORKS) + " |",
+            "| --- | --- | " + " | ".join("---" for _ in NETWORKS) + " |"]
+    for name, b in plan.STUDY_MICRO_BATCH.items():
+        for accum in ((1, 4, 16) if name == "bert-120m" else (1, 16)):
+            cells = [f"{_eff_256(name, b, network=n, grad_accum=accum):.0%}" for n in NETWORKS]
+            rows.append(f"| {name}, {b} | {accum} | " + " | ".join(cells) + " |")
+    grad_mb = 4 * count_parameters(model_config("bert-120m", plan.STUDY_VOCAB))["total"] / 1e6
+    bf16 = _eff_256("bert-120m", 184, grad_dtype_bytes=2)
+    long = _eff_256("bert-350m", 20, seq_len=2048)
+    return ("\n".join(rows) + "\n\n"
+            f"A 120M step all-reduces {grad_mb:.0f} MB of fp32 gradients. With bf16 gradient compression\n"
+            f"(`grad_dtype_bytes=2`) the 120M efficiency on 25 GbE becomes {bf16:.0%}; 350M at seq 2048\n"
+            f"gives {long:.0%}.\n").replace("%", " %")
+
+
+def _demo() -> dict:
+    return json.loads((DATA / "demo.json").read_text())
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def demo_summary() -> str:
+    """README's paragraph of what the demo measured."""
+    d = _demo()
+    p, t = d["preparation"], d["train"]
+    ranks = {r["ranks"]: r for r in d["sweep_ranks"]}
+    mb = {r["model"]: r for r in d["sweep_micro_batch"]}
+    return (f"On a 2-core VM without a GPU (`make demo`, {d['seconds']:.0f} s for the demo itself; shared with other\n"
+            f"jobs, so its rates are contaminated): {p['functions']:,} functions disassembled from {p['elf_files_read']}\n"
+            f"of this machine's ELF files, {p['documents_kept']:,} kept after cleaning and exact and near dedup,\n"
+            f"{p['tokens'] / 1e6:.1f} M training tokens; function dataset {_mb(p['function_dataset_bytes'])} -> "
+            f"training data {_mb(p['training_data_bytes'])}\n"
+            f"(reduction {p['reduction_percent']} %; machine code {_mb(p['machine_code_bytes'])}, ELF files read "
+            f"{_mb(p['raw_bytes'])}); DDP\n"
+            f"training of `{t['model']}` on {t['world_size']} ranks at {t['tokens_per_s']:,.0f} tokens/s with the MLM loss "
+            f"falling from {t['initial_loss']:.2f}\n"
+            f"to {t['final_loss']:.2f} in {t['steps']} steps and a held-out loss of {t['eval_loss']:.2f} (perplexity "
+            f"{t['perplexity']:.1f}); weak-scaling\n"
+            f"efficiency {ranks[2]['efficiency']:.2f} from 1 to 2 ranks; largest micro-batch under 2 GiB per rank "
+            f"{mb['mini']['max_micro_batch']} for `mini`\n"
+            f"({mb['mini']['params'] / 1e6:.1f} M parameters) and {mb['small']['max_micro_batch']} for `small` "
+            f"({mb['small']['params'] / 1e6:.1f} M). Generated from `docs/data/demo.json` by\n"
+            f"`python docs/generate.py`.\n")
+
+
+def lesson1_measured() -> str:
+    p = _demo()["preparation"]
+    drops = p["dropped"]
+    skipped = sum(p["skipped_inputs"].values())
+    return ("| quantity | labkit here | study |\n| --- | --- | --- |\n"
+            f"| function dataset as first written (corpus Parquet: text + metadata) | {_mb(p['function_dataset_bytes'])}"
+            f" ({p['functions']:,} functions) | 2 TB (unconfirmed) |\n"
+            f"| training data (shards, held-out file, index.json) | {_mb(p['training_data_bytes'])}: "
+            f"{p['tokens']:,} tokens, vocabulary {p['vocab_size']:,}, uint16 | 25 GB of ids ≈ 12.5 B tokens (derived) |\n"
+            f"| reduction | {p['reduction_percent']} % | 98.8 % |\n"
+            f"| context: machine code of the functions / ELF files read | {_mb(p['machine_code_bytes'])} / "
+            f"{_mb(p['raw_bytes'])} ({p['elf_files_read']} files, {skipped} without a usable function) | n/a |\n"
+            f"| functions kept | {p['documents_kept']:,} of {p['functions']:,} (exact duplicates "
+            f"{drops['exact_duplicate']:,}, near duplicates {drops['near_duplicate']:,}, filters "
+            f"{sum(v for k, v in drops.items() if not k.endswith('duplicate')):,}); held out "
+            f"{p.get('heldout_documents', 0):,} | n/a |\n")
+
+
+def lesson2_measured() -> str:
+    rows = ["| quantity | labkit here | study |", "| --- | --- | --- |"]
+    for node, r in _demo()["staging"].items():
+        rows.append(f"| staged copy on node `{node}` (bytes, seconds, MB/s) | {_mb(r['bytes'])} in {r['seconds']:.3f} s, "
+                    f"{r['mb_per_s']:,.0f} MB/s with sha256 verification (page cache warm) | not reported |")
+    return "\n".join(rows) + "\n"
+
+
+def lesson3_measured() -> str:
+    import polars as pl
+
+    path = DATA / "loader.parquet"
+    if not path.exists():
+        return "Loader sweep: no `docs/data/loader.parquet` (the demo's notebook 04 did not write one).\n"
+    df = pl.read_parquet(path).sort("num_workers")
+    cells = "; ".join(f"{r['num_workers']} workers: {r['data_wait_fraction']:.1%} wait, {r['samples_per_s']:,.0f} "
+                      f"samples/s" for r in df.iter_rows(named=True))
+    knee = df.filter(pl.col("knee"))["num_workers"].to_list()
+    return (f"| quantity | labkit here | study |\n| --- | --- | --- |\n"
+            f"| loader knee (fewest workers under 5 % data wait) | {knee[0] if knee else 'none'} ({cells}) | tuned, "
+            f"count not reported |\n").replace("%", " %").replace("  %", " %")
+
+
+def lesson4_measured() -> str:
+    d = _demo()
+    r = {x["ranks"]: x for x in d["sweep_ranks"]}
+    return ("| quantity | labkit here | study |\n| --- | --- | --- |\n"
+            f"| weak-scaling efficiency, 1 → 2 ranks (CPU, gloo, `{r[1]['model']}`, micro-batch {r[1]['micro_batch_size']}, "
+            f"seq {d['train']['seq_len']}; shared machine) | {r[2]['efficiency']:.2f} | \"near-linear\" to 256 GPUs |\n"
+            f"| tokens/s at 1 and 2 ranks | {r[1]['tokens_per_s']:,.0f} and {r[2]['tokens_per_s']:,.0f} | not reported |\n")
+
+
+def lesson5_measured() -> str:
+    rows = ["| model | labkit here: max micro-batch under 2 GiB per rank (CPU, fp32, seq 128, counted) |", "| --- | --- |"]
+    for r in _demo()["sweep_micro_batch"]:
+        rows.append(f"| `{r['model']}` ({r['params'] / 1e6:.1f} M parameters) | {r['max_micro_batch']} (state "
+                    f"{_mb(r['state_bytes'])}, {_mb(r['act_bytes_per_sample'])} of saved activations per sequence) |")
+    return "\n".join(rows) + "\n"
+
+
+def lesson5_planner() -> str:
+    """parallel.study_table rows at seq 512 and every row within 10 % of the study, plus the breakdown."""
+    import polars as pl
+
+    from labkit.study import parallel, plan
+    from labkit.model import model_config
+
+    t = parallel.study_table()
+    shown = t.filter((pl.col("seq_len") == 512) | pl.col("within_10pct")).sort("model", "seq_len", "precision",
+                                                                                "attention", "sparse_head")
+    rows = ["| model | seq | precision | attention | head | planned max micro-batch | study |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in shown.iter_rows(named=True):
+        planned = f"**{r['planned']}**" if r["within_10pct"] else str(r["planned"])
+        rows.append(f"| {r['model']} | {r['seq_len']} | {r['precision']} | {r['attention']} | "
+                    f"{'sparse' if r['sparse_head'] else 'dense'} | {planned} | {r['study']} |")
+    parts = []
+    for sparse in (False, True):
+        m = plan.memory_plan(model_config("bert-120m", plan.STUDY_VOCAB, sparse_head=sparse), seq_len=512,
+                             micro_batch=184, precision="bf16", attention="flash")
+        parts.append(f"{'sparse' if sparse else 'dense'} head: model state "
+                     f"{(m['params'] + m['grads'] + m['optimizer']) / 1e9:.1f} GB, autocast weight copies "
+                     f"{m['autocast_copies'] / 1e9:.1f} GB, activations {m['activations'] / 1e9:.1f} GB, logits "
+                     f"{m['logits'] / 1e9:.1f} GB, head backward {m['head_backward'] / 1e9:.1f} GB; "
+                     f"{m['total'] / 1e9:.1f} GB in total")
+    return ("\n".join(rows) + "\n\nBreakdown at bert-120m, micro-batch 184, seq 512, bf16, fused attention "
+            "(`plan.memory_plan`):\n\n" + "\n".join(f"- {x}" for x in parts) + "\n")
+
+
+def one_story() -> str:
+    """study.scaling.one_story: the settings under which lessons 4 and 5 hold at once, or none."""
+    from labkit.study import scaling
+
+    t = scaling.one_story()
+    rows = ["| model | seq | precision | attention | head | planned / study micro-batch | largest MFU with "
+            "efficiency >= 0.9 at 256 GPUs on 25 GbE | same setting fits both models |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in t.iter_rows(named=True):
+        mfu = f"{r['max_mfu']:.0%} (efficiency {r['efficiency_at_max_mfu']:.2f})" if r["max_mfu"] else "none"
+        rows.append(f"| {r['model']} | {r['seq_len']} | {r['precision']} | {r['attention']} | "
+                    f"{'sparse' if r['sparse_head'] else 'dense'} | {r['planned']} / {r['study']} | {mfu} | "
+                    f"{'yes' if r['shared_by_both_models'] else 'no'} |")
+    shared = t["shared_by_both_models"].any()
+    verdict = ("Some setting reproduces both models' micro-batches; see the rows marked yes." if shared else
+               "No single setting reproduces both models' micro-batches (lesson 5), whatever the MFU or the "
+               "network, so under this planner no one setting makes both lessons hold: the two runs differed in sequence length "
+               "and precision, or a reported batch was not the memory maximum. Per model, both lessons hold "
+               "at the setting above when the achieved MFU (against the bf16 peak) is at most the value "
+               "shown.")
+    return "\n".join(rows).replace("%", " %") + "\n\n" + verdict + "\n"
+
+
+def lesson1_planner() -> str:
+    """laws.check_allocation of the study's two models on its 12.5 B tokens (Chinchilla's law)."""
+    from labkit.study import laws
+
+    small, large = (laws.check_allocation(n, 12.5e9) for n in (120e6, 350e6))
+    opt = small["optimal"]
+    return (f"Planner: at 20 tokens per parameter the study's 12.5 B tokens suit a model of about "
+            f"{12.5e9 / 20 / 1e6:.0f}M\nparameters. Under Chinchilla's constants (decoders on web text, "
+            f"`laws.check_allocation`), the\n120M model on 12.5 B tokens is \"{small['verdict'][6:]}\": it gives up "
+            f"{small['loss_given_up']:.3f} nats against the\ncompute-optimal {opt['n_params'] / 1e6:.0f}M / "
+            f"{opt['n_tokens'] / 1e9:.1f} B split of the same {opt['flops']:.0e} FLOPs. The 350M model on 12.5 B "
+            f"tokens is\nwithin {max(large['loss_given_up'], 0.001):.3f} nats of optimal. MLM on code needs its own "
+            f"constants (notebook 05).\n")
+
+
+def parallel_planner() -> str:
+    """parallel.parallel_plans / first_fit for the 22 B encoder of notebook 04 on 16 H100 NVL."""
+    import polars as pl
+
+    from labkit.study import parallel, plan
+    from labkit.model import count_parameters, model_config
+
+    big = model_config("bert-1.3b", plan.STUDY_VOCAB, hidden_size=6144, num_heads=48, num_layers=48,
+                       intermediate_size=None)
+    splits = parallel.parallel_plans(big, n_gpus=16, seq_len=512, micro_batch=4)
+    ddp = splits.filter((pl.col("dp") == 16) & (pl.col("zero_stage") == 0)).row(0, named=True)
+    fit = parallel.first_fit(splits)
+    no_zero = parallel.first_fit(splits.filter(pl.col("zero_stage") == 0))
+    return (f"`parallel.parallel_plans` / `parallel.first_fit`, for a {count_parameters(big)['total'] / 1e9:.1f} B-parameter "
+            f"encoder (48 layers, width\n6144) on 16 H100 NVL at micro-batch 4, seq 512:\n\n"
+            f"- plain DDP needs {ddp['total'] / 1e9:.0f} GB per GPU;\n"
+            f"- the first split that fits is ZeRO-{fit['zero_stage']} at DP {fit['dp']} x TP {fit['tp']} x PP {fit['pp']} "
+            f"({fit['total'] / 1e9:.0f} GB per GPU);\n"
+            f"- without ZeRO, the first is DP {no_zero['dp']} × TP {no_zero['tp']} × PP {no_zero['pp']} "
+            f"({no_zero['total'] / 1e9:.0f} GB per GPU, GPipe bubble {no_zero['bubble']:.0%} at 8\n  micro-batches).\n"
+            ).replace("%", " %")
+
+
+def _records(name: str) -> list[dict]:
+    path = DATA / name
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def bench_model() -> str:
+    recs = [r for r in _records("bench_model.jsonl") if r.get("benchmark") == "model"]
+    if not recs:
+        return "No record yet (`docs/data/bench_model.jsonl` is empty).\n"
+    rows = ["| preset | seq x batch | labkit dense / HF sdpa (paired spread min-max) | sparse gain over dense | "
+            "losses dense / sparse / HF | load avg |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in recs:
+        s, g = r["ratio_paired_spread"], r["sparse_gain_paired_spread"]
+        rows.append(f"| {r['preset']} | {r['seq_len']} x {r['batch_size']} | {r['ratio']} ({s['min']}-{s['max']}) | "
+                    f"{r['sparse_gain']} ({g['min']}-{g['max']}) | {r['loss_dense']} / {r['loss_sparse']} / "
+                    f"{r['loss_hf_sdpa']} | {r['load_avg_1m']} |")
+    return "\n".join(rows) + "\n\nRecords:\n\n" + "".join(f"    {json.dumps(r)}\n" for r in recs)
+
+
+def bench_ddp() -> str:
+    recs = [r for r in _records("bench_ddp.jsonl") if r.get("benchmark") == "ddp"]
+    if not recs:
+        return "No record yet (`docs/data/bench_ddp.jsonl` is empty).\n"
+    rows = []
+    for r in recs:
+        s = r["efficiency_spread"]
+        rows.append(f"- `{r['model']}`, seq {r['seq_len']}, micro-batch {r['micro_batch_per_rank']} per rank, "
+                    f"{r['rounds']} paired rounds, load average {r['load_avg_1m']:.1f}: efficiency {r['value']:.3f} "
+                    f"(per-round min {s['min']:.3f}, median {s['median']:.3f}, max {s['max']:.3f}); 1 rank "
+                    f"{r['tokens_per_s_1rank']:,.0f} tokens/s, 2 ranks {r['tokens_per_s_2ranks']:,.0f}.")
+    return "\n".join(rows) + "\n\nRecords:\n\n" + "".join(f"    {json.dumps(r)}\n" for r in recs)
+
+
+BLOCKS = {("README.md", "demo-summary"): demo_summary,
+          ("docs/results.md", "lesson1-measured"): lesson1_measured,
+          ("docs/results.md", "lesson1-planner"): lesson1_planner,
+          ("docs/results.md", "parallel-planner"): parallel_planner,
+          ("docs/results.md", "lesson2-measured"): lesson2_measured,
+          ("docs/results.md", "lesson3-measured"): lesson3_measured,
+          ("docs/results.md", "lesson3-planner"): lesson3_planner,
+          ("docs/results.md", "lesson4-measured"): lesson4_measured,
+          ("docs/results.md", "lesson4-planner"): lesson4_planner,
+          ("docs/results.md", "lesson5-measured"): lesson5_measured,
+          ("docs/results.md", "lesson5-planner"): lesson5_planner,
+          ("docs/results.md", "one-story"): one_story,
+          ("docs/model.md", "bench-model"): bench_model,
+          ("docs/training.md", "bench-ddp"): bench_ddp}
+
+
+def render(text: str, name: str, body: str) -> str:
+    """``text`` with the block ``name`` replaced by ``body``; ValueError if its markers are missing."""
+    pattern = re.compile(rf"(<!-- generated:{re.escape(name)} -->\n).*?(<!-- /generated:{re.escape(name)} -->)",
+                         re.S)
+    if not pattern.search(text):
+        raise ValueError(f"{name}: markers <!-- generated:{name} --> ... <!-- /generated:{name} --> not found")
+    return pattern.sub(lambda m: m.group(1) + body + m.group(2), text)
+
+
+def generate() -> dict[str, str]:
+    """{relative path: regenerated text} for every file with a generated block."""
+    out: dict[str, str] = {}
+    for (path, name), fn in BLOCKS.items():
+        text = out.get(path) or (ROOT / path).read_text()
+        out[path] = render(text, name, fn())
+    return out
+
+
+def main(argv: list[str]) -> int:
+    stale = []
+    for path, text in generate().items():
+        if (ROOT / path).read_text() != text:
+            stale.append(path)
+            if "--check" not in argv:
+                (ROOT / path).write_text(text)
+    if "--check" in argv and stale:
+        print(f"stale generated docs: {', '.join(stale)} (run python docs/generate.py)")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

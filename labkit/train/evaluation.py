@@ -1,0 +1,80 @@
+"""Held-out evaluation of an MLM run: the loss on a fixed masked set, the same on every call.
+
+The set: the first ``max_sequences`` sequences of the shard set's held-out split
+(``labkit.data.heldout``: whole documents never in the training shards). Each sequence is
+masked once, on its own, by ``labkit.data.mlm.MLMCollator`` with seed 0 (not the run's seed,
+so runs of different seeds are scored on the same masks) and the run's masking probability
+(the collator seeds from the sequence's ids), so positions and replacements are the same at
+every evaluation and for any number of ranks. Rank r evaluates sequences r,
+r + world, ...; every rank runs the same number of forwards (a rank out of sequences repeats
+its first batch and discards it), which FSDP's per-forward all-gathers need.
+
+eval_loss = (sum over all ranks of the cross-entropy at every masked position) / (global
+number of masked positions), the same normalisation as the training loss, in nats;
+perplexity = exp(eval_loss). The model runs in ``eval()`` mode (no dropout) under
+``torch.no_grad`` and the run's autocast precision; its train/eval mode is restored after.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from labkit.train import dist
+
+
+class HeldoutSet:
+    """The fixed masked held-out set of one rank. ``batches``: list of dicts input_ids int64
+    [b, T], labels int64 [b, T] (-100 = not masked), attention_mask bool [b, T], on ``device``;
+    every rank holds ``n_batches`` (the same number on all ranks). ``n_sequences``: sequences of
+    the whole set (all ranks). Raises ``labkit.data.heldout.HeldoutError`` when the shard set has
+    no held-out split."""
+
+    def __init__(self, data_dir: str | os.PathLike, *, rank: int, world_size: int, vocab_size: int,
+                 mlm_probability: float, max_sequences: int, batch_size: int,
+                 device: torch.device, seed: int = 0) -> None:
+        from labkit.data.heldout import read_heldout
+        from labkit.data.mlm import MLMCollator
+
+        rows = read_heldout(data_dir, max_sequences)
+        collate = MLMCollator(vocab_size=vocab_size, mlm_probability=mlm_probability, seed=seed)
+        self.n_sequences = len(rows)
+        mine = [collate(rows[i:i + 1]) for i in range(rank, len(rows), world_size)]
+        per_rank = math.ceil(len(rows) / world_size)
+        self.n_batches = math.ceil(per_rank / batch_size)
+        self.batches = []
+        for k in range(0, len(mine), batch_size):
+            group = mine[k:k + batch_size]
+            self.batches.append({key: torch.cat([m[key] for m in group]).to(device) for key in group[0]})
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, heldout: HeldoutSet, *, precision: str = "fp32") -> dict[str, float]:
+    """Collective (every rank calls): {"eval_loss" (nats per masked token), "perplexity",
+    "eval_masked" (global masked positions), "eval_sequences"} of ``model`` on ``heldout``.
+    ``model`` may be DDP-wrapped (its module is called, so no DDP collective runs per forward)
+    or FSDP-sharded. ``precision``: "fp32", "bf16" or "fp16" autocast, as in training."""
+    module = dist.unwrap(model)
+    was_training = module.training
+    module.eval()
+    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]  # as the training step
+    device = next(module.parameters()).device
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, masked count]
+    try:
+        for k in range(heldout.n_batches):
+            real = k < len(heldout.batches)
+            if not heldout.batches:
+                break  # a rank without sequences runs no forward; only possible for unsharded models
+            batch = heldout.batches[k] if real else heldout.batches[0]
+            with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                out = module(batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+            if real:
+                total += torch.stack([out.loss_sum.double(), out.n_masked.double()])
+    finally:
+        module.train(was_training)
+    dist.all_reduce_sum(total)
+    loss = total[0].item() / max(1.0, total[1].item())
+    return {"eval_loss": loss, "perplexity": math.exp(loss) if loss < 700 else float("inf"),
+            "eval_masked": int(total[1].item()), "eval_sequences": heldout.n_sequences}
