@@ -1,4 +1,4 @@
-"""Resume refuses configuration drift (labkit/run_config.py, used by labkit/train.py)."""
+"""Resume refuses configuration drift (labkit/train/run_config.py, used by labkit/train/loop.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,39 @@
+"""What every config module shares: the special tokens, field validation, and dicts both ways."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+SPECIAL_TOKENS: tuple[str, ...] = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+"""Special tokens of every labkit tokenizer, in id order: [PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3,
+[MASK]=4 (BERT's names, arXiv:1810.04805 section 3)."""
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    """Raise ``ValueError("<name>: <message>")`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{name}: {message}")
+
+
+def _one_of(value: Any, name: str, allowed: tuple) -> None:
+    _require(value in allowed, name, f"got {value!r}; allowed values are {', '.join(map(repr, allowed))}")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A JSON-serialisable dict of a config dataclass (tuples become lists)."""
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(cls: type, data: dict[str, Any]) -> Any:
+    """Build ``cls`` from ``to_dict`` output; unknown keys raise ``ValueError`` naming them."""
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(names))
+    _require(not unknown, cls.__name__, f"unknown fields {unknown}; known fields are {sorted(names)}")
+    kwargs = {}
+    for key, value in data.items():
+        if isinstance(value, list) and "tuple" in str(names[key].type):
+            value = tuple(value)
+        kwargs[key] = value
+    return cls(**kwargs)
