@@ -1,5 +1,5 @@
 """The package's shape, checked from its source: no import cycles (imports inside functions
-included), files written only through ``labkit.io``, and citations
+included), no function over 100 lines, files written only through ``labkit.io``, and citations
 only of documents the repository contains."""
 
 from __future__ import annotations
@@ -120,6 +120,17 @@ def test_imports_run_one_way():
             elif len(dparts) == 2 and dparts[1] in ("lab", "plots", "report", "demo", "cli"):
                 bad.append(f"{mod} -> {dep} (the lab surface)")
     assert bad == []
+
+
+def test_no_function_over_100_lines():
+    long = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
+    assert long == []
 
 
 def test_files_are_replaced_only_in_labkit_io():

@@ -24,6 +24,7 @@ directory's config.json / data.json (``labkit.train.run_config``: one-line refus
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -172,37 +173,78 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
             dist.teardown()
 
 
-def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world: int,
-         device: torch.device, t_start: float) -> dict[str, Any]:
-    run_dir = pathlib.Path(cfg.run_dir)
-    index = read_index(cfg.data_dir)
+def _build_model(cfg: TrainConfig, index: dict, rank: int) -> tuple[Any, BertMLM]:
+    """The model config for the shards' vocabulary and ``BertMLM`` built from ``cfg.seed`` (the same
+    init on every rank), then each rank's own dropout stream seeded. ValueError when the shards'
+    sequence length exceeds the model's positions."""
     seq_len, vocab_size = int(index["seq_len"]), int(index["vocab_size"])
     overrides = {**cfg.model_overrides, **({"activation_checkpointing": True} if cfg.activation_checkpointing else {})}
     mcfg = model_config(cfg.model, vocab_size, **overrides)
     if seq_len > mcfg.max_position_embeddings:
         raise ValueError(f"model_overrides: shards in {cfg.data_dir} have seq_len {seq_len} > "
                          f"max_position_embeddings {mcfg.max_position_embeddings}")
-    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * world
     torch.manual_seed(cfg.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
     model = BertMLM(mcfg)
-    params = count_parameters(model)
-    fpt = flops_per_token(mcfg, seq_len, mlm_probability=cfg.mlm_probability)
     torch.manual_seed(cfg.seed + 1 + rank)  # dropout streams differ per rank
     random.seed(cfg.seed + 1 + rank)
     np.random.seed(cfg.seed + 1 + rank)
+    return mcfg, model
+
+
+def _restore(state: dict | None, model: torch.nn.Module, optimizer: Any, scaler: Any, sampler: Any, *,
+             rank: int, world: int, sharding: str, where: str) -> tuple[int, int, int, int]:
+    """Optimiser, scaler and sampler state from a checkpoint's ``state`` (None: a fresh run).
+    Returns (step, epoch, position in the epoch, tokens seen). ValueError when the checkpoint was
+    written by another world size or sharding (``where`` names it)."""
+    if state is None:
+        sampler.set_epoch(0)
+        return 0, 0, 0, 0
+    if len(state["ranks"]) != world:
+        raise ValueError(f"resume: checkpoint {where} was written by "
+                         f"{len(state['ranks'])} ranks; this run has {world} (set resume=False)")
+    if state.get("sharding", sharding) != sharding:
+        raise ValueError(f"sharding: checkpoint {where} was written with "
+                         f"{state.get('sharding')!r}, this run uses {sharding!r} (set resume=False)")
+    dist.load_optimizer_state_dict(model, optimizer, state["optimizer"])
+    scaler.load_state_dict(state["scaler"])
+    mine = state["ranks"][rank]
+    sampler.set_epoch(state["epoch"])
+    sampler.load_state_dict(mine["sampler"])
+    return state["step"], state["epoch"], mine["sampler"]["position"], state["tokens"]
+
+
+def _start_files(run_dir: pathlib.Path, cfg: TrainConfig, identity: dict, prov: dict, *, resumed: bool,
+                 step: int) -> pathlib.Path | None:
+    """Rank 0: config.json (earlier configs kept in configs/; provenance is not compared) and
+    metrics.jsonl cut back to the checkpoint's step. Returns the metrics file on rank 0, else None."""
+    if not dist.is_main():
+        return None
+    metrics_path = run_dir / "metrics.jsonl"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_run_config(run_dir, to_dict(cfg) | {"provenance": prov}, identity, atomic_write_json)
+    old = metrics_path.read_text().splitlines() if resumed and metrics_path.exists() else []
+    kept = [line for line in old if line.strip() and json.loads(line)["step"] <= step]
+    atomic_write_text(metrics_path, "".join(line + "\n" for line in kept))  # drop records after the checkpoint
+    return metrics_path
+
+
+def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world: int,
+         device: torch.device, t_start: float) -> dict[str, Any]:
+    """The run: build, resume, then the optimiser step, top to bottom, until ``stop``."""
+    run_dir = pathlib.Path(cfg.run_dir)
+    index = read_index(cfg.data_dir)
+    seq_len = int(index["seq_len"])
+    mcfg, model = _build_model(cfg, index, rank)
+    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * world
+    params = count_parameters(model)
+    fpt = flops_per_token(mcfg, seq_len, mlm_probability=cfg.mlm_probability)
 
     resume_step = (checkpoint_steps(run_dir) or [0])[-1] if cfg.resume else 0
     identity = data_identity(index)
     if resume_step:  # refuse to continue a run under another configuration (labkit.train.run_config)
         check_resume(run_dir, to_dict(cfg), identity, allow_safe_changes=cfg.allow_safe_changes)
     state = load_checkpoint(run_dir / "checkpoints" / f"step-{resume_step}", model) if resume_step else None
-    model = model.to(device)
-    if cfg.compile:
-        model.compile()  # in place: state_dict keys unchanged (no _orig_mod prefix)
-    model = dist.wrap_model(model, cfg, device)  # DDP, or FSDP2 fully_shard (in place)
-    optimizer = build_optimizer(model, cfg)  # AdamW, or ZeroRedundancyOptimizer (zero1)
-    scaler = dist.grad_scaler(model, device, enabled=cfg.precision == "fp16")
-    sharding = cfg.sharding if torch.distributed.is_initialized() else "none"  # one process: nothing to shard
+    model, optimizer, scaler, sharding = _parallelize(cfg, model, device)
     loader = make_loader(cfg.data_dir, batch_size=cfg.micro_batch_size, rank=rank, world_size=world,
                          seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=mcfg.vocab_size,
                          num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
@@ -210,35 +252,12 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                          verify=cfg.verify_data)  # refuses mismatched shards before any step
     sampler = _find_sampler(loader)
     heldout = _heldout_set(cfg, rank, world, mcfg.vocab_size, device)  # fixed masked held-out set
-    step, epoch, position, tokens_seen = 0, 0, 0, 0  # position: batches of this epoch consumed
-    if state is not None:
-        if len(state["ranks"]) != world:
-            raise ValueError(f"resume: checkpoint step-{resume_step} in {run_dir} was written by "
-                             f"{len(state['ranks'])} ranks; this run has {world} (set resume=False)")
-        if state.get("sharding", sharding) != sharding:
-            raise ValueError(f"sharding: checkpoint step-{resume_step} in {run_dir} was written with "
-                             f"{state.get('sharding')!r}, this run uses {sharding!r} (set resume=False)")
-        dist.load_optimizer_state_dict(model, optimizer, state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
-        step, epoch, tokens_seen = state["step"], state["epoch"], state["tokens"]
-        mine = state["ranks"][rank]
-        position = mine["sampler"]["position"]
-        sampler.set_epoch(epoch)
-        sampler.load_state_dict(mine["sampler"])
-    else:
-        sampler.set_epoch(epoch)
-
-    metrics_path = run_dir / "metrics.jsonl"
+    # position: batches of this epoch consumed
+    step, epoch, position, tokens_seen = _restore(state, model, optimizer, scaler, sampler, rank=rank, world=world,
+                                                  sharding=sharding, where=f"step-{resume_step} in {run_dir}")
     prov = provenance.collect(device, start_time=provenance.now_iso())  # collective: every rank's host, device
-    if dist.is_main():
-        run_dir.mkdir(parents=True, exist_ok=True)
-        # earlier configs kept in configs/; provenance (host, device, times) is not compared
-        save_run_config(run_dir, to_dict(cfg) | {"provenance": prov}, identity, atomic_write_json)
-        old = metrics_path.read_text().splitlines() if state is not None and metrics_path.exists() else []
-        kept = [line for line in old if line.strip() and json.loads(line)["step"] <= step]
-        # drop records logged after the checkpoint we resume from
-        atomic_write_text(metrics_path, "".join(line + "\n" for line in kept))
-    metrics_file = metrics_path if dist.is_main() else None  # appended to per record: no handle to leak
+    # rank 0 appends to metrics_file per record: no handle to leak
+    metrics_file = _start_files(run_dir, cfg, identity, prov, resumed=state is not None, step=step)
     batches_iter = _iterate(loader)
     if state is not None:
         _set_rng_state(state["ranks"][rank]["rng"])  # last, so nothing above consumes randomness
@@ -253,20 +272,14 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     model.train()
     while step < stop:
         timer.start()
-        # 1. fetch this rank's micro-batches, timing the wait
+        # 1. fetch this rank's micro-batches, timing the wait (a new epoch reshuffles)
         micro_batches, wait = [], 0.0
         for _ in range(cfg.grad_accum_steps):
             t0 = time.perf_counter()
-            try:
+            batch = next(batches_iter, None)
+            if batch is None:  # epoch over: reshuffle and start again
+                epoch, position, batches_iter = epoch + 1, 0, _next_epoch(loader, sampler, epoch + 1, cfg, world)
                 batch = next(batches_iter)
-            except StopIteration:  # epoch over: reshuffle and start again
-                epoch, position = epoch + 1, 0
-                sampler.set_epoch(epoch)
-                batches_iter = _iterate(loader)
-                batch = next(batches_iter, None)
-                if batch is None:
-                    raise ValueError(f"data_dir: {cfg.data_dir} holds too few sequences for "
-                                     f"micro_batch_size {cfg.micro_batch_size} x {world} ranks") from None
             position += 1
             micro_batches.append({k: v.to(device, non_blocking=True) for k, v in batch.items()})
             wait += time.perf_counter() - t0
@@ -282,23 +295,8 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         loss = summed[0].item() / max(1, n_masked.item())
         wait_mean = summed[1].item() / world
         # 3. unscale (fp16), clip the global grad norm, step; a non-finite loss (or, fp32/bf16,
-        #    grad norm) skips the step or raises. fp16 overflow in the grads alone is the
-        #    scaler's business: it skips that step and lowers the scale.
-        fp16 = cfg.precision == "fp16"
-        finite = math.isfinite(loss)
-        grad_norm = float("nan")
-        if finite or fp16:
-            scaler.unscale_(optimizer)
-            grad_norm = dist.clip_grad_norm(model, cfg.grad_clip or float("inf"))  # global norm, any sharding
-            finite = finite and (fp16 or math.isfinite(grad_norm))
-        if not finite and cfg.on_nonfinite == "raise":
-            raise FloatingPointError(f"step {step + 1}: non-finite loss {loss} / grad norm {grad_norm} "
-                                     "(on_nonfinite='raise')")
-        if finite or fp16:
-            scale = scaler.get_scale() if fp16 else 1.0
-            scaler.step(optimizer)  # fp16: skipped when the grads hold inf/nan
-            scaler.update()
-            finite = finite and not (fp16 and scaler.get_scale() < scale)
+        #    grad norm) skips the step or raises
+        grad_norm, finite = _clip_and_step(cfg, model, optimizer, scaler, loss, step)
         skipped += not finite
         optimizer.zero_grad(set_to_none=True)
         step += 1
@@ -312,34 +310,116 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
             tps = measure.tokens_per_s(n_tokens_i, step_time)
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
                       "step_tokens": n_tokens_i, "n_masked": int(n_masked.item()), "tokens_per_s": tps,
-                      "samples_per_s": measure.samples_per_s(global_batch, step_time),
-                      "step_time_s": step_time, "data_wait_s": wait_mean,
-                      "data_wait_fraction": measure.data_wait_fraction(wait_mean, step_time),
-                      "mfu": measure.mfu(tps, fpt, world, peak),
-                      "peak_mem_bytes": measure.peak_memory_bytes(device), "world_size": world,
-                      "global_batch_size": global_batch, "epoch": epoch, "skipped": not finite,
-                      **evaluated, "time": time.time()}
+                      **_rates(global_batch, step_time, wait_mean, device), "mfu": measure.mfu(tps, fpt, world, peak),
+                      "world_size": world, "global_batch_size": global_batch, "epoch": epoch,
+                      "skipped": not finite, **evaluated, "time": time.time()}
             measure.reset_peak_memory(device)
-            last_record = record
-            if metrics_file is not None:
-                with open(metrics_file, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-                if sink is not None:
-                    sink(record)
+            last_record = _log(record, metrics_file, sink)
         if cfg.checkpoints and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == stop):
-            save_checkpoint(run_dir, step, model,
-                            {"format": 1, "step": step, "epoch": epoch, "tokens": tokens_seen,
-                             "optimizer": dist.optimizer_state_dict(model, optimizer),  # collective
-                             "lr": lr_at(step, cfg), "scaler": scaler.state_dict(), "world_size": world,
-                             "sharding": sharding},
-                            # the batches consumed, in RankSampler's state format (labkit/data/mlm.py):
-                            # with workers the sampler itself runs ahead of the trainer
-                            {"rng": _rng_state(), "sampler": {**sampler.state_dict(), "epoch": epoch,
-                                                              "position": position}},
-                            keep=cfg.keep_checkpoints)
+            _save(cfg, run_dir, model, optimizer, scaler, sampler, step=step, epoch=epoch, position=position,
+                  tokens=tokens_seen, world=world, sharding=sharding)
 
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()] \
-        if dist.is_main() and metrics_path.exists() else [last_record]
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()] \
+        if metrics_file is not None and metrics_file.exists() else [last_record]
+    result = _result(cfg, records, timings, fpt=fpt, peak=peak, world=world, global_batch=global_batch, step=step,
+                     params=params, tokens_seen=tokens_seen, resume_step=resume_step, skipped=skipped, mcfg=mcfg,
+                     index=index, device=device, sharding=sharding, t_start=t_start, prov=prov)
+    if dist.is_main():
+        atomic_write_json(run_dir / "result.json", result)
+    return result
+
+
+def _parallelize(cfg: TrainConfig, model: torch.nn.Module, device: torch.device) -> tuple[Any, Any, Any, str]:
+    """Applied from outside the model, in this order: move to ``device``, ``torch.compile``
+    (``cfg.compile``; in place, so state-dict keys keep their names), wrap for data parallelism
+    (DDP, or FSDP2 ``fully_shard``), then the optimiser (AdamW, or ZeRO-1) and the fp16 grad
+    scaler. Returns (model, optimizer, scaler, sharding in effect: "none" in one process)."""
+    model = model.to(device)
+    if cfg.compile:
+        model.compile()  # in place: state_dict keys unchanged (no _orig_mod prefix)
+    model = dist.wrap_model(model, cfg, device)  # DDP, or FSDP2 fully_shard (in place)
+    optimizer = build_optimizer(model, cfg)  # AdamW, or ZeroRedundancyOptimizer (zero1)
+    scaler = dist.grad_scaler(model, device, enabled=cfg.precision == "fp16")
+    sharding = cfg.sharding if torch.distributed.is_initialized() else "none"  # one process: nothing to shard
+    return model, optimizer, scaler, sharding
+
+
+def _clip_and_step(cfg: TrainConfig, model: torch.nn.Module, optimizer: Any, scaler: Any, loss: float,
+                   step: int) -> tuple[float, bool]:
+    """Unscale (fp16), clip the global grad norm (correct under any sharding), step. Returns
+    (grad_norm, finite). A non-finite loss (or, in fp32/bf16, grad norm) skips the step, or raises
+    FloatingPointError with ``on_nonfinite="raise"``; an fp16 overflow in the grads alone is the
+    scaler's business: it skips that step and lowers the scale (finite is then False)."""
+    fp16 = cfg.precision == "fp16"
+    finite = math.isfinite(loss)
+    grad_norm = float("nan")
+    if finite or fp16:
+        scaler.unscale_(optimizer)
+        grad_norm = dist.clip_grad_norm(model, cfg.grad_clip or float("inf"))  # global norm, any sharding
+        finite = finite and (fp16 or math.isfinite(grad_norm))
+    if not finite and cfg.on_nonfinite == "raise":
+        raise FloatingPointError(f"step {step + 1}: non-finite loss {loss} / grad norm {grad_norm} "
+                                 "(on_nonfinite='raise')")
+    if finite or fp16:
+        scale = scaler.get_scale() if fp16 else 1.0
+        scaler.step(optimizer)  # fp16: skipped when the grads hold inf/nan
+        scaler.update()
+        finite = finite and not (fp16 and scaler.get_scale() < scale)
+    return grad_norm, finite
+
+
+def _log(record: dict, metrics_file: pathlib.Path | None, sink: Callable[[dict], None] | None) -> dict:
+    """Rank 0: append ``record`` to metrics.jsonl (opened per record: no handle to leak) and send
+    it to ``sink``. Returns the record."""
+    if metrics_file is not None:
+        with open(metrics_file, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if sink is not None:
+            sink(record)
+    return record
+
+
+def _save(cfg: TrainConfig, run_dir: pathlib.Path, model: torch.nn.Module, optimizer: Any, scaler: Any,
+          sampler: Any, *, step: int, epoch: int, position: int, tokens: int, world: int, sharding: str) -> None:
+    """Collective: checkpoint step-N (``labkit.train.checkpoint.save_checkpoint``) with the
+    optimiser (gathered), scaler, step, epoch and tokens, and per rank the RNG states and the
+    batches consumed, in RankSampler's state format (with workers the sampler itself runs ahead
+    of the trainer, so ``position`` is the trainer's)."""
+    save_checkpoint(run_dir, step, model,
+                    {"format": 1, "step": step, "epoch": epoch, "tokens": tokens,
+                     "optimizer": dist.optimizer_state_dict(model, optimizer),  # collective
+                     "lr": lr_at(step, cfg), "scaler": scaler.state_dict(), "world_size": world,
+                     "sharding": sharding},
+                    {"rng": _rng_state(), "sampler": {**sampler.state_dict(), "epoch": epoch, "position": position}},
+                    keep=cfg.keep_checkpoints)
+
+
+def _next_epoch(loader: Any, sampler: Any, epoch: int, cfg: TrainConfig, world: int) -> Any:
+    """A fresh iterator over ``loader`` for ``epoch`` (the sampler reshuffles). ValueError when
+    the shards hold fewer sequences than one batch of every rank."""
+    sampler.set_epoch(epoch)
+    batches = _iterate(loader)
+    first = next(batches, None)
+    if first is None:
+        raise ValueError(f"data_dir: {cfg.data_dir} holds too few sequences for "
+                         f"micro_batch_size {cfg.micro_batch_size} x {world} ranks")
+    return itertools.chain([first], batches)
+
+
+def _rates(global_batch: int, step_time: float, wait_mean: float, device: torch.device) -> dict[str, Any]:
+    """The per-step rates of a metrics record (docs/measurement.md)."""
+    return {"samples_per_s": measure.samples_per_s(global_batch, step_time), "step_time_s": step_time,
+            "data_wait_s": wait_mean, "data_wait_fraction": measure.data_wait_fraction(wait_mean, step_time),
+            "peak_mem_bytes": measure.peak_memory_bytes(device)}
+
+
+def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple[int, int, float, float]], *, fpt: float,
+            peak: float | None, world: int, global_batch: int, step: int, params: dict, tokens_seen: int,
+            resume_step: int, skipped: int, mcfg: Any, index: dict, device: torch.device, sharding: str,
+            t_start: float, prov: dict) -> dict[str, Any]:
+    """result.json: losses, the last held-out evaluation, throughput over the timed steps (after
+    ``cfg.timing_warmup_steps``), sizes and settings, and the provenance with the end time."""
+    seq_len, vocab_size = int(index["seq_len"]), int(index["vocab_size"])
     timed = timings[cfg.timing_warmup_steps:] or timings  # too short a run: time every step
     tok, samples, seconds, wait_s = (sum(t[i] for t in timed) for i in range(4))
     tps = measure.tokens_per_s(tok, seconds) if timed else None
@@ -361,6 +441,4 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
               "device": str(device), "precision": cfg.precision, "sharding": sharding,
               "activation_checkpointing": mcfg.activation_checkpointing, "wall_s": time.time() - t_start,
               "provenance": prov | {"end_time": provenance.now_iso()}}
-    if dist.is_main():
-        atomic_write_json(run_dir / "result.json", result)
     return result
