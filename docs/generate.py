@@ -10,8 +10,9 @@ Sources: the planner's blocks are deterministic functions of labkit's code; the 
 blocks read the files the measuring command wrote, kept under docs/data/:
 
 - ``docs/data/demo.json``: ``work/demo/demo.json`` written by ``make demo`` (``labkit demo``);
-  ``docs/data/loader.parquet``: ``work/demo/sweeps/loader.parquet`` written by the demo's
-  notebook 04 (the loader-worker sweep).
+  ``docs/data/loader.jsonl``: ``work/demo/sweeps/loader.parquet`` written by the demo's
+  notebook 04 (the loader-worker sweep), as JSON lines. ``python docs/generate.py --import
+  work/demo`` copies both from a demo's work directory, then regenerates.
 - ``docs/data/bench_model.jsonl`` / ``bench_ddp.jsonl``: the JSON lines printed by
   ``python benchmarks/bench_model.py`` / ``bench_ddp.py`` (one record per line).
 
@@ -144,10 +145,10 @@ def lesson2_measured() -> str:
 def lesson3_measured() -> str:
     import polars as pl
 
-    path = DATA / "loader.parquet"
+    path = DATA / "loader.jsonl"
     if not path.exists():
-        return "Loader sweep: no `docs/data/loader.parquet` (the demo's notebook 04 did not write one).\n"
-    df = pl.read_parquet(path).sort("num_workers")
+        return "Loader sweep: no `docs/data/loader.jsonl` (the demo's notebook 04 did not write one).\n"
+    df = pl.read_ndjson(path).sort("num_workers")
     cells = "; ".join(f"{r['num_workers']} workers: {r['data_wait_fraction']:.1%} wait, {r['samples_per_s']:,.0f} "
                       f"samples/s" for r in df.iter_rows(named=True))
     knee = df.filter(pl.col("knee"))["num_workers"].to_list()
@@ -330,7 +331,23 @@ def generate() -> dict[str, str]:
     return out
 
 
+def import_demo(workdir: str) -> None:
+    """Copy one demo run's measurements into docs/data: ``<workdir>/demo.json`` as demo.json and
+    ``<workdir>/sweeps/loader.parquet`` as loader.jsonl (one JSON row per line; Parquet, like every
+    generated table, stays out of git)."""
+    import polars as pl
+
+    work = pathlib.Path(workdir)
+    DATA.mkdir(parents=True, exist_ok=True)
+    (DATA / "demo.json").write_text((work / "demo.json").read_text())
+    loader = work / "sweeps" / "loader.parquet"
+    if loader.exists():
+        pl.read_parquet(loader).write_ndjson(DATA / "loader.jsonl")
+
+
 def main(argv: list[str]) -> int:
+    if "--import" in argv:  # python docs/generate.py --import work/demo
+        import_demo(argv[argv.index("--import") + 1])
     stale = []
     for path, text in generate().items():
         if (ROOT / path).read_text() != text:
