@@ -88,6 +88,15 @@ def _demo() -> dict:
     return json.loads((DATA / "demo.json").read_text())
 
 
+def _load(d: dict) -> str:
+    """How busy the machine was during the demo's rank sweep (its rows record the load average)."""
+    rows = d["sweep_ranks"]
+    loads = ", ".join(f"{r['load_avg_1m']:.1f}" for r in rows if r.get("load_avg_1m") is not None)
+    if any(r.get("busy") for r in rows):
+        return f"the machine was busy, 1-minute load {loads} on {rows[0]['cpu_count']} CPUs, so its rates are contaminated"
+    return f"1-minute load {loads} on {rows[0].get('cpu_count', '?')} CPUs during the rank sweep" if loads else "load not recorded"
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f} MB"
 
@@ -98,8 +107,8 @@ def demo_summary() -> str:
     p, t = d["preparation"], d["train"]
     ranks = {r["ranks"]: r for r in d["sweep_ranks"]}
     mb = {r["model"]: r for r in d["sweep_micro_batch"]}
-    return (f"On a 2-core VM without a GPU (`make demo`, {d['seconds']:.0f} s for the demo itself; shared with other\n"
-            f"jobs, so its rates are contaminated): {p['functions']:,} functions disassembled from {p['elf_files_read']}\n"
+    return (f"On a 2-core VM without a GPU (`make demo`, {d['seconds']:.0f} s for the demo itself; {_load(d)}):\n"
+            f"{p['functions']:,} functions disassembled from {p['elf_files_read']}\n"
             f"of this machine's ELF files, {p['documents_kept']:,} kept after cleaning and exact and near dedup,\n"
             f"{p['tokens'] / 1e6:.1f} M training tokens; function dataset {_mb(p['function_dataset_bytes'])} -> "
             f"training data {_mb(p['training_data_bytes'])}\n"
@@ -162,7 +171,7 @@ def lesson4_measured() -> str:
     r = {x["ranks"]: x for x in d["sweep_ranks"]}
     return ("| quantity | labkit here | study |\n| --- | --- | --- |\n"
             f"| weak-scaling efficiency, 1 → 2 ranks (CPU, gloo, `{r[1]['model']}`, micro-batch {r[1]['micro_batch_size']}, "
-            f"seq {d['train']['seq_len']}; shared machine) | {r[2]['efficiency']:.2f} | \"near-linear\" to 256 GPUs |\n"
+            f"seq {d['train']['seq_len']}; {_load(d)}) | {r[2]['efficiency']:.2f} | \"near-linear\" to 256 GPUs |\n"
             f"| tokens/s at 1 and 2 ranks | {r[1]['tokens_per_s']:,.0f} and {r[2]['tokens_per_s']:,.0f} | not reported |\n")
 
 
