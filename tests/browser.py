@@ -139,3 +139,32 @@ def run_all_and_watch(page, url: str, *, done_text: str, timeout_s: float = 240.
         if errors:
             raise AssertionError(f"the notebook failed: {errors[-1][-3000:]}")
         page.wait_for_timeout(int(every_s * 1000))
+
+
+REPORT_CHECK_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].map(gd => ({
+    traces: (gd.data || []).length,
+    shapes: ((gd.layout || {}).shapes || []).length,
+    shape_widths: [...gd.querySelectorAll('.shapelayer path')].map(p => parseFloat(getComputedStyle(p).strokeWidth)),
+    ticks: Object.fromEntries(['xtick', 'ytick', 'y2tick'].map(c =>
+        [c, [...gd.querySelectorAll('g.' + c + ' text')].map(t => t.textContent)])),
+}))"""
+"""Per drawn plotly figure: traces, layout shapes, the stroke width of each drawn shape, tick labels per axis."""
+
+
+def inspect_report(context, html: Path) -> dict:
+    """Open one exported report in ``context`` (a Playwright browser context, offline for the
+    tests) and return: failed_requests and remote_requests (URLs), charts_in_html (plotly divs
+    in the file), charts_drawn, and ``figures`` (``REPORT_CHECK_JS`` per drawn figure)."""
+    import re
+
+    page = context.new_page()
+    failed, remote = [], []
+    page.on("requestfailed", lambda r: failed.append(r.url))
+    page.on("request", lambda r: remote.append(r.url) if not r.url.startswith(("file:", "data:")) else None)
+    page.goto(html.resolve().as_uri(), wait_until="load")
+    page.wait_for_timeout(500)
+    figs = page.evaluate(REPORT_CHECK_JS)
+    page.close()
+    return {"failed_requests": failed, "remote_requests": remote,
+            "charts_in_html": len(re.findall(r'class="plotly-graph-div"', html.read_text())),
+            "charts_drawn": len(figs), "figures": figs}

@@ -131,41 +131,27 @@ def test_notebooks_execute_and_export_offline_reports(reports, workdir):
     assert re.search(r"┆ 184\s+│", shown), "the study's micro-batch (184) is not shown beside the plan"
 
 
-REPORT_CHECK_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].map(gd => ({
-    traces: (gd.data || []).length,
-    shapes: ((gd.layout || {}).shapes || []).length,
-    shape_widths: [...gd.querySelectorAll('.shapelayer path')].map(p => parseFloat(getComputedStyle(p).strokeWidth)),
-    ticks: Object.fromEntries(['xtick', 'ytick', 'y2tick'].map(c =>
-        [c, [...gd.querySelectorAll('g.' + c + ' text')].map(t => t.textContent)])),
-}))"""
-"""Per drawn plotly figure: traces, layout shapes, the stroke width of each drawn shape, tick labels per axis."""
+
 
 
 def test_reports_open_offline_in_chromium_with_every_reference_line_drawn(reports):
-    from browser import chromium, need_browser
+    from browser import chromium, inspect_report, need_browser
 
     need_browser()
     with chromium() as browser:
         context = browser.new_context()
         context.set_offline(True)  # the network is cut: anything a report fetches fails
         for name, html in reports.items():
-            page = context.new_page()
-            failed, remote = [], []
-            page.on("requestfailed", lambda r: failed.append(r.url))
-            page.on("request", lambda r: remote.append(r.url) if not r.url.startswith(("file:", "data:")) else None)
-            page.goto(html.resolve().as_uri(), wait_until="load")
-            page.wait_for_timeout(500)
-            figs = page.evaluate(REPORT_CHECK_JS)
-            expected = len(re.findall(r'class="plotly-graph-div"', html.read_text()))
-            assert failed == [] and remote == [], (name, failed, remote)
-            assert expected >= 1 and len(figs) == expected, (name, expected, len(figs))  # every chart drawn
+            r = inspect_report(context, html)
+            assert r["failed_requests"] == [] and r["remote_requests"] == [], (name, r)
+            assert r["charts_in_html"] >= 1 and r["charts_drawn"] == r["charts_in_html"], (name, r)  # every chart drawn
+            figs = r["figures"]
             for fig in figs:
                 assert len(fig["shape_widths"]) == fig["shapes"] and all(w > 0 for w in fig["shape_widths"]), (name, fig)
                 for axis, labels in fig["ticks"].items():
                     assert len(labels) == len(set(labels)), (name, axis, labels)  # no repeated tick label
             if name == "04_scaling":  # the 90 % line and the capacity line (the knee only when one is found)
                 assert sum(f["shapes"] for f in figs) >= 2, figs
-            page.close()
 
 
 # ---- in JupyterLab, driven by Chromium (tests/browser.py) ------------------------------------------
