@@ -1,0 +1,11 @@
+"""Measuring and predicting how pretraining scales.
+
+- ``labkit.study.plan``: the activation-memory model (``activation_terms``), model state under
+  ZeRO, the memory plan of one GPU, and the one largest-micro-batch search (``largest_fitting``);
+- ``labkit.study.parallel``: DP x TP x PP splits at the study's scale;
+- ``labkit.study.gpu``: the planner against a real GPU (needs CUDA);
+- ``labkit.study.scaling``: the data-parallel network model (bucketed ring all-reduce);
+- ``labkit.study.laws``: scaling-law fits and compute-optimal allocation;
+- ``labkit.study.loader_sweep``: DataLoader workers against a consumer of a planned step time;
+- ``labkit.study.sweeps``: the sweeps over a cluster (re-exported by ``labkit.lab``).
+"""
