@@ -264,8 +264,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from labkit.train.provenance import COMMAND_ENV
 
+    before = os.environ.get(COMMAND_ENV)
     os.environ[COMMAND_ENV] = shlex.join(["labkit", *argv])  # engines inherit it: provenance's command line
-    return _guarded(f"labkit {args.command}", args.func, args, _input_errors())
+    try:
+        return _guarded(f"labkit {args.command}", args.func, args, _input_errors())
+    finally:  # main() called in-process (tests, notebooks) must not leave it for later runs
+        if before is None:
+            os.environ.pop(COMMAND_ENV, None)
+        else:
+            os.environ[COMMAND_ENV] = before
 
 
 if __name__ == "__main__":
