@@ -22,3 +22,21 @@ def _no_leftover_process_group():
 if os.geteuid() == 0:  # CI runs as root; Open MPI refuses root unless told (MPI engines in the tests)
     os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads(request):
+    """A module marked ``pytestmark = pytest.mark.torch_threads(n)`` runs each test with n torch
+    threads; the count in force before is restored afterwards."""
+    marker = request.node.get_closest_marker("torch_threads")
+    if marker is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(marker.args[0])
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

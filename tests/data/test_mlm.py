@@ -20,12 +20,7 @@ from labkit.data.shards import SequenceReader, ShardError, write_rows
 V = 1000
 
 
-@pytest.fixture(autouse=True)
-def _threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.torch_threads(2)
 
 
 def write_tiny_shards(out_dir, rows: np.ndarray, vocab_size: int, per_shard: int) -> None:

@@ -15,12 +15,7 @@ V = 97
 KINDS = ["full", "sliding_window", "linformer", "linear"]
 
 
-@pytest.fixture(autouse=True)
-def _threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.torch_threads(2)
 
 
 def qkv(b=2, nh=2, t=12, q=8, seed=0):

@@ -18,12 +18,7 @@ from labkit.study import plan
 V = 97
 
 
-@pytest.fixture(autouse=True)
-def _threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.torch_threads(2)
 
 
 def tiny(**overrides):

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-import torch
 
 from labkit.config import ShardConfig, TokenizerConfig
 from labkit.study.loader_sweep import SCHEMA, knee, measure_step_time, planned_step_time, sweep_loader, workers_needed
@@ -22,12 +21,7 @@ from labkit.model import flops_per_token, model_config
 B = 16  # 394 sequences: 24 batches per epoch
 
 
-@pytest.fixture(autouse=True)
-def _threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.torch_threads(2)
 
 
 @pytest.fixture(scope="module")

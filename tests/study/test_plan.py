@@ -14,12 +14,7 @@ from labkit.study.plan import activation_bytes, max_micro_batch, model_state_byt
 SEQ = 32
 
 
-@pytest.fixture(autouse=True)
-def _two_threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.torch_threads(1)
 
 
 def _cfg(**kw):
