@@ -24,11 +24,12 @@ are kept: before a different config.json is written, the old one is moved to
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
 from typing import Any
+
+from labkit.io import sha256_bytes
 
 FREE_FIELDS = frozenset({"run_dir", "data_dir", "tokenizer_path", "num_workers", "num_threads", "backend",
                          "timeout_s", "verify_data", "resume", "allow_safe_changes", "stop_after", "trackers",
@@ -44,7 +45,7 @@ def data_identity(index: dict) -> dict[str, Any]:
     """What a shard set is, from its ``index.json`` dict: {"data_sha256" (sha256 of the ordered
     shard sha256s, held-out file included), "tokenizer_sha256", "seq_len", "vocab_size"}."""
     files = [s["sha256"] for s in index["shards"]] + [s["sha256"] for s in index.get("heldout", {}).get("shards", [])]
-    return {"data_sha256": hashlib.sha256(json.dumps(files).encode()).hexdigest(),
+    return {"data_sha256": sha256_bytes(json.dumps(files).encode()),
             "tokenizer_sha256": index["tokenizer_sha256"], "seq_len": index["seq_len"],
             "vocab_size": index["vocab_size"]}
 
