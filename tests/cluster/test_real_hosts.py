@@ -104,7 +104,10 @@ def test_node_loss_error_then_restart_and_resume(net, one_host, capsys):
     assert res["where_after"] == [["n1", "h1", 0], ["n2", "h2", 0]]
     assert res["engine_procs"] == {"h1": 1, "h2": 1}  # the orphan on h2 was ended when n2 returned
     # resumed from the last checkpoint before the loss, to the end, and to the same weights
-    assert res["resumed_from"] in (10, 20) and res["resumed_from"] <= res["down_at_step"] + 10
+    # a checkpoint step (every 10), taken before the link went down: the driver sees steps
+    # through the ~1 Hz live records, so the link can go down a few steps after down_at_step
+    assert res["resumed_from"] % 10 == 0 and 10 <= res["resumed_from"] < STEPS
+    assert res["resumed_from"] <= res["down_at_step"] + 10
     assert res["steps"] == STEPS and res["losses"] == one_host["losses"]
     mine, ref = _weights(net["dir"] / "node-loss" / "run", STEPS), _weights(one_host["run_dir"], STEPS)
     assert mine.keys() == ref.keys() and all(bool((mine[k] == ref[k]).all()) for k in ref)
