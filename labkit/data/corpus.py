@@ -111,11 +111,40 @@ def normalize_instruction(mnemonic: str, op_str: str) -> str:
 
 # --- discovery ----------------------------------------------------------------------------
 def _is_elf(path: str) -> bool:
+    """True when ``path`` starts with the ELF magic ``b"\\x7fELF"`` (False when unreadable)."""
     try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"\x7fELF"
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
+    try:
+        return os.read(fd, 4) == b"\x7fELF"
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _regular_files(root: str, out: list[tuple[str, int, int]]) -> None:
+    """Append ``(path, st_dev, st_ino)`` of every regular file below directory ``root`` to
+    ``out``, never following symlinks. One ``stat`` per directory (its entries share its
+    device), file types and inodes from the directory entries themselves (``os.scandir``)."""
+    stack = [root]
+    while stack:
+        top = stack.pop()
+        try:
+            dev = os.stat(top, follow_symlinks=False).st_dev
+            with os.scandir(top) as it:
+                entries = list(it)
+        except OSError:
+            continue
+        for e in entries:
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+                elif e.is_file(follow_symlinks=False):
+                    out.append((e.path, dev, e.inode()))
+            except OSError:
+                continue
 
 
 def find_elf_files(cfg: CorpusConfig) -> list[pathlib.Path]:
@@ -135,26 +164,22 @@ def find_elf_files(cfg: CorpusConfig) -> list[pathlib.Path]:
         if not os.path.exists(given):
             raise FileNotFoundError(f"CorpusConfig.paths: {given!r} does not exist")
         roots.append(pathlib.Path(given).resolve())
-    found: list[str] = []
+    found: list[tuple[str, int, int]] = []
     for root in sorted(set(roots)):
         if any(root.is_relative_to(other) for other in roots if other != root):
             continue  # inside another root (e.g. /lib resolved to /usr/lib): walked there
         if root.is_file():
-            found.append(str(root))
-            continue
-        for dirpath, _dirs, files in os.walk(root, followlinks=False):
-            found.extend(os.path.join(dirpath, name) for name in files)
+            st = os.stat(root)
+            found.append((str(root), st.st_dev, st.st_ino))
+        else:
+            _regular_files(str(root), found)
     seen: set[tuple[int, int]] = set()
     elf: list[pathlib.Path] = []
-    for path in sorted(set(found)):
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        if not (st.st_mode & 0o170000 == 0o100000) or (st.st_dev, st.st_ino) in seen:
-            continue  # not a regular file (symlink, socket, ...) or a second link to one we have
-        seen.add((st.st_dev, st.st_ino))
-        if st.st_size >= 4 and _is_elf(path):
+    for path, dev, ino in sorted(set(found)):
+        if (dev, ino) in seen:
+            continue  # a second link to a file we have
+        seen.add((dev, ino))
+        if _is_elf(path):
             elf.append(pathlib.Path(path))
     random.Random(cfg.seed).shuffle(elf)
     return elf[: cfg.max_files]
