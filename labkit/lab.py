@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import time
+from concurrent import futures
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,20 +43,21 @@ def _progress(total: int, desc: str, enabled: bool):
 
 
 def _wait_all(asyncs: list, desc: str, progress: bool, timeout: float | None = None) -> list:
-    """Wait for ipyparallel AsyncResults, advancing a progress bar as each finishes; engine
-    errors are raised here (``ipyparallel.error.RemoteError``) with the engine's traceback."""
+    """Wait for ipyparallel AsyncResults (``concurrent.futures.Future``s), advancing a progress
+    bar as each finishes; returns their results in order. The first engine error is raised as
+    soon as that task ends (``ipyparallel.error.RemoteError`` with the engine's traceback);
+    ``TimeoutError`` naming ``desc`` when tasks are unfinished after ``timeout`` seconds."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    done: set[int] = set()
+    pending = set(asyncs)
     with _progress(len(asyncs), desc, progress) as bar:
-        while len(done) < len(asyncs):
-            for i, ar in enumerate(asyncs):
-                if i not in done and ar.ready():
-                    ar.get()  # raises the engine's error, if any
-                    done.add(i)
-                    bar.update(1)
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"{desc}: {len(asyncs) - len(done)} engine tasks unfinished after {timeout} s")
-            time.sleep(0.1)
+        while pending:  # wakes as soon as a task ends; at least once a second (Ctrl-C, deadline)
+            left = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
+            done, pending = futures.wait(pending, timeout=left, return_when=futures.FIRST_COMPLETED)
+            for ar in done:
+                ar.get()  # raises the engine's error, if any
+            bar.update(len(done))
+            if pending and deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"{desc}: {len(pending)} engine tasks unfinished after {timeout} s")
     return [ar.get() for ar in asyncs]
 
 
