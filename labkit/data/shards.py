@@ -37,7 +37,7 @@ from labkit.data.heldout import split_keep, write_heldout
 from labkit.io import atomic_write, atomic_write_bytes, atomic_write_npy, sha256_bytes, sha256_file
 from labkit.data.pack import (CLS_ID, PAD_ID, SEP_ID, doc_stream, pack_documents, pack_group, pack_rows,  # noqa: F401
                               plan_groups)
-from labkit.data.tokenize import (LineCache, encode_flat, line_separable, load_tokenizer, text_row_count,
+from labkit.data.tokenize import (encode_flat, line_separable, load_tokenizer, process_line_cache, text_row_count,
                                   tokenizer_sha256)
 
 FORMAT = "labkit-shards"
@@ -115,7 +115,7 @@ def encode_part(docs_path: str, tokenizer_path: str, parts_dir: str, part: int, 
     What each engine runs on its parts. A finished part -- marker present, same rows and
     tokenizer sha256, files of the recorded size and sha256 -- is not encoded again; the marker
     is returned with ``"skipped": True``. Reads ``batch_docs`` rows per polars slice and encodes
-    them with ``labkit.data.tokenize.encode_flat`` (each distinct line once for a line-separable
+    them with ``labkit.data.tokenize.encode_flat`` (each distinct line once per process, ``process_line_cache``, for a line-separable
     WordPiece tokenizer, else one ``encode_batch`` call). Returns the marker: {"part", "start", "stop", "n_docs"
     (non-null), "n_tokens", "dtype", "tokenizer_sha256", "ids": {"file", "n_bytes", "sha256"},
     "lens": {...}, "skipped"}.
@@ -129,7 +129,7 @@ def encode_part(docs_path: str, tokenizer_path: str, parts_dir: str, part: int, 
         return done | {"skipped": True}
     marker.unlink(missing_ok=True)
     tok = _checked_tokenizer(tokenizer_path)
-    separable, cache = line_separable(tok), LineCache()
+    separable, cache = line_separable(tok), process_line_cache(tok_sha)
     bound = id_bound(tok)
     dtype = shard_dtype(bound)
     lf = pl.scan_parquet(docs_path).select("text")

@@ -195,17 +195,26 @@ def unk_rate(tokenizer: Tokenizer, texts: Iterable[str]) -> float:
 
 def unk_report(tokenizer: Tokenizer, texts: list[str], *, top: int = 10) -> dict:
     """UNK rate of ``texts`` and what became [UNK]: {"tokens", "unk_tokens", "unk_rate",
-    "unk_examples": {text span: count} of the ``top`` most frequent spans mapped to [UNK]}."""
-    encodings = tokenizer.encode_batch(list(texts), add_special_tokens=False)
+    "unk_examples": {text span: count} of the ``top`` most frequent spans mapped to [UNK]}. For a
+    ``line_separable`` tokenizer each distinct line is encoded once and counted with its number
+    of occurrences (the same numbers, far fewer encodings on disassembly)."""
+    texts, weights = list(texts), None
+    if texts and line_separable(tokenizer):  # each distinct line once, weighted by its count: the same sums
+        lines = (pl.DataFrame({"text": pl.Series(texts, dtype=pl.Utf8)})
+                 .select(pl.col("text").str.split("\n", inclusive=True).alias("line")).explode("line")
+                 .drop_nulls("line").group_by("line").len().sort("line"))
+        texts, weights = lines["line"].to_list(), lines["len"].to_list()
+    encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
     counts: dict[str, int] = {}
     total = unk = 0
-    for text, enc in zip(texts, encodings):
-        total += len(enc.ids)
+    for k, (text, enc) in enumerate(zip(texts, encodings)):
+        w = 1 if weights is None else weights[k]
+        total += w * len(enc.ids)
         for i in (i for i, t in enumerate(enc.ids) if t == UNK_ID):
-            unk += 1
+            unk += w
             a, b = enc.offsets[i]
             span = text[a:b][:40]
-            counts[span] = counts.get(span, 0) + 1
+            counts[span] = counts.get(span, 0) + w
     examples = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top])
     return {"tokens": total, "unk_tokens": unk, "unk_rate": unk / total if total else 0.0, "unk_examples": examples}
 
@@ -230,13 +239,24 @@ def line_separable(tokenizer: Tokenizer) -> bool:
             and all("\n" not in t["content"] for t in spec.get("added_tokens", [])))
 
 
+MAX_CACHED_LINES = 1 << 18
+"""Distinct lines a ``LineCache`` holds before it starts over (about 30 MB of lines and ids for
+disassembly), so its memory is bounded whatever the corpus size."""
+
+
 class LineCache:
     """Ids of every distinct line encoded so far (for ``encode_flat`` on a line-separable
     tokenizer): a polars table line -> code plus the ids of all codes back to back. Holds state
-    across batches, so a line is encoded once per cache (``encode_part`` keeps one per part,
-    which bounds its memory)."""
+    across batches, so a line is encoded once per cache; when a batch would take it past
+    ``max_lines`` distinct lines it is emptied first (memory bounded, ids unchanged).
+    ``encode_part`` uses one per process and tokenizer (``process_line_cache``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_lines: int = MAX_CACHED_LINES) -> None:
+        self.max_lines = max_lines
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every line."""
         self.table = pl.DataFrame(schema={"line": pl.Utf8, "code": pl.Int64})
         self.ids = np.empty(0, dtype=np.int64)
         self.lengths = np.empty(0, dtype=np.int64)
@@ -244,7 +264,11 @@ class LineCache:
     def codes(self, tokenizer: Tokenizer, lines: pl.DataFrame) -> np.ndarray:
         """Codes (int64, one per row of ``lines``' ``line`` column), encoding unseen lines first."""
         encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
-        new = lines.select(pl.col("line").unique()).join(self.table, on="line", how="anti")
+        unique = lines.select(pl.col("line").unique())
+        new = unique.join(self.table, on="line", how="anti")
+        if self.table.height and self.table.height + new.height > self.max_lines:
+            self.clear()
+            new = unique
         if new.height:
             ids = [e.ids for e in encode(new["line"].to_list(), add_special_tokens=False)]
             lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
@@ -254,6 +278,19 @@ class LineCache:
             self.ids = np.concatenate([self.ids, flat])
             self.lengths = np.concatenate([self.lengths, lengths])
         return lines.join(self.table, on="line", how="left", maintain_order="left")["code"].to_numpy()
+
+
+_PROCESS_CACHE: dict[str, LineCache] = {}
+
+
+def process_line_cache(tokenizer_sha256: str) -> LineCache:
+    """This process's ``LineCache`` for the tokenizer with file digest ``tokenizer_sha256``: an
+    engine encoding many parts encodes each distinct line once, not once per part. One tokenizer's
+    cache is kept at a time (a new digest replaces it)."""
+    if tokenizer_sha256 not in _PROCESS_CACHE:
+        _PROCESS_CACHE.clear()
+        _PROCESS_CACHE[tokenizer_sha256] = LineCache()
+    return _PROCESS_CACHE[tokenizer_sha256]
 
 
 def encode_flat(tokenizer: Tokenizer, texts: list[str], *, separable: bool | None = None,

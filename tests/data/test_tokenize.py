@@ -3,6 +3,7 @@ checked against transformers' PreTrainedTokenizerFast loading the same tokenizer
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import random
@@ -13,8 +14,8 @@ import polars as pl
 import pytest
 
 from labkit.config import SPECIAL_TOKENS, TokenizerConfig
-from labkit.data.tokenize import (iter_texts, load_tokenizer, split_rows, text_row_count, tokenizer_sha256,
-                                  train_tokenizer, unk_rate, unk_report)
+from labkit.data.tokenize import (LineCache, encode_flat, iter_texts, load_tokenizer, process_line_cache, split_rows,
+                                  text_row_count, tokenizer_sha256, train_tokenizer, unk_rate, unk_report)
 
 KINDS = ("wordpiece", "bpe", "unigram")
 
@@ -155,6 +156,32 @@ def test_unk_rate(trained):
     assert unk_rate(tok, ["mov rax, é"]) == pytest.approx(1 / 4)
     assert unk_rate(tok, []) == 0.0
     assert unk_rate(load_tokenizer(trained["bpe"]), ["mov rax, é"]) == 0.0
+
+
+def test_unk_report_by_distinct_lines_equals_encoding_each_text(trained, corpus):
+    """The WordPiece report encodes each distinct line once, weighted by its count: the numbers
+    equal those of encoding every text whole (counted here by hand)."""
+    tok = load_tokenizer(trained["wordpiece"])
+    texts = corpus[1][:50] + ["mov rax, é\nmov rax, é\n", "é", "", "ret\n\nQ\u0301 ☃"]
+    rep = unk_report(tok, texts)
+    encs = tok.encode_batch(texts, add_special_tokens=False)
+    spans = collections.Counter(t[a:b][:40] for t, e in zip(texts, encs)
+                                for i, (a, b) in zip(e.ids, e.offsets) if i == SPECIAL_TOKENS.index("[UNK]"))
+    assert rep["tokens"] == sum(len(e.ids) for e in encs) > 400
+    assert rep["unk_tokens"] == sum(spans.values()) == 5 and rep["unk_examples"] == dict(spans)
+
+
+def test_a_full_line_cache_starts_over_with_the_same_ids(trained, corpus):
+    tok = load_tokenizer(trained["wordpiece"])
+    texts = corpus[1]
+    ref = tok.encode_batch(texts, add_special_tokens=False)
+    small = LineCache(max_lines=7)  # far fewer than the distinct lines: emptied on almost every batch
+    for lo in range(0, len(texts), 40):
+        ids, lengths = encode_flat(tok, texts[lo:lo + 40], cache=small)
+        assert lengths.tolist() == [len(e.ids) for e in ref[lo:lo + 40]]
+        assert ids.tolist() == [i for e in ref[lo:lo + 40] for i in e.ids]
+        assert small.table.height <= max(7, len({ln for t in texts[lo:lo + 40] for ln in t.splitlines(True)}))
+    assert process_line_cache("a") is process_line_cache("a") is not process_line_cache("b")
 
 
 def test_errors_name_the_problem(tmp_path, corpus):
