@@ -114,9 +114,10 @@ class DedupConfig:
     """Estimated Jaccard similarity at or above which a candidate is a near duplicate."""
     seed: int = 1
     """Seed of the MinHash permutations."""
-    batch_rows: int = 16_384
-    """Documents whose texts are read and hashed at once (signatures): bounds memory, never
-    changes the result."""
+    batch_rows: int = 4096
+    """Documents whose texts are read and hashed at once (filters, signatures): bounds memory,
+    never changes the result. A few thousand keep the per-word arrays at a few MB, faster than
+    larger batches (``benchmarks/bench_prep_scale.py`` runs with this default)."""
     max_bucket: int = 64
     """LSH buckets are sorted by document (corpus order); each document is compared with the
     next ``max_bucket`` documents of its bucket (every pair when a bucket holds at most

@@ -103,31 +103,45 @@ def _fmix32(h: np.ndarray) -> np.ndarray:
     return h ^ (h >> np.uint32(16))
 
 
-def signatures(texts: Iterable[str], cfg: DedupConfig = DedupConfig(), *, chunk_shingles: int = 1 << 16) -> np.ndarray:
+def signatures(texts: Iterable[str], cfg: DedupConfig = DedupConfig(), *, chunk_docs: int = 512,
+               chunk_shingles: int = 1 << 11) -> np.ndarray:
     """MinHash signatures, uint32 array of shape [n_docs, cfg.num_perm]: per permutation
     (a, b) of datasketch's ``MinHash(num_perm, seed, scheme="affine32").permutations``, the
     minimum over the document's shingle hashes h of a * fmix32(h) + b mod 2^32 -- exactly what
     ``datasketch.MinHash(hashfunc=int, scheme="affine32").update_batch(hashes)`` computes
     (tests/data/test_dedup.py checks it), done for many documents at once. A document without
-    words gets all 2^32 - 1 (datasketch's empty MinHash). Memory: ``chunk_shingles`` * num_perm * 4 bytes.
+    words gets all 2^32 - 1 (datasketch's empty MinHash).
+
+    Memory, whatever the number of texts: the shingles of ``chunk_docs`` documents (about 100 B
+    per word in temporaries) and ``chunk_shingles`` * num_perm * 4 bytes (1 MiB at the defaults,
+    one core's L2 cache) for the permuted hashes. Neither chunk size changes the result.
     """
     texts = list(texts)
-    hashes, offsets = shingle_hashes(texts, cfg.shingle_size)
     a, b = MinHash(num_perm=cfg.num_perm, seed=cfg.seed, scheme=_SCHEME).permutations
     a, b = a.astype(np.uint32), b.astype(np.uint32)
-    mixed = _fmix32(hashes)
     out = np.full((len(texts), cfg.num_perm), np.uint32(0xFFFFFFFF), dtype=np.uint32)
+    for first in range(0, len(texts), chunk_docs):
+        hashes, offsets = shingle_hashes(texts[first:first + chunk_docs], cfg.shingle_size)
+        _min_permuted(_fmix32(hashes), offsets, a, b, out[first:first + chunk_docs], chunk_shingles)
+    return out
+
+
+def _min_permuted(mixed: np.ndarray, offsets: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray,
+                  chunk_shingles: int) -> None:
+    """``out[d] = min over document d's hashes h of a * h + b mod 2^32`` (uint32, in place), for
+    the documents of ``offsets`` (int64 [n + 1]); ``out`` rows of documents without shingles are
+    left as they are. ``chunk_shingles`` hashes at a time."""
+    n = len(offsets) - 1
     doc = 0
-    while doc < len(texts):
+    while doc < n:
         stop = int(np.searchsorted(offsets, offsets[doc] + chunk_shingles, side="right")) - 1
-        stop = min(max(stop, doc + 1), len(texts))
+        stop = min(max(stop, doc + 1), n)
         lo, hi = offsets[doc], offsets[stop]
         if hi > lo:
             phv = mixed[lo:hi, None] * a[None, :] + b[None, :]  # [n_shingles, num_perm], wraps mod 2^32
             nonempty = np.flatnonzero(offsets[doc + 1:stop + 1] > offsets[doc:stop]) + doc
             out[nonempty] = np.minimum.reduceat(phv, offsets[nonempty] - lo, axis=0)
         doc = stop
-    return out
 
 
 def candidate_probability(jaccard: float, cfg: DedupConfig = DedupConfig()) -> float:

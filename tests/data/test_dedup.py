@@ -115,6 +115,7 @@ def test_vectorised_signatures_equal_datasketch_minhash():
     sigs = signatures(texts, cfg, chunk_shingles=97)  # tiny chunks: documents straddle none, results identical
     assert sigs.dtype == np.uint32 and sigs.shape == (len(texts), cfg.num_perm)
     np.testing.assert_array_equal(sigs, signatures(texts, cfg))
+    np.testing.assert_array_equal(sigs, signatures(texts, cfg, chunk_docs=7))  # chunks of documents: the same rows
     for i, text in enumerate(texts):
         mine = hashes[offsets[i]:offsets[i + 1]]
         assert len(set(mine.tolist())) == len(shingles(text, cfg.shingle_size)), i
