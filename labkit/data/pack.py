@@ -27,6 +27,8 @@ from labkit.config import SPECIAL_TOKENS
 from labkit.io import atomic_write_bytes, sha256_bytes, sha256_file
 
 PAD_ID, CLS_ID, SEP_ID = (SPECIAL_TOKENS.index(t) for t in ("[PAD]", "[CLS]", "[SEP]"))
+SLICE_DOCS = 4096
+"""Documents of a part read and packed at once by ``pack_group`` (bounds its memory)."""
 
 
 def doc_stream(ids_per_doc: list) -> np.ndarray:
@@ -123,7 +125,8 @@ def pack_group(plan: dict, group: int) -> list[dict]:
     into its shards, in part order; what each engine runs. A shard whose marker
     (``<parts_dir>/shard-<k>.json``) names this plan and whose file has the bytes it would
     write is not written again. Returns the shards' infos {"plan", "file", "n_sequences",
-    "n_bytes", "sha256", "n_tokens"} in order. Memory: one part's ids plus one shard of rows."""
+    "n_bytes", "sha256", "n_tokens"} in order. Memory: ``SLICE_DOCS`` documents' ids plus one
+    shard of rows, whatever the part and corpus sizes."""
     g = plan["groups"][group]
     seq_len, per_shard = plan["seq_len"], plan["rows_per_shard"]
     keep = np.load(plan["keep_path"], mmap_mode="r")
@@ -143,11 +146,18 @@ def pack_group(plan: dict, group: int) -> list[dict]:
         lens = np.fromfile(Path(p["dir"]) / p["lens"]["file"], dtype="<i4").astype(np.int64)
         rows = np.arange(p["start"], p["stop"])
         sel = np.asarray(keep[p["start"]:p["stop"]]) & (rows >= g["start"]) & (rows < g["stop"])
-        ids = np.fromfile(Path(p["dir"]) / p["ids"]["file"], dtype=np.dtype(p["dtype"]).newbyteorder("<"))
-        token_keep = np.repeat(sel, np.maximum(lens, 0))  # [n_tokens of the part]
-        stream = np.concatenate([carry, with_seps(ids[token_keep].astype(np.int64), lens[sel])])
-        rows, carry = pack_rows(stream, seq_len, final=False)
-        pending = flush(np.concatenate([pending, rows.astype(dtype)]), final=False)
+        ids_dtype = np.dtype(p["dtype"]).newbyteorder("<")
+        first_token = np.concatenate([[0], np.cumsum(np.maximum(lens, 0))])  # [rows + 1]
+        for a in range(0, len(lens), SLICE_DOCS):  # the stream is cut the same wherever slices end
+            b = min(a + SLICE_DOCS, len(lens))
+            if not sel[a:b].any():
+                continue
+            ids = np.fromfile(Path(p["dir"]) / p["ids"]["file"], dtype=ids_dtype,
+                              count=int(first_token[b] - first_token[a]), offset=int(first_token[a]) * ids_dtype.itemsize)
+            token_keep = np.repeat(sel[a:b], np.maximum(lens[a:b], 0))  # [tokens of rows a..b]
+            stream = np.concatenate([carry, with_seps(ids[token_keep].astype(np.int64), lens[a:b][sel[a:b]])])
+            packed, carry = pack_rows(stream, seq_len, final=False)
+            pending = flush(np.concatenate([pending, packed.astype(dtype)]), final=False)
     flush(np.concatenate([pending, pack_rows(carry, seq_len, final=True)[0].astype(dtype)]), final=True)
     if len(shards) != g["n_shards"]:
         raise RuntimeError(f"pack_group {group}: wrote {len(shards)} shards, planned {g['n_shards']}")

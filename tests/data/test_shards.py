@@ -100,9 +100,12 @@ def test_write_shards_matches_reference(inputs, tmp_path):
     assert verify_shards(tmp_path) == index
 
 
-def test_streaming_tiny_batches_and_parts_give_the_same_bytes(inputs, tmp_path):
+def test_streaming_tiny_batches_and_parts_give_the_same_bytes(inputs, tmp_path, monkeypatch):
+    import labkit.data.pack
+
     docs_path, tok_path, _ = inputs
     for b, part in ((3, 7), (10_000, 10_000)):
+        monkeypatch.setattr(labkit.data.pack, "SLICE_DOCS", 2 if b == 3 else 4096)  # packing slices too
         write_shards(docs_path, tok_path, str(tmp_path / str(b)),
                      ShardConfig(seq_len=12, sequences_per_shard=5, batch_docs=b, part_docs=part), progress=False)
     small, large = sorted((tmp_path / "3").iterdir()), sorted((tmp_path / "10000").iterdir())
