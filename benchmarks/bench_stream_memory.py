@@ -5,7 +5,7 @@ scanned glob collected at once; signatures of every text at once), at two corpus
 
 Input: this machine's libc functions (``tests.data.test_shards.libc_functions``) repeated with a
 distinct last line per copy until the corpus holds N documents, written as Parquet parts of
-PART_ROWS rows. Each measurement runs in a fresh process; the number is its ``ru_maxrss`` (MiB),
+PART_ROWS rows. Each measurement runs in a fresh process; the number is its own peak RSS (``labkit.measure.peak_rss_bytes``, MiB),
 which includes the interpreter and libraries (the ``baseline`` row: imports and the read of the
 ids only). Reported (no goal). Run from the repository root:
 python benchmarks/bench_stream_memory.py
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,7 @@ def child(mode: str, corpus_glob: str, out: str) -> None:
     from labkit.config import CleanConfig, DedupConfig
     from labkit.data.clean import clean, clean_corpus
     from labkit.data.dedup import signature_part, signatures
+    from labkit.measure import peak_rss_bytes
 
     if mode == "baseline":
         pl.scan_parquet(corpus_glob).select("id").collect()
@@ -66,7 +66,7 @@ def child(mode: str, corpus_glob: str, out: str) -> None:
     elif mode == "signatures_streamed":
         n = pl.scan_parquet(corpus_glob).select(pl.len()).collect().item()
         signature_part(corpus_glob, 0, n, DedupConfig(batch_rows=BATCH), out)
-    print(json.dumps({"mode": mode, "peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))
+    print(json.dumps({"mode": mode, "peak_mib": round(peak_rss_bytes() / 2**20, 1)}))
 
 
 def main() -> None:

@@ -19,8 +19,10 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a CUDA call needs it: engines reading their RSS never load it
+    import torch
 
 PEAK_FLOPS: dict[tuple[str, str], float] = {
     # Dense tensor-core peaks in FLOP/s per GPU; dense = half of NVIDIA's with-sparsity figure.
@@ -63,6 +65,8 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
     CPU or for an unlisted device/precision."""
     if device.type != "cuda":
         return None
+    import torch
+
     kind = device_kind(torch.cuda.get_device_name(device))
     return PEAK_FLOPS.get((kind, precision)) if kind else None
 
@@ -102,19 +106,40 @@ def scaling_efficiency(throughput_n: float, throughput_1: float, n: int) -> floa
     return throughput_n / (n * throughput_1)
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory in bytes: ``torch.cuda.max_memory_allocated`` on a CUDA device (reset it per
-    window with ``reset_peak_memory``); else the process's peak resident set size from
-    ``getrusage`` (ru_maxrss is KiB on Linux, bytes on macOS), which cannot be reset."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size in bytes: ``VmHWM`` of ``/proc/self/status`` on
+    Linux; elsewhere ``getrusage`` ``ru_maxrss`` (bytes on macOS, KiB on other systems).
+
+    Not ``ru_maxrss`` on Linux: it carries the peak of the process that forked this one across
+    ``exec`` (an engine or rank started from a 1 GiB notebook kernel reports at least 1 GiB,
+    tests/test_measure.py shows it), while ``VmHWM`` belongs to this program's own memory."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # "VmHWM:   123456 kB"
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory in bytes: ``torch.cuda.max_memory_allocated`` on a CUDA device (reset it per
+    window with ``reset_peak_memory``); else the process's peak resident set size
+    (``peak_rss_bytes``), which is not reset."""
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(device))
+    return peak_rss_bytes()
 
 
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak-memory window (CUDA only; the RSS peak is process-lifetime)."""
     if device.type == "cuda":
+        import torch
+
         torch.cuda.reset_peak_memory_stats(device)
 
 
@@ -131,6 +156,8 @@ class StepTimer:
 
     def _now(self) -> float:
         if self.device.type == "cuda":
+            import torch
+
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import resource
-
 import pytest
 import torch
 
@@ -43,13 +41,29 @@ def test_rates_and_data_wait_fraction():
 
 
 def test_peak_memory_on_cpu_is_the_process_peak_rss():
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     got = measure.peak_memory_bytes(torch.device("cpu"))
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    assert before <= got <= after
+    assert got == measure.peak_rss_bytes()
     big = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB, touched
     assert measure.peak_memory_bytes(torch.device("cpu")) >= big.numel() * 4
     measure.reset_peak_memory(torch.device("cpu"))  # a no-op on CPU, must not raise
+
+
+def test_a_child_process_peak_rss_is_its_own_not_its_parents():
+    """A process started from one holding 600 MiB more: getrusage's ru_maxrss reports the
+    parent's peak (carried across fork and exec), ``peak_rss_bytes`` the child's own (Python,
+    torch and labkit: about 230 MiB)."""
+    import json
+    import subprocess
+    import sys
+
+    big = bytearray(600 * 2**20)
+    big[::4096] = b"\1" * len(big[::4096])  # touch every page
+    code = ("import json, resource; from labkit import measure; "
+            "print(json.dumps([measure.peak_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024]))")
+    own, inherited = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                               check=True).stdout)
+    assert inherited >= 600 * 2**20 and own <= inherited - 300 * 2**20
+    del big
 
 
 def test_step_timer_needs_start():
