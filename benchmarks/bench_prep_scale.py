@@ -18,7 +18,8 @@ pools (then a single engine already uses every core in its multi-threaded steps)
 clock starts, every engine imports the stage modules (capstone, pyelftools, datasketch, HF
 tokenizers, polars); the seconds that took are reported as ``engine_warmup_s``, not in a stage.
 
-Per stage: wall seconds, documents in, documents/s per engine (documents in / seconds /
+Per stage: wall seconds, documents in (extract: the functions extracted, before growing; the
+tokenizer: the documents it trained on), documents/s per engine (documents in / seconds /
 engines), peak RSS per engine so far (``labkit.measure.peak_rss_bytes``, the engine process's own
 ``VmHWM``: getrusage's ``ru_maxrss`` would carry this driver's peak into the engines it starts;
 the maximum over engines, in MiB; cumulative over the stages run so far), bytes in and out (files read and
@@ -140,6 +141,12 @@ def _prepare_engines(client) -> float:
     return round(max(a.get() for a in asyncs), 2)
 
 
+def _count(stage: dict, docs_in: int, engines: int) -> None:
+    """Set a stage's documents in, and its documents/s per engine from them."""
+    stage["documents_in"] = docs_in
+    stage["docs_per_s_per_engine"] = round(docs_in / stage["seconds"] / engines, 1)
+
+
 def run(size: int, engines: int, root: Path) -> dict:
     from labkit.cluster import get_client, start_cluster, stop_cluster
 
@@ -167,7 +174,7 @@ def run(size: int, engines: int, root: Path) -> dict:
                                                            chunks_per_engine=chunks, progress=False),
                        n_docs, 0, work / "corpus")
         stages["extract"]["bytes_in"] = corpus["raw_bytes"]
-        stages["extract"]["documents_in"] = corpus["functions"]
+        _count(stages["extract"], corpus["functions"], engines)  # the functions extracted, not the target
         grown = _grow_corpus(work, n_docs)
         n = corpus["documents"] + grown
         corpus_bytes = _dir_bytes(work / "corpus", "part-*.parquet")
@@ -175,15 +182,17 @@ def run(size: int, engines: int, root: Path) -> dict:
                       n, corpus_bytes, work / "clean" / "docs.parquet")
         clean_bytes = stages["clean_dedup"]["bytes_out"]
         tok_cfg = TokenizerConfig(max_train_docs=TOKENIZER_DOCS)
-        stage("tokenizer", lambda: lab.build_tokenizer(client, tok_cfg, str(work)), clean["kept"],
-              clean_bytes, work / "tokenizer" / "tokenizer.json")
+        tok = stage("tokenizer", lambda: lab.build_tokenizer(client, tok_cfg, str(work)), clean["kept"],
+                    clean_bytes, work / "tokenizer" / "tokenizer.json")
+        tok_stats = json.loads(Path(tok).with_name("tokenizer.stats.json").read_text())
+        _count(stages["tokenizer"], tok_stats["train_docs"], engines)  # the sample it trained on
         index = stage("encode_pack", lambda: lab.build_shards(client, ShardConfig(), str(work), progress=False),
                       clean["kept"], clean_bytes, work / "shards", "shard-*.bin")
     finally:
         stop_cluster(cluster)
     total = sum(s["seconds"] for s in stages.values())
     return {"size": size, "engines": engines, "one_core_per_engine": ONE_CORE, "engine_warmup_s": warmup,
-            "tokenizer_train_docs": min(TOKENIZER_DOCS, clean["kept"]), "documents": n, "real_functions": corpus["functions"],
+            "tokenizer_train_docs": tok_stats["train_docs"], "documents": n, "real_functions": corpus["functions"],
             "grown_documents": grown, "kept": clean["kept"], "dropped": clean["dropped"],
             "partitions": clean["partitions"], "tokens": index["n_tokens"], "shards": len(index["shards"]),
             "seconds": round(total, 2), "seconds_per_doc": total / n,

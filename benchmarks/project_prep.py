@@ -4,13 +4,14 @@ record: the largest corpus run with the most engines gives documents/s per engin
 
 Assumptions (docs/data_path.md lists them with the table): the study's 2 TB holds functions at
 this machine's ELF bytes per function (``ELF_BYTES_PER_FUNCTION``); its 12.5 B tokens at the
-measured tokens per kept document give the kept documents; extraction costs per ELF byte at the
-measured MB/s per engine, cleaning and dedup per input document, encoding and packing per kept
+measured tokens per kept document give the kept documents; extraction costs per function at the
+measured functions/s per engine (per byte would count the bytes of files whose functions the
+benchmark's per-file cap left unread), cleaning and dedup per input document, encoding and packing per kept
 document, each spread evenly over the 256 engines at the measured per-engine rate (linear cost:
 ``cost_ratio_16x_1x``); the tokenizer trains on its bounded sample on one engine; an engine is
 as fast as one core of this machine; the one-engine steps (components, packing plan) are
 estimated in memory, not time.
-Run from the repository root: python benchmarks/project_prep.py docs/prep_scale.jsonl
+Run from the repository root: python benchmarks/project_prep.py docs/data/prep_scale.jsonl
 Prints a Markdown table, then one JSON line.
 """
 
@@ -31,8 +32,9 @@ ELF_BYTES_PER_FUNCTION = 2.1e9 / 546e3
 (docs/log.md, 2026-11-30): the study's 2 TB then holds about 520 M functions."""
 
 
-def main() -> None:
-    records = [json.loads(line) for line in Path(sys.argv[1]).read_text().splitlines() if line.strip()]
+def project(records: list[dict]) -> tuple[str, dict]:
+    """(Markdown table, summary dict) of the projection from ``bench_prep_scale.py`` records: the
+    largest size run with the most engines gives the rates."""
     run = max((r for r in records if "stages" in r), key=lambda r: (r["size"], r["engines"]))
     st, e = run["stages"], run["engines"]
     tokens_per_doc = run["tokens"] / run["kept"]
@@ -40,9 +42,9 @@ def main() -> None:
     docs = STUDY_BYTES / ELF_BYTES_PER_FUNCTION
     near_share = run["dropped"].get("near_duplicate", 0) / run["documents"]
     sample = min(kept, TokenizerConfig().max_train_docs)
-    mb_per_s = st["extract"]["bytes_in"] / st["extract"]["seconds"] / e / 1e6
-    rows = [("extract", f"{STUDY_BYTES / 1e12:.0f} TB of ELF", f"{mb_per_s:.1f} MB/s", ENGINES,
-             STUDY_BYTES / (mb_per_s * 1e6 * ENGINES)),
+    fn_per_s = st["extract"]["docs_per_s_per_engine"]  # functions extracted per second per engine
+    rows = [("extract", f"{STUDY_BYTES / 1e12:.0f} TB of ELF ({docs:,.0f} functions)", f"{fn_per_s:,.0f} functions/s",
+             ENGINES, docs / (fn_per_s * ENGINES)),
             ("clean + exact and near dedup", f"{docs:,.0f} documents",
              f"{st['clean_dedup']['docs_per_s_per_engine']:,.0f} docs/s", ENGINES,
              docs / (st["clean_dedup"]["docs_per_s_per_engine"] * ENGINES)),
@@ -57,11 +59,10 @@ def main() -> None:
     after_exact = docs * (1 - sum(n for k, n in run["dropped"].items()
                               if k != "near_duplicate") / run["documents"])
     p_near = n_partitions(int(after_exact * cfg.near_dedup.bands), BAND_ENTRY_BYTES, cfg.near_dedup.memory_mb, ENGINES)
-    print("| stage | input | measured rate per engine (here) | engines | projected minutes |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for name, n_in, rate, engines, sec in rows:
-        print(f"| {name} | {n_in} | {rate} | {engines} | {sec / 60:.1f} |")
-    print(f"| **all** | | | | **{total / 60:.1f}** |")
+    lines = ["| stage | input | measured rate per engine (here) | engines | projected minutes |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {name} | {n_in} | {rate} | {engines} | {sec / 60:.1f} |" for name, n_in, rate, engines, sec in rows]
+    lines.append(f"| **all** | | | | **{total / 60:.1f}** |")
     out = {"bench": "project_prep", "from": {"size": run["size"], "engines": e, "documents": run["documents"]},
            "tokens_per_kept_doc": round(tokens_per_doc, 1), "study_kept_docs": round(kept),
            "study_input_docs": round(docs), "engines": ENGINES, "minutes": round(total / 60, 1),
@@ -71,6 +72,13 @@ def main() -> None:
            "components_mib_one_engine": round(near_share * docs * (2 * 16 + 80) / 2**20),
            "pack_plan_mib_one_engine": round(kept * (8 + 1 + 40) / 2**20),
            "peak_rss_mib_per_engine_here": run["peak_rss_mib_per_engine"]}
+    return "\n".join(lines) + "\n", out
+
+
+def main() -> None:
+    records = [json.loads(line) for line in Path(sys.argv[1]).read_text().splitlines() if line.strip()]
+    table, out = project(records)
+    print(table, end="")
     print(json.dumps(out))
 
 

@@ -15,11 +15,14 @@ blocks read the files the measuring command wrote, kept under docs/data/:
   work/demo`` copies both from a demo's work directory, then regenerates.
 - ``docs/data/bench_model.jsonl`` / ``bench_ddp.jsonl``: the JSON lines printed by
   ``python benchmarks/bench_model.py`` / ``bench_ddp.py`` (one record per line).
+- ``docs/data/prep_scale.jsonl``: the output of ``python benchmarks/bench_prep_scale.py``;
+  ``prep_scale_default_threads.jsonl`` that of ``BENCH_SIZES=16 BENCH_ONE_CORE_PER_ENGINE=0
+  python benchmarks/bench_prep_scale.py``; the projection is ``benchmarks/project_prep.py``'s.
 
 Blocks: ``demo-summary`` (README.md); ``lesson1-measured``, ``lesson1-planner``, ``parallel-planner``, ``lesson2-measured``,
 ``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``,
 ``lesson5-measured``, ``lesson5-planner``, ``one-story`` (docs/results.md); ``bench-model`` (docs/model.md);
-``bench-ddp`` (docs/training.md).
+``bench-ddp`` (docs/training.md); ``prep-scale``, ``prep-projection`` (docs/data_path.md).
 """
 
 from __future__ import annotations
@@ -306,6 +309,73 @@ def bench_ddp() -> str:
     return "\n".join(rows) + "\n\nRecords:\n\n" + "".join(f"    {json.dumps(r)}\n" for r in recs)
 
 
+def _prep_runs(name: str) -> tuple[dict[tuple[int, int], dict], dict]:
+    recs = _records(name)
+    return {(r["size"], r["engines"]): r for r in recs if "stages" in r}, next(r for r in recs if "goals" in r)
+
+
+def prep_scale() -> str:
+    runs, summary = _prep_runs("prep_scale.jsonl")
+    default_runs, default_summary = _prep_runs("prep_scale_default_threads.jsonl")
+    keys = sorted(runs)
+    big = max(s for s, _ in keys)
+    rows = ["| | " + " | ".join(f"{s}x, {e} engine{'s' if e > 1 else ''}" for s, e in keys) + " |",
+            "| --- |" + " ---: |" * len(keys)]
+    for label, fn in (("documents in", lambda r: f"{r['documents']:,}"),
+                      ("real functions", lambda r: f"{r['real_functions']:,}"),
+                      ("kept", lambda r: f"{r['kept']:,}"),
+                      ("seconds, whole preparation", lambda r: f"{r['seconds']:.1f}"),
+                      ("peak RSS per engine (MiB)", lambda r: f"{r['peak_rss_mib_per_engine']:.0f}")):
+        rows.append(f"| {label} | " + " | ".join(fn(runs[k]) for k in keys) + " |")
+    one, two = runs[(big, 1)]["stages"], runs[(big, 2)]["stages"]
+    names = {"extract": "extract", "clean_dedup": "clean and dedup", "tokenizer": "tokenizer",
+             "encode_pack": "encode and pack"}
+    per_stage = ", ".join(f"{names[k]} {one[k]['seconds']:.1f} / {two[k]['seconds']:.1f}" for k in one)
+    sp = summary["speedup_2_engines_per_stage"]
+    dsp = default_summary["speedup_2_engines_per_stage"]
+    met = summary["met"]
+    rss_4, rss_16 = runs[(4, 2)]["peak_rss_mib_per_engine"], runs[(big, 2)]["peak_rss_mib_per_engine"]
+    return (
+        "\n".join(rows) + "\n\n"
+        f"At {big}x, seconds with 1 / 2 engines: {per_stage}. Per engine with 2 engines: "
+        f"{two['extract']['docs_per_s_per_engine']:,.0f} functions/s extracted, "
+        f"{two['clean_dedup']['docs_per_s_per_engine']:,.0f} documents/s cleaned and deduplicated, "
+        f"{two['encode_pack']['docs_per_s_per_engine']:,.0f} documents/s encoded and packed; the tokenizer "
+        f"trained on {runs[(big, 2)]['tokenizer_train_docs']:,} documents; engine warm-up "
+        f"{runs[(big, 2)]['engine_warmup_s']} s. Load average when the run ended: {summary['load_average_1min']} "
+        f"(the benchmark's own engines). Against the goals:\n\n"
+        f"- `cost_ratio_16x_1x` = {summary['cost_ratio_16x_1x']} (goal: at most 1.2): "
+        f"{'met' if met['cost_ratio_16x_1x'] else 'not met'}.\n"
+        f"- `speedup_2_engines` = {summary['speedup_2_engines']} (goal: at least 1.7): "
+        f"{'met' if met['speedup_2_engines'] else 'not met'}. Per stage: "
+        + ", ".join(f"{names[k]} {v}" for k, v in sp.items())
+        + f"; without the tokenizer {summary['speedup_2_engines_without_tokenizer']}.\n"
+        f"- `rss_ratio_16x_4x` = {summary['rss_ratio_16x_4x']} ({rss_16:.0f} / {rss_4:.0f} MiB, 2 engines; goal: at "
+        f"most 1.25): {'met' if met['rss_ratio_16x_4x'] else 'not met'}.\n"
+        f"- Default thread pools (`docs/data/prep_scale_default_threads.jsonl`): `speedup_2_engines` = "
+        f"{default_summary['speedup_2_engines']}; per stage "
+        + ", ".join(f"{names[k]} {v}" for k, v in dsp.items()) + ".\n")
+
+
+def prep_projection() -> str:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("project_prep", ROOT / "benchmarks" / "project_prep.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    table, out = module.project(_records("prep_scale.jsonl"))
+    return (table + "\n"
+            f"Kept documents: {out['study_kept_docs']:,} (12.5 B tokens at the measured {out['tokens_per_kept_doc']} "
+            f"tokens per kept document). Partitions: {out['partitions']['exact']} for exact dedup "
+            f"({out['docs_per_partition']['exact'] / 1e6:.2f} M documents each) and {out['partitions']['near']} for "
+            f"band buckets ({out['docs_per_partition']['near'] / 1e6:.2f} M documents each), each within the 256 MiB "
+            f"budgets. One-engine steps that grow with the corpus, estimated, not timed: connected components about "
+            f"{out['components_mib_one_engine'] / 1024:.1f} GiB ({out['near_duplicate_share']:.1%} of documents near "
+            f"duplicates, 16 B per edge and the Python ids of those documents); the packing plan about "
+            f"{out['pack_plan_mib_one_engine'] / 1024:.2f} GiB (lengths, selection and balance columns of the kept "
+            "documents).\n").replace("%", " %")
+
+
 BLOCKS = {("README.md", "demo-summary"): demo_summary,
           ("docs/results.md", "lesson1-measured"): lesson1_measured,
           ("docs/results.md", "lesson1-planner"): lesson1_planner,
@@ -319,7 +389,9 @@ BLOCKS = {("README.md", "demo-summary"): demo_summary,
           ("docs/results.md", "lesson5-planner"): lesson5_planner,
           ("docs/results.md", "one-story"): one_story,
           ("docs/model.md", "bench-model"): bench_model,
-          ("docs/training.md", "bench-ddp"): bench_ddp}
+          ("docs/training.md", "bench-ddp"): bench_ddp,
+          ("docs/data_path.md", "prep-scale"): prep_scale,
+          ("docs/data_path.md", "prep-projection"): prep_projection}
 
 
 def render(text: str, name: str, body: str) -> str:
