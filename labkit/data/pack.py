@@ -152,8 +152,8 @@ def pack_group(plan: dict, group: int) -> list[dict]:
             b = min(a + SLICE_DOCS, len(lens))
             if not sel[a:b].any():
                 continue
-            ids = np.fromfile(Path(p["dir"]) / p["ids"]["file"], dtype=ids_dtype,
-                              count=int(first_token[b] - first_token[a]), offset=int(first_token[a]) * ids_dtype.itemsize)
+            n_tokens, skip = int(first_token[b] - first_token[a]), int(first_token[a]) * ids_dtype.itemsize
+            ids = np.fromfile(Path(p["dir"]) / p["ids"]["file"], dtype=ids_dtype, count=n_tokens, offset=skip)
             token_keep = np.repeat(sel[a:b], np.maximum(lens[a:b], 0))  # [tokens of rows a..b]
             stream = np.concatenate([carry, with_seps(ids[token_keep].astype(np.int64), lens[a:b][sel[a:b]])])
             packed, carry = pack_rows(stream, seq_len, final=False)

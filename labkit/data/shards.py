@@ -115,8 +115,9 @@ def encode_part(docs_path: str, tokenizer_path: str, parts_dir: str, part: int, 
     What each engine runs on its parts. A finished part -- marker present, same rows and
     tokenizer sha256, files of the recorded size and sha256 -- is not encoded again; the marker
     is returned with ``"skipped": True``. Reads ``batch_docs`` rows per polars slice and encodes
-    them with ``labkit.data.tokenize.encode_flat`` (each distinct line once per process, ``process_line_cache``, for a line-separable
-    WordPiece tokenizer, else one ``encode_batch`` call). Returns the marker: {"part", "start", "stop", "n_docs"
+    them with ``labkit.data.tokenize.encode_flat``: for a line-separable WordPiece tokenizer each
+    distinct line once per process (``process_line_cache``), else one ``encode_batch`` call.
+    Returns the marker: {"part", "start", "stop", "n_docs"
     (non-null), "n_tokens", "dtype", "tokenizer_sha256", "ids": {"file", "n_bytes", "sha256"},
     "lens": {...}, "skipped"}.
     """
