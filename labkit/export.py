@@ -55,10 +55,9 @@ def _model_config(cfg: TrainConfig, result: dict | None) -> ModelConfig:
     if result and result.get("model_config"):
         return from_dict(ModelConfig, result["model_config"])
     from labkit.data.shards import read_index
-    from labkit.model import model_config
+    from labkit.train.run_config import model_config_of
 
-    overrides = {**cfg.model_overrides, **({"activation_checkpointing": True} if cfg.activation_checkpointing else {})}
-    return model_config(cfg.model, int(read_index(cfg.data_dir)["vocab_size"]), **overrides)
+    return model_config_of(cfg, int(read_index(cfg.data_dir)["vocab_size"]))
 
 
 def hf_tokenizer_files(tokenizer_path: str | os.PathLike, *, model_max_length: int) -> dict[str, str]:

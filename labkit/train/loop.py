@@ -41,11 +41,11 @@ from labkit.config import TrainConfig, to_dict
 from labkit.data.mlm import make_loader
 from labkit.data.shards import read_index
 from labkit.io import atomic_write_json, atomic_write_text
-from labkit.model import BertMLM, count_parameters, flops_per_token, model_config
+from labkit.model import BertMLM, count_parameters, flops_per_token
 from labkit.train import dist, provenance, sinks
 from labkit.train.checkpoint import _rng_state, _set_rng_state, checkpoint_steps, load_checkpoint, save_checkpoint
 from labkit.train.optim import build_optimizer, lr_at
-from labkit.train.run_config import check_resume, data_identity, save_run_config
+from labkit.train.run_config import check_resume, data_identity, model_config_of, save_run_config
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -178,8 +178,7 @@ def _build_model(cfg: TrainConfig, index: dict, rank: int) -> tuple[Any, BertMLM
     init on every rank), then each rank's own dropout stream seeded. ValueError when the shards'
     sequence length exceeds the model's positions."""
     seq_len, vocab_size = int(index["seq_len"]), int(index["vocab_size"])
-    overrides = {**cfg.model_overrides, **({"activation_checkpointing": True} if cfg.activation_checkpointing else {})}
-    mcfg = model_config(cfg.model, vocab_size, **overrides)
+    mcfg = model_config_of(cfg, vocab_size)
     if seq_len > mcfg.max_position_embeddings:
         raise ValueError(f"model_overrides: shards in {cfg.data_dir} have seq_len {seq_len} > "
                          f"max_position_embeddings {mcfg.max_position_embeddings}")

@@ -107,3 +107,14 @@ def save_run_config(run_dir: str | os.PathLike, new: dict, new_data: dict, write
             write_json(history / f"config-{k}.json", old)
     write_json(path, new)
     write_json(run_dir / "data.json", new_data)
+
+
+def model_config_of(cfg: Any, vocab_size: int) -> Any:
+    """The ``ModelConfig`` a run of ``cfg`` (a ``TrainConfig``) builds for a vocabulary of
+    ``vocab_size``: the preset ``cfg.model`` with ``cfg.model_overrides``, and activation
+    checkpointing on when ``cfg.activation_checkpointing`` is set. The one place the rule is
+    written (training and export both build the model from it)."""
+    from labkit.model import model_config
+
+    overrides = {**cfg.model_overrides, **({"activation_checkpointing": True} if cfg.activation_checkpointing else {})}
+    return model_config(cfg.model, vocab_size, **overrides)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from labkit.config import to_dict
+from labkit.config import TrainConfig, to_dict
 from labkit.train.run_config import FREE_FIELDS, SAFE_FIELDS, config_drift
 from labkit.train import train
 from test_loop import read_metrics, tiny_cfg
@@ -67,3 +68,14 @@ def test_every_result_changing_field_is_compared():
             f"{key}: {data[key]!r} -> 'x'"]
     assert config_drift(base, {**base, "eval_every": 5}, data, data, allow_safe_changes=True) == []
     assert not FREE_FIELDS & SAFE_FIELDS
+
+
+def test_model_config_of_is_the_preset_with_overrides_and_activation_checkpointing():
+    from labkit.model import model_config
+    from labkit.train.run_config import model_config_of
+
+    cfg = TrainConfig(data_dir="d", run_dir="r", model="tiny", model_overrides={"num_layers": 1})
+    plain = model_config_of(cfg, 300)
+    assert plain == model_config("tiny", 300, num_layers=1) and not plain.activation_checkpointing
+    on = model_config_of(dataclasses.replace(cfg, activation_checkpointing=True), 300)
+    assert on == model_config("tiny", 300, num_layers=1, activation_checkpointing=True)
