@@ -15,7 +15,6 @@ from labkit import lab
 from tiny_shards import write_tiny_shards
 
 HERE = pathlib.Path(__file__).resolve().parent
-TESTS = os.pathsep.join([str(HERE), str(HERE.parent)])  # engines import this module and tests/ helpers
 
 
 def _info(eid, node, local_id=None, host=None):
@@ -60,15 +59,6 @@ def test_assign_ranks_ties_on_local_id_break_by_engine_id_and_errors():
 
 
 # ---------------------------------------------------------------- real cluster
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    cl = C.start_cluster(2, env={"PYTHONPATH": TESTS})
-    try:
-        yield cl
-    finally:
-        C.stop_cluster(cl)
 
 
 @pytest.fixture

@@ -8,24 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import signal
 
 import pytest
 
 from labkit import cluster as C
-
-HERE = pathlib.Path(__file__).resolve().parent
-TESTS = os.pathsep.join([str(HERE), str(HERE.parent)])  # engines import this module and tests/ helpers
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    cl = C.start_cluster(2, env={"PYTHONPATH": TESTS})
-    try:
-        yield cl
-    finally:
-        C.stop_cluster(cl)
 
 
 def _weighted_sum(run_dir, total_steps, sink=None):
