@@ -49,7 +49,7 @@ def _wait_all(asyncs: list, desc: str, progress: bool, timeout: float | None = N
     ``TimeoutError`` naming ``desc`` when tasks are unfinished after ``timeout`` seconds."""
     deadline = None if timeout is None else time.monotonic() + timeout
     pending = set(asyncs)
-    with _progress(len(asyncs), desc, progress) as bar:
+    with _progress(len(pending), desc, progress) as bar:
         while pending:  # wakes as soon as a task ends; at least once a second (Ctrl-C, deadline)
             left = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
             done, pending = futures.wait(pending, timeout=left, return_when=futures.FIRST_COMPLETED)

@@ -197,8 +197,12 @@ def unk_report(tokenizer: Tokenizer, texts: list[str], *, top: int = 10) -> dict
     """UNK rate of ``texts`` and what became [UNK]: {"tokens", "unk_tokens", "unk_rate",
     "unk_examples": {text span: count} of the ``top`` most frequent spans mapped to [UNK]}. For a
     ``line_separable`` tokenizer each distinct line is encoded once and counted with its number
-    of occurrences (the same numbers, far fewer encodings on disassembly)."""
+    of occurrences (the same numbers, far fewer encodings on disassembly). Raises TypeError
+    naming the first text that is not a str."""
     texts, weights = list(texts), None
+    bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+    if bad is not None:
+        raise TypeError(f"unk_report: texts[{bad}] is {type(texts[bad]).__name__}, not str")
     if texts and line_separable(tokenizer):  # each distinct line once, weighted by its count: the same sums
         lines = (pl.DataFrame({"text": pl.Series(texts, dtype=pl.Utf8)})
                  .select(pl.col("text").str.split("\n", inclusive=True).alias("line")).explode("line")

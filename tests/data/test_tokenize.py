@@ -169,6 +169,8 @@ def test_unk_report_by_distinct_lines_equals_encoding_each_text(trained, corpus)
                                 for i, (a, b) in zip(e.ids, e.offsets) if i == SPECIAL_TOKENS.index("[UNK]"))
     assert rep["tokens"] == sum(len(e.ids) for e in encs) > 400
     assert rep["unk_tokens"] == sum(spans.values()) == 5 and rep["unk_examples"] == dict(spans)
+    with pytest.raises(TypeError, match=r"texts\[1\] is NoneType"):
+        unk_report(tok, ["ret\n", None])
 
 
 def test_a_full_line_cache_starts_over_with_the_same_ids(trained, corpus):
