@@ -17,7 +17,9 @@ blocks read the files the measuring command wrote, kept under docs/data/:
   ``python benchmarks/bench_model.py`` / ``bench_ddp.py`` (one record per line).
 - ``docs/data/prep_scale.jsonl``: the output of ``python benchmarks/bench_prep_scale.py``;
   ``prep_scale_default_threads.jsonl`` that of ``BENCH_SIZES=16 BENCH_ONE_CORE_PER_ENGINE=0
-  python benchmarks/bench_prep_scale.py``; the projection is ``benchmarks/project_prep.py``'s.
+  python benchmarks/bench_prep_scale.py``; ``prep_scale_before.jsonl`` that of ``BENCH_SIZES=16
+  python benchmarks/bench_prep_scale.py`` at commit 0cdd4a4; the projection is
+  ``benchmarks/project_prep.py``'s.
 
 Blocks: ``demo-summary`` (README.md); ``lesson1-measured``, ``lesson1-planner``, ``parallel-planner``, ``lesson2-measured``,
 ``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``,
@@ -317,6 +319,8 @@ def _prep_runs(name: str) -> tuple[dict[tuple[int, int], dict], dict]:
 def prep_scale() -> str:
     runs, summary = _prep_runs("prep_scale.jsonl")
     default_runs, default_summary = _prep_runs("prep_scale_default_threads.jsonl")
+    before_runs, before = _prep_runs("prep_scale_before.jsonl")
+    before_run = before_runs[max(before_runs)]
     keys = sorted(runs)
     big = max(s for s, _ in keys)
     rows = ["| | " + " | ".join(f"{s}x, {e} engine{'s' if e > 1 else ''}" for s, e in keys) + " |",
@@ -342,8 +346,8 @@ def prep_scale() -> str:
         f"{two['clean_dedup']['docs_per_s_per_engine']:,.0f} documents/s cleaned and deduplicated, "
         f"{two['encode_pack']['docs_per_s_per_engine']:,.0f} documents/s encoded and packed; the tokenizer "
         f"trained on {runs[(big, 2)]['tokenizer_train_docs']:,} documents; engine warm-up "
-        f"{runs[(big, 2)]['engine_warmup_s']} s. Load average when the run ended: {summary['load_average_1min']} "
-        f"(the benchmark's own engines). Against the goals:\n\n"
+        f"{runs[(big, 2)]['engine_warmup_s']} s. Load average (1 min) when the run ended: "
+        f"{summary['load_average_1min']}. Against the goals:\n\n"
         f"- `cost_ratio_16x_1x` = {summary['cost_ratio_16x_1x']} (goal: at most 1.2): "
         f"{'met' if met['cost_ratio_16x_1x'] else 'not met'}.\n"
         f"- `speedup_2_engines` = {summary['speedup_2_engines']} (goal: at least 1.7): "
@@ -353,8 +357,13 @@ def prep_scale() -> str:
         f"- `rss_ratio_16x_4x` = {summary['rss_ratio_16x_4x']} ({rss_16:.0f} / {rss_4:.0f} MiB, 2 engines; goal: at "
         f"most 1.25): {'met' if met['rss_ratio_16x_4x'] else 'not met'}.\n"
         f"- Default thread pools (`docs/data/prep_scale_default_threads.jsonl`): `speedup_2_engines` = "
-        f"{default_summary['speedup_2_engines']}; per stage "
-        + ", ".join(f"{names[k]} {v}" for k, v in dsp.items()) + ".\n")
+        f"{default_summary['speedup_2_engines']}; whole preparation {default_runs[(big, 1)]['seconds']:.1f} s with 1 "
+        f"engine and {default_runs[(big, 2)]['seconds']:.1f} s with 2 (one core per engine: "
+        f"{runs[(big, 1)]['seconds']:.1f} / {runs[(big, 2)]['seconds']:.1f}); per stage "
+        + ", ".join(f"{names[k]} {v}" for k, v in dsp.items()) + ".\n"
+        f"- Before this round (`docs/data/prep_scale_before.jsonl`: the script at commit 0cdd4a4, "
+        f"`BENCH_SIZES=16`, {before_run['documents']:,} documents, default thread pools): `speedup_2_engines` = "
+        f"{before['speedup_2_engines']}.\n")
 
 
 def prep_projection() -> str:
