@@ -115,9 +115,8 @@ class DedupConfig:
     seed: int = 1
     """Seed of the MinHash permutations."""
     batch_rows: int = 4096
-    """Documents whose texts are read and hashed at once (filters, signatures): bounds memory,
-    never changes the result. A few thousand keep the per-word arrays at a few MB, faster than
-    larger batches (``benchmarks/bench_prep_scale.py`` runs with this default)."""
+    """Documents whose texts are read at once (filters, signatures; ``labkit.data.dedup.signatures``
+    then hashes 512 of them at a time): bounds memory, never changes the result."""
     max_bucket: int = 64
     """LSH buckets are sorted by document (corpus order); each document is compared with the
     next ``max_bucket`` documents of its bucket (every pair when a bucket holds at most

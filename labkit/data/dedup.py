@@ -112,9 +112,9 @@ def signatures(texts: Iterable[str], cfg: DedupConfig = DedupConfig(), *, chunk_
     (tests/data/test_dedup.py checks it), done for many documents at once. A document without
     words gets all 2^32 - 1 (datasketch's empty MinHash).
 
-    Memory, whatever the number of texts: the shingles of ``chunk_docs`` documents (about 100 B
-    per word in temporaries) and ``chunk_shingles`` * num_perm * 4 bytes (1 MiB at the defaults,
-    one core's L2 cache) for the permuted hashes. Neither chunk size changes the result.
+    Memory, whatever the number of texts: the shingle arrays of ``chunk_docs`` documents and
+    ``chunk_shingles`` * num_perm * 4 bytes (1 MiB at the defaults, the size of one core's L2
+    cache on this kind of machine) for the permuted hashes. Neither chunk size changes the result.
     """
     texts = list(texts)
     a, b = MinHash(num_perm=cfg.num_perm, seed=cfg.seed, scheme=_SCHEME).permutations

@@ -244,8 +244,8 @@ def line_separable(tokenizer: Tokenizer) -> bool:
 
 
 MAX_CACHED_LINES = 1 << 18
-"""Distinct lines a ``LineCache`` holds before it starts over (about 30 MB of lines and ids for
-disassembly), so its memory is bounded whatever the corpus size."""
+"""Distinct lines a ``LineCache`` holds before it starts over (the lines, their codes and their
+ids), so its memory is bounded whatever the corpus size."""
 
 
 class LineCache:
