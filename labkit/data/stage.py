@@ -8,6 +8,15 @@ complete, verified set; an interrupted copy leaves only a ``.tmp-`` directory, w
 call removes once its process is gone (so ``local_root`` must be node-local: process ids are
 checked on this node). A verified copy already in place is kept. Pattern:
 mosaicml/streaming ``streaming/base/stream.py`` (temp name + rename, hashes from the index).
+
+Durability: with ``verify`` the shards are not fsynced before the rename. A copy is a cache of
+the source, and every verifying call re-hashes a copy before it keeps it, so a copy torn by a
+crash (short or stale blocks) is found and replaced; forcing the copy to disk was the largest
+cost of staging after the hash (docs/data_path.md, "Staging": the profile and
+``benchmarks/bench_stage.py``; ``cp -r`` + ``sha256sum`` do not fsync either), and one fsync
+per file grows with the file count. Without ``verify`` a later call checks sizes only, so the copy is fsynced
+(``labkit.io.fsync_tree``) before it is published. The rename itself is always made durable
+(``labkit.io.replace`` fsyncs the parent directory).
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import getpass
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from labkit import env
@@ -57,6 +67,58 @@ def _copy_is_good(dst: Path, index: dict, verify: bool) -> bool:
     except (ShardError, OSError):
         return False
     return True
+
+
+def copy_workers(n_files: int) -> int:
+    """Threads that copy and hash shards at once: one per usable CPU (``sched_getaffinity``), at
+    most 4 and at most ``n_files``. The copy (``sendfile``) and sha256 (OpenSSL) release the GIL."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(4, cpus, n_files))
+
+
+def _copy_one(src: Path, tmp: Path, shard: dict, verify: bool) -> None:
+    """Copy one shard into ``tmp`` (``shutil.copyfile``: a kernel copy) and check the copy's
+    size and, with ``verify``, its sha256 (read back) against the index entry ``shard``."""
+    target = tmp / shard["file"]
+    shutil.copyfile(src / shard["file"], target)
+    size = target.stat().st_size
+    if size != shard["n_bytes"]:
+        raise ShardError(f"{src / shard['file']}: copied {size} bytes, index says {shard['n_bytes']}")
+    if verify and (digest := sha256_file(target)) != shard["sha256"]:
+        raise ShardError(f"{src / shard['file']}: copy has sha256 {digest}, index says {shard['sha256']}")
+
+
+def _copy_shards(src: Path, tmp: Path, shards: list[dict], *, verify: bool, where: str, n_bytes: int,
+                 dst: Path) -> None:
+    """Copy and check ``shards`` on ``copy_workers`` threads; the first failure in shard order is
+    raised (the others are cancelled or finish), a full disk as ``OSError`` (ENOSPC) naming the
+    bytes of the shards before the failed one."""
+    with ThreadPoolExecutor(copy_workers(len(shards))) as pool:
+        futures = [pool.submit(_copy_one, src, tmp, shard, verify) for shard in shards]
+        copied = 0
+        try:
+            for shard, future in zip(shards, futures):
+                try:
+                    future.result()
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    raise OSError(errno.ENOSPC, f"disk full while staging {where}: {copied} of {n_bytes} "
+                                                f"bytes copied when {shard['file']} failed; the partial copy was "
+                                                f"removed and {dst} was left as it was"
+                                  + ("" if dst.exists() else " (absent)")) from e
+                copied += shard["n_bytes"]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
+def _make_durable(tmp: Path, verify: bool) -> None:
+    """Before the rename: fsync the copy's files and directory only when the copy will not be
+    re-hashed before reuse (``verify`` False); see the module docstring."""
+    if not verify:
+        fsync_tree(tmp)
 
 
 def _remove_stale_tmp(root: Path, name: str) -> None:
@@ -121,38 +183,22 @@ def stage_shards(src_dir: str, *, local_root: str | None = None, node_name: str 
                                     f"need {n_bytes} bytes, {free} bytes free")
     tmp = root / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    copied = 0
     try:
         tmp.mkdir()
-        for shard in index["shards"] + index.get("heldout", {}).get("shards", []):  # held-out split too
-            target = tmp / shard["file"]
-            try:
-                shutil.copyfile(src / shard["file"], target)
-            except OSError as e:
-                if e.errno != errno.ENOSPC:
-                    raise
-                raise OSError(errno.ENOSPC, f"disk full while staging {src} into {root}: {copied} of {n_bytes} "
-                                            f"bytes copied when {shard['file']} failed; the partial copy was "
-                                            f"removed and {dst} was left as it was"
-                              + ("" if dst.exists() else " (absent)")) from e
-            copied += shard["n_bytes"]
-            size = target.stat().st_size
-            if size != shard["n_bytes"]:
-                raise ShardError(f"{src / shard['file']}: copied {size} bytes, index says {shard['n_bytes']}")
-            if verify and (digest := sha256_file(target)) != shard["sha256"]:
-                raise ShardError(f"{src / shard['file']}: copy has sha256 {digest}, index says {shard['sha256']}")
+        _copy_shards(src, tmp, index["shards"] + index.get("heldout", {}).get("shards", []),  # held-out split too
+                     verify=verify, where=f"{src} into {root}", n_bytes=n_bytes, dst=dst)
         shutil.copyfile(src / INDEX_NAME, tmp / INDEX_NAME)
         if read_index(tmp) != index:
             raise ShardError(f"{src / INDEX_NAME}: changed while it was being staged")
         if dst.exists():  # a bad copy: move it aside only now that the new one verified
             old = root / f".old-{name}-{os.getpid()}"
-            fsync_tree(tmp)
+            _make_durable(tmp, verify)
             replace(dst, old)
             replace(tmp, dst)
             shutil.rmtree(old, ignore_errors=True)
         else:
             try:
-                fsync_tree(tmp)
+                _make_durable(tmp, verify)
                 replace(tmp, dst)
             except OSError:  # another process on this node staged the same set meanwhile
                 if not _copy_is_good(dst, index, verify):

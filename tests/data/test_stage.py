@@ -4,6 +4,7 @@ copies, several simulated nodes and the free-space check."""
 from __future__ import annotations
 
 import errno
+import os
 import getpass
 import shutil
 import subprocess
@@ -71,7 +72,7 @@ def test_corrupt_destination_is_replaced_only_after_a_good_copy(src, tmp_path, m
 
     def failing_copy(a, b, **kw):
         calls.append(a)
-        if len(calls) == 2:
+        if Path(a).name == "shard-00001.bin":  # by name: shards are copied on several threads
             raise OSError(errno.EIO, "simulated I/O error")
         return real_copy(a, b, **kw)
 
@@ -90,7 +91,7 @@ def test_interrupted_copy_leaves_nothing_complete_and_retry_works(src, tmp_path,
 
     def interrupted(a, b, **kw):
         calls.append(a)
-        if len(calls) == 3:
+        if Path(a).name == "shard-00002.bin":
             raise KeyboardInterrupt
         return real_copy(a, b, **kw)
 
@@ -110,6 +111,26 @@ def test_interrupted_copy_leaves_nothing_complete_and_retry_works(src, tmp_path,
         (partial / "shard-00000.bin").write_bytes(b"partial")
     assert stage_shards(str(src), local_root=str(tmp_path))["copied"] is True and same_files(src, dst)
     assert sorted(p.name for p in tmp_path.iterdir()) == [f".tmp-{dst.name}-1", dst.name]
+
+
+def test_only_an_unverified_copy_is_fsynced(src, tmp_path, monkeypatch):
+    """A verified copy is re-hashed before any verifying call keeps it, so it is published
+    without forcing its bytes to disk; an unverified one (later calls check sizes only) is."""
+    synced = []
+    monkeypatch.setattr(stage, "fsync_tree", lambda path: synced.append(Path(path).name))
+    stage_shards(str(src), local_root=str(tmp_path / "verified"))
+    assert synced == []
+    stage_shards(str(src), local_root=str(tmp_path / "unverified"), verify=False)
+    assert len(synced) == 1 and synced[0].startswith(".tmp-shards-")
+
+
+def test_shards_copied_on_threads_match_the_source(src, tmp_path, monkeypatch):
+    n = len(read_index(src)["shards"])
+    assert n >= 4 and stage.copy_workers(n) == min(4, n, len(os.sched_getaffinity(0)))
+    monkeypatch.setattr(stage, "copy_workers", lambda n_files: 4)
+    report = stage_shards(str(src), local_root=str(tmp_path))
+    assert report["copied"] and same_files(src, Path(report["path"]))
+    verify_shards(report["path"])
 
 
 def test_two_simulated_nodes(src, tmp_path):
@@ -166,7 +187,7 @@ def test_disk_full_during_the_copy_keeps_the_old_copy(src, tmp_path, monkeypatch
 
     def fills_up(a, b, **kw):
         calls.append(a)
-        if len(calls) == 3:
+        if Path(a).name == "shard-00002.bin":
             real_copy(a, b, **kw)
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_copy(a, b, **kw)
