@@ -9,6 +9,10 @@
   Megatron-LM's count of the output layer; ``labkit.model.flops_per_token``).
 - peak memory: CUDA ``max_memory_allocated`` on a GPU, else the process's peak RSS.
 - scaling efficiency at n ranks: throughput(n) / (n x throughput(1)), weak scaling.
+- exposed communication (``comm_exposed_s``): gradient-collective time of an optimiser step not
+  hidden behind backward: from the moment the last gradient is ready (end of the last backward
+  kernel that produces one) to the end of the last gradient collective; a collective that runs
+  inside backward and blocks it (FSDP2's reduce-scatter on CPU) is exposed whole.
 
 Timings skip warm-up steps (the caller's job) and synchronise the device before reading the
 clock (``StepTimer``). When the device peak is unknown (CPU, an unlisted GPU) MFU is ``None``.
@@ -106,6 +110,23 @@ def scaling_efficiency(throughput_n: float, throughput_1: float, n: int) -> floa
     return throughput_n / (n * throughput_1)
 
 
+def comm_exposed_s(collectives: list[tuple[float, float]], *, blocking: bool = False) -> float:
+    """Exposed gradient communication of one optimiser step, in seconds (docs/measurement.md).
+
+    ``collectives``: ``(start, end)`` of every gradient collective of the step, in seconds on one
+    clock; a collective starts when its gradients are ready (DDP launches a bucket's all-reduce
+    the moment its last gradient is accumulated), so the latest start is the end of the last
+    backward kernel that produces a gradient. Asynchronous collectives (DDP buckets, FSDP2 on
+    CUDA): ``max(0, max(end) - max(start))``. ``blocking`` collectives run on the backward
+    thread and stall it (FSDP2's reduce-scatter on CPU): the sum of their durations. 0.0 when
+    there is none (one process)."""
+    if not collectives:
+        return 0.0
+    if blocking:
+        return float(sum(end - start for start, end in collectives))
+    return max(0.0, max(end for _, end in collectives) - max(start for start, _ in collectives))
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set size in bytes: ``VmHWM`` of ``/proc/self/status`` on
     Linux; elsewhere ``getrusage`` ``ru_maxrss`` (bytes on macOS, KiB on other systems).
@@ -147,12 +168,19 @@ class StepTimer:
     """Wall clock for one step that synchronises the device before each reading, so queued
     CUDA kernels are counted in the step that launched them.
 
-    ``start()`` then ``stop() -> seconds``; ``lap()`` reads without stopping.
+    ``start()`` then ``stop() -> seconds``; ``lap()`` reads without stopping. ``stop()`` also
+    sets ``cpu_s`` (CPU seconds of this process over the step, every thread: ``time.process_time``)
+    and ``thread_cpu_s`` (of the calling thread alone: ``time.thread_time``); their difference is
+    what other threads did meanwhile (gloo's communication threads, loader threads). A rank whose
+    step takes longer than ``thread_cpu_s`` waited: for another rank, the network or a core.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
         self._t0: float | None = None
+        self._cpu0 = self._thread0 = 0.0
+        self.cpu_s: float | None = None
+        self.thread_cpu_s: float | None = None
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -164,6 +192,7 @@ class StepTimer:
     def start(self) -> None:
         """Synchronise and start the clock."""
         self._t0 = self._now()
+        self._cpu0, self._thread0 = time.process_time(), time.thread_time()
 
     def lap(self) -> float:
         """Seconds since ``start`` (synchronised)."""
@@ -174,5 +203,6 @@ class StepTimer:
     def stop(self) -> float:
         """Seconds since ``start`` (synchronised); the timer must be started again."""
         elapsed = self.lap()
+        self.cpu_s, self.thread_cpu_s = time.process_time() - self._cpu0, time.thread_time() - self._thread0
         self._t0 = None
         return elapsed

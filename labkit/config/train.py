@@ -109,6 +109,11 @@ class TrainConfig:
     compile: bool = False
     """``torch.compile`` the model's forward (``nn.Module.compile``, in place, so parameter
     names and checkpoints stay the same) before wrapping it for data parallelism."""
+    bucket_cap_mb: float = 25.0
+    """ddp / zero1: DDP's gradient bucket size in MiB (``DistributedDataParallel(bucket_cap_mb=)``;
+    torch's default 25). Smaller buckets start all-reducing earlier in backward, larger ones
+    pay the per-collective latency less often; the last bucket's all-reduce is never hidden
+    (``comm_exposed_s`` in every metrics record, docs/training.md)."""
     allow_safe_changes: bool = False
     """Resume even though fields that leave the steps already taken unchanged differ from the
     run directory's saved config (max_steps, log/checkpoint/eval intervals:
@@ -140,6 +145,7 @@ class TrainConfig:
         _require(0.0 < self.mlm_probability < 1.0, "mlm_probability", "must be in (0, 1)")
         _require(self.ckpt_every >= 0, "ckpt_every", "must be >= 0")
         _require(self.timeout_s > 0, "timeout_s", "must be positive")
+        _require(self.bucket_cap_mb > 0, "bucket_cap_mb", f"must be positive, got {self.bucket_cap_mb}")
         _require(0.0 < self.wsd_decay_fraction <= 1.0, "wsd_decay_fraction", "must be in (0, 1]")
         _require(self.stop_after is None or self.stop_after > 0, "stop_after", "must be positive or None")
         _require(self.eval_every >= 0, "eval_every", f"must be >= 0, got {self.eval_every}")

@@ -222,13 +222,15 @@ class BertMLM(nn.Module):
             nn.init.zeros_(self.decoder_bias)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> MLMOutput:
+                labels: torch.Tensor | None = None, max_masked: int | None = None) -> MLMOutput:
         """input_ids int64 [B, T]; attention_mask [B, T] (1/True = real token; None = all real);
         labels int64 [B, T] (-100 = no loss). With ``cfg.sparse_head`` and labels, the last layer
         computes its outputs only at positions with label != -100 (its keys and values still
         from all positions; exact, as only those positions reach the loss) and the head runs
-        there only: logits [n_masked, V] (a host sync for the count). Raises ValueError if T
-        exceeds ``max_position_embeddings`` or a sliding window exceeds T."""
+        there only: logits [n_masked, V] (a host sync for the count, unless the caller gives
+        ``max_masked``, the largest count of labels != -100 in one row, known on the host before
+        the batch went to the device). Raises ValueError if T exceeds ``max_position_embeddings``
+        or a sliding window exceeds T."""
         cfg, (b, t) = self.cfg, input_ids.shape
         if t > cfg.max_position_embeddings:
             raise ValueError(f"max_position_embeddings: sequence length {t} exceeds {cfg.max_position_embeddings}")
@@ -251,7 +253,7 @@ class BertMLM(nn.Module):
             keep = labels != IGNORE_INDEX
             counts = keep.sum(dim=1)  # [B]
             n_masked = counts.sum()
-            m = int(counts.max()) if cfg.sparse_head else 0  # host sync
+            m = (int(counts.max()) if max_masked is None else max_masked) if cfg.sparse_head else 0  # host sync
             if m > 0:  # masked positions first in each row, in order; valid marks the real ones
                 select = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :m]
                 valid = torch.arange(m, device=x.device) < counts[:, None]  # [B, m]

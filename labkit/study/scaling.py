@@ -16,6 +16,12 @@ step time(n) = compute time of one rank's step + the exposed part of the gradien
 - calibration: compute time is a measured single-rank step time (``step_time_1``), or is
   planned from a model's FLOPs per token at an assumed MFU (``compute_time``).
 
+  (``exposed_s``; bucketed overlap as in Li et al., "PyTorch Distributed", VLDB 2020,
+  arXiv:2006.15704 section 3.2). Calibrated against the measured ``comm_exposed_s`` of DDP
+  runs (tests/study/test_scaling.py: 2 gloo ranks, two bucket sizes, the per-bucket all-reduce
+  and backward times measured in the same run); ``fit_overlap`` turns a measured exposed time
+  into the ``overlap`` that reproduces it.
+
 efficiency(n) = step time(1) / step time(n) (weak scaling, docs/measurement.md).
 The network becomes the limit at the smallest n where communication can no longer be hidden
 (comm > overlap x backward), and efficiency falls after it.
@@ -69,6 +75,24 @@ def bucketed_allreduce(grad_bytes: float, n: int, *, bandwidth: float, latency: 
     return {"buckets": len(sizes), "total_s": sum(times), "last_bucket_s": times[-1] if times else 0.0}
 
 
+def exposed_s(*, comm_s: float, last_bucket_s: float, backward_s: float, overlap: float = 1.0) -> float:
+    """Exposed all-reduce seconds of one step (module docstring): max(last bucket, comm - overlap x
+    backward). ``comm_s``: all buckets' all-reduce seconds; ``last_bucket_s``: the last one's,
+    which starts only when backward ends; ``backward_s``: the backward time that can hide the
+    rest. ``step_time`` uses it; tests/study/test_scaling.py checks it against DDP's measured
+    ``comm_exposed_s`` with the inputs measured in the same run."""
+    return max(last_bucket_s, comm_s - overlap * backward_s)
+
+
+def fit_overlap(*, comm_s: float, backward_s: float, exposed_s: float) -> float:
+    """The ``overlap`` of ``step_time``'s closed form (exposed = comm - overlap x backward) that
+    reproduces a measured exposed time: (comm - exposed) / backward, clipped to [0, 1]. Raises
+    ValueError for a non-positive backward time."""
+    if not backward_s > 0:
+        raise ValueError(f"backward_s: must be positive, got {backward_s}")
+    return min(1.0, max(0.0, (comm_s - exposed_s) / backward_s))
+
+
 def step_time(n_gpus: int, *, compute_s: float, grad_bytes: float, network: str = "25GbE",
               gpus_per_node: int = 2, overlap: float = 1.0, grad_accum: int = 1,
               bucket_bytes: float = BUCKET_BYTES, bandwidth: float | None = None,
@@ -93,7 +117,8 @@ def step_time(n_gpus: int, *, compute_s: float, grad_bytes: float, network: str 
     comm = bucketed_allreduce(grad_bytes, n_gpus, bandwidth=bw, latency=lat, bucket_bytes=bucket_bytes)
     compute = compute_s * grad_accum
     backward = compute_s * 2 / 3  # only the last micro-batch's backward overlaps the all-reduce
-    exposed = 0.0 if n_gpus == 1 else max(comm["last_bucket_s"], comm["total_s"] - overlap * backward)
+    exposed = 0.0 if n_gpus == 1 else exposed_s(comm_s=comm["total_s"], last_bucket_s=comm["last_bucket_s"],
+                                               backward_s=backward, overlap=overlap)
     return {"n_gpus": n_gpus, "compute_s": compute, "comm_s": comm["total_s"], "exposed_s": exposed,
             "step_s": compute + exposed, "comm_hidden": comm["total_s"] <= overlap * backward}
 

@@ -134,7 +134,10 @@ def wrap_model(model: torch.nn.Module, cfg: Any, device: torch.device) -> torch.
     process group is active; return ``model`` unchanged otherwise (one process).
 
     ddp / zero1: ``DistributedDataParallel`` (``find_unused_parameters=False``; ``device_ids``
-    on CUDA only); zero1's sharding is in the optimiser. fsdp: ``fully_shard`` on each module
+    on CUDA only) with ``gradient_as_bucket_view=True`` (the gradients are views into the
+    all-reduce buckets: no second copy of every gradient, no copy in and out per step),
+    ``bucket_cap_mb=cfg.bucket_cap_mb`` and ``static_graph`` where ``static_graph_valid``;
+    zero1's sharding is in the optimiser. fsdp: ``fully_shard`` on each module
     of ``model.layers`` (one all-gather / reduce-scatter unit per encoder layer), then on the
     root (embeddings, head), with ``reshard_after_forward=cfg.fsdp_reshard_after_forward``;
     the module is changed in place and returned. ``cfg`` None means ddp.
@@ -148,7 +151,122 @@ def wrap_model(model: torch.nn.Module, cfg: Any, device: torch.device) -> torch.
         fully_shard(model, reshard_after_forward=reshard)
         return model
     device_ids = [device.index] if device.type == "cuda" else None
-    return DDP(model, device_ids=device_ids, find_unused_parameters=False)
+    return DDP(model, device_ids=device_ids, find_unused_parameters=False, gradient_as_bucket_view=True,
+               bucket_cap_mb=getattr(cfg, "bucket_cap_mb", 25.0), static_graph=static_graph_valid(cfg))
+
+
+def static_graph_valid(cfg: Any) -> bool:
+    """Whether DDP may be told the graph is static (``static_graph=True``): every model labkit
+    builds uses the same parameters in the same order at every step, but DDP's static-graph
+    reducer asserts (``expect_autograd_hooks_``, torch 2.13) when the first step accumulates
+    under ``no_sync``, so only without gradient accumulation (``cfg.grad_accum_steps == 1``);
+    ``cfg`` None (tests, benchmarks) means no."""
+    return cfg is not None and getattr(cfg, "grad_accum_steps", 1) == 1
+
+
+class CommTimer:
+    """Start and end of every gradient collective of one optimiser step, for
+    ``labkit.measure.comm_exposed_s``. ``time_gradient_collectives`` installs it.
+
+    On CPU the clock is ``time.perf_counter`` read when a collective is launched and in its
+    completion callback. On CUDA it is ``torch.cuda.Event``\ s recorded on the launching stream
+    (after the gradient kernels) and on the stream the completion runs on, read after the step
+    synchronised (``StepTimer.stop``). ``blocking``: the collectives run on the backward thread
+    and stall it (FSDP2 on CPU)."""
+
+    def __init__(self, device: torch.device, *, blocking: bool = False) -> None:
+        self.device, self.blocking = device, blocking
+        self._records: list[tuple[Any, Any, int]] = []
+
+    def now(self) -> Any:
+        """A time stamp: seconds (CPU) or a recorded CUDA event."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        import time
+
+        return time.perf_counter()
+
+    def add(self, start: Any, end: Any, nbytes: int) -> None:
+        """Record one collective of ``nbytes`` bytes (called from the communication thread)."""
+        self._records.append((start, end, nbytes))
+
+    def reset(self) -> None:
+        """Forget the last step's collectives (call before the step)."""
+        self._records = []
+
+    def collectives(self) -> list[dict[str, float]]:
+        """[{"start_s", "end_s", "bytes"}] of the step, in launch order; times in seconds from the
+        first launch. On CUDA the step must have been synchronised."""
+        if not self._records:
+            return []
+        if self.device.type == "cuda":  # events: in the order they were recorded
+            ref = self._records[0][0]
+            seconds = [(ref.elapsed_time(a) / 1e3, ref.elapsed_time(b) / 1e3, n) for a, b, n in self._records]
+        else:
+            records = sorted(self._records, key=lambda r: r[0])
+            seconds = [(a - records[0][0], b - records[0][0], n) for a, b, n in records]
+        return [{"start_s": a, "end_s": b, "bytes": n} for a, b, n in seconds]
+
+    def exposed_s(self) -> float:
+        """``labkit.measure.comm_exposed_s`` of the step's collectives (0.0 when there were none)."""
+        from labkit.measure import comm_exposed_s
+
+        return comm_exposed_s([(c["start_s"], c["end_s"]) for c in self.collectives()], blocking=self.blocking)
+
+
+def _timed_allreduce_hook(timer, bucket):  # no annotations: DDP checks them against dist.GradBucket
+    """DDP comm hook (timer: CommTimer, bucket: dist.GradBucket -> Future): torch's default averaging all-reduce
+    (``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook``, the same
+    division by the world size, then ``all_reduce``), with its launch and completion timed."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    start, buffer = timer.now(), bucket.buffer()
+    nbytes = buffer.numel() * buffer.element_size()
+
+    def done(fut: torch.futures.Future) -> torch.Tensor:
+        timer.add(start, timer.now(), nbytes)
+        return fut.value()
+
+    return allreduce_hook(None, bucket).then(done)
+
+
+def _timed_reduce_scatter(timer: CommTimer) -> Any:
+    """FSDP2's default reduce-scatter with its call timed (FSDP2 calls it synchronously, on the
+    reduce-scatter stream on CUDA, on the backward thread on CPU). The comm interface lives in
+    the private module ``torch.distributed.fsdp._fully_shard._fsdp_collectives`` (torch 2.13);
+    ``FSDPModule.set_custom_reduce_scatter`` is public."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    class TimedReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001
+            start = timer.now()
+            work = super().__call__(output_tensor, input_tensor, group, op, async_op)  # FSDP2: async_op False
+            timer.add(start, timer.now(), input_tensor.numel() * input_tensor.element_size())
+            return work
+
+    return TimedReduceScatter()
+
+
+def time_gradient_collectives(model: torch.nn.Module, device: torch.device) -> CommTimer | None:
+    """Install a ``CommTimer`` on the gradient collectives of a wrapped ``model`` and return it
+    (None without a process group): a DDP comm hook around the default all-reduce (ddp, zero1),
+    or a timed reduce-scatter on every FSDP2 module (fsdp; blocking on CPU, where FSDP2 runs it
+    on the backward thread). Call once, after ``wrap_model`` and before the first step."""
+    if not dist.is_initialized():
+        return None
+    if is_fsdp(model):
+        timer = CommTimer(device, blocking=device.type != "cuda")
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(_timed_reduce_scatter(timer))
+        return timer
+    if isinstance(model, DDP):
+        timer = CommTimer(device)
+        model.register_comm_hook(timer, _timed_allreduce_hook)
+        return timer
+    return None
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:

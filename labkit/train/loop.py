@@ -56,7 +56,9 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[dict[str, torch
     """Accumulate the gradients of one optimiser step over ``micro_batches`` (this rank's).
 
     Each batch holds input_ids int64[B,T], labels int64[B,T] (-100 = not masked) and
-    attention_mask bool[B,T], on the model's device. The masked and real-token counts of all
+    attention_mask bool[B,T], on the model's device, and may hold what the host knew before the
+    copy (``to_device``): ``all_real`` (no [PAD]: the model gets no mask) and ``max_masked``
+    (the sparse head's gather size), so the forward needs no host sync. The masked and real-token counts of all
     micro-batches on all ranks are all-reduced once before the forwards; gradient all-reduce
     (DDP) happens on the last micro-batch only (``no_sync`` on the others). Returns
     ``(loss_sum, n_masked_global, n_tokens_global)``: this rank's summed CE (fp32, detached),
@@ -72,11 +74,23 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[dict[str, torch
     for i, batch in enumerate(micro_batches):
         with dist.no_sync(model, sync=i == len(micro_batches) - 1):
             with torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-                out = model(batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+                mask = None if batch.get("all_real") else batch["attention_mask"]  # host facts: no sync
+                out = model(batch["input_ids"], attention_mask=mask, labels=batch["labels"],
+                            max_masked=batch.get("max_masked"))
             loss = out.loss_sum.float() * world_size / n_masked_global.clamp(min=1)
             (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum += out.loss_sum.detach().float()
     return loss_sum, n_masked_global, n_tokens_global
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
+    """A collated CPU batch on ``device`` (non-blocking copies), plus two facts read on the host
+    first, so that the forward syncs with the device for neither: ``all_real`` (bool: no [PAD],
+    the attention needs no mask) and ``max_masked`` (int: the most labels != -100 in one row)."""
+    out: dict[str, Any] = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    out["all_real"] = bool(batch["attention_mask"].all())
+    out["max_masked"] = int((batch["labels"] != -100).sum(dim=1).max()) if batch["labels"].numel() else 0
+    return out
 
 
 # ------------------------------------------------------------------------------------------
@@ -147,7 +161,9 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
     Returns the result dict (also rank 0's result.json): initial_loss, final_loss, eval_loss and
     perplexity (the last held-out evaluation, ``labkit.train.evaluation``; None without one), tokens_per_s
     and samples_per_s (time-weighted over this invocation's steps after timing_warmup_steps),
-    data_wait_fraction, mfu, world_size, global_batch_size, steps, params, ... ``sink(record)``
+    data_wait_fraction, comm_exposed_s (mean seconds per timed step of gradient communication
+    not hidden behind backward, rank 0; ``labkit.measure.comm_exposed_s``) and comm_exposed_fraction
+    (of the step time), mfu, world_size, global_batch_size, steps, params, ... ``sink(record)``
     is called on rank 0 with each metrics record. Resumes from the newest checkpoint when
     ``cfg.resume``. Raises ``FloatingPointError`` on a non-finite loss when on_nonfinite="raise",
     ``ValueError`` naming the field for inconsistent settings; shard errors come from
@@ -244,6 +260,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         check_resume(run_dir, to_dict(cfg), identity, allow_safe_changes=cfg.allow_safe_changes)
     state = load_checkpoint(run_dir / "checkpoints" / f"step-{resume_step}", model) if resume_step else None
     model, optimizer, scaler, sharding = _parallelize(cfg, model, device)
+    comm_timer = dist.time_gradient_collectives(model, device)  # comm_exposed_s per step; None in one process
     loader = make_loader(cfg.data_dir, batch_size=cfg.micro_batch_size, rank=rank, world_size=world,
                          seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=mcfg.vocab_size,
                          num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
@@ -264,7 +281,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     stop = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
     peak = measure.peak_flops(device, cfg.precision)
     timer = measure.StepTimer(device)
-    timings: list[tuple[int, int, float, float]] = []  # (tokens, samples, step time, wait) per step
+    timings: list[tuple[int, int, float, float, float]] = []  # (tokens, samples, step time, wait, exposed comm)
     last_record: dict[str, Any] = {}
     skipped = 0
     measure.reset_peak_memory(device)
@@ -280,13 +297,15 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                 epoch, position, batches_iter = epoch + 1, 0, _next_epoch(loader, sampler, epoch + 1, cfg, world)
                 batch = next(batches_iter)
             position += 1
-            micro_batches.append({k: v.to(device, non_blocking=True) for k, v in batch.items()})
+            micro_batches.append(to_device(batch, device))
             wait += time.perf_counter() - t0
         # 2. set the learning rate (the schedule is a pure function of the step), count masked
         #    tokens globally, then forward/backward every micro-batch
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
+        if comm_timer is not None:
+            comm_timer.reset()
         loss_sum, n_masked, n_tokens = forward_backward(model, micro_batches, world_size=world,
                                                         precision=cfg.precision, scaler=scaler)
         summed = dist.all_reduce_sum(torch.stack([loss_sum.double(), torch.tensor(wait, dtype=torch.float64,
@@ -300,16 +319,18 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         optimizer.zero_grad(set_to_none=True)
         step += 1
         step_time = timer.stop()
-        # 4. measure and record
+        # 4. measure and record (comm_exposed_s: this rank's gradient collectives after backward, labkit.measure)
+        comm_exposed = comm_timer.exposed_s() if comm_timer is not None else 0.0
         n_tokens_i = int(n_tokens.item())
         tokens_seen += n_tokens_i
-        timings.append((n_tokens_i, global_batch, step_time, wait_mean))
+        timings.append((n_tokens_i, global_batch, step_time, wait_mean, comm_exposed))
         evaluated = _maybe_evaluate(model, heldout, cfg, step, stop)  # held-out loss, outside the step time
         if step % cfg.log_every == 0 or step == stop or evaluated:
             tps = measure.tokens_per_s(n_tokens_i, step_time)
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
                       "step_tokens": n_tokens_i, "n_masked": int(n_masked.item()), "tokens_per_s": tps,
-                      **_rates(global_batch, step_time, wait_mean, device), "mfu": measure.mfu(tps, fpt, world, peak),
+                      **_rates(global_batch, step_time, wait_mean, device), "comm_exposed_s": comm_exposed,
+                      "cpu_s": timer.cpu_s, "thread_cpu_s": timer.thread_cpu_s, "mfu": measure.mfu(tps, fpt, world, peak),
                       "world_size": world, "global_batch_size": global_batch, "epoch": epoch,
                       "skipped": not finite, **evaluated, "time": time.time()}
             measure.reset_peak_memory(device)
@@ -412,7 +433,7 @@ def _rates(global_batch: int, step_time: float, wait_mean: float, device: torch.
             "peak_mem_bytes": measure.peak_memory_bytes(device)}
 
 
-def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple[int, int, float, float]], *, fpt: float,
+def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple[int, int, float, float, float]], *, fpt: float,
             peak: float | None, world: int, global_batch: int, step: int, params: dict, tokens_seen: int,
             resume_step: int, skipped: int, mcfg: Any, index: dict, device: torch.device, sharding: str,
             t_start: float, prov: dict) -> dict[str, Any]:
@@ -420,7 +441,7 @@ def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple[int, int,
     ``cfg.timing_warmup_steps``), sizes and settings, and the provenance with the end time."""
     seq_len, vocab_size = int(index["seq_len"]), int(index["vocab_size"])
     timed = timings[cfg.timing_warmup_steps:] or timings  # too short a run: time every step
-    tok, samples, seconds, wait_s = (sum(t[i] for t in timed) for i in range(4))
+    tok, samples, seconds, wait_s, exposed_s = (sum(t[i] for t in timed) for i in range(5))
     tps = measure.tokens_per_s(tok, seconds) if timed else None
     evals = [r for r in records if r.get("eval_loss") is not None]
     result = {"initial_loss": records[0].get("loss") if records else None,
@@ -430,6 +451,8 @@ def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple[int, int,
               "tokens_per_s": tps,
               "samples_per_s": measure.samples_per_s(samples, seconds) if timed else None,
               "data_wait_fraction": measure.data_wait_fraction(wait_s, seconds) if timed else None,
+              "comm_exposed_s": exposed_s / len(timed) if timed else None,  # mean per timed step, rank 0
+              "comm_exposed_fraction": exposed_s / seconds if timed else None,
               "mfu": measure.mfu(tps, fpt, world, peak) if tps else None,
               "world_size": world, "global_batch_size": global_batch, "steps": step,
               "max_steps": cfg.max_steps, "params": params["total"],

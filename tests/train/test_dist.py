@@ -327,6 +327,23 @@ def test_zero1_and_fsdp_match_ddp(two_rank_runs):
     assert moved > 1e-3  # the parameters really changed, so the match above means something
 
 
+def test_records_carry_exposed_communication_and_cpu_time(two_rank_runs):
+    """Every record of a 2-rank run has comm_exposed_s (labkit.measure.comm_exposed_s over the
+    step's gradient collectives, timed by dist.CommTimer) within its step; FSDP2's reduce-scatters
+    run on the backward thread on CPU, so they are exposed whole and never zero; result.json has
+    the mean and the share of the step; cpu_s covers the main thread's and gloo's threads."""
+    for name in ("ddp", "zero1", "fsdp", "fsdp2"):
+        records = _metrics(two_rank_runs / name)
+        assert all(0.0 <= r["comm_exposed_s"] <= r["step_time_s"] for r in records), name
+        assert all(0.0 < r["thread_cpu_s"] <= r["cpu_s"] * 1.05 for r in records), name
+        if name.startswith("fsdp"):
+            assert all(r["comm_exposed_s"] > 0 for r in records), name
+        result = json.loads((two_rank_runs / name / "result.json").read_text())
+        timed = records[1:]  # timing_warmup_steps=1
+        assert result["comm_exposed_s"] == pytest.approx(sum(r["comm_exposed_s"] for r in timed) / len(timed))
+        assert 0 <= result["comm_exposed_fraction"] < 1
+
+
 def test_resume_zero1_and_fsdp_reproduce_losses(two_rank_runs):
     """fp32, gloo, 2 ranks: stopped at step 2, resumed, finished at 4 (in the next epoch):
     exactly the uninterrupted run's losses, grad norms and learning rates, zero1 and fsdp."""
