@@ -1,20 +1,29 @@
-"""Weak-scaling efficiency of labkit's training step from 1 to 2 ranks (CPU, gloo).
+"""Weak-scaling efficiency of labkit's training step from 1 to 2 ranks (CPU, gloo), with the
+exposed communication and the per-rank CPU time that attribute the loss.
 
-Each rank keeps the same micro-batch (weak scaling), runs with one torch thread, and the
-throughput is ``train()``'s own tokens/s (real tokens, all ranks, warm-up steps excluded;
+Each rank keeps the same micro-batch (weak scaling), runs with one torch thread pinned to its
+own core (rank r on core r, as bench_prep_scale pins engines; the 1-rank run on core 0), and
+the throughput is ``train()``'s own tokens/s (real tokens, all ranks, warm-up steps excluded;
 labkit/measure.py). After one warm-up run of each, 1-rank and 2-rank runs alternate for
 ``--rounds`` paired rounds (the order flips every round, so neither size always runs first);
 efficiency = median tokens/s(2) / (2 x median tokens/s(1)) (``measure.scaling_efficiency``;
 docs/measurement.md), and the spread of the per-round (paired) efficiencies is printed: min,
-quartiles, max. The 1-rank run is a plain process (no process
-group, no DDP), so the DDP wrapper and its all-reduce count against the 2-rank run.
+quartiles, max. The 1-rank run is a plain process (no process group, no DDP), so the DDP
+wrapper and its all-reduce count against the 2-rank run.
 
-The machine's load average is printed with the result: on a shared 2-core machine other
-processes take cores from the 2-rank run first (a rank that loses its core stalls the other at
-the next collective), so the number is a lower bound there. Diagnostics in the JSON line: the
-time of one gradient all-reduce (``efficiency_bound_from_comm`` = step / (step + all-reduce),
-no overlap) and ``cpu_work_ratio`` (CPU seconds per token, 1 rank / 2 ranks).
-Run: ``python benchmarks/bench_ddp.py`` from the repository root. Last line: one JSON object.
+Attribution (rank 0's metrics records, timed steps, medians over rounds): ``comm_exposed_s``
+(gradient all-reduce not hidden behind backward, ``labkit.measure.comm_exposed_s``) and its
+share of the step; ``thread_cpu_s`` (CPU seconds of the training thread per step): at 2 ranks
+over 1 rank it is the slowdown of the same work when both cores run (memory bandwidth, shared
+caches: ``compute_slowdown``); ``other_threads_cpu_s`` (``cpu_s - thread_cpu_s``: gloo's
+threads, on the rank's own core). ``step_loss_s`` = step(2) - step(1) splits into
+``compute_s`` (the thread's extra CPU), ``exposed_s`` and ``rest_s`` (waiting for a core or the
+other rank).
+
+``--bucket-caps 1,5,25,100`` also runs 2-rank runs at each ``TrainConfig.bucket_cap_mb`` and
+prints one line per size (tokens/s, exposed communication): how the default was chosen.
+The machine's load average is printed with the result. Run: ``python benchmarks/bench_ddp.py``
+from the repository root. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from labkit.config import TrainConfig, from_dict, to_dict  # noqa: E402
 from labkit.data.shards import write_rows  # noqa: E402
 from labkit.measure import scaling_efficiency  # noqa: E402
+from labkit.study.scaling import fit_overlap  # noqa: E402
 
 
 def write_shards(out_dir: pathlib.Path, *, n_sequences: int, seq_len: int, vocab_size: int, seed: int = 0) -> None:
@@ -62,6 +72,8 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, cfg_json: str) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})  # one core per rank (threads started later inherit it)
     if world > 1:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
@@ -78,6 +90,8 @@ def _allreduce_worker(rank: int, world: int, port: int, n_floats: int, out: str)
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     os.environ.update(GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     x = torch.ones(n_floats)
@@ -108,7 +122,19 @@ def run(cfg: TrainConfig, world: int) -> dict:
     run_dir = pathlib.Path(cfg.run_dir)
     result = json.loads((run_dir / "result.json").read_text())
     result["cpu_s"] = sum(json.loads((run_dir / f"cpu-{r}.json").read_text()) for r in range(world))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = records[cfg.timing_warmup_steps:] or records
+    for key in ("step_time_s", "comm_exposed_s", "cpu_s", "thread_cpu_s"):
+        result[f"median_{key}"] = statistics.median(r[key] for r in timed)
     return result
+
+
+def config(args: argparse.Namespace, data: pathlib.Path, run_dir: str, bucket_cap_mb: float) -> TrainConfig:
+    """The benchmark's run: ``args.model`` at ``args.micro_batch`` per rank, one thread, no checkpoints."""
+    return TrainConfig(data_dir=str(data), run_dir=run_dir, model=args.model, micro_batch_size=args.micro_batch,
+                       max_steps=args.steps, warmup_steps=1, timing_warmup_steps=args.warmup_steps, num_threads=1,
+                       device="cpu", sharding=args.sharding, timeout_s=600, resume=False, checkpoints=False,
+                       bucket_cap_mb=bucket_cap_mb, trackers=())
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -121,10 +147,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup-steps", type=int, default=1)
     p.add_argument("--rounds", type=int, default=9, help="paired rounds (3 gave 0.58-0.87 on an idle machine)")
     p.add_argument("--sharding", default="ddp", choices=["ddp", "zero1", "fsdp"])
+    p.add_argument("--bucket-cap-mb", type=float, default=TrainConfig.bucket_cap_mb, help="TrainConfig.bucket_cap_mb")
+    p.add_argument("--bucket-caps", default="", help="comma-separated bucket sizes (MiB) for a 2-rank sweep")
+    p.add_argument("--sweep-rounds", type=int, default=3)
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     tps: dict[int, list[float]] = {1: [], 2: []}
     cpu_per_token: dict[int, list[float]] = {1: [], 2: []}  # CPU seconds of train() / tokens
+    per_step: dict[int, dict[str, list[float]]] = {1: {}, 2: {}}  # rank 0's medians of timed steps, per round
+    sweep: list[dict] = []
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="bench_ddp_") as tmp:
         data = pathlib.Path(tmp) / "shards"
@@ -134,17 +165,26 @@ def main(argv: list[str] | None = None) -> dict:
         for rnd in range(args.rounds + 1):  # round 0 is the warm-up (page cache, imports)
             for world in ((1, 2) if rnd % 2 == 0 else (2, 1)):  # alternate who goes first
                 k += 1
-                cfg = TrainConfig(data_dir=str(data), run_dir=f"{tmp}/run-{k}", model=args.model,
-                                  micro_batch_size=args.micro_batch, max_steps=args.steps, warmup_steps=1,
-                                  timing_warmup_steps=args.warmup_steps, num_threads=1, device="cpu",
-                                  sharding=args.sharding, timeout_s=600, resume=False)
+                cfg = config(args, data, f"{tmp}/run-{k}", args.bucket_cap_mb)
                 result = run(cfg, world)
                 line = {"round": rnd, "ranks": world, "tokens_per_s": result["tokens_per_s"],
-                        "cpu_s": result["cpu_s"], "load_avg_1m": os.getloadavg()[0]}
+                        "comm_exposed_s": result["median_comm_exposed_s"], "cpu_s": result["cpu_s"],
+                        "load_avg_1m": os.getloadavg()[0]}
                 print(json.dumps(line), flush=True)
                 if rnd > 0:
                     tps[world].append(result["tokens_per_s"])
                     cpu_per_token[world].append(result["cpu_s"] / result["tokens"])
+                    for key in ("step_time_s", "comm_exposed_s", "cpu_s", "thread_cpu_s"):
+                        per_step[world].setdefault(key, []).append(result[f"median_{key}"])
+        for cap in [float(c) for c in args.bucket_caps.split(",") if c]:
+            runs = [run(config(args, data, f"{tmp}/cap-{cap}-{r}", cap), 2) for r in range(args.sweep_rounds)]
+            row = {"bucket_cap_mb": cap, "tokens_per_s_2ranks": statistics.median(x["tokens_per_s"] for x in runs),
+                   "comm_exposed_s": statistics.median(x["median_comm_exposed_s"] for x in runs),
+                   "step_time_s": statistics.median(x["median_step_time_s"] for x in runs),
+                   "rounds": args.sweep_rounds, "load_avg_1m": os.getloadavg()[0]}
+            row["comm_exposed_fraction"] = row["comm_exposed_s"] / row["step_time_s"]
+            print(json.dumps({"benchmark": "ddp_bucket", **row}), flush=True)
+            sweep.append(row)
         n_params = result["params"]
         step_s = args.micro_batch * args.seq_len / statistics.median(tps[1])  # 1-rank step time
     comm_s = allreduce_seconds(n_params)
@@ -165,10 +205,32 @@ def main(argv: list[str] | None = None) -> dict:
            # i.e. a wall-clock loss then comes from ranks waiting for cores (a shared machine)
            "cpu_work_ratio": statistics.median(cpu_per_token[1]) / statistics.median(cpu_per_token[2]),
            "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "wall_s": round(time.time() - t0, 1)}
+    med = {w: {k: statistics.median(v) for k, v in per_step[w].items()} for w in (1, 2)}
+    step1, step2 = med[1]["step_time_s"], med[2]["step_time_s"]
+    compute = med[2]["thread_cpu_s"] - med[1]["thread_cpu_s"]
+    out.update({
+        "bucket_cap_mb": args.bucket_cap_mb, "gradient_as_bucket_view": True, "pinned_one_core_per_rank": True,
+        "comm_exposed_s": med[2]["comm_exposed_s"], "comm_exposed_fraction": med[2]["comm_exposed_s"] / step2,
+        "comm_exposed_goal_fraction": 0.05,
+        "step_time_s_1rank": step1, "step_time_s_2ranks": step2,
+        "thread_cpu_s_1rank": med[1]["thread_cpu_s"], "thread_cpu_s_2ranks": med[2]["thread_cpu_s"],
+        "compute_slowdown": med[2]["thread_cpu_s"] / med[1]["thread_cpu_s"],
+        "other_threads_cpu_s_2ranks": med[2]["cpu_s"] - med[2]["thread_cpu_s"],
+        "step_loss_s": step2 - step1,
+        "step_loss_parts_s": {"compute_s": compute, "exposed_s": med[2]["comm_exposed_s"],
+                              "rest_s": step2 - step1 - compute - med[2]["comm_exposed_s"]},
+        "overlap_fitted": fit_overlap(comm_s=comm_s, backward_s=step1 * 2 / 3, exposed_s=med[2]["comm_exposed_s"]),
+        "bucket_sweep": sweep,
+    })
     s = out["efficiency_spread"]
     print(f"efficiency {eff:.3f}; per-round spread min {s['min']:.3f} p25 {s['p25']:.3f} median {s['median']:.3f} "
           f"p75 {s['p75']:.3f} max {s['max']:.3f} over {args.rounds} paired rounds; load average {out['load_avg_1m']:.1f}",
           flush=True)
+    parts = out["step_loss_parts_s"]
+    print(f"step 1 rank {step1:.3f} s, 2 ranks {step2:.3f} s: +{out['step_loss_s']:.3f} s = compute "
+          f"{parts['compute_s']:+.3f} (training thread CPU x{out['compute_slowdown']:.3f}) + exposed communication "
+          f"{parts['exposed_s']:.3f} ({100 * out['comm_exposed_fraction']:.1f} % of the step) + rest "
+          f"{parts['rest_s']:+.3f}; gloo's threads {out['other_threads_cpu_s_2ranks']:.3f} CPU s per step", flush=True)
     print(json.dumps(out), flush=True)
     return out
 

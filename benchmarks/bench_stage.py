@@ -137,7 +137,8 @@ def main() -> None:
                       "value": worst["ratio"], "baseline": "cp -r + sha256sum", "ratio": worst["ratio"],
                       "goal": GOAL, "met": worst["ratio"] >= GOAL, "higher_is_better": True,
                       "worst_set": worst["set"], "ratios": {r["set"]: r["ratio"] for r in lines},
-                      "n_files": {r["set"]: r["n_files"] for r in lines}, "bytes": {r["set"]: r["bytes"] for r in lines},
+                      "n_files": {r["set"]: r["n_files"] for r in lines},
+                      "bytes": {r["set"]: r["bytes"] for r in lines},
                       "load_avg_1m": round(os.getloadavg()[0], 2), "cpu_count": os.cpu_count()}))
 
 

@@ -13,8 +13,9 @@ blocks read the files the measuring command wrote, kept under docs/data/:
   ``docs/data/loader.jsonl``: ``work/demo/sweeps/loader.parquet`` written by the demo's
   notebook 04 (the loader-worker sweep), as JSON lines. ``python docs/generate.py --import
   work/demo`` copies both from a demo's work directory, then regenerates.
-- ``docs/data/bench_model.jsonl`` / ``bench_ddp.jsonl``: the JSON lines printed by
-  ``python benchmarks/bench_model.py`` / ``bench_ddp.py`` (one record per line).
+- ``docs/data/bench_model.jsonl`` / ``bench_ddp.jsonl`` / ``bench_stage.jsonl``: the JSON lines
+  printed by ``python benchmarks/bench_model.py`` / ``bench_ddp.py`` / ``bench_stage.py`` (one
+  record per line).
 - ``docs/data/prep_scale.jsonl``: the output of ``python benchmarks/bench_prep_scale.py``;
   ``prep_scale_default_threads.jsonl`` that of ``BENCH_SIZES=16 BENCH_ONE_CORE_PER_ENGINE=0
   python benchmarks/bench_prep_scale.py``; ``prep_scale_before.jsonl`` that of ``BENCH_SIZES=16
@@ -24,7 +25,7 @@ blocks read the files the measuring command wrote, kept under docs/data/:
 Blocks: ``demo-summary`` (README.md); ``lesson1-measured``, ``lesson1-planner``, ``parallel-planner``, ``lesson2-measured``,
 ``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``,
 ``lesson5-measured``, ``lesson5-planner``, ``one-story`` (docs/results.md); ``bench-model`` (docs/model.md);
-``bench-ddp`` (docs/training.md); ``prep-scale``, ``prep-projection`` (docs/data_path.md).
+``bench-ddp`` (docs/training.md); ``bench-stage``, ``prep-scale``, ``prep-projection`` (docs/data_path.md).
 """
 
 from __future__ import annotations
@@ -284,17 +285,45 @@ def _records(name: str) -> list[dict]:
 
 
 def bench_model() -> str:
-    recs = [r for r in _records("bench_model.jsonl") if r.get("benchmark") == "model"]
+    recs = [r for r in _records("bench_model.jsonl") if r.get("benchmark") == "model" and "preset" in r]
     if not recs:
         return "No record yet (`docs/data/bench_model.jsonl` is empty).\n"
-    rows = ["| preset | seq x batch | labkit dense / HF sdpa (paired spread min-max) | sparse gain over dense | "
-            "losses dense / sparse / HF | load avg |", "| --- | --- | --- | --- | --- | --- |"]
+    paths = sorted({k for r in recs for k in r["paths"]}, key=["dense", "sparse", "dense_compiled",
+                                                                 "sparse_compiled"].index)
+    rows = ["| preset | seq x batch | best path / HF sdpa (paired spread min-max) | " + " | ".join(paths)
+            + " | losses within | load avg |", "| --- | --- | --- | " + " | ".join("---" for _ in paths) + " | --- | --- |"]
     for r in recs:
-        s, g = r["ratio_paired_spread"], r["sparse_gain_paired_spread"]
-        rows.append(f"| {r['preset']} | {r['seq_len']} x {r['batch_size']} | {r['ratio']} ({s['min']}-{s['max']}) | "
-                    f"{r['sparse_gain']} ({g['min']}-{g['max']}) | {r['loss_dense']} / {r['loss_sparse']} / "
-                    f"{r['loss_hf_sdpa']} | {r['load_avg_1m']} |")
-    return "\n".join(rows) + "\n\nRecords:\n\n" + "".join(f"    {json.dumps(r)}\n" for r in recs)
+        s = r["ratio_paired_spread"]
+        cells = []
+        for k in paths:
+            c = r["paths"].get(k)
+            cells.append("" if c is None else f"{c['ratio']}" + (f" (compile {r['compile_s'][k]} s)" if k in r.get(
+                "compile_s", {}) else ""))
+        rows.append(f"| {r['preset']} | {r['seq_len']} x {r['batch_size']} | {r['best_path']} {r['ratio']} "
+                    f"({s['min']}-{s['max']}) | " + " | ".join(cells)
+                    + f" | {r['loss_max_rel_diff']:.1e} | {r['load_avg_1m']} |")
+    summary = [r for r in _records("bench_model.jsonl") if r.get("setting") == "all"]
+    tail = ""
+    if summary:
+        t = summary[-1]
+        tail = (f"\nSmallest best-path ratio over the settings: {t['ratio']} (goal {t['goal']}, met: {t['met']}); "
+                f"compiled paths measured: {t['compiled']}; load average at the end {t['load_avg_1m']}.\n")
+    return "\n".join(rows) + "\n" + tail + "\nRecords:\n\n" + "".join(
+        f"    {json.dumps(r)}\n" for r in _records("bench_model.jsonl"))
+
+
+def bench_stage() -> str:
+    recs = [r for r in _records("bench_stage.jsonl") if r.get("benchmark") == "stage" and r.get("set") != "all"]
+    if not recs:
+        return "No record yet (`docs/data/bench_stage.jsonl` is empty).\n"
+    rows = ["| set | files | MB | labkit MB/s | cp -r + sha256sum MB/s | ratio (paired spread min-max) | "
+            "file create, us | load avg |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in recs:
+        s = r["ratio_paired_spread"]
+        rows.append(f"| {r['set']} | {r['n_files']:,} | {r['bytes'] / 1e6:.1f} | {r['value']:.0f} | "
+                    f"{r['baseline_value']:.0f} | {r['ratio']} ({s['min']}-{s['max']}) | {r['create_us_per_file']} | "
+                    f"{r['load_avg_1m']} |")
+    return "\n".join(rows) + "\n\nRecords:\n\n" + "".join(f"    {json.dumps(r)}\n" for r in _records("bench_stage.jsonl"))
 
 
 def bench_ddp() -> str:
@@ -304,10 +333,22 @@ def bench_ddp() -> str:
     rows = []
     for r in recs:
         s = r["efficiency_spread"]
-        rows.append(f"- `{r['model']}`, seq {r['seq_len']}, micro-batch {r['micro_batch_per_rank']} per rank, "
-                    f"{r['rounds']} paired rounds, load average {r['load_avg_1m']:.1f}: efficiency {r['value']:.3f} "
-                    f"(per-round min {s['min']:.3f}, median {s['median']:.3f}, max {s['max']:.3f}); 1 rank "
-                    f"{r['tokens_per_s_1rank']:,.0f} tokens/s, 2 ranks {r['tokens_per_s_2ranks']:,.0f}.")
+        line = (f"- `{r['model']}`, seq {r['seq_len']}, micro-batch {r['micro_batch_per_rank']} per rank, "
+                f"{r['rounds']} paired rounds, load average {r['load_avg_1m']:.1f}: efficiency {r['value']:.3f} "
+                f"(per-round min {s['min']:.3f}, median {s['median']:.3f}, max {s['max']:.3f}); 1 rank "
+                f"{r['tokens_per_s_1rank']:,.0f} tokens/s, 2 ranks {r['tokens_per_s_2ranks']:,.0f}.")
+        if "comm_exposed_s" in r:
+            parts = r["step_loss_parts_s"]
+            line += (f" Bucket {r['bucket_cap_mb']:g} MiB: exposed communication {r['comm_exposed_s'] * 1e3:.0f} ms "
+                     f"({100 * r['comm_exposed_fraction']:.1f} % of the 2-rank step); step {r['step_time_s_1rank']:.3f} s "
+                     f"-> {r['step_time_s_2ranks']:.3f} s = training-thread CPU {parts['compute_s']:+.3f} s "
+                     f"(x{r['compute_slowdown']:.3f}) + exposed {parts['exposed_s']:.3f} s + rest {parts['rest_s']:+.3f} s; "
+                     f"gloo's threads {r['other_threads_cpu_s_2ranks']:.3f} CPU s per step.")
+        rows.append(line)
+        for b in r.get("bucket_sweep", []):
+            rows.append(f"  - bucket {b['bucket_cap_mb']:g} MiB: 2 ranks {b['tokens_per_s_2ranks']:,.0f} tokens/s, "
+                        f"exposed {b['comm_exposed_s'] * 1e3:.0f} ms ({100 * b['comm_exposed_fraction']:.1f} %), "
+                        f"{b['rounds']} runs, load average {b['load_avg_1m']:.1f}")
     return "\n".join(rows) + "\n\nRecords:\n\n" + "".join(f"    {json.dumps(r)}\n" for r in recs)
 
 
@@ -399,6 +440,7 @@ BLOCKS = {("README.md", "demo-summary"): demo_summary,
           ("docs/results.md", "one-story"): one_story,
           ("docs/model.md", "bench-model"): bench_model,
           ("docs/training.md", "bench-ddp"): bench_ddp,
+          ("docs/data_path.md", "bench-stage"): bench_stage,
           ("docs/data_path.md", "prep-scale"): prep_scale,
           ("docs/data_path.md", "prep-projection"): prep_projection}
 

@@ -173,14 +173,18 @@ class StepTimer:
     and ``thread_cpu_s`` (of the calling thread alone: ``time.thread_time``); their difference is
     what other threads did meanwhile (gloo's communication threads, loader threads). A rank whose
     step takes longer than ``thread_cpu_s`` waited: for another rank, the network or a core.
+    With ``comm`` (``labkit.train.dist.CommTimer``: ``reset()``, ``exposed_s()``), ``start()``
+    resets it and ``stop()`` sets ``comm_exposed_s`` (``comm_exposed_s`` below) from the
+    collectives of the step, after the synchronisation; without, it is 0.0.
     """
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, comm=None):
+        self.device, self.comm = device, comm
         self._t0: float | None = None
         self._cpu0 = self._thread0 = 0.0
         self.cpu_s: float | None = None
         self.thread_cpu_s: float | None = None
+        self.comm_exposed_s = 0.0
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -191,6 +195,8 @@ class StepTimer:
 
     def start(self) -> None:
         """Synchronise and start the clock."""
+        if self.comm is not None:
+            self.comm.reset()
         self._t0 = self._now()
         self._cpu0, self._thread0 = time.process_time(), time.thread_time()
 
@@ -204,5 +210,6 @@ class StepTimer:
         """Seconds since ``start`` (synchronised); the timer must be started again."""
         elapsed = self.lap()
         self.cpu_s, self.thread_cpu_s = time.process_time() - self._cpu0, time.thread_time() - self._thread0
+        self.comm_exposed_s = self.comm.exposed_s() if self.comm is not None else 0.0
         self._t0 = None
         return elapsed

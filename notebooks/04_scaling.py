@@ -62,6 +62,17 @@ ranks
 plots.throughput_figure(ranks)
 
 # %% [markdown]
+# ### Scaling table with exposed communication
+# `comm_exposed_s`: the gradient all-reduce time of a step that backward did not hide (from the
+# last gradient ready to the end of the last all-reduce; docs/measurement.md), mean over the
+# timed steps of each run, and its share of the step. It is 0 at one rank; where it is a small
+# share, what the efficiency still loses is compute (memory bandwidth, cores), not the network.
+
+# %%
+ranks.select("ranks", "model", "micro_batch_size", "tokens_per_s", "efficiency", "comm_exposed_s",
+             "comm_exposed_fraction", "load_avg_1m")
+
+# %% [markdown]
 # ## Largest micro-batch per model size
 
 # %%

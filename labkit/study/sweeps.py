@@ -48,8 +48,10 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
 
     Points already in ``sweeps/ranks.parquet`` are not rerun. Columns: ranks, model,
     micro_batch_size, global_batch_size, tokens_per_s (all ranks, after timing warm-up),
-    samples_per_s, data_wait_fraction, efficiency = tokens_per_s(n) / (n * tokens_per_s(1)),
-    and the machine's load just before the point (``_load_columns``: load_avg_1m, load_avg_5m,
+    samples_per_s, data_wait_fraction, comm_exposed_s and comm_exposed_fraction (gradient
+    all-reduce not hidden behind backward, mean seconds per timed step and share of the step;
+    ``labkit.measure.comm_exposed_s``; 0 at one rank; null in rows measured before it existed),
+    efficiency = tokens_per_s(n) / (n * tokens_per_s(1)), and the machine's load just before the point (``_load_columns``: load_avg_1m, load_avg_5m,
     cpu_count, busy). Sweep runs write metrics and result.json, no checkpoint.
     """
     out = paths(workdir)["sweeps"] / "ranks.parquet"
@@ -65,8 +67,10 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
         res = train_on_cluster(client, cfg, targets=client.ids[:n], staged=staged)
         rows.append({"ranks": n, "model": base.model, "micro_batch_size": base.micro_batch_size,
                      "global_batch_size": res["global_batch_size"], "tokens_per_s": res["tokens_per_s"],
-                     "samples_per_s": res["samples_per_s"], "data_wait_fraction": res["data_wait_fraction"], **load})
-    df = pl.DataFrame(rows).sort("model", "micro_batch_size", "ranks")
+                     "samples_per_s": res["samples_per_s"], "data_wait_fraction": res["data_wait_fraction"],
+                     "comm_exposed_s": res["comm_exposed_s"], "comm_exposed_fraction": res["comm_exposed_fraction"],
+                     **load})
+    df = pl.DataFrame(rows, infer_schema_length=None).sort("model", "micro_batch_size", "ranks")
     one = (df.filter(pl.col("ranks") == 1).select("model", "micro_batch_size", pl.col("tokens_per_s").alias("_t1")))
     df = df.join(one, on=["model", "micro_batch_size"], how="left").with_columns(
         (pl.col("tokens_per_s") / (pl.col("ranks") * pl.col("_t1"))).alias("efficiency")
@@ -151,7 +155,7 @@ def sweep_model_size(client, base: TrainConfig, workdir: str, *, models: list[st
     ``sweeps/model_size.parquet`` at the same ranks and micro-batch are not rerun. Columns:
     model, params, non_embedding_params, ranks, micro_batch_size, seq_len, tokens_per_s,
     samples_per_s, flops_per_token (``labkit.model.flops_per_token``), achieved_flops
-    (tokens_per_s x flops_per_token, all ranks), and the machine's load before the run
+    (tokens_per_s x flops_per_token, all ranks), comm_exposed_s (as in ``sweep_ranks``), and the machine's load before the run
     (load_avg_1m, load_avg_5m, cpu_count, busy; ``_load_columns``). No checkpoints are written."""
     out = paths(workdir)["sweeps"] / "model_size.parquet"
     n = ranks or len(client.ids)
@@ -171,5 +175,6 @@ def sweep_model_size(client, base: TrainConfig, workdir: str, *, models: list[st
         rows.append({"model": name, "params": counts["total"], "non_embedding_params": counts["non_embedding"],
                      "ranks": n, "micro_batch_size": base.micro_batch_size, "seq_len": index["seq_len"],
                      "tokens_per_s": res["tokens_per_s"], "samples_per_s": res["samples_per_s"],
-                     "flops_per_token": fpt, "achieved_flops": res["tokens_per_s"] * fpt, **load})
-    return _save(pl.DataFrame(rows).sort("params", "ranks"), out)
+                     "flops_per_token": fpt, "achieved_flops": res["tokens_per_s"] * fpt,
+                     "comm_exposed_s": res["comm_exposed_s"], **load})
+    return _save(pl.DataFrame(rows, infer_schema_length=None).sort("params", "ranks"), out)

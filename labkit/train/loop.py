@@ -260,7 +260,6 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         check_resume(run_dir, to_dict(cfg), identity, allow_safe_changes=cfg.allow_safe_changes)
     state = load_checkpoint(run_dir / "checkpoints" / f"step-{resume_step}", model) if resume_step else None
     model, optimizer, scaler, sharding = _parallelize(cfg, model, device)
-    comm_timer = dist.time_gradient_collectives(model, device)  # comm_exposed_s per step; None in one process
     loader = make_loader(cfg.data_dir, batch_size=cfg.micro_batch_size, rank=rank, world_size=world,
                          seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=mcfg.vocab_size,
                          num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
@@ -280,7 +279,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
 
     stop = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
     peak = measure.peak_flops(device, cfg.precision)
-    timer = measure.StepTimer(device)
+    timer = measure.StepTimer(device, comm=dist.time_gradient_collectives(model, device))  # + comm_exposed_s
     timings: list[tuple[int, int, float, float, float]] = []  # (tokens, samples, step time, wait, exposed comm)
     last_record: dict[str, Any] = {}
     skipped = 0
@@ -304,8 +303,6 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        if comm_timer is not None:
-            comm_timer.reset()
         loss_sum, n_masked, n_tokens = forward_backward(model, micro_batches, world_size=world,
                                                         precision=cfg.precision, scaler=scaler)
         summed = dist.all_reduce_sum(torch.stack([loss_sum.double(), torch.tensor(wait, dtype=torch.float64,
@@ -319,20 +316,18 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         optimizer.zero_grad(set_to_none=True)
         step += 1
         step_time = timer.stop()
-        # 4. measure and record (comm_exposed_s: this rank's gradient collectives after backward, labkit.measure)
-        comm_exposed = comm_timer.exposed_s() if comm_timer is not None else 0.0
+        # 4. measure and record
         n_tokens_i = int(n_tokens.item())
         tokens_seen += n_tokens_i
-        timings.append((n_tokens_i, global_batch, step_time, wait_mean, comm_exposed))
+        timings.append((n_tokens_i, global_batch, step_time, wait_mean, timer.comm_exposed_s))
         evaluated = _maybe_evaluate(model, heldout, cfg, step, stop)  # held-out loss, outside the step time
         if step % cfg.log_every == 0 or step == stop or evaluated:
             tps = measure.tokens_per_s(n_tokens_i, step_time)
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
                       "step_tokens": n_tokens_i, "n_masked": int(n_masked.item()), "tokens_per_s": tps,
-                      **_rates(global_batch, step_time, wait_mean, device), "comm_exposed_s": comm_exposed,
-                      "cpu_s": timer.cpu_s, "thread_cpu_s": timer.thread_cpu_s, "mfu": measure.mfu(tps, fpt, world, peak),
-                      "world_size": world, "global_batch_size": global_batch, "epoch": epoch,
-                      "skipped": not finite, **evaluated, "time": time.time()}
+                      **_rates(global_batch, timer, step_time, wait_mean, device),
+                      "mfu": measure.mfu(tps, fpt, world, peak), "world_size": world, "global_batch_size": global_batch,
+                      "epoch": epoch, "skipped": not finite, **evaluated, "time": time.time()}
             measure.reset_peak_memory(device)
             last_record = _log(record, metrics_file, sink)
         if cfg.checkpoints and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == stop):
@@ -426,9 +421,12 @@ def _next_epoch(loader: Any, sampler: Any, epoch: int, cfg: TrainConfig, world: 
     return itertools.chain([first], batches)
 
 
-def _rates(global_batch: int, step_time: float, wait_mean: float, device: torch.device) -> dict[str, Any]:
-    """The per-step rates of a metrics record (docs/measurement.md)."""
+def _rates(global_batch: int, timer: measure.StepTimer, step_time: float, wait_mean: float,
+           device: torch.device) -> dict[str, Any]:
+    """The per-step rates of a metrics record (docs/measurement.md), with the step timer's CPU
+    seconds and exposed gradient communication (rank 0's)."""
     return {"samples_per_s": measure.samples_per_s(global_batch, step_time), "step_time_s": step_time,
+            "comm_exposed_s": timer.comm_exposed_s, "cpu_s": timer.cpu_s, "thread_cpu_s": timer.thread_cpu_s,
             "data_wait_s": wait_mean, "data_wait_fraction": measure.data_wait_fraction(wait_mean, step_time),
             "peak_mem_bytes": measure.peak_memory_bytes(device)}
 
