@@ -45,7 +45,7 @@ def trained(monkeypatch):
         runs.append((cfg.model, n))
         tps = 1000.0 * n * (0.9 if n > 1 else 1.0) / (2 if cfg.model == "mini" else 1)
         return {"global_batch_size": cfg.micro_batch_size * n, "tokens_per_s": tps, "samples_per_s": tps / 64,
-                "data_wait_fraction": 0.01}
+                "data_wait_fraction": 0.01, "comm_exposed_s": 0.01 * (n - 1), "comm_exposed_fraction": 0.02 * (n - 1)}
 
     monkeypatch.setattr(sweeps, "train_on_cluster", fake_train)
     return runs
@@ -62,8 +62,16 @@ def test_sweep_ranks_resumes(tmp_path, trained):
     assert trained[2:] == [("tiny", 4)]  # 1 and 2 were read back, not rerun
     assert df["ranks"].to_list() == [1, 2, 4] and df["efficiency"].to_list() == pytest.approx([1.0, 0.9, 0.9])
     assert pl.read_parquet(tmp_path / "sweeps" / "ranks.parquet").equals(df)
+    assert df["comm_exposed_s"].to_list() == pytest.approx([0.0, 0.01, 0.03])  # each run's result.json
+    assert df["comm_exposed_fraction"].to_list() == pytest.approx([0.0, 0.02, 0.06])
+    # a table written before the column existed: its rows read back with nulls, new rows carry it
+    (tmp_path / "sweeps" / "ranks.parquet").unlink()
+    sweeps._save(df.filter(pl.col("ranks") == 1).drop("comm_exposed_s", "comm_exposed_fraction"),
+                 tmp_path / "sweeps" / "ranks.parquet")
+    mixed = lab.sweep_ranks(client, base, str(tmp_path), ranks=[1, 2])
+    assert mixed["comm_exposed_s"].to_list() == [None, pytest.approx(0.01)]
     lab.sweep_ranks(client, base, str(tmp_path), ranks=[1], force=True)
-    assert trained[3:] == [("tiny", 1)]
+    assert trained[4:] == [("tiny", 1)]
 
 
 def test_sweep_model_size_resumes(tmp_path, trained, monkeypatch):
