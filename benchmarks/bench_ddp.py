@@ -21,7 +21,8 @@ threads, on the rank's own core). ``step_loss_s`` = step(2) - step(1) splits int
 other rank).
 
 ``--bucket-caps 1,5,25,100`` also runs 2-rank runs at each ``TrainConfig.bucket_cap_mb`` and
-prints one line per size (tokens/s, exposed communication): how the default was chosen.
+prints one line per size (tokens/s, exposed communication): the measurement that chooses the
+default (TrainConfig.bucket_cap_mb).
 The machine's load average is printed with the result. Run: ``python benchmarks/bench_ddp.py``
 from the repository root. Last line: one JSON object.
 """

@@ -13,7 +13,8 @@ Each set is staged into a fresh directory per run on this machine's disk, altern
 the baseline after one warm-up of each (so both read the source from the page cache); medians
 of ``REPEATS`` rounds and the spread of the per-round (paired) ratios. ratio = baseline seconds
 / our seconds (higher is better; goal 4.0). The copies of a set are removed only after its last
-run: ext4 skips inodes freed in the last 30 s when it allocates one (``recently_deleted`` in
+run (and ``os.sync()`` runs before each timed run, outside the clock, so that no run is slowed
+by writing back the copies before it): ext4 skips inodes freed in the last 30 s when it allocates one (``recently_deleted`` in
 fs/ext4/ialloc.c), scanning past each of them, so creating 2,000 files just after deleting
 2,000 took seconds on either side (a profile of the create: ``perf record`` on
 ``recently_deleted``). ``create_us_per_file``: the mean microseconds to create one of as many
@@ -107,7 +108,9 @@ def bench_set(tmp: Path, name: str, shards: int, rows: int, seq_len: int) -> dic
     ours(src, tmp / name / "a-warm"), baseline(src, tmp / name / "b-warm")  # warm-up: page cache, imports
     t_ours, t_base = [], []
     for r in range(REPEATS):
+        os.sync()  # outside the clock: no run is throttled by the previous runs' dirty pages
         t_ours.append(ours(src, tmp / name / f"a-{r}"))
+        os.sync()
         t_base.append(baseline(src, tmp / name / f"b-{r}"))
         print(f"  repeat {r}: labkit {t_ours[-1]:.3f} s ({n_bytes / 1e6 / t_ours[-1]:.0f} MB/s), "
               f"cp -r + sha256sum {t_base[-1]:.3f} s ({n_bytes / 1e6 / t_base[-1]:.0f} MB/s)", flush=True)
