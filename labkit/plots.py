@@ -2,7 +2,8 @@
 
 One style for every figure lives in `style()` (template, colours, fonts). Figures take polars
 frames (the tables labkit writes) and return `plotly.graph_objects.Figure`; nothing is shown.
-Notebooks call `setup_notebook_plotting()` once so exported HTML embeds plotly.js offline.
+Notebooks call `setup_notebook_plotting()` once so exported HTML embeds plotly.js offline;
+`LivePlot` needs no setup call: its first frame is drawn by the front end's own plotly renderer.
 Patterns: /work/shared/docs/references.md section E (plotly) and "Checked on a machine like ours".
 """
 
@@ -34,9 +35,13 @@ plotly.js once so nbconvert's HTML export renders offline (plotly/io/_renderers.
 def style() -> go.layout.Template:
     """The labkit plotly template: simple_white with the labkit font, colorway and grid."""
     t = go.layout.Template(pio.templates["simple_white"])
+    # the legend sits at the bottom of the whole figure (container coordinates), under the x-axis
+    # title, and plotly grows the bottom margin for its rows: at JupyterLab's output width (450 px
+    # high) a legend placed in plot coordinates (y=-0.18) wrapped onto the axis title
     t.layout.update(font=FONT, colorway=list(COLORWAY), hovermode="x unified",
                     margin={"l": 60, "r": 30, "t": 60, "b": 50},
-                    legend={"orientation": "h", "y": -0.18})
+                    legend={"orientation": "h", "yref": "container", "yanchor": "bottom", "y": 0,
+                            "xanchor": "left", "x": 0})
     t.layout.xaxis.update(showgrid=True, gridcolor="#e5e5e5")
     t.layout.yaxis.update(showgrid=True, gridcolor="#e5e5e5")
     # simple_white draws shapes with line width 0 (and 0.3 opacity): reference lines would be invisible
@@ -74,6 +79,16 @@ def round_axis(values: Sequence[float], *, percent: bool = False) -> dict:
     return out
 
 
+def integer_axis(values: Sequence[float]) -> dict:
+    """Axis settings for a count (steps, documents, sequences): ticks on whole numbers only, a
+    round step of at least 1 (``nice_step`` over the values' span), so a 4-step run is labelled
+    1, 2, 3, 4 and not 1, 1.5, 2, ...; ``tickformat="d"``. `values`: what the axis spans (include
+    0 for bars, which start there)."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    span = (max(finite) - min(finite)) if finite else 0.0
+    return {"tickmode": "linear", "tick0": 0, "dtick": max(1, int(nice_step(span))), "tickformat": "d"}
+
+
 def _register_offline_renderer() -> None:
     """Register "labkit_notebook": plotly's `notebook` renderer (plotly.js embedded by its
     activate()) whose figure HTML does not load MathJax from a CDN, as plotly's hard-codes
@@ -95,7 +110,8 @@ def setup_notebook_plotting(*, table_rows: int = 100) -> None:
     and show polars tables of up to `table_rows` rows whole (polars cuts at 10 rows with "…").
 
     Sets pio.renderers.default to RENDERER and activates it now, so plotly.js is emitted even if
-    the notebook only draws through `LivePlot`.
+    the notebook only draws through `LivePlot`. Only needed for exported HTML: figures and
+    `LivePlot` draw in JupyterLab, Notebook 7 and VS Code without it.
     """
     _register_offline_renderer()
     pio.renderers.default = RENDERER
@@ -138,6 +154,7 @@ def loss_figure(metrics: pl.DataFrame | pl.LazyFrame, *, title: str = "Training 
                          **round_axis(d["tokens_per_s"].to_list()))
     fig.update_yaxes(title_text="MLM loss", secondary_y=False)
     fig.update_layout(template=style(), title=title, xaxis_title="step")
+    fig.update_xaxes(**integer_axis(df["step"].to_list()))
     return fig
 
 
@@ -218,6 +235,7 @@ def microbatch_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Largest 
     fig.update_layout(template=style(), title=title, barmode="group", xaxis_title="model",
                       yaxis_title="max micro-batch (sequences)", legend_title_text="memory budget")
     fig.update_xaxes(categoryorder="array", categoryarray=order)
+    fig.update_yaxes(**integer_axis([0, *d["max_micro_batch"].to_list()]))
     return fig
 
 
@@ -246,8 +264,11 @@ def live_html(fig: go.Figure, div_id: str, *, height: int = 450) -> str:
 
     JupyterLab and the classic notebook re-render a text/html output on update_display_data, but
     not a plotly mimetype output (plotly/plotly.py#3053), so live frames are HTML. The script
-    waits up to 10 s for ``window.Plotly`` (defined by ``setup_notebook_plotting``'s embedded
-    plotly.js) and for the div, then calls ``Plotly.newPlot``. `height` in CSS pixels."""
+    waits up to 10 s for ``window.Plotly`` and for the div, then calls ``Plotly.newPlot``. The
+    page has ``window.Plotly`` once any plotly-mimetype figure was drawn (JupyterLab's plotly
+    renderer, the jupyterlab-plotly extension of the plotly package, loads its plotly.js bundle
+    from the local Jupyter server, which defines it; ``LivePlot``'s first frame is such a figure)
+    or after ``setup_notebook_plotting``. `height` in CSS pixels."""
     fig_json = pio.to_json(fig, validate=False).replace("</", "<\\/")  # keep </script> out of the JSON
     return _LIVE_SCRIPT.format(div_id=div_id, height=int(height), fig_json=fig_json)
 
@@ -262,6 +283,12 @@ class LivePlot:
     `flush()` (run_ddp calls it at the end) draws the final frame with the plotly mimetype added,
     so the saved notebook renders even untrusted and the exported HTML keeps every point offline.
     Calls inside the interval are kept and drawn by the next call or by `flush()`.
+
+    No setup call is needed: the first frame, like the final one, carries the plotly mimetype too,
+    so the front end draws it with its own plotly renderer (JupyterLab, Notebook 7 and VS Code
+    do, offline), which in JupyterLab also gives the page the ``window.Plotly`` the HTML frames
+    after it draw with (``live_html``); no 4.8 MB copy of plotly.js travels with the frames.
+    Exported HTML (nbconvert) needs ``setup_notebook_plotting`` for plotly.js, as every figure does.
     """
 
     def __init__(self, make_figure: Callable[[pl.DataFrame], go.Figure], *, min_interval: float = 1.0,
@@ -293,7 +320,8 @@ class LivePlot:
         fig = self.make_figure(pl.from_dicts(self._records, infer_schema_length=None))
         bundle = {"text/html": live_html(fig, f"{self.display_id}-plot", height=self.height),
                   "text/plain": f"<labkit live figure: {len(self._records)} records>"}
-        if final:
+        if final or self.draws == 0:  # drawn natively (see the class docstring); JupyterLab does not
+            # redraw a plotly-mimetype output on update_display, so the frames between are HTML only
             bundle["application/vnd.plotly.v1+json"] = json.loads(pio.to_json(fig, validate=False))
         if self.draws == 0:
             display(bundle, raw=True, display_id=self.display_id)
@@ -312,6 +340,7 @@ def drop_reasons_figure(drops: dict, *, title: str = "Documents dropped, by reas
                            text=[n for _, n in items], marker={"color": COLORS["loss"]}))
     fig.update_layout(template=style(), title=f"{title} (kept {drops['kept']:,} of {drops['input']:,})",
                       xaxis_title="documents", yaxis_title="reason")
+    fig.update_xaxes(**integer_axis([0] + [n for _, n in items]))
     return fig
 
 

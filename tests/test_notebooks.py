@@ -135,7 +135,7 @@ def test_notebooks_execute_and_export_offline_reports(reports, workdir):
 
 
 def test_reports_open_offline_in_chromium_with_every_reference_line_drawn(reports):
-    from browser import chromium, inspect_report, need_browser
+    from browser import chromium, inspect_report, layout_problems, need_browser
 
     need_browser()
     with chromium() as browser:
@@ -150,6 +150,10 @@ def test_reports_open_offline_in_chromium_with_every_reference_line_drawn(report
                 assert len(fig["shape_widths"]) == fig["shapes"] and all(w > 0 for w in fig["shape_widths"]), (name, fig)
                 for axis, labels in fig["ticks"].items():
                     assert len(labels) == len(set(labels)), (name, axis, labels)  # no repeated tick label
+                if fig["xtitle"] in ("step", "documents"):  # counts: whole-number ticks only
+                    assert all(re.fullmatch(r"[\d,]+", t) for t in fig["ticks"]["xtick"]), (name, fig["ticks"])
+            problems = [p for fig in r["layout"] for p in layout_problems(fig)]
+            assert not problems, (name, problems)  # no legend on a title or tick label, none cut off
             if name == "04_scaling":  # the 90 % line and the capacity line (the knee only when one is found)
                 assert sum(f["shapes"] for f in figs) >= 2, figs
 
@@ -159,20 +163,54 @@ def test_reports_open_offline_in_chromium_with_every_reference_line_drawn(report
 BROWSER_OUT = ROOT / "work" / "browser"
 """Screenshots and point counts of the browser tests (outside git: /work/ is ignored)."""
 
-LIVE_FEED = """import time
-live = plots.LivePlot(plots.loss_figure, min_interval=0.3)
-records = []
-for step in range(1, 21):
-    records.append({"step": step, "loss": 10 / step, "tokens_per_s": 1000.0 + step})
-    live(records)
-    time.sleep(0.4)
-live.flush()
-print("fed", len(records), "records")"""
+USER_NOTEBOOK = [
+    # a new notebook, as a user writes it: no labkit setup call anywhere
+    """from labkit import cluster as lc
+from labkit import lab, plots
+from labkit.config import TrainConfig
+
+workdir = {workdir!r}
+cluster = lc.start_cluster(2)
+client = lc.get_client(cluster)
+staged = lab.stage(client, workdir)""",
+    """cfg = TrainConfig(data_dir=f"{{workdir}}/shards", run_dir=f"{{workdir}}/runs/mine", model="tiny",
+                  micro_batch_size=8, max_steps={steps}, warmup_steps=2, num_threads=1, resume=False,
+                  checkpoints=False)
+live = plots.LivePlot(plots.loss_figure)
+result = lab.train_on_cluster(client, cfg, staged=staged, live=live)
+print("trained", result["steps"], "steps in", round(result["wall_s"], 1), "s; drawn", live.draws, "times")""",
+    """def feed(n, sink=None):  # run_ddp's own live option: rank 0 publishes through its sink
+    import time
+    for step in range(1, n + 1):
+        if sink is not None:
+            sink({{"step": step, "loss": 10 / step}})
+        time.sleep(0.5)
+    return n
+
+lc.run_ddp(client, feed, {fed}, live=plots.LivePlot(plots.loss_figure))""",
+    "lc.stop_cluster(cluster)",
+    # notebook 04's efficiency figure and 05's law figure, whose legends wrapped onto the x-axis title
+    """import numpy as np
+import polars as pl
+from labkit.study import laws, plan, scaling
+
+curves = [scaling.study_scaling(name, micro_batch=b, seq_len=512, network=net, sparse_head=False)
+          .with_columns(label=pl.lit(f"{{name}} b={{b}} {{net}}"))
+          for name, b in plan.STUDY_MICRO_BATCH.items() for net in ("25GbE", "IB-NDR")]
+plots.efficiency_figure(pl.concat(curves), measured=pl.DataFrame({{"ranks": [1, 2], "efficiency": [1.0, 0.8]}}))""",
+    """n, d = np.repeat([2e4, 5e4, 1e5], 4), np.tile([1e5, 3e5, 1e6, 3e6], 3)
+points = pl.DataFrame({{"n_params": n, "n_tokens": d, "loss": laws.CHINCHILLA.loss(n, d)}})
+frontier = pl.DataFrame([laws.compute_optimal(c, laws.CHINCHILLA) for c in np.geomspace(1e10, 1e13, 8)])
+plots.law_figure(points, laws.CHINCHILLA, frontier=frontier,
+                 title="Held-out MLM loss of tiny encoders on binary code, with the fitted law")""",
+    'print("notebook finished")',
+]
 
 
-def _grew(samples: list, total: int) -> list[int]:
-    """The distinct point counts of the first figure's first trace seen before the end."""
-    return sorted({c[0][0] for _, c in samples[:-1] if c and 0 < c[0][0] < total})
+def _sizes(samples: list, figure: int, total: int) -> list[int]:
+    """The distinct point counts of figure `figure`'s first trace seen while the notebook ran
+    (between 0 and `total`, the final count, both excluded)."""
+    return sorted({c[figure][0] for _, c in samples[:-1] if len(c) > figure and c[figure] and 0 < c[figure][0] < total})
 
 
 def _save_timeline(name: str, samples: list) -> Path:
@@ -185,26 +223,37 @@ def _save_timeline(name: str, samples: list) -> Path:
     return path
 
 
-def test_live_figure_grows_in_place_in_jupyterlab(tmp_path):
+def test_users_own_notebook_draws_live_without_setup_in_jupyterlab(workdir, tmp_path):
+    """LivePlot in a notebook that never calls plots.setup_notebook_plotting: through
+    train_on_cluster and through run_ddp's own live option, each figure grows through at least 5
+    sizes while its cell runs; then, at JupyterLab's output width, no legend overlaps a title or a
+    tick label (04's efficiency and 05's law figure wrapped their legends onto the x-axis title)."""
     import nbformat
 
-    from browser import chromium, jupyterlab, need_browser, run_all_and_watch
+    from browser import LAYOUT_JS, chromium, jupyterlab, layout_problems, need_browser, run_all_and_watch
 
     need_browser()
     root = tmp_path / "lab"
     root.mkdir()
+    steps, fed = 300, 20
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
-    nb.cells = [nbformat.v4.new_code_cell("from labkit import plots\nplots.setup_notebook_plotting()"),
-                nbformat.v4.new_code_cell(LIVE_FEED)]
-    nbformat.write(nb, root / "live.ipynb")
+    nb.cells = [nbformat.v4.new_code_cell(c.format(workdir=str(workdir), steps=steps, fed=fed)) for c in USER_NOTEBOOK]
+    nbformat.write(nb, root / "Untitled.ipynb")
     with jupyterlab(root, log=tmp_path / "lab.log") as (base, token), chromium() as browser:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        samples = run_all_and_watch(page, f"{base}/lab/tree/live.ipynb?token={token}", done_text="fed 20 records",
-                                    timeout_s=120)
-    _save_timeline("live", samples)
-    assert samples[-1][1] == [[20, 20]], samples[-1]  # one figure, both traces with every point
-    assert len(_grew(samples, 20)) >= 3, samples  # redrawn in place while the cell ran
+        samples = run_all_and_watch(page, f"{base}/lab/tree/Untitled.ipynb?token={token}", done_text="notebook finished",
+                                    timeout_s=300)
+        layout = page.evaluate(LAYOUT_JS)
+    _save_timeline("users_notebook", samples)
+    final = samples[-1][1]
+    assert [f[0] for f in final[:2]] == [steps, fed], final  # both live figures end with every record
+    trained, fed_sizes = _sizes(samples, 0, steps), _sizes(samples, 1, fed)
+    assert len(trained) >= 5, (trained, samples)  # redrawn in place while the engines trained
+    assert len(fed_sizes) >= 5, (fed_sizes, samples)
+    assert len(layout) == 4 and layout[2]["legend"] and layout[3]["legend"], layout
+    problems = {f["title"]: layout_problems(f) for f in layout}
+    assert not any(problems.values()), problems
 
 
 def test_03_train_live_figure_in_jupyterlab(workdir, tmp_path):
@@ -235,7 +284,7 @@ def test_03_train_live_figure_in_jupyterlab(workdir, tmp_path):
     print(f"03_train mid-run screenshot: {shot}")
     live = samples[-1][1][0]  # the live figure is the first on the page; the demo-run figure follows
     assert live[0] == steps, samples[-1]  # the loss trace ends with every step
-    assert _grew(samples, steps), samples  # and was drawn while the engines trained
+    assert _sizes(samples, 0, steps), samples  # and was drawn while the engines trained
     assert shot.is_file()
     # JupyterLab's terminal (the server's log) stayed quiet through training and stop_cluster
     (BROWSER_OUT / "03_train-jupyterlab.log").write_text(log.read_text())
