@@ -80,7 +80,9 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
 
     Returns the summed statistics, also written last to ``corpus/corpus.json``: files_found,
     parts, files_read, functions (ELF), documents (all sources), by_kind {elf|text|jsonl|parquet:
-    documents}, raw_bytes (input file sizes), text_bytes, skipped {reason: n}, skipped_files,
+    documents}, sources {kind: {"files_found", "files_read", "raw_bytes", "text_bytes",
+    "documents"}} (the kinds read only), part_kinds (the kind of each ``part-<i>.parquet``, in
+    order), raw_bytes (input file sizes), text_bytes, skipped {reason: n}, skipped_files,
     dropped_functions {reason: n} (functions left out at extraction: "disassembly_stopped"),
     seconds, config. Raises ``FileNotFoundError`` naming a missing input path, ``ValueError``
     when no input file is found.
@@ -121,10 +123,16 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
     parts = _wait_all(asyncs, "corpus: reading sources", progress)
     stats: dict[str, Any] = {"files_found": len(elf) + sum(map(len, text.values())), "parts": len(asyncs),
                              "files_read": 0, "functions": 0, "documents": 0, "by_kind": {}, "raw_bytes": 0,
-                             "text_bytes": 0, "skipped": {}, "skipped_files": {}, "dropped_functions": {}}
+                             "text_bytes": 0, "skipped": {}, "skipped_files": {}, "dropped_functions": {},
+                             "sources": {kind: {"files_found": len(files), "files_read": 0, "raw_bytes": 0,
+                                                "text_bytes": 0, "documents": 0}
+                                         for kind, files in {"elf": elf, **text}.items() if files},
+                             "part_kinds": kinds}
     for kind, p in zip(kinds, parts):
         for key in ("files_read", "raw_bytes", "text_bytes"):
             stats[key] += int(p[key])
+            stats["sources"][kind][key] += int(p[key])
+        stats["sources"][kind]["documents"] += int(p["functions"])
         stats["functions" if kind == "elf" else "documents"] += int(p["functions"])
         stats["by_kind"][kind] = stats["by_kind"].get(kind, 0) + int(p["functions"])
         for reason, n in p["skipped"].items():
@@ -283,19 +291,25 @@ def build_shards(client, cfg: ShardConfig, workdir: str, *, force: bool = False,
 
 
 def preparation_report(workdir: str) -> dict:
-    """Numbers of the data preparation, read back from the artifacts: documents left after each
-    stage, tokens, token share per source group before and after balancing, the UNK rate on
-    held-out documents, and the sizes behind lesson 1 (docs/results.md defines them):
+    """Numbers of the data preparation, read back from the artifacts, for whatever the corpus
+    held (ELF functions, text documents, or both): documents left after each stage, tokens,
+    token share per source group before and after balancing, the UNK rate on held-out
+    documents, and the sizes behind lesson 1 (docs/results.md defines them):
 
-    - function_dataset_bytes: the extracted function dataset as first written, with its
-      metadata (corpus/part-*.parquet on disk: id, source, name, address, arch, n_bytes, text);
+    - kinds: the source kinds read (elf, text, jsonl, parquet); sources: per kind, files_read,
+      raw_bytes (whole input files read), documents (read) and kept (after cleaning and dedup);
+      examples: per kind, the start (240 characters) of its first kept document;
+    - dataset_bytes: the document dataset as first written, with its metadata
+      (corpus/part-*.parquet on disk: id, source, name, address, arch, n_bytes, text): for ELF
+      input the study's "dataset of functions" (2 TB);
     - training_data_bytes: what training reads (the shards, the held-out file and index.json);
-    - reduction_percent = 100 (1 - training_data_bytes / function_dataset_bytes), the study's
-      2 TB -> 25 GB measure (98.8 %); negative when the training data is the larger;
-    - context: machine_code_bytes (sum of the extracted functions' sizes, corpus n_bytes),
-      disassembly_bytes (their normalised text), raw_bytes (whole ELF files read, including
-      the files that yielded no function) and elf_reduction_percent (1 - shard bytes / raw
-      bytes, the figure quoted before, not comparable with the study's)."""
+    - training_to_dataset_ratio = training_data_bytes / dataset_bytes: the study's 25 GB / 2 TB
+      = 0.0125 (lesson 1: "training data is 0.0125x the function dataset"); above 1 when the
+      training data is the larger;
+    - only when ELF files were read: functions, elf_files_read, machine_code_bytes (sum of the
+      extracted functions' sizes, corpus n_bytes) and disassembly_bytes (their normalised text).
+
+    Bytes are raw integers; ``labkit.tables.show`` displays them in GB."""
     p = paths(workdir)
     corpus = json.loads((p["corpus"] / "corpus.json").read_text())
     drops = json.loads(p["clean"].with_name("docs.drops.json").read_text())
@@ -304,26 +318,25 @@ def preparation_report(workdir: str) -> dict:
     tok = json.loads(stats_path.read_text()) if stats_path.exists() else {}
     balance = index.get("balance", {})
     stages = drops.get("stages", {"corpus": drops["input"], "near_dedup": drops["kept"]})
-    raw = corpus["raw_bytes"]
     near = drops.get("near_dedup") or {}
     parts = sorted(p["corpus"].glob("part-*.parquet"))
     dataset = sum(f.stat().st_size for f in parts)
-    machine_code = int(pl.scan_parquet(parts).select(pl.col("n_bytes").cast(pl.Int64).sum()).collect().item()) \
-        if parts else 0
     training = index["n_bytes"] + sum(s["n_bytes"] for s in index.get("heldout", {}).get("shards", [])) \
         + (p["shards"] / "index.json").stat().st_size
-    return {
-        "elf_files_read": corpus["files_read"],
-        "functions": corpus["functions"],
-        "raw_bytes": raw,
-        "disassembly_bytes": corpus["text_bytes"],
+    sources = _sources_report(corpus, parts, p["clean"])
+    report = {
+        "kinds": list(sources),
+        "sources": {k: {key: v[key] for key in ("files_read", "raw_bytes", "documents", "kept")}
+                    for k, v in sources.items()},
+        "examples": {k: v["example"] for k, v in sources.items() if v["example"] is not None},
+        "files_read": corpus["files_read"],
+        "raw_bytes": corpus["raw_bytes"],
         "documents_kept": drops["kept"],
         "dropped": drops["dropped"],
         "documents_per_stage": {"read": corpus.get("documents", corpus["functions"]),
                                 **{f"after_{k}": v for k, v in stages.items() if k != "corpus"},
                                 "in_shards": index["n_documents"]},
         "skipped_inputs": corpus["skipped"],
-        "functions_left_out": corpus.get("dropped_functions", {}),
         "near_dedup_docs_per_s": near.get("docs_per_s"),
         "vocab_size": index["vocab_size"],
         "unk_rate_held_out": tok.get("unk_rate"),
@@ -333,15 +346,46 @@ def preparation_report(workdir: str) -> dict:
         "sequences": index["n_sequences"],
         "seq_len": index["seq_len"],
         "shard_bytes": index["n_bytes"],
-        "function_dataset_bytes": dataset,
+        "dataset_bytes": dataset,
         "training_data_bytes": training,
-        "machine_code_bytes": machine_code,
-        "reduction_percent": round(100.0 * (1.0 - training / dataset), 2) if dataset else None,
-        "elf_reduction_percent": round(100.0 * (1.0 - index["n_bytes"] / raw), 2) if raw else None,
+        "training_to_dataset_ratio": round(training / dataset, 4) if dataset else None,
         "heldout_documents": index.get("heldout", {}).get("n_documents", 0),
         "source_share_before": balance.get("share_before"),
         "source_share_after": balance.get("share_after"),
     }
+    if "elf" in sources:
+        elf_parts = [f for f, kind in zip(parts, _part_kinds(corpus, len(parts))) if kind == "elf"]
+        report |= {"functions": corpus["functions"], "elf_files_read": sources["elf"]["files_read"],
+                   "machine_code_bytes": int(pl.scan_parquet(elf_parts).select(pl.col("n_bytes").cast(pl.Int64).sum())
+                                             .collect().item()) if elf_parts else 0,
+                   "disassembly_bytes": sources["elf"]["text_bytes"],
+                   "functions_left_out": corpus.get("dropped_functions", {})}
+    return report
+
+
+def _part_kinds(corpus: dict, n_parts: int) -> list[str]:
+    """The source kind of each corpus part: ``corpus.json``'s part_kinds, else (a corpus of an
+    earlier labkit, which wrote ELF parts only when it had no text) "elf" for every part."""
+    return corpus.get("part_kinds") or ["elf" if corpus.get("functions") else "text"] * n_parts
+
+
+def _sources_report(corpus: dict, parts: list[Path], clean_dir: Path) -> dict[str, dict]:
+    """Per source kind: corpus.json's counts, ``kept`` (rows of the clean parts of that kind, one
+    clean part per corpus part) and ``example`` (the first kept document's first 240 characters)."""
+    kinds = _part_kinds(corpus, len(parts))
+    sources = corpus.get("sources") or {  # corpus.json of an earlier labkit: the totals, by the one kind
+        kinds[0] if kinds else "elf": {key: corpus[key] for key in ("files_read", "raw_bytes", "text_bytes")}
+        | {"documents": corpus.get("documents", corpus["functions"])}}
+    out = {k: dict(v, kept=0, example=None) for k, v in sources.items()}
+    for part, kind in zip(parts, kinds):
+        kept = clean_dir / part.name
+        if not kept.is_file() or kind not in out:
+            continue
+        n = pl.scan_parquet(kept).select(pl.len()).collect().item()
+        out[kind]["kept"] += n
+        if n and out[kind]["example"] is None:
+            out[kind]["example"] = pl.scan_parquet(kept).select("text").head(1).collect().item()[:240]
+    return out
 
 
 # --------------------------------------------------------------------------------------------

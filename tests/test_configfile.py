@@ -42,6 +42,16 @@ def test_file_maps_onto_the_dataclasses(cfg_file):
     assert cfg.tokenizer.vocab_size == 8192, "a missing section takes the dataclass defaults"
 
 
+def test_text_sources_alone_mean_a_text_only_corpus(tmp_path):
+    from labkit.config.data import DEFAULT_ELF_PATHS
+
+    path = tmp_path / "text.toml"
+    path.write_text('[corpus]\ntext_paths = ["notes"]\n')
+    assert load(path).corpus.paths == ()  # no ELF file is read
+    assert load(path, ['corpus.paths=["/usr/lib"]']).corpus.paths == ("/usr/lib",)  # mixing names both
+    assert load(None).corpus.paths == DEFAULT_ELF_PATHS  # no source at all: this machine's ELF files
+
+
 def test_set_overrides_parse_toml_values_else_strings(cfg_file):
     cfg = load(cfg_file, ["train.max_steps=7", "train.model=mini", 'corpus.paths=["/a", "/b"]',
                           "train.num_threads=none", "clean.near_dedup.threshold=0.9", "train.trackers=[]"])
