@@ -1,6 +1,7 @@
 """What each ``labkit`` subcommand does: the functions the notebooks call, on a cluster started
 (or connected to) as the notebooks do. ``labkit.cli`` parses the arguments and calls these;
 each returns the exit status and prints its result as JSON (tables: polars' text table).
+Every value that needs no engine is checked first (``labkit.preflight``), before engines start.
 """
 
 from __future__ import annotations
@@ -49,9 +50,11 @@ def cluster_client(cc: ClusterConfig) -> Iterator[Any]:
 def prepare(cfg: LabConfig, *, force: bool = False) -> int:
     """Corpus, cleaning, tokenizer and shards (notebook 01) under ``cfg.workdir``; prints
     ``lab.preparation_report``."""
-    from labkit import lab
+    from labkit import preflight
 
     w = cfg.workdir
+    preflight.check_prepare(cfg)
+    from labkit import lab  # after the checks: its imports (torch, ipyparallel) take seconds
     with cluster_client(cfg.cluster) as client:
         lab.build_corpus(client, cfg.corpus, w, force=force)
         lab.clean_corpus(client, cfg.clean, w, force=force)
@@ -66,6 +69,11 @@ def _require_shards(data_dir: str | pathlib.Path, key: str) -> None:
     before engines are started for nothing)."""
     if not (pathlib.Path(data_dir) / "index.json").is_file():
         raise FileNotFoundError(f"{key}: {data_dir} holds no shard set (index.json); run labkit prepare first")
+
+
+def _local(cc: ClusterConfig) -> bool:
+    """Whether the engines will be local processes of this machine (what preflight may check here)."""
+    return cc.kind == "local" and not cc.cluster_id
 
 
 def _stage(client, cfg: LabConfig) -> dict[str, dict]:
@@ -95,9 +103,10 @@ def _uses_workdir_shards(cfg: LabConfig) -> bool:
 def train(cfg: LabConfig, *, stage_first: bool = True) -> int:
     """DDP training on the engines (notebook 03); each rank reads its node's staged copy when
     the run's data_dir is the work directory's shards. Prints the result's main numbers."""
-    from labkit import lab
+    from labkit import preflight
 
-    _require_shards(cfg.train.data_dir, "train.data_dir")
+    preflight.check_train(cfg.train, engines=cfg.cluster.engines, local=_local(cfg.cluster))
+    from labkit import lab
     with cluster_client(cfg.cluster) as client:
         staged = _stage(client, cfg) if stage_first and _uses_workdir_shards(cfg) else None
         result = lab.train_on_cluster(client, cfg.train, staged=staged)
@@ -109,13 +118,15 @@ def resume(run_dir: str, cluster: ClusterConfig, overrides: list[str]) -> int:
     """Continue a run from its newest checkpoint with the config it was started with (its
     config.json; ``train.key=value`` overrides), on as many engines as it ran on. The run's
     ``stop_after`` is dropped unless an override sets it again."""
-    from labkit import lab
+    from labkit import preflight
     from labkit.config.tomlfile import read_run_config
 
     cfg = read_run_config(run_dir, overrides)
     if not any(o.split("=", 1)[0].strip() == "train.stop_after" for o in overrides):
         cfg = dataclasses.replace(cfg, stop_after=None)
     cfg = dataclasses.replace(cfg, resume=True)
+    preflight.check_train(cfg, engines=cluster.engines, local=_local(cluster))
+    from labkit import lab
     with cluster_client(cluster) as client:
         result = lab.train_on_cluster(client, cfg)
     _print_json(_summary(result) | {"run_dir": run_dir})
@@ -134,11 +145,12 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
     """The scaling sweeps of notebook 04: ``ranks`` (tokens/s at 1..N ranks), ``micro-batch``
     (largest micro-batch per model under a memory budget), ``loaders`` (data-wait fraction per
     DataLoader worker count). Prints the sweep's table (also under <workdir>/sweeps/)."""
-    from labkit import lab
-    from labkit.data.shards import read_index
+    from labkit import preflight
 
     w = cfg.workdir
-    _require_shards(cfg.train.data_dir, "train.data_dir")
+    preflight.check_sweep(kind, cfg, args)
+    from labkit import lab
+    from labkit.data.shards import read_index
     with cluster_client(cfg.cluster) as client:
         if kind == "ranks":
             staged = _stage(client, cfg) if _uses_workdir_shards(cfg) else None

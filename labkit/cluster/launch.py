@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import ipyparallel as ipp
 from ipyparallel import error as ipp_error
 
-from labkit.cluster.engine_watch import unreachable
+from labkit.cluster.engine_watch import death_cause, unreachable
 from labkit.cluster.engines import get_client, restart_engines
 from labkit.config import TrainConfig
 from labkit.cluster.topology import assign_ranks, engine_info
@@ -282,7 +282,9 @@ def run_ddp(
                     r = gone[0]
                     pending.discard(r)
                     stop_others()
-                    raise DDPError(f"{who(r)}: engine died while running {name}; the other ranks were "
+                    info = by_id[engine_of[r]]
+                    cause = death_cause(info["pid"], local=info["hostname"] == here)
+                    raise DDPError(f"{who(r)}: engine died while running {name} ({cause}); the other ranks were "
                                    "interrupted. Restart the engines (labkit.cluster.restart_engines) and run "
                                    "again to resume from the last checkpoint", rank=r, engine_id=engine_of[r], died=True)
                 failed = _failed_ranks(ars, pending)
