@@ -279,11 +279,9 @@ def run_ddp(
                 ars[min(pending)].wait(poll)
                 gone = dead()
                 if gone:
-                    r = gone[0]
-                    pending.discard(r)
+                    pending.discard(r := gone[0])
                     stop_others()
-                    info = by_id[engine_of[r]]
-                    cause = death_cause(info["pid"], local=info["hostname"] == here)
+                    cause = death_cause(by_id[engine_of[r]]["pid"], local=by_id[engine_of[r]]["hostname"] == here)
                     raise DDPError(f"{who(r)}: engine died while running {name} ({cause}); the other ranks were "
                                    "interrupted. Restart the engines (labkit.cluster.restart_engines) and run "
                                    "again to resume from the last checkpoint", rank=r, engine_id=engine_of[r], died=True)
