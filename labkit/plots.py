@@ -477,3 +477,24 @@ def staging_figure(staged: dict[str, dict], *, title: str = "Staging to node-loc
     fig = go.Figure(go.Bar(x=nodes, y=rates, text=text, marker={"color": COLORS["bar"]}))
     fig.update_layout(template=style(), title=title, xaxis_title="node", yaxis_title="MB/s (copy + sha256)")
     return fig
+
+
+def preparation_figure(report: dict, *, title: str | None = None) -> go.Figure:
+    """Lesson 1 for the data actually used: bytes of the input files read per source kind, of
+    the document dataset (corpus Parquet) and of the training data (shards), on a log axis, each
+    bar labelled with its size and document count; the title gives the ratio training data /
+    document dataset. `report`: ``labkit.lab.preparation_report`` (its sources, dataset_bytes,
+    training_data_bytes, documents_kept, tokens)."""
+    rows = [(f"{kind} files read", v["raw_bytes"], f"{v['files_read']:,} files, {v['documents']:,} documents")
+            for kind, v in report["sources"].items()]
+    rows += [("document dataset", report["dataset_bytes"], f"{report['documents_kept']:,} documents kept"),
+             ("training data", report["training_data_bytes"], f"{report['tokens']:,} tokens")]
+    ratio = report["training_data_bytes"] / report["dataset_bytes"] if report["dataset_bytes"] else float("nan")
+    fig = go.Figure(go.Bar(x=[b / 1e6 for _, b, _ in rows], y=[r for r, _, _ in rows], orientation="h",
+                           text=[f"{b / 1e6:,.1f} MB: {t}" for _, b, t in rows], textposition="auto",
+                           marker={"color": [COLORS["bar"]] * (len(rows) - 2) + [COLORS["loss"], COLORS["throughput"]]}))
+    fig.update_layout(template=style(), xaxis_title="MB (1e6 bytes, log scale)", yaxis={"autorange": "reversed"},
+                      title=title or f"Training data is {ratio:.2g}x the document dataset "
+                                     f"({', '.join(report['sources'])})")
+    fig.update_xaxes(type="log")
+    return fig
