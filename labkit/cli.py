@@ -239,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=None, help="default: the study's vocabulary")
     p.add_argument("--network", default="25GbE", help="a labkit.study.scaling.NETWORKS name")
     p.add_argument("--top", type=int, default=8, help="splits shown")
+    p.add_argument("--json", action="store_true", help="one JSON object with the raw values (bytes) instead of tables")
     p.set_defaults(func=_command("plan"))
     p = _sub(sub, "export", "write a run's model, tokenizer and model card for transformers", debug)
     p.add_argument("run_dir")

@@ -23,7 +23,8 @@ def _print_json(obj: Any) -> None:
 def _print_table(df) -> None:
     import polars as pl
 
-    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=200):
+    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=200, tbl_hide_dataframe_shape=True,
+                   tbl_hide_column_data_types=True, tbl_hide_dtype_separator=True):
         print(df)
 
 
@@ -171,34 +172,60 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
 
 
 def plan(args) -> int:
-    """The planner at a chosen scale (notebook 04's second half): memory per GPU term by term
-    under plain data parallelism, the dp x tp x pp x ZeRO splits that fit, and the predicted
-    data-parallel scaling from 1 GPU to ``args.gpus``. No cluster needed."""
+    """The planner at a chosen scale (notebook 04's second half), for a model preset: see
+    ``print_plan``. No cluster needed."""
     from labkit.study import plan as lp
-    from labkit.study import parallel, scaling
     from labkit.model import model_config
 
-    cfg = model_config(args.model, args.vocab_size or lp.STUDY_VOCAB,
-                       max_position_embeddings=max(512, args.seq_len))
+    cfg = model_config(args.model, args.vocab_size or lp.STUDY_VOCAB, max_position_embeddings=max(512, args.seq_len))
+    print_plan(cfg, args, name=args.model)
+    return 0
+
+
+def print_plan(cfg, args, *, name: str) -> None:
+    """Print the planner's tables for the ModelConfig ``cfg`` under ``args`` (gpus, gpus_per_node,
+    seq_len, micro_batch, device, precision, network, top, json): memory per GPU term by term in GB
+    under plain data parallelism, the largest micro-batch that fits the device
+    (``labkit.study.plan.planned_max_micro_batch``), the dp x tp x pp x ZeRO splits that fit, and
+    the predicted data-parallel scaling from 1 GPU to ``args.gpus``. With ``args.json`` one JSON
+    object with the raw values (bytes) instead."""
+    import polars as pl
+
+    from labkit.study import parallel, scaling
+    from labkit.study import plan as lp
+
     mem = lp.memory_plan(cfg, seq_len=args.seq_len, micro_batch=args.micro_batch, precision=args.precision,
                          dp=args.gpus)
     cap = lp.device_info(args.device)["memory_bytes"]
-    print(f"memory per GPU, {args.model} on {args.device} ({cap / 1e9:.0f} GB), data parallel over {args.gpus} "
-          f"GPUs, micro-batch {args.micro_batch} x {args.seq_len} tokens, {args.precision}:")
-    _print_json({k: v for k, v in mem.items()} | {"fits": mem["total"] <= cap})
+    best = lp.planned_max_micro_batch(cfg, device=args.device, seq_len=args.seq_len, precision=args.precision,
+                                      dp=args.gpus)
     plans = parallel.parallel_plans(cfg, n_gpus=args.gpus, seq_len=args.seq_len, micro_batch=args.micro_batch,
-                              device=args.device, gpus_per_node=args.gpus_per_node, precision=args.precision)
-    print("splits that fit (dp x tp x pp, ZeRO stage), least model parallelism first:")
-    import polars as pl
-
-    _print_table(plans.filter(pl.col("fits")).head(args.top))
+                                    device=args.device, gpus_per_node=args.gpus_per_node, precision=args.precision)
     gpus = tuple(g for g in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if g <= args.gpus)
-    table = scaling.study_scaling(args.model, micro_batch=args.micro_batch, seq_len=args.seq_len, device=args.device,
-                                  vocab_size=args.vocab_size, gpus=gpus, network=args.network,
+    table = scaling.study_scaling(name, micro_batch=args.micro_batch, seq_len=args.seq_len, device=args.device,
+                                  vocab_size=cfg.vocab_size, gpus=gpus, network=args.network,
                                   gpus_per_node=args.gpus_per_node)
-    print(f"predicted data-parallel scaling over {args.network}, {args.gpus_per_node} GPUs per node:")
-    _print_table(table)
-    return 0
+    fits = plans.filter(pl.col("fits")).head(args.top)
+    if getattr(args, "json", False):
+        _print_json({"memory": mem | {"fits": mem["total"] <= cap, "capacity_bytes": cap},
+                     "max_micro_batch": best["max_micro_batch"], "max_micro_batch_capacity_bytes": best["capacity_bytes"],
+                     "splits_that_fit": fits.to_dicts(), "scaling": table.to_dicts()})
+        return
+    print(f"memory per GPU: {name} on {args.device} ({cap / 1e9:.0f} GB), data parallel over {args.gpus} GPUs, "
+          f"micro-batch {args.micro_batch} x {args.seq_len} tokens, {args.precision} (GB = 1e9 bytes):")
+    terms = ["params", "grads", "optimizer", "autocast_copies", "activations", "logits", "head_backward"]
+    _print_table(pl.DataFrame({"term": terms + ["total"], "GB": [round(mem[k] / 1e9, 3) for k in terms + ["total"]],
+                               "share": [round(mem[k] / mem["total"], 3) for k in terms] + [1.0]}))
+    verdict = "fits" if mem["total"] <= cap else "does NOT fit"
+    print(f"{mem['total'] / 1e9:.2f} GB of {cap / 1e9:.0f} GB: {verdict}. Largest micro-batch that fits: "
+          f"{best['max_micro_batch']} sequences of {args.seq_len} tokens ({best['capacity_bytes'] / 1e9:.0f} GB usable, "
+          "1 GiB kept for the CUDA context)")
+    print("\nsplits that fit (dp x tp x pp, ZeRO stage), least model parallelism first:")
+    _print_table(fits.select("dp", "tp", "pp", "zero_stage", (pl.col("total") / 1e9).round(2).alias("GB per GPU"),
+                             pl.col("bubble").round(3), "tp_within_node"))
+    print(f"\npredicted data-parallel scaling over {args.network}, {args.gpus_per_node} GPUs per node:")
+    _print_table(table.select("n_gpus", "nodes", pl.col("compute_s").round(4), pl.col("exposed_s").round(4),
+                              pl.col("step_s").round(4), pl.col("efficiency").round(3), "comm_hidden"))
 
 
 def export(args) -> int:

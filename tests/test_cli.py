@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -94,9 +95,16 @@ def test_plan_prints_the_planners_numbers(capsys):
 
     assert main(["plan", "--model", "bert-120m", "--gpus", "8", "--micro-batch", "16", "--seq-len", "512"]) == 0
     out = capsys.readouterr().out
-    mem = plan.memory_plan(model_config("bert-120m", plan.STUDY_VOCAB), seq_len=512, micro_batch=16, dp=8)
-    assert f'"total": {mem["total"]}' in out
+    cfg = model_config("bert-120m", plan.STUDY_VOCAB)
+    mem = plan.memory_plan(cfg, seq_len=512, micro_batch=16, dp=8)
+    best = plan.planned_max_micro_batch(cfg, device="H100 NVL", seq_len=512, precision="bf16", dp=8)
+    assert f"{mem['total'] / 1e9:.2f} GB of 94 GB: fits. Largest micro-batch that fits: {best['max_micro_batch']} " in out
+    assert f"│ activations     ┆ {mem['activations'] / 1e9:.3f} ┆" in out  # a table in GB, not raw bytes
     assert "splits that fit" in out and "predicted data-parallel scaling" in out and "efficiency" in out
+    assert max(map(len, out.splitlines())) <= 140 and "shape:" not in out  # readable in a terminal
+    assert main(["plan", "--model", "bert-120m", "--gpus", "8", "--micro-batch", "16", "--json"]) == 0
+    raw = json.loads(capsys.readouterr().out)
+    assert raw["memory"]["total"] == mem["total"] and raw["max_micro_batch"] == best["max_micro_batch"]
 
 
 def _notebook(path, *cells):

@@ -158,6 +158,32 @@ def test_reports_open_offline_in_chromium_with_every_reference_line_drawn(report
                 assert sum(f["shapes"] for f in figs) >= 2, figs
 
 
+def test_a_notebook_alone_stops_at_its_first_cell_naming_notebook_01(tmp_path):
+    """02-05 on a work directory that 01 never prepared: the first cell after the parameters stops
+    with one line naming what to run first, before any engine is started."""
+    import nbformat
+    from nbclient.exceptions import CellExecutionError
+
+    from labkit.report import execute_notebook, read_notebook
+
+    for name in NOTEBOOKS[2:]:
+        cells = [c for c in read_notebook(ROOT / "notebooks" / f"{name}.py").cells if c.cell_type == "code"]
+        first = next(c for c in cells[1:] if "parameters" not in c.metadata.get("tags", []))
+        assert first.source.index("lab.require_prepared(workdir)") < first.source.index("start_cluster") \
+            if "start_cluster" in first.source else "lab.require_prepared(workdir)" in first.source, name
+    out = tmp_path / "reports" / "03_train.html"
+    with pytest.raises(CellExecutionError, match="NotPrepared"):
+        execute_notebook(ROOT / "notebooks" / "03_train.py", out, parameters={"workdir": str(tmp_path / "empty")},
+                         timeout=120, cwd=str(tmp_path))
+    nb = nbformat.read(out.with_suffix(".ipynb"), as_version=4)
+    errors = [(k, o) for k, c in enumerate(nb.cells) for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert len(errors) == 1, errors
+    k, err = errors[0]
+    assert k == next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and "require_prepared" in c.source)
+    assert len(err["traceback"]) == 1 and "run notebooks/01_prepare.py first" in err["traceback"][0], err["traceback"]
+    assert not (tmp_path / "empty").exists()  # nothing was made, no engine started
+
+
 # ---- in JupyterLab, driven by Chromium (tests/browser.py) ------------------------------------------
 
 BROWSER_OUT = ROOT / "work" / "browser"
