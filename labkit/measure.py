@@ -8,6 +8,8 @@
   head computes logits (all with the dense head, the masked ones with the sparse head;
   Megatron-LM's count of the output layer; ``labkit.model.flops_per_token``).
 - peak memory: CUDA ``max_memory_allocated`` on a GPU, else the process's peak RSS.
+- available memory: MemAvailable, or less where a memory cgroup's limit leaves less
+  (``available_memory``; ``check_cpu_budget`` refuses a CPU budget above it).
 - scaling efficiency at n ranks: throughput(n) / (n x throughput(1)), weak scaling.
 
 Timings skip warm-up steps (the caller's job) and synchronise the device before reading the

@@ -496,5 +496,10 @@ def preparation_figure(report: dict, *, title: str | None = None) -> go.Figure:
     fig.update_layout(template=style(), xaxis_title="MB (1e6 bytes, log scale)", yaxis={"autorange": "reversed"},
                       title=title or f"Training data is {ratio:.2g}x the document dataset "
                                      f"({', '.join(report['sources'])})")
+    sizes = [b / 1e6 for _, b, _ in rows if b > 0]
+    if sizes:  # 1, 2, 5 x 10^k (powers of 10 over more than 3 decades): plotly labels a log axis's
+        lo, hi = min(sizes) / 2, max(sizes) * 2  # minor ticks 5, 6, ... 9, 1 otherwise
+        ticks = [v for v in log_ticks(lo, hi) if hi / lo <= 1e3 or abs(math.log10(v) - round(math.log10(v))) < 1e-9]
+        fig.update_xaxes(tickvals=ticks, tickformat=",~g")
     fig.update_xaxes(type="log")
     return fig

@@ -121,8 +121,10 @@ def execute_notebook(
                PYTHONPATH=os.pathsep.join(p for p in (labkit_root, os.environ.get("PYTHONPATH")) if p))
     run_dir = str(pathlib.Path(cwd) if cwd is not None else src.resolve().parent)
     sockets = tempfile.mkdtemp(prefix="labkit-kernel-")  # 0700: the kernel's IPC sockets, this user's only
+    prefix = os.path.join(sockets, "k")
+    config = kernel_over_ipc(prefix) if len(os.fsencode(prefix)) <= UNIX_PATH_MAX - 4 else None  # "-<port>"
     client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name, resources={"metadata": {"path": run_dir}},
-                            config=kernel_over_ipc(os.path.join(sockets, "k")))
+                            **({"config": config} if config is not None else {}))
     try:
         client.execute(env=env, cwd=run_dir)
     finally:
@@ -132,6 +134,11 @@ def execute_notebook(
     body, _ = offline_exporter().from_notebook_node(nb, resources={"metadata": {"name": title}})
     atomic_write_text(out_html, body)
     return out_html
+
+
+UNIX_PATH_MAX = 107
+"""Longest path of a Unix-domain socket (sockaddr_un.sun_path is 108 bytes on Linux, NUL included):
+under a longer ``$TMPDIR`` the kernel runs over TCP as before."""
 
 
 def kernel_over_ipc(prefix: str):

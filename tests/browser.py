@@ -117,6 +117,9 @@ def run_all_and_watch(page, url: str, *, done_text: str, timeout_s: float = 240.
     page.wait_for_timeout(2000)  # the kernel's session settles after its first idle status
     with contextlib.suppress(Exception):  # JupyterLab's "official Jupyter news?" toast: answer it
         page.get_by_role("button", name="No").click(timeout=2000)
+    dialogs = page.locator(".jp-Dialog")
+    if dialogs.count():  # a modal (kernel selection, a server message) would take the clicks: say which
+        raise AssertionError(f"JupyterLab shows a dialog before the run: {dialogs.all_inner_texts()}")
     page.locator(".jp-Notebook .jp-Cell .jp-InputPrompt").first.click()
     for _ in range(page.locator(".jp-Notebook .jp-Cell").count()):  # Shift+Enter: run, select the next cell
         page.keyboard.press("Shift+Enter")

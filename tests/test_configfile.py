@@ -97,3 +97,22 @@ def test_run_config_reads_back_without_provenance(tmp_path):
         read_run_config(tmp_path, ["corpus.max_functions=1"])
     with pytest.raises(FileNotFoundError, match="is not a run directory"):
         read_run_config(tmp_path / "elsewhere")
+
+
+def test_the_toml_examples_in_the_docs_load():
+    """Every ```toml block of README.md and docs/*.md is a config file labkit accepts as written."""
+    import pathlib
+    import re
+    import tomllib
+
+    from labkit.config.tomlfile import from_mapping
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    blocks = [(p.name, b) for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+              for b in re.findall(r"```toml\n(.*?)```", p.read_text(), re.S)]
+    configs = {}
+    for name, block in blocks:
+        configs.setdefault(name, []).append(from_mapping(tomllib.loads(block)))  # raises on a bad key or value
+    text_only, mixed = configs["data_path.md"][:2]  # "Your own data": text alone, then a mix
+    assert text_only.corpus.paths == () and text_only.corpus.text_paths and text_only.corpus.jsonl_paths
+    assert mixed.corpus.paths == ("/usr/lib",) and mixed.corpus.parquet_paths and mixed.shards.source_caps

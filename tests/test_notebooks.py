@@ -1,5 +1,7 @@
 """Notebooks 00..05 executed headlessly with a small setting on a tiny real corpus; every exported
-report opened in Chromium with the network cut; a live figure and 03_train run in JupyterLab.
+report opened in Chromium with the network cut (no request, every chart drawn, no legend on a
+title, whole-number ticks on counts); a notebook alone stops at its first cell; a user's own
+notebook (no setup call) and 03_train drawing live figures in JupyterLab.
 
 The work directory is prepared once per module with the single-process data functions (a C
 file compiled here plus three of this machine's shared libraries, as tests/test_demo.py does);
@@ -94,6 +96,8 @@ def test_saving_in_jupyterlab_leaves_the_tracked_scripts_unchanged(tmp_path):
     if shutil.which("git") and (ROOT / ".git").exists():  # ... which git ignores
         ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", "notebooks/03_train.ipynb"])
         assert ignored.returncode == 0
+        mine = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", "notebooks/Untitled.ipynb"])
+        assert mine.returncode == 1  # a user's own notebook is not ignored: git status shows it
 
 
 def test_notebooks_execute_and_export_offline_reports(reports, workdir):
@@ -249,29 +253,49 @@ def _save_timeline(name: str, samples: list) -> Path:
     return path
 
 
-def test_users_own_notebook_draws_live_without_setup_in_jupyterlab(workdir, tmp_path):
-    """LivePlot in a notebook that never calls plots.setup_notebook_plotting: through
-    train_on_cluster and through run_ddp's own live option, each figure grows through at least 5
-    sizes while its cell runs; then, at JupyterLab's output width, no legend overlaps a title or a
-    tick label (04's efficiency and 05's law figure wrapped their legends onto the x-axis title)."""
+def test_live_figures_grow_in_jupyterlab_in_a_users_notebook_and_in_03(workdir, tmp_path):
+    """One JupyterLab, two notebooks run as a person does (Shift+Enter on each cell).
+
+    A user's own notebook that never calls plots.setup_notebook_plotting: LivePlot through
+    train_on_cluster and through run_ddp's own live option, each figure growing through at least
+    5 sizes while its cell runs; then, at JupyterLab's output width, no legend overlapping a title
+    or a tick label (04's efficiency and 05's law figure had wrapped theirs onto the x-axis title).
+    Then notebook 03 itself, its live figure drawn while the engines train (a mid-run screenshot).
+    JupyterLab's terminal (the server's log) stays quiet through both, stop_cluster included."""
     import nbformat
 
     from browser import LAYOUT_JS, chromium, jupyterlab, layout_problems, need_browser, run_all_and_watch
+    from labkit.report import inject_parameters, read_notebook
 
     need_browser()
     root = tmp_path / "lab"
     root.mkdir()
-    steps, fed = 300, 20
+    steps, fed, steps_03 = 200, 20, 100
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
     nb.cells = [nbformat.v4.new_code_cell(c.format(workdir=str(workdir), steps=steps, fed=fed)) for c in USER_NOTEBOOK]
     nbformat.write(nb, root / "Untitled.ipynb")
-    with jupyterlab(root, log=tmp_path / "lab.log") as (base, token), chromium() as browser:
+    nb03 = read_notebook(ROOT / "notebooks" / "03_train.py")
+    inject_parameters(nb03, {"workdir": str(workdir), "engines": 2, "model": "tiny", "micro_batch_size": 8,
+                             "steps": steps_03})
+    nb03.cells.append(nbformat.v4.new_code_cell("print('notebook finished')"))
+    nbformat.write(nb03, root / "03_train.ipynb")
+    BROWSER_OUT.mkdir(parents=True, exist_ok=True)
+    shot = BROWSER_OUT / "03_train-mid-run.png"
+    shot.unlink(missing_ok=True)
+    log = tmp_path / "lab.log"
+    with jupyterlab(root, log=log) as (base, token), chromium() as browser:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         samples = run_all_and_watch(page, f"{base}/lab/tree/Untitled.ipynb?token={token}", done_text="notebook finished",
                                     timeout_s=300)
         layout = page.evaluate(LAYOUT_JS)
+        page.close()
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        samples_03 = run_all_and_watch(page, f"{base}/lab/tree/03_train.ipynb?reset&token={token}",  # reset: only 03 open
+                                       done_text="notebook finished", timeout_s=300, screenshot=shot,
+                                       shot_when=lambda c: bool(c) and steps_03 // 4 <= c[0][0] < steps_03)
     _save_timeline("users_notebook", samples)
+    _save_timeline("03_train", samples_03)
     final = samples[-1][1]
     assert [f[0] for f in final[:2]] == [steps, fed], final  # both live figures end with every record
     trained, fed_sizes = _sizes(samples, 0, steps), _sizes(samples, 1, fed)
@@ -280,38 +304,10 @@ def test_users_own_notebook_draws_live_without_setup_in_jupyterlab(workdir, tmp_
     assert len(layout) == 4 and layout[2]["legend"] and layout[3]["legend"], layout
     problems = {f["title"]: layout_problems(f) for f in layout}
     assert not any(problems.values()), problems
-
-
-def test_03_train_live_figure_in_jupyterlab(workdir, tmp_path):
-    import nbformat
-
-    from browser import chromium, jupyterlab, need_browser, run_all_and_watch
-    from labkit.report import inject_parameters, read_notebook
-
-    need_browser()
-    root = tmp_path / "lab"
-    root.mkdir()
-    steps = 200
-    nb = read_notebook(ROOT / "notebooks" / "03_train.py")
-    inject_parameters(nb, {"workdir": str(workdir), "engines": 2, "model": "tiny", "micro_batch_size": 8,
-                           "steps": steps})
-    nb.cells.append(nbformat.v4.new_code_cell("print('notebook finished')"))
-    nbformat.write(nb, root / "03_train.ipynb")
-    BROWSER_OUT.mkdir(parents=True, exist_ok=True)
-    shot = BROWSER_OUT / "03_train-mid-run.png"
-    shot.unlink(missing_ok=True)
-    log = tmp_path / "lab.log"
-    with jupyterlab(root, log=log) as (base, token), chromium() as browser:
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        samples = run_all_and_watch(page, f"{base}/lab/tree/03_train.ipynb?token={token}",
-                                    done_text="notebook finished", timeout_s=300, screenshot=shot,
-                                    shot_when=lambda c: bool(c) and steps // 4 <= c[0][0] < steps)
-    _save_timeline("03_train", samples)
+    # notebook 03: the live figure is the first on the page (its demo-run figure, if any, follows)
+    assert samples_03[-1][1][0][0] == steps_03, samples_03[-1]  # the loss trace ends with every step
+    assert _sizes(samples_03, 0, steps_03), samples_03  # and was drawn while the engines trained
     print(f"03_train mid-run screenshot: {shot}")
-    live = samples[-1][1][0]  # the live figure is the first on the page; the demo-run figure follows
-    assert live[0] == steps, samples[-1]  # the loss trace ends with every step
-    assert _sizes(samples, 0, steps), samples  # and was drawn while the engines trained
     assert shot.is_file()
-    # JupyterLab's terminal (the server's log) stayed quiet through training and stop_cluster
-    (BROWSER_OUT / "03_train-jupyterlab.log").write_text(log.read_text())
-    assert "Traceback" not in log.read_text(), f"see {BROWSER_OUT / '03_train-jupyterlab.log'}"
+    (BROWSER_OUT / "jupyterlab.log").write_text(log.read_text())
+    assert "Traceback" not in log.read_text(), f"see {BROWSER_OUT / 'jupyterlab.log'}"

@@ -126,7 +126,7 @@ def _remote_text(err: BaseException) -> str:
 
 def labkit_frame(traceback_text: str) -> str | None:
     """The innermost labkit frame of a traceback (IPython's or Python's format, colours allowed),
-    as "labkit/model.py:78 in model_config"; None when no frame is in labkit."""
+    as "labkit/model/encoder.py:78 in model_config"; None when no frame is in labkit."""
     frames = _FRAME.findall(_ANSI.sub("", traceback_text))
     if not frames:
         return None
