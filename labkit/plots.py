@@ -288,7 +288,8 @@ class LivePlot:
     so the front end draws it with its own plotly renderer (JupyterLab, Notebook 7 and VS Code
     do, offline), which in JupyterLab also gives the page the ``window.Plotly`` the HTML frames
     after it draw with (``live_html``); no 4.8 MB copy of plotly.js travels with the frames.
-    Exported HTML (nbconvert) needs ``setup_notebook_plotting`` for plotly.js, as every figure does.
+    Exported HTML (nbconvert) and the classic Notebook 6 interface (no plotly renderer of its own)
+    need ``setup_notebook_plotting`` for plotly.js, as every figure does.
     """
 
     def __init__(self, make_figure: Callable[[pl.DataFrame], go.Figure], *, min_interval: float = 1.0,

@@ -41,8 +41,6 @@ jsonl_paths = []  # JSONL files (one document per line's "text" field)
 parquet_paths = []  # Parquet files (one document per row's "text" column)
 
 # %%
-import dataclasses
-
 import polars as pl
 
 from labkit import cluster as lc

@@ -24,8 +24,6 @@ micro_batch_size = 16
 steps = 40  # optimiser steps of this notebook's run
 
 # %%
-import polars as pl
-
 from labkit import cluster as lc
 from labkit import lab, plots, tables
 from labkit.config import TrainConfig
