@@ -75,6 +75,14 @@ def missing_references(text: str, name: str) -> list[str]:
     return bad
 
 
+def test_no_document_names_a_path_outside_the_repository():
+    """A reader of a clone has the repository only: no mention of the team's shared notes by
+    absolute path (docs/references.md holds what they said)."""
+    bad = [f"{d.relative_to(ROOT)}: {m}" for d in documents()
+           for m in re.findall(r"/work/shared/\S+", d.read_text(errors="replace"))]
+    assert bad == [], "\n".join(bad)
+
+
 def test_the_checker_finds_a_planted_stale_path():
     text = ("see labkit/train.py and `labkit.configfile`, not labkit/lab.py or labkit.lab.stage\n"
             "or labkit.config.TrainConfig.seq_len; benchmarks/bench_<name>.py is a pattern, tokens/s a rate\n")

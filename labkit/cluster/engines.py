@@ -11,7 +11,7 @@ Topology (`engine_info`, `assign_ranks`, `per_node`, `set_node_names`) is in
 `labkit.cluster.topology`, the DDP launch (`run_ddp`, `run_ddp_resumable`, `DDPError`,
 `progress_bar`) in `labkit.cluster.launch`; `labkit.cluster` re-exports all three modules' names.
 
-Patterns: /work/shared/docs/references.md section E (ipyparallel; DDP in persistent engines).
+Patterns: docs/references.md section E (ipyparallel; DDP in persistent engines).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ sends SIGINT to the engines still working. `run_ddp_resumable` restarts the engi
 `DDPError` and runs again: a function that resumes from its newest checkpoint (labkit.train.train
 with cfg.resume) then continues where it stopped.
 
-Patterns: /work/shared/docs/references.md section E (ipyparallel #141/#506/#706; DDP in persistent
+Patterns: docs/references.md section E (ipyparallel #141/#506/#706; DDP in persistent
 engines: fresh MASTER_PORT per init, tear down on all ranks, restart engines after any error).
 """
 
