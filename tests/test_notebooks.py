@@ -117,6 +117,11 @@ def test_notebooks_execute_and_export_offline_reports(reports, workdir):
                         for o in c.get("outputs", []))
         cut = re.findall(r"^│\s*…\s*(?:┆\s*…\s*)*│$", shown, re.M)  # polars' row of "…" for rows left out
         assert not cut, (name, "a table is cut short")
+    from labkit import lab
+
+    rep = lab.preparation_report(str(workdir))  # one-process clean output (a single Parquet file) counts too
+    assert rep["kinds"] == ["elf"] and rep["sources"]["elf"]["kept"] == rep["documents_kept"] > 0, rep["sources"]
+    assert rep["examples"]["elf"] == pl.read_parquet(workdir / "clean" / "docs.parquet")["text"][0][:240]
     # the sweeps of notebook 04 and the law runs of notebook 05 left their artifacts
     sizes = pl.read_parquet(workdir / "sweeps" / "model_size.parquet")
     assert sizes["model"].to_list() == ["tiny", "mini"] and (sizes["tokens_per_s"] > 0).all()

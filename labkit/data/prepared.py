@@ -96,20 +96,27 @@ def _part_kinds(corpus: dict, n_parts: int) -> list[str]:
     return corpus.get("part_kinds") or ["elf" if corpus.get("functions") else "text"] * n_parts
 
 
-def _sources_report(corpus: dict, parts: list[Path], clean_dir: Path) -> dict[str, dict]:
-    """Per source kind: corpus.json's counts, ``kept`` (rows of the clean parts of that kind, one
-    clean part per corpus part) and ``example`` (the first kept document's first 240 characters)."""
+def _sources_report(corpus: dict, parts: list[Path], clean: Path) -> dict[str, dict]:
+    """Per source kind: corpus.json's counts, ``kept`` (the kept documents whose ``source`` file
+    was read as that kind) and ``example`` (the first kept document's first 240 characters).
+    ``clean``: the kept documents, a directory of parts (``labkit.lab.clean_corpus``) or one
+    Parquet file (``labkit.data.clean.clean_corpus`` in one process)."""
     kinds = _part_kinds(corpus, len(parts))
     sources = corpus.get("sources") or {  # corpus.json of an earlier labkit: the totals, by the one kind
         kinds[0] if kinds else "elf": {key: corpus[key] for key in ("files_read", "raw_bytes", "text_bytes")}
         | {"documents": corpus.get("documents", corpus["functions"])}}
     out = {k: dict(v, kept=0, example=None) for k, v in sources.items()}
+    kind_of: dict[str, str] = {}  # source file -> the kind it was read as (each part holds one kind)
     for part, kind in zip(parts, kinds):
-        kept = clean_dir / part.name
-        if not kept.is_file() or kind not in out:
-            continue
-        n = pl.scan_parquet(kept).select(pl.len()).collect().item()
-        out[kind]["kept"] += n
-        if n and out[kind]["example"] is None:
-            out[kind]["example"] = pl.scan_parquet(kept).select("text").head(1).collect().item()[:240]
+        for src in pl.scan_parquet(part).select(pl.col("source").unique()).collect()["source"].to_list():
+            kind_of.setdefault(src, kind)
+    files = sorted(clean.glob("*.parquet")) if clean.is_dir() else [clean] if clean.is_file() else []
+    if not files or not kind_of:
+        return out
+    kept = (pl.scan_parquet(files).select(pl.col("source").replace_strict(kind_of, default=None).alias("kind"), "text")
+            .group_by("kind", maintain_order=True).agg(pl.len().alias("n"), pl.col("text").first().str.slice(0, 240))
+            .collect())
+    for kind, n, text in kept.iter_rows():
+        if kind in out:
+            out[kind]["kept"], out[kind]["example"] = int(n), text
     return out
