@@ -200,10 +200,13 @@ class CleanConfig:
 class TokenizerConfig:
     """A subword tokenizer trained with HF tokenizers on a sample of the cleaned documents."""
 
-    kind: Literal["wordpiece", "bpe", "unigram"] = "wordpiece"
-    """WordPiece (BERT), byte-level BPE (GPT-2/RoBERTa) or Unigram (SentencePiece)."""
+    kind: Literal["wordpiece", "bpe", "unigram", "instruction"] = "wordpiece"
+    """WordPiece (BERT), byte-level BPE (GPT-2/RoBERTa), Unigram (SentencePiece), or the study's
+    tokenizer for disassembly: mnemonics, registers and operand syntax kept whole, immediates in
+    decimal through a BPE, [NEXT] between instructions (``labkit.data.instructions``)."""
     vocab_size: int = 8192
-    """Target vocabulary size, special tokens included."""
+    """Target vocabulary size, special tokens included. "instruction": the size of the BPE over
+    the immediates (the study's 4096); every other piece seen in training is added on top."""
     min_frequency: int = 2
     """Pairs/pieces seen fewer times than this are not merged into the vocabulary."""
     max_train_docs: int = 50_000
@@ -225,7 +228,7 @@ class TokenizerConfig:
     def __post_init__(self) -> None:
         _require(self.held_out_docs >= 0, "held_out_docs", "must be >= 0")
         _require(self.max_word_chars > 0, "max_word_chars", "must be positive")
-        _one_of(self.kind, "kind", ("wordpiece", "bpe", "unigram"))
+        _one_of(self.kind, "kind", ("wordpiece", "bpe", "unigram", "instruction"))
         _require(self.vocab_size > len(SPECIAL_TOKENS), "vocab_size",
                  f"must exceed the {len(SPECIAL_TOKENS)} special tokens {SPECIAL_TOKENS}")
 

@@ -37,8 +37,8 @@ from labkit.data.heldout import split_keep, write_heldout
 from labkit.io import atomic_write, atomic_write_bytes, atomic_write_npy, sha256_bytes, sha256_file
 from labkit.data.pack import (CLS_ID, PAD_ID, SEP_ID, doc_stream, pack_documents, pack_group, pack_rows,  # noqa: F401
                               plan_groups)
-from labkit.data.tokenize import (encode_flat, line_separable, load_tokenizer, process_line_cache, text_row_count,
-                                  tokenizer_sha256)
+from labkit.data.tokenize import (encode_flat, line_separable, load_tokenizer, process_line_cache, special_ids,
+                                  text_row_count, tokenizer_sha256)
 
 FORMAT = "labkit-shards"
 VERSION = 1
@@ -169,10 +169,13 @@ def encode_part(docs_path: str, tokenizer_path: str, parts_dir: str, part: int, 
 
 
 def _checked_tokenizer(tokenizer_path: str):
+    """The tokenizer at ``tokenizer_path``, its special tokens checked (``tokenize.special_ids``:
+    ShardError naming the file and the token) and special-token strings in texts encoded as text."""
     tok = load_tokenizer(tokenizer_path)
-    for i, name in enumerate(SPECIAL_TOKENS):
-        if tok.token_to_id(name) != i:
-            raise ShardError(f"{tokenizer_path}: {name} has id {tok.token_to_id(name)}, expected {i}")
+    try:
+        special_ids(tok, name=str(tokenizer_path))
+    except ValueError as err:
+        raise ShardError(str(err)) from None
     tok.encode_special_tokens = True
     return tok
 
@@ -216,7 +219,8 @@ def plan_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardCon
         raise ValueError(f"parts: row ranges {ranges} do not tile the {n_rows} rows of {docs_path}")
     if sum(p["n_docs"] for p in parts) == 0 or not n_rows:
         raise ValueError(f"{docs_path}: no documents to write shards from")
-    vocab_size = id_bound(load_tokenizer(tokenizer_path))
+    tok = _checked_tokenizer(tokenizer_path)
+    vocab_size = id_bound(tok)
     if cfg.model_vocab_size is not None and vocab_size > cfg.model_vocab_size:
         raise ShardError(f"{tokenizer_path}: emits ids up to {vocab_size - 1}, not below the model's vocabulary "
                          f"size {cfg.model_vocab_size} (ShardConfig.model_vocab_size)")
@@ -239,7 +243,8 @@ def plan_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardCon
             old.unlink()
     return {"out_dir": str(out.absolute()), "parts_dir": str(parts_dir), "keep_path": str(keep_path),
             "hash": plan_hash, "seq_len": cfg.seq_len, "rows_per_shard": per_shard, "dtype": dtype.name,
-            "vocab_size": vocab_size, "tokenizer_sha256": tok_sha, "n_documents": int(keep.sum()),
+            "vocab_size": vocab_size, "tokenizer_sha256": tok_sha, "special_ids": special_ids(tok),
+            "n_documents": int(keep.sum()),
             "balance": balance, "parts": parts, "heldout": heldout_entry,
             "groups": plan_groups(parts, lens, keep, cfg.seq_len, per_shard, groups)}
 
@@ -291,7 +296,7 @@ def write_index(plan: dict, group_shards: list[list[dict]]) -> dict:
     index = {
         "format": FORMAT, "version": VERSION, "dtype": plan["dtype"], "seq_len": plan["seq_len"],
         "vocab_size": plan["vocab_size"], "tokenizer_sha256": plan["tokenizer_sha256"],
-        "special_ids": {t: i for i, t in enumerate(SPECIAL_TOKENS)}, "n_documents": plan["n_documents"],
+        "special_ids": plan["special_ids"], "n_documents": plan["n_documents"],
         "n_sequences": sum(s["n_sequences"] for s in shards),
         "n_tokens": sum(s["n_tokens"] for s in shards),
         "n_bytes": sum(s["n_bytes"] for s in shards),
@@ -345,13 +350,14 @@ def write_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardCo
     documents when ``progress``.
 
     Returns the index dict: {"format": "labkit-shards", "version": 1, "dtype": "uint16"|"uint32",
-    "seq_len", "vocab_size", "tokenizer_sha256", "special_ids": {"[PAD]": 0, ...},
+    "seq_len", "vocab_size", "tokenizer_sha256", "special_ids": {"[PAD]": 0, ..., "[NEXT]": 5},
     "n_documents", "n_sequences", "n_tokens" (non-PAD ids), "n_bytes" (all shards),
     "shards": [{"file", "n_sequences", "n_bytes", "sha256"}, ...], "balance": token shares per
     source group before/after balancing (``labkit.data.balance.select_documents``), "heldout":
     the held-out split by document (``labkit.data.heldout``; absent when none)}.
     Raises ``ValueError`` naming ``docs_path`` when it holds no documents and ``ShardError``
-    naming the tokenizer when its special tokens are not at ids 0..4.
+    naming the tokenizer when its special tokens are not at ids 0..5 (0..4 for a tokenizer from
+    before [NEXT]: ``special_ids`` records which).
     """
     from tqdm.std import tqdm
 
