@@ -1,6 +1,7 @@
 """Measurements, each defined once (docs/measurement.md).
 
 - tokens/s: real (non-[PAD]) tokens processed by all ranks per second of step time.
+- packing efficiency: real tokens / positions computed (sequences x sequence length).
 - samples/s: sequences processed by all ranks per second of step time.
 - data-wait fraction: time a rank waits for its next batch / step time.
 - MFU: achieved FLOP/s / (number of GPUs x dense peak FLOP/s of one GPU), with FLOPs per token
@@ -74,6 +75,15 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 def tokens_per_s(real_tokens_all_ranks: int | float, step_time_s: float) -> float:
     """Real (non-pad) tokens summed over all ranks / step time in seconds (docs/measurement.md)."""
     return float(real_tokens_all_ranks) / step_time_s
+
+
+def packing_efficiency(real_tokens: int | float, sequences: int, seq_len: int) -> float:
+    """Real (non-[PAD]) tokens / positions computed, ``sequences * seq_len`` (docs/measurement.md):
+    1.0 for full packed rows, the mean document length / seq_len for padded ones. Raises
+    ValueError when there are no positions."""
+    if sequences < 1 or seq_len < 1:
+        raise ValueError(f"sequences / seq_len: must be positive, got {sequences} / {seq_len}")
+    return float(real_tokens) / (sequences * seq_len)
 
 
 def samples_per_s(sequences_all_ranks: int | float, step_time_s: float) -> float:

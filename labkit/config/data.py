@@ -239,6 +239,13 @@ class ShardConfig:
 
     seq_len: int = 128
     """Tokens per sequence, [CLS] included."""
+    packing: Literal["packed", "padded"] = "packed"
+    """How documents become rows (``labkit.data.pack``). "packed": documents back to back, each
+    followed by [SEP], cut into rows of seq_len - 1 after a [CLS] (HF run_mlm.py's grouping); a
+    row holds several documents, which attend to each other (no block-diagonal mask). "padded":
+    the study's samples (undertale be7ec98, tokenizer.py ``load``): one document per row, its
+    first seq_len ids then [PAD], no [CLS]/[SEP]; a longer document's tail is dropped (counted
+    in index.json's "packing")."""
     sequences_per_shard: int | None = None
     """Sequences per shard file (a packing group's last shard may hold fewer); None: as many as
     fit in ``shard_bytes``."""
@@ -271,6 +278,7 @@ class ShardConfig:
 
     def __post_init__(self) -> None:
         _require(self.seq_len >= 8, "seq_len", "must be at least 8")
+        _one_of(self.packing, "packing", ("packed", "padded"))
         _require(self.sequences_per_shard is None or self.sequences_per_shard > 0, "sequences_per_shard",
                  "must be positive or None")
         _require(self.shard_bytes > 0, "shard_bytes", "must be positive")
