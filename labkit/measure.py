@@ -33,13 +33,20 @@ PEAK_FLOPS: dict[tuple[str, str], float] = {
     ("H100 SXM", "fp16"): 989e12,
     ("H100 NVL", "bf16"): 835.5e12,
     ("H100 NVL", "fp16"): 835.5e12,
+    # fp32 on the CUDA cores (no tensor cores: torch's default float32_matmul_precision "highest")
+    # and TF32 on the tensor cores (half of the with-sparsity figure), same page (C2)
+    ("H100 SXM", "fp32"): 67e12,
+    ("H100 SXM", "tf32"): 494.5e12,
+    ("H100 NVL", "fp32"): 60e12,
+    ("H100 NVL", "tf32"): 417.5e12,
     ("H200", "bf16"): 989e12,  # same tensor-core arithmetic as H100 SXM
     ("H200", "fp16"): 989e12,
     ("A100", "bf16"): 312e12,
     ("A100", "fp16"): 312e12,
 }
-"""(device kind, autocast dtype) -> dense peak FLOP/s of one GPU. fp32 runs have no entry (their
-peak depends on TF32 settings), so their MFU is None."""
+"""(device kind, precision) -> dense peak FLOP/s of one GPU. "fp32" is true fp32 on the CUDA
+cores (TF32 off, torch's default), "tf32" fp32 tensors with TF32 matmuls on the tensor cores;
+devices without an fp32 entry give fp32 runs an MFU of None."""
 
 
 def device_kind(name: str) -> str | None:

@@ -10,9 +10,15 @@ in fp32 (eval mode).
 Options, one ``ModelConfig`` field each (see its docstrings): pre-norm, RMSNorm, Xavier/Kaiming
 init and depth-scaled residual init, rotary positions, GEGLU/SwiGLU, no biases, dropout, and the
 attention families of ``labkit.model.attention`` (sliding window with global layers, Linformer, linear).
+The study's model (configs/study.toml; undertale-re/undertale be7ec98,
+undertale/models/item/model.py) is a set of them: instruction positions without a token type,
+pre-norm without a final norm, block norms of eps 1e-5, no dropout on the attention output nor its
+probabilities, eager attention, and an untied decoder at every position; with its weights copied
+in, logits and gradients equal the authors' model (tests/model/test_study_model.py).
 
-Differences that change speed, not results: Q/K/V are one fused ``Linear`` (HF has three),
-attention runs through ``F.scaled_dot_product_attention``, and with ``cfg.sparse_head`` the last
+Differences that change speed, not results: Q/K/V are one fused ``Linear`` (HF has three; the
+study's model one per head), attention runs through ``F.scaled_dot_product_attention`` unless
+``cfg.attention_backend`` is "eager", and with ``cfg.sparse_head`` the last
 layer and the head run only at positions whose label is not -100 (the head part as NVIDIA's
 BERT, MosaicBERT and ModernBERT do; the last layer's queries as the same argument allows).
 Parameter counts and FLOPs per token are in ``labkit.model.counts``, transformers interop in
@@ -28,8 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from labkit.model.attention import (apply_rotary, full_attention, layer_attention, linear_attention,
-                              linformer_attention, rotary_tables, sliding_window_attention)
+from labkit.model.attention import (apply_rotary, eager_attention, full_attention, instruction_positions,
+                                    layer_attention, linear_attention, linformer_attention, rotary_tables,
+                                    sliding_window_attention)
 from labkit.config import SPECIAL_TOKENS, ModelConfig
 
 IGNORE_INDEX = -100
@@ -87,7 +94,6 @@ def _validate(cfg: ModelConfig) -> None:
         (cfg.num_heads > 0, "num_heads", "must be positive"),
         (cfg.intermediate_size is None or cfg.intermediate_size > 0, "intermediate_size", "must be positive or None"),
         (cfg.max_position_embeddings > 0, "max_position_embeddings", "must be positive"),
-        (cfg.type_vocab_size >= 1, "type_vocab_size", "must be at least 1"),
         (cfg.norm_eps > 0, "norm_eps", "must be positive"),
         (cfg.init_std > 0, "init_std", "must be positive"),
     ]
@@ -96,11 +102,13 @@ def _validate(cfg: ModelConfig) -> None:
             raise ValueError(f"{name}: {message}, got {getattr(cfg, name)!r}")
 
 
-def _norm(cfg: ModelConfig) -> nn.Module:
-    """LayerNorm or RMSNorm over hidden_size (no bias with ``cfg.bias`` False)."""
+def _norm(cfg: ModelConfig, eps: float | None = None) -> nn.Module:
+    """LayerNorm or RMSNorm over hidden_size (no bias with ``cfg.bias`` False), epsilon ``eps``
+    (None: ``cfg.norm_eps``)."""
+    eps = cfg.norm_eps if eps is None else eps
     if cfg.norm_type == "rmsnorm":
-        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
+        return nn.RMSNorm(cfg.hidden_size, eps=eps)
+    return nn.LayerNorm(cfg.hidden_size, eps=eps, bias=cfg.bias)
 
 
 class Layer(nn.Module):
@@ -114,10 +122,10 @@ class Layer(nn.Module):
         self.kind = layer_attention(cfg, index)
         self.qkv = nn.Linear(h, 3 * h, bias=cfg.bias)  # rows: query, key, value (HF's three Linears stacked)
         self.attn_out = nn.Linear(h, h, bias=cfg.bias)
-        self.attn_norm = _norm(cfg)
+        self.attn_norm = _norm(cfg, cfg.block_norm_eps)
         self.ffn_in = nn.Linear(h, 2 * f if cfg.activation != "gelu" else f, bias=cfg.bias)  # gated: [W (activated); V]
         self.ffn_out = nn.Linear(f, h, bias=cfg.bias)
-        self.ffn_norm = _norm(cfg)
+        self.ffn_norm = _norm(cfg, cfg.block_norm_eps)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         if self.kind == "linformer":  # E, F of Linformer eq. 7, shared by the heads
             self.proj_k = nn.Parameter(torch.empty(cfg.linformer_k, cfg.max_position_embeddings))
@@ -146,7 +154,9 @@ class Layer(nn.Module):
             x = x.gather(1, select[:, :, None].expand(-1, -1, h))
             q = q.gather(2, select[:, None, :, None].expand(-1, cfg.num_heads, -1, cfg.head_dim))
         p = cfg.attention_dropout if self.training else 0.0
-        if self.kind == "full":
+        if self.kind == "full" and cfg.attention_backend == "eager":
+            a = eager_attention(q, k, v, mask, dropout_p=p, training=self.training)
+        elif self.kind == "full":
             a = full_attention(q, k, v, mask, dropout_p=p)
         elif self.kind == "sliding_window":
             a = sliding_window_attention(q, k, v, mask, window=cfg.window_size, q_pos=select, dropout_p=p)
@@ -154,7 +164,9 @@ class Layer(nn.Module):
             a = linformer_attention(q, k, v, mask, self.proj_k, self.proj_v, dropout_p=p)
         else:
             a = linear_attention(q, k, v, mask)
-        a = self.dropout(self.attn_out(a.transpose(1, 2).reshape(b, -1, h)))  # [B, Tq, H]
+        a = self.attn_out(a.transpose(1, 2).reshape(b, -1, h))  # [B, Tq, H]
+        if cfg.attention_output_dropout:
+            a = self.dropout(a)
         if pre:
             x = x + a
             return x + self.dropout(self.ffn(self.ffn_norm(x)))
@@ -173,11 +185,14 @@ class BertMLM(nn.Module):
         h, v = cfg.hidden_size, cfg.vocab_size
         self.word = nn.Embedding(v, h, padding_idx=SPECIAL_TOKENS.index("[PAD]"))
         self.position = nn.Embedding(cfg.max_position_embeddings, h) if cfg.position_embedding == "absolute" else None
-        self.token_type = nn.Embedding(cfg.type_vocab_size, h)
+        if cfg.position_embedding == "instruction":  # the study's tables: instruction index, place in it
+            self.instruction = nn.Embedding(cfg.max_position_embeddings, h)
+            self.argument = nn.Embedding(cfg.max_position_embeddings, h)
+        self.token_type = nn.Embedding(cfg.type_vocab_size, h) if cfg.type_vocab_size else None
         self.embed_norm = _norm(cfg)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
-        self.final_norm = _norm(cfg) if cfg.norm_position == "pre" else None
+        self.final_norm = _norm(cfg) if cfg.norm_position == "pre" and cfg.final_norm else None
         self.head_dense = nn.Linear(h, h, bias=cfg.bias)
         self.head_norm = _norm(cfg)
         self.decoder = None if cfg.tie_embeddings else nn.Parameter(torch.empty(v, h))
@@ -235,10 +250,15 @@ class BertMLM(nn.Module):
         if cfg.attention == "sliding_window" and cfg.window_size > t:
             raise ValueError(f"window_size: {cfg.window_size} exceeds seq_len {t}; allowed values are 1..{t}")
         pos = torch.arange(t, device=input_ids.device)
-        x = self.word(input_ids) + self.token_type.weight[0]  # [B, T, H]
+        x = self.word(input_ids)  # [B, T, H]
+        if self.token_type is not None:
+            x = x + self.token_type.weight[0]
         rope = None
         if self.position is not None:
             x = x + self.position(pos)
+        elif cfg.position_embedding == "instruction":
+            instruction, argument = instruction_positions(input_ids, SPECIAL_TOKENS.index("[NEXT]"))
+            x = x + self.instruction(instruction) + self.argument(argument)
         else:
             rope = rotary_tables(pos, cfg.head_dim, cfg.rope_theta)
         x = self.dropout(self.embed_norm(x))
