@@ -161,11 +161,19 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
 def plan(args) -> int:
     """The planner at a chosen scale (notebook 04's second half): memory per GPU term by term
     under plain data parallelism, the dp x tp x pp x ZeRO splits that fit, and the predicted
-    data-parallel scaling from 1 GPU to ``args.gpus``. No cluster needed."""
+    data-parallel scaling from 1 GPU to ``args.gpus``. No cluster needed. With a CONFIG file,
+    ``plan_config`` plans that file's run instead."""
     from labkit.study import plan as lp
     from labkit.study import parallel, scaling
     from labkit.model import model_config
 
+    if getattr(args, "config", None):
+        return plan_config(args)
+    defaults = {"model": "bert-120m", "gpus": 256, "gpus_per_node": 2, "seq_len": 512, "micro_batch": 16,
+                "device": "H100 NVL", "precision": "bf16", "network": "25GbE"}
+    for key, value in defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
     cfg = model_config(args.model, args.vocab_size or lp.STUDY_VOCAB,
                        max_position_embeddings=max(512, args.seq_len))
     mem = lp.memory_plan(cfg, seq_len=args.seq_len, micro_batch=args.micro_batch, precision=args.precision,
@@ -186,6 +194,60 @@ def plan(args) -> int:
                                   gpus_per_node=args.gpus_per_node)
     print(f"predicted data-parallel scaling over {args.network}, {args.gpus_per_node} GPUs per node:")
     _print_table(table)
+    return 0
+
+
+def plan_config(args) -> int:
+    """``labkit plan CONFIG``: the file's [train] model (preset + model_overrides) at its
+    micro-batch, sequence length and precision, on the [plan] device, GPUs and network (each
+    also an option of the command; the vocabulary: [plan] vocab_size, else the work
+    directory's shards). Prints the memory per GPU term by term, the largest micro-batch that
+    fits (``study.plan.planned_max_micro_batch``) beside the file's, and the precision experiment
+    (``study.scaling.precision_experiment``: step time and DP efficiency at 1..gpus in fp32,
+    TF32 and bf16), then one JSON summary."""
+    from labkit.config.tomlfile import load
+    from labkit.data.shards import read_index
+    from labkit.study import plan as lp
+    from labkit.study import scaling
+    from labkit.train.run_config import model_config_of
+
+    lab = load(args.config, args.set)
+    pc = dataclasses.replace(lab.plan, **{k: v for k, v in (("device", args.device), ("gpus", args.gpus),
+                                                            ("gpus_per_node", args.gpus_per_node),
+                                                            ("network", args.network),
+                                                            ("vocab_size", args.vocab_size)) if v is not None})
+    vocab = pc.vocab_size or int(read_index(pathlib.Path(lab.workdir) / "shards")["vocab_size"])
+    cfg = model_config_of(lab.train, vocab)
+    seq_len, batch = args.seq_len or lab.shards.seq_len, args.micro_batch or lab.train.micro_batch_size
+    precision = args.precision or lab.train.precision
+    attention = "eager" if cfg.attention_backend == "eager" else "flash"
+    mem = lp.memory_plan(cfg, seq_len=seq_len, micro_batch=batch, precision=precision, attention=attention,
+                         dp=pc.gpus)
+    fit = lp.planned_max_micro_batch(cfg, device=pc.device, seq_len=seq_len, precision=precision,
+                                     attention=attention, dp=pc.gpus)
+    cap = lp.device_info(pc.device)["memory_bytes"]
+    print(f"{args.config}: {lab.train.model} + model_overrides, vocabulary {vocab}, seq {seq_len} "
+          f"({lab.shards.packing}), {precision}, {attention} attention, DDP over {pc.gpus} GPUs on {pc.device}")
+    print(f"memory per GPU at micro-batch {batch}:")
+    _print_json(mem | {"fits": mem["total"] <= cap})
+    gpus = tuple(g for g in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if g <= pc.gpus)
+    table = scaling.precision_experiment(cfg, micro_batch=batch, seq_len=seq_len, device=pc.device,
+                                         network=pc.network, gpus=gpus, gpus_per_node=pc.gpus_per_node, mfu=pc.mfu)
+    print(f"planned data-parallel efficiency over {pc.network} at micro-batch {batch}, {pc.mfu:.0%} of each "
+          "precision's dense peak:")
+    _print_table(table.pivot(on="precision", index="n_gpus", values="efficiency"))
+    summary = scaling.precision_summary(table, mfu=pc.mfu)
+    _print_table(summary)
+    best = fit["max_micro_batch"]
+    eff = {r["precision"]: round(r["efficiency"], 3) for r in summary.iter_rows(named=True)}
+    print(f"max micro-batch ({precision}): {best} (the file's micro_batch_size {batch}: "
+          f"{(best - batch) / batch:+.1%}); planned {pc.network} DP efficiency at {gpus[-1]} GPUs: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in eff.items()))
+    _print_json({"max_micro_batch": best, "micro_batch_size": batch, "within_10pct": abs(best - batch) <= 0.1 * batch,
+                 "efficiency_at_max_gpus": eff, "n_gpus": gpus[-1], "network": pc.network,
+                 "network_limit_from_n": {r["precision"]: r["first_exposed_n"] for r in summary.iter_rows(named=True)},
+                 "break_even_mfu": {r["precision"]: round(r["break_even_mfu"], 3)
+                                    for r in summary.iter_rows(named=True)}})
     return 0
 
 

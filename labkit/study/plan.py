@@ -249,8 +249,13 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
       that storage is already counted and the V copy is gone, -d·sh. Counted in ``layers``.)
     - with ``cfg.activation_checkpointing``: each layer's input g·sbh (no scores), plus the
       gather index 8·sb with the sparse head (``checkpoint`` saves ``select`` as an input).
-    - ``embedding``: token and position ids (8·sb + 8·s), norm input g·sbh and statistics 8·sb,
-      dropout mask m·sbh (RMSNorm: its normalised copy, g·sbh more).
+    - ``embedding``: token and position ids (8·sb + 8·s; instruction positions: token,
+      instruction and argument ids, 24·sb), norm input g·sbh and statistics 8·sb, dropout mask
+      m·sbh (RMSNorm: its normalised copy, g·sbh more).
+    - the study's options: without ``attention_output_dropout`` one dropout mask per layer less
+      (m·sbh, m·qh in a sparse last layer); pre-norm without ``final_norm`` has no final-norm
+      term; ``attention_backend`` "eager" is planned as ``attention="eager"`` (its copies of Q,
+      K, V and the kept probabilities are the math path's).
     - ``head`` at n positions (n = q with ``cfg.sparse_head``, else s·b): dense input, GELU
       input/output, decoder input 4·d·nh, head-norm statistics 8·n, fp32 log-softmax 4·nV,
       target indices 8·n, the loss's 4-byte total weight; with the sparse head also the bool
@@ -285,7 +290,8 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
     eager = attention == "eager"
     cpu_math_b1 = device == "cpu" and b == 1 and eager and cfg.attention_dropout > 0
     per_score = (2 * d + ma) if cfg.attention_dropout > 0 else d  # bytes per eager score element
-    base_layer = (6 * d + 2 * g + 2 * m) * sbh + 2 * d * s * b * f + 2 * d * sbh * cpu_math_b1
+    masks = (1 + cfg.attention_output_dropout) * m  # FFN output (+ attention output) dropout masks
+    base_layer = (6 * d + 2 * g + masks) * sbh + 2 * d * s * b * f + 2 * d * sbh * cpu_math_b1
     kinds = [layer_attention(cfg, i) for i in range(L)]
     extra = [_option_bytes(cfg, kind, s, b, d, g) for kind in kinds]
     full_layers = [base_layer + x for x, _ in extra]
@@ -296,15 +302,16 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
         layers = sum(full_layers) // tp + L * 16 * s * b
         scores = sum(full_scores) // tp
     else:
-        last = 4 * d * sbh + (2 * d + 2 * g + 2 * m) * q * h + 2 * d * q * f + extra[-1][0]
+        last = 4 * d * sbh + (2 * d + 2 * g + masks) * q * h + 2 * d * q * f + extra[-1][0]
         last += (d * q * h + 2 * d * sbh - d * s * h * cpu_math_b1) if eager else 2 * d * q * h
         layers = (sum(full_layers[:-1]) + last) // tp + (L - 1) * 16 * s * b + 16 * q + index
         keys = extra[-1][1]
         scores = (sum(full_scores[:-1]) + (a * q * keys * per_score if eager else 4 * a * q * (keys > 0))) // tp
     n = q if sparse else s * b
     rms = cfg.norm_type == "rmsnorm"  # torch's RMSNorm keeps a normalised copy of its input
-    embedding = 8 * s * b + 8 * s + (g + m) * sbh + 8 * s * b + g * sbh * rms
-    final_norm = (g * sbh * (1 + rms) + 8 * s * b) if cfg.norm_position == "pre" else 0  # pre-norm's last norm
+    ids = 24 * s * b if cfg.position_embedding == "instruction" else 8 * s * b + 8 * s  # + instruction, argument
+    embedding = ids + (g + m) * sbh + 8 * s * b + g * sbh * rms
+    final_norm = (g * sbh * (1 + rms) + 8 * s * b) if cfg.norm_position == "pre" and cfg.final_norm else 0
     head = (4 * d * n * h + 4 * n * v + g * n * h * rms) // tp + 16 * n + 4 + (n if sparse else 0) + final_norm
     return {"layers": int(layers), "attention_scores": int(scores), "embedding": int(embedding),
             "head": int(head), "logits": int(d * n * v // tp)}
