@@ -182,6 +182,9 @@ def _build_model(cfg: TrainConfig, index: dict, rank: int) -> tuple[Any, BertMLM
     if seq_len > mcfg.max_position_embeddings:
         raise ValueError(f"model_overrides: shards in {cfg.data_dir} have seq_len {seq_len} > "
                          f"max_position_embeddings {mcfg.max_position_embeddings}")
+    if mcfg.position_embedding == "instruction" and "[NEXT]" not in index["special_ids"]:
+        raise ValueError(f"model_overrides: position_embedding 'instruction' counts [NEXT] tokens, but the shards in "
+                         f"{cfg.data_dir} come from a tokenizer without [NEXT] (special_ids {index['special_ids']})")
     torch.manual_seed(cfg.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
     model = BertMLM(mcfg)
     torch.manual_seed(cfg.seed + 1 + rank)  # dropout streams differ per rank
