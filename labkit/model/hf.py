@@ -2,7 +2,8 @@
 
 transformers is a test/bench dependency, so it is imported inside the functions that need it.
 With the default options (``BERT_OPTIONS``) ``BertMLM`` maps onto ``BertForMaskedLM`` weight for
-weight (the fused QKV split into query/key/value); logits agree to 1e-5 in fp32.
+weight (the fused QKV weight [3, H, H] unbound into query/key/value, stacked back on load);
+logits agree to 1e-5 in fp32.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def to_hf_state_dict(model: BertMLM) -> dict[str, torch.Tensor]:
         out["bert.embeddings.token_type_embeddings.weight"] = sd["word.weight"].new_zeros(1, model.cfg.hidden_size)
     for i in range(model.cfg.num_layers):
         for p in ("weight", "bias"):
-            q, k, v = sd[f"layers.{i}.qkv.{p}"].chunk(3, dim=0)
+            q, k, v = sd[f"layers.{i}.qkv.{p}"].unbind(0)
             for name, t in zip(("query", "key", "value"), (q, k, v)):
                 out[f"bert.encoder.layer.{i}.attention.self.{name}.{p}"] = t
     if model.cfg.tie_embeddings:
@@ -117,7 +118,7 @@ def load_hf_state_dict(model: BertMLM, sd: dict[str, torch.Tensor]) -> None:
     ours = {ours: sd[hf] for ours, hf in names.items()}
     for i in range(model.cfg.num_layers):
         for p in ("weight", "bias"):
-            ours[f"layers.{i}.qkv.{p}"] = torch.cat(
+            ours[f"layers.{i}.qkv.{p}"] = torch.stack(
                 [sd[f"bert.encoder.layer.{i}.attention.self.{n}.{p}"] for n in ("query", "key", "value")])
     target = model.state_dict()
     for k, v in ours.items():
