@@ -12,7 +12,7 @@ import pytest
 from labkit.config.tomlfile import load
 from labkit.measure import PEAK_FLOPS
 from labkit.model import flops_per_token, model_config
-from labkit.study import plan, scaling
+from labkit.study import memory, plan, scaling
 
 
 def _study(vocab_size: int, name: str = "tiny", **extra):
@@ -27,7 +27,7 @@ def test_planned_bytes_equal_the_saved_tensor_count(extra):
     cfg = _study(97, **extra)
     for seq, b in ((32, 1), (32, 2), (64, 3)):
         planned = plan.saved_activation_bytes(cfg, seq, b, precision="fp32", attention="eager", device="cpu")
-        assert planned == plan.activation_bytes(cfg, seq, b), (seq, b)
+        assert planned == memory.activation_bytes(cfg, seq, b), (seq, b)
 
 
 def test_precision_experiment_closed_form():
