@@ -34,7 +34,7 @@ def _study():
 
 
 def _pct(x: float) -> str:
-    return f"{100 * x:.1f} %" if x < 0.995 else f"{100 * x:.0f} %"
+    return f"{100 * x:.1f} %"
 
 
 def _model(lab, cfg, name: str):

@@ -239,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default bf16, or CONFIG's [train] precision")
     p.add_argument("--vocab-size", type=int, default=None, help="default: the study's vocabulary")
     p.add_argument("--network", default=None, help="a labkit.study.scaling.NETWORKS name (default 25GbE)")
+    p.add_argument("--count", action="store_true",
+                   help="with CONFIG: count what the step keeps (study.memory.plan_model; a minute or more on a CPU) "
+                        "instead of the formula planner")
+    p.add_argument("--out", default=None, help="with CONFIG: also write the JSON summary to this file")
     p.add_argument("--top", type=int, default=8, help="splits shown")
     p.set_defaults(func=_command("plan"))
     p = _sub(sub, "export", "write a run's model, tokenizer and model card for transformers", debug)

@@ -202,9 +202,10 @@ def plan_config(args) -> int:
     micro-batch, sequence length and precision, on the [plan] device, GPUs and network (each
     also an option of the command; the vocabulary: [plan] vocab_size, else the work
     directory's shards). Prints the memory per GPU term by term, the largest micro-batch that
-    fits (``study.plan.planned_max_micro_batch``) beside the file's, and the precision experiment
+    fits (``study.plan.planned_max_micro_batch``; with ``--count`` the count of what the step
+    keeps, ``study.memory.plan_model``) beside the file's, and the precision experiment
     (``study.scaling.precision_experiment``: step time and DP efficiency at 1..gpus in fp32,
-    TF32 and bf16), then one JSON summary."""
+    TF32 and bf16), then one JSON summary (also written to ``--out``)."""
     from labkit.config.tomlfile import load
     from labkit.data.shards import read_index
     from labkit.study import plan as lp
@@ -223,8 +224,17 @@ def plan_config(args) -> int:
     attention = "eager" if cfg.attention_backend == "eager" else "flash"
     mem = lp.memory_plan(cfg, seq_len=seq_len, micro_batch=batch, precision=precision, attention=attention,
                          dp=pc.gpus)
-    fit = lp.planned_max_micro_batch(cfg, device=pc.device, seq_len=seq_len, precision=precision,
-                                     attention=attention, dp=pc.gpus)
+    if getattr(args, "count", False):  # count what the step keeps (any model; about a minute on a CPU)
+        from labkit.study import memory
+
+        make_model, make_batch = memory.labkit_model(cfg, seq_len, mlm_probability=lab.train.mlm_probability)
+        fit = memory.plan_model(make_model, make_batch, device=pc.device, precision=precision, sharding="ddp",
+                                dp=pc.gpus)
+        method = "counted (study.memory.plan_model)"
+    else:
+        fit = lp.planned_max_micro_batch(cfg, device=pc.device, seq_len=seq_len, precision=precision,
+                                         attention=attention, dp=pc.gpus)
+        method = "planned (study.plan.planned_max_micro_batch)"
     cap = lp.device_info(pc.device)["memory_bytes"]
     print(f"{args.config}: {lab.train.model} + model_overrides, vocabulary {vocab}, seq {seq_len} "
           f"({lab.shards.packing}), {precision}, {attention} attention, DDP over {pc.gpus} GPUs on {pc.device}")
@@ -236,18 +246,24 @@ def plan_config(args) -> int:
     print(f"planned data-parallel efficiency over {pc.network} at micro-batch {batch}, {pc.mfu:.0%} of each "
           "precision's dense peak:")
     _print_table(table.pivot(on="precision", index="n_gpus", values="efficiency"))
-    summary = scaling.precision_summary(table, mfu=pc.mfu)
-    _print_table(summary)
+    table_summary = scaling.precision_summary(table, mfu=pc.mfu)
+    _print_table(table_summary)
+    rows = list(table_summary.iter_rows(named=True))
     best = fit["max_micro_batch"]
-    eff = {r["precision"]: round(r["efficiency"], 3) for r in summary.iter_rows(named=True)}
-    print(f"max micro-batch ({precision}): {best} (the file's micro_batch_size {batch}: "
+    eff = {r["precision"]: round(r["efficiency"], 3) for r in rows}
+    print(f"max micro-batch ({precision}, {method}): {best} (the file's micro_batch_size {batch}: "
           f"{(best - batch) / batch:+.1%}); planned {pc.network} DP efficiency at {gpus[-1]} GPUs: "
           + ", ".join(f"{k} {v:.2f}" for k, v in eff.items()))
-    _print_json({"max_micro_batch": best, "micro_batch_size": batch, "within_10pct": abs(best - batch) <= 0.1 * batch,
-                 "efficiency_at_max_gpus": eff, "n_gpus": gpus[-1], "network": pc.network,
-                 "network_limit_from_n": {r["precision"]: r["first_exposed_n"] for r in summary.iter_rows(named=True)},
-                 "break_even_mfu": {r["precision"]: round(r["break_even_mfu"], 3)
-                                    for r in summary.iter_rows(named=True)}})
+    summary = {"config": str(args.config), "max_micro_batch": best, "method": method, "micro_batch_size": batch,
+               "within_10pct": abs(best - batch) <= 0.1 * batch, "efficiency_at_max_gpus": eff,
+               "n_gpus": gpus[-1], "network": pc.network,
+               "network_limit_from_n": {r["precision"]: r["first_exposed_n"] for r in rows},
+               "break_even_mfu": {r["precision"]: round(r["break_even_mfu"], 3) for r in rows}}
+    _print_json(summary)
+    if getattr(args, "out", None):
+        from labkit.io import atomic_write_json
+
+        atomic_write_json(pathlib.Path(args.out), summary)
     return 0
 
 
