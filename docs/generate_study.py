@@ -5,6 +5,8 @@ Imported by docs/generate.py, which renders them with its other blocks (``BLOCKS
 - the planner's blocks (``study-plan``, ``precision-experiment``, ``one-story``) are deterministic
   functions of labkit's code and configs/study.toml;
 - ``tokenizer-study``: ``docs/data/tokenizer_study.json``, written by ``python benchmarks/tokenizer_study.py``;
+- ``study-plan`` also reads ``docs/data/study_plan_count.json`` (``labkit plan configs/study.toml
+  --count --out docs/data/study_plan_count.json``);
 - ``study-run``: ``docs/data/study_run.json`` (``python benchmarks/study_run.py``) beside
   ``docs/data/demo.json`` (``make demo``), labkit's defaults;
 - ``study-loaders``: ``docs/data/study_loaders.jsonl`` (``python benchmarks/study_loaders.py``).
@@ -78,7 +80,17 @@ def study_plan() -> str:
             f"(of which the kept attention probabilities {_scores(lab, cfg) / 1e9:.1f} GB), logits "
             f"{m['logits'] / 1e9:.1f} GB, head backward {m['head_backward'] / 1e9:.1f} GB; {m['total'] / 1e9:.1f} GB "
             f"against {at['capacity_bytes'] / 1e9:.1f} GB usable. `labkit plan configs/study.toml --device \"H100 NVL\"` "
-            "prints the same.\n")
+            "prints the same." + _counted() + "\n")
+
+
+def _counted() -> str:
+    """The count of what the step keeps, from the file ``labkit plan configs/study.toml --count`` wrote."""
+    d = _json("study_plan_count.json")
+    if d is None:
+        return ""
+    return (f" Counting what the step keeps instead of summing the formula's terms (`study.memory.plan_model`, "
+            f"`labkit plan configs/study.toml --count --out docs/data/study_plan_count.json`): "
+            f"{d['max_micro_batch']} for the 120M model in fp32.")
 
 
 def _scores(lab, cfg) -> int:

@@ -238,7 +238,7 @@ precisions = scaling.precision_experiment(study_model, micro_batch=study.train.m
 fig = plots.efficiency_figure(precisions.with_columns(label=pl.col("precision")),
                               title=f"The study's 120M model, micro-batch {study.train.micro_batch_size}, "
                                     f"{study.plan.network}: efficiency per precision")
-fig.add_hrect(y0=0.9, y1=1.0, fillcolor="green", opacity=0.08, line_width=0,
+fig.add_hrect(y0=0.9, y1=1.0, fillcolor="green", opacity=0.12, line={"width": 1, "color": "green"},
               annotation_text="the study: near-linear to 256 GPUs", annotation_position="bottom left")
 fig
 

@@ -7,6 +7,13 @@ arXiv:2205.05198, written for labkit's model and tested equal to the count for e
 ``zero_state_bytes`` (ZeRO arXiv:1910.02054), ``memory_plan`` (one GPU under DP x TP x PP and
 ZeRO 0-3, with the GPipe bubble), ``planned_max_micro_batch`` on a ``DEVICES`` entry, and the one
 micro-batch search ``largest_fitting``. ``labkit.study.parallel`` builds the study tables on it.
+
+The study's model options (configs/study.toml) in ``activation_terms``: without
+``attention_output_dropout`` one dropout mask per layer less (m·sbh, m·qh in a sparse last
+layer); pre-norm without ``final_norm`` has no final-norm term; instruction positions keep three
+id tensors (token, instruction, argument); ``attention_backend`` "eager" is planned as
+``attention="eager"`` (its copies of Q, K, V and the kept probabilities are the math path's).
+Equal to the count on CPU (tests/study/test_study_plan.py).
 """
 
 from __future__ import annotations
@@ -148,13 +155,8 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
       that storage is already counted and the V copy is gone, -d·sh. Counted in ``layers``.)
     - with ``cfg.activation_checkpointing``: each layer's input g·sbh (no scores), plus the
       gather index 8·sb with the sparse head (``checkpoint`` saves ``select`` as an input).
-    - ``embedding``: token and position ids (8·sb + 8·s; instruction positions: token,
-      instruction and argument ids, 24·sb), norm input g·sbh and statistics 8·sb, dropout mask
-      m·sbh (RMSNorm: its normalised copy, g·sbh more).
-    - the study's options: without ``attention_output_dropout`` one dropout mask per layer less
-      (m·sbh, m·qh in a sparse last layer); pre-norm without ``final_norm`` has no final-norm
-      term; ``attention_backend`` "eager" is planned as ``attention="eager"`` (its copies of Q,
-      K, V and the kept probabilities are the math path's).
+    - ``embedding``: token and position ids (8·sb + 8·s; instruction positions 24·sb), norm input
+      g·sbh and statistics 8·sb, dropout mask m·sbh (RMSNorm: its normalised copy, g·sbh more).
     - ``head`` at n positions (n = q with ``cfg.sparse_head``, else s·b): dense input, GELU
       input, decoder input 3·d·nh, the head norm's input (GELU's output) d·nh, on CUDA g·nh
       (its autocast runs layer_norm in fp32), head-norm statistics 8·n, fp32 log-softmax 4·nV,
@@ -191,7 +193,7 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
     eager = attention == "eager"
     cpu_math_b1 = device == "cpu" and b == 1 and eager and cfg.attention_dropout > 0
     per_score = (2 * d + ma) if cfg.attention_dropout > 0 else d  # bytes per eager score element
-    masks = (1 + cfg.attention_output_dropout) * m  # FFN output (+ attention output) dropout masks
+    masks = (1 + cfg.attention_output_dropout) * m  # FFN (+ attention) output dropout masks: module docstring
     base_layer = (6 * d + 2 * g + masks) * sbh + 2 * d * s * b * f + 2 * d * sbh * cpu_math_b1
     kinds = [layer_attention(cfg, i) for i in range(L)]
     extra = [_option_bytes(cfg, kind, s, b, d, g) for kind in kinds]

@@ -67,4 +67,4 @@ def test_labkit_plan_of_the_study_config(capsys):
                                             dp=256)["max_micro_batch"]
     assert summary["max_micro_batch"] == expected and summary["within_10pct"] and abs(expected - 184) <= 18
     assert set(summary["efficiency_at_max_gpus"]) == {"fp32", "tf32", "bf16"} and summary["n_gpus"] == 256
-    assert "max micro-batch (fp32)" in out
+    assert "max micro-batch (fp32, planned" in out and summary["method"].startswith("planned")
