@@ -18,18 +18,21 @@ version, ``TokenizerConfig.kind = "instruction"``, follows it in two steps:
    added whole (``add_tokens``, ``single_word``: a piece never matches inside a longer one).
    A piece not seen in training is [UNK] (one per run of unknown characters, ``fuse_unk``).
 
-Differences from the authors' code, each deliberate: a negative immediate is the piece ``-``
-followed by its magnitude (``-0x10`` -> ``- 16``; the authors' BPE pre-tokenizer split
-``-16`` the same way, so the token ids agree); operands that hold spaces (AVX-512 masks such as
+Differences from the authors' code, each deliberate: [NEXT] sits between every two
+instructions (theirs appends none after an instruction without operands such as ``ret``: a
+``continue`` skips it, so such an instruction shares its index with the next); a negative
+immediate is the piece ``-`` followed by its magnitude (``-0x10`` -> ``- 16``; the authors'
+BPE pre-tokenizer split ``-16`` the same way, so the token ids agree); operands that hold spaces (AVX-512 masks such as
 ``zmm0 {k1} {z}``) are split into pieces where the authors' code stops with an assertion;
 aarch64's ``#`` is a piece of its own; the BPE's continuation pieces (``__0`` .. ``__9``) are
 all in the vocabulary, so every decimal encodes without [UNK]; and the decoder
 (``decoders.WordPiece`` with prefix ``__``) rejoins them, which makes the round trip exact.
 The Rizin-specific ``arg``/``var`` rewriting of the authors' code does not apply to capstone.
 
-In labkit the separator is inserted by id, not by text: ``encode_instructions`` encodes each
-distinct instruction once and puts ``NEXT_ID`` between them, the same ids as
-``tokenizer.encode(pretokenize(text))`` (tests/data/test_instructions.py).
+In labkit the separator is inserted by id, not by text: ``labkit.data.tokenize.encode_flat``
+encodes each distinct instruction once (``pretokenize_lines``) and ``assemble`` puts ``NEXT_ID``
+between them, the same ids as ``tokenizer.encode(pretokenize(text))``
+(tests/data/test_instructions.py).
 """
 
 from __future__ import annotations
@@ -101,7 +104,8 @@ def pretokenize_lines(lines: list[str]) -> list[str]:
 
 def _complete_digits(tok: Tokenizer) -> None:
     """Give the trained BPE model every digit as a first piece and as a ``__`` continuation
-    piece (the trainer adds only those it saw), so any decimal encodes without [UNK]."""
+    piece (the trainer adds only those it saw; at most 20 entries beyond ``vocab_size``), so
+    any decimal encodes without [UNK]."""
     spec = json.loads(tok.to_str())["model"]
     vocab = dict(spec["vocab"])
     for piece in [d for d in "0123456789"] + [f"{CONTINUE}{d}" for d in "0123456789"]:
@@ -146,7 +150,8 @@ def train_instruction_tokenizer(texts: Iterable[str], cfg: TokenizerConfig) -> T
 def is_instruction_tokenizer(tokenizer: Tokenizer) -> bool:
     """True for a tokenizer ``train_instruction_tokenizer`` built: a BPE model with the ``__``
     continuation prefix behind a ``WhitespaceSplit`` pre-tokenizer, and [NEXT] at ``NEXT_ID``.
-    labkit pre-tokenizes the texts it gives such a tokenizer (``encode_instructions``)."""
+    labkit pre-tokenizes the texts it gives such a tokenizer (``labkit.data.tokenize.encode_flat``,
+    ``unk_report``)."""
     spec = json.loads(tokenizer.to_str())
     return (spec["model"]["type"] == "BPE" and spec["model"].get("continuing_subword_prefix") == CONTINUE
             and (spec.get("pre_tokenizer") or {}).get("type") == "WhitespaceSplit"
