@@ -211,15 +211,17 @@ class CudaLike(TorchFunctionMode):
 
 
 def _flops_mapping() -> dict:
-    """FlopCounterMode formulas for CPU's fused SDPA kernel: those torch registers for CUDA's
-    (``torch.utils.flop_counter.sdpa_flop_count`` / ``sdpa_backward_flop_count``)."""
-    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+    """FlopCounterMode formulas for CPU's fused SDPA kernel, which it counts as 0 otherwise:
+    forward ``torch.utils.flop_counter.sdpa_flop_count`` (the formula torch registers for CUDA's
+    kernels), backward twice that (the four gradient matmuls; torch's CUDA formula also counts
+    the kernel's recompute of the scores, which model FLOPs leave out)."""
+    from torch.utils.flop_counter import sdpa_flop_count
 
     aten = torch.ops.aten
     return {aten._scaled_dot_product_flash_attention_for_cpu:
             lambda q, k, v, *a, out_shape=None, **kw: sdpa_flop_count(q, k, v),
             aten._scaled_dot_product_flash_attention_for_cpu_backward:
-            lambda g, q, k, v, *a, out_shape=None, **kw: sdpa_backward_flop_count(g, q, k, v)}
+            lambda g, q, k, v, *a, out_shape=None, **kw: 2 * sdpa_flop_count(q, k, v)}
 
 
 def _tokens(batch: dict[str, Any], b: int) -> int:
