@@ -271,6 +271,15 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
             "verified": verified}
 
 
+def total_at(plan: dict[str, Any], b: int) -> int:
+    """Planned bytes of one rank at micro-batch ``b`` from a ``plan_model`` result's linear terms:
+    state + max(activations + held outputs + backward temporaries + FSDP units, optimiser step)."""
+    act, tr = plan["activation_terms"], plan["transient_terms"]
+    step = (act["fixed"] + tr["held_outputs_fixed"] + tr["backward_fixed"] + tr["fsdp_gathered"]
+            + b * (act["per_sequence"] + tr["held_outputs_per_sequence"] + tr["backward_per_sequence"]))
+    return int(plan["state_bytes"] + max(step, tr["optimizer_step"]))
+
+
 def _corrections(count: dict, gpu: bool, mixed: bool) -> list[str]:
     """What the count changed from this CPU's own run, in words."""
     out = []
