@@ -234,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="default 512, or CONFIG's [shards] seq_len")
     p.add_argument("--micro-batch", type=int, default=None,
                    help="sequences per GPU per step (default 16, or CONFIG's micro_batch_size)")
-    p.add_argument("--device", default=None, help="a labkit.study.plan.DEVICES name (default H100 NVL)")
+    p.add_argument("--device", default=None,
+                   help="a labkit.study.plan.DEVICES name, or cpu (with --budget-gb); default H100 NVL")
     p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32"),
                    help="default bf16, or CONFIG's [train] precision")
     p.add_argument("--vocab-size", type=int, default=None, help="default: the study's vocabulary")
@@ -244,6 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "instead of the formula planner")
     p.add_argument("--out", default=None, help="with CONFIG: also write the JSON summary to this file")
     p.add_argument("--top", type=int, default=8, help="splits shown")
+    g = p.add_argument_group("your own model (labkit.study.memory.plan_model: counted, not estimated)")
+    g.add_argument("--model-module", default=None, metavar="FILE.py:FACTORY",
+                   help="FACTORY(seq_len=...) returns (make_model, make_batch); see tests/plain_encoder.py")
+    g.add_argument("--budget-gb", type=float, default=None, help="memory per rank in GB (default: the device's)")
+    g.add_argument("--sharding", default="ddp", choices=("none", "ddp", "zero1", "fsdp"))
+    g.add_argument("--dp", type=int, default=1, help="data-parallel ranks the state is sharded over")
     p.set_defaults(func=_command("plan"))
     p = _sub(sub, "export", "write a run's model, tokenizer and model card for transformers", debug)
     p.add_argument("run_dir")

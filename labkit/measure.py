@@ -41,6 +41,10 @@ PEAK_FLOPS: dict[tuple[str, str], float] = {
     ("H100 NVL", "tf32"): 417.5e12,
     ("H200", "bf16"): 989e12,  # same tensor-core arithmetic as H100 SXM
     ("H200", "fp16"): 989e12,
+    # NVIDIA's H200 page, H200 NVL column: BF16/FP16 Tensor Core 1,671 TFLOPS with sparsity (600 W
+    # PCIe card; the H100 NVL's figure too), not the SXM module's 1,979
+    ("H200 NVL", "bf16"): 835.5e12,
+    ("H200 NVL", "fp16"): 835.5e12,
     ("A100", "bf16"): 312e12,
     ("A100", "fp16"): 312e12,
 }
@@ -52,11 +56,11 @@ devices without an fp32 entry give fp32 runs an MFU of None."""
 def device_kind(name: str) -> str | None:
     """Map a CUDA device name (``torch.cuda.get_device_name``) to a ``PEAK_FLOPS`` device kind,
     or None when it is not in the table. E.g. "NVIDIA H100 80GB HBM3" -> "H100 SXM",
-    "NVIDIA H100 NVL" -> "H100 NVL", "NVIDIA H200" -> "H200", "NVIDIA A100-SXM4-80GB" -> "A100".
-    The H100 PCIe (a lower peak) is deliberately not matched."""
+    "NVIDIA H100 NVL" -> "H100 NVL", "NVIDIA H200" -> "H200", "NVIDIA H200 NVL" -> "H200 NVL",
+    "NVIDIA A100-SXM4-80GB" -> "A100". The H100 PCIe (a lower peak) is deliberately not matched."""
     upper = name.upper()
     if "H200" in upper:
-        return "H200"
+        return "H200 NVL" if "NVL" in upper else "H200"
     if "H100" in upper:
         if "NVL" in upper:
             return "H100 NVL"

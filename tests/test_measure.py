@@ -25,6 +25,8 @@ def test_peak_table_and_device_names():
     assert measure.device_kind("NVIDIA H100 80GB HBM3") == "H100 SXM"
     assert measure.device_kind("NVIDIA H100 NVL") == "H100 NVL"
     assert measure.device_kind("NVIDIA H200") == "H200"
+    assert measure.device_kind("NVIDIA H200 NVL") == "H200 NVL"  # the 600 W card: its own, lower peak
+    assert measure.PEAK_FLOPS[("H200 NVL", "bf16")] == 835.5e12
     assert measure.device_kind("NVIDIA A100-SXM4-80GB") == "A100"
     assert measure.device_kind("NVIDIA H100 PCIe") is None  # a different peak: not guessed
     assert measure.device_kind("NVIDIA GeForce RTX 4090") is None

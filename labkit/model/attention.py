@@ -23,20 +23,22 @@ def layer_attention(cfg: ModelConfig, index: int) -> str:
     return cfg.attention
 
 
-def attention_span(cfg: ModelConfig, index: int, seq_len: int) -> int:
-    """Keys-equivalent per query of layer ``index`` for the FLOP count 12·H·Q·span per token
-    (PaLM's 12·H·Q·T term with T replaced): full T; sliding window min(window+1, T) (the
-    pattern's cost, though the band-mask implementation executes all T); Linformer 2·k (scores
-    and mixing against k rows, plus projecting K and V to k rows); linear attention Q (two
-    Q x Q products per position replace the T x T ones)."""
+def attention_span(cfg: ModelConfig, index: int, seq_len: int) -> float:
+    """Keys per query of layer ``index`` at length T = ``seq_len``, averaged over the positions:
+    the attention pattern's own size. Full attention T; sliding window the keys with
+    |i - j| <= r = window // 2 inside the sequence: (2r + 1) - r(r + 1)/T when 2r + 1 <= T, else T
+    (an odd window w has w keys, an even one w + 1; labkit's band mask still computes all T);
+    Linformer k (the projected rows); linear attention 0 (no score matrix: Q x Q products,
+    ``labkit.model.counts.flops_per_token``)."""
     kind = layer_attention(cfg, index)
     if kind == "sliding_window":
-        return min(cfg.window_size + 1, seq_len)
+        r, t = cfg.window_size // 2, seq_len
+        return sum(min(i + r, t - 1) - max(i - r, 0) + 1 for i in range(t)) / t
     if kind == "linformer":
-        return 2 * min(cfg.linformer_k, seq_len)
+        return float(min(cfg.linformer_k, seq_len))
     if kind == "linear":
-        return cfg.head_dim
-    return seq_len
+        return 0.0
+    return float(seq_len)
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

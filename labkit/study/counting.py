@@ -211,15 +211,17 @@ class CudaLike(TorchFunctionMode):
 
 
 def _flops_mapping() -> dict:
-    """FlopCounterMode formulas for CPU's fused SDPA kernel: those torch registers for CUDA's
-    (``torch.utils.flop_counter.sdpa_flop_count`` / ``sdpa_backward_flop_count``)."""
-    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+    """FlopCounterMode formulas for CPU's fused SDPA kernel, which it counts as 0 otherwise:
+    forward ``torch.utils.flop_counter.sdpa_flop_count`` (the formula torch registers for CUDA's
+    kernels), backward twice that (the four gradient matmuls; torch's CUDA formula also counts
+    the kernel's recompute of the scores, which model FLOPs leave out)."""
+    from torch.utils.flop_counter import sdpa_flop_count
 
     aten = torch.ops.aten
     return {aten._scaled_dot_product_flash_attention_for_cpu:
             lambda q, k, v, *a, out_shape=None, **kw: sdpa_flop_count(q, k, v),
             aten._scaled_dot_product_flash_attention_for_cpu_backward:
-            lambda g, q, k, v, *a, out_shape=None, **kw: sdpa_backward_flop_count(g, q, k, v)}
+            lambda g, q, k, v, *a, out_shape=None, **kw: 2 * sdpa_flop_count(q, k, v)}
 
 
 def _tokens(batch: dict[str, Any], b: int) -> int:
@@ -308,14 +310,16 @@ def parameter_table(model: torch.nn.Module) -> list[dict[str, Any]]:
 
 def count_steps(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int], dict[str, Any]],
                 micro_batches: tuple[int, ...], *, precision: str = "fp32", cuda: bool = False,
-                flops_at: int | None = None, fake: bool = True) -> dict[str, Any]:
+                flops_at: int | None = None, fake: bool = True,
+                param_dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Count one training step at each micro-batch in ``micro_batches`` (see the module docstring).
 
     ``make_model()`` returns a ``torch.nn.Module``; ``make_batch(b)`` the keyword arguments of
     its forward for micro-batch b; the forward returns the loss (``loss_of``). ``precision``:
     "fp32", or "bf16"/"fp16" autocast. ``cuda``: count what a CUDA GPU would keep
     (``CudaLike``). ``flops_at``: also count FLOPs at this micro-batch. ``fake``: try fake
-    tensors first. Returns {"method" ("fake tensors" or "CPU tensors"), "fake_refused" (why fake
+    tensors first. ``param_dtype``: run the forward with the parameters in this dtype (FSDP's
+    mixed-precision policy); the parameter table keeps the dtype ``make_model`` gave. Returns {"method" ("fake tensors" or "CPU tensors"), "fake_refused" (why fake
     tensors could not run the model, or None), "counts" {b: {saved_bytes, param_cast_bytes,
     held_bytes, peak_bytes, attention_kernels, tokens}}, "flops" (fwd + bwd at flops_at, or None),
     "flops_tokens", "parameters" (``parameter_table``), "model_class"}. Errors of the model itself propagate.
@@ -328,19 +332,22 @@ def count_steps(make_model: Callable[[], torch.nn.Module], make_batch: Callable[
 
         try:
             with FakeTensorMode(allow_non_fake_inputs=True):
-                return _count(make_model, make_batch, micro_batches, precision, cuda, flops_at) | \
+                return _count(make_model, make_batch, micro_batches, precision, cuda, flops_at, param_dtype) | \
                     {"method": "fake tensors", "fake_refused": None}
         except _FAKE_REFUSALS as err:
             refused = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
-    return _count(make_model, make_batch, micro_batches, precision, cuda, flops_at) | \
+    return _count(make_model, make_batch, micro_batches, precision, cuda, flops_at, param_dtype) | \
         {"method": "CPU tensors", "fake_refused": refused}
 
 
-def _count(make_model, make_batch, micro_batches, precision, cuda, flops_at) -> dict[str, Any]:
+def _count(make_model, make_batch, micro_batches, precision, cuda, flops_at, param_dtype) -> dict[str, Any]:
     torch.manual_seed(0)
     model = make_model()
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"make_model: returned {type(model).__name__}, expected a torch.nn.Module")
+    table = parameter_table(model)
+    if param_dtype is not None:
+        model.to(param_dtype)
     counts = {}
     for b in micro_batches:
         batch = make_batch(b)
@@ -350,5 +357,5 @@ def _count(make_model, make_batch, micro_batches, precision, cuda, flops_at) -> 
         batch = make_batch(flops_at)
         flops = _one_step(model, batch, precision="fp32", cuda=False, flops=True)["flops"]
         tokens = _tokens(batch, flops_at)
-    return {"counts": counts, "flops": flops, "flops_tokens": tokens, "parameters": parameter_table(model),
+    return {"counts": counts, "flops": flops, "flops_tokens": tokens, "parameters": table,
             "model_class": type(model).__name__}

@@ -5,7 +5,9 @@ and a function giving its forward's keyword arguments for micro-batch b, and ans
 largest micro-batch with every term behind it:
 
     peak of one rank = state + max(activations(b) + transients(b), optimizer-step temporaries)
-                       (+ FSDP's gathered parameters)
+
+(the step's own peak, forward and backward, against the optimiser step's, after backward has
+freed the activations; FSDP's gathered units are among the transients)
 
 - state (``state_bytes``): parameters, gradients, DDP's buckets and the optimiser's state, per
   rank, as labkit's training really holds them (labkit/train/dist.py, labkit/train/optim.py):
@@ -17,7 +19,8 @@ largest micro-batch with every term behind it:
   b = 2 and 3 (linear from there on; b = 1 can sit off the line: some kernels take other paths)
   on fake tensors where the model allows it, else on CPU tensors; on a GPU device the count
   keeps what CUDA keeps (``counting.CudaLike``: its attention kernel, 1-byte dropout masks,
-  its fp32 autocast ops), and the choices are stated in ``corrections``.
+  its fp32 autocast ops), and the choices are stated in ``corrections``; FSDP in bf16 is
+  counted on bf16 parameters, as its mixed-precision policy runs the forward.
 - transients: the rest of the step's counted peak (the held logits, their gradient and the
   other backward temporaries), the AdamW step's temporaries of the implementation labkit runs
   (fused: none; foreach: a copy of the second moments; for-loop: two copies of the largest
@@ -201,41 +204,38 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding: got {sharding!r}; allowed values are {SHARDINGS}")
     capacity = int((budget_bytes if budget_bytes is not None else memory) - (reserve_bytes if gpu else 0))
-    run = count_steps(make_model, make_batch, FIT_AT, precision=precision, cuda=gpu, flops_at=FIT_AT[0])
-    params = run["parameters"]
-    counts = run["counts"]
+    stage = STAGE_OF[sharding] if zero_stage is None else zero_stage
+    fsdp = stage >= 2 and dp > 1
+    # FSDP's MixedPrecisionPolicy (labkit/train/dist.py): the forward runs on bf16 parameters
+    mixed = torch.bfloat16 if sharding == "fsdp" and precision == "bf16" else None
+    count = {"precision": precision, "cuda": gpu, "param_dtype": mixed}
+    run = count_steps(make_model, make_batch, FIT_AT, flops_at=FIT_AT[0], **count)
+    params, counts = run["parameters"], run["counts"]
     state = state_bytes(params, sharding=sharding, dp=dp, zero_stage=zero_stage, optimizer=optimizer)
-    fsdp = (STAGE_OF[sharding] if zero_stage is None else zero_stage) == 3 and dp > 1
     per_seq, fixed = _linear(counts, "saved_bytes")
-    casts = counts[FIT_AT[0]]["param_cast_bytes"]
-    if fsdp and precision == "bf16":  # MixedPrecisionPolicy: the bf16 weights are the gathered ones
-        fixed -= casts
     peak_per_seq, peak_fixed = _linear(counts, "peak_bytes")
     held_per_seq, held_fixed = _linear(counts, "held_bytes")
-    impl = optimizer_impl("cpu" if not gpu else "cuda", sharding) if optimizer == "adamw" else "for-loop"
+    impl = optimizer_impl("cuda" if gpu else "cpu", sharding) if optimizer == "adamw" else "for-loop"
     step_tmp = optimizer_step_bytes(params, impl, sharding=sharding, dp=dp) if optimizer == "adamw" else 0
     gathered = gathered_bytes(params, precision=precision, dp=dp) if fsdp else 0
 
-    def total(b: int, count: dict | None = None) -> dict[str, int]:
-        act = (count["saved_bytes"] - (casts if fsdp and precision == "bf16" else 0)) if count else fixed + per_seq * b
-        peak = (count["peak_bytes"] - (casts if fsdp and precision == "bf16" else 0)) if count \
-            else peak_fixed + peak_per_seq * b - (casts if fsdp and precision == "bf16" else 0)
-        transient = max(peak - act, 0)
-        return {"activations": act, "transient": transient,
-                "total": state["total"] + gathered + max(act + transient, step_tmp)}
+    def total(b: int, counted: dict | None = None) -> dict[str, int]:
+        act = counted["saved_bytes"] if counted else fixed + per_seq * b
+        peak = counted["peak_bytes"] if counted else peak_fixed + peak_per_seq * b
+        return {"activations": act, "transient": peak - act + gathered,
+                "total": state["total"] + max(peak + gathered, step_tmp)}
 
     guess = max(1, (capacity - state["total"] - gathered - peak_fixed) // max(1, peak_per_seq))
     b = largest_fitting(lambda n: total(n)["total"] <= capacity, start=min(guess, limit), limit=limit)
     verified: dict[str, Any] | None = None
-    cheap = run["method"] == "fake tensors" or total(b + 1)["activations"] + total(b + 1)["transient"] \
-        <= verify_limit_bytes
+    cheap = run["method"] == "fake tensors" or peak_fixed + peak_per_seq * (b + 1) <= verify_limit_bytes
     if b and cheap:
         cache: dict[int, dict] = {}
 
         def counted(n: int) -> dict[str, int]:
             if n not in cache:
-                cache[n] = total(n, count_steps(make_model, make_batch, (n,), precision=precision, cuda=gpu,
-                                                fake=run["method"] == "fake tensors")["counts"][n])
+                cache[n] = total(n, count_steps(make_model, make_batch, (n,), fake=run["method"] == "fake tensors",
+                                                **count)["counts"][n])
             return cache[n]
 
         while b > 0 and counted(b)["total"] > capacity:
@@ -245,23 +245,24 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
         verified = {"micro_batch": b, "total_at_b": counted(b)["total"] if b else None,
                     "total_at_b_plus_1": counted(b + 1)["total"]}
     at = total(max(b, 1))
-    corrections = _corrections(counts[FIT_AT[0]], gpu, fsdp and precision == "bf16", casts)
+    corrections = _corrections(counts[FIT_AT[0]], gpu, mixed is not None)
     seq_len = counts[FIT_AT[0]]["tokens"] // FIT_AT[0]
     return {"model": name or run["model_class"], "device": device,
             "precision": precision, "sharding": sharding, "dp": dp,
-            "zero_stage": STAGE_OF[sharding] if zero_stage is None else zero_stage, "optimizer": optimizer,
+            "zero_stage": stage, "optimizer": optimizer,
             "optimizer_impl": impl, "seq_len": seq_len, "params": sum(p["numel"] for p in params),
             "max_micro_batch": int(b), "capacity_bytes": capacity, "reserve_bytes": reserve_bytes if gpu else 0,
-            "state_bytes": state["total"] + gathered, "state_terms": state | {"fsdp_gathered": gathered},
+            "state_bytes": state["total"], "state_terms": state,
             "activation_bytes_per_sequence": int(per_seq), "activation_bytes_fixed": int(fixed),
             "activation_terms": {"per_sequence": int(per_seq), "fixed": int(fixed),
-                                 "autocast_weight_copies": 0 if fsdp and precision == "bf16" else casts,
+                                 "autocast_weight_copies": counts[FIT_AT[0]]["param_cast_bytes"],
                                  "counted_at": list(FIT_AT),
                                  "saved_at": {b_: c["saved_bytes"] for b_, c in counts.items()}},
             "transient_bytes": int(at["transient"]),
             "transient_terms": {"held_outputs_per_sequence": held_per_seq, "held_outputs_fixed": held_fixed,
                                 "backward_per_sequence": peak_per_seq - per_seq - held_per_seq,
-                                "backward_fixed": peak_fixed - fixed - held_fixed, "optimizer_step": step_tmp},
+                                "backward_fixed": peak_fixed - fixed - held_fixed, "fsdp_gathered": gathered,
+                                "optimizer_step": step_tmp},
             "total_bytes": int(at["total"]),
             "flops_per_token": run["flops"] / run["flops_tokens"],
             "flops_terms": {"fwd_bwd_flops": run["flops"], "positions": run["flops_tokens"],
@@ -270,8 +271,17 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
             "verified": verified}
 
 
-def _corrections(count: dict, gpu: bool, fsdp_bf16: bool, casts: int) -> list[str]:
-    """What the count changed from this CPU's run to the GPU's, in words."""
+def total_at(plan: dict[str, Any], b: int) -> int:
+    """Planned bytes of one rank at micro-batch ``b`` from a ``plan_model`` result's linear terms:
+    state + max(activations + held outputs + backward temporaries + FSDP units, optimiser step)."""
+    act, tr = plan["activation_terms"], plan["transient_terms"]
+    step = (act["fixed"] + tr["held_outputs_fixed"] + tr["backward_fixed"] + tr["fsdp_gathered"]
+            + b * (act["per_sequence"] + tr["held_outputs_per_sequence"] + tr["backward_per_sequence"]))
+    return int(plan["state_bytes"] + max(step, tr["optimizer_step"]))
+
+
+def _corrections(count: dict, gpu: bool, mixed: bool) -> list[str]:
+    """What the count changed from this CPU's own run, in words."""
     out = []
     if gpu:
         kernels = count["attention_kernels"]
@@ -284,9 +294,9 @@ def _corrections(count: dict, gpu: bool, fsdp_bf16: bool, casts: int) -> list[st
                        "one in the compute dtype)")
         if count["fp32_ops"]:
             out.append(f"autocast: CUDA runs {', '.join(sorted(count['fp32_ops']))} in fp32 (counted so)")
-    if fsdp_bf16 and casts:
-        out.append(f"fsdp bf16: {casts} bytes of autocast weight copies are FSDP's gathered bf16 weights "
-                   "(freed per unit), not kept")
+    if mixed:
+        out.append("fsdp bf16: the forward runs on bf16 parameters (FSDP's MixedPrecisionPolicy): no autocast "
+                   "weight copies, gathered units instead")
     return out
 
 

@@ -74,6 +74,8 @@ DEVICES: dict[str, dict[str, Any]] = {
                  "source": "https://www.nvidia.com/en-us/data-center/h100/ (H100 NVL: 94 GB HBM3, 3.9 TB/s)"},
     "H200": {"memory_gb": 141, "bandwidth_tb_s": 4.8, "peak_kind": "H200",
              "source": "https://www.nvidia.com/en-us/data-center/h200/ (141 GB HBM3e, 4.8 TB/s)"},
+    "H200 NVL": {"memory_gb": 141, "bandwidth_tb_s": 4.8, "peak_kind": "H200 NVL",
+                 "source": "https://www.nvidia.com/en-us/data-center/h200/ (H200 NVL: 141 GB HBM3e, 4.8 TB/s)"},
     "A100 40GB": {"memory_gb": 40, "bandwidth_tb_s": 1.6, "peak_kind": "A100",
                   "source": "https://www.nvidia.com/en-us/data-center/a100/ (40 GB HBM2, 1.6 TB/s)"},
     "A100 80GB": {"memory_gb": 80, "bandwidth_tb_s": 2.0, "peak_kind": "A100",

@@ -170,3 +170,14 @@ def test_activation_bytes_match_cuda_allocations():
     held = torch.cuda.memory_allocated() - before - out.logits.untyped_storage().nbytes()
     p = plan_model(*labkit_model(cfg, 128), device="H100 NVL", precision="fp32", verify_limit_bytes=0)
     assert p["activation_bytes_fixed"] + 8 * p["activation_bytes_per_sequence"] == pytest.approx(held, rel=0.05)
+
+
+def test_total_at_rebuilds_the_plans_own_total():
+    make_model, make_batch = hf_bert("sdpa")
+    for device, kw in (("cpu", {"budget_bytes": 2**28}), ("H100 NVL", {}), ("H100 NVL", {"sharding": "fsdp", "dp": 4})):
+        p = plan_model(make_model, make_batch, device=device, precision="bf16" if device != "cpu" else "fp32", **kw)
+        assert memory.total_at(p, p["max_micro_batch"]) == p["total_bytes"], (device, kw)
+    assert p["state_terms"]["params"] < p["params"] * 4 / 3 and p["transient_terms"]["fsdp_gathered"] > 0
+    # on bf16 parameters autocast copies no matrix; CUDA's fp32 layer_norm keeps fp32 copies of the norm weights only
+    assert p["activation_terms"]["autocast_weight_copies"] < 0.1 * 2 * p["params"]
+    assert any("fsdp bf16" in c for c in p["corrections"])
