@@ -222,7 +222,7 @@ def microbatch_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Largest 
     """Bars: largest micro-batch per model (ordered by parameter count), one bar group per budget.
 
     `df` columns: model (str), params (int), max_micro_batch (int), budget_bytes (int; shown in
-    GiB). From labkit.study.plan.max_micro_batch. Raises ValueError naming missing columns.
+    GiB). From labkit.study.memory.max_micro_batch. Raises ValueError naming missing columns.
     """
     d = _frame(df, ["model", "params", "max_micro_batch", "budget_bytes"], "microbatch_figure").sort("params", "budget_bytes")
     order = d.unique("model", keep="first", maintain_order=True)["model"].to_list()

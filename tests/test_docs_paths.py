@@ -15,6 +15,8 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PATH = re.compile(r"(?<![\w./~$-])((?:labkit|tests|docs|benchmarks|configs|notebooks|etc)/[\w.*/-]*[\w*/])")
 MODULE = re.compile(r"(?<![\w./-])(labkit(?:\.[A-Za-z_]\w*)+)")
+PENDING = {"labkit.train.parallel": "tensor and pipeline parallelism, branch i22: its docs arrived before the module"}
+"""Names a branch in flight documents ahead of its code; each entry goes once the code is merged."""
 PLACEHOLDER = ("<", "{", "-<", "_<", "-{")
 """What follows a path that is a pattern, not a file (``bench_<name>.py``, ``config-<k>.json``)."""
 
@@ -70,7 +72,7 @@ def missing_references(text: str, name: str) -> list[str]:
             bad.append(f"{name}:{text.count(chr(10), 0, m.start()) + 1}: {p}")
     for m in MODULE.finditer(text):
         dotted = m.group(1).rstrip(".")
-        if not _module_exists(dotted):
+        if dotted not in PENDING and not _module_exists(dotted):
             bad.append(f"{name}:{text.count(chr(10), 0, m.start()) + 1}: {dotted}")
     return bad
 
@@ -87,6 +89,11 @@ def test_the_checker_finds_a_planted_stale_path():
     text = ("see labkit/train.py and `labkit.configfile`, not labkit/lab.py or labkit.lab.stage\n"
             "or labkit.config.TrainConfig.seq_len; benchmarks/bench_<name>.py is a pattern, tokens/s a rate\n")
     assert missing_references(text, "x.md") == ["x.md:1: labkit/train.py", "x.md:1: labkit.configfile"]
+
+
+def test_pending_names_are_still_pending():
+    """An entry of PENDING whose module exists now must leave the list (so it cannot hide a typo)."""
+    assert [name for name in PENDING if _module_exists(name)] == []
 
 
 def test_docs_name_only_paths_and_modules_that_exist():

@@ -16,7 +16,7 @@ from labkit.data.shards import read_index
 from labkit.io import atomic_write
 from labkit.measure import check_cpu_budget
 from labkit.model import count_parameters, flops_per_token, model_config
-from labkit.study import gpu, plan
+from labkit.study import gpu, memory
 from labkit.study.loader_sweep import sweep_loader
 from labkit.workdir import paths
 
@@ -107,8 +107,8 @@ def _search(engine, fn, *args, name: str, before: dict, engine_id: int):
 def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: int, budget_bytes: int | None,
                       workdir: str, force: bool = False) -> pl.DataFrame:
     """Largest micro-batch per model size, measured on an engine: under a per-rank memory
-    budget (``labkit.study.plan.max_micro_batch``: model state at 16 B/parameter plus the activation
-    bytes autograd saves for backward, counted exactly), or with ``budget_bytes=None`` on the
+    budget (``labkit.study.memory.max_micro_batch``: model state as a DDP rank holds it plus the
+    step's counted peak of activations and transients, ``plan_model``), or with ``budget_bytes=None`` on the
     engine's GPU until out of memory (``labkit.study.gpu.max_micro_batch_cuda``; budget_bytes is
     then the device's memory). Cached in ``sweeps/microbatch.parquet``; measured points are
     not rerun. A budget above the memory the engine's machine or cgroup can give is refused
@@ -127,10 +127,10 @@ def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: in
         before = engine.apply_sync(_engine_memory)
         if budget_bytes is None:
             rep = _search(engine, gpu.max_micro_batch_cuda, mcfg, seq_len, name=name, before=before, engine_id=eid)
-            rep |= {"state_bytes": plan.model_state_bytes(mcfg), "act_bytes_per_sample": None}
+            rep |= {"state_bytes": memory.model_state_bytes(mcfg), "act_bytes_per_sample": None}
         else:
             check_cpu_budget(budget_bytes, before, model=name)
-            rep = _search(engine, plan.max_micro_batch, mcfg, seq_len, budget_bytes, name=name, before=before,
+            rep = _search(engine, memory.max_micro_batch, mcfg, seq_len, budget_bytes, name=name, before=before,
                           engine_id=eid) \
                 | {"budget_bytes": budget_bytes}
         rows.append({"method": "budget" if budget_bytes else "cuda_oom", "model": name, "params": int(rep["params"]),

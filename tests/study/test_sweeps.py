@@ -92,7 +92,7 @@ def test_sweep_micro_batch_resumes_with_a_real_measurement(tmp_path):
                                workdir=str(tmp_path))
     assert len(client.calls) == 2  # read back, not measured again
     from labkit.model import model_config
-    from labkit.study.plan import max_micro_batch
+    from labkit.study.memory import max_micro_batch
 
     assert df["max_micro_batch"].item() == max_micro_batch(model_config("tiny", 256), 32, budget)["max_micro_batch"]
 
@@ -117,7 +117,7 @@ def test_sweep_micro_batch_refuses_a_budget_the_engine_cannot_have_and_explains_
     def dies(*args):
         raise ipyparallel.error.EngineError("Engine 0 died while running task 'x'")
 
-    monkeypatch.setattr(sweeps.plan, "max_micro_batch", dies)
+    monkeypatch.setattr(sweeps.memory, "max_micro_batch", dies)
     monkeypatch.setattr(W, "death_cause", lambda pid, local, oom_kills_before: f"pid {pid} local {local} oom {oom_kills_before}")
     with pytest.raises(RuntimeError, match=r"micro-batch search for tiny: engine 0 \(pid 4242\) died: "
                                            r"pid 4242 local False oom 0\. Use a smaller budget"):
