@@ -13,13 +13,15 @@ data-parallel wrapper (``wrap_model``: DDP, or FSDP2 ``fully_shard`` per layer t
 -> optimiser (``build_optimizer`` in train.py: AdamW, or ZeroRedundancyOptimizer for zero1).
 Strategies (TrainConfig.sharding; memory per ZeRO, arXiv:1910.02054, docs/references.md C4):
 
-- ``ddp``: everything replicated; gradients all-reduced (averaged) once per optimiser step.
+- ``ddp``: everything replicated; gradients all-reduced (averaged) once per optimiser step, in
+  place in DDP's buckets (the gradients are views of them).
 - ``zero1``: DDP for gradients + ``torch.distributed.optim.ZeroRedundancyOptimizer``: each
   rank keeps the AdamW moments of its partition of the parameters, steps it and broadcasts
   the updated parameters.
 - ``fsdp``: FSDP2 ``fully_shard``: parameters, gradients and moments sharded (dim 0, DTensor);
   gathered per layer for forward/backward, gradients reduce-scattered (averaged) every
-  micro-batch so they stay sharded. ``reshard_after_forward=False`` is ZeRO-2-style.
+  micro-batch so they stay sharded. ``reshard_after_forward=False`` is ZeRO-2-style. In bf16
+  the parameters are gathered in bf16 and gradients reduced in fp32 (``MixedPrecisionPolicy``).
 
 Every collective runs in the default group, whose timeout is ``init_distributed``'s explicit
 ``timeout_s``.
@@ -38,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
@@ -133,24 +135,31 @@ def wrap_model(model: torch.nn.Module, cfg: Any, device: torch.device) -> torch.
     """Wrap ``model`` (already on ``device``) for data parallelism per ``cfg.sharding`` when a
     process group is active; return ``model`` unchanged otherwise (one process).
 
-    ddp / zero1: ``DistributedDataParallel`` (``find_unused_parameters=False``; ``device_ids``
-    on CUDA only) with ``gradient_as_bucket_view=True`` (the gradients are views into the
-    all-reduce buckets: no second copy of every gradient, no copy in and out per step),
-    ``bucket_cap_mb=cfg.bucket_cap_mb`` and ``static_graph`` where ``static_graph_valid``;
-    zero1's sharding is in the optimiser. fsdp: ``fully_shard`` on each module
-    of ``model.layers`` (one all-gather / reduce-scatter unit per encoder layer), then on the
-    root (embeddings, head), with ``reshard_after_forward=cfg.fsdp_reshard_after_forward``;
-    the module is changed in place and returned. ``cfg`` None means ddp.
+    ddp / zero1: ``DistributedDataParallel`` (``find_unused_parameters=False``,
+    ``gradient_as_bucket_view=True``: the gradients are views of the all-reduce buckets, so DDP
+    keeps no second copy; ``device_ids`` on CUDA only), ``bucket_cap_mb=cfg.bucket_cap_mb`` and
+    ``static_graph`` where ``static_graph_valid``; zero1's sharding is in the optimiser.
+    fsdp: ``fully_shard`` on each module of ``model.layers`` (one all-gather / reduce-scatter
+    unit per encoder layer), then on the root (embeddings, head), with
+    ``reshard_after_forward=cfg.fsdp_reshard_after_forward``; with ``cfg.precision`` "bf16"
+    also ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (as torchtitan's
+    ``parallelize.py`` applies it): the all-gathers move bf16 and the bf16 weights are the
+    gathered, resharded ones instead of autocast's copies of every layer; the sharded weights,
+    gradients and moments stay fp32. The module is changed in place and returned. ``cfg`` None
+    means ddp.
     """
     if not dist.is_initialized():
         return model
     if cfg is not None and cfg.sharding == "fsdp":
-        reshard = cfg.fsdp_reshard_after_forward
+        kw: dict[str, Any] = {"reshard_after_forward": cfg.fsdp_reshard_after_forward}
+        if getattr(cfg, "precision", "fp32") == "bf16":  # torchtitan's policy: bf16 compute, fp32 reductions
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in getattr(model, "layers", []):
-            fully_shard(layer, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
         return model
     device_ids = [device.index] if device.type == "cuda" else None
+    # gradients as views of DDP's buckets: no second copy (20 -> 16 B per parameter with AdamW)
     return DDP(model, device_ids=device_ids, find_unused_parameters=False, gradient_as_bucket_view=True,
                bucket_cap_mb=getattr(cfg, "bucket_cap_mb", 25.0), static_graph=static_graph_valid(cfg))
 
@@ -162,111 +171,6 @@ def static_graph_valid(cfg: Any) -> bool:
     under ``no_sync``, so only without gradient accumulation (``cfg.grad_accum_steps == 1``);
     ``cfg`` None (tests, benchmarks) means no."""
     return cfg is not None and getattr(cfg, "grad_accum_steps", 1) == 1
-
-
-class CommTimer:
-    """Start and end of every gradient collective of one optimiser step, for
-    ``labkit.measure.comm_exposed_s``. ``time_gradient_collectives`` installs it.
-
-    On CPU the clock is ``time.perf_counter`` read when a collective is launched and in its
-    completion callback. On CUDA it is ``torch.cuda.Event``\ s recorded on the launching stream
-    (after the gradient kernels) and on the stream the completion runs on, read after the step
-    synchronised (``StepTimer.stop``). ``blocking``: the collectives run on the backward thread
-    and stall it (FSDP2 on CPU)."""
-
-    def __init__(self, device: torch.device, *, blocking: bool = False) -> None:
-        self.device, self.blocking = device, blocking
-        self._records: list[tuple[Any, Any, int]] = []
-
-    def now(self) -> Any:
-        """A time stamp: seconds (CPU) or a recorded CUDA event."""
-        if self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        import time
-
-        return time.perf_counter()
-
-    def add(self, start: Any, end: Any, nbytes: int) -> None:
-        """Record one collective of ``nbytes`` bytes (called from the communication thread)."""
-        self._records.append((start, end, nbytes))
-
-    def reset(self) -> None:
-        """Forget the last step's collectives (call before the step)."""
-        self._records = []
-
-    def collectives(self) -> list[dict[str, float]]:
-        """[{"start_s", "end_s", "bytes"}] of the step, in launch order; times in seconds from the
-        first launch. On CUDA the step must have been synchronised."""
-        if not self._records:
-            return []
-        if self.device.type == "cuda":  # events: in the order they were recorded
-            ref = self._records[0][0]
-            seconds = [(ref.elapsed_time(a) / 1e3, ref.elapsed_time(b) / 1e3, n) for a, b, n in self._records]
-        else:
-            records = sorted(self._records, key=lambda r: r[0])
-            seconds = [(a - records[0][0], b - records[0][0], n) for a, b, n in records]
-        return [{"start_s": a, "end_s": b, "bytes": n} for a, b, n in seconds]
-
-    def exposed_s(self) -> float:
-        """``labkit.measure.comm_exposed_s`` of the step's collectives (0.0 when there were none)."""
-        from labkit.measure import comm_exposed_s
-
-        return comm_exposed_s([(c["start_s"], c["end_s"]) for c in self.collectives()], blocking=self.blocking)
-
-
-def _timed_allreduce_hook(timer, bucket):  # no annotations: DDP checks them against dist.GradBucket
-    """DDP comm hook (timer: CommTimer, bucket: dist.GradBucket -> Future): torch's default averaging all-reduce
-    (``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook``, the same
-    division by the world size, then ``all_reduce``), with its launch and completion timed."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    start, buffer = timer.now(), bucket.buffer()
-    nbytes = buffer.numel() * buffer.element_size()
-
-    def done(fut: torch.futures.Future) -> torch.Tensor:
-        timer.add(start, timer.now(), nbytes)
-        return fut.value()
-
-    return allreduce_hook(None, bucket).then(done)
-
-
-def _timed_reduce_scatter(timer: CommTimer) -> Any:
-    """FSDP2's default reduce-scatter with its call timed (FSDP2 calls it synchronously, on the
-    reduce-scatter stream on CUDA, on the backward thread on CPU). The comm interface lives in
-    the private module ``torch.distributed.fsdp._fully_shard._fsdp_collectives`` (torch 2.13);
-    ``FSDPModule.set_custom_reduce_scatter`` is public."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
-
-    class TimedReduceScatter(DefaultReduceScatter):
-        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001
-            start = timer.now()
-            work = super().__call__(output_tensor, input_tensor, group, op, async_op)  # FSDP2: async_op False
-            timer.add(start, timer.now(), input_tensor.numel() * input_tensor.element_size())
-            return work
-
-    return TimedReduceScatter()
-
-
-def time_gradient_collectives(model: torch.nn.Module, device: torch.device) -> CommTimer | None:
-    """Install a ``CommTimer`` on the gradient collectives of a wrapped ``model`` and return it
-    (None without a process group): a DDP comm hook around the default all-reduce (ddp, zero1),
-    or a timed reduce-scatter on every FSDP2 module (fsdp; blocking on CPU, where FSDP2 runs it
-    on the backward thread). Call once, after ``wrap_model`` and before the first step."""
-    if not dist.is_initialized():
-        return None
-    if is_fsdp(model):
-        timer = CommTimer(device, blocking=device.type != "cuda")
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_custom_reduce_scatter(_timed_reduce_scatter(timer))
-        return timer
-    if isinstance(model, DDP):
-        timer = CommTimer(device)
-        model.register_comm_hook(timer, _timed_allreduce_hook)
-        return timer
-    return None
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:
@@ -296,7 +200,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     rank holds a DTensor shard; ``clip_grad_norm_`` on DTensors sums the squared shard norms
     over ranks (DTensor's Partial -> Replicate reduction) and returns a replicated DTensor, read
     here with ``full_tensor()``; every rank then scales its shard by the same factor;
-    tests/test_dist.py compares fsdp's norms and parameters with DDP's.
+    tests/train/test_dist.py compares fsdp's norms and parameters with DDP's.
     """
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if isinstance(norm, DTensor):
@@ -343,13 +247,30 @@ def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimize
 def load_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                               state: dict[str, Any]) -> None:
     """Load the whole optimiser state written by ``optimizer_state_dict`` into this rank's
-    optimiser (every rank passes the whole state). zero1: each rank keeps its partition;
-    fsdp: ``set_optimizer_state_dict`` shards it (collective; the optimiser must not have
-    gradients yet)."""
+    optimiser (every rank passes the whole state). zero1: each rank keeps its partition, its
+    0-dim state back on the parameters' devices (``steps_to_param_devices``); fsdp:
+    ``set_optimizer_state_dict`` shards it (collective; the optimiser must not have gradients yet)."""
     if is_fsdp(model):
         set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
     else:
         optimizer.load_state_dict(state)
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        steps_to_param_devices(optimizer.optim)
+
+
+def steps_to_param_devices(optimizer: torch.optim.Optimizer) -> None:
+    """Put a fused or capturable optimiser's 0-dim state (AdamW's ``step``) on its parameter's
+    device. ``ZeroRedundancyOptimizer.load_state_dict`` moves every 0-dim state tensor to the CPU
+    (torch/distributed/optim/zero_redundancy_optimizer.py; pytorch/pytorch#124133, open), which
+    fused AdamW on CUDA refuses at its next step; the default implementations keep ``step`` on
+    the CPU on purpose and are left alone."""
+    for group in optimizer.param_groups:
+        if not (group.get("fused") or group.get("capturable")):
+            continue
+        for p in group["params"]:
+            for name, value in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(value) and value.dim() == 0 and value.device != p.device:
+                    optimizer.state[p][name] = value.to(p.device)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

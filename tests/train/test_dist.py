@@ -1,4 +1,4 @@
-"""Tests of labkit/dist.py and of the distributed step in labkit/train.py.
+"""Tests of labkit/train/dist.py and of the distributed step in labkit/train/loop.py.
 
 The key test: 2 ranks x 2 accumulation steps (gloo, CPU), whose micro-batches hold different
 numbers of masked tokens, give the gradients of one process on the whole global batch.
@@ -329,7 +329,7 @@ def test_zero1_and_fsdp_match_ddp(two_rank_runs):
 
 def test_records_carry_exposed_communication_and_cpu_time(two_rank_runs):
     """Every record of a 2-rank run has comm_exposed_s (labkit.measure.comm_exposed_s over the
-    step's gradient collectives, timed by dist.CommTimer) within its step; FSDP2's reduce-scatters
+    step's gradient collectives, timed by labkit.train.comm.CommTimer) within its step; FSDP2's reduce-scatters
     run on the backward thread on CPU, so they are exposed whole and never zero; result.json has
     the mean and the share of the step; cpu_s covers the main thread's and gloo's threads."""
     for name in ("ddp", "zero1", "fsdp", "fsdp2"):

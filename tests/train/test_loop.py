@@ -1,4 +1,4 @@
-"""Tests of labkit/train.py: the LR schedule, a single-process run on a tiny shard set,
+"""Tests of labkit/train/loop.py: the LR schedule, a single-process run on a tiny shard set,
 checkpoints loadable with weights_only=True, and exact resume."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from labkit import train as train_mod
 from labkit.train import loop
 from labkit.config import TrainConfig, from_dict
+from labkit.model import BertMLM, model_config
 from labkit.train import lr_at, train
 from tiny_shards import write_tiny_shards
 
@@ -77,6 +78,12 @@ def test_optimizer_decays_matrices_only():
     decay, no_decay = opt.param_groups
     assert [p.shape for p in decay["params"]] == [torch.Size([4, 3])]
     assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
+    bert = BertMLM(model_config("tiny", 64, activation="geglu"))  # fused biases [3, H] and [2, F] are 2-D
+    decay, no_decay = train_mod.build_optimizer(bert, _sched_cfg("linear")).param_groups
+    names = {id(p): n for n, p in bert.named_parameters()}
+    assert sorted(names[id(p)] for p in no_decay["params"] if p.ndim == 2) == [
+        "layers.0.ffn_in.bias", "layers.0.qkv.bias", "layers.1.ffn_in.bias", "layers.1.qkv.bias"]
+    assert not [names[id(p)] for p in decay["params"] if "bias" in names[id(p)] or p.ndim < 2]
 
 
 # -- a whole run ------------------------------------------------------------------------------
@@ -337,3 +344,40 @@ def test_step_makes_no_host_sync_on_cuda(shards):
         loop.forward_backward(model, [moved], world_size=1)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_peak_memory_windows_keep_evaluation_and_checkpoints_apart(tmp_path, monkeypatch):
+    """A fake CUDA allocator: each training step peaks 300 B above the 100 B at rest, each
+    evaluation 5,000 B, each checkpoint 7,000 B. A record's peak_mem_bytes is its steps' own;
+    evaluation and checkpoint peaks land in their own fields (before: one window took all)."""
+    shards = write_tiny_shards(tmp_path / "shards", heldout_sequences=4)
+
+    class FakeAllocator:
+        peak = 100
+
+        def reset(self, device):
+            self.peak = 100
+
+        def read(self, device):
+            return self.peak
+
+        def around(self, fn, extra):
+            def wrapped(*a, **kw):
+                self.peak = max(self.peak, 100 + extra)
+                return fn(*a, **kw)
+            return wrapped
+
+    mem = FakeAllocator()
+    monkeypatch.setattr(loop.measure, "reset_peak_memory", mem.reset)
+    monkeypatch.setattr(loop.measure, "peak_memory_bytes", mem.read)
+    monkeypatch.setattr(loop, "forward_backward", mem.around(loop.forward_backward, 300))
+    monkeypatch.setattr(loop, "_maybe_evaluate", mem.around(loop._maybe_evaluate, 5000))
+    monkeypatch.setattr(loop, "_save", mem.around(loop._save, 7000))
+    cfg = tiny_cfg(shards, tmp_path / "run", max_steps=4, eval_every=2, ckpt_every=2, eval_sequences=4)
+    result = train(cfg)
+    records = read_metrics(tmp_path / "run")
+    assert [r["peak_mem_bytes"] for r in records] == [400] * 4
+    assert [r.get("eval_peak_mem_bytes") for r in records] == [None, 5100, None, 5100]
+    assert [r.get("checkpoint_peak_mem_bytes") for r in records] == [None, None, 7100, None]  # step-2's, logged next
+    assert (result["peak_mem_bytes"], result["eval_peak_mem_bytes"], result["checkpoint_peak_mem_bytes"]) == \
+        (400, 5100, 7100)
