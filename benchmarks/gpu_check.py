@@ -267,7 +267,8 @@ def resume_check(device: torch.device, workdir: pathlib.Path, model: str = "mini
     """Check 3: ZeRO-1 with fused AdamW (on CUDA) and fsdp with held-out evaluation, each stopped
     after step 2 (checkpoint), resumed and run to step 4, bf16, in one-rank process groups (a
     fresh port per run: re-creating a group on one port can hang, pytorch#55967). Per run:
-    {"ok", "resumed_from_step", "steps", "final_loss", "eval_loss"} or {"ok": False, "error"}."""
+    {"ok", "resumed_from_step", "steps", "final_loss", "eval_loss", "comm_exposed_s" (the gradient
+    collectives timed with CUDA events, labkit.train.comm)} or {"ok": False, "error"}."""
     import importlib.util
 
     from labkit.config import TrainConfig
@@ -291,7 +292,8 @@ def resume_check(device: torch.device, workdir: pathlib.Path, model: str = "mini
                     result = train(part)
             out[sharding] = {"ok": result["steps"] == 4 and result["resumed_from_step"] == 2,
                              "resumed_from_step": result["resumed_from_step"], "steps": result["steps"],
-                             "final_loss": result["final_loss"], "eval_loss": result["eval_loss"]}
+                             "final_loss": result["final_loss"], "eval_loss": result["eval_loss"],
+                             "comm_exposed_s": result["comm_exposed_s"]}  # CommTimer's CUDA-event path
         except Exception as err:  # recorded, not raised: the other checks still run
             out[sharding] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:500]}
     return out
