@@ -9,6 +9,8 @@
   Megatron-LM's count of the output layer; ``labkit.model.flops_per_token``).
 - peak memory: CUDA ``max_memory_allocated`` on a GPU, else the process's peak RSS.
 - scaling efficiency at n ranks: throughput(n) / (n x throughput(1)), weak scaling.
+- pipeline bubble fraction: 1 - (time a stage computes) / (time its schedule runs), over all ranks.
+- time in tensor-parallel collectives: the summed durations of those collectives (``IntervalTimer``).
 
 Timings skip warm-up steps (the caller's job) and synchronise the device before reading the
 clock (``StepTimer``). When the device peak is unknown (CPU, an unlisted GPU) MFU is ``None``.
@@ -176,3 +178,65 @@ class StepTimer:
         elapsed = self.lap()
         self._t0 = None
         return elapsed
+
+
+def bubble_fraction(busy_s: float, span_s: float) -> float:
+    """Measured pipeline bubble: the idle share of a pipeline schedule, 1 - busy_s / span_s
+    (docs/measurement.md), where span_s is the wall time of the schedule's step (all micro-batches'
+    forwards and backwards) and busy_s the time its stages computed in it (their forward and
+    backward chunks), both summed over the ranks. GPipe's ideal is (p - 1)/(m + p - 1) (Huang
+    et al. arXiv:1811.06965) for p equal stages and m micro-batches (``labkit.study.plan.pipeline_bubble``)."""
+    if span_s <= 0:
+        raise ValueError(f"span_s: must be positive, got {span_s}")
+    return 1.0 - busy_s / span_s
+
+
+class IntervalTimer:
+    """The summed duration of many short intervals, ``with timer: ...`` around each (the time in
+    tensor-parallel collectives; a pipeline stage's compute). On CPU the wall clock around each
+    interval (a gloo collective returns when it is done); on CUDA a pair of CUDA events on the
+    current stream per interval, so nothing is synchronised until ``take`` reads them.
+
+    ``take() -> (seconds, intervals)`` since the previous ``take``, and starts again.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._seconds, self._count = 0.0, 0
+        self._open: list = []
+        self._events: list = []
+
+    def __enter__(self) -> IntervalTimer:
+        if self.device.type == "cuda":
+            import torch
+
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._open.append(start)
+        else:
+            self._open.append(time.perf_counter())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        start = self._open.pop()
+        self._count += 1
+        if self.device.type == "cuda":
+            import torch
+
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((start, end))
+        else:
+            self._seconds += time.perf_counter() - start
+
+    def take(self) -> tuple[float, int]:
+        """(seconds, number of intervals) since the last ``take``; then zero (synchronises on CUDA)."""
+        if self._events:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            self._seconds += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+            self._events.clear()
+        out = (self._seconds, self._count)
+        self._seconds, self._count = 0.0, 0
+        return out

@@ -20,6 +20,15 @@ gathers parameters and moments (keyed by name) to rank 0. The LR is a pure funct
 step (``lr_at``), so the step is the whole scheduler state. Resume needs the same world size
 and sharding (sharding "none" in a single process) and a config and data that match the run
 directory's config.json / data.json (``labkit.train.run_config``: one-line refusal naming each field).
+
+With tp or pp > 1 the model is split (``labkit.train.parallel.ParallelModel``: pipeline stages,
+tensor parallelism, FSDP2 or replicas over dp) and the same loop runs: one visible branch per
+step calls its ``forward_backward`` and ``clip_grad_norm`` instead of this module's and
+``dist.clip_grad_norm``. Data (sampler, masked-token count, held-out set) follows the dp rank;
+global batch = micro_batch_size * grad_accum_steps * dp; records gain ``pipeline_bubble`` and
+``tp_comm_s`` (None when not split that way); checkpoints are torch.distributed.checkpoint
+directories (``labkit.train.checkpoint.save_split_checkpoint``) that load at another split with
+the same dp (``parallel.refuse_checkpoint`` names both splits otherwise).
 """
 
 from __future__ import annotations
@@ -42,8 +51,9 @@ from labkit.data.mlm import make_loader
 from labkit.data.shards import read_index
 from labkit.io import atomic_write_json, atomic_write_text
 from labkit.model import BertMLM, count_parameters, flops_per_token
-from labkit.train import dist, provenance, sinks
-from labkit.train.checkpoint import _rng_state, _set_rng_state, checkpoint_steps, load_checkpoint, save_checkpoint
+from labkit.train import dist, parallel, provenance, sinks
+from labkit.train.checkpoint import (_rng_state, _set_rng_state, checkpoint_steps, load_checkpoint, save_checkpoint,
+                                     save_split_checkpoint)
 from labkit.train.optim import build_optimizer, lr_at
 from labkit.train.run_config import check_resume, data_identity, model_config_of, save_run_config
 
@@ -184,9 +194,10 @@ def _build_model(cfg: TrainConfig, index: dict, rank: int) -> tuple[Any, BertMLM
                          f"max_position_embeddings {mcfg.max_position_embeddings}")
     torch.manual_seed(cfg.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
     model = BertMLM(mcfg)
-    torch.manual_seed(cfg.seed + 1 + rank)  # dropout streams differ per rank
-    random.seed(cfg.seed + 1 + rank)
-    np.random.seed(cfg.seed + 1 + rank)
+    seed = cfg.seed + 1 + rank // cfg.tp  # dropout streams differ per rank, except across a tp group,
+    torch.manual_seed(seed)  # whose ranks compute the same replicated activations
+    random.seed(seed)
+    np.random.seed(seed)
     return mcfg, model
 
 
@@ -194,10 +205,17 @@ def _restore(state: dict | None, model: torch.nn.Module, optimizer: Any, scaler:
              rank: int, world: int, sharding: str, where: str) -> tuple[int, int, int, int]:
     """Optimiser, scaler and sampler state from a checkpoint's ``state`` (None: a fresh run).
     Returns (step, epoch, position in the epoch, tokens seen). ValueError when the checkpoint was
-    written by another world size or sharding (``where`` names it)."""
+    written by another world size or sharding (``where`` names it). A split model's optimiser was
+    loaded with its weights (``load_split_checkpoint``); its rank entry is ``parallel.rank_entry``'s."""
     if state is None:
         sampler.set_epoch(0)
         return 0, 0, 0, 0
+    if isinstance(model, parallel.ParallelModel):
+        mine = parallel.rank_entry(state, rank, model.split)
+        scaler.load_state_dict(state["scaler"])
+        sampler.set_epoch(state["epoch"])
+        sampler.load_state_dict(mine["sampler"])
+        return state["step"], state["epoch"], mine["sampler"]["position"], state["tokens"]
     if len(state["ranks"]) != world:
         raise ValueError(f"resume: checkpoint {where} was written by "
                          f"{len(state['ranks'])} ranks; this run has {world} (set resume=False)")
@@ -234,7 +252,9 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     index = read_index(cfg.data_dir)
     seq_len = int(index["seq_len"])
     mcfg, model = _build_model(cfg, index, rank)
-    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * world
+    split = parallel.check_split(cfg, mcfg, world, seq_len, rank) if parallel.is_split(cfg) else None
+    dp_rank, dp = (split.dp_rank, split.dp) if split else (rank, world)  # the data follows the dp rank
+    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * dp
     params = count_parameters(model)
     fpt = flops_per_token(mcfg, seq_len, mlm_probability=cfg.mlm_probability)
 
@@ -242,15 +262,21 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     identity = data_identity(index)
     if resume_step:  # refuse to continue a run under another configuration (labkit.train.run_config)
         check_resume(run_dir, to_dict(cfg), identity, allow_safe_changes=cfg.allow_safe_changes)
-    state = load_checkpoint(run_dir / "checkpoints" / f"step-{resume_step}", model) if resume_step else None
-    model, optimizer, scaler, sharding = _parallelize(cfg, model, device)
-    loader = make_loader(cfg.data_dir, batch_size=cfg.micro_batch_size, rank=rank, world_size=world,
+    ckpt = run_dir / "checkpoints" / f"step-{resume_step}" if resume_step else None
+    if ckpt is not None:
+        parallel.refuse_checkpoint(ckpt, split, world)  # a split checkpoint loads at another split with the same dp
+    if split is None:  # whole weights into the one-device model, then wrap it for data parallelism
+        state = load_checkpoint(ckpt, model) if ckpt is not None else None
+        model, optimizer, scaler, sharding = _parallelize(cfg, model, device)
+    else:  # split first (pipeline, tensor, FSDP2 / replicas), then a torch.distributed.checkpoint load
+        model, optimizer, scaler, sharding, state = parallel.build(cfg, model, device, split, ckpt)
+    loader = make_loader(cfg.data_dir, batch_size=cfg.micro_batch_size, rank=dp_rank, world_size=dp,
                          seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=mcfg.vocab_size,
                          num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
                          seq_len=cfg.seq_len, tokenizer_sha256=_tokenizer_sha256(cfg.tokenizer_path),
                          verify=cfg.verify_data)  # refuses mismatched shards before any step
     sampler = _find_sampler(loader)
-    heldout = _heldout_set(cfg, rank, world, mcfg.vocab_size, device)  # fixed masked held-out set
+    heldout = _heldout_set(cfg, dp_rank, dp, mcfg.vocab_size, device)  # fixed masked held-out set
     # position: batches of this epoch consumed
     step, epoch, position, tokens_seen = _restore(state, model, optimizer, scaler, sampler, rank=rank, world=world,
                                                   sharding=sharding, where=f"step-{resume_step} in {run_dir}")
@@ -259,7 +285,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     metrics_file = _start_files(run_dir, cfg, identity, prov, resumed=state is not None, step=step)
     batches_iter = _iterate(loader)
     if state is not None:
-        _set_rng_state(state["ranks"][rank]["rng"])  # last, so nothing above consumes randomness
+        _set_rng_state(parallel.rank_entry(state, rank, split)["rng"])  # last, so nothing above consumes randomness
 
     stop = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
     peak = measure.peak_flops(device, cfg.precision)
@@ -277,7 +303,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
             t0 = time.perf_counter()
             batch = next(batches_iter, None)
             if batch is None:  # epoch over: reshuffle and start again
-                epoch, position, batches_iter = epoch + 1, 0, _next_epoch(loader, sampler, epoch + 1, cfg, world)
+                epoch, position, batches_iter = epoch + 1, 0, _next_epoch(loader, sampler, epoch + 1, cfg, dp)
                 batch = next(batches_iter)
             position += 1
             micro_batches.append({k: v.to(device, non_blocking=True) for k, v in batch.items()})
@@ -287,8 +313,12 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss_sum, n_masked, n_tokens = forward_backward(model, micro_batches, world_size=world,
-                                                        precision=cfg.precision, scaler=scaler)
+        if split is None:
+            loss_sum, n_masked, n_tokens = forward_backward(model, micro_batches, world_size=world,
+                                                            precision=cfg.precision, scaler=scaler)
+        else:  # tensor / pipeline parallel: the pipeline schedule, or the micro-batches on tp-split stages
+            loss_sum, n_masked, n_tokens = model.forward_backward(micro_batches, dtype=AUTOCAST_DTYPES[cfg.precision],
+                                                                  scaler=scaler)
         summed = dist.all_reduce_sum(torch.stack([loss_sum.double(), torch.tensor(wait, dtype=torch.float64,
                                                                                     device=loss_sum.device)]))
         loss = summed[0].item() / max(1, n_masked.item())
@@ -311,6 +341,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                       "step_tokens": n_tokens_i, "n_masked": int(n_masked.item()), "tokens_per_s": tps,
                       **_rates(global_batch, step_time, wait_mean, device), "mfu": measure.mfu(tps, fpt, world, peak),
                       "world_size": world, "global_batch_size": global_batch, "epoch": epoch,
+                      **(model.take_measures() if split else {"pipeline_bubble": None, "tp_comm_s": None}),
                       "skipped": not finite, **evaluated, "time": time.time()}
             measure.reset_peak_memory(device)
             last_record = _log(record, metrics_file, sink)
@@ -323,6 +354,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     result = _result(cfg, records, timings, fpt=fpt, peak=peak, world=world, global_batch=global_batch, step=step,
                      params=params, tokens_seen=tokens_seen, resume_step=resume_step, skipped=skipped, mcfg=mcfg,
                      index=index, device=device, sharding=sharding, t_start=t_start, prov=prov)
+    result |= parallel.result_fields(cfg, dp, records)
     if dist.is_main():
         atomic_write_json(run_dir / "result.json", result)
     return result
@@ -354,7 +386,10 @@ def _clip_and_step(cfg: TrainConfig, model: torch.nn.Module, optimizer: Any, sca
     grad_norm = float("nan")
     if finite or fp16:
         scaler.unscale_(optimizer)
-        grad_norm = dist.clip_grad_norm(model, cfg.grad_clip or float("inf"))  # global norm, any sharding
+        if isinstance(model, parallel.ParallelModel):  # across meshes and pipeline stages
+            grad_norm = model.clip_grad_norm(cfg.grad_clip or float("inf"))
+        else:
+            grad_norm = dist.clip_grad_norm(model, cfg.grad_clip or float("inf"))  # global norm, any sharding
         finite = finite and (fp16 or math.isfinite(grad_norm))
     if not finite and cfg.on_nonfinite == "raise":
         raise FloatingPointError(f"step {step + 1}: non-finite loss {loss} / grad norm {grad_norm} "
@@ -383,14 +418,21 @@ def _save(cfg: TrainConfig, run_dir: pathlib.Path, model: torch.nn.Module, optim
     """Collective: checkpoint step-N (``labkit.train.checkpoint.save_checkpoint``) with the
     optimiser (gathered), scaler, step, epoch and tokens, and per rank the RNG states and the
     batches consumed, in RankSampler's state format (with workers the sampler itself runs ahead
-    of the trainer, so ``position`` is the trainer's)."""
+    of the trainer, so ``position`` is the trainer's). A split model: ``save_split_checkpoint``
+    (weights and optimiser through torch.distributed.checkpoint) with its split."""
+    per_rank = {"rng": _rng_state(), "sampler": {**sampler.state_dict(), "epoch": epoch, "position": position}}
+    if isinstance(model, parallel.ParallelModel):
+        save_split_checkpoint(run_dir, step, model, optimizer,
+                              {"format": 1, "step": step, "epoch": epoch, "tokens": tokens, "lr": lr_at(step, cfg),
+                               "scaler": scaler.state_dict(), "world_size": world, "sharding": sharding,
+                               "split": parallel.split_record(model.split, cfg)}, per_rank, keep=cfg.keep_checkpoints)
+        return
     save_checkpoint(run_dir, step, model,
                     {"format": 1, "step": step, "epoch": epoch, "tokens": tokens,
                      "optimizer": dist.optimizer_state_dict(model, optimizer),  # collective
                      "lr": lr_at(step, cfg), "scaler": scaler.state_dict(), "world_size": world,
                      "sharding": sharding},
-                    {"rng": _rng_state(), "sampler": {**sampler.state_dict(), "epoch": epoch, "position": position}},
-                    keep=cfg.keep_checkpoints)
+                    per_rank, keep=cfg.keep_checkpoints)
 
 
 def _next_epoch(loader: Any, sampler: Any, epoch: int, cfg: TrainConfig, world: int) -> Any:
