@@ -56,7 +56,7 @@ class Comm:
         x = t.movedim(dim, 0).contiguous()
         out = x.new_empty((x.shape[0] * self.size, *x.shape[1:]))
         with self.timer:
-            dist.all_gather_into_tensor(out, x, group=self.group)
+            dist.all_gather_single(out, x, group=self.group)
         return out.movedim(0, dim)
 
     def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -64,7 +64,7 @@ class Comm:
         x = t.movedim(dim, 0).contiguous()
         out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
         with self.timer:
-            dist.reduce_scatter_tensor(out, x, group=self.group)
+            dist.reduce_scatter_single(out, x, group=self.group)
         return out.movedim(0, dim)
 
     def chunk(self, t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -263,11 +263,11 @@ def apply_tensor_parallel(model: BertMLM, mesh: DeviceMesh, *, sequence_parallel
         if not isinstance(layer, Layer):
             continue  # another pipeline stage's layer
         sp = sequence_parallel and not (cfg.sparse_head and i == last)
-        _to_tp(layer.qkv, ColwiseFused, comm, mesh, 1, 1, sp)
-        if isinstance(layer.ffn_in, FusedLinear):
-            _to_tp(layer.ffn_in, ColwiseFused, comm, mesh, 1, 1, sp)
-        else:
-            _to_tp(layer.ffn_in, ColwiseLinear, comm, mesh, 0, 0, sp)
+        for col in (layer.qkv, layer.ffn_in):  # stacked parts split on dim 1, a plain Linear by its rows
+            if isinstance(col, FusedLinear):
+                _to_tp(col, ColwiseFused, comm, mesh, 1, 1, sp)
+            else:
+                _to_tp(col, ColwiseLinear, comm, mesh, 0, 0, sp)
         _to_tp(layer.attn_out, RowwiseLinear, comm, mesh, 1, None, sp)
         _to_tp(layer.ffn_out, RowwiseLinear, comm, mesh, 1, None, sp)
         if sp:  # these run on 1/tp of the positions: their gradients are partial sums
