@@ -11,6 +11,7 @@
 - scaling efficiency at n ranks: throughput(n) / (n x throughput(1)), weak scaling.
 - pipeline bubble fraction: 1 - (time a stage computes) / (time its schedule runs), over all ranks.
 - time in tensor-parallel collectives: the summed durations of those collectives (``IntervalTimer``).
+- peak saved-activation bytes: the most bytes of tensors autograd held for backward at once (``SavedActivationPeak``).
 
 Timings skip warm-up steps (the caller's job) and synchronise the device before reading the
 clock (``StepTimer``). When the device peak is unknown (CPU, an unlisted GPU) MFU is ``None``.
@@ -240,3 +241,51 @@ class IntervalTimer:
         out = (self._seconds, self._count)
         self._seconds, self._count = 0.0, 0
         return out
+
+
+class SavedActivationPeak:
+    """The peak of the bytes autograd holds for backward while the block runs (``with peak: ...``,
+    then ``peak.bytes``): every tensor saved for backward is counted once per storage from when it
+    is saved (``torch.autograd.graph.saved_tensors_hooks``) until its last saved view is released
+    (after the backward that used it), and storages in ``exclude`` (the parameters) are not
+    counted. Unlike a CUDA allocator peak it works on CPU and counts activations only; tensors that
+    are not saved for backward (transient buffers, the logits) are outside it. CPython releases an
+    object when its last reference goes, which is when the count drops."""
+
+    def __init__(self, exclude: set[int] | None = None):
+        self.exclude = exclude or set()
+        self.bytes = 0
+        self._live = 0
+        self._refs: dict[int, list[int]] = {}  # storage address -> [saved views alive, bytes]
+        self._hooks = None
+
+    def _release(self, key: int) -> None:
+        entry = self._refs[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self._live -= entry[1]
+            del self._refs[key]
+
+    def _pack(self, t):
+        import weakref
+
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.exclude and storage.nbytes() > 0:
+            if key not in self._refs:
+                self._refs[key] = [0, storage.nbytes()]
+                self._live += storage.nbytes()
+                self.bytes = max(self.bytes, self._live)
+            self._refs[key][0] += 1
+            weakref.finalize(t, self._release, key)
+        return t
+
+    def __enter__(self) -> SavedActivationPeak:
+        import torch
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)

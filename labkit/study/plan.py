@@ -360,13 +360,28 @@ def zero_state_bytes(n_params: float, *, zero_stage: int = 0, dp: int = 1,
 
 
 def _params_per_gpu(cfg: ModelConfig, tp: int, pp: int) -> float:
-    """Parameters one GPU holds: its pipeline stage's layers (ceil(L/pp)) plus the embeddings
-    and head (worst stage), divided over tp tensor-parallel ranks."""
+    """Parameters the worst GPU holds under labkit's split (``labkit.train.tensor_parallel``,
+    ``labkit.train.pipeline``): its stage's layers (ceil(L/pp)), plus the embeddings on the first
+    stage and the head on the last (the worse of the two; both with pp = 1; with tied embeddings
+    the last stage holds a copy of the word embedding). Tensor parallelism divides by tp the QKV,
+    FFN and output-projection weights, the column-parallel biases and the vocabulary rows (word
+    embedding, decoder, decoder bias), and keeps the norms, the row-parallel biases, the position
+    and token-type tables and the head's dense layer whole on every rank."""
+    h, f, v, bias = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size, int(cfg.bias)
     total = count_parameters(cfg)["total"]
     per_layer = count_parameters(dataclasses.replace(cfg, num_layers=2))["total"] - \
         count_parameters(dataclasses.replace(cfg, num_layers=1))["total"]
-    other = total - cfg.num_layers * per_layer
-    return (math.ceil(cfg.num_layers / pp) * per_layer + other) / tp
+    f_in = 2 * f if cfg.activation != "gelu" else f
+    split_layer = 3 * h * h + 3 * h * bias + f_in * h + f_in * bias + h * h + f * h
+    layer = per_layer - split_layer + split_layer / tp
+    norm = h * (2 if cfg.norm_type == "layernorm" and cfg.bias else 1)
+    positions = cfg.max_position_embeddings * h if cfg.position_embedding == "absolute" else 0
+    first = v * h / tp + positions + cfg.type_vocab_size * h + norm
+    head_split = (0 if cfg.tie_embeddings else v * h) + v * bias
+    head_whole = total - cfg.num_layers * per_layer - (v * h + positions + cfg.type_vocab_size * h + norm) - head_split
+    last = head_whole + head_split / tp
+    other = first + last if pp == 1 else max(first, last + (v * h / tp if cfg.tie_embeddings else 0))
+    return math.ceil(cfg.num_layers / pp) * layer + other
 
 
 def memory_plan(cfg: ModelConfig, *, seq_len: int, micro_batch: int, precision: str = "bf16",

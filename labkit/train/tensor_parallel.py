@@ -127,6 +127,30 @@ class _Scatter(torch.autograd.Function):
         return ctx.comm.all_gather(g, 1), None, None
 
 
+class _GatherLinear(torch.autograd.Function):
+    """Sequence parallel, a column-parallel product of the gathered sequence, y = gather(x) W^T + b,
+    keeping only this rank's x for backward: the all-gather runs again there, and the input gradient
+    is reduce-scattered (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication`` with
+    sequence parallelism; the memory of arXiv:2205.05198 section 4.2.2, where every activation of
+    the layer is 1/tp). Under autocast the backward computes in the gradient's dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm) -> torch.Tensor:
+        ctx.comm, ctx.has_bias = comm, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(comm.all_gather(x, 1), weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        x, weight = ctx.saved_tensors
+        whole = ctx.comm.all_gather(x, 1).to(g.dtype)
+        grad_x = ctx.comm.reduce_scatter(g.matmul(weight.to(g.dtype)), 1).to(x.dtype)
+        g2 = g.reshape(-1, g.shape[-1])
+        grad_w = g2.t().matmul(whole.reshape(-1, whole.shape[-1])).to(weight.dtype)
+        grad_b = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
 class _TPLinearMixin:
     """What a tensor-parallel linear module carries: ``comm`` and whether its input or output is
     split along the sequence (``sequence_parallel``)."""
@@ -134,15 +158,18 @@ class _TPLinearMixin:
     comm: Comm
     sequence_parallel: bool
 
-    def _enter(self, x: torch.Tensor) -> torch.Tensor:
-        return _Gather.apply(x, self.comm, False) if self.sequence_parallel else _Copy.apply(x, self.comm)
+    def _column(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + b for a column-parallel weight slice: f before it, or the sequence-parallel gather."""
+        if self.sequence_parallel:
+            return _GatherLinear.apply(x, w, b, self.comm)
+        return F.linear(_Copy.apply(x, self.comm), w, b)
 
 
 class ColwiseLinear(_TPLinearMixin, nn.Linear):
     """``nn.Linear`` with weight [out/tp, in] and bias [out/tp] (DTensor Shard(0)): [..., in] -> [..., out/tp]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._enter(x), local(self.weight), local(self.bias))
+        return self._column(x, local(self.weight), local(self.bias))
 
 
 class ColwiseFused(_TPLinearMixin, FusedLinear):
@@ -150,7 +177,7 @@ class ColwiseFused(_TPLinearMixin, FusedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = local(self.bias)
-        return F.linear(self._enter(x), local(self.weight).flatten(0, 1), None if b is None else b.flatten())
+        return self._column(x, local(self.weight).flatten(0, 1), None if b is None else b.flatten())
 
 
 class RowwiseLinear(_TPLinearMixin, nn.Linear):
