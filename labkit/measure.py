@@ -9,7 +9,7 @@
   Megatron-LM's count of the output layer; ``labkit.model.flops_per_token``).
 - peak memory: CUDA ``max_memory_allocated`` on a GPU, else the process's peak RSS.
 - scaling efficiency at n ranks: throughput(n) / (n x throughput(1)), weak scaling.
-- pipeline bubble fraction: 1 - (time a stage computes) / (time its schedule runs), over all ranks.
+- pipeline bubble fraction: 1 - (time the stages compute) / (ranks x the longest rank's schedule time).
 - time in tensor-parallel collectives: the summed durations of those collectives (``IntervalTimer``).
 - peak saved-activation bytes: the most bytes of tensors autograd held for backward at once (``SavedActivationPeak``).
 
@@ -183,9 +183,10 @@ class StepTimer:
 
 def bubble_fraction(busy_s: float, span_s: float) -> float:
     """Measured pipeline bubble: the idle share of a pipeline schedule, 1 - busy_s / span_s
-    (docs/measurement.md), where span_s is the wall time of the schedule's step (all micro-batches'
-    forwards and backwards) and busy_s the time its stages computed in it (their forward and
-    backward chunks), both summed over the ranks. GPipe's ideal is (p - 1)/(m + p - 1) (Huang
+    (docs/measurement.md), where busy_s is the time the stages computed (their forward and backward
+    chunks) summed over the ranks and span_s the pipeline's time on all of them: the number of
+    ranks x the longest rank's wall time in the schedule's step (a rank done early idles until
+    the pipeline drains). GPipe's ideal is (p - 1)/(m + p - 1) (Huang
     et al. arXiv:1811.06965) for p equal stages and m micro-batches (``labkit.study.plan.pipeline_bubble``)."""
     if span_s <= 0:
         raise ValueError(f"span_s: must be positive, got {span_s}")

@@ -112,7 +112,7 @@ def planned_rank_memory(mcfg: ModelConfig, cfg, *, world: int, seq_len: int, dev
     attention = "eager" if mcfg.attention_dropout > 0 else "flash"
     p = memory_plan(mcfg, seq_len=seq_len, micro_batch=cfg.micro_batch_size, precision=cfg.precision,
                     attention=attention, zero_stage=zero, dp=dp, tp=cfg.tp, pp=cfg.pp,
-                    pipeline_microbatches=cfg.grad_accum_steps, device=device)
+                    pipeline_microbatches=cfg.grad_accum_steps, device=device, pipeline_schedule=cfg.pp_schedule)
     state = p["params"] + p["grads"] + p["optimizer"]
     v = cfg.pp_virtual_stages
     bubble = (cfg.pp - 1) / (v * cfg.grad_accum_steps + cfg.pp - 1)

@@ -387,7 +387,7 @@ def _params_per_gpu(cfg: ModelConfig, tp: int, pp: int) -> float:
 def memory_plan(cfg: ModelConfig, *, seq_len: int, micro_batch: int, precision: str = "bf16",
                 attention: str = "flash", zero_stage: int = 0, dp: int = 1, tp: int = 1, pp: int = 1,
                 pipeline_microbatches: int = 1, device: str = "cuda", mlm_probability: float = 0.15,
-                layout: tuple[float, float, float] = (4, 4, 8)) -> dict[str, Any]:
+                layout: tuple[float, float, float] = (4, 4, 8), pipeline_schedule: str = "1f1b") -> dict[str, Any]:
     """Planned peak memory of one GPU, in bytes, term by term.
 
     params / grads / optimizer: ``zero_state_bytes`` of this GPU's parameters
@@ -395,9 +395,12 @@ def memory_plan(cfg: ModelConfig, *, seq_len: int, micro_batch: int, precision: 
     autocast_copies: the bf16/fp16 weight copies autocast caches during forward and backward
     (2 B per local parameter; 0 in fp32; sharded with ZeRO-3, which casts as FSDP's mixed
     precision does, one layer's gathered weights at a time). activations: ``activation_terms`` with the layers of
-    one stage; pipeline parallel with the 1F1B schedule keeps min(pp, m) micro-batches in
-    flight on the first stage (Narayanan et al. arXiv:2104.04473 section 2.2.1), the embedding
-    on the first stage and the head on the last, the worse stage counted. logits: held output.
+    one stage; with pp > 1 the first stage holds ceil(L/pp) full layers and the embedding, the
+    last stage L // pp layers (the sparse head's last layer among them) and the head; 1F1B
+    (``pipeline_schedule`` "1f1b", and "interleaved_1f1b" counted the same) keeps min(pp, m)
+    micro-batches in flight on the first stage and one on the last (Narayanan et al.
+    arXiv:2104.04473 section 2.2.1), GPipe all m on every stage; the worse stage is counted.
+    logits: held output (0 with pp > 1: labkit's last stage returns only the loss).
     With activation checkpointing one layer's full activations are added (its recompute in
     backward). head_backward: two fp32 [n, V] gradient buffers alive when backward starts. Grads are
     counted as allocated throughout (an upper estimate when they are set to None between steps).
@@ -409,20 +412,31 @@ def memory_plan(cfg: ModelConfig, *, seq_len: int, micro_batch: int, precision: 
     state = zero_state_bytes(_params_per_gpu(cfg, tp, pp), zero_stage=zero_stage, dp=dp, layout=layout)
     t = activation_terms(cfg, seq_len, micro_batch, precision=precision, attention=attention,
                          device=device, tp=tp, mlm_probability=mlm_probability)
-    stage_layers = math.ceil(cfg.num_layers / pp) / cfg.num_layers
-    per_mb = (t["layers"] + t["attention_scores"]) * stage_layers
+    if pipeline_schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
+        raise ValueError(f"pipeline_schedule: got {pipeline_schedule!r}; allowed values are 'gpipe', '1f1b', "
+                         "'interleaved_1f1b'")
+    L = cfg.num_layers
+    recompute = 0.0
     if cfg.activation_checkpointing:  # backward recomputes one layer at a time: its activations come back
         full = activation_terms(dataclasses.replace(cfg, activation_checkpointing=False), seq_len, micro_batch,
                                 precision=precision, attention=attention, device=device, tp=tp,
                                 mlm_probability=mlm_probability)
-        per_mb += (full["layers"] + full["attention_scores"]) / cfg.num_layers
+        recompute = (full["layers"] + full["attention_scores"]) / L
     if pp == 1:
-        acts = per_mb + t["embedding"] + t["head"]
+        acts = t["layers"] + t["attention_scores"] + recompute + t["embedding"] + t["head"]
         logits = t["logits"]
     else:
-        first = min(pp, pipeline_microbatches) * (per_mb + t["embedding"])
-        last = per_mb + t["head"] + t["logits"]
-        acts, logits = max(first, last), 0  # the last stage's count includes its logits
+        dense = activation_terms(dataclasses.replace(cfg, sparse_head=False), seq_len, micro_batch,
+                                 precision=precision, attention=attention, device=device, tp=tp,
+                                 mlm_probability=mlm_probability)
+        per_layer = (dense["layers"] + dense["attention_scores"]) / L  # a full (not sparse) layer
+        n_first, n_last = math.ceil(L / pp), L // pp
+        last_layers = t["layers"] + t["attention_scores"] - per_layer * (L - n_last)
+        m = pipeline_microbatches
+        in_flight = (m, m) if pipeline_schedule == "gpipe" else (min(pp, m), 1)
+        first = in_flight[0] * (per_layer * n_first + recompute + t["embedding"])
+        last = in_flight[1] * (last_layers + recompute + t["head"])
+        acts, logits = max(first, last), 0
     n_positions = round(mlm_probability * seq_len) * micro_batch if cfg.sparse_head else seq_len * micro_batch
     out = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
            "autocast_copies": 0 if precision == "fp32" else 2 * _params_per_gpu(cfg, tp, pp) / (dp if zero_stage == 3 else 1),

@@ -283,15 +283,20 @@ class ParallelModel(nn.Module):
         return norm
 
     def take_measures(self) -> dict[str, float | None]:
-        """Collective: this step's {"pipeline_bubble" (``labkit.measure.bubble_fraction`` over every
-        rank's stage compute and schedule time; None without pp), "tp_comm_s" (mean over ranks of the
-        seconds in tensor-parallel collectives; None without tp)}."""
+        """Collective: this step's {"pipeline_bubble": ``labkit.measure.bubble_fraction`` of every rank's
+        stage compute against the pipeline's time, world x the longest rank's schedule time (a rank
+        whose stages finish early, as the last stage does, is idle until the pipeline drains; None
+        without pp), "tp_comm_s": mean over ranks of the seconds in tensor-parallel collectives
+        (None without tp)}."""
         last = self._last or {"busy": 0.0, "span": 0.0, "tp_comm": 0.0}
-        sums = torch.tensor([last["busy"], last["span"], last["tp_comm"]], dtype=torch.float64)
+        sums = torch.tensor([last["busy"], last["tp_comm"]], dtype=torch.float64)
+        span = torch.tensor(last["span"], dtype=torch.float64)
         dist.all_reduce(sums)
-        busy, span, tp_comm = sums.tolist()
+        dist.all_reduce(span, op=dist.ReduceOp.MAX)
         world = dist.get_world_size()
-        return {"pipeline_bubble": bubble_fraction(busy, span) if self.split.pp > 1 and span > 0 else None,
+        busy, tp_comm = sums.tolist()
+        pipeline = self.split.pp > 1 and span.item() > 0
+        return {"pipeline_bubble": bubble_fraction(busy, world * span.item()) if pipeline else None,
                 "tp_comm_s": tp_comm / world if self.split.tp > 1 else None}
 
     # -- evaluation forward -----------------------------------------------------------------
