@@ -120,28 +120,34 @@ def planned_rank_memory(mcfg: ModelConfig, cfg, *, world: int, seq_len: int, dev
             "bubble": bubble}
 
 
-def measure_rank_memory(cfg) -> dict:
+def measure_rank_memory(cfg, staged_paths: dict[str, str] | None = None) -> dict:
     """Collective, one call per rank of a run of ``cfg`` (a ``TrainConfig``; RANK / WORLD_SIZE from
-    the environment, as ``labkit.train.train`` reads them): build the split model as ``train`` does,
-    take two optimiser steps on the run's first batches, and measure this rank's memory:
-    {"rank", "state_bytes" (bytes of its parameters, gradients and AdamW moments, read from the
-    tensors: local slices of split ones), "activation_bytes" (``labkit.measure.SavedActivationPeak``
-    over the second step's forwards and backwards, all micro-batches in flight as the schedule keeps
-    them), "total_bytes"}. The process group it creates is destroyed before it returns."""
+    the environment, as ``labkit.train.train`` reads them; with ``staged_paths`` {node: shard dir}
+    each rank reads its node's copy): build the model as ``train`` does (split by
+    ``labkit.train.parallel``, or DDP / FSDP2 for data parallelism alone), take two optimiser steps
+    on the run's first batches and measure this rank's memory: {"rank", "state_bytes" (bytes of its
+    parameters, gradients and AdamW moments, read from the tensors: the local slices of split or
+    sharded ones), "activation_bytes" (``labkit.measure.SavedActivationPeak`` over the second step's
+    forwards and backwards, micro-batches in flight as the schedule keeps them), "total_bytes"}.
+    A process group it creates is destroyed before it returns."""
     import contextlib
+    import dataclasses
 
     import torch
 
     from labkit.data.mlm import make_loader
     from labkit.data.shards import read_index
+    from labkit.env import node_name
     from labkit.measure import SavedActivationPeak
     from labkit.model import BertMLM
     from labkit.model.encoder import local
-    from labkit.train import dist
+    from labkit.train import build_optimizer, dist, forward_backward
     from labkit.train import parallel as tparallel
     from labkit.train.loop import AUTOCAST_DTYPES
     from labkit.train.run_config import model_config_of
 
+    if staged_paths:
+        cfg = dataclasses.replace(cfg, data_dir=staged_paths[node_name()])
     rank, local_rank, world = dist.dist_info()
     device = dist.resolve_device(cfg.device, local_rank)
     if cfg.num_threads:
@@ -152,21 +158,29 @@ def measure_rank_memory(cfg) -> dict:
         index = read_index(cfg.data_dir)
         mcfg = model_config_of(cfg, int(index["vocab_size"]))
         torch.manual_seed(cfg.seed)
-        split = tparallel.check_split(cfg, mcfg, world, int(index["seq_len"]), rank)
-        par, optimizer, _, _, _ = tparallel.build(cfg, BertMLM(mcfg), device, split)
-        loader = make_loader(cfg.data_dir, batch_size=cfg.micro_batch_size, rank=split.dp_rank, world_size=split.dp,
+        model = BertMLM(mcfg)
+        if tparallel.is_split(cfg):
+            split = tparallel.check_split(cfg, mcfg, world, int(index["seq_len"]), rank)
+            model, optimizer, _, _, _ = tparallel.build(cfg, model, device, split)
+            data_rank, data_world = split.dp_rank, split.dp
+            step = lambda mbs: model.forward_backward(mbs, dtype=AUTOCAST_DTYPES[cfg.precision])  # noqa: E731
+        else:
+            model = dist.wrap_model(model.to(device), cfg, device)
+            optimizer = build_optimizer(model, cfg)
+            data_rank, data_world = rank, world
+            step = lambda mbs: forward_backward(model, mbs, world_size=world, precision=cfg.precision)  # noqa: E731
+        loader = make_loader(cfg.data_dir, batch_size=cfg.micro_batch_size, rank=data_rank, world_size=data_world,
                              seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=mcfg.vocab_size)
         batches = iter(loader)
-        params = {local(p).untyped_storage().data_ptr() for p in par.parameters()}
-        peak = SavedActivationPeak(exclude=params)
-        for step in range(2):
+        params = list(model.parameters())
+        peak = SavedActivationPeak(exclude={local(p).untyped_storage().data_ptr() for p in params})
+        for n in range(2):
             mbs = [{k: v.to(device) for k, v in next(batches).items()} for _ in range(cfg.grad_accum_steps)]
-            with peak if step == 1 else contextlib.nullcontext():
-                par.forward_backward(mbs, dtype=AUTOCAST_DTYPES[cfg.precision])
-            if step == 1:
-                tensors = [local(p) for p in par.parameters()] + [local(p.grad) for p in par.parameters()
-                                                                  if p.grad is not None]
-                tensors += [local(t) for s in optimizer.state.values() for t in s.values()
+            with peak if n == 1 else contextlib.nullcontext():
+                step(mbs)
+            if n == 1:
+                tensors = [local(p) for p in params] + [local(p.grad) for p in params if p.grad is not None]
+                tensors += [local(t) for st in optimizer.state.values() for t in st.values()
                             if torch.is_tensor(t) and t.ndim > 0]
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -365,7 +365,7 @@ def _params_per_gpu(cfg: ModelConfig, tp: int, pp: int) -> float:
     stage and the head on the last (the worse of the two; both with pp = 1; with tied embeddings
     the last stage holds a copy of the word embedding). Tensor parallelism divides by tp the QKV,
     FFN and output-projection weights, the column-parallel biases and the vocabulary rows (word
-    embedding, decoder, decoder bias), and keeps the norms, the row-parallel biases, the position
+    embedding, decoder, decoder bias; the first slice's ceil(V/tp) rows), and keeps the norms, the row-parallel biases, the position
     and token-type tables and the head's dense layer whole on every rank."""
     h, f, v, bias = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size, int(cfg.bias)
     total = count_parameters(cfg)["total"]
@@ -376,11 +376,12 @@ def _params_per_gpu(cfg: ModelConfig, tp: int, pp: int) -> float:
     layer = per_layer - split_layer + split_layer / tp
     norm = h * (2 if cfg.norm_type == "layernorm" and cfg.bias else 1)
     positions = cfg.max_position_embeddings * h if cfg.position_embedding == "absolute" else 0
-    first = v * h / tp + positions + cfg.type_vocab_size * h + norm
+    vt = math.ceil(v / tp)  # vocabulary rows of the first (largest) slice
+    first = vt * h + positions + cfg.type_vocab_size * h + norm
     head_split = (0 if cfg.tie_embeddings else v * h) + v * bias
     head_whole = total - cfg.num_layers * per_layer - (v * h + positions + cfg.type_vocab_size * h + norm) - head_split
-    last = head_whole + head_split / tp
-    other = first + last if pp == 1 else max(first, last + (v * h / tp if cfg.tie_embeddings else 0))
+    last = head_whole + head_split * vt / v
+    other = first + last if pp == 1 else max(first, last + (vt * h if cfg.tie_embeddings else 0))
     return math.ceil(cfg.num_layers / pp) * layer + other
 
 
