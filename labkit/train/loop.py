@@ -183,22 +183,24 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
             dist.teardown()
 
 
-def _build_model(cfg: TrainConfig, index: dict, rank: int) -> tuple[Any, BertMLM]:
-    """The model config for the shards' vocabulary and ``BertMLM`` built from ``cfg.seed`` (the same
-    init on every rank), then each rank's own dropout stream seeded. ValueError when the shards'
-    sequence length exceeds the model's positions."""
+def _build_model(cfg: TrainConfig, index: dict, rank: int, world: int) -> tuple[Any, BertMLM, parallel.Split | None]:
+    """The model config for the shards' vocabulary, the tensor/pipeline split (None without one;
+    ``parallel.check_split`` refuses one that cannot work) and ``BertMLM`` built from ``cfg.seed``
+    (the same init on every rank), then each rank's own dropout stream seeded. ValueError when the
+    shards' sequence length exceeds the model's positions."""
     seq_len, vocab_size = int(index["seq_len"]), int(index["vocab_size"])
     mcfg = model_config_of(cfg, vocab_size)
     if seq_len > mcfg.max_position_embeddings:
         raise ValueError(f"model_overrides: shards in {cfg.data_dir} have seq_len {seq_len} > "
                          f"max_position_embeddings {mcfg.max_position_embeddings}")
+    split = parallel.check_split(cfg, mcfg, world, seq_len, rank) if parallel.is_split(cfg) else None
     torch.manual_seed(cfg.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
     model = BertMLM(mcfg)
     seed = cfg.seed + 1 + rank // cfg.tp  # dropout streams differ per rank, except across a tp group,
     torch.manual_seed(seed)  # whose ranks compute the same replicated activations
     random.seed(seed)
     np.random.seed(seed)
-    return mcfg, model
+    return mcfg, model, split
 
 
 def _restore(state: dict | None, model: torch.nn.Module, optimizer: Any, scaler: Any, sampler: Any, *,
@@ -230,6 +232,30 @@ def _restore(state: dict | None, model: torch.nn.Module, optimizer: Any, scaler:
     return state["step"], state["epoch"], mine["sampler"]["position"], state["tokens"]
 
 
+def _forward_backward(model: Any, micro_batches: list[dict[str, torch.Tensor]], cfg: TrainConfig, world: int,
+                      scaler: Any, split: parallel.Split | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step's forwards and backwards: ``forward_backward`` (data parallel), or the split model's
+    own (tensor / pipeline parallel, ``labkit.train.parallel``: the schedule, or tp-split stages)."""
+    if split is None:
+        return forward_backward(model, micro_batches, world_size=world, precision=cfg.precision, scaler=scaler)
+    return model.forward_backward(micro_batches, dtype=AUTOCAST_DTYPES[cfg.precision])
+
+
+def _load_and_wrap(cfg: TrainConfig, model: BertMLM, device: torch.device, split: parallel.Split | None,
+                   ckpt: pathlib.Path | None, world: int) -> tuple[Any, Any, Any, str, dict | None]:
+    """The checkpoint ``ckpt`` (None: a fresh run) loaded and the model wrapped, in the order each
+    kind needs; returns (model, optimizer, scaler, sharding, state.pt or None). Data parallel:
+    the whole weights into the one-device model, then ``_parallelize``. Tensor / pipeline parallel:
+    ``parallel.build`` splits first, then loads through torch.distributed.checkpoint. A checkpoint
+    of another kind, or at another dp, is refused naming both splits (``parallel.refuse_checkpoint``)."""
+    if ckpt is not None:
+        parallel.refuse_checkpoint(ckpt, split, world)
+    if split is not None:
+        return parallel.build(cfg, model, device, split, ckpt)
+    state = load_checkpoint(ckpt, model) if ckpt is not None else None
+    return (*_parallelize(cfg, model, device), state)
+
+
 def _start_files(run_dir: pathlib.Path, cfg: TrainConfig, identity: dict, prov: dict, *, resumed: bool,
                  step: int) -> pathlib.Path | None:
     """Rank 0: config.json (earlier configs kept in configs/; provenance is not compared) and
@@ -251,9 +277,8 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     run_dir = pathlib.Path(cfg.run_dir)
     index = read_index(cfg.data_dir)
     seq_len = int(index["seq_len"])
-    mcfg, model = _build_model(cfg, index, rank)
-    split = parallel.check_split(cfg, mcfg, world, seq_len, rank) if parallel.is_split(cfg) else None
-    dp_rank, dp = (split.dp_rank, split.dp) if split else (rank, world)  # the data follows the dp rank
+    mcfg, model, split = _build_model(cfg, index, rank, world)
+    dp_rank, dp = (split.dp_rank, split.dp) if split else (rank, world)  # data follows the dp rank
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * dp
     params = count_parameters(model)
     fpt = flops_per_token(mcfg, seq_len, mlm_probability=cfg.mlm_probability)
@@ -263,13 +288,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     if resume_step:  # refuse to continue a run under another configuration (labkit.train.run_config)
         check_resume(run_dir, to_dict(cfg), identity, allow_safe_changes=cfg.allow_safe_changes)
     ckpt = run_dir / "checkpoints" / f"step-{resume_step}" if resume_step else None
-    if ckpt is not None:
-        parallel.refuse_checkpoint(ckpt, split, world)  # a split checkpoint loads at another split with the same dp
-    if split is None:  # whole weights into the one-device model, then wrap it for data parallelism
-        state = load_checkpoint(ckpt, model) if ckpt is not None else None
-        model, optimizer, scaler, sharding = _parallelize(cfg, model, device)
-    else:  # split first (pipeline, tensor, FSDP2 / replicas), then a torch.distributed.checkpoint load
-        model, optimizer, scaler, sharding, state = parallel.build(cfg, model, device, split, ckpt)
+    model, optimizer, scaler, sharding, state = _load_and_wrap(cfg, model, device, split, ckpt, world)
     loader = make_loader(cfg.data_dir, batch_size=cfg.micro_batch_size, rank=dp_rank, world_size=dp,
                          seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=mcfg.vocab_size,
                          num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
@@ -313,12 +332,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        if split is None:
-            loss_sum, n_masked, n_tokens = forward_backward(model, micro_batches, world_size=world,
-                                                            precision=cfg.precision, scaler=scaler)
-        else:  # tensor / pipeline parallel: the pipeline schedule, or the micro-batches on tp-split stages
-            loss_sum, n_masked, n_tokens = model.forward_backward(micro_batches, dtype=AUTOCAST_DTYPES[cfg.precision],
-                                                                  scaler=scaler)
+        loss_sum, n_masked, n_tokens = _forward_backward(model, micro_batches, cfg, world, scaler, split)
         summed = dist.all_reduce_sum(torch.stack([loss_sum.double(), torch.tensor(wait, dtype=torch.float64,
                                                                                     device=loss_sum.device)]))
         loss = summed[0].item() / max(1, n_masked.item())
@@ -341,8 +355,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                       "step_tokens": n_tokens_i, "n_masked": int(n_masked.item()), "tokens_per_s": tps,
                       **_rates(global_batch, step_time, wait_mean, device), "mfu": measure.mfu(tps, fpt, world, peak),
                       "world_size": world, "global_batch_size": global_batch, "epoch": epoch,
-                      **(model.take_measures() if split else {"pipeline_bubble": None, "tp_comm_s": None}),
-                      "skipped": not finite, **evaluated, "time": time.time()}
+                      **parallel.measures(model), "skipped": not finite, **evaluated, "time": time.time()}
             measure.reset_peak_memory(device)
             last_record = _log(record, metrics_file, sink)
         if cfg.checkpoints and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == stop):
@@ -353,8 +366,8 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         if metrics_file is not None and metrics_file.exists() else [last_record]
     result = _result(cfg, records, timings, fpt=fpt, peak=peak, world=world, global_batch=global_batch, step=step,
                      params=params, tokens_seen=tokens_seen, resume_step=resume_step, skipped=skipped, mcfg=mcfg,
-                     index=index, device=device, sharding=sharding, t_start=t_start, prov=prov)
-    result |= parallel.result_fields(cfg, dp, records)
+                     index=index, device=device, sharding=sharding, t_start=t_start,
+                     prov=prov) | parallel.result_fields(cfg, dp, records)
     if dist.is_main():
         atomic_write_json(run_dir / "result.json", result)
     return result

@@ -325,6 +325,14 @@ def _is_last(chunk: nn.Module) -> bool:
     return getattr(chunk, "is_last", True)
 
 
+def measures(model: Any) -> dict[str, float | None]:
+    """A metrics record's {"pipeline_bubble", "tp_comm_s"}: ``ParallelModel.take_measures`` (collective)
+    for a split model, None for both otherwise."""
+    if isinstance(model, ParallelModel):
+        return model.take_measures()
+    return {"pipeline_bubble": None, "tp_comm_s": None}
+
+
 def split_record(split: Split, cfg: TrainConfig) -> dict[str, Any]:
     """The split as checkpoints and results record it."""
     return {"dp": split.dp, "tp": split.tp, "pp": split.pp, "pp_schedule": cfg.pp_schedule,
