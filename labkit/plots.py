@@ -476,7 +476,7 @@ def parallel_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data, tens
         fig.add_trace(go.Bar(x=[labels[i] for i in piped], y=[d[col][i] for i in piped], name=name,
                              marker={"color": colour}, hovertemplate="%{x}: %{y:.1%}"), row=1, col=2)
     for col, colour, name in (("measured_total_bytes", COLORS["loss"], "memory measured"),
-                              ("planned_total_bytes", COLORS["ideal"], "memory planned")):
+                              ("planned_total_bytes", COLORWAY[3], "memory planned")):
         fig.add_trace(go.Bar(x=labels, y=(d[col] / 2**20).to_list(), name=name, marker={"color": colour},
                              hovertemplate="%{x}: %{y:.1f} MiB"), row=1, col=3)
     fig.update_yaxes(title_text="tokens/s (all ranks)", rangemode="tozero", row=1, col=1)
