@@ -13,8 +13,9 @@ blocks read the files the measuring command wrote, kept under docs/data/:
   ``docs/data/loader.jsonl``: ``work/demo/sweeps/loader.parquet`` written by the demo's
   notebook 04 (the loader-worker sweep), as JSON lines. ``python docs/generate.py --import
   work/demo`` copies both from a demo's work directory, then regenerates.
-- ``docs/data/bench_model.jsonl`` / ``bench_ddp.jsonl``: the JSON lines printed by
-  ``python benchmarks/bench_model.py`` / ``bench_ddp.py`` (one record per line).
+- ``docs/data/bench_model.jsonl`` / ``bench_ddp.jsonl`` / ``bench_parallel.jsonl``: the JSON
+  lines printed by ``python benchmarks/bench_model.py`` / ``bench_ddp.py`` / ``bench_parallel.py``
+  (one record per line).
 - ``docs/data/prep_scale.jsonl``: the output of ``python benchmarks/bench_prep_scale.py``;
   ``prep_scale_default_threads.jsonl`` that of ``BENCH_SIZES=16 BENCH_ONE_CORE_PER_ENGINE=0
   python benchmarks/bench_prep_scale.py``; ``prep_scale_before.jsonl`` that of ``BENCH_SIZES=16
@@ -24,7 +25,7 @@ blocks read the files the measuring command wrote, kept under docs/data/:
 Blocks: ``demo-summary`` (README.md); ``lesson1-measured``, ``lesson1-planner``, ``parallel-planner``, ``lesson2-measured``,
 ``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``,
 ``lesson5-measured``, ``lesson5-planner``, ``one-story`` (docs/results.md); ``bench-model`` (docs/model.md);
-``bench-ddp`` (docs/training.md); ``prep-scale``, ``prep-projection`` (docs/data_path.md).
+``bench-ddp`` (docs/training.md); ``bench-parallel`` (docs/parallelism.md); ``prep-scale``, ``prep-projection`` (docs/data_path.md).
 """
 
 from __future__ import annotations
@@ -311,6 +312,28 @@ def bench_ddp() -> str:
     return "\n".join(rows) + "\n\nRecords:\n\n" + "".join(f"    {json.dumps(r)}\n" for r in recs)
 
 
+def bench_parallel() -> str:
+    """docs/parallelism.md: the JSON lines of ``python benchmarks/bench_parallel.py``."""
+    recs = _records("bench_parallel.jsonl")
+    summaries = [r for r in recs if r.get("benchmark") == "parallel"]
+    if not summaries:
+        return "No record yet (`docs/data/bench_parallel.jsonl` is empty).\n"
+    s = summaries[-1]
+    points = [r for r in recs if str(r.get("point", "")).startswith("pp2-")]
+    rows = ["| schedule | micro-batches | tokens/s | bubble measured (median) | planned | difference |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    rows += [f"| {r['schedule']} | {r['micro_batches']} | {r['tokens_per_s']:,.0f} | {r['bubble_measured']:.3f} | "
+             f"{r['bubble_planned']:.3f} | {r['abs_error']:.3f} |" for r in points]
+    load = f"load average {s['load_before']['load_avg_1m']:.1f} before, {s['load_after']['load_avg_1m']:.1f} after, " \
+           f"{s['load_before']['cpu_count']} CPUs"
+    goal = "met" if s["met"] else "not met"
+    return ("\n".join(rows) + f"\n\nBubble goal (GPipe, every m within {s['goal']}): {goal}, largest difference "
+            f"{s['value']:.3f} (1F1B {s['max_abs_error_1f1b']:.3f}); {load}. Memory at tp 2, planned / measured "
+            f"(largest rank): {s['memory_planned_over_measured_tp2_sp']:.3f} with sequence parallelism (goal within "
+            f"{s['memory_goal']:.0%}: {'met' if s['memory_met'] else 'not met'}), "
+            f"{s['memory_planned_over_measured_tp2_no_sp']:.3f} without.\n").replace("%", " %")
+
+
 def _prep_runs(name: str) -> tuple[dict[tuple[int, int], dict], dict]:
     recs = _records(name)
     return {(r["size"], r["engines"]): r for r in recs if "stages" in r}, next(r for r in recs if "goals" in r)
@@ -399,6 +422,7 @@ BLOCKS = {("README.md", "demo-summary"): demo_summary,
           ("docs/results.md", "one-story"): one_story,
           ("docs/model.md", "bench-model"): bench_model,
           ("docs/training.md", "bench-ddp"): bench_ddp,
+          ("docs/parallelism.md", "bench-parallel"): bench_parallel,
           ("docs/data_path.md", "prep-scale"): prep_scale,
           ("docs/data_path.md", "prep-projection"): prep_projection}
 
