@@ -1,12 +1,23 @@
-"""GPU check (run by ``benchmarks/gpu_check.sh``): bf16 step time, tokens/s, MFU (FLOPs with the
-MLM decoder counted) and the largest micro-batch of labkit's training step for bert-120m and
-bert-350m at seq 128 and 512 on one NVIDIA GPU, eager and under ``torch.compile``; the
-planner's peak memory against ``torch.cuda.max_memory_allocated`` (per configuration, and
-``study.gpu.gpu_memory_check`` with the optimiser training builds); a 1-GPU NCCL process-group init
-+ all_reduce smoke test. Writes one JSON file and a short markdown summary beside it (.md).
-It has not run on a GPU yet (no GPU was available where it was written).
+"""GPU check (run by ``benchmarks/gpu_check.sh``), one call on one NVIDIA GPU, in this order:
 
-Each configuration: build ``BertMLM`` (labkit/model/encoder.py), AdamW as ``train`` builds it, one step
+1. ``plan``: ``labkit.study.memory.plan_model`` (counted on this machine's CPU as CUDA keeps it)
+   against ``torch.cuda.max_memory_allocated`` of the training step, for labkit's bert-120m and
+   bert-350m and transformers' ``BertForMaskedLM`` (SDPA, BERT-base shape) at seq 512, two
+   micro-batches each (``study.gpu.plan_model_check``); and the formula planner
+   (``study.gpu.gpu_memory_check``).
+2. ``flops``: ``labkit.model.flops_per_token`` against ``FlopCounterMode`` on CUDA, bert-120m
+   with the sparse and the dense head (``study.gpu.flops_check``).
+3. ``resume``: a ZeRO-1 run with fused AdamW saved at step 2, resumed and stepped to 4; an fsdp
+   run with held-out evaluation, saved, resumed and finished (one-rank NCCL groups).
+4. ``configs``: bf16 step time, tokens/s, MFU (FLOPs with the MLM decoder counted) and the
+   largest micro-batch of labkit's training step for bert-120m and bert-350m at seq 128 and 512,
+   eager and under ``torch.compile``, with the formula planner's peak beside each.
+5. ``nccl``: a 1-GPU NCCL process-group init + all_reduce smoke test.
+
+Writes one JSON file and a short markdown summary beside it (.md). It has not run on a GPU yet
+(no GPU was available where it was written).
+
+Each configuration of ``configs``: build ``BertMLM`` (labkit/model/encoder.py), AdamW as ``train`` builds it, one step
 at micro-batch 1 so the optimiser state exists, then ``largest_fitting`` finds the largest
 micro-batch whose whole step (bf16 autocast forward/backward through ``train.forward_backward``,
 global-norm clip, AdamW step) runs without ``torch.cuda.OutOfMemoryError``, emptying the CUDA
@@ -16,12 +27,14 @@ tokens/s counts every token (the random batches hold no padding); MFU = tokens/s
 ``flops_per_token`` / peak (``measure.mfu``, PEAK_FLOPS; None for an unlisted GPU).
 
 CPU mode (``--device cpu``, tiny sizes) exists so the flow is tested without a GPU: nothing runs
-out of memory there, so ``--limit`` caps the search.
+out of memory there, so ``--limit`` caps the search; ``plan`` is skipped (no allocator to compare).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime
 import gc
 import json
@@ -29,6 +42,7 @@ import os
 import pathlib
 import socket
 import sys
+import tempfile
 import time
 
 import torch
@@ -166,7 +180,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--budget-s", type=float, default=400.0, help="skip configurations started after this")
     p.add_argument("--compile-modes", default="0,1",
                    help="0: eager (with the micro-batch search), 1: torch.compile at eager's timed micro-batch")
+    p.add_argument("--checks", default="plan,flops,resume,configs,nccl", help="which checks run (module docstring)")
+    p.add_argument("--flops-models", default="bert-120m", help="models of the flops check")
+    p.add_argument("--resume-model", default="mini", help="model of the resume check")
     args = p.parse_args(argv)
+    checks = set(args.checks.split(","))
     t_start = time.perf_counter()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -176,8 +194,22 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "cuda": torch.version.cuda, "results": []}
+    skipped = {"skipped": "not in --checks"}
+    seq = int(args.seq_lens.split(",")[-1])
+    report["planner_check"] = planner_check(device, args.vocab, seq) if "plan" in checks else skipped
+    print(json.dumps({"planner_check": report["planner_check"]}, default=str), flush=True)
+    report["flops_check"] = flops_check(device, args.flops_models.split(","), args.vocab, seq) \
+        if "flops" in checks else skipped
+    print(json.dumps({"flops_check": report["flops_check"]}), flush=True)
+    if "resume" in checks:
+        with tempfile.TemporaryDirectory() as tmp:
+            report["resume_check"] = resume_check(device, pathlib.Path(tmp), args.resume_model)
+    else:
+        report["resume_check"] = skipped
+    print(json.dumps({"resume_check": report["resume_check"]}), flush=True)
     timed: dict[tuple[str, int], int] = {}  # eager's timed micro-batch, reused by the compiled run
-    for compile_ in (m == "1" for m in args.compile_modes.split(",")):  # all eager configurations first
+    compile_modes = args.compile_modes.split(",") if "configs" in checks else []
+    for compile_ in (m == "1" for m in compile_modes):  # all eager configurations first
         for name in args.models.split(","):
             for seq in map(int, args.seq_lens.split(",")):
                 if time.perf_counter() - t_start > args.budget_s:
@@ -193,8 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
                         timed[(name, seq)] = rec["timed_micro_batch"]
                 report["results"].append(rec)
                 print(json.dumps(rec), flush=True)
-    report["nccl"] = nccl_smoke() if device.type == "cuda" else {"skipped": "no CUDA device"}
-    report["planner_check"] = planner_check(device)
+    report["nccl"] = (nccl_smoke() if device.type == "cuda" else {"skipped": "no CUDA device"}) \
+        if "nccl" in checks else skipped
     report["wall_s"] = round(time.perf_counter() - t_start, 1)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -206,14 +238,80 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def planner_check(device: torch.device) -> list[dict] | dict:
-    """``labkit.study.gpu.gpu_memory_check`` (planned peak against ``max_memory_allocated`` with the
-    optimiser training builds) on CUDA; {"skipped": ...} elsewhere."""
+def planner_check(device: torch.device, vocab: int = 32768, seq_len: int = 512) -> dict:
+    """Check 1: ``study.gpu.plan_model_check`` for bert-120m, bert-350m and BertForMaskedLM (SDPA)
+    at two micro-batches each, and ``study.gpu.gpu_memory_check`` (the formula planner); on CUDA
+    only, {"skipped": ...} elsewhere."""
     if device.type != "cuda":
         return {"skipped": "no CUDA device"}
-    from labkit.study.gpu import gpu_memory_check
+    from labkit.study.gpu import gpu_memory_check, hf_bert_mlm, plan_model_check
+    from labkit.study.memory import labkit_model
 
-    return gpu_memory_check()
+    cases = [("bert-120m", *labkit_model(model_config("bert-120m", vocab), seq_len), (16, 64)),
+             ("bert-350m", *labkit_model(model_config("bert-350m", vocab), seq_len), (8, 16)),
+             ("BertForMaskedLM-sdpa", *hf_bert_mlm(seq_len), (16, 64))]
+    return {"plan_model": plan_model_check(cases), "formula": gpu_memory_check()}
+
+
+def flops_check(device: torch.device, names: list[str], vocab: int, seq_len: int) -> list[dict]:
+    """Check 2: ``study.gpu.flops_check`` for each model name with the sparse and the dense head."""
+    from labkit.study.gpu import flops_check as check
+
+    cfgs = [(f"{n} {'sparse' if s else 'dense'}", model_config(n, vocab, sparse_head=s,
+                                                                  max_position_embeddings=max(512, seq_len)))
+            for n in names for s in (True, False)]
+    return check(cfgs, seq_len=seq_len, micro_batch=4)
+
+
+def resume_check(device: torch.device, workdir: pathlib.Path, model: str = "mini") -> dict:
+    """Check 3: ZeRO-1 with fused AdamW (on CUDA) and fsdp with held-out evaluation, each stopped
+    after step 2 (checkpoint), resumed and run to step 4, bf16, in one-rank process groups (a
+    fresh port per run: re-creating a group on one port can hang, pytorch#55967). Per run:
+    {"ok", "resumed_from_step", "steps", "final_loss", "eval_loss"} or {"ok": False, "error"}."""
+    import importlib.util
+
+    from labkit.config import TrainConfig
+    from labkit.train import train
+
+    spec = importlib.util.spec_from_file_location("tiny_shards", pathlib.Path(__file__).parents[1] / "tests" /
+                                                  "tiny_shards.py")
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    shards = tiny.write_tiny_shards(workdir / "shards", n_sequences=64, seq_len=64, heldout_sequences=8)
+    out = {}
+    for sharding in ("zero1", "fsdp"):
+        run_dir = workdir / sharding
+        cfg = TrainConfig(data_dir=str(shards), run_dir=str(run_dir), model=model, micro_batch_size=8,
+                          max_steps=4, stop_after=2, warmup_steps=1, device=device.type, precision="bf16",
+                          sharding=sharding, ckpt_every=2, eval_every=2, eval_sequences=8, timeout_s=120,
+                          num_threads=4 if device.type == "cpu" else 0)
+        try:
+            for part in (cfg, dataclasses.replace(cfg, stop_after=None, resume=True)):
+                with _one_rank_env():
+                    result = train(part)
+            out[sharding] = {"ok": result["steps"] == 4 and result["resumed_from_step"] == 2,
+                             "resumed_from_step": result["resumed_from_step"], "steps": result["steps"],
+                             "final_loss": result["final_loss"], "eval_loss": result["eval_loss"]}
+        except Exception as err:  # recorded, not raised: the other checks still run
+            out[sharding] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:500]}
+    return out
+
+
+@contextlib.contextmanager
+def _one_rank_env():
+    """RANK 0 of WORLD_SIZE 1 with MASTER_ADDR/PORT (a free port) for the duration: ``train``
+    then creates (and destroys) a one-rank process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def summary_markdown(report: dict) -> str:
@@ -234,11 +332,23 @@ def summary_markdown(report: dict) -> str:
         lines.append(f"| {r['model']} | {r['seq_len']} | {r['compile']} | {num(r['max_micro_batch'], 'd')} | "
                      f"{r['timed_micro_batch']} | {num(r['step_time_s'], '.4f')} | {num(r['tokens_per_s'], ',.0f')} | "
                      f"{num(r['mfu'], '.3f')} | {num(r.get('planned_over_measured'), '.3f')} |")
-    check = report.get("planner_check")
-    lines += ["", "Planner check (`study.gpu.gpu_memory_check`): " + (
-        check.get("skipped", "") if isinstance(check, dict) else
-        "; ".join(f"{c['model']} b={c['micro_batch']}: peak ratio {c['peak_ratio']:.3f}, ok {c['ok']}" for c in check)),
-        "", f"NCCL smoke test: {report['nccl']}", ""]
+    check = report.get("planner_check") or {}
+    if "skipped" in check:
+        lines += ["", f"Planner check: {check['skipped']}"]
+    else:
+        lines += ["", "| plan_model: model | micro-batch | planned B | measured B (max_memory_allocated) | ratio | ok |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {c['model']} | {c['micro_batch']} | {c['planned']:,} | {c['measured']:,} | {c['ratio']:.3f} | "
+                  f"{c['ok']} |" for c in check.get("plan_model", [])]
+        lines += ["", "Formula planner (`study.gpu.gpu_memory_check`): " + "; ".join(
+            f"{c['model']} b={c['micro_batch']}: peak ratio {c['peak_ratio']:.3f}, ok {c['ok']}"
+            for c in check.get("formula", []))]
+    flops = report.get("flops_check")
+    lines += ["", "FLOPs per token vs FlopCounterMode: " + (flops.get("skipped", "") if isinstance(flops, dict) else
+              "; ".join(f"{f['model']}: ratio {f['ratio']:.4f}, ok {f['ok']}" for f in flops))]
+    resume = report.get("resume_check") or {}
+    lines += ["", "Resume checks: " + ("; ".join(f"{k}: {v}" for k, v in resume.items()))]
+    lines += ["", f"NCCL smoke test: {report['nccl']}", ""]
     return "\n".join(lines)
 
 

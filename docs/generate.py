@@ -24,7 +24,9 @@ blocks read the files the measuring command wrote, kept under docs/data/:
 
 Blocks: ``demo-summary`` (README.md); ``lesson1-measured``, ``lesson1-planner``, ``parallel-planner``, ``lesson2-measured``,
 ``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``,
-``lesson5-measured``, ``lesson5-planner``, ``one-story`` (docs/results.md); ``bench-model`` (docs/model.md);
+``lesson5-measured``, ``lesson5-planner`` (docs/results.md), and docs/generate_study.py's
+``tokenizer-study``, ``study-run``, ``study-loaders``, ``study-plan``, ``precision-experiment``,
+``one-story`` (docs/results.md, from configs/study.toml and the files its scripts write); ``bench-model`` (docs/model.md);
 ``bench-ddp`` (docs/training.md); ``bench-parallel`` (docs/parallelism.md); ``prep-scale``, ``prep-projection`` (docs/data_path.md).
 """
 
@@ -218,29 +220,6 @@ def lesson5_planner() -> str:
             "(`plan.memory_plan`):\n\n" + "\n".join(f"- {x}" for x in parts) + "\n")
 
 
-def one_story() -> str:
-    """study.scaling.one_story: the settings under which lessons 4 and 5 hold at once, or none."""
-    from labkit.study import scaling
-
-    t = scaling.one_story()
-    rows = ["| model | seq | precision | attention | head | planned / study micro-batch | largest MFU with "
-            "efficiency >= 0.9 at 256 GPUs on 25 GbE | same setting fits both models |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in t.iter_rows(named=True):
-        mfu = f"{r['max_mfu']:.0%} (efficiency {r['efficiency_at_max_mfu']:.2f})" if r["max_mfu"] else "none"
-        rows.append(f"| {r['model']} | {r['seq_len']} | {r['precision']} | {r['attention']} | "
-                    f"{'sparse' if r['sparse_head'] else 'dense'} | {r['planned']} / {r['study']} | {mfu} | "
-                    f"{'yes' if r['shared_by_both_models'] else 'no'} |")
-    shared = t["shared_by_both_models"].any()
-    verdict = ("Some setting reproduces both models' micro-batches; see the rows marked yes." if shared else
-               "No single setting reproduces both models' micro-batches (lesson 5), whatever the MFU or the "
-               "network, so under this planner no one setting makes both lessons hold: the two runs differed in sequence length "
-               "and precision, or a reported batch was not the memory maximum. Per model, both lessons hold "
-               "at the setting above when the achieved MFU (against the bf16 peak) is at most the value "
-               "shown.")
-    return "\n".join(rows).replace("%", " %") + "\n\n" + verdict + "\n"
-
-
 def lesson1_planner() -> str:
     """laws.check_allocation of the study's two models on its 12.5 B tokens (Chinchilla's law)."""
     from labkit.study import laws
@@ -419,12 +398,17 @@ BLOCKS = {("README.md", "demo-summary"): demo_summary,
           ("docs/results.md", "lesson4-planner"): lesson4_planner,
           ("docs/results.md", "lesson5-measured"): lesson5_measured,
           ("docs/results.md", "lesson5-planner"): lesson5_planner,
-          ("docs/results.md", "one-story"): one_story,
           ("docs/model.md", "bench-model"): bench_model,
           ("docs/training.md", "bench-ddp"): bench_ddp,
           ("docs/parallelism.md", "bench-parallel"): bench_parallel,
           ("docs/data_path.md", "prep-scale"): prep_scale,
           ("docs/data_path.md", "prep-projection"): prep_projection}
+
+
+sys.path.insert(0, str(ROOT / "docs"))
+import generate_study  # noqa: E402  (the study as its authors ran it: configs/study.toml)
+
+BLOCKS.update(generate_study.BLOCKS)
 
 
 def render(text: str, name: str, body: str) -> str:

@@ -5,7 +5,7 @@
     labkit train CONFIG              DDP training on the engines
     labkit resume RUN_DIR            continue a run from its newest checkpoint
     labkit sweep ranks|micro-batch|loaders|parallel CONFIG
-    labkit plan                      the planner's memory and scaling tables
+    labkit plan [CONFIG]             the planner's memory and scaling tables (a file's run at full size)
     labkit export RUN_DIR OUT        model + tokenizer + model card for transformers
     labkit demo | verify SHARD_DIR | report NOTEBOOK OUT.html
 
@@ -26,7 +26,8 @@ import shlex
 import sys
 
 EXAMPLES = {
-    "prepare": "labkit prepare configs/walkthrough.toml --set corpus.max_functions=20000",
+    "prepare": "labkit prepare configs/walkthrough.toml --set corpus.max_functions=20000\n"
+               "  labkit prepare configs/study.toml --scaled-down",
     "stage": "labkit stage configs/walkthrough.toml",
     "train": "labkit train configs/walkthrough.toml --set train.max_steps=200 --engines 2\n"
              "  labkit train configs/walkthrough.toml --tp 2 --set train.sharding=replicate",
@@ -35,7 +36,8 @@ EXAMPLES = {
              "  labkit sweep micro-batch configs/walkthrough.toml --models mini small --budget-gb 2\n"
              "  labkit sweep loaders configs/walkthrough.toml --workers 0 1 2 --step-time-s 0.05\n"
              "  labkit sweep parallel configs/walkthrough.toml --micro-batches 4 --steps 8",
-    "plan": 'labkit plan --model bert-350m --gpus 256 --micro-batch 16 --seq-len 512 --device "H100 NVL"',
+    "plan": 'labkit plan --model bert-350m --gpus 256 --micro-batch 16 --seq-len 512 --device "H100 NVL"\n'
+            '  labkit plan configs/study.toml --device "H100 NVL"',
     "export": "labkit export work/walkthrough/runs/main work/walkthrough/export",
     "demo": "labkit demo --workdir work/demo --engines 2",
     "verify": "labkit verify work/demo/shards",
@@ -98,7 +100,7 @@ def _config(args: argparse.Namespace):
             overrides.append(f"cluster.{key}={json.dumps(value)}")
     if getattr(args, "slurm", False):
         overrides.append('cluster.kind="slurm"')
-    return load(args.config, overrides)
+    return load(args.config, overrides, scaled_down=getattr(args, "scaled_down", False))
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -175,6 +177,9 @@ def _add_common(p: argparse.ArgumentParser, *, config: bool = True, cluster: boo
         p.add_argument("config", help="TOML config file (see configs/walkthrough.toml)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config key (TOML value, else a string); repeatable")
+    if config:
+        p.add_argument("--scaled-down", action="store_true",
+                       help="apply the file's scaled_down overrides first (configs/study.toml: its run on 2 CPU engines)")
     if cluster:
         g = p.add_argument_group("cluster (default: local engines, as the notebooks)")
         g.add_argument("--engines", type=int, default=None, help="number of engines (default: [cluster] engines)")
@@ -231,16 +236,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rerun points already in the sweep's table")
     p.set_defaults(func=_command("sweep"))
     p = _sub(sub, "plan", "the planner's memory per GPU, parallel splits and scaling for a model and cluster", debug)
-    p.add_argument("--model", default="bert-120m", help="model preset (labkit.model.MODEL_SIZES)")
-    p.add_argument("--gpus", type=int, default=256, help="GPUs in all")
-    p.add_argument("--gpus-per-node", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--micro-batch", type=int, default=16, help="sequences per GPU per step")
-    p.add_argument("--device", default="H100 NVL", help="a labkit.study.plan.DEVICES name")
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("config", nargs="?", default=None,
+                   help="plan this TOML file's [train] model on its [plan] cluster (configs/study.toml)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="with CONFIG: override one config key; repeatable")
+    p.add_argument("--model", default=None, help="model preset (labkit.model.MODEL_SIZES; default bert-120m)")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs in all (default 256)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="default 2")
+    p.add_argument("--seq-len", type=int, default=None, help="default 512, or CONFIG's [shards] seq_len")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="sequences per GPU per step (default 16, or CONFIG's micro_batch_size)")
+    p.add_argument("--device", default=None,
+                   help="a labkit.study.plan.DEVICES name, or cpu (with --budget-gb); default H100 NVL")
+    p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32"),
+                   help="default bf16, or CONFIG's [train] precision")
     p.add_argument("--vocab-size", type=int, default=None, help="default: the study's vocabulary")
-    p.add_argument("--network", default="25GbE", help="a labkit.study.scaling.NETWORKS name")
+    p.add_argument("--network", default=None, help="a labkit.study.scaling.NETWORKS name (default 25GbE)")
+    p.add_argument("--count", action="store_true",
+                   help="with CONFIG: count what the step keeps (study.memory.plan_model; a minute or more on a CPU) "
+                        "instead of the formula planner")
+    p.add_argument("--out", default=None, help="with CONFIG: also write the JSON summary to this file")
     p.add_argument("--top", type=int, default=8, help="splits shown")
+    g = p.add_argument_group("your own model (labkit.study.memory.plan_model: counted, not estimated)")
+    g.add_argument("--model-module", default=None, metavar="FILE.py:FACTORY",
+                   help="FACTORY(seq_len=...) returns (make_model, make_batch); see tests/plain_encoder.py")
+    g.add_argument("--budget-gb", type=float, default=None, help="memory per rank in GB (default: the device's)")
+    g.add_argument("--sharding", default="ddp", choices=("none", "ddp", "zero1", "fsdp"))
+    g.add_argument("--dp", type=int, default=1, help="data-parallel ranks the state is sharded over")
     p.set_defaults(func=_command("plan"))
     p = _sub(sub, "export", "write a run's model, tokenizer and model card for transformers", debug)
     p.add_argument("run_dir")

@@ -164,14 +164,98 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
     return 0
 
 
+def load_model_module(spec: str, **factory_kw) -> tuple[Any, Any]:
+    """``(make_model, make_batch)`` from ``"FILE.py:FACTORY"``: the file is imported under its
+    own name and ``FACTORY(**factory_kw)`` is called (e.g. ``seq_len``). ValueError naming the
+    problem (no ':', no such function, a factory that does not return two callables);
+    FileNotFoundError for a missing file."""
+    import importlib.util
+
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or not name:
+        raise ValueError(f"model_module: expected FILE.py:FACTORY, got {spec!r}")
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"model_module: {file} does not exist")
+    module_spec = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.path.insert(0, str(file.resolve().parent))  # the file may import its neighbours
+    try:
+        module_spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(file.resolve().parent))
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise ValueError(f"model_module: {file} has no function {name!r}")
+    made = factory(**factory_kw)
+    if not (isinstance(made, tuple) and len(made) == 2 and all(callable(f) for f in made)):
+        raise ValueError(f"model_module: {name}() must return (make_model, make_batch), got {type(made).__name__}")
+    return made
+
+
+def print_plan_model(p: dict[str, Any], *, label: str = "") -> None:
+    """``labkit.study.memory.plan_model``'s answer as a readable table: the max micro-batch, the
+    terms behind it (state, activations, transients, each with its bytes), FLOPs per token,
+    and what the count corrected for the device."""
+    gb = 1e9
+    at = max(p["max_micro_batch"], 1)
+    st, act, tr = p["state_terms"], p["activation_terms"], p["transient_terms"]
+    rows = [("state: parameters", st["params"]), ("state: gradients", st["grads"]),
+            ("state: DDP buckets (beside the gradients)", st["buckets"]),
+            (f"state: {p['optimizer']} state", st["optimizer"]), ("state: optimiser steps", st["optimizer_steps"]),
+            ("activations: per sequence", act["per_sequence"]), ("activations: fixed", act["fixed"]),
+            ("  of which autocast weight copies", act["autocast_weight_copies"]),
+            ("transient: held outputs per sequence", tr["held_outputs_per_sequence"]),
+            ("transient: backward temporaries per sequence", tr["backward_per_sequence"]),
+            ("transient: backward temporaries fixed", tr["backward_fixed"]),
+            ("transient: FSDP gathered units", tr["fsdp_gathered"]),
+            (f"transient: {p['optimizer_impl']} optimiser step", tr["optimizer_step"])]
+    print(f"plan_model {label}{p['model']} on {p['device']}, {p['precision']}, {p['sharding']} over {p['dp']} "
+          f"rank(s) (ZeRO stage {p['zero_stage']}), seq {p['seq_len']}, {p['params'] / 1e6:.1f} M parameters, "
+          f"counted on {p['method']}")
+    width = max(len(r[0]) for r in rows)
+    print(f"{'term':<{width}}  {'bytes':>16}  {'GB':>9}")
+    for name, value in rows:
+        print(f"{name:<{width}}  {value:>16,}  {value / gb:>9.3f}")
+    print(f"{'total at micro-batch ' + str(at):<{width}}  {p['total_bytes']:>16,}  {p['total_bytes'] / gb:>9.3f}")
+    print(f"{'capacity':<{width}}  {p['capacity_bytes']:>16,}  {p['capacity_bytes'] / gb:>9.3f}")
+    check = (f"verified by counting at {p['verified']['micro_batch']} and {p['verified']['micro_batch'] + 1}"
+             if p["verified"] else "linear from the counts at b = 2, 3 (not counted at the answer)")
+    print(f"max micro-batch: {p['max_micro_batch']} ({check})")
+    print(f"FLOPs per token (forward + backward, FlopCounterMode): {p['flops_per_token']:,.0f}")
+    for line in p["corrections"]:
+        print(f"  corrected: {line}")
+    if p["fake_refused"]:
+        print(f"  CPU tensors because fake tensors could not run the model: {p['fake_refused']}")
+
+
 def plan(args) -> int:
     """The planner at a chosen scale (notebook 04's second half): memory per GPU term by term
     under plain data parallelism, the dp x tp x pp x ZeRO splits that fit, and the predicted
-    data-parallel scaling from 1 GPU to ``args.gpus``. No cluster needed."""
+    data-parallel scaling from 1 GPU to ``args.gpus``. No cluster needed. With a CONFIG file,
+    ``plan_config`` plans that file's run instead; with ``args.model_module`` ("FILE.py:FACTORY")
+    it counts a user's own model (``labkit.study.memory.plan_model``) and prints
+    ``print_plan_model``'s table."""
     from labkit.study import plan as lp
     from labkit.study import parallel, scaling
     from labkit.model import model_config
 
+    if getattr(args, "config", None):
+        return plan_config(args)
+    defaults = {"model": "bert-120m", "gpus": 256, "gpus_per_node": 2, "seq_len": 512, "micro_batch": 16,
+                "device": "H100 NVL", "precision": "bf16", "network": "25GbE"}
+    for key, value in defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if getattr(args, "model_module", None):
+        from labkit.study.memory import plan_model
+
+        make_model, make_batch = load_model_module(args.model_module, seq_len=args.seq_len)
+        budget = int(args.budget_gb * 1e9) if args.budget_gb else None
+        p = plan_model(make_model, make_batch, device=args.device, precision=args.precision, budget_bytes=budget,
+                       sharding=args.sharding, dp=args.dp)
+        print_plan_model(p, label=f"{args.model_module}: ")
+        return 0
     cfg = model_config(args.model, args.vocab_size or lp.STUDY_VOCAB,
                        max_position_embeddings=max(512, args.seq_len))
     mem = lp.memory_plan(cfg, seq_len=args.seq_len, micro_batch=args.micro_batch, precision=args.precision,
@@ -192,6 +276,76 @@ def plan(args) -> int:
                                   gpus_per_node=args.gpus_per_node)
     print(f"predicted data-parallel scaling over {args.network}, {args.gpus_per_node} GPUs per node:")
     _print_table(table)
+    return 0
+
+
+def plan_config(args) -> int:
+    """``labkit plan CONFIG``: the file's [train] model (preset + model_overrides) at its
+    micro-batch, sequence length and precision, on the [plan] device, GPUs and network (each
+    also an option of the command; the vocabulary: [plan] vocab_size, else the work
+    directory's shards). Prints the memory per GPU term by term, the largest micro-batch that
+    fits (``study.plan.planned_max_micro_batch``; with ``--count`` the count of what the step
+    keeps, ``study.memory.plan_model``) beside the file's, and the precision experiment
+    (``study.scaling.precision_experiment``: step time and DP efficiency at 1..gpus in fp32,
+    TF32 and bf16), then one JSON summary (also written to ``--out``)."""
+    from labkit.config.tomlfile import load
+    from labkit.data.shards import read_index
+    from labkit.study import plan as lp
+    from labkit.study import scaling
+    from labkit.train.run_config import model_config_of
+
+    lab = load(args.config, args.set)
+    pc = dataclasses.replace(lab.plan, **{k: v for k, v in (("device", args.device), ("gpus", args.gpus),
+                                                            ("gpus_per_node", args.gpus_per_node),
+                                                            ("network", args.network),
+                                                            ("vocab_size", args.vocab_size)) if v is not None})
+    vocab = pc.vocab_size or int(read_index(pathlib.Path(lab.workdir) / "shards")["vocab_size"])
+    cfg = model_config_of(lab.train, vocab)
+    seq_len, batch = args.seq_len or lab.shards.seq_len, args.micro_batch or lab.train.micro_batch_size
+    precision = args.precision or lab.train.precision
+    attention = "eager" if cfg.attention_backend == "eager" else "flash"
+    mem = lp.memory_plan(cfg, seq_len=seq_len, micro_batch=batch, precision=precision, attention=attention,
+                         dp=pc.gpus)
+    if getattr(args, "count", False):  # count what the step keeps (any model; about a minute on a CPU)
+        from labkit.study import memory
+
+        make_model, make_batch = memory.labkit_model(cfg, seq_len, mlm_probability=lab.train.mlm_probability)
+        fit = memory.plan_model(make_model, make_batch, device=pc.device, precision=precision, sharding="ddp",
+                                dp=pc.gpus)
+        method = "counted (study.memory.plan_model)"
+    else:
+        fit = lp.planned_max_micro_batch(cfg, device=pc.device, seq_len=seq_len, precision=precision,
+                                         attention=attention, dp=pc.gpus)
+        method = "planned (study.plan.planned_max_micro_batch)"
+    cap = lp.device_info(pc.device)["memory_bytes"]
+    print(f"{args.config}: {lab.train.model} + model_overrides, vocabulary {vocab}, seq {seq_len} "
+          f"({lab.shards.packing}), {precision}, {attention} attention, DDP over {pc.gpus} GPUs on {pc.device}")
+    print(f"memory per GPU at micro-batch {batch}:")
+    _print_json(mem | {"fits": mem["total"] <= cap})
+    gpus = tuple(g for g in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if g <= pc.gpus)
+    table = scaling.precision_experiment(cfg, micro_batch=batch, seq_len=seq_len, device=pc.device,
+                                         network=pc.network, gpus=gpus, gpus_per_node=pc.gpus_per_node, mfu=pc.mfu)
+    print(f"planned data-parallel efficiency over {pc.network} at micro-batch {batch}, {pc.mfu:.0%} of each "
+          "precision's dense peak:")
+    _print_table(table.pivot(on="precision", index="n_gpus", values="efficiency"))
+    table_summary = scaling.precision_summary(table, mfu=pc.mfu)
+    _print_table(table_summary)
+    rows = list(table_summary.iter_rows(named=True))
+    best = fit["max_micro_batch"]
+    eff = {r["precision"]: round(r["efficiency"], 3) for r in rows}
+    print(f"max micro-batch ({precision}, {method}): {best} (the file's micro_batch_size {batch}: "
+          f"{(best - batch) / batch:+.1%}); planned {pc.network} DP efficiency at {gpus[-1]} GPUs: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in eff.items()))
+    summary = {"config": str(args.config), "max_micro_batch": best, "method": method, "micro_batch_size": batch,
+               "within_10pct": abs(best - batch) <= 0.1 * batch, "efficiency_at_max_gpus": eff,
+               "n_gpus": gpus[-1], "network": pc.network,
+               "network_limit_from_n": {r["precision"]: r["first_exposed_n"] for r in rows},
+               "break_even_mfu": {r["precision"]: round(r["break_even_mfu"], 3) for r in rows}}
+    _print_json(summary)
+    if getattr(args, "out", None):
+        from labkit.io import atomic_write_json
+
+        atomic_write_json(pathlib.Path(args.out), summary)
     return 0
 
 

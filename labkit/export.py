@@ -62,22 +62,26 @@ def _model_config(cfg: TrainConfig, result: dict | None) -> ModelConfig:
 
 def hf_tokenizer_files(tokenizer_path: str | os.PathLike, *, model_max_length: int) -> dict[str, str]:
     """``{file name: text}`` of the tokenizer files transformers reads, from a labkit
-    ``tokenizer.json``. Raises ValueError if the tokenizer lacks SPECIAL_TOKENS at ids 0..4."""
+    ``tokenizer.json``; [NEXT] (when the tokenizer has it) is an additional special token. Raises
+    ValueError if the tokenizer lacks SPECIAL_TOKENS at ids 0..5 (0..4 before [NEXT]:
+    ``labkit.data.tokenize.special_ids``)."""
     from tokenizers import Tokenizer, processors
 
+    from labkit.data.tokenize import special_ids
+
     tok = Tokenizer.from_file(str(tokenizer_path))
-    for i, name in enumerate(SPECIAL_TOKENS):
-        if tok.token_to_id(name) != i:
-            raise ValueError(f"tokenizer: {tokenizer_path} has {name} at id {tok.token_to_id(name)}, not {i}")
+    names = dict(SPECIAL_NAMES)
+    if "[NEXT]" in special_ids(tok, name=f"tokenizer: {tokenizer_path}"):
+        names["additional_special_tokens"] = ["[NEXT]"]
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", SPECIAL_TOKENS.index("[CLS]")), ("[SEP]", SPECIAL_TOKENS.index("[SEP]"))])
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
               "model_input_names": ["input_ids", "token_type_ids", "attention_mask"],
-              "clean_up_tokenization_spaces": False, **SPECIAL_NAMES}
+              "clean_up_tokenization_spaces": False, **names}
     return {"tokenizer.json": tok.to_str(pretty=True),
             "tokenizer_config.json": json.dumps(config, indent=2) + "\n",
-            "special_tokens_map.json": json.dumps(SPECIAL_NAMES, indent=2) + "\n"}
+            "special_tokens_map.json": json.dumps(names, indent=2) + "\n"}
 
 
 def model_card(cfg: TrainConfig, mcfg: ModelConfig, result: dict | None, step: int) -> str:

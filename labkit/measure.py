@@ -1,6 +1,7 @@
 """Measurements, each defined once (docs/measurement.md).
 
 - tokens/s: real (non-[PAD]) tokens processed by all ranks per second of step time.
+- packing efficiency: real tokens / positions computed (sequences x sequence length).
 - samples/s: sequences processed by all ranks per second of step time.
 - data-wait fraction: time a rank waits for its next batch / step time.
 - MFU: achieved FLOP/s / (number of GPUs x dense peak FLOP/s of one GPU), with FLOPs per token
@@ -35,23 +36,34 @@ PEAK_FLOPS: dict[tuple[str, str], float] = {
     ("H100 SXM", "fp16"): 989e12,
     ("H100 NVL", "bf16"): 835.5e12,
     ("H100 NVL", "fp16"): 835.5e12,
+    # fp32 on the CUDA cores (no tensor cores: torch's default float32_matmul_precision "highest")
+    # and TF32 on the tensor cores (half of the with-sparsity figure), same page (C2)
+    ("H100 SXM", "fp32"): 67e12,
+    ("H100 SXM", "tf32"): 494.5e12,
+    ("H100 NVL", "fp32"): 60e12,
+    ("H100 NVL", "tf32"): 417.5e12,
     ("H200", "bf16"): 989e12,  # same tensor-core arithmetic as H100 SXM
     ("H200", "fp16"): 989e12,
+    # NVIDIA's H200 page, H200 NVL column: BF16/FP16 Tensor Core 1,671 TFLOPS with sparsity (600 W
+    # PCIe card; the H100 NVL's figure too), not the SXM module's 1,979
+    ("H200 NVL", "bf16"): 835.5e12,
+    ("H200 NVL", "fp16"): 835.5e12,
     ("A100", "bf16"): 312e12,
     ("A100", "fp16"): 312e12,
 }
-"""(device kind, autocast dtype) -> dense peak FLOP/s of one GPU. fp32 runs have no entry (their
-peak depends on TF32 settings), so their MFU is None."""
+"""(device kind, precision) -> dense peak FLOP/s of one GPU. "fp32" is true fp32 on the CUDA
+cores (TF32 off, torch's default), "tf32" fp32 tensors with TF32 matmuls on the tensor cores;
+devices without an fp32 entry give fp32 runs an MFU of None."""
 
 
 def device_kind(name: str) -> str | None:
     """Map a CUDA device name (``torch.cuda.get_device_name``) to a ``PEAK_FLOPS`` device kind,
     or None when it is not in the table. E.g. "NVIDIA H100 80GB HBM3" -> "H100 SXM",
-    "NVIDIA H100 NVL" -> "H100 NVL", "NVIDIA H200" -> "H200", "NVIDIA A100-SXM4-80GB" -> "A100".
-    The H100 PCIe (a lower peak) is deliberately not matched."""
+    "NVIDIA H100 NVL" -> "H100 NVL", "NVIDIA H200" -> "H200", "NVIDIA H200 NVL" -> "H200 NVL",
+    "NVIDIA A100-SXM4-80GB" -> "A100". The H100 PCIe (a lower peak) is deliberately not matched."""
     upper = name.upper()
     if "H200" in upper:
-        return "H200"
+        return "H200 NVL" if "NVL" in upper else "H200"
     if "H100" in upper:
         if "NVL" in upper:
             return "H100 NVL"
@@ -77,6 +89,15 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 def tokens_per_s(real_tokens_all_ranks: int | float, step_time_s: float) -> float:
     """Real (non-pad) tokens summed over all ranks / step time in seconds (docs/measurement.md)."""
     return float(real_tokens_all_ranks) / step_time_s
+
+
+def packing_efficiency(real_tokens: int | float, sequences: int, seq_len: int) -> float:
+    """Real (non-[PAD]) tokens / positions computed, ``sequences * seq_len`` (docs/measurement.md):
+    1.0 for full packed rows, the mean document length / seq_len for padded ones. Raises
+    ValueError when there are no positions."""
+    if sequences < 1 or seq_len < 1:
+        raise ValueError(f"sequences / seq_len: must be positive, got {sequences} / {seq_len}")
+    return float(real_tokens) / (sequences * seq_len)
 
 
 def samples_per_s(sequences_all_ranks: int | float, step_time_s: float) -> float:

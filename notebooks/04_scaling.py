@@ -212,3 +212,35 @@ pl.DataFrame(summary)
 
 # %%
 scaling.one_story()
+
+# %% [markdown]
+# ## The study as its authors ran it: precision explains lesson 4
+# The authors' code (configs/study.toml: undertale-re/undertale at be7ec98) trains the 120M model
+# in fp32 (Lightning's default, no TF32) at 184 functions of 512 tokens per GPU. The same model,
+# batch and 25 GbE network, planned in three precisions (`labkit.study.scaling.precision_experiment`,
+# each at the file's [plan] mfu of its own dense peak: fp32 60, TF32 417.5, bf16 835.5 TFLOP/s on
+# an H100 NVL): a slow fp32 step hides the all-reduce of its fp32 gradients behind backward, a
+# tensor-core step does not.
+
+# %%
+import pathlib
+
+import labkit
+from labkit.config.tomlfile import load as load_config
+from labkit.train.run_config import model_config_of
+
+study = load_config(pathlib.Path(labkit.__file__).resolve().parent.parent / "configs" / "study.toml")
+study_model = model_config_of(study.train, study.plan.vocab_size)
+precisions = scaling.precision_experiment(study_model, micro_batch=study.train.micro_batch_size,
+                                          seq_len=study.shards.seq_len, device=study.plan.device,
+                                          network=study.plan.network, gpus_per_node=study.plan.gpus_per_node,
+                                          mfu=study.plan.mfu)
+fig = plots.efficiency_figure(precisions.with_columns(label=pl.col("precision")),
+                              title=f"The study's 120M model, micro-batch {study.train.micro_batch_size}, "
+                                    f"{study.plan.network}: efficiency per precision")
+fig.add_hrect(y0=0.9, y1=1.0, fillcolor="green", opacity=0.12, line={"width": 1, "color": "green"},
+              annotation_text="the study: near-linear to 256 GPUs", annotation_position="bottom left")
+fig
+
+# %%
+scaling.precision_summary(precisions, mfu=study.plan.mfu)

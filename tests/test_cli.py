@@ -99,6 +99,35 @@ def test_plan_prints_the_planners_numbers(capsys):
     assert "splits that fit" in out and "predicted data-parallel scaling" in out and "efficiency" in out
 
 
+def test_plan_counts_a_model_defined_in_a_users_file(tmp_path, capsys):
+    """A model labkit did not write, from a file: its max micro-batch and the terms behind it,
+    the same numbers plan_model gives; a bad FILE:FACTORY is one line and exit 2."""
+    from labkit.study.memory import plan_model
+
+    user = tmp_path / "my_model.py"
+    user.write_text("from plain_encoder import factory as plain\n"
+                    "def factory(seq_len):\n"
+                    "    return plain(seq_len=seq_len, vocab=300, hidden=32, layers=1, heads=2, ffn=64)\n")
+    args = ["plan", "--model-module", f"{user}:factory", "--seq-len", "32", "--precision", "fp32", "--device", "cpu",
+            "--budget-gb", "0.05"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    import sys
+    import pathlib
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    from plain_encoder import factory
+
+    p = plan_model(*factory(seq_len=32, vocab=300, hidden=32, layers=1, heads=2, ffn=64), device="cpu",
+                   precision="fp32", budget_bytes=int(0.05e9))
+    assert f"max micro-batch: {p['max_micro_batch']} (verified by counting" in out
+    assert f"{p['activation_bytes_per_sequence']:,}" in out and "state: adamw state" in out
+    assert main(["plan", "--model-module", f"{user}:nope", "--device", "cpu", "--budget-gb", "1"]) == 2
+    assert "has no function 'nope'" in capsys.readouterr().err
+    assert main(["plan", "--model-module", str(user), "--device", "cpu", "--budget-gb", "1"]) == 2
+    assert "FILE.py:FACTORY" in capsys.readouterr().err
+
+
 def _notebook(path, *cells):
     import nbformat
 

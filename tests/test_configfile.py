@@ -59,7 +59,7 @@ def test_set_overrides_parse_toml_values_else_strings(cfg_file):
     ("train.resume=1", "train.resume: expected bool, got 1"),
     ("corpus.paths=[1]", "corpus.paths[0]: expected str, got 1"),
     ("clean.near_dedup.bands=x", "clean.near_dedup.bands: expected int, got 'x'"),
-    ("trainer.lr=1", "trainer: unknown key; known top-level keys are workdir and the sections cluster"),
+    ("trainer.lr=1", "trainer: unknown key; known top-level keys are workdir, scaled_down and the sections cluster"),
     ("cluster.engines=0", "cluster.engines: must be at least 1, got 0"),
     ("train", "--set 'train': expected section.key=value"),
 ])
@@ -87,3 +87,19 @@ def test_run_config_reads_back_without_provenance(tmp_path):
         read_run_config(tmp_path, ["corpus.max_functions=1"])
     with pytest.raises(FileNotFoundError, match="is not a run directory"):
         read_run_config(tmp_path / "elsewhere")
+
+
+def test_every_shipped_config_loads_and_the_study_scales_down():
+    import pathlib
+
+    for path in sorted(pathlib.Path("configs").glob("*.toml")):
+        load(path)
+    full, small = load("configs/study.toml"), load("configs/study.toml", ["train.max_steps=7"], scaled_down=True)
+    assert (full.train.micro_batch_size, full.shards.packing, full.tokenizer.kind) == (184, "padded", "instruction")
+    assert full.scaled_down == small.scaled_down and len(small.scaled_down) >= 5
+    assert small.train.model == "mini" and small.train.max_steps == 7  # --set after the file's own overrides
+    assert small.train.model_overrides == full.train.model_overrides and small.shards == full.shards
+    with pytest.raises(ValueError, match="^scaled_down: configs/walkthrough.toml names no scaled-down overrides"):
+        load("configs/walkthrough.toml", scaled_down=True)
+    with pytest.raises(ValueError, match=r"^plan\.mfu: must be in \(0, 1\]"):
+        load("configs/study.toml", ["plan.mfu=2.0"])

@@ -32,7 +32,8 @@ def test_cpu_flow_with_fake_oom(tmp_path, monkeypatch):
     torch.set_num_threads(1)
     out = tmp_path / "gpu.json"
     report = gpu_check.main(["--device", "cpu", "--models", "tiny", "--seq-lens", "32,64", "--vocab", "96", "--compile-modes", "0",
-                             "--limit", "64", "--steps", "2", "--warmup", "1", "--out", str(out)])
+                             "--limit", "64", "--steps", "2", "--warmup", "1", "--out", str(out),
+                             "--flops-models", "tiny", "--resume-model", "tiny"])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     first, second = report["results"]
     assert (first["seq_len"], first["max_micro_batch"], first["timed_micro_batch"]) == (32, 5, 4)
@@ -41,6 +42,12 @@ def test_cpu_flow_with_fake_oom(tmp_path, monkeypatch):
     assert first["mfu"] is None and first["peak_flops"] is None
     assert first["tokens_per_s"] == pytest.approx(4 * 32 / first["step_time_s"])
     assert report["nccl"] == {"skipped": "no CUDA device"} and report["planner_check"] == {"skipped": "no CUDA device"}
+    # the new checks run their CPU stand-ins: FLOPs against FlopCounterMode (math-path attention),
+    # ZeRO-1 and fsdp (gloo, one rank) saved at step 2, resumed and finished at 4
+    assert [f["model"] for f in report["flops_check"]] == ["tiny sparse", "tiny dense"]
+    assert all(f["ok"] for f in report["flops_check"]), report["flops_check"]
+    assert all(r["ok"] and r["resumed_from_step"] == 2 for r in report["resume_check"].values()), report["resume_check"]
+    assert report["resume_check"]["fsdp"]["eval_loss"] > 0
     from labkit.study import plan
     from labkit.model import model_config
 
@@ -60,12 +67,16 @@ def test_compiled_runs_reuse_the_eager_micro_batch_and_the_planner_check_is_summ
                 "planned_over_measured": 1.02}
 
     monkeypatch.setattr(gpu_check, "check_config", fake_check)
-    monkeypatch.setattr(gpu_check, "planner_check", lambda device: [
-        {"model": "bert-120m", "micro_batch": 64, "peak_ratio": 0.97, "ok": True}])
-    report = gpu_check.main(["--device", "cpu", "--models", "a,b", "--seq-lens", "128", "--out", str(tmp_path / "g.json")])
+    monkeypatch.setattr(gpu_check, "planner_check", lambda device, vocab, seq: {
+        "plan_model": [{"model": "BertForMaskedLM-sdpa", "micro_batch": 16, "planned": 10, "measured": 11,
+                        "ratio": 10 / 11, "ok": True}],
+        "formula": [{"model": "bert-120m", "micro_batch": 64, "peak_ratio": 0.97, "ok": True}]})
+    report = gpu_check.main(["--device", "cpu", "--models", "a,b", "--seq-lens", "128", "--out", str(tmp_path / "g.json"),
+                             "--checks", "plan,configs"])
     assert calls == [("a", 128, False, None), ("b", 128, False, None), ("a", 128, True, 32), ("b", 128, True, 32)]
     md = (tmp_path / "g.md").read_text()
     assert "bert-120m b=64: peak ratio 0.970, ok True" in md and "| a | 128 | True | n/a | 32 |" in md
+    assert "| BertForMaskedLM-sdpa | 16 | 10 | 11 | 0.909 | True |" in md
     assert len(report["results"]) == 4
 
 

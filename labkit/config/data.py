@@ -200,10 +200,13 @@ class CleanConfig:
 class TokenizerConfig:
     """A subword tokenizer trained with HF tokenizers on a sample of the cleaned documents."""
 
-    kind: Literal["wordpiece", "bpe", "unigram"] = "wordpiece"
-    """WordPiece (BERT), byte-level BPE (GPT-2/RoBERTa) or Unigram (SentencePiece)."""
+    kind: Literal["wordpiece", "bpe", "unigram", "instruction"] = "wordpiece"
+    """WordPiece (BERT), byte-level BPE (GPT-2/RoBERTa), Unigram (SentencePiece), or the study's
+    tokenizer for disassembly: mnemonics, registers and operand syntax kept whole, immediates in
+    decimal through a BPE, [NEXT] between instructions (``labkit.data.instructions``)."""
     vocab_size: int = 8192
-    """Target vocabulary size, special tokens included."""
+    """Target vocabulary size, special tokens included. "instruction": the size of the BPE over
+    the immediates (the study's 4096); every other piece seen in training is added on top."""
     min_frequency: int = 2
     """Pairs/pieces seen fewer times than this are not merged into the vocabulary."""
     max_train_docs: int = 50_000
@@ -225,7 +228,7 @@ class TokenizerConfig:
     def __post_init__(self) -> None:
         _require(self.held_out_docs >= 0, "held_out_docs", "must be >= 0")
         _require(self.max_word_chars > 0, "max_word_chars", "must be positive")
-        _one_of(self.kind, "kind", ("wordpiece", "bpe", "unigram"))
+        _one_of(self.kind, "kind", ("wordpiece", "bpe", "unigram", "instruction"))
         _require(self.vocab_size > len(SPECIAL_TOKENS), "vocab_size",
                  f"must exceed the {len(SPECIAL_TOKENS)} special tokens {SPECIAL_TOKENS}")
 
@@ -236,6 +239,13 @@ class ShardConfig:
 
     seq_len: int = 128
     """Tokens per sequence, [CLS] included."""
+    packing: Literal["packed", "padded"] = "packed"
+    """How documents become rows (``labkit.data.pack``). "packed": documents back to back, each
+    followed by [SEP], cut into rows of seq_len - 1 after a [CLS] (HF run_mlm.py's grouping); a
+    row holds several documents, which attend to each other (no block-diagonal mask). "padded":
+    the study's samples (undertale be7ec98, tokenizer.py ``load``): one document per row, its
+    first seq_len ids then [PAD], no [CLS]/[SEP]; a longer document's tail is dropped (counted
+    in index.json's "packing")."""
     sequences_per_shard: int | None = None
     """Sequences per shard file (a packing group's last shard may hold fewer); None: as many as
     fit in ``shard_bytes``."""
@@ -268,6 +278,7 @@ class ShardConfig:
 
     def __post_init__(self) -> None:
         _require(self.seq_len >= 8, "seq_len", "must be at least 8")
+        _one_of(self.packing, "packing", ("packed", "padded"))
         _require(self.sequences_per_shard is None or self.sequences_per_shard > 0, "sequences_per_shard",
                  "must be positive or None")
         _require(self.shard_bytes > 0, "shard_bytes", "must be positive")

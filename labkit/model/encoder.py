@@ -10,9 +10,15 @@ in fp32 (eval mode).
 Options, one ``ModelConfig`` field each (see its docstrings): pre-norm, RMSNorm, Xavier/Kaiming
 init and depth-scaled residual init, rotary positions, GEGLU/SwiGLU, no biases, dropout, and the
 attention families of ``labkit.model.attention`` (sliding window with global layers, Linformer, linear).
+The study's model (configs/study.toml; undertale-re/undertale be7ec98,
+undertale/models/item/model.py) is a set of them: instruction positions without a token type,
+pre-norm without a final norm, block norms of eps 1e-5, no dropout on the attention output nor its
+probabilities, eager attention, and an untied decoder at every position; with its weights copied
+in, logits and gradients equal the authors' model (tests/model/test_study_model.py).
 
-Differences that change speed, not results: Q/K/V are one fused GEMM (HF has three Linears),
-attention runs through ``F.scaled_dot_product_attention``, and with ``cfg.sparse_head`` the last
+Differences that change speed, not results: Q/K/V are one fused GEMM (HF has three Linears;
+the study's model one per head), attention runs through ``F.scaled_dot_product_attention``
+unless ``cfg.attention_backend`` is "eager", and with ``cfg.sparse_head`` the last
 layer and the head run only at positions whose label is not -100 (the head part as NVIDIA's
 BERT, MosaicBERT and ModernBERT do; the last layer's queries as the same argument allows).
 
@@ -45,8 +51,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from labkit.model.attention import (apply_rotary, full_attention, layer_attention, linear_attention,
-                              linformer_attention, rotary_tables, sliding_window_attention)
+from labkit.model.attention import (apply_rotary, eager_attention, full_attention, instruction_positions,
+                                    layer_attention, linear_attention, linformer_attention, rotary_tables,
+                                    sliding_window_attention)
 from labkit.config import SPECIAL_TOKENS, ModelConfig
 
 IGNORE_INDEX = -100
@@ -134,7 +141,6 @@ def _validate(cfg: ModelConfig) -> None:
         (cfg.num_heads > 0, "num_heads", "must be positive"),
         (cfg.intermediate_size is None or cfg.intermediate_size > 0, "intermediate_size", "must be positive or None"),
         (cfg.max_position_embeddings > 0, "max_position_embeddings", "must be positive"),
-        (cfg.type_vocab_size >= 1, "type_vocab_size", "must be at least 1"),
         (cfg.norm_eps > 0, "norm_eps", "must be positive"),
         (cfg.init_std > 0, "init_std", "must be positive"),
     ]
@@ -183,11 +189,13 @@ def _unflatten_fused(module: FusedLinear, state_dict: dict, prefix: str, *args) 
             state_dict[prefix + name] = t.unflatten(0, (module.parts, -1))
 
 
-def _norm(cfg: ModelConfig) -> nn.Module:
-    """LayerNorm or RMSNorm over hidden_size (no bias with ``cfg.bias`` False)."""
+def _norm(cfg: ModelConfig, eps: float | None = None) -> nn.Module:
+    """LayerNorm or RMSNorm over hidden_size (no bias with ``cfg.bias`` False), epsilon ``eps``
+    (None: ``cfg.norm_eps``)."""
+    eps = cfg.norm_eps if eps is None else eps
     if cfg.norm_type == "rmsnorm":
-        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
+        return nn.RMSNorm(cfg.hidden_size, eps=eps)
+    return nn.LayerNorm(cfg.hidden_size, eps=eps, bias=cfg.bias)
 
 
 class Layer(nn.Module):
@@ -201,11 +209,11 @@ class Layer(nn.Module):
         self.kind = layer_attention(cfg, index)
         self.qkv = FusedLinear(h, h, 3, bias=cfg.bias)  # [3, H, H]: query, key, value (HF's three Linears)
         self.attn_out = nn.Linear(h, h, bias=cfg.bias)
-        self.attn_norm = _norm(cfg)
+        self.attn_norm = _norm(cfg, cfg.block_norm_eps)
         # gated: [2, F, H] = W (activated), V
         self.ffn_in = FusedLinear(h, f, 2, bias=cfg.bias) if cfg.activation != "gelu" else nn.Linear(h, f, bias=cfg.bias)
         self.ffn_out = nn.Linear(f, h, bias=cfg.bias)
-        self.ffn_norm = _norm(cfg)
+        self.ffn_norm = _norm(cfg, cfg.block_norm_eps)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         if self.kind == "linformer":  # E, F of Linformer eq. 7, shared by the heads
             self.proj_k = nn.Parameter(torch.empty(cfg.linformer_k, cfg.max_position_embeddings))
@@ -236,7 +244,9 @@ class Layer(nn.Module):
             x = x.gather(1, select[:, :, None].expand(-1, -1, x.shape[-1]))
             q = q.gather(2, select[:, None, :, None].expand(-1, q.shape[1], -1, hd))
         p = cfg.attention_dropout if self.training else 0.0
-        if self.kind == "full":
+        if self.kind == "full" and cfg.attention_backend == "eager":
+            a = eager_attention(q, k, v, mask, dropout_p=p, training=self.training)
+        elif self.kind == "full":
             a = full_attention(q, k, v, mask, dropout_p=p)
         elif self.kind == "sliding_window":
             a = sliding_window_attention(q, k, v, mask, window=cfg.window_size, q_pos=select, dropout_p=p)
@@ -244,7 +254,9 @@ class Layer(nn.Module):
             a = linformer_attention(q, k, v, mask, self.proj_k, self.proj_v, dropout_p=p)
         else:
             a = linear_attention(q, k, v, mask)
-        a = self.dropout(self.attn_out(a.transpose(1, 2).flatten(2)))  # [B, Tq, H]
+        a = self.attn_out(a.transpose(1, 2).flatten(2))  # [B, Tq, H]
+        if cfg.attention_output_dropout:
+            a = self.dropout(a)
         if pre:
             x = x + a
             return x + self.dropout(self.ffn(self.ffn_norm(x)))
@@ -263,11 +275,14 @@ class BertMLM(nn.Module):
         h, v = cfg.hidden_size, cfg.vocab_size
         self.word = nn.Embedding(v, h, padding_idx=SPECIAL_TOKENS.index("[PAD]"))
         self.position = nn.Embedding(cfg.max_position_embeddings, h) if cfg.position_embedding == "absolute" else None
-        self.token_type = nn.Embedding(cfg.type_vocab_size, h)
+        if cfg.position_embedding == "instruction":  # the study's tables: instruction index, place in it
+            self.instruction = nn.Embedding(cfg.max_position_embeddings, h)
+            self.argument = nn.Embedding(cfg.max_position_embeddings, h)
+        self.token_type = nn.Embedding(cfg.type_vocab_size, h) if cfg.type_vocab_size else None
         self.embed_norm = _norm(cfg)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
-        self.final_norm = _norm(cfg) if cfg.norm_position == "pre" else None
+        self.final_norm = _norm(cfg) if cfg.norm_position == "pre" and cfg.final_norm else None
         self.head_dense = nn.Linear(h, h, bias=cfg.bias)
         self.head_norm = _norm(cfg)
         self.decoder = None if cfg.tie_embeddings else nn.Parameter(torch.empty(v, h))
@@ -356,10 +371,17 @@ class BertMLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Split point 1: int64 [B, T] token ids -> hidden states [B, T, H]: word + token type 0
-        (+ learned positions), norm, dropout. T is checked by ``context``."""
-        x = self.word(input_ids) + self.token_type.weight[0]  # [B, T, H]
+        (unless ``type_vocab_size`` is 0) + learned absolute positions, or the study's
+        instruction and argument tables (``attention.instruction_positions``), then norm and
+        dropout. T is checked by ``context``."""
+        x = self.word(input_ids)  # [B, T, H]
+        if self.token_type is not None:
+            x = x + self.token_type.weight[0]
         if self.position is not None:
             x = x + self.position(torch.arange(input_ids.shape[1], device=input_ids.device))
+        elif self.cfg.position_embedding == "instruction":
+            instruction, argument = instruction_positions(input_ids, SPECIAL_TOKENS.index("[NEXT]"))
+            x = x + self.instruction(instruction) + self.argument(argument)
         return self.dropout(self.embed_norm(x))
 
     def encode(self, x: torch.Tensor, ctx: Context, layers: range | None = None) -> torch.Tensor:

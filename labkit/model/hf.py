@@ -19,8 +19,11 @@ from labkit.io import atomic_write, atomic_write_text
 from labkit.model.encoder import BertMLM
 
 BERT_OPTIONS = {"norm_position": "post", "norm_type": "layernorm", "position_embedding": "absolute",
-                "activation": "gelu", "bias": True, "attention": "full"}
-"""Option values under which the model is BERT and maps onto ``BertForMaskedLM``."""
+                "activation": "gelu", "bias": True, "attention": "full", "attention_output_dropout": True}
+"""Option values under which the model is BERT and maps onto ``BertForMaskedLM``. Also needed:
+``block_norm_eps`` None or equal to ``norm_eps`` (BERT has one ``layer_norm_eps``). Either
+``attention_backend`` maps (the same weights; transformers' "eager" or "sdpa" attention), and
+``type_vocab_size`` 0 is written as one all-zero token-type row."""
 
 
 def _require_bert(cfg: ModelConfig) -> None:
@@ -29,6 +32,9 @@ def _require_bert(cfg: ModelConfig) -> None:
         if getattr(cfg, name) != value:
             raise ValueError(f"{name}: BertForMaskedLM interop needs {value!r}, got {getattr(cfg, name)!r} "
                              "(transformers' BERT cannot express this option)")
+    if cfg.block_norm_eps not in (None, cfg.norm_eps):
+        raise ValueError(f"block_norm_eps: BertForMaskedLM interop needs None or norm_eps {cfg.norm_eps}, got "
+                         f"{cfg.block_norm_eps} (transformers' BERT has one layer_norm_eps)")
 
 
 def hf_config(cfg: ModelConfig):
@@ -41,7 +47,7 @@ def hf_config(cfg: ModelConfig):
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, intermediate_size=cfg.ffn_size, hidden_act="gelu",
         hidden_dropout_prob=cfg.hidden_dropout, attention_probs_dropout_prob=cfg.attention_dropout,
-        max_position_embeddings=cfg.max_position_embeddings, type_vocab_size=cfg.type_vocab_size,
+        max_position_embeddings=cfg.max_position_embeddings, type_vocab_size=max(1, cfg.type_vocab_size),
         initializer_range=cfg.init_std, layer_norm_eps=cfg.norm_eps, pad_token_id=0,
         tie_word_embeddings=cfg.tie_embeddings,
     )
@@ -52,7 +58,6 @@ def _name_map(cfg: ModelConfig) -> dict[str, str]:
     m = {
         "word.weight": "bert.embeddings.word_embeddings.weight",
         "position.weight": "bert.embeddings.position_embeddings.weight",
-        "token_type.weight": "bert.embeddings.token_type_embeddings.weight",
         "embed_norm.weight": "bert.embeddings.LayerNorm.weight",
         "embed_norm.bias": "bert.embeddings.LayerNorm.bias",
         "head_dense.weight": "cls.predictions.transform.dense.weight",
@@ -63,6 +68,8 @@ def _name_map(cfg: ModelConfig) -> dict[str, str]:
     }
     if not cfg.tie_embeddings:
         m["decoder"] = "cls.predictions.decoder.weight"
+    if cfg.type_vocab_size:
+        m["token_type.weight"] = "bert.embeddings.token_type_embeddings.weight"
     for i in range(cfg.num_layers):
         ours, hf = f"layers.{i}.", f"bert.encoder.layer.{i}."
         for a, b in [("attn_out", "attention.output.dense"), ("attn_norm", "attention.output.LayerNorm"),
@@ -77,6 +84,8 @@ def to_hf_state_dict(model: BertMLM) -> dict[str, torch.Tensor]:
     _require_bert(model.cfg)
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     out = {hf: sd[ours] for ours, hf in _name_map(model.cfg).items()}
+    if not model.cfg.type_vocab_size:  # no token-type table: BERT's one row, all zero, adds nothing
+        out["bert.embeddings.token_type_embeddings.weight"] = sd["word.weight"].new_zeros(1, model.cfg.hidden_size)
     for i in range(model.cfg.num_layers):
         for p in ("weight", "bias"):
             q, k, v = sd[f"layers.{i}.qkv.{p}"].unbind(0)
@@ -102,6 +111,10 @@ def load_hf_state_dict(model: BertMLM, sd: dict[str, torch.Tensor]) -> None:
     missing = [k for k in needed if k not in sd]
     if missing:
         raise ValueError(f"state dict: missing BertForMaskedLM keys {missing[:5]} ({len(missing)} in all)")
+    token_type = sd.get("bert.embeddings.token_type_embeddings.weight")
+    if not model.cfg.type_vocab_size and token_type is not None and bool(token_type[0].any()):
+        raise ValueError("type_vocab_size: the model has no token-type table, but the state dict's "
+                         "token_type_embeddings row 0 is not zero")
     ours = {ours: sd[hf] for ours, hf in names.items()}
     for i in range(model.cfg.num_layers):
         for p in ("weight", "bias"):

@@ -1,27 +1,19 @@
-"""Memory planning: how large a micro-batch fits in a per-rank memory budget.
+"""Memory planning from formulas: the terms that explain what a rank holds, for any size.
 
-Two halves. The first measures (CPU, exact): ``activation_bytes``, ``model_state_bytes``,
-``max_micro_batch``. The second plans from formulas, for sizes and devices no CPU can measure:
-``activation_terms`` (Korthikanti et al. arXiv:2205.05198, written for labkit's model and
-checked exactly against the measurement), ``zero_state_bytes`` (ZeRO arXiv:1910.02054),
-``memory_plan`` (one GPU under DP x TP x PP and ZeRO 0-3, with the GPipe bubble),
-``planned_max_micro_batch`` on a ``DEVICES`` entry, ``study_table`` (the study's reported
-micro-batches beside the plan), ``parallel_plans`` / ``first_fit``, and ``gpu_memory_check``
-(plan vs ``torch.cuda.max_memory_allocated``, for benchmarks/gpu_check.sh).
+The count of what a real model keeps (any model, on fake or CPU tensors) is
+``labkit.study.memory.plan_model``; this module is its explanation for labkit's own model and
+its reach beyond what a CPU can count quickly: ``activation_terms`` (Korthikanti et al.
+arXiv:2205.05198, written for labkit's model and tested equal to the count for every option),
+``zero_state_bytes`` (ZeRO arXiv:1910.02054), ``memory_plan`` (one GPU under DP x TP x PP and
+ZeRO 0-3, with the GPipe bubble), ``planned_max_micro_batch`` on a ``DEVICES`` entry, and the one
+micro-batch search ``largest_fitting``. ``labkit.study.parallel`` builds the study tables on it.
 
-Memory of one DDP rank = model state + activations saved for backward (+ transient buffers and
-allocator slack, not modelled; keep 10-20 % headroom, docs/references.md C4).
-
-- model state: 16 bytes per parameter, fp32 weights + fp32 grads + AdamW's two fp32 moments
-  (ZeRO, arXiv:1910.02054 section 3.1 counts 16 Psi for mixed-precision Adam; with autocast the
-  weights and grads stay fp32, which is also 16 B/param; docs/references.md C4).
-- activations: measured, not estimated: the bytes of the distinct tensor storages autograd
-  saves for backward during one training-mode forward at micro-batch b
-  (``torch.autograd.graph.saved_tensors_hooks``), parameters and buffers excluded.
-
-Activations grow linearly in b, so two measurements (b = 2, 3) give the per-sample slope and the
-fixed part; ``max_micro_batch`` solves for b and then verifies the answer by measuring it (and
-b + 1) directly.
+The study's model options (configs/study.toml) in ``activation_terms``: without
+``attention_output_dropout`` one dropout mask per layer less (m·sbh, m·qh in a sparse last
+layer); pre-norm without ``final_norm`` has no final-norm term; instruction positions keep three
+id tensors (token, instruction, argument); ``attention_backend`` "eager" is planned as
+``attention="eager"`` (its copies of Q, K, V and the kept probabilities are the math path's).
+Equal to the count on CPU (tests/study/test_study_plan.py).
 """
 
 from __future__ import annotations
@@ -31,47 +23,15 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from labkit.config import ModelConfig
-from labkit.model import BertMLM, count_parameters
+from labkit.model import count_parameters
 from labkit.model.attention import layer_attention
-
-STATE_BYTES_PER_PARAM = 16
-"""fp32 weights (4) + fp32 grads (4) + AdamW exp_avg (4) + exp_avg_sq (4); arXiv:1910.02054."""
-
-
-def _saved_bytes(model: torch.nn.Module, cfg: ModelConfig, seq_len: int, micro_batch: int, mlm_probability: float) -> int:
-    """Bytes of unique storages saved for backward by one forward of ``model`` (train mode) on
-    a synthetic batch int64[micro_batch, seq_len] with exactly round(mlm_probability * seq_len)
-    masked positions per sequence (so the sparse MLM head sees a count proportional to b)."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, cfg.vocab_size, (micro_batch, seq_len), generator=g)
-    labels = torch.full_like(ids, -100)
-    n_mask = max(1, round(mlm_probability * seq_len))
-    labels[:, 1:1 + n_mask] = ids[:, 1:1 + n_mask]
-    mask = torch.ones_like(ids, dtype=torch.bool)
-    state_ptrs = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in state_ptrs and storage.nbytes() > 0:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(ids, attention_mask=mask, labels=labels)
-    # every saved storage is held by the graph until ``out`` is dropped, so no address is reused
-    del out
-    return sum(seen.values())
 
 
 def largest_fitting(fits: Callable[[int], bool], *, limit: int, start: int = 1) -> int:
     """Largest b in [0, limit] with ``fits(b)``, for a monotone ``fits`` (True up to some b, False above).
 
-    The one micro-batch search of labkit: the measured CPU budget (``max_micro_batch``), the
+    The one micro-batch search of labkit: the counted planner (``labkit.study.memory.plan_model``), the
     analytic planner (``planned_max_micro_batch``) and the CUDA out-of-memory search
     (``labkit.study.gpu.max_micro_batch_cuda``) all call it. From ``start`` (a guess; exact
     guesses cost two calls) it gallops upward with doubling steps while ``fits`` holds, or takes
@@ -103,62 +63,6 @@ def largest_fitting(fits: Callable[[int], bool], *, limit: int, start: int = 1) 
     return lo
 
 
-def activation_bytes(model_cfg: ModelConfig, seq_len: int, micro_batch: int, *,
-                     mlm_probability: float = 0.15) -> int:
-    """Bytes autograd keeps for backward after one forward of ``BertMLM(model_cfg)`` (fp32, train
-    mode, dropout on) at ``micro_batch`` sequences of ``seq_len`` tokens: the sum over distinct
-    storages (``untyped_storage().data_ptr()``) passed to ``saved_tensors_hooks``, excluding
-    parameters and buffers. Measured exactly on CPU; transient buffers freed during the forward
-    are not counted. Raises ``ValueError`` for non-positive sizes."""
-    if micro_batch < 1 or seq_len < 1:
-        raise ValueError(f"micro_batch/seq_len: must be positive, got {micro_batch}/{seq_len}")
-    torch.manual_seed(0)
-    return _saved_bytes(BertMLM(model_cfg), model_cfg, seq_len, micro_batch, mlm_probability)
-
-
-def model_state_bytes(model_cfg: ModelConfig) -> int:
-    """Model-state bytes of one DDP rank: 16 B per parameter (fp32 weights, grads and AdamW's two
-    moments; arXiv:1910.02054, docs/references.md C4). Tied weights count once."""
-    return STATE_BYTES_PER_PARAM * int(count_parameters(model_cfg)["total"])
-
-
-def max_micro_batch(model_cfg: ModelConfig, seq_len: int, budget_bytes: int, *, name: str | None = None,
-                    mlm_probability: float = 0.15) -> dict[str, Any]:
-    """Largest micro-batch b with model_state_bytes + activation_bytes(b) <= budget_bytes.
-
-    Measures b = 2 and b = 3 to get the per-sample slope and fixed part (activations are linear
-    in b from b = 2; b = 1 can sit off the line), solves for b, then checks it by measurement: steps down while the measured b exceeds
-    the budget and up while b + 1 fits, so the answer is exact for this measurement.
-    Returns {model, params, seq_len, budget_bytes, state_bytes, act_bytes_per_sample,
-    act_bytes_fixed, act_bytes (at the answer), max_micro_batch}; max_micro_batch is 0 when even
-    b = 1 does not fit. ``name`` labels the report (default "<L>L/<H>H").
-    """
-    if budget_bytes <= 0:
-        raise ValueError(f"budget_bytes: must be positive, got {budget_bytes}")
-    torch.manual_seed(0)
-    model = BertMLM(model_cfg)
-    cache: dict[int, int] = {}
-
-    def act(b: int) -> int:
-        if b not in cache:
-            cache[b] = _saved_bytes(model, model_cfg, seq_len, b, mlm_probability)
-        return cache[b]
-
-    state = model_state_bytes(model_cfg)
-    # slope from b = 2 and 3: b = 1 sits off the line (measured: tiny model, T 32, 32 KiB above;
-    # some kernels take other paths at batch 1); the answer is verified by measurement below
-    per_sample = act(3) - act(2)
-    fixed = act(2) - 2 * per_sample
-    if per_sample <= 0:
-        raise RuntimeError(f"activation bytes did not grow with the micro-batch ({act(2)} -> {act(3)})")
-    guess = max(1, (budget_bytes - state - fixed) // per_sample)
-    b = largest_fitting(lambda n: state + act(n) <= budget_bytes, start=guess, limit=max(4 * guess, 1 << 16))
-    return {"model": name or f"{model_cfg.num_layers}L/{model_cfg.hidden_size}H",
-            "params": int(count_parameters(model_cfg)["total"]), "seq_len": seq_len,
-            "budget_bytes": int(budget_bytes), "state_bytes": state, "act_bytes_per_sample": per_sample,
-            "act_bytes_fixed": fixed, "act_bytes": act(b) if b else 0, "max_micro_batch": int(b)}
-
-
 # --------------------------------------------------------------------------------------------
 # The analytic planner: memory per GPU from formulas, for sizes no CPU can measure
 # --------------------------------------------------------------------------------------------
@@ -170,6 +74,8 @@ DEVICES: dict[str, dict[str, Any]] = {
                  "source": "https://www.nvidia.com/en-us/data-center/h100/ (H100 NVL: 94 GB HBM3, 3.9 TB/s)"},
     "H200": {"memory_gb": 141, "bandwidth_tb_s": 4.8, "peak_kind": "H200",
              "source": "https://www.nvidia.com/en-us/data-center/h200/ (141 GB HBM3e, 4.8 TB/s)"},
+    "H200 NVL": {"memory_gb": 141, "bandwidth_tb_s": 4.8, "peak_kind": "H200 NVL",
+                 "source": "https://www.nvidia.com/en-us/data-center/h200/ (H200 NVL: 141 GB HBM3e, 4.8 TB/s)"},
     "A100 40GB": {"memory_gb": 40, "bandwidth_tb_s": 1.6, "peak_kind": "A100",
                   "source": "https://www.nvidia.com/en-us/data-center/a100/ (40 GB HBM2, 1.6 TB/s)"},
     "A100 80GB": {"memory_gb": 80, "bandwidth_tb_s": 2.0, "peak_kind": "A100",
@@ -231,8 +137,9 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
       m = 1, g = 2, f = 4h this is the paper's 34·sbh. (SDPA's math path saves its own copies
       of Q, K, V instead of the fused storage: the same 3·d·sbh.)
     - the sparse last layer (model.py ``Layer.forward`` with ``select``; measured on CPU, not
-      from the paper): the layer input d·sbh and the whole fused QKV output 3·d·sbh (the two
-      ``gather`` calls save their sources), the gather index 8·sb (``select`` is a slice of the
+      from the paper): the layer input g·sbh and the whole fused QKV output 3·d·sbh (the two
+      ``gather`` calls save their sources), under autocast also the 16-bit copy of the input the
+      QKV projection keeps, d·sbh (found by ``labkit.study.counting.CudaLike``), the gather index 8·sb (``select`` is a slice of the
       [b, s] int64 sort indices, which stay alive whole), then at q rows: output-projection
       input, FFN input 2·d·qh, GELU 2·d·qf, norm inputs 2·g·qh, masks 2·m·qh, norm statistics
       16·q; and its attention: "flash" keeps the gathered Q and the SDPA output 2·d·qh (a
@@ -241,7 +148,8 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
     - ``attention_scores``: "flash" (fused kernels, the paper's selective recompute; on CPU the
       fused path runs when attention dropout is off, as the model passes no mask for a batch
       without padding) keeps the log-sum-exp, 4·a·s·b per layer (4·a·q for the sparse last
-      layer). "eager" (SDPA's math path, which CPU takes when attention dropout is on) keeps
+      layer; in fp32 on CUDA, whose memory-efficient kernel rounds each sequence's rows up to a
+      multiple of 32, 4·a·b·32·ceil(s/32)). "eager" (SDPA's math path, which CPU takes when attention dropout is on) keeps
       softmax output, dropout mask and dropped probabilities (2d + m)·a·s²·b, d·a·s²·b without
       attention dropout: the paper's 5·a·s²·b; the sparse last layer a·q·s instead of a·s²·b.
       (Measured on CPU, math path at b = 1: V's reshape is a view, so the whole fused QKV
@@ -249,10 +157,11 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
       that storage is already counted and the V copy is gone, -d·sh. Counted in ``layers``.)
     - with ``cfg.activation_checkpointing``: each layer's input g·sbh (no scores), plus the
       gather index 8·sb with the sparse head (``checkpoint`` saves ``select`` as an input).
-    - ``embedding``: token and position ids (8·sb + 8·s), norm input g·sbh and statistics 8·sb,
-      dropout mask m·sbh (RMSNorm: its normalised copy, g·sbh more).
+    - ``embedding``: token and position ids (8·sb + 8·s; instruction positions 24·sb), norm input
+      g·sbh and statistics 8·sb, dropout mask m·sbh (RMSNorm: its normalised copy, g·sbh more).
     - ``head`` at n positions (n = q with ``cfg.sparse_head``, else s·b): dense input, GELU
-      input/output, decoder input 4·d·nh, head-norm statistics 8·n, fp32 log-softmax 4·nV,
+      input, decoder input 3·d·nh, the head norm's input (GELU's output) d·nh, on CUDA g·nh
+      (its autocast runs layer_norm in fp32), head-norm statistics 8·n, fp32 log-softmax 4·nV,
       target indices 8·n, the loss's 4-byte total weight; with the sparse head also the bool
       ``valid`` mask that picks the real rows, q bytes; RMSNorm's copy g·nh; with pre-norm the
       final norm before the head, g·sbh (2·g·sbh with RMSNorm) and its statistics 8·sb.
@@ -278,6 +187,7 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
     m = (1 if device == "cuda" else d) if cfg.hidden_dropout > 0 else 0
     ma = 1 if device == "cuda" else d
     g = 4
+    cast = 0 if d == g else d  # a 16-bit copy of an fp32 input, beside the input itself
     sbh = s * b * h
     sparse = cfg.sparse_head
     q = max(1, round(mlm_probability * s)) * b if sparse else 0  # query rows of the sparse last layer
@@ -285,27 +195,34 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
     eager = attention == "eager"
     cpu_math_b1 = device == "cpu" and b == 1 and eager and cfg.attention_dropout > 0
     per_score = (2 * d + ma) if cfg.attention_dropout > 0 else d  # bytes per eager score element
-    base_layer = (6 * d + 2 * g + 2 * m) * sbh + 2 * d * s * b * f + 2 * d * sbh * cpu_math_b1
+    masks = (1 + cfg.attention_output_dropout) * m  # FFN (+ attention) output dropout masks: module docstring
+    base_layer = (6 * d + 2 * g + masks) * sbh + 2 * d * s * b * f + 2 * d * sbh * cpu_math_b1
     kinds = [layer_attention(cfg, i) for i in range(L)]
     extra = [_option_bytes(cfg, kind, s, b, d, g) for kind in kinds]
     full_layers = [base_layer + x for x, _ in extra]
-    full_scores = [(a * s * keys * b * per_score if eager else 4 * a * s * b * (keys > 0)) for _, keys in extra]
+    # fused kernels keep an fp32 log-sum-exp per query row; CUDA's memory-efficient kernel (the one
+    # fp32 gets) rounds the rows up to a multiple of 32 (counting.cuda_attention_kernel)
+    rows = (lambda r: 32 * math.ceil(r / 32)) if device == "cuda" and d == 4 else (lambda r: r)
+    full_scores = [(a * s * keys * b * per_score if eager else 4 * a * rows(s) * b * (keys > 0)) for _, keys in extra]
     if cfg.activation_checkpointing:
         layers, scores = L * g * sbh // tp + index, 0
     elif not sparse:
         layers = sum(full_layers) // tp + L * 16 * s * b
         scores = sum(full_scores) // tp
     else:
-        last = 4 * d * sbh + (2 * d + 2 * g + 2 * m) * q * h + 2 * d * q * f + extra[-1][0]
+        last = (g + cast + 3 * d) * sbh + (2 * d + 2 * g + masks) * q * h + 2 * d * q * f + extra[-1][0]
         last += (d * q * h + 2 * d * sbh - d * s * h * cpu_math_b1) if eager else 2 * d * q * h
         layers = (sum(full_layers[:-1]) + last) // tp + (L - 1) * 16 * s * b + 16 * q + index
         keys = extra[-1][1]
-        scores = (sum(full_scores[:-1]) + (a * q * keys * per_score if eager else 4 * a * q * (keys > 0))) // tp
+        k_rows = q // b
+        scores = (sum(full_scores[:-1]) + (a * q * keys * per_score if eager else 4 * a * b * rows(k_rows) * (keys > 0))) // tp
     n = q if sparse else s * b
     rms = cfg.norm_type == "rmsnorm"  # torch's RMSNorm keeps a normalised copy of its input
-    embedding = 8 * s * b + 8 * s + (g + m) * sbh + 8 * s * b + g * sbh * rms
-    final_norm = (g * sbh * (1 + rms) + 8 * s * b) if cfg.norm_position == "pre" else 0  # pre-norm's last norm
-    head = (4 * d * n * h + 4 * n * v + g * n * h * rms) // tp + 16 * n + 4 + (n if sparse else 0) + final_norm
+    ids = 24 * s * b if cfg.position_embedding == "instruction" else 8 * s * b + 8 * s  # + instruction, argument
+    embedding = ids + (g + m) * sbh + 8 * s * b + g * sbh * rms
+    final_norm = (g * sbh * (1 + rms) + 8 * s * b) if cfg.norm_position == "pre" and cfg.final_norm else 0
+    head_norm_in = g if device == "cuda" else d  # GELU's output: CUDA's autocast runs the norm in fp32
+    head = ((3 * d + head_norm_in) * n * h + 4 * n * v + g * n * h * rms) // tp + 16 * n + 4 + (n if sparse else 0) + final_norm
     return {"layers": int(layers), "attention_scores": int(scores), "embedding": int(embedding),
             "head": int(head), "logits": int(d * n * v // tp)}
 
@@ -365,8 +282,9 @@ def _params_per_gpu(cfg: ModelConfig, tp: int, pp: int) -> float:
     stage and the head on the last (the worse of the two; both with pp = 1; with tied embeddings
     the last stage holds a copy of the word embedding). Tensor parallelism divides by tp the QKV,
     FFN and output-projection weights, the column-parallel biases and the vocabulary rows (word
-    embedding, decoder, decoder bias; the first slice's ceil(V/tp) rows), and keeps the norms, the row-parallel biases, the position
-    and token-type tables and the head's dense layer whole on every rank."""
+    embedding, decoder, decoder bias; the first slice's ceil(V/tp) rows), and keeps the norms, the
+    row-parallel biases, the position (or instruction and argument) and token-type tables and the
+    head's dense layer whole on every rank."""
     h, f, v, bias = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size, int(cfg.bias)
     total = count_parameters(cfg)["total"]
     per_layer = count_parameters(dataclasses.replace(cfg, num_layers=2))["total"] - \
@@ -375,7 +293,8 @@ def _params_per_gpu(cfg: ModelConfig, tp: int, pp: int) -> float:
     split_layer = 3 * h * h + 3 * h * bias + f_in * h + f_in * bias + h * h + f * h
     layer = per_layer - split_layer + split_layer / tp
     norm = h * (2 if cfg.norm_type == "layernorm" and cfg.bias else 1)
-    positions = cfg.max_position_embeddings * h if cfg.position_embedding == "absolute" else 0
+    tables = {"absolute": 1, "instruction": 2}.get(cfg.position_embedding, 0)  # the study's: instruction, argument
+    positions = tables * cfg.max_position_embeddings * h
     vt = math.ceil(v / tp)  # vocabulary rows of the first (largest) slice
     first = vt * h + positions + cfg.type_vocab_size * h + norm
     head_split = (0 if cfg.tie_embeddings else v * h) + v * bias

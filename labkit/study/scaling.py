@@ -11,7 +11,8 @@ step time(n) = compute time of one rank's step + the exposed part of the gradien
 - overlap: buckets are reduced while backward still runs. A fraction ``overlap`` of the backward
   time (2/3 of compute: backward = 2 x forward, Kaplan arXiv:2001.08361 eq. 2.2) can hide
   communication; the last bucket can only start when backward ends, so it is always exposed.
-  exposed = max(last bucket, comm - overlap x backward).
+  exposed = max(last bucket, comm - overlap x backward). For labkit's model the last bucket is
+  the word embedding's (``embedding_bucket_bytes``: ready only when backward reaches the lookup).
 - gradient accumulation of k micro-batches multiplies compute by k and communicates once.
 - calibration: compute time is a measured single-rank step time (``step_time_1``), or is
   planned from a model's FLOPs per token at an assumed MFU (``compute_time``).
@@ -69,17 +70,36 @@ def bucketed_allreduce(grad_bytes: float, n: int, *, bandwidth: float, latency: 
     return {"buckets": len(sizes), "total_s": sum(times), "last_bucket_s": times[-1] if times else 0.0}
 
 
+def embedding_bucket_bytes(cfg, *, grad_dtype_bytes: int = 4, bucket_bytes: float = BUCKET_BYTES) -> float:
+    """Bytes of the DDP bucket reduced last for labkit's model ``cfg``: the one holding the word
+    embedding. Its gradient is complete only when backward reaches the embedding lookup (with
+    tied weights the decoder's share arrives first), so it is ready last; DDP buckets the
+    parameters defined first (the embeddings) apart and reduces that bucket last, and a
+    parameter larger than the cap fills a bucket alone (torch/nn/parallel/distributed.py,
+    ``_compute_bucket_assignment_by_size``, reversed). The embedding-side parameters (word,
+    position, token-type tables, embedding norm) at ``grad_dtype_bytes`` each, at least one full
+    bucket (or every gradient when the model is smaller)."""
+    from labkit.model import count_parameters
+
+    h = cfg.hidden_size
+    tables = (cfg.vocab_size + cfg.type_vocab_size + cfg.max_position_embeddings * (cfg.position_embedding == "absolute"))
+    embedding = grad_dtype_bytes * (tables * h + 2 * h)
+    return max(float(embedding), min(float(bucket_bytes), float(grad_dtype_bytes * count_parameters(cfg)["total"])))
+
+
 def step_time(n_gpus: int, *, compute_s: float, grad_bytes: float, network: str = "25GbE",
               gpus_per_node: int = 2, overlap: float = 1.0, grad_accum: int = 1,
               bucket_bytes: float = BUCKET_BYTES, bandwidth: float | None = None,
-              latency: float | None = None) -> dict[str, float]:
+              latency: float | None = None, last_bucket_bytes: float | None = None) -> dict[str, float]:
     """Modelled seconds of one optimiser step at ``n_gpus`` data-parallel ranks.
 
     ``compute_s``: one micro-batch's forward + backward on one GPU (measured at 1 rank, or
     ``compute_time``). ``grad_bytes``: bytes all-reduced per step (parameters x 4 for fp32
     gradients, x 2 with a bf16 compression hook). ``network`` names ``NETWORKS`` (``bandwidth``
-    / ``latency`` override it). Returns {"n_gpus", "compute_s", "comm_s", "exposed_s", "step_s",
-    "comm_hidden" (bool: comm <= overlap x backward)}. Raises ValueError naming a bad argument.
+    / ``latency`` override it). ``last_bucket_bytes``: the bucket whose gradients are ready last,
+    exposed after backward (``embedding_bucket_bytes`` for labkit's model; None: the remainder
+    bucket of ``bucketed_allreduce``). Returns {"n_gpus", "compute_s", "comm_s", "exposed_s",
+    "step_s", "comm_hidden" (bool: comm <= overlap x backward)}. Raises ValueError naming a bad argument.
     """
     if network not in NETWORKS:
         raise ValueError(f"network: unknown {network!r}; known networks are {sorted(NETWORKS)}")
@@ -93,7 +113,9 @@ def step_time(n_gpus: int, *, compute_s: float, grad_bytes: float, network: str 
     comm = bucketed_allreduce(grad_bytes, n_gpus, bandwidth=bw, latency=lat, bucket_bytes=bucket_bytes)
     compute = compute_s * grad_accum
     backward = compute_s * 2 / 3  # only the last micro-batch's backward overlaps the all-reduce
-    exposed = 0.0 if n_gpus == 1 else max(comm["last_bucket_s"], comm["total_s"] - overlap * backward)
+    last = comm["last_bucket_s"] if last_bucket_bytes is None else \
+        ring_allreduce_time(min(last_bucket_bytes, grad_bytes), n_gpus, bandwidth=bw, latency=lat)
+    exposed = 0.0 if n_gpus == 1 else max(last, comm["total_s"] - overlap * backward)
     return {"n_gpus": n_gpus, "compute_s": compute, "comm_s": comm["total_s"], "exposed_s": exposed,
             "step_s": compute + exposed, "comm_hidden": comm["total_s"] <= overlap * backward}
 
@@ -158,6 +180,8 @@ def study_scaling(model: str, *, micro_batch: int, seq_len: int = 512, device: s
     compute = step_time_1 or compute_time(fpt, seq_len=seq_len, micro_batch=micro_batch,
                                           peak_flops=device_info(device)["peak_flops"], mfu=mfu)
     grad_bytes = grad_dtype_bytes * count_parameters(cfg)["total"]
+    kw.setdefault("last_bucket_bytes", embedding_bucket_bytes(cfg, grad_dtype_bytes=grad_dtype_bytes,
+                                                              bucket_bytes=kw.get("bucket_bytes", BUCKET_BYTES)))
     return efficiency_table(compute_s=compute, grad_bytes=grad_bytes, tokens_per_step=seq_len * micro_batch, **kw)
 
 
@@ -204,4 +228,64 @@ def one_story(*, target_efficiency: float = 0.9, n_gpus: int = 256, network: str
         rows.append({**{k: r[k] for k in ("model", *keys, "planned", "study")}, "max_mfu": best,
                      "efficiency_at_max_mfu": eff_best,
                      "shared_by_both_models": tuple(r[k] for k in keys) in shared})
+    return pl.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------------------------
+# The precision experiment (lesson 4 under the study's own settings)
+# --------------------------------------------------------------------------------------------
+
+STUDY_PRECISIONS = ("fp32", "tf32", "bf16")
+"""fp32 on the CUDA cores (the study's: Lightning's default 32-bit, torch's matmul precision
+"highest"), TF32 and bf16 on the tensor cores; peaks ``labkit.measure.PEAK_FLOPS``."""
+
+
+def precision_experiment(cfg, *, micro_batch: int, seq_len: int, device: str = "H100 NVL", network: str = "25GbE",
+                         gpus=(1, 2, 4, 8, 16, 32, 64, 128, 256), gpus_per_node: int = 2, mfu: float = 0.4,
+                         precisions=STUDY_PRECISIONS, mlm_probability: float = 0.15):
+    """Planned step time and data-parallel efficiency of one model (a ``ModelConfig``) at each
+    precision: the same micro-batch, network and assumed MFU, compute = tokens x FLOPs per token
+    / (``mfu`` x the precision's dense peak on ``device``), fp32 gradients all-reduced in DDP's
+    buckets (autocast keeps them fp32 in every precision). polars DataFrame: precision,
+    peak_flops, the ``efficiency_table`` columns. Raises ValueError for a precision without a
+    peak on ``device``."""
+    import polars as pl
+
+    from labkit.measure import PEAK_FLOPS
+    from labkit.model import count_parameters, flops_per_token
+    from labkit.study.plan import device_info
+
+    kind = device_info(device)["peak_kind"]
+    fpt = flops_per_token(cfg, seq_len, mlm_probability=mlm_probability)
+    grad_bytes = 4 * count_parameters(cfg)["total"]
+    frames = []
+    for precision in precisions:
+        peak = PEAK_FLOPS.get((kind, precision))
+        if peak is None:
+            raise ValueError(f"precision: no {precision!r} peak for {device} in labkit.measure.PEAK_FLOPS")
+        compute = compute_time(fpt, seq_len=seq_len, micro_batch=micro_batch, peak_flops=peak, mfu=mfu)
+        table = efficiency_table(compute_s=compute, grad_bytes=grad_bytes, tokens_per_step=seq_len * micro_batch,
+                                 gpus=gpus, network=network, gpus_per_node=gpus_per_node)
+        frames.append(table.select(pl.lit(precision).alias("precision"), pl.lit(peak).alias("peak_flops"),
+                                   pl.all()))
+    return pl.concat(frames)
+
+
+def precision_summary(table, *, mfu: float = 0.4):
+    """One row per precision of a ``precision_experiment`` table: compute_s (one GPU's step),
+    comm_s and efficiency at its largest n_gpus, first_exposed_n / below_90pct_n
+    (``network_limit``: where the network becomes the limit), and break_even_mfu: the MFU above
+    which the all-reduce at the largest n can no longer hide behind backward (comm = 2/3 of
+    compute), ``mfu`` x compute_s / (1.5 x comm_s); above 1 the network is never the limit."""
+    import polars as pl
+
+    rows = []
+    for precision in table["precision"].unique(maintain_order=True):
+        t = table.filter(pl.col("precision") == precision)
+        last = t.row(t.height - 1, named=True)
+        limit = network_limit(t)
+        rows.append({"precision": precision, "peak_flops": last["peak_flops"], "n_gpus": last["n_gpus"],
+                     "compute_s": t["compute_s"][0], "comm_s": last["comm_s"], "efficiency": last["efficiency"],
+                     **limit, "break_even_mfu": mfu * t["compute_s"][0] / (1.5 * last["comm_s"])
+                     if last["comm_s"] else None})
     return pl.DataFrame(rows)

@@ -15,7 +15,7 @@ from labkit.config import TrainConfig
 from labkit.data.shards import read_index
 from labkit.io import atomic_write
 from labkit.model import count_parameters, flops_per_token, model_config
-from labkit.study import gpu, plan
+from labkit.study import gpu, memory
 from labkit.study.loader_sweep import sweep_loader
 from labkit.workdir import paths
 
@@ -77,8 +77,8 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
 def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: int, budget_bytes: int | None,
                       workdir: str, force: bool = False) -> pl.DataFrame:
     """Largest micro-batch per model size, measured on an engine: under a per-rank memory
-    budget (``labkit.study.plan.max_micro_batch``: model state at 16 B/parameter plus the activation
-    bytes autograd saves for backward, counted exactly), or with ``budget_bytes=None`` on the
+    budget (``labkit.study.memory.max_micro_batch``: model state as a DDP rank holds it plus the
+    step's counted peak of activations and transients, ``plan_model``), or with ``budget_bytes=None`` on the
     engine's GPU until out of memory (``labkit.study.gpu.max_micro_batch_cuda``; budget_bytes is
     then the device's memory). Cached in ``sweeps/microbatch.parquet``; measured points are
     not rerun.
@@ -93,9 +93,9 @@ def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: in
         engine = client[client.ids[0]]
         if budget_bytes is None:
             rep = engine.apply_sync(gpu.max_micro_batch_cuda, mcfg, seq_len)
-            rep |= {"state_bytes": plan.model_state_bytes(mcfg), "act_bytes_per_sample": None}
+            rep |= {"state_bytes": memory.model_state_bytes(mcfg), "act_bytes_per_sample": None}
         else:
-            rep = engine.apply_sync(plan.max_micro_batch, mcfg, seq_len, budget_bytes) | {"budget_bytes": budget_bytes}
+            rep = engine.apply_sync(memory.max_micro_batch, mcfg, seq_len, budget_bytes) | {"budget_bytes": budget_bytes}
         rows.append({"method": "budget" if budget_bytes else "cuda_oom", "model": name, "params": int(rep["params"]),
                      "seq_len": seq_len, "budget_bytes": int(rep["budget_bytes"]), "state_bytes": int(rep["state_bytes"]),
                      "act_bytes_per_sample": rep["act_bytes_per_sample"],

@@ -13,13 +13,15 @@ data-parallel wrapper (``wrap_model``: DDP, or FSDP2 ``fully_shard`` per layer t
 -> optimiser (``build_optimizer`` in train.py: AdamW, or ZeroRedundancyOptimizer for zero1).
 Strategies (TrainConfig.sharding; memory per ZeRO, arXiv:1910.02054, docs/references.md C4):
 
-- ``ddp``: everything replicated; gradients all-reduced (averaged) once per optimiser step.
+- ``ddp``: everything replicated; gradients all-reduced (averaged) once per optimiser step, in
+  place in DDP's buckets (the gradients are views of them).
 - ``zero1``: DDP for gradients + ``torch.distributed.optim.ZeroRedundancyOptimizer``: each
   rank keeps the AdamW moments of its partition of the parameters, steps it and broadcasts
   the updated parameters.
 - ``fsdp``: FSDP2 ``fully_shard``: parameters, gradients and moments sharded (dim 0, DTensor);
   gathered per layer for forward/backward, gradients reduce-scattered (averaged) every
-  micro-batch so they stay sharded. ``reshard_after_forward=False`` is ZeRO-2-style.
+  micro-batch so they stay sharded. ``reshard_after_forward=False`` is ZeRO-2-style. In bf16
+  the parameters are gathered in bf16 and gradients reduced in fp32 (``MixedPrecisionPolicy``).
 
 Every collective runs in the default group, whose timeout is ``init_distributed``'s explicit
 ``timeout_s``.
@@ -38,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
@@ -133,22 +135,31 @@ def wrap_model(model: torch.nn.Module, cfg: Any, device: torch.device) -> torch.
     """Wrap ``model`` (already on ``device``) for data parallelism per ``cfg.sharding`` when a
     process group is active; return ``model`` unchanged otherwise (one process).
 
-    ddp / zero1: ``DistributedDataParallel`` (``find_unused_parameters=False``; ``device_ids``
-    on CUDA only); zero1's sharding is in the optimiser. fsdp: ``fully_shard`` on each module
-    of ``model.layers`` (one all-gather / reduce-scatter unit per encoder layer), then on the
-    root (embeddings, head), with ``reshard_after_forward=cfg.fsdp_reshard_after_forward``;
-    the module is changed in place and returned. ``cfg`` None means ddp.
+    ddp / zero1: ``DistributedDataParallel`` (``find_unused_parameters=False``,
+    ``gradient_as_bucket_view=True``: the gradients are views of the all-reduce buckets, so DDP
+    keeps no second copy; ``device_ids`` on CUDA only); zero1's sharding is in the optimiser.
+    fsdp: ``fully_shard`` on each module of ``model.layers`` (one all-gather / reduce-scatter
+    unit per encoder layer), then on the root (embeddings, head), with
+    ``reshard_after_forward=cfg.fsdp_reshard_after_forward``; with ``cfg.precision`` "bf16"
+    also ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (as torchtitan's
+    ``parallelize.py`` applies it): the all-gathers move bf16 and the bf16 weights are the
+    gathered, resharded ones instead of autocast's copies of every layer; the sharded weights,
+    gradients and moments stay fp32. The module is changed in place and returned. ``cfg`` None
+    means ddp.
     """
     if not dist.is_initialized():
         return model
     if cfg is not None and cfg.sharding == "fsdp":
-        reshard = cfg.fsdp_reshard_after_forward
+        kw: dict[str, Any] = {"reshard_after_forward": cfg.fsdp_reshard_after_forward}
+        if getattr(cfg, "precision", "fp32") == "bf16":  # torchtitan's policy: bf16 compute, fp32 reductions
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in getattr(model, "layers", []):
-            fully_shard(layer, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
         return model
     device_ids = [device.index] if device.type == "cuda" else None
-    return DDP(model, device_ids=device_ids, find_unused_parameters=False)
+    # gradients as views of DDP's buckets: no second copy (20 -> 16 B per parameter with AdamW)
+    return DDP(model, device_ids=device_ids, find_unused_parameters=False, gradient_as_bucket_view=True)
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:
@@ -225,13 +236,30 @@ def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimize
 def load_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                               state: dict[str, Any]) -> None:
     """Load the whole optimiser state written by ``optimizer_state_dict`` into this rank's
-    optimiser (every rank passes the whole state). zero1: each rank keeps its partition;
-    fsdp: ``set_optimizer_state_dict`` shards it (collective; the optimiser must not have
-    gradients yet)."""
+    optimiser (every rank passes the whole state). zero1: each rank keeps its partition, its
+    0-dim state back on the parameters' devices (``steps_to_param_devices``); fsdp:
+    ``set_optimizer_state_dict`` shards it (collective; the optimiser must not have gradients yet)."""
     if is_fsdp(model):
         set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
     else:
         optimizer.load_state_dict(state)
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        steps_to_param_devices(optimizer.optim)
+
+
+def steps_to_param_devices(optimizer: torch.optim.Optimizer) -> None:
+    """Put a fused or capturable optimiser's 0-dim state (AdamW's ``step``) on its parameter's
+    device. ``ZeroRedundancyOptimizer.load_state_dict`` moves every 0-dim state tensor to the CPU
+    (torch/distributed/optim/zero_redundancy_optimizer.py; pytorch/pytorch#124133, open), which
+    fused AdamW on CUDA refuses at its next step; the default implementations keep ``step`` on
+    the CPU on purpose and are left alone."""
+    for group in optimizer.param_groups:
+        if not (group.get("fused") or group.get("capturable")):
+            continue
+        for p in group["params"]:
+            for name, value in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(value) and value.dim() == 0 and value.device != p.device:
+                    optimizer.state[p][name] = value.to(p.device)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

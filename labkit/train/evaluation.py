@@ -7,7 +7,9 @@ so runs of different seeds are scored on the same masks) and the run's masking p
 (the collator seeds from the sequence's ids), so positions and replacements are the same at
 every evaluation and for any number of ranks. Rank r evaluates sequences r,
 r + world, ...; every rank runs the same number of forwards (a rank out of sequences repeats
-its first batch and discards it), which FSDP's per-forward all-gathers need.
+its first batch, or with none of its own the set's first sequence, and discards it), which
+FSDP's per-forward all-gathers need: with fewer held-out sequences than ranks the empty ranks
+would otherwise wait in the final all-reduce while the others wait in an all-gather.
 
 eval_loss = (sum over all ranks of the cross-entropy at every masked position) / (global
 number of masked positions), the same normalisation as the training loss, in nats;
@@ -28,18 +30,21 @@ from labkit.train import dist
 class HeldoutSet:
     """The fixed masked held-out set of one rank. ``batches``: list of dicts input_ids int64
     [b, T], labels int64 [b, T] (-100 = not masked), attention_mask bool [b, T], on ``device``;
-    every rank holds ``n_batches`` (the same number on all ranks). ``n_sequences``: sequences of
-    the whole set (all ranks). Raises ``labkit.data.heldout.HeldoutError`` when the shard set has
+    every rank runs ``n_batches`` forwards (the same number on all ranks; ``filler`` is the batch
+    a rank runs and discards once its own are done). ``n_sequences``: sequences of the whole set
+    (all ranks). Raises ``labkit.data.heldout.HeldoutError`` when the shard set has
     no held-out split."""
 
     def __init__(self, data_dir: str | os.PathLike, *, rank: int, world_size: int, vocab_size: int,
                  mlm_probability: float, max_sequences: int, batch_size: int,
                  device: torch.device, seed: int = 0) -> None:
         from labkit.data.heldout import read_heldout
-        from labkit.data.mlm import MLMCollator
+        from labkit.data.mlm import MLMCollator, index_special_ids
+        from labkit.data.shards import read_index
 
         rows = read_heldout(data_dir, max_sequences)
-        collate = MLMCollator(vocab_size=vocab_size, mlm_probability=mlm_probability, seed=seed)
+        collate = MLMCollator(vocab_size=vocab_size, mlm_probability=mlm_probability, seed=seed,
+                              special_ids=index_special_ids(read_index(data_dir)))
         self.n_sequences = len(rows)
         mine = [collate(rows[i:i + 1]) for i in range(rank, len(rows), world_size)]
         per_rank = math.ceil(len(rows) / world_size)
@@ -48,6 +53,9 @@ class HeldoutSet:
         for k in range(0, len(mine), batch_size):
             group = mine[k:k + batch_size]
             self.batches.append({key: torch.cat([m[key] for m in group]).to(device) for key in group[0]})
+        first = self.batches[0] if self.batches else \
+            ({key: v.to(device) for key, v in collate(rows[:1]).items()} if len(rows) else None)
+        self.filler = first
 
 
 @torch.no_grad()
@@ -65,9 +73,7 @@ def evaluate(model: torch.nn.Module, heldout: HeldoutSet, *, precision: str = "f
     try:
         for k in range(heldout.n_batches):
             real = k < len(heldout.batches)
-            if not heldout.batches:
-                break  # a rank without sequences runs no forward; only possible for unsharded models
-            batch = heldout.batches[k] if real else heldout.batches[0]
+            batch = heldout.batches[k] if real else heldout.filler  # every rank runs n_batches forwards
             with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
                 out = module(batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
             if real:

@@ -48,7 +48,7 @@ import torch
 from labkit import measure
 from labkit.config import TrainConfig, to_dict
 from labkit.data.mlm import make_loader
-from labkit.data.shards import read_index
+from labkit.data.shards import packing_of, read_index
 from labkit.io import atomic_write_json, atomic_write_text
 from labkit.model import BertMLM, count_parameters, flops_per_token
 from labkit.train import dist, parallel, provenance, sinks
@@ -155,7 +155,9 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
     MASTER_ADDR/MASTER_PORT from the environment; absent = one process, no process group).
 
     Returns the result dict (also rank 0's result.json): initial_loss, final_loss, eval_loss and
-    perplexity (the last held-out evaluation, ``labkit.train.evaluation``; None without one), tokens_per_s
+    perplexity (the last held-out evaluation, ``labkit.train.evaluation``; None without one),
+    peak_mem_bytes (the training steps' own peak; eval_peak_mem_bytes and
+    checkpoint_peak_mem_bytes in their own windows, also in the records they belong to), tokens_per_s
     and samples_per_s (time-weighted over this invocation's steps after timing_warmup_steps),
     data_wait_fraction, mfu, world_size, global_batch_size, steps, params, ... ``sink(record)``
     is called on rank 0 with each metrics record. Resumes from the newest checkpoint when
@@ -193,6 +195,9 @@ def _build_model(cfg: TrainConfig, index: dict, rank: int, world: int) -> tuple[
     if seq_len > mcfg.max_position_embeddings:
         raise ValueError(f"model_overrides: shards in {cfg.data_dir} have seq_len {seq_len} > "
                          f"max_position_embeddings {mcfg.max_position_embeddings}")
+    if mcfg.position_embedding == "instruction" and "[NEXT]" not in index["special_ids"]:
+        raise ValueError(f"model_overrides: position_embedding 'instruction' counts [NEXT] tokens, but the shards in "
+                         f"{cfg.data_dir} come from a tokenizer without [NEXT] (special_ids {index['special_ids']})")
     split = parallel.check_split(cfg, mcfg, world, seq_len, rank) if parallel.is_split(cfg) else None
     torch.manual_seed(cfg.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
     model = BertMLM(mcfg)
@@ -312,10 +317,13 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     timings: list[tuple[int, int, float, float]] = []  # (tokens, samples, step time, wait) per step
     last_record: dict[str, Any] = {}
     skipped = 0
-    measure.reset_peak_memory(device)
+    # peak memory in its own windows: the training steps since the last record, each evaluation,
+    # each checkpoint (reset before, read after; CUDA only, docs/measurement.md)
+    step_peak, ckpt_peak, peaks = 0, None, {"eval_peak_mem_bytes": None, "checkpoint_peak_mem_bytes": None}
     model.train()
     while step < stop:
         timer.start()
+        measure.reset_peak_memory(device)
         # 1. fetch this rank's micro-batches, timing the wait (a new epoch reshuffles)
         micro_batches, wait = [], 0.0
         for _ in range(cfg.grad_accum_steps):
@@ -344,30 +352,40 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         optimizer.zero_grad(set_to_none=True)
         step += 1
         step_time = timer.stop()
+        step_peak = max(step_peak, measure.peak_memory_bytes(device))
         # 4. measure and record
         n_tokens_i = int(n_tokens.item())
         tokens_seen += n_tokens_i
         timings.append((n_tokens_i, global_batch, step_time, wait_mean))
+        measure.reset_peak_memory(device)
         evaluated = _maybe_evaluate(model, heldout, cfg, step, stop)  # held-out loss, outside the step time
+        if evaluated:
+            evaluated["eval_peak_mem_bytes"] = measure.peak_memory_bytes(device)
+            peaks["eval_peak_mem_bytes"] = max(peaks["eval_peak_mem_bytes"] or 0, evaluated["eval_peak_mem_bytes"])
         if step % cfg.log_every == 0 or step == stop or evaluated:
             tps = measure.tokens_per_s(n_tokens_i, step_time)
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
                       "step_tokens": n_tokens_i, "n_masked": int(n_masked.item()), "tokens_per_s": tps,
-                      **_rates(global_batch, step_time, wait_mean, device), "mfu": measure.mfu(tps, fpt, world, peak),
-                      "world_size": world, "global_batch_size": global_batch, "epoch": epoch,
-                      **parallel.measures(model), "skipped": not finite, **evaluated, "time": time.time()}
-            measure.reset_peak_memory(device)
+                      "packing_efficiency": measure.packing_efficiency(n_tokens_i, global_batch, seq_len),
+                      **_rates(global_batch, step_time, wait_mean, model), "mfu": measure.mfu(tps, fpt, world, peak),
+                      "peak_mem_bytes": step_peak, "world_size": world, "global_batch_size": global_batch,
+                      "epoch": epoch, "skipped": not finite, **evaluated, "time": time.time()}
+            if ckpt_peak is not None:  # the checkpoints written since the last record
+                record["checkpoint_peak_mem_bytes"], ckpt_peak = ckpt_peak, None
+            step_peak = 0
             last_record = _log(record, metrics_file, sink)
         if cfg.checkpoints and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == stop):
+            measure.reset_peak_memory(device)
             _save(cfg, run_dir, model, optimizer, scaler, sampler, step=step, epoch=epoch, position=position,
                   tokens=tokens_seen, world=world, sharding=sharding)
+            ckpt_peak = max(ckpt_peak or 0, measure.peak_memory_bytes(device))
+            peaks["checkpoint_peak_mem_bytes"] = max(peaks["checkpoint_peak_mem_bytes"] or 0, ckpt_peak)
 
     records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()] \
         if metrics_file is not None and metrics_file.exists() else [last_record]
     result = _result(cfg, records, timings, fpt=fpt, peak=peak, world=world, global_batch=global_batch, step=step,
                      params=params, tokens_seen=tokens_seen, resume_step=resume_step, skipped=skipped, mcfg=mcfg,
-                     index=index, device=device, sharding=sharding, t_start=t_start,
-                     prov=prov) | parallel.result_fields(cfg, dp, records)
+                     index=index, device=device, sharding=sharding, t_start=t_start, prov=prov) | peaks
     if dist.is_main():
         atomic_write_json(run_dir / "result.json", result)
     return result
@@ -460,11 +478,13 @@ def _next_epoch(loader: Any, sampler: Any, epoch: int, cfg: TrainConfig, world: 
     return itertools.chain([first], batches)
 
 
-def _rates(global_batch: int, step_time: float, wait_mean: float, device: torch.device) -> dict[str, Any]:
-    """The per-step rates of a metrics record (docs/measurement.md)."""
+def _rates(global_batch: int, step_time: float, wait_mean: float, model: Any = None) -> dict[str, Any]:
+    """The per-step rates of a metrics record (docs/measurement.md); with a split ``model`` also its
+    measured pipeline bubble and time in TP collectives (``parallel.measures``: collective; None
+    for both otherwise)."""
     return {"samples_per_s": measure.samples_per_s(global_batch, step_time), "step_time_s": step_time,
             "data_wait_s": wait_mean, "data_wait_fraction": measure.data_wait_fraction(wait_mean, step_time),
-            "peak_mem_bytes": measure.peak_memory_bytes(device)}
+            **parallel.measures(model)}
 
 
 def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple[int, int, float, float]], *, fpt: float,
@@ -485,6 +505,8 @@ def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple[int, int,
               "tokens_per_s": tps,
               "samples_per_s": measure.samples_per_s(samples, seconds) if timed else None,
               "data_wait_fraction": measure.data_wait_fraction(wait_s, seconds) if timed else None,
+              "packing_efficiency": measure.packing_efficiency(tok, samples, seq_len) if timed else None,
+              "packing": packing_of(index),
               "mfu": measure.mfu(tps, fpt, world, peak) if tps else None,
               "world_size": world, "global_batch_size": global_batch, "steps": step,
               "max_steps": cfg.max_steps, "params": params["total"],
@@ -495,4 +517,5 @@ def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple[int, int,
               "device": str(device), "precision": cfg.precision, "sharding": sharding,
               "activation_checkpointing": mcfg.activation_checkpointing, "wall_s": time.time() - t_start,
               "provenance": prov | {"end_time": provenance.now_iso()}}
-    return result
+    dp = global_batch // (cfg.micro_batch_size * cfg.grad_accum_steps)
+    return result | parallel.result_fields(cfg, dp, records)  # the split, its measured means

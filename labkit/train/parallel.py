@@ -162,7 +162,7 @@ class ParallelModel(nn.Module):
     def _register_parts(self, chunks: list[nn.Module]) -> None:
         """Register the chunks' modules and root parameters under the BertMLM names (one owner each:
         the tied copy and the first stage's word embedding never sit on one rank)."""
-        for name in ("word", "position", "token_type", "embed_norm", "dropout", "final_norm", "head_dense", "head_norm"):
+        for name in (*pipeline.FIRST_PARTS, "dropout", *pipeline.LAST_PARTS):
             owner = next((getattr(c, name) for c in chunks if getattr(c, name, None) is not None), None)
             setattr(self, name, owner)
         self.layers = nn.ModuleList(next((c.layers[i] for c in chunks if not isinstance(c.layers[i], nn.Identity)),

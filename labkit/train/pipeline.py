@@ -35,8 +35,10 @@ from labkit.model.encoder import BertMLM, Layer
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 """``TrainConfig.pp_schedule`` -> torch's schedule class."""
 
-_FIRST = ("word", "position", "token_type", "embed_norm")
-_LAST = ("final_norm", "head_dense", "head_norm")
+FIRST_PARTS = ("word", "position", "instruction", "argument", "token_type", "embed_norm")
+"""The embedding modules (the first stage's; a model has those of its options, others are absent or None)."""
+LAST_PARTS = ("final_norm", "head_dense", "head_norm")
+"""The head's modules (the last stage's, with the decoder parameters and, tied, a word-embedding copy)."""
 
 
 def stage_layers(num_layers: int, n_stages: int) -> list[range]:
@@ -70,11 +72,12 @@ class StageModule(BertMLM):
         nn.Module.__init__(self)
         self.cfg, self.index, self.n_stages, self.layer_range = model.cfg, index, n_stages, layers
         self.is_first, self.is_last = index == 0, index == n_stages - 1
-        keep = set(_FIRST if self.is_first else ()) | set(_LAST if self.is_last else ())
+        keep = set(FIRST_PARTS if self.is_first else ()) | set(LAST_PARTS if self.is_last else ())
         if self.is_last and model.cfg.tie_embeddings:
             keep.add("word")  # the decoder's weight: summed with the first stage's gradient every step
-        for name in (*_FIRST, *_LAST):
-            setattr(self, name, copy.deepcopy(getattr(model, name)) if name in keep else None)
+        for name in (*FIRST_PARTS, *LAST_PARTS):
+            part = getattr(model, name, None)
+            setattr(self, name, copy.deepcopy(part) if name in keep and part is not None else None)
         self.dropout = copy.deepcopy(model.dropout)
         self.layers = nn.ModuleList(copy.deepcopy(layer) if i in layers else nn.Identity()
                                     for i, layer in enumerate(model.layers))

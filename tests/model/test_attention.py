@@ -100,15 +100,19 @@ def test_rotary_scores_depend_only_on_relative_position():
 
 
 def test_layer_kinds_spans_and_flops():
-    cfg = model_config("tiny", V, num_layers=6, attention="sliding_window", window_size=16, global_every=3)
+    cfg = model_config("tiny", V, num_layers=6, attention="sliding_window", window_size=16, global_every=3,
+                       sparse_head=False)
     local = "sliding_window"
     assert [layer_attention(cfg, i) for i in range(6)] == [local, local, "full", local, local, "full"]
+    # |i - j| <= 8: 17 keys away from the ends, 8 * 9 / 2 fewer at each end
+    assert attention_span(cfg, 0, 128) == (17 * 128 - 2 * 36) / 128
     n = count_parameters(cfg)["non_embedding"]
-    decoder = 6 * V * 64 * 0.15  # the sparse head's logits at the masked 15 % of positions
-    assert flops_per_token(cfg, 128) == pytest.approx(6 * n + 12 * 2 * 32 * (4 * 17 + 2 * 128) + decoder)
+    decoder = 6 * V * 64  # the dense head's logits at every position
+    assert flops_per_token(cfg, 128) == pytest.approx(6 * n + 12 * 64 * (4 * attention_span(cfg, 0, 128) + 2 * 128)
+                                                      + decoder)
     lin = model_config("tiny", V, attention="linformer", linformer_k=8)
-    assert attention_span(lin, 0, 128) == 16 and attention_span(lin, 0, 4) == 8
-    assert attention_span(model_config("tiny", V, attention="linear"), 1, 512) == 32
+    assert attention_span(lin, 0, 128) == 8 and attention_span(lin, 0, 4) == 4
+    assert attention_span(model_config("tiny", V, attention="linear"), 1, 512) == 0
 
 
 def tiny(kind, **kw):

@@ -265,9 +265,12 @@ def test_flops_per_token_counts_the_mlm_output_layer():
     assert flops_per_token(dense, 512) == 711_340_380
     assert flops_per_token(dense, 512) - flops_per_token(dense, 128) == 12 * 12 * 768 * 384
     sparse = model_config("bert-120m", 30522, sparse_head=True)
-    # the sparse head computes logits at the masked fraction of positions only
+    # the sparse head computes logits, the head transform and the last layer's queries, output
+    # projection and FFN at the masked fraction of positions only (tests/model/test_flops.py)
+    last = 768 * 768 + 768 + 2 * 2 * 768 + 2 * 768 * 3072 + 3072 + 768  # out, 2 norms, FFN
+    head = 768 * 768 + 768 + 2 * 768 + 30522  # head dense, head norm, decoder bias
     assert flops_per_token(sparse, 512, mlm_probability=0.15) == pytest.approx(
-        711_340_380 - 6 * 30522 * 768 * (1 - 0.15))
+        711_340_380 - 0.85 * (6 * 30522 * 768 + 6 * (last + head) + 12 * 768 * 512))
     assert flops_per_token(sparse, 512, mlm_probability=0.3) > flops_per_token(sparse, 512, mlm_probability=0.15)
     assert flops_per_token(dense, 512, mlm_probability=0.3) == flops_per_token(dense, 512)
     with pytest.raises(ValueError, match="seq_len"):

@@ -92,7 +92,7 @@ def test_sweep_micro_batch_resumes_with_a_real_measurement(tmp_path):
                                workdir=str(tmp_path))
     assert len(client.calls) == 1  # read back, not measured again
     from labkit.model import model_config
-    from labkit.study.plan import max_micro_batch
+    from labkit.study.memory import max_micro_batch
 
     assert df["max_micro_batch"].item() == max_micro_batch(model_config("tiny", 256), 32, budget)["max_micro_batch"]
 

@@ -288,3 +288,40 @@ def test_compiled_model_trains_to_the_same_losses(shards, tmp_path):
     assert compiled["final_loss"] == pytest.approx(eager["final_loss"], rel=1e-4)
     names = set(load_file(str(tmp_path / "compiled" / "checkpoints" / "step-2" / "model.safetensors")))
     assert names == set(load_file(str(tmp_path / "eager" / "checkpoints" / "step-2" / "model.safetensors")))
+
+
+def test_peak_memory_windows_keep_evaluation_and_checkpoints_apart(tmp_path, monkeypatch):
+    """A fake CUDA allocator: each training step peaks 300 B above the 100 B at rest, each
+    evaluation 5,000 B, each checkpoint 7,000 B. A record's peak_mem_bytes is its steps' own;
+    evaluation and checkpoint peaks land in their own fields (before: one window took all)."""
+    shards = write_tiny_shards(tmp_path / "shards", heldout_sequences=4)
+
+    class FakeAllocator:
+        peak = 100
+
+        def reset(self, device):
+            self.peak = 100
+
+        def read(self, device):
+            return self.peak
+
+        def around(self, fn, extra):
+            def wrapped(*a, **kw):
+                self.peak = max(self.peak, 100 + extra)
+                return fn(*a, **kw)
+            return wrapped
+
+    mem = FakeAllocator()
+    monkeypatch.setattr(loop.measure, "reset_peak_memory", mem.reset)
+    monkeypatch.setattr(loop.measure, "peak_memory_bytes", mem.read)
+    monkeypatch.setattr(loop, "forward_backward", mem.around(loop.forward_backward, 300))
+    monkeypatch.setattr(loop, "_maybe_evaluate", mem.around(loop._maybe_evaluate, 5000))
+    monkeypatch.setattr(loop, "_save", mem.around(loop._save, 7000))
+    cfg = tiny_cfg(shards, tmp_path / "run", max_steps=4, eval_every=2, ckpt_every=2, eval_sequences=4)
+    result = train(cfg)
+    records = read_metrics(tmp_path / "run")
+    assert [r["peak_mem_bytes"] for r in records] == [400] * 4
+    assert [r.get("eval_peak_mem_bytes") for r in records] == [None, 5100, None, 5100]
+    assert [r.get("checkpoint_peak_mem_bytes") for r in records] == [None, None, 7100, None]  # step-2's, logged next
+    assert (result["peak_mem_bytes"], result["eval_peak_mem_bytes"], result["checkpoint_peak_mem_bytes"]) == \
+        (400, 5100, 7100)

@@ -1,0 +1,361 @@
+"""What one training step of any model keeps and computes, counted on this machine's CPU.
+
+The instrument behind ``labkit.study.memory.plan_model``. ``count_steps`` runs one training
+forward and backward of ``model(**batch)`` (train mode) per micro-batch and counts, exactly:
+
+- ``saved_bytes``: the distinct tensor storages autograd keeps for backward (every tensor
+  passed to ``torch.autograd.graph.saved_tensors_hooks`` during the forward), parameters and
+  buffers excluded; ``param_cast_bytes`` is the part of it that is autocast's low-precision
+  copies of parameters (``aten._to_copy`` of a parameter's storage);
+- ``held_bytes``: storages of the forward's outputs that are not saved (the logits a training
+  loop holds while it runs backward);
+- ``peak_bytes``: the largest sum of live storages the step itself created, forward and
+  backward, parameter gradients excluded (model state): a ``TorchDispatchMode`` records each
+  op's new output storages and a weakref callback each one's end, as
+  ``torch.distributed._tools.mem_tracker.MemTracker`` does (tests/study/test_counting.py
+  compares the two);
+- ``flops`` (``count_flops``): ``torch.utils.flop_counter.FlopCounterMode`` over the same
+  forward and backward, with CPU's fused attention kernel given the formula FlopCounterMode
+  has for CUDA's (it counts 0 for it otherwise).
+
+It runs on fake tensors (``torch._subclasses.fake_tensor.FakeTensorMode``: the shapes, dtypes,
+strides and views of real tensors, no data, no arithmetic) when the model allows it, else on
+real CPU tensors; a model that reads a tensor's value on the host (``int(t)``, ``bool(t)``:
+labkit's sparse MLM head counts its masked positions) needs real ones. Both give the same bytes.
+
+``cuda=True`` counts what the step keeps on a CUDA GPU instead (``CudaLike``), since this
+CPU build of torch cannot trace CUDA tensors through autograd: dropout keeps a 1-byte mask
+(CUDA's fused ``native_dropout``), attention keeps what CUDA's fused SDPA kernels keep, and
+autocast runs CUDA's fp32 ops in fp32. Limits: docs/measurement.md, "Counting a model".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+CUDA_FP32_OPS = frozenset({
+    # AT_FORALL_FP32 and AT_FORALL_FP32_SET_OPT_DTYPE of pytorch/pytorch v2.13
+    # aten/src/ATen/autocast_mode.h, by Python name (functions, methods and operators)
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal",
+    "rsqrt", "sinh", "tan", "pow", "__pow__", "__rpow__", "softplus", "layer_norm", "rms_norm", "group_norm",
+    "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "hinge_embedding_loss",
+    "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss",
+    "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
+    "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
+    "prod", "softmax", "log_softmax", "cumprod", "cumsum", "sum", "norm", "cross_entropy"})
+"""Ops CUDA's autocast runs in fp32 (casting 16-bit floating inputs up); ``cross_entropy`` is
+there as its parts are (log_softmax, nll_loss). CPU autocast leaves several of them (softmax,
+layer_norm, pow, ...) in the input's dtype."""
+
+_FAKE_REFUSALS = (torch._subclasses.fake_tensor.DataDependentOutputException,
+                  torch._subclasses.fake_tensor.DynamicOutputShapeException,
+                  torch._subclasses.fake_tensor.UnsupportedOperatorException, NotImplementedError, RuntimeError)
+
+
+def _key(t: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """The scalar to call backward on: ``out`` itself when it is a tensor, else ``out.loss``
+    (transformers' outputs) or ``out.loss_sum`` (labkit's ``MLMOutput``). TypeError otherwise."""
+    for loss in (out, getattr(out, "loss", None), getattr(out, "loss_sum", None)):
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise TypeError(f"forward: the loss must be a scalar, got shape {tuple(loss.shape)}")
+            return loss
+    raise TypeError(f"forward: returned {type(out).__name__}; expected a loss tensor or an object with "
+                    ".loss or .loss_sum")
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Every storage an op creates, alive or freed, in order: ``events`` [(key, +bytes or -bytes)].
+    A storage's end is a ``weakref`` callback on its Python object (torch keeps one object per
+    storage while it lives, as MemTracker relies on). Storages of ``exclude`` (parameters,
+    buffers) are never counted; ``casts`` are the keys made by ``_to_copy`` of an excluded
+    storage (autocast's weight copies)."""
+
+    def __init__(self, exclude: set) -> None:
+        super().__init__()
+        self.exclude, self.live, self.casts, self.events = exclude, {}, set(), []
+
+    def _freed(self, key: StorageWeakRef) -> None:
+        self.events.append((key, -self.live.pop(key)[0]))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        cast_of_param = func is torch.ops.aten._to_copy.default and _key(args[0]) in self.exclude
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                storage = t.untyped_storage()
+                key = StorageWeakRef(storage)
+                if key not in self.exclude and key not in self.live:
+                    n = storage.nbytes()
+                    self.live[key] = (n, weakref.ref(storage, lambda _, key=key: self._freed(key)))
+                    self.events.append((key, n))
+                    if cast_of_param:
+                        self.casts.add(key)
+        return out
+
+    def peak(self, skip: set) -> int:
+        """Largest running sum of the recorded storages, leaving out the keys in ``skip``."""
+        now = best = 0
+        for key, n in self.events:
+            if key not in skip:
+                now += n
+                best = max(best, now)
+        return best
+
+
+def cuda_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any) -> str:
+    """The SDPA kernel CUDA (sm80 and newer) picks for these inputs, as far as memory goes:
+    "flash" (16-bit, no mask, head dim <= 256), else "efficient" (last dims divisible by 8 in
+    16-bit, 4 in fp32: ``minimum_gemm_alignment``), else "math". Source: pytorch/pytorch
+    aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (``check_head_dim_size_flash``,
+    ``check_head_dim_size_mem_efficient``; the flash -> efficient -> math order, with cuDNN's
+    kernel first on sm90 when the cuDNN runtime allows, which keeps what flash keeps)."""
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    d, dv = q.shape[-1], v.shape[-1]
+    if half and attn_mask is None and d == k.shape[-1] == dv and d <= 256:
+        return "flash"
+    align = 8 if half else 4
+    if d == k.shape[-1] and d % align == 0 and dv % align == 0 and d > 0 and dv > 0:
+        return "efficient"
+    return "math"
+
+
+class _FusedAttention(torch.autograd.Function):
+    """SDPA whose saved tensors are those of CUDA's fused kernels (``derivatives.yaml`` of
+    pytorch/pytorch v2.13, ``_scaled_dot_product_{flash,efficient}_attention``): query, key,
+    value, the output and an fp32 log-sum-exp [B, heads, rows] (rows = query length, rounded
+    up to a multiple of 32 by the memory-efficient kernel), and the mask when one is passed.
+    No s x s scores. For counting: its backward returns zero gradients of the right shapes."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, kernel, dropout_p, is_causal, scale, enable_gqa):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=is_causal,
+                                             scale=scale, enable_gqa=enable_gqa)
+        rows = q.shape[-2] if kernel == "flash" else 32 * math.ceil(q.shape[-2] / 32)
+        lse = torch.empty(*q.shape[:-2], rows, dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse, *([mask] if isinstance(mask, torch.Tensor) else []))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors[:3]
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None, None, None, None
+
+
+def _sdpa_args(args, kwargs):
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    defaults = (None, None, None, None, 0.0, False, None, False)
+    got = dict(zip(names, defaults)) | dict(zip(names, args)) | kwargs
+    return [got[n] for n in names]
+
+
+class CudaLike(TorchFunctionMode):
+    """Make a CPU forward keep what the same forward keeps on a CUDA GPU (see the module
+    docstring). Intercepts, by the Python function called: ``F.dropout`` (training) ->
+    ``torch.native_dropout`` (1-byte bool mask, as CUDA's ``is_fused_kernel_acceptable`` path in
+    aten/src/ATen/native/Dropout.cpp); ``F.scaled_dot_product_attention`` -> ``_FusedAttention``
+    when ``cuda_attention_kernel`` is flash or efficient (math stays math); and, while autocast is
+    on, ``CUDA_FP32_OPS`` with their 16-bit floating inputs cast to fp32. ``kernels`` lists the
+    attention kernel chosen per SDPA call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels: list[str] = []
+        self.dropouts = 0
+        self.upcast: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout:
+            names = ("input", "p", "training", "inplace")
+            got = dict(zip(names, (None, 0.5, True, False))) | dict(zip(names, args)) | kwargs
+            if got["training"] and 0.0 < got["p"] < 1.0 and not got["inplace"]:
+                self.dropouts += 1
+                return torch.native_dropout(got["input"], got["p"], True)[0]
+        elif func is F.scaled_dot_product_attention:
+            q, k, v, mask, p, causal, scale, gqa = _sdpa_args(args, kwargs)
+            dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+            if dtype is not None:  # autocast casts SDPA's floating inputs first (lower-precision op)
+                q, k, v = (t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
+                mask = mask.to(dtype) if isinstance(mask, torch.Tensor) and mask.is_floating_point() else mask
+            kernel = cuda_attention_kernel(q, k, v, mask)
+            self.kernels.append(kernel)
+            if kernel != "math":
+                with torch.autocast("cpu", enabled=False):
+                    return _FusedAttention.apply(q, k, v, mask, kernel, p, causal, scale, gqa)
+        elif torch.is_autocast_enabled("cpu") and getattr(func, "__name__", "") in CUDA_FP32_OPS:
+            up = (lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16)
+                  else t)
+            if any(isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16)
+                   for t in (*args, *kwargs.values())):
+                self.upcast.add(func.__name__)
+            args, kwargs = tuple(up(a) for a in args), {k: up(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+def _flops_mapping() -> dict:
+    """FlopCounterMode formulas for CPU's fused SDPA kernel, which it counts as 0 otherwise:
+    forward ``torch.utils.flop_counter.sdpa_flop_count`` (the formula torch registers for CUDA's
+    kernels), backward twice that (the four gradient matmuls; torch's CUDA formula also counts
+    the kernel's recompute of the scores, which model FLOPs leave out)."""
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    aten = torch.ops.aten
+    return {aten._scaled_dot_product_flash_attention_for_cpu:
+            lambda q, k, v, *a, out_shape=None, **kw: sdpa_flop_count(q, k, v),
+            aten._scaled_dot_product_flash_attention_for_cpu_backward:
+            lambda g, q, k, v, *a, out_shape=None, **kw: 2 * sdpa_flop_count(q, k, v)}
+
+
+def _tokens(batch: dict[str, Any], b: int) -> int:
+    """Positions in the micro-batch: numel of the first integer tensor of the batch whose
+    first dimension is b (input_ids [b, T]). ValueError when there is none."""
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.ndim >= 2 \
+                and value.shape[0] == b and value.dtype != torch.bool:
+            return int(value.numel())
+    raise ValueError(f"make_batch: no integer tensor with first dimension {b} (input ids) in {sorted(batch)}")
+
+
+def _one_step(model: torch.nn.Module, batch: dict[str, Any], *, precision: str, cuda: bool,
+              flops: bool) -> dict[str, Any]:
+    """One forward + backward of ``model(**batch)`` in train mode: the counts of the module
+    docstring (and ``flops`` when asked: then without ``CudaLike``, whose attention backward does
+    no arithmetic)."""
+    state = {_key(t) for t in (*model.parameters(), *model.buffers())}
+    model.train()
+    model.zero_grad(set_to_none=True)
+    saved: dict[StorageWeakRef, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.layout == torch.strided:
+            key = _key(t)
+            if key not in state:
+                saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    dtype = AUTOCAST[precision]
+    tracker = _LiveStorages(state)
+    counter = None
+    emulate = CudaLike() if cuda and not flops else None
+    with contextlib.ExitStack() as stack:
+        if flops:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            counter = stack.enter_context(FlopCounterMode(display=False, custom_mapping=_flops_mapping()))
+        stack.enter_context(tracker)
+        if emulate is not None:
+            stack.enter_context(emulate)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                out = model(**batch)
+        loss = loss_of(out)
+        held = {_key(t): t.untyped_storage().nbytes() for t in tree_leaves(dict(out) if hasattr(out, "keys") else out)
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+        held = {k: n for k, n in held.items() if k not in saved and k not in state}
+        # the engine call of torch.autograd.backward: Tensor.backward is overridable, and a
+        # torch-function mode is off while it handles a call, so CudaLike would be off for the
+        # recomputed forwards of activation checkpointing
+        torch.autograd.graph._engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (),
+                                                  allow_unreachable=True, accumulate_grad=True)
+        grads = {_key(p.grad) for p in model.parameters() if p.grad is not None}
+        del out, loss
+    result = {"saved_bytes": sum(saved.values()),
+              "param_cast_bytes": sum(n for k, n in saved.items() if k in tracker.casts),
+              "held_bytes": sum(held.values()), "peak_bytes": tracker.peak(grads),
+              "attention_kernels": emulate.kernels if emulate is not None else [],
+              "dropout_calls": emulate.dropouts if emulate is not None else 0,
+              "fp32_ops": sorted(emulate.upcast) if emulate is not None else [],
+              "flops": counter.get_total_flops() if counter is not None else None}
+    model.zero_grad(set_to_none=True)
+    return result
+
+
+def parameter_table(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Unique parameters in registration order (tied ones once): name, shape, numel, dtype
+    bytes, requires_grad, and ``unit``: the index of the module of the model's largest
+    ``ModuleList`` (its blocks, FSDP's units as labkit wraps ``model.layers``) that holds it,
+    None for the rest (embeddings, head: FSDP's root)."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    blocks = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
+    owner = {}
+    if blocks is not None:
+        for i, block in enumerate(blocks):
+            owner.update({id(p): i for p in block.parameters()})
+    rows, seen = [], set()
+    for name, p in model.named_parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            rows.append({"name": name, "shape": tuple(p.shape), "numel": p.numel(), "bytes": p.element_size(),
+                         "requires_grad": p.requires_grad, "unit": owner.get(id(p))})
+    return rows
+
+
+def count_steps(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int], dict[str, Any]],
+                micro_batches: tuple[int, ...], *, precision: str = "fp32", cuda: bool = False,
+                flops_at: int | None = None, fake: bool = True,
+                param_dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """Count one training step at each micro-batch in ``micro_batches`` (see the module docstring).
+
+    ``make_model()`` returns a ``torch.nn.Module``; ``make_batch(b)`` the keyword arguments of
+    its forward for micro-batch b; the forward returns the loss (``loss_of``). ``precision``:
+    "fp32", or "bf16"/"fp16" autocast. ``cuda``: count what a CUDA GPU would keep
+    (``CudaLike``). ``flops_at``: also count FLOPs at this micro-batch. ``fake``: try fake
+    tensors first. ``param_dtype``: run the forward with the parameters in this dtype (FSDP's
+    mixed-precision policy); the parameter table keeps the dtype ``make_model`` gave. Returns {"method" ("fake tensors" or "CPU tensors"), "fake_refused" (why fake
+    tensors could not run the model, or None), "counts" {b: {saved_bytes, param_cast_bytes,
+    held_bytes, peak_bytes, attention_kernels, tokens}}, "flops" (fwd + bwd at flops_at, or None),
+    "flops_tokens", "parameters" (``parameter_table``), "model_class"}. Errors of the model itself propagate.
+    """
+    if precision not in AUTOCAST:
+        raise ValueError(f"precision: got {precision!r}; allowed values are {tuple(AUTOCAST)}")
+    refused = None
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                return _count(make_model, make_batch, micro_batches, precision, cuda, flops_at, param_dtype) | \
+                    {"method": "fake tensors", "fake_refused": None}
+        except _FAKE_REFUSALS as err:
+            refused = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+    return _count(make_model, make_batch, micro_batches, precision, cuda, flops_at, param_dtype) | \
+        {"method": "CPU tensors", "fake_refused": refused}
+
+
+def _count(make_model, make_batch, micro_batches, precision, cuda, flops_at, param_dtype) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = make_model()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"make_model: returned {type(model).__name__}, expected a torch.nn.Module")
+    table = parameter_table(model)
+    if param_dtype is not None:
+        model.to(param_dtype)
+    counts = {}
+    for b in micro_batches:
+        batch = make_batch(b)
+        counts[b] = _one_step(model, batch, precision=precision, cuda=cuda, flops=False) | {"tokens": _tokens(batch, b)}
+    flops = tokens = None
+    if flops_at is not None:
+        batch = make_batch(flops_at)
+        flops = _one_step(model, batch, precision="fp32", cuda=False, flops=True)["flops"]
+        tokens = _tokens(batch, flops_at)
+    return {"counts": counts, "flops": flops, "flops_tokens": tokens, "parameters": table,
+            "model_class": type(model).__name__}

@@ -1,0 +1,137 @@
+"""Tests of labkit/study/counting.py against references labkit did not write: an independent
+saved-tensor count on real tensors, torch's MemTracker, FlopCounterMode, and the hand-derived
+CUDA terms of ``plan.activation_terms``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit.model import model_config
+from labkit.study import plan
+from labkit.study.counting import count_steps, cuda_attention_kernel, loss_of
+from labkit.study.memory import labkit_model
+from plain_encoder import factory
+
+pytestmark = pytest.mark.torch_threads(1)
+
+
+def hf_bert(attn: str, *, vocab: int = 500, seq: int = 64):
+    """transformers' BertForMaskedLM built from a BertConfig (no hub), and its batch."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=256, max_position_embeddings=seq, attn_implementation=attn)
+
+    def make_batch(b: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(5, vocab, (b, seq), generator=torch.Generator().manual_seed(0))
+        labels = torch.full_like(ids, -100)
+        labels[:, 1:11] = ids[:, 1:11]
+        return {"input_ids": ids, "labels": labels}
+
+    return (lambda: BertForMaskedLM(cfg)), make_batch
+
+
+def reference_saved_bytes(model: torch.nn.Module, batch: dict) -> int:
+    """Distinct storages (by data pointer) autograd saves in one forward of real CPU tensors,
+    parameters and buffers excluded: the count labkit used before counting.py."""
+    state = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in state and t.untyped_storage().nbytes() > 0:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(**batch)
+    del out
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_fake_tensors_count_what_real_tensors_save(attn):
+    make_model, make_batch = hf_bert(attn)
+    fake = count_steps(make_model, make_batch, (2, 3))
+    real = count_steps(make_model, make_batch, (2, 3), fake=False)
+    assert fake["method"] == "fake tensors" and real["method"] == "CPU tensors"
+    torch.manual_seed(0)
+    model = make_model()
+    for b in (2, 3):
+        for key in ("saved_bytes", "held_bytes", "peak_bytes"):
+            assert fake["counts"][b][key] == real["counts"][b][key], (b, key)
+        assert fake["counts"][b]["saved_bytes"] == reference_saved_bytes(model, make_batch(b))
+    assert real["counts"][2]["held_bytes"] == 2 * 64 * 500 * 4 + 4  # fp32 logits [b, T, V] (not saved), loss
+
+
+def test_a_model_that_reads_values_on_the_host_runs_on_cpu_tensors():
+    make_model, make_batch = labkit_model(model_config("tiny", 256), 32)  # sparse head: int(counts.max())
+    run = count_steps(make_model, make_batch, (2,))
+    assert run["method"] == "CPU tensors" and "DataDependentOutput" in run["fake_refused"]
+    torch.manual_seed(0)
+    assert run["counts"][2]["saved_bytes"] == reference_saved_bytes(make_model(), make_batch(2))
+
+
+def test_peak_agrees_with_torch_mem_tracker():
+    """The step's peak of live tensors (parameter gradients excluded) against torch's
+    MemTracker (torch.distributed._tools.mem_tracker) on the same real step: its peak minus
+    the parameters and gradients it attributes. MemTracker rounds each block up to 512 B (CUDA's
+    allocator), so the plain encoder's large tensors keep that under 1 %."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    make_model, make_batch = factory(seq_len=64, vocab=2000, hidden=64, layers=2, heads=2, ffn=256)
+    ours = count_steps(make_model, make_batch, (4,), fake=False)["counts"][4]["peak_bytes"]
+    torch.manual_seed(0)
+    model = make_model()
+    batch = make_batch(4)
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        model(**batch).backward()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    theirs = peak["Total"] - peak["Parameter"] - peak["Gradient"]
+    assert ours == pytest.approx(theirs, rel=0.01)
+
+
+def test_cuda_like_count_equals_the_cuda_terms_of_the_formula():
+    """Two derivations of what CUDA keeps for labkit's model: the CPU count under CudaLike (its
+    kernel choice, 1-byte dropout masks, CUDA's fp32 autocast ops) and the hand-written
+    ``activation_terms(device="cuda")``; autocast's weight copies are memory_plan's own term."""
+    for kw in ({}, {"sparse_head": False}, {"hidden_dropout": 0.0, "attention_dropout": 0.0},
+               {"sparse_head": False, "norm_position": "pre"}, {"activation_checkpointing": True}, {"bias": False}):
+        cfg = model_config("tiny", 512, **kw)
+        make_model, make_batch = labkit_model(cfg, 64)
+        for precision in ("bf16", "fp32"):
+            run = count_steps(make_model, make_batch, (2, 3), precision=precision, cuda=True)
+            for b in (2, 3):
+                c = run["counts"][b]
+                want = plan.saved_activation_bytes(cfg, 64, b, precision=precision, attention="flash", device="cuda")
+                assert c["saved_bytes"] - c["param_cast_bytes"] == want, (kw, precision, b)
+                assert set(c["attention_kernels"]) == {"flash" if precision == "bf16" else "efficient"}
+            assert (c["param_cast_bytes"] > 0) == (precision == "bf16")
+
+
+def test_cuda_attention_kernel_rules():
+    q16 = torch.empty(2, 4, 8, 64, dtype=torch.bfloat16)
+    q32 = torch.empty(2, 4, 8, 64)
+    assert cuda_attention_kernel(q16, q16, q16, None) == "flash"
+    assert cuda_attention_kernel(q16, q16, q16, torch.zeros(8, 8, dtype=torch.bfloat16)) == "efficient"
+    assert cuda_attention_kernel(q32, q32, q32, None) == "efficient"
+    odd = torch.empty(2, 4, 8, 30)  # 30 % 4 != 0: no fused kernel in fp32
+    assert cuda_attention_kernel(odd, odd, odd, None) == "math"
+    big = torch.empty(2, 4, 8, 512, dtype=torch.float16)
+    assert cuda_attention_kernel(big, big, big, None) == "efficient"  # flash takes head dims <= 256
+
+
+def test_loss_of_and_errors():
+    t = torch.tensor(1.0)
+    assert loss_of(t) is t
+    assert loss_of(type("Out", (), {"loss": t})()) is t
+    with pytest.raises(TypeError, match="loss"):
+        loss_of((t,))
+    with pytest.raises(TypeError, match="scalar"):
+        loss_of(torch.ones(2))
+    with pytest.raises(ValueError, match="precision"):
+        count_steps(lambda: torch.nn.Linear(2, 2), lambda b: {}, (1,), precision="int8")
