@@ -112,7 +112,8 @@ def check_split(cfg: TrainConfig, mcfg: ModelConfig, world: int, seq_len: int, r
 class ParallelModel(nn.Module):
     """This rank's part of a ``BertMLM`` split over (pp, dp, tp): the modules it holds registered
     under the ``BertMLM``'s names (so ``named_parameters``, state dicts and the optimiser see
-    stable names at every split), its pipeline stages (``chunks``), schedule and groups.
+    stable names at every split), its pipeline stages (``_chunks``: the whole model when pp = 1),
+    the schedule and the groups.
 
     ``forward(input_ids, attention_mask, labels) -> MLMOutput`` (evaluation: no schedule) gives the
     loss sum and masked count on one rank per data-parallel replica (the last stage's tp rank 0)
@@ -144,8 +145,8 @@ class ParallelModel(nn.Module):
                 fully_shard(chunk, mesh=self.mesh["dp"], reshard_after_forward=cfg.fsdp_reshard_after_forward)
         self._chunks = chunks  # a plain list: not registered, so the names below carry no chunk prefix
         self._register_parts(chunks)
-        self.has_first = any(_is_first(c) for c in chunks)
-        self.has_last = any(_is_last(c) for c in chunks)
+        self.has_first = any(getattr(c, "is_first", True) for c in chunks)  # a whole model (pp 1) is both
+        self.has_last = any(getattr(c, "is_last", True) for c in chunks)
         self.representative = self.has_last and split.tp_rank == 0
         self.dp_group = self.mesh["dp"].get_group()
         self.embedding_group = self._embedding_group() if split.pp > 1 and model.cfg.tie_embeddings else None
@@ -154,7 +155,7 @@ class ParallelModel(nn.Module):
             stages = [pipeline.TimedStage(c, c.index, n_stages, device, group=self.mesh["pp"].get_group(),
                                           busy=self.busy, reduce=self.reduce_timer) for c in chunks]
             self.schedule = pipeline.build_schedule(stages, cfg.grad_accum_steps, cfg.pp_schedule, self._loss)
-        self._step: dict[str, Any] = {}
+        self._scale = torch.ones((), dtype=torch.float64)
         self._last: dict[str, float] = {}
 
     # -- names -------------------------------------------------------------------------------
@@ -182,8 +183,8 @@ class ParallelModel(nn.Module):
 
     # -- one optimiser step's forwards and backwards -----------------------------------------
 
-    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]], *, dtype: torch.dtype | None = None,
-                         scaler: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]], *,
+                         dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``labkit.train.loop.forward_backward`` for a split model: this data-parallel replica's
         micro-batches (the same on its tp and pp ranks), autocast ``dtype`` (None: fp32); returns
         (loss_sum: this rank's, nonzero on one rank per replica; n_masked_global; n_tokens_global),
@@ -193,7 +194,7 @@ class ParallelModel(nn.Module):
         dist.all_reduce(counts, group=self.dp_group)
         n_masked, n_tokens = counts[0], counts[1]
         autocast = torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
-        self._step = {"scale": self.split.dp / n_masked.clamp(min=1).double(), "scaler": scaler}
+        self._scale = self.split.dp / n_masked.clamp(min=1).double()
         sums: list[torch.Tensor] = []
         t0 = time.perf_counter()
         if self.schedule is None:
@@ -211,7 +212,7 @@ class ParallelModel(nn.Module):
                 self.schedule.step(*args, attention_mask=whole["attention_mask"], labels=whole["labels"],
                                    target=whole["labels"] if self.has_last else None, losses=losses,
                                    return_outputs=False)
-            sums = [loss.detach().double() / self._step["scale"] for loss in losses]
+            sums = [loss.detach().double() / self._scale for loss in losses]
         span = time.perf_counter() - t0
         self._after_backward()
         busy, reduce_s = self.busy.take()[0], self.reduce_timer.take()[0]
@@ -220,12 +221,10 @@ class ParallelModel(nn.Module):
         return (loss_sum if self.representative else torch.zeros_like(loss_sum)), n_masked, n_tokens
 
     def _loss(self, loss_sum: torch.Tensor, target: Any) -> torch.Tensor:
-        """The loss backpropagated for one micro-batch: loss_sum x dp / n_masked_global (fp16: scaled);
-        also the schedule's loss_fn on the last stage (which calls it once more per schedule to
-        infer the gradients' shapes, on placeholder inputs)."""
-        loss = loss_sum.float() * self._step["scale"].float()
-        scaler = self._step["scaler"]
-        return scaler.scale(loss) if scaler is not None else loss
+        """The loss backpropagated for one micro-batch: loss_sum x dp / n_masked_global; also the
+        schedule's loss_fn on the last stage (which calls it once more, before the first step, to
+        infer the gradients' shapes on placeholder inputs: the logged loss comes from ``losses``)."""
+        return loss_sum.float() * self._scale.float()
 
     def _after_backward(self) -> None:
         """Sum what backward left partial: sequence-parallel gradients over tp, the tied embedding's
@@ -315,14 +314,6 @@ class ParallelModel(nn.Module):
         if loss_sum is None or not self.representative:
             loss_sum, n_masked = torch.zeros((), device=input_ids.device), torch.zeros_like(n_masked)
         return MLMOutput(loss_sum.float(), n_masked, torch.empty(0, device=input_ids.device))
-
-
-def _is_first(chunk: nn.Module) -> bool:
-    return getattr(chunk, "is_first", True)
-
-
-def _is_last(chunk: nn.Module) -> bool:
-    return getattr(chunk, "is_last", True)
 
 
 def measures(model: Any) -> dict[str, float | None]:
