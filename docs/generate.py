@@ -109,19 +109,35 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
+def _prep(d: dict) -> dict:
+    """The demo's preparation report with today's keys (``labkit.data.prepared``): a demo.json
+    written before the report named its sizes per source kind (function_dataset_bytes,
+    reduction_percent) reads the same."""
+    p = dict(d["preparation"])
+    if "dataset_bytes" not in p:
+        p["dataset_bytes"] = p["function_dataset_bytes"]
+        p["training_to_dataset_ratio"] = round(p["training_data_bytes"] / p["dataset_bytes"], 4)
+    return p
+
+
+def _ratio(r: float) -> str:
+    """Lesson 1 as a ratio: "3.9x" the dataset, or "1/80" of it below 1."""
+    return f"{r:.2g}x" if r >= 1 else f"1/{1 / r:.0f}"
+
+
 def demo_summary() -> str:
     """README's paragraph of what the demo measured."""
     d = _demo()
-    p, t = d["preparation"], d["train"]
+    p, t = _prep(d), d["train"]
     ranks = {r["ranks"]: r for r in d["sweep_ranks"]}
     mb = {r["model"]: r for r in d["sweep_micro_batch"]}
     return (f"On a 2-core VM without a GPU (`make demo`, {d['seconds']:.0f} s for the demo itself; {_load(d)}):\n"
             f"{p['functions']:,} functions disassembled from {p['elf_files_read']}\n"
             f"of this machine's ELF files, {p['documents_kept']:,} kept after cleaning and exact and near dedup,\n"
-            f"{p['tokens'] / 1e6:.1f} M training tokens; function dataset {_mb(p['function_dataset_bytes'])} -> "
-            f"training data {_mb(p['training_data_bytes'])}\n"
-            f"(reduction {p['reduction_percent']} %; machine code {_mb(p['machine_code_bytes'])}, ELF files read "
-            f"{_mb(p['raw_bytes'])}); DDP\n"
+            f"{p['tokens'] / 1e6:.1f} M training tokens; the training data ({_mb(p['training_data_bytes'])}) is "
+            f"{_ratio(p['training_to_dataset_ratio'])} the function dataset\n"
+            f"({_mb(p['dataset_bytes'])}; the study's is 1/80: 25 GB from 2 TB; machine code "
+            f"{_mb(p['machine_code_bytes'])}, ELF files read {_mb(p['raw_bytes'])}); DDP\n"
             f"training of `{t['model']}` on {t['world_size']} ranks at {t['tokens_per_s']:,.0f} tokens/s with the MLM loss "
             f"falling from {t['initial_loss']:.2f}\n"
             f"to {t['final_loss']:.2f} in {t['steps']} steps and a held-out loss of {t['eval_loss']:.2f} (perplexity "
@@ -134,15 +150,15 @@ def demo_summary() -> str:
 
 
 def lesson1_measured() -> str:
-    p = _demo()["preparation"]
+    p = _prep(_demo())
     drops = p["dropped"]
     skipped = sum(p["skipped_inputs"].values())
     return ("| quantity | labkit here | study |\n| --- | --- | --- |\n"
-            f"| function dataset as first written (corpus Parquet: text + metadata) | {_mb(p['function_dataset_bytes'])}"
+            f"| function dataset as first written (corpus Parquet: text + metadata) | {_mb(p['dataset_bytes'])}"
             f" ({p['functions']:,} functions) | 2 TB (unconfirmed) |\n"
             f"| training data (shards, held-out file, index.json) | {_mb(p['training_data_bytes'])}: "
             f"{p['tokens']:,} tokens, vocabulary {p['vocab_size']:,}, uint16 | 25 GB of ids ≈ 12.5 B tokens (derived) |\n"
-            f"| reduction | {p['reduction_percent']} % | 98.8 % |\n"
+            f"| training data / function dataset | {_ratio(p['training_to_dataset_ratio'])} | 1/80 (0.0125) |\n"
             f"| context: machine code of the functions / ELF files read | {_mb(p['machine_code_bytes'])} / "
             f"{_mb(p['raw_bytes'])} ({p['elf_files_read']} files, {skipped} without a usable function) | n/a |\n"
             f"| functions kept | {p['documents_kept']:,} of {p['functions']:,} (exact duplicates "

@@ -48,35 +48,45 @@ EXAMPLES = {
 def _one_line(exc: BaseException) -> str:
     """The cause of ``exc`` in one line: a notebook cell's or an engine's error name and value,
     a dead kernel, or the first line of the message."""
-    from nbclient.exceptions import CellExecutionError, DeadKernelError
-
     def first(text: object) -> str:
         return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
 
-    if isinstance(exc, CellExecutionError):
-        return f"a notebook cell failed: {exc.ename}: {first(exc.evalue)}"
-    if isinstance(exc, DeadKernelError):
-        return f"the notebook's kernel died while running a cell (DeadKernelError: {first(exc)})"
+    if "nbclient" in sys.modules:  # only a command that ran a notebook can raise its errors
+        from nbclient.exceptions import CellExecutionError, DeadKernelError
+
+        if isinstance(exc, CellExecutionError):
+            return f"a notebook cell failed: {exc.ename}: {first(exc.evalue)}"
+        if isinstance(exc, DeadKernelError):
+            return f"the notebook's kernel died while running a cell (DeadKernelError: {first(exc)})"
     if hasattr(exc, "ename") and hasattr(exc, "evalue"):  # ipyparallel RemoteError
         return f"error on an engine: {exc.ename}: {first(exc.evalue)}"
     return first(exc) or type(exc).__name__
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean "the input or a notebook is wrong", not a bug in labkit."""
-    from ipyparallel.error import RemoteError
-    from nbclient.exceptions import CellControlSignal
+    """Exceptions that mean "the input or a notebook is wrong", not a bug in labkit. ipyparallel's
+    and nbclient's are among them once a command imported those packages (importing them here
+    would cost seconds before a value can be refused)."""
+    errors: list[type[BaseException]] = [ValueError, OSError, RuntimeError, FloatingPointError]
+    if "ipyparallel" in sys.modules:
+        from ipyparallel.error import RemoteError
 
-    return (ValueError, OSError, RuntimeError, FloatingPointError, RemoteError, CellControlSignal)
+        errors.append(RemoteError)
+    if "nbclient" in sys.modules:
+        from nbclient.exceptions import CellControlSignal
+
+        errors.append(CellControlSignal)
+    return tuple(errors)
 
 
-def _guarded(name: str, func, args: argparse.Namespace, errors: tuple[type[BaseException], ...]) -> int:
-    """Run ``func(args)``: an error of ``errors`` prints ``<name>: error: <cause>`` and returns
-    2 (with ``--debug`` it is raised); Ctrl-C returns 130."""
+def _guarded(name: str, func, args: argparse.Namespace, errors) -> int:
+    """Run ``func(args)``: an error of the classes ``errors()`` returns (asked after the error, so
+    the classes of packages the command imported count) prints ``<name>: error: <cause>`` and
+    returns 2 (with ``--debug`` it is raised); Ctrl-C returns 130."""
     try:
         return func(args)
-    except errors as exc:
-        if getattr(args, "debug", False):
+    except Exception as exc:
+        if not isinstance(exc, errors()) or getattr(args, "debug", False):
             raise
         print(f"{name}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
@@ -257,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "instead of the formula planner")
     p.add_argument("--out", default=None, help="with CONFIG: also write the JSON summary to this file")
     p.add_argument("--top", type=int, default=8, help="splits shown")
+    p.add_argument("--json", action="store_true", help="one JSON object with the raw values (bytes) instead of tables")
     g = p.add_argument_group("your own model (labkit.study.memory.plan_model: counted, not estimated)")
     g.add_argument("--model-module", default=None, metavar="FILE.py:FACTORY",
                    help="FACTORY(seq_len=...) returns (make_model, make_batch); see tests/plain_encoder.py")
@@ -296,12 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    from labkit.train.provenance import COMMAND_ENV
+    from labkit.env import COMMAND_ENV
 
     before = os.environ.get(COMMAND_ENV)
     os.environ[COMMAND_ENV] = shlex.join(["labkit", *argv])  # engines inherit it: provenance's command line
     try:
-        return _guarded(f"labkit {args.command}", args.func, args, _input_errors())
+        return _guarded(f"labkit {args.command}", args.func, args, _input_errors)
     finally:  # main() called in-process (tests, notebooks) must not leave it for later runs
         if before is None:
             os.environ.pop(COMMAND_ENV, None)

@@ -9,6 +9,8 @@
   head computes logits (all with the dense head, the masked ones with the sparse head;
   Megatron-LM's count of the output layer; ``labkit.model.flops_per_token``).
 - peak memory: CUDA ``max_memory_allocated`` on a GPU, else the process's peak RSS.
+- available memory: MemAvailable, or less where a memory cgroup's limit leaves less
+  (``available_memory``; ``check_cpu_budget`` refuses a CPU budget above it).
 - scaling efficiency at n ranks: throughput(n) / (n x throughput(1)), weak scaling.
 - pipeline bubble fraction: 1 - (time the stages compute) / (ranks x the longest rank's schedule time).
 - time in tensor-parallel collectives: the summed durations of those collectives (``IntervalTimer``).
@@ -311,3 +313,78 @@ class SavedActivationPeak:
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
+
+
+def _cgroup_memory() -> list[tuple[str, int, int]]:
+    """(cgroup directory, limit bytes, usage bytes) for this process's memory cgroup and each of
+    its ancestors that has a limit (v2: memory.max / memory.current; v1: memory.limit_in_bytes /
+    memory.usage_in_bytes, where "no limit" is a huge number). [] when none can be read."""
+    import os
+
+    out = []
+    try:
+        lines = open("/proc/self/cgroup").read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: the one unified hierarchy
+            root, limit_file, usage_file = "/sys/fs/cgroup", "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            root, limit_file, usage_file = "/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            d = os.path.join(root, *parts[:depth])
+            try:
+                limit = open(os.path.join(d, limit_file)).read().strip()
+                usage = int(open(os.path.join(d, usage_file)).read().strip())
+            except (OSError, ValueError):
+                continue
+            if limit != "max" and int(limit) < 2**60:
+                out.append((d, int(limit), usage))
+    return out
+
+
+def available_memory() -> dict:
+    """Memory this process can still take, in bytes: {"bytes", "machine_available_bytes"
+    (/proc/meminfo MemAvailable, the kernel's estimate of what can be allocated without swapping),
+    "machine_total_bytes", "cgroup" (the tightest memory cgroup with a limit: {"path", "limit_bytes",
+    "usage_bytes"}, or None)}; "bytes" = min(MemAvailable, limit - usage of every limiting cgroup).
+    Where /proc/meminfo is missing (not Linux), psutil's virtual_memory gives both machine numbers."""
+    info = {}
+    try:
+        for line in open("/proc/meminfo"):
+            key, value = line.split(":", 1)
+            info[key] = int(value.split()[0]) * 1024  # kB
+        avail, total = info["MemAvailable"], info["MemTotal"]
+    except (OSError, KeyError, ValueError):
+        import psutil
+
+        vm = psutil.virtual_memory()
+        avail, total = vm.available, vm.total
+    groups = _cgroup_memory()
+    tight = min(groups, key=lambda g: g[1] - g[2], default=None)
+    free = min([avail] + [max(0, limit - usage) for _, limit, usage in groups])
+    return {"bytes": int(free), "machine_available_bytes": int(avail), "machine_total_bytes": int(total),
+            "cgroup": None if tight is None else {"path": tight[0], "limit_bytes": tight[1], "usage_bytes": tight[2]}}
+
+
+def check_cpu_budget(budget_bytes: int, available: dict, *, key: str = "budget_bytes", model: str | None = None) -> None:
+    """Refuse a CPU micro-batch search whose per-rank budget exceeds what the machine (or the
+    engine's memory cgroup) can give now: the search really allocates up to the budget (model
+    state and the activations autograd saves), so a budget above it ends in the kernel's OOM
+    killer, which may take the notebook server with it. `available`:
+    ``available_memory()`` where the search runs. ValueError, one line naming
+    `key`, pointing to the planner, which predicts larger budgets without allocating them."""
+    if budget_bytes <= available["bytes"]:
+        return
+    cg, gib = available.get("cgroup"), 2**30
+    where = (f"memory cgroup {cg['path']}: limit {cg['limit_bytes'] / gib:.1f} GiB, {cg['usage_bytes'] / gib:.1f} GiB "
+             "used; " if cg else "") + f"MemAvailable {available['machine_available_bytes'] / gib:.1f} GiB of " \
+        f"{available['machine_total_bytes'] / gib:.1f} GiB"
+    raise ValueError(f"{key}: {budget_bytes / gib:.1f} GiB per rank is more than the {available['bytes'] / gib:.1f} GiB "
+                     f"this machine can give now ({where}), and the search allocates its budget; plan it instead: "
+                     f"labkit plan --model {model or 'MODEL'} --micro-batch B --device DEVICE "
+                     "(labkit.study.plan.memory_plan)")

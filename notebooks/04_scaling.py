@@ -40,13 +40,12 @@ import polars as pl
 from labkit import cluster as lc
 from labkit import lab, plots
 from labkit.config import TrainConfig
-from labkit.data.shards import read_index
 
+index = lab.require_prepared(workdir)  # the shards of notebook 01; stops here, in one line, without them
 plots.setup_notebook_plotting()
 cluster = lc.start_cluster(engines)
 client = lc.get_client(cluster)
 staged = lab.stage(client, workdir)
-index = read_index(f"{workdir}/shards")
 
 # %% [markdown]
 # ## Throughput vs ranks
@@ -191,6 +190,39 @@ here = scaling.efficiency_table(compute_s=scaling.calibrate(step_1),
 curves.append(here.with_columns(label=pl.lit(f"{model} here (model)")))
 pred = pl.concat(curves)
 plots.efficiency_figure(pred, measured=ranks)
+
+# %% [markdown]
+# ### Why the model and the measurement differ on this machine
+# The model counts one cost of data parallelism: the part of the gradient all-reduce that
+# backward cannot hide, over the link between the ranks. Here the ranks are engines on one
+# machine, so that link is a copy through loopback, and the model predicts almost no loss. The
+# measurement pays for more: the ranks share this machine's cores, memory bandwidth and caches,
+# and whatever else was running (each point records the 1-minute load average). Comparing the
+# step time per rank at 1 and at n ranks with the model's exposed all-reduce shows which one
+# the gap is.
+
+# %%
+from labkit import tables
+
+this = ranks.filter((pl.col("model") == model) & (pl.col("micro_batch_size") == micro_batch_size))  # this sweep's rows
+n = int(this["ranks"].max())
+at = {r["ranks"]: r for r in this.iter_rows(named=True)}
+step = {k: at[k]["micro_batch_size"] * index["seq_len"] * k / at[k]["tokens_per_s"] for k in (1, n)}  # s per step
+modelled = here.filter(pl.col("n_gpus") == n).row(0, named=True)
+extra = step[n] - step[1]
+why = {"ranks": n, "measured efficiency": at[n]["efficiency"], "modelled efficiency": modelled["efficiency"],
+       "step time per rank at 1 rank (s)": step[1], f"step time per rank at {n} ranks (s)": step[n],
+       "measured extra time per step (s)": extra,
+       "modelled exposed all-reduce per step (s)": modelled["exposed_s"],
+       "1-minute load average / usable CPUs": {f"{k} rank(s)": f"{at[k].get('load_avg_1m')} / {at[k].get('cpu_count')}"
+                                             for k in (1, n)}}
+if "comm_exposed_s" in this.columns:  # the measured exposed communication, where the sweep recorded it
+    why["measured exposed communication per step (s)"] = at[n]["comm_exposed_s"]
+if extra > 2 * modelled["exposed_s"]:
+    why["reading"] = (f"the ranks' steps got {extra:.3g} s slower, {extra / max(modelled['exposed_s'], 1e-9):.0f}x "
+                      "the exposed all-reduce the model counts: the gap is mostly ranks slowing each other's compute "
+                      "on shared cores and memory (and other load), which a network model does not describe")
+tables.show(why, title=f"Model vs measurement at {n} ranks")
 
 # %%
 summary = []

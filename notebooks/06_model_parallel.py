@@ -43,6 +43,7 @@ from labkit import cluster as lc
 from labkit import lab, plots
 from labkit.config import TrainConfig
 
+lab.require_prepared(workdir)  # the shards of notebook 01; stops here, in one line, without them
 plots.setup_notebook_plotting()
 cluster = lc.start_cluster(engines)
 client = lc.get_client(cluster)

@@ -42,6 +42,16 @@ def test_file_maps_onto_the_dataclasses(cfg_file):
     assert cfg.tokenizer.vocab_size == 8192, "a missing section takes the dataclass defaults"
 
 
+def test_text_sources_alone_mean_a_text_only_corpus(tmp_path):
+    from labkit.config.data import DEFAULT_ELF_PATHS
+
+    path = tmp_path / "text.toml"
+    path.write_text('[corpus]\ntext_paths = ["notes"]\n')
+    assert load(path).corpus.paths == ()  # no ELF file is read
+    assert load(path, ['corpus.paths=["/usr/lib"]']).corpus.paths == ("/usr/lib",)  # mixing names both
+    assert load(None).corpus.paths == DEFAULT_ELF_PATHS  # no source at all: this machine's ELF files
+
+
 def test_set_overrides_parse_toml_values_else_strings(cfg_file):
     cfg = load(cfg_file, ["train.max_steps=7", "train.model=mini", 'corpus.paths=["/a", "/b"]',
                           "train.num_threads=none", "clean.near_dedup.threshold=0.9", "train.trackers=[]"])
@@ -87,6 +97,25 @@ def test_run_config_reads_back_without_provenance(tmp_path):
         read_run_config(tmp_path, ["corpus.max_functions=1"])
     with pytest.raises(FileNotFoundError, match="is not a run directory"):
         read_run_config(tmp_path / "elsewhere")
+
+
+def test_the_toml_examples_in_the_docs_load():
+    """Every ```toml block of README.md and docs/*.md is a config file labkit accepts as written."""
+    import pathlib
+    import re
+    import tomllib
+
+    from labkit.config.tomlfile import from_mapping
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    blocks = [(p.name, b) for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+              for b in re.findall(r"```toml\n(.*?)```", p.read_text(), re.S)]
+    configs = {}
+    for name, block in blocks:
+        configs.setdefault(name, []).append(from_mapping(tomllib.loads(block)))  # raises on a bad key or value
+    text_only, mixed = configs["data_path.md"][:2]  # "Your own data": text alone, then a mix
+    assert text_only.corpus.paths == () and text_only.corpus.text_paths and text_only.corpus.jsonl_paths
+    assert mixed.corpus.paths == ("/usr/lib",) and mixed.corpus.parquet_paths and mixed.shards.source_caps
 
 
 def test_every_shipped_config_loads_and_the_study_scales_down():

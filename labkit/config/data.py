@@ -14,10 +14,17 @@ DEFAULT_ELF_PATHS: tuple[str, ...] = ("/usr/lib", "/usr/bin", "/usr/sbin", "/usr
 
 @dataclass(kw_only=True)
 class CorpusConfig:
-    """Where documents come from: functions disassembled from ELF files (one per function)."""
+    """Where documents come from: functions disassembled from ELF files (one per function) and
+    text documents (plain text, JSONL, Parquet; ``labkit.data.sources``).
 
-    paths: tuple[str, ...] = DEFAULT_ELF_PATHS
-    """Files or directories (searched recursively, symlinks not followed) holding ELF files."""
+    Without any text source the corpus is this machine's ELF files (``DEFAULT_ELF_PATHS``); with
+    a text source and no ``paths`` it is text only. Mixing needs both: ``paths`` and a text source.
+    """
+
+    paths: tuple[str, ...] | None = None
+    """Files or directories (searched recursively, symlinks not followed) holding ELF files.
+    None: ``DEFAULT_ELF_PATHS`` when no text source is given, else none (a text-only corpus);
+    () reads no ELF file."""
     max_files: int | None = None
     """Read at most this many ELF files (after the seeded shuffle); None reads all that are needed."""
     max_functions: int | None = 30_000
@@ -58,6 +65,9 @@ class CorpusConfig:
     reading ('too_large') without being decoded."""
 
     def __post_init__(self) -> None:
+        if self.paths is None:  # text sources alone mean a text-only corpus; nothing means this machine's ELF
+            text = self.text_paths or self.jsonl_paths or self.parquet_paths
+            self.paths = () if text else DEFAULT_ELF_PATHS
         _require(self.max_functions_per_file is None or self.max_functions_per_file > 0,
                  "max_functions_per_file", "must be positive or None")
         _require(len(self.paths) + len(self.text_paths) + len(self.jsonl_paths) + len(self.parquet_paths) > 0,

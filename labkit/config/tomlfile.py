@@ -180,10 +180,13 @@ def _convert(key: str, value: Any, hint: Any) -> Any:
         nested = [a for a in args if dataclasses.is_dataclass(a)]
         if nested and isinstance(value, dict):  # a table for a nested config: its own errors
             return build(nested[0], value, key)
-        for arm in (a for a in args if a is not type(None)):
+        arms = [a for a in args if a is not type(None)]
+        for arm in arms:
             try:
                 return _convert(key, value, arm)
             except ValueError:
+                if len(arms) == 1:  # "X or None": X's own message names the element that is wrong
+                    raise
                 continue
     elif origin is Literal:
         if value in args:

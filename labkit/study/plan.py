@@ -171,7 +171,7 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
     parallel, arXiv:2205.05198 section 4.2.2); index and statistics terms are not divided. The
     same terms serve device="cuda" (only m and the b = 1 math-path correction differ), where the
     sparse last layer is likewise modelled as the gathers and SDPA save it. Checked exactly
-    against saved-tensor counts on CPU (fp32) in tests/test_plan.py and
+    against saved-tensor counts on CPU (fp32) in tests/study/test_plan.py and
     benchmarks/bench_planner.py. The other model options (rotary, RMSNorm, gated FFN, sliding
     window, Linformer, linear attention) add ``_option_bytes`` per layer (checked within 3 % on
     CPU). This is labkit's one activation-memory model. Raises ValueError for unknown

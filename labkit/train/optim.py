@@ -49,7 +49,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
-    decay = [_decays(n, p) for n, p in named]  # a fused bias ([3, H]: labkit.model.FusedLinear) is 2-D
+    decay = [_decays(n, p) for n, p in named]  # a fused bias ([3, H]: labkit.model.encoder.FusedLinear) is 2-D
     groups = [{"params": [p for p, d in zip(params, decay) if d], "weight_decay": cfg.weight_decay},
               {"params": [p for p, d in zip(params, decay) if not d], "weight_decay": 0.0}]
     fused = {"fused": True} if params and params[0].is_cuda and not isinstance(model, FSDPModule) else {}

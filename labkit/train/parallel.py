@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,79 +34,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from labkit.config import ModelConfig, TrainConfig
+from labkit.config import TrainConfig
+from labkit.config.split import TP_ATTENTION, Split, check_split, is_split, split_of  # noqa: F401 (re-exported)
 from labkit.measure import IntervalTimer, bubble_fraction
 from labkit.model.encoder import BertMLM, MLMOutput, local
 from labkit.train import pipeline
 from labkit.train.checkpoint import load_split_checkpoint, read_state
 from labkit.train.optim import build_optimizer
 from labkit.train.tensor_parallel import apply_tensor_parallel, sync_sequence_parallel_grads
-
-TP_ATTENTION = ("full", "sliding_window", "linear")
-"""Attention kinds checked against one process under tensor parallelism (tests/train/test_parallel.py).
-Linformer is not: its E, F projections are shared by the heads, so their gradient would need a sum over tp."""
-
-
-@dataclass(frozen=True)
-class Split:
-    """A run's split and this rank's place in it: rank = (pp_rank · dp + dp_rank) · tp + tp_rank."""
-
-    pp: int
-    dp: int
-    tp: int
-    rank: int = 0
-
-    @property
-    def pp_rank(self) -> int:
-        return self.rank // (self.dp * self.tp)
-
-    @property
-    def dp_rank(self) -> int:
-        return self.rank // self.tp % self.dp
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp
-
-    def __str__(self) -> str:
-        return f"dp {self.dp} x tp {self.tp} x pp {self.pp}"
-
-
-def is_split(cfg: TrainConfig) -> bool:
-    """Whether a run of ``cfg`` splits the model (tp or pp > 1) and so goes through this module."""
-    return cfg.tp * cfg.pp > 1
-
-
-def split_of(cfg: TrainConfig, world: int, rank: int = 0) -> Split:
-    """The ``Split`` of a run of ``cfg`` on ``world`` ranks. ValueError when tp x pp does not divide it."""
-    if world % (cfg.tp * cfg.pp):
-        raise ValueError(f"tp/pp: world size {world} is not divisible by tp x pp = {cfg.tp} x {cfg.pp}")
-    return Split(pp=cfg.pp, dp=world // (cfg.tp * cfg.pp), tp=cfg.tp, rank=rank)
-
-
-def check_split(cfg: TrainConfig, mcfg: ModelConfig, world: int, seq_len: int, rank: int = 0) -> Split:
-    """Refuse, in one line naming the field, a split that does not divide or cannot work (the
-    checks that need the model and world size; ``TrainConfig`` checks the rest): tp x pp not
-    dividing the world, heads or FFN width not divisible by tp, the sequence length with sequence
-    parallelism, fewer layers than stages, an attention kind not checked under tensor
-    parallelism. Returns the split, placing ``rank``."""
-    split = split_of(cfg, world, rank)
-    tp, stages = cfg.tp, cfg.pp * cfg.pp_virtual_stages
-    checks = [
-        (mcfg.num_heads % tp == 0, "tp", f"num_heads {mcfg.num_heads} is not divisible by tp {tp}"),
-        (mcfg.ffn_size % tp == 0, "tp", f"the FFN width {mcfg.ffn_size} (intermediate_size) is not divisible by tp {tp}"),
-        (not cfg.sequence_parallel or seq_len % tp == 0, "sequence_parallel",
-         f"sequence length {seq_len} is not divisible by tp {tp}"),
-        (mcfg.num_layers >= stages, "pp", f"{mcfg.num_layers} layers cannot fill pp x pp_virtual_stages = "
-                                          f"{cfg.pp} x {cfg.pp_virtual_stages} stages (one layer each at least)"),
-        (tp == 1 or mcfg.attention in TP_ATTENTION, "tp",
-         f"attention {mcfg.attention!r} is not checked under tensor parallelism; checked: {list(TP_ATTENTION)}"),
-    ]
-    for ok, name, message in checks:
-        if not ok:
-            raise ValueError(f"{name}: {message}")
-    return split
-
 
 class ParallelModel(nn.Module):
     """This rank's part of a ``BertMLM`` split over (pp, dp, tp): the modules it holds registered

@@ -1,4 +1,4 @@
-"""Tests of labkit/train.py: the LR schedule, a single-process run on a tiny shard set,
+"""Tests of labkit/train/loop.py: the LR schedule, a single-process run on a tiny shard set,
 checkpoints loadable with weights_only=True, and exact resume."""
 
 from __future__ import annotations
