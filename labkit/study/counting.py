@@ -319,10 +319,13 @@ def count_steps(make_model: Callable[[], torch.nn.Module], make_batch: Callable[
     "fp32", or "bf16"/"fp16" autocast. ``cuda``: count what a CUDA GPU would keep
     (``CudaLike``). ``flops_at``: also count FLOPs at this micro-batch. ``fake``: try fake
     tensors first. ``param_dtype``: run the forward with the parameters in this dtype (FSDP's
-    mixed-precision policy); the parameter table keeps the dtype ``make_model`` gave. Returns {"method" ("fake tensors" or "CPU tensors"), "fake_refused" (why fake
-    tensors could not run the model, or None), "counts" {b: {saved_bytes, param_cast_bytes,
-    held_bytes, peak_bytes, attention_kernels, tokens}}, "flops" (fwd + bwd at flops_at, or None),
-    "flops_tokens", "parameters" (``parameter_table``), "model_class"}. Errors of the model itself propagate.
+    mixed-precision policy); the parameter table keeps the dtype ``make_model`` gave.
+
+    Returns {"method" ("fake tensors" or "CPU tensors"), "fake_refused" (why fake tensors could
+    not run the model, or None), "counts" {b: {saved_bytes, param_cast_bytes, held_bytes,
+    peak_bytes, attention_kernels, dropout_calls, fp32_ops, tokens}}, "flops" (fwd + bwd at
+    flops_at, or None), "flops_tokens", "parameters" (``parameter_table``), "model_class"}.
+    Errors of the model itself propagate.
     """
     if precision not in AUTOCAST:
         raise ValueError(f"precision: got {precision!r}; allowed values are {tuple(AUTOCAST)}")

@@ -309,7 +309,8 @@ def labkit_model(cfg: Any, seq_len: int, *, mlm_probability: float = 0.15):
     """``(make_model, make_batch)`` for ``plan_model`` of ``BertMLM(cfg)``: the batch is int64
     [b, seq_len] ids (a fixed generator) with exactly k = max(1, round(mlm_probability * seq_len))
     masked positions per row (1..k: the sparse head's last layer sees b·k rows, the expected
-    count) and an all-real bool attention mask (packed shards; the model then passes SDPA none)."""
+    count) and no attention mask: what the model does with packed shards' all-real mask (it
+    passes SDPA none), without the host-side check, so the dense head counts on fake tensors."""
     from labkit.model import BertMLM
 
     n_mask = max(1, round(mlm_probability * seq_len))
@@ -322,7 +323,7 @@ def labkit_model(cfg: Any, seq_len: int, *, mlm_probability: float = 0.15):
         ids = torch.randint(5, cfg.vocab_size, (b, seq_len), generator=g)
         labels = torch.full_like(ids, -100)
         labels[:, 1:1 + n_mask] = ids[:, 1:1 + n_mask]
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool), "labels": labels}
+        return {"input_ids": ids, "labels": labels}
 
     return make_model, make_batch
 

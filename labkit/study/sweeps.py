@@ -95,7 +95,7 @@ def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: in
             rep = engine.apply_sync(gpu.max_micro_batch_cuda, mcfg, seq_len)
             rep |= {"state_bytes": memory.model_state_bytes(mcfg), "act_bytes_per_sample": None}
         else:
-            rep = engine.apply_sync(memory.max_micro_batch, mcfg, seq_len, budget_bytes) | {"budget_bytes": budget_bytes}
+            rep = engine.apply_sync(memory.max_micro_batch, mcfg, seq_len, budget_bytes)
         rows.append({"method": "budget" if budget_bytes else "cuda_oom", "model": name, "params": int(rep["params"]),
                      "seq_len": seq_len, "budget_bytes": int(rep["budget_bytes"]), "state_bytes": int(rep["state_bytes"]),
                      "act_bytes_per_sample": rep["act_bytes_per_sample"],

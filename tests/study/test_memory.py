@@ -25,8 +25,8 @@ def old_saved_bytes(cfg, seq_len: int, b: int) -> int:
     n_mask = max(1, round(0.15 * seq_len))
     labels[:, 1:1 + n_mask] = ids[:, 1:1 + n_mask]
     torch.manual_seed(0)
-    return reference_saved_bytes(BertMLM(cfg), {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
-                                                "labels": labels})
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool), "labels": labels}
+    return reference_saved_bytes(BertMLM(cfg), batch)
 
 
 @pytest.mark.parametrize("name", ["mini", "small"])
