@@ -20,8 +20,10 @@ forward and backward of ``model(**batch)`` (train mode) per micro-batch and coun
 
 It runs on fake tensors (``torch._subclasses.fake_tensor.FakeTensorMode``: the shapes, dtypes,
 strides and views of real tensors, no data, no arithmetic) when the model allows it, else on
-real CPU tensors; a model that reads a tensor's value on the host (``int(t)``, ``bool(t)``:
-labkit's sparse MLM head counts its masked positions) needs real ones. Both give the same bytes.
+real CPU tensors. A model may read integer data on the host (``int(t)``, ``bool(t)``, a
+boolean-mask index: labkit's sparse MLM head counts its masked positions, transformers checks
+its attention mask): ``_IntegerShadow`` answers those from real copies of the integer tensors;
+a model that reads floating data on the host needs real tensors. Both give the same bytes.
 
 ``cuda=True`` counts what the step keeps on a CUDA GPU instead (``CudaLike``), since this
 CPU build of torch cannot trace CUDA tensors through autograd: dropout keeps a 1-byte mask
@@ -118,6 +120,74 @@ class _LiveStorages(TorchDispatchMode):
                 now += n
                 best = max(best, now)
         return best
+
+
+class _IntegerShadow(TorchDispatchMode):
+    """Answers a fake-tensor model's host-side reads of integer data: every non-floating tensor
+    derived from the batch's integer inputs (ids, labels, masks) and from integer factories
+    (``arange``) keeps a real copy beside its fake one, computed on the CPU (cheap: [b, s] index
+    arithmetic). An op fake tensors cannot answer (``item()``/``bool()`` of such a tensor, a
+    boolean-mask index, ``nonzero``) is answered from the real copies; a read of floating data
+    still refuses, and the model then runs on CPU tensors. This lets labkit's sparse head (which
+    counts its masked positions) and transformers' mask checks run on fake tensors."""
+
+    def __init__(self, fake_mode) -> None:
+        super().__init__()
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self.fake_mode, self.real = fake_mode, WeakIdKeyDictionary()
+
+    def shadowed(self, real: torch.Tensor) -> torch.Tensor:
+        """The fake tensor for ``real`` (kept as its shadow when it is not floating)."""
+        fake = self.fake_mode.from_tensor(real)
+        if not (real.is_floating_point() or real.is_complex()):
+            self.real[fake] = real
+        return fake
+
+    def _real(self, x):
+        return self.real.get(x, x) if isinstance(x, torch.Tensor) else x
+
+    def _integer_indices(self, indices):
+        """``indices`` of an index op with each known boolean mask replaced by the integer
+        positions of its True entries (as torch expands it), so the result's shape is known."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        out = []
+        for idx in indices:
+            if isinstance(idx, torch.Tensor) and idx.dtype == torch.bool and idx in self.real:
+                with unset_fake_temporarily():
+                    cols = self.real[idx].nonzero().unbind(1)
+                out.extend(self.shadowed(c) for c in cols)
+            else:
+                out.append(idx)
+        return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.utils._pytree import tree_map
+
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default):
+            args = (args[0], self._integer_indices(args[1]), *args[2:])  # x[mask]: the mask's positions, known
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        known = all(t in self.real for t in tensors)
+        try:
+            out = func(*args, **kwargs)
+        except (torch._subclasses.fake_tensor.DataDependentOutputException,
+                torch._subclasses.fake_tensor.DynamicOutputShapeException):
+            if not (known and tensors):
+                raise
+            with unset_fake_temporarily():
+                real = func(*tree_map(self._real, args), **tree_map(self._real, kwargs))
+            return tree_map(lambda r: self.shadowed(r) if isinstance(r, torch.Tensor) else r, real)
+        if known:  # keep the real copies of integer results (views stay views of their real base)
+            fakes = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            if fakes and not any(t.is_floating_point() or t.is_complex() for t in fakes):
+                with unset_fake_temporarily():
+                    real = func(*tree_map(self._real, args), **tree_map(self._real, kwargs))
+                for fake, r in zip(fakes, [r for r in tree_leaves(real) if isinstance(r, torch.Tensor)]):
+                    self.real[fake] = r
+        return out
 
 
 def cuda_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any) -> str:
@@ -334,8 +404,18 @@ def count_steps(make_model: Callable[[], torch.nn.Module], make_batch: Callable[
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         try:
-            with FakeTensorMode(allow_non_fake_inputs=True):
-                return _count(make_model, make_batch, micro_batches, precision, cuda, flops_at, param_dtype) | \
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            shadow = _IntegerShadow(mode)
+
+            def fake_batch(b: int) -> dict[str, Any]:  # the real batch (ids: cheap), then its fake twin
+                from torch.utils._python_dispatch import _disable_current_modes
+
+                with _disable_current_modes():
+                    batch = make_batch(b)
+                return {k: shadow.shadowed(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+            with mode, shadow:
+                return _count(make_model, fake_batch, micro_batches, precision, cuda, flops_at, param_dtype) | \
                     {"method": "fake tensors", "fake_refused": None}
         except _FAKE_REFUSALS as err:
             refused = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"

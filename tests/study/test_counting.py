@@ -66,12 +66,40 @@ def test_fake_tensors_count_what_real_tensors_save(attn):
     assert real["counts"][2]["held_bytes"] == 2 * 64 * 500 * 4 + 4  # fp32 logits [b, T, V] (not saved), loss
 
 
-def test_a_model_that_reads_values_on_the_host_runs_on_cpu_tensors():
-    make_model, make_batch = labkit_model(model_config("tiny", 256), 32)  # sparse head: int(counts.max())
-    run = count_steps(make_model, make_batch, (2,))
+def test_host_reads_of_integer_data_stay_on_fake_tensors_and_float_reads_fall_back():
+    """labkit's sparse head reads its masked count on the host (``int(counts.max())``) and
+    indexes with a boolean mask: answered from real copies of the integer tensors, the count
+    stays on fake tensors and equals the CPU one, with and without a padding mask. A model that
+    reads a floating value on the host runs on CPU tensors and says why."""
+    cfg = model_config("tiny", 256)
+    make_model, make_batch = labkit_model(cfg, 32)
+
+    def padded(b):
+        batch = make_batch(b)
+        mask = torch.ones_like(batch["input_ids"], dtype=torch.bool)
+        mask[0, -5:] = False  # one padded row: the model builds a key mask (bool(mask.all()) on the host)
+        return batch | {"attention_mask": mask}
+
+    for batches in (make_batch, padded):
+        fake = count_steps(make_model, batches, (2, 3))
+        real = count_steps(make_model, batches, (2, 3), fake=False)
+        assert fake["method"] == "fake tensors" and fake["fake_refused"] is None
+        assert fake["counts"] == real["counts"]
+        torch.manual_seed(0)
+        assert fake["counts"][2]["saved_bytes"] == reference_saved_bytes(make_model(), batches(2))
+
+    class ReadsAFloat(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x, ids):
+            y = self.lin(x)
+            return y.sum() * (2.0 if float(y.mean()) > 0 else 1.0)
+
+    run = count_steps(ReadsAFloat, lambda b: {"x": torch.ones(b, 4), "ids": torch.zeros(b, 3, dtype=torch.long)},
+                      (2,))
     assert run["method"] == "CPU tensors" and "DataDependentOutput" in run["fake_refused"]
-    torch.manual_seed(0)
-    assert run["counts"][2]["saved_bytes"] == reference_saved_bytes(make_model(), make_batch(2))
 
 
 def test_peak_agrees_with_torch_mem_tracker():
