@@ -3,10 +3,9 @@ docs/data/plan_counted.jsonl (one JSON line per setting), which docs/generate.py
 lesson-5 table of docs/results.md.
 
 Settings: bert-120m and bert-350m at vocabulary ``plan.STUDY_VOCAB``, seq 512, on an H100 NVL,
-bf16 and fp32, sparse and dense MLM head, one DDP rank with AdamW. labkit's model reads a value on
-the host (the sparse head counts its masked positions), so each setting is counted on CPU tensors
-at micro-batches 2 and 3 as CUDA would keep them (``labkit.study.counting.CudaLike``): minutes per
-setting on 2 cores. Run from the repository root: ``python docs/count_study.py``.
+bf16 and fp32, sparse and dense MLM head, one DDP rank with AdamW, counted on fake tensors as CUDA
+would keep them (``labkit.study.counting.CudaLike``). Run from the repository root:
+``python docs/count_study.py``.
 """
 
 from __future__ import annotations

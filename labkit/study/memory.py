@@ -27,9 +27,11 @@ freed the activations; FSDP's gathered units are among the transients)
   parameter), and under FSDP the parameters gathered per unit (the root, the unit in use and
   the one prefetched, and one unit's reduce-scatter input).
 
-The answer is solved from the linear fit and then checked by counting at b and b + 1 when that
-is cheap (fake tensors, or a CPU count under ``verify_limit_bytes``). FLOPs per token come from
-``FlopCounterMode`` over the same forward and backward.
+The step's peak is a maximum over time, so it is convex and piecewise linear in b (at a small b a
+fixed tensor can set it, at a large one the activations): the answer is solved from the line
+through b = 2, 3, then, where counting is cheap (fake tensors, or a CPU count under
+``verify_limit_bytes``), from the line through the counts at the answer, and checked by counting
+at b and b + 1. FLOPs per token come from ``FlopCounterMode`` over the same forward and backward.
 """
 
 from __future__ import annotations
@@ -162,11 +164,17 @@ def gathered_bytes(params: list[dict[str, Any]], *, precision: str, dp: int) -> 
     return pbytes * (root + 2 * largest) + 4 * largest
 
 
-def _linear(counts: dict[int, dict], key: str) -> tuple[int, int]:
-    """(per sequence, fixed) of counts[b][key] from b = FIT_AT."""
-    b1, b2 = FIT_AT
+def _linear(counts: dict[int, dict], key: str, at: tuple[int, int] = FIT_AT) -> tuple[int, int]:
+    """(per sequence, fixed) of counts[b][key] from the two micro-batches ``at``."""
+    b1, b2 = at
     slope = (counts[b2][key] - counts[b1][key]) // (b2 - b1)
     return slope, counts[b1][key] - b1 * slope
+
+
+def _line(counts: dict[int, dict], at: tuple[int, int]) -> dict[str, Any]:
+    """The step's peak as a line through the counts at the two micro-batches ``at``."""
+    slope, fixed = _linear(counts, "peak_bytes", at)
+    return {"at": list(at), "per_sequence": slope, "fixed": fixed}
 
 
 def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int], dict[str, Any]], *,
@@ -213,38 +221,52 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
     params, counts = run["parameters"], run["counts"]
     state = state_bytes(params, sharding=sharding, dp=dp, zero_stage=zero_stage, optimizer=optimizer)
     per_seq, fixed = _linear(counts, "saved_bytes")
-    peak_per_seq, peak_fixed = _linear(counts, "peak_bytes")
-    held_per_seq, held_fixed = _linear(counts, "held_bytes")
     impl = optimizer_impl("cuda" if gpu else "cpu", sharding) if optimizer == "adamw" else "for-loop"
     step_tmp = optimizer_step_bytes(params, impl, sharding=sharding, dp=dp) if optimizer == "adamw" else 0
     gathered = gathered_bytes(params, precision=precision, dp=dp) if fsdp else 0
+    # the step's peak is a maximum over time of sums linear in b: convex, piecewise linear (at a
+    # small b a fixed tensor can set it, at a large one the activations): the line from b = 2, 3,
+    # and where counting is cheap the line through the counts at the answer, b and b + 1
+    lines = [_line(counts, FIT_AT)]
+    fake = run["method"] == "fake tensors"
+    cache: dict[int, dict] = dict(counts)
 
-    def total(b: int, counted: dict | None = None) -> dict[str, int]:
-        act = counted["saved_bytes"] if counted else fixed + per_seq * b
-        peak = counted["peak_bytes"] if counted else peak_fixed + peak_per_seq * b
+    def counted(n: int) -> dict[str, Any]:
+        if n not in cache:
+            cache[n] = count_steps(make_model, make_batch, (n,), fake=fake, **count)["counts"][n]
+        return cache[n]
+
+    def total(b: int, exact: bool = False) -> dict[str, int]:
+        if exact:
+            act, peak = counted(b)["saved_bytes"], counted(b)["peak_bytes"]
+        else:
+            act, peak = fixed + per_seq * b, max(line["fixed"] + line["per_sequence"] * b for line in lines)
         return {"activations": act, "transient": peak - act + gathered,
                 "total": state["total"] + max(peak + gathered, step_tmp)}
 
-    guess = max(1, (capacity - state["total"] - gathered - peak_fixed) // max(1, peak_per_seq))
-    b = largest_fitting(lambda n: total(n)["total"] <= capacity, start=min(guess, limit), limit=limit)
+    def solve() -> int:
+        return largest_fitting(lambda n: total(n)["total"] <= capacity, start=1, limit=limit)
+
+    b = solve()
+    cheap = fake or lines[0]["fixed"] + lines[0]["per_sequence"] * (b + 1) <= verify_limit_bytes
     verified: dict[str, Any] | None = None
-    cheap = run["method"] == "fake tensors" or peak_fixed + peak_per_seq * (b + 1) <= verify_limit_bytes
     if b and cheap:
-        cache: dict[int, dict] = {}
-
-        def counted(n: int) -> dict[str, int]:
-            if n not in cache:
-                cache[n] = total(n, count_steps(make_model, make_batch, (n,), fake=run["method"] == "fake tensors",
-                                                **count)["counts"][n])
-            return cache[n]
-
-        while b > 0 and counted(b)["total"] > capacity:
+        for _ in range(4):  # the line through the counts at the answer, until the answer stays
+            lines[1:] = [_line({n: counted(n) for n in (b, b + 1)}, (b, b + 1))]
+            b, before = solve(), b
+            if b == before or not b:
+                break
+        while b > 0 and total(b, exact=True)["total"] > capacity:
             b -= 1
-        while b < limit and counted(b + 1)["total"] <= capacity:
+        while b < limit and total(b + 1, exact=True)["total"] <= capacity:
             b += 1
-        verified = {"micro_batch": b, "total_at_b": counted(b)["total"] if b else None,
-                    "total_at_b_plus_1": counted(b + 1)["total"]}
-    at = total(max(b, 1))
+        verified = {"micro_batch": b, "total_at_b": total(b, exact=True)["total"] if b else None,
+                    "total_at_b_plus_1": total(b + 1, exact=True)["total"]}
+        if b:  # the line through the answer's own counts
+            lines[1:] = [_line({n: counted(n) for n in (b, b + 1)}, (b, b + 1))]
+    at = total(max(b, 1), exact=verified is not None and b > 0)
+    near = lines[-1]
+    held_per_seq, held_fixed = _linear({n: cache[n] for n in near["at"]}, "held_bytes", near["at"])
     corrections = _corrections(counts[FIT_AT[0]], gpu, mixed is not None)
     seq_len = counts[FIT_AT[0]]["tokens"] // FIT_AT[0]
     return {"model": name or run["model_class"], "device": device,
@@ -260,9 +282,10 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
                                  "saved_at": {b_: c["saved_bytes"] for b_, c in counts.items()}},
             "transient_bytes": int(at["transient"]),
             "transient_terms": {"held_outputs_per_sequence": held_per_seq, "held_outputs_fixed": held_fixed,
-                                "backward_per_sequence": peak_per_seq - per_seq - held_per_seq,
-                                "backward_fixed": peak_fixed - fixed - held_fixed, "fsdp_gathered": gathered,
-                                "optimizer_step": step_tmp},
+                                "backward_per_sequence": near["per_sequence"] - per_seq - held_per_seq,
+                                "backward_fixed": near["fixed"] - fixed - held_fixed, "fsdp_gathered": gathered,
+                                "optimizer_step": step_tmp, "fitted_at": near["at"]},
+            "peak_lines": lines,
             "total_bytes": int(at["total"]),
             "flops_per_token": run["flops"] / run["flops_tokens"],
             "flops_terms": {"fwd_bwd_flops": run["flops"], "positions": run["flops_tokens"],
@@ -272,12 +295,11 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
 
 
 def total_at(plan: dict[str, Any], b: int) -> int:
-    """Planned bytes of one rank at micro-batch ``b`` from a ``plan_model`` result's linear terms:
-    state + max(activations + held outputs + backward temporaries + FSDP units, optimiser step)."""
-    act, tr = plan["activation_terms"], plan["transient_terms"]
-    step = (act["fixed"] + tr["held_outputs_fixed"] + tr["backward_fixed"] + tr["fsdp_gathered"]
-            + b * (act["per_sequence"] + tr["held_outputs_per_sequence"] + tr["backward_per_sequence"]))
-    return int(plan["state_bytes"] + max(step, tr["optimizer_step"]))
+    """Planned bytes of one rank at micro-batch ``b`` from a ``plan_model`` result: state +
+    max(the step's peak (the largest of its ``peak_lines`` at b) + FSDP units, optimiser step)."""
+    tr = plan["transient_terms"]
+    peak = max(line["fixed"] + line["per_sequence"] * b for line in plan["peak_lines"])
+    return int(plan["state_bytes"] + max(peak + tr["fsdp_gathered"], tr["optimizer_step"]))
 
 
 def _corrections(count: dict, gpu: bool, mixed: bool) -> list[str]:
