@@ -226,11 +226,15 @@ def lesson5_planner() -> str:
                      f"{m['autocast_copies'] / 1e9:.1f} GB, activations {m['activations'] / 1e9:.1f} GB, logits "
                      f"{m['logits'] / 1e9:.1f} GB, head backward {m['head_backward'] / 1e9:.1f} GB; "
                      f"{m['total'] / 1e9:.1f} GB in total")
+    keys = [(r["planned"], (r["model"], r["seq_len"], r["precision"], r["sparse_head"]))
+            for r in shown.iter_rows(named=True) if r["attention"] == "flash"]
+    pairs = [(planned, counted[k]["max_micro_batch"]) for planned, k in keys if k in counted]
     note = ("\n\nThe counted column is `labkit.study.memory.plan_model` on labkit's model as CUDA keeps it "
             "(fused attention, 1-byte dropout masks, CUDA's fp32 autocast ops), with the held logits, their "
             "gradient and the other backward temporaries counted; it has no eager rows, as labkit's model always "
             "calls SDPA. Written by `python docs/count_study.py` to docs/data/plan_counted.jsonl "
-            f"({len(counted)} settings).") if counted else ""
+            f"({len(counted)} settings); the formula's answer equals the count's in "
+            f"{sum(a == b for a, b in pairs)} of {len(pairs)}.") if counted else ""
     return ("\n".join(rows) + note + "\n\nBreakdown at bert-120m, micro-batch 184, seq 512, bf16, fused attention "
             "(`plan.memory_plan`):\n\n" + "\n".join(f"- {x}" for x in parts) + "\n")
 
