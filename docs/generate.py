@@ -25,7 +25,9 @@ blocks read the files the measuring command wrote, kept under docs/data/:
 
 Blocks: ``demo-summary`` (README.md); ``lesson1-measured``, ``lesson1-planner``, ``parallel-planner``, ``lesson2-measured``,
 ``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``,
-``lesson5-measured``, ``lesson5-planner``, ``one-story`` (docs/results.md); ``bench-model`` (docs/model.md);
+``lesson5-measured``, ``lesson5-planner`` (docs/results.md), and docs/generate_study.py's
+``tokenizer-study``, ``study-run``, ``study-loaders``, ``study-plan``, ``precision-experiment``,
+``one-story`` (docs/results.md, from configs/study.toml and the files its scripts write); ``bench-model`` (docs/model.md);
 ``bench-ddp`` (docs/training.md); ``prep-scale``, ``prep-projection`` (docs/data_path.md).
 """
 
@@ -108,19 +110,35 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
+def _prep(d: dict) -> dict:
+    """The demo's preparation report with today's keys (``labkit.data.prepared``): a demo.json
+    written before the report named its sizes per source kind (function_dataset_bytes,
+    reduction_percent) reads the same."""
+    p = dict(d["preparation"])
+    if "dataset_bytes" not in p:
+        p["dataset_bytes"] = p["function_dataset_bytes"]
+        p["training_to_dataset_ratio"] = round(p["training_data_bytes"] / p["dataset_bytes"], 4)
+    return p
+
+
+def _ratio(r: float) -> str:
+    """Lesson 1 as a ratio: "3.9x" the dataset, or "1/80" of it below 1."""
+    return f"{r:.2g}x" if r >= 1 else f"1/{1 / r:.0f}"
+
+
 def demo_summary() -> str:
     """README's paragraph of what the demo measured."""
     d = _demo()
-    p, t = d["preparation"], d["train"]
+    p, t = _prep(d), d["train"]
     ranks = {r["ranks"]: r for r in d["sweep_ranks"]}
     mb = {r["model"]: r for r in d["sweep_micro_batch"]}
     return (f"On a 2-core VM without a GPU (`make demo`, {d['seconds']:.0f} s for the demo itself; {_load(d)}):\n"
             f"{p['functions']:,} functions disassembled from {p['elf_files_read']}\n"
             f"of this machine's ELF files, {p['documents_kept']:,} kept after cleaning and exact and near dedup,\n"
-            f"{p['tokens'] / 1e6:.1f} M training tokens; function dataset {_mb(p['function_dataset_bytes'])} -> "
-            f"training data {_mb(p['training_data_bytes'])}\n"
-            f"(reduction {p['reduction_percent']} %; machine code {_mb(p['machine_code_bytes'])}, ELF files read "
-            f"{_mb(p['raw_bytes'])}); DDP\n"
+            f"{p['tokens'] / 1e6:.1f} M training tokens; the training data ({_mb(p['training_data_bytes'])}) is "
+            f"{_ratio(p['training_to_dataset_ratio'])} the function dataset\n"
+            f"({_mb(p['dataset_bytes'])}; the study's is 1/80: 25 GB from 2 TB; machine code "
+            f"{_mb(p['machine_code_bytes'])}, ELF files read {_mb(p['raw_bytes'])}); DDP\n"
             f"training of `{t['model']}` on {t['world_size']} ranks at {t['tokens_per_s']:,.0f} tokens/s with the MLM loss "
             f"falling from {t['initial_loss']:.2f}\n"
             f"to {t['final_loss']:.2f} in {t['steps']} steps and a held-out loss of {t['eval_loss']:.2f} (perplexity "
@@ -133,15 +151,15 @@ def demo_summary() -> str:
 
 
 def lesson1_measured() -> str:
-    p = _demo()["preparation"]
+    p = _prep(_demo())
     drops = p["dropped"]
     skipped = sum(p["skipped_inputs"].values())
     return ("| quantity | labkit here | study |\n| --- | --- | --- |\n"
-            f"| function dataset as first written (corpus Parquet: text + metadata) | {_mb(p['function_dataset_bytes'])}"
+            f"| function dataset as first written (corpus Parquet: text + metadata) | {_mb(p['dataset_bytes'])}"
             f" ({p['functions']:,} functions) | 2 TB (unconfirmed) |\n"
             f"| training data (shards, held-out file, index.json) | {_mb(p['training_data_bytes'])}: "
             f"{p['tokens']:,} tokens, vocabulary {p['vocab_size']:,}, uint16 | 25 GB of ids ≈ 12.5 B tokens (derived) |\n"
-            f"| reduction | {p['reduction_percent']} % | 98.8 % |\n"
+            f"| training data / function dataset | {_ratio(p['training_to_dataset_ratio'])} | 1/80 (0.0125) |\n"
             f"| context: machine code of the functions / ELF files read | {_mb(p['machine_code_bytes'])} / "
             f"{_mb(p['raw_bytes'])} ({p['elf_files_read']} files, {skipped} without a usable function) | n/a |\n"
             f"| functions kept | {p['documents_kept']:,} of {p['functions']:,} (exact duplicates "
@@ -237,29 +255,6 @@ def lesson5_planner() -> str:
             f"{sum(a == b for a, b in pairs)} of {len(pairs)}.") if counted else ""
     return ("\n".join(rows) + note + "\n\nBreakdown at bert-120m, micro-batch 184, seq 512, bf16, fused attention "
             "(`plan.memory_plan`):\n\n" + "\n".join(f"- {x}" for x in parts) + "\n")
-
-
-def one_story() -> str:
-    """study.scaling.one_story: the settings under which lessons 4 and 5 hold at once, or none."""
-    from labkit.study import scaling
-
-    t = scaling.one_story()
-    rows = ["| model | seq | precision | attention | head | planned / study micro-batch | largest MFU with "
-            "efficiency >= 0.9 at 256 GPUs on 25 GbE | same setting fits both models |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in t.iter_rows(named=True):
-        mfu = f"{r['max_mfu']:.0%} (efficiency {r['efficiency_at_max_mfu']:.2f})" if r["max_mfu"] else "none"
-        rows.append(f"| {r['model']} | {r['seq_len']} | {r['precision']} | {r['attention']} | "
-                    f"{'sparse' if r['sparse_head'] else 'dense'} | {r['planned']} / {r['study']} | {mfu} | "
-                    f"{'yes' if r['shared_by_both_models'] else 'no'} |")
-    shared = t["shared_by_both_models"].any()
-    verdict = ("Some setting reproduces both models' micro-batches; see the rows marked yes." if shared else
-               "No single setting reproduces both models' micro-batches (lesson 5), whatever the MFU or the "
-               "network, so under this planner no one setting makes both lessons hold: the two runs differed in sequence length "
-               "and precision, or a reported batch was not the memory maximum. Per model, both lessons hold "
-               "at the setting above when the achieved MFU (against the bf16 peak) is at most the value "
-               "shown.")
-    return "\n".join(rows).replace("%", " %") + "\n\n" + verdict + "\n"
 
 
 def lesson1_planner() -> str:
@@ -418,11 +413,16 @@ BLOCKS = {("README.md", "demo-summary"): demo_summary,
           ("docs/results.md", "lesson4-planner"): lesson4_planner,
           ("docs/results.md", "lesson5-measured"): lesson5_measured,
           ("docs/results.md", "lesson5-planner"): lesson5_planner,
-          ("docs/results.md", "one-story"): one_story,
           ("docs/model.md", "bench-model"): bench_model,
           ("docs/training.md", "bench-ddp"): bench_ddp,
           ("docs/data_path.md", "prep-scale"): prep_scale,
           ("docs/data_path.md", "prep-projection"): prep_projection}
+
+
+sys.path.insert(0, str(ROOT / "docs"))
+import generate_study  # noqa: E402  (the study as its authors ran it: configs/study.toml)
+
+BLOCKS.update(generate_study.BLOCKS)
 
 
 def render(text: str, name: str, body: str) -> str:

@@ -5,7 +5,7 @@
     labkit train CONFIG              DDP training on the engines
     labkit resume RUN_DIR            continue a run from its newest checkpoint
     labkit sweep ranks|micro-batch|loaders CONFIG
-    labkit plan                      the planner's memory and scaling tables
+    labkit plan [CONFIG]             the planner's memory and scaling tables (a file's run at full size)
     labkit export RUN_DIR OUT        model + tokenizer + model card for transformers
     labkit demo | verify SHARD_DIR | report NOTEBOOK OUT.html
 
@@ -26,14 +26,16 @@ import shlex
 import sys
 
 EXAMPLES = {
-    "prepare": "labkit prepare configs/walkthrough.toml --set corpus.max_functions=20000",
+    "prepare": "labkit prepare configs/walkthrough.toml --set corpus.max_functions=20000\n"
+               "  labkit prepare configs/study.toml --scaled-down",
     "stage": "labkit stage configs/walkthrough.toml",
     "train": "labkit train configs/walkthrough.toml --set train.max_steps=200 --engines 2",
     "resume": "labkit resume work/walkthrough/runs/main --set train.max_steps=400",
     "sweep": "labkit sweep ranks configs/walkthrough.toml --ranks 1 2\n"
              "  labkit sweep micro-batch configs/walkthrough.toml --models mini small --budget-gb 2\n"
              "  labkit sweep loaders configs/walkthrough.toml --workers 0 1 2 --step-time-s 0.05",
-    "plan": 'labkit plan --model bert-350m --gpus 256 --micro-batch 16 --seq-len 512 --device "H100 NVL"',
+    "plan": 'labkit plan --model bert-350m --gpus 256 --micro-batch 16 --seq-len 512 --device "H100 NVL"\n'
+            '  labkit plan configs/study.toml --device "H100 NVL"',
     "export": "labkit export work/walkthrough/runs/main work/walkthrough/export",
     "demo": "labkit demo --workdir work/demo --engines 2",
     "verify": "labkit verify work/demo/shards",
@@ -44,35 +46,45 @@ EXAMPLES = {
 def _one_line(exc: BaseException) -> str:
     """The cause of ``exc`` in one line: a notebook cell's or an engine's error name and value,
     a dead kernel, or the first line of the message."""
-    from nbclient.exceptions import CellExecutionError, DeadKernelError
-
     def first(text: object) -> str:
         return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
 
-    if isinstance(exc, CellExecutionError):
-        return f"a notebook cell failed: {exc.ename}: {first(exc.evalue)}"
-    if isinstance(exc, DeadKernelError):
-        return f"the notebook's kernel died while running a cell (DeadKernelError: {first(exc)})"
+    if "nbclient" in sys.modules:  # only a command that ran a notebook can raise its errors
+        from nbclient.exceptions import CellExecutionError, DeadKernelError
+
+        if isinstance(exc, CellExecutionError):
+            return f"a notebook cell failed: {exc.ename}: {first(exc.evalue)}"
+        if isinstance(exc, DeadKernelError):
+            return f"the notebook's kernel died while running a cell (DeadKernelError: {first(exc)})"
     if hasattr(exc, "ename") and hasattr(exc, "evalue"):  # ipyparallel RemoteError
         return f"error on an engine: {exc.ename}: {first(exc.evalue)}"
     return first(exc) or type(exc).__name__
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean "the input or a notebook is wrong", not a bug in labkit."""
-    from ipyparallel.error import RemoteError
-    from nbclient.exceptions import CellControlSignal
+    """Exceptions that mean "the input or a notebook is wrong", not a bug in labkit. ipyparallel's
+    and nbclient's are among them once a command imported those packages (importing them here
+    would cost seconds before a value can be refused)."""
+    errors: list[type[BaseException]] = [ValueError, OSError, RuntimeError, FloatingPointError]
+    if "ipyparallel" in sys.modules:
+        from ipyparallel.error import RemoteError
 
-    return (ValueError, OSError, RuntimeError, FloatingPointError, RemoteError, CellControlSignal)
+        errors.append(RemoteError)
+    if "nbclient" in sys.modules:
+        from nbclient.exceptions import CellControlSignal
+
+        errors.append(CellControlSignal)
+    return tuple(errors)
 
 
-def _guarded(name: str, func, args: argparse.Namespace, errors: tuple[type[BaseException], ...]) -> int:
-    """Run ``func(args)``: an error of ``errors`` prints ``<name>: error: <cause>`` and returns
-    2 (with ``--debug`` it is raised); Ctrl-C returns 130."""
+def _guarded(name: str, func, args: argparse.Namespace, errors) -> int:
+    """Run ``func(args)``: an error of the classes ``errors()`` returns (asked after the error, so
+    the classes of packages the command imported count) prints ``<name>: error: <cause>`` and
+    returns 2 (with ``--debug`` it is raised); Ctrl-C returns 130."""
     try:
         return func(args)
-    except errors as exc:
-        if getattr(args, "debug", False):
+    except Exception as exc:
+        if not isinstance(exc, errors()) or getattr(args, "debug", False):
             raise
         print(f"{name}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
@@ -93,7 +105,7 @@ def _config(args: argparse.Namespace):
             overrides.append(f"cluster.{key}={json.dumps(value)}")
     if getattr(args, "slurm", False):
         overrides.append('cluster.kind="slurm"')
-    return load(args.config, overrides)
+    return load(args.config, overrides, scaled_down=getattr(args, "scaled_down", False))
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -170,6 +182,9 @@ def _add_common(p: argparse.ArgumentParser, *, config: bool = True, cluster: boo
         p.add_argument("config", help="TOML config file (see configs/walkthrough.toml)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config key (TOML value, else a string); repeatable")
+    if config:
+        p.add_argument("--scaled-down", action="store_true",
+                       help="apply the file's scaled_down overrides first (configs/study.toml: its run on 2 CPU engines)")
     if cluster:
         g = p.add_argument_group("cluster (default: local engines, as the notebooks)")
         g.add_argument("--engines", type=int, default=None, help="number of engines (default: [cluster] engines)")
@@ -219,16 +234,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rerun points already in the sweep's table")
     p.set_defaults(func=_command("sweep"))
     p = _sub(sub, "plan", "the planner's memory per GPU, parallel splits and scaling for a model and cluster", debug)
-    p.add_argument("--model", default="bert-120m", help="model preset (labkit.model.MODEL_SIZES)")
-    p.add_argument("--gpus", type=int, default=256, help="GPUs in all")
-    p.add_argument("--gpus-per-node", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--micro-batch", type=int, default=16, help="sequences per GPU per step")
-    p.add_argument("--device", default="H100 NVL", help="a labkit.study.plan.DEVICES name, or cpu (with --budget-gb)")
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("config", nargs="?", default=None,
+                   help="plan this TOML file's [train] model on its [plan] cluster (configs/study.toml)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="with CONFIG: override one config key; repeatable")
+    p.add_argument("--model", default=None, help="model preset (labkit.model.MODEL_SIZES; default bert-120m)")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs in all (default 256)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="default 2")
+    p.add_argument("--seq-len", type=int, default=None, help="default 512, or CONFIG's [shards] seq_len")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="sequences per GPU per step (default 16, or CONFIG's micro_batch_size)")
+    p.add_argument("--device", default=None,
+                   help="a labkit.study.plan.DEVICES name, or cpu (with --budget-gb); default H100 NVL")
+    p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32"),
+                   help="default bf16, or CONFIG's [train] precision")
     p.add_argument("--vocab-size", type=int, default=None, help="default: the study's vocabulary")
-    p.add_argument("--network", default="25GbE", help="a labkit.study.scaling.NETWORKS name")
+    p.add_argument("--network", default=None, help="a labkit.study.scaling.NETWORKS name (default 25GbE)")
+    p.add_argument("--count", action="store_true",
+                   help="with CONFIG: count what the step keeps (study.memory.plan_model; a minute or more on a CPU) "
+                        "instead of the formula planner")
+    p.add_argument("--out", default=None, help="with CONFIG: also write the JSON summary to this file")
     p.add_argument("--top", type=int, default=8, help="splits shown")
+    p.add_argument("--json", action="store_true", help="one JSON object with the raw values (bytes) instead of tables")
     g = p.add_argument_group("your own model (labkit.study.memory.plan_model: counted, not estimated)")
     g.add_argument("--model-module", default=None, metavar="FILE.py:FACTORY",
                    help="FACTORY(seq_len=...) returns (make_model, make_batch); see tests/plain_encoder.py")
@@ -268,12 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    from labkit.train.provenance import COMMAND_ENV
+    from labkit.env import COMMAND_ENV
 
     before = os.environ.get(COMMAND_ENV)
     os.environ[COMMAND_ENV] = shlex.join(["labkit", *argv])  # engines inherit it: provenance's command line
     try:
-        return _guarded(f"labkit {args.command}", args.func, args, _input_errors())
+        return _guarded(f"labkit {args.command}", args.func, args, _input_errors)
     finally:  # main() called in-process (tests, notebooks) must not leave it for later runs
         if before is None:
             os.environ.pop(COMMAND_ENV, None)

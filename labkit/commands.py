@@ -1,6 +1,7 @@
 """What each ``labkit`` subcommand does: the functions the notebooks call, on a cluster started
 (or connected to) as the notebooks do. ``labkit.cli`` parses the arguments and calls these;
 each returns the exit status and prints its result as JSON (tables: polars' text table).
+Every value that needs no engine is checked first (``labkit.preflight``), before engines start.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def _print_json(obj: Any) -> None:
 def _print_table(df) -> None:
     import polars as pl
 
-    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=200):
+    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=200, tbl_hide_dataframe_shape=True,
+                   tbl_hide_column_data_types=True, tbl_hide_dtype_separator=True):
         print(df)
 
 
@@ -49,9 +51,11 @@ def cluster_client(cc: ClusterConfig) -> Iterator[Any]:
 def prepare(cfg: LabConfig, *, force: bool = False) -> int:
     """Corpus, cleaning, tokenizer and shards (notebook 01) under ``cfg.workdir``; prints
     ``lab.preparation_report``."""
-    from labkit import lab
+    from labkit import preflight
 
     w = cfg.workdir
+    preflight.check_prepare(cfg)
+    from labkit import lab  # after the checks: its imports (torch, ipyparallel) take seconds
     with cluster_client(cfg.cluster) as client:
         lab.build_corpus(client, cfg.corpus, w, force=force)
         lab.clean_corpus(client, cfg.clean, w, force=force)
@@ -66,6 +70,11 @@ def _require_shards(data_dir: str | pathlib.Path, key: str) -> None:
     before engines are started for nothing)."""
     if not (pathlib.Path(data_dir) / "index.json").is_file():
         raise FileNotFoundError(f"{key}: {data_dir} holds no shard set (index.json); run labkit prepare first")
+
+
+def _local(cc: ClusterConfig) -> bool:
+    """Whether the engines will be local processes of this machine (what preflight may check here)."""
+    return cc.kind == "local" and not cc.cluster_id
 
 
 def _stage(client, cfg: LabConfig) -> dict[str, dict]:
@@ -95,9 +104,10 @@ def _uses_workdir_shards(cfg: LabConfig) -> bool:
 def train(cfg: LabConfig, *, stage_first: bool = True) -> int:
     """DDP training on the engines (notebook 03); each rank reads its node's staged copy when
     the run's data_dir is the work directory's shards. Prints the result's main numbers."""
-    from labkit import lab
+    from labkit import preflight
 
-    _require_shards(cfg.train.data_dir, "train.data_dir")
+    preflight.check_train(cfg.train, engines=cfg.cluster.engines, local=_local(cfg.cluster))
+    from labkit import lab
     with cluster_client(cfg.cluster) as client:
         staged = _stage(client, cfg) if stage_first and _uses_workdir_shards(cfg) else None
         result = lab.train_on_cluster(client, cfg.train, staged=staged)
@@ -109,13 +119,15 @@ def resume(run_dir: str, cluster: ClusterConfig, overrides: list[str]) -> int:
     """Continue a run from its newest checkpoint with the config it was started with (its
     config.json; ``train.key=value`` overrides), on as many engines as it ran on. The run's
     ``stop_after`` is dropped unless an override sets it again."""
-    from labkit import lab
+    from labkit import preflight
     from labkit.config.tomlfile import read_run_config
 
     cfg = read_run_config(run_dir, overrides)
     if not any(o.split("=", 1)[0].strip() == "train.stop_after" for o in overrides):
         cfg = dataclasses.replace(cfg, stop_after=None)
     cfg = dataclasses.replace(cfg, resume=True)
+    preflight.check_train(cfg, engines=cluster.engines, local=_local(cluster))
+    from labkit import lab
     with cluster_client(cluster) as client:
         result = lab.train_on_cluster(client, cfg)
     _print_json(_summary(result) | {"run_dir": run_dir})
@@ -134,11 +146,12 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
     """The scaling sweeps of notebook 04: ``ranks`` (tokens/s at 1..N ranks), ``micro-batch``
     (largest micro-batch per model under a memory budget), ``loaders`` (data-wait fraction per
     DataLoader worker count). Prints the sweep's table (also under <workdir>/sweeps/)."""
-    from labkit import lab
-    from labkit.data.shards import read_index
+    from labkit import preflight
 
     w = cfg.workdir
-    _require_shards(cfg.train.data_dir, "train.data_dir")
+    preflight.check_sweep(kind, cfg, args)
+    from labkit import lab
+    from labkit.data.shards import read_index
     with cluster_client(cfg.cluster) as client:
         if kind == "ranks":
             staged = _stage(client, cfg) if _uses_workdir_shards(cfg) else None
@@ -224,11 +237,22 @@ def print_plan_model(p: dict[str, Any], *, label: str = "") -> None:
 
 
 def plan(args) -> int:
-    """The planner at a chosen scale (notebook 04's second half): memory per GPU term by term
-    under plain data parallelism, the dp x tp x pp x ZeRO splits that fit, and the predicted
-    data-parallel scaling from 1 GPU to ``args.gpus``. No cluster needed. With
-    ``args.model_module`` ("FILE.py:FACTORY") it counts a user's own model instead
+    """The planner at a chosen scale (notebook 04's second half), for a model preset: memory per
+    GPU term by term under plain data parallelism, the largest micro-batch that fits, the dp x tp x
+    pp x ZeRO splits that fit, and the predicted data-parallel scaling from 1 GPU to ``args.gpus``
+    (``print_plan``). No cluster needed. With a CONFIG file, ``plan_config`` plans that file's run
+    instead; with ``args.model_module`` ("FILE.py:FACTORY") it counts a user's own model
     (``labkit.study.memory.plan_model``) and prints ``print_plan_model``'s table."""
+    from labkit.study import plan as lp
+    from labkit.model import model_config
+
+    if getattr(args, "config", None):
+        return plan_config(args)
+    defaults = {"model": "bert-120m", "gpus": 256, "gpus_per_node": 2, "seq_len": 512, "micro_batch": 16,
+                "device": "H100 NVL", "precision": "bf16", "network": "25GbE"}
+    for key, value in defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
     if getattr(args, "model_module", None):
         from labkit.study.memory import plan_model
 
@@ -238,30 +262,135 @@ def plan(args) -> int:
                        sharding=args.sharding, dp=args.dp)
         print_plan_model(p, label=f"{args.model_module}: ")
         return 0
-    from labkit.study import plan as lp
-    from labkit.study import parallel, scaling
-    from labkit.model import model_config
-
     cfg = model_config(args.model, args.vocab_size or lp.STUDY_VOCAB,
                        max_position_embeddings=max(512, args.seq_len))
+    print_plan(cfg, args, name=args.model)
+    return 0
+
+
+def print_plan(cfg, args, *, name: str) -> None:
+    """Print the planner's tables for the ModelConfig ``cfg`` under ``args`` (gpus, gpus_per_node,
+    seq_len, micro_batch, device, precision, network, top, json): memory per GPU term by term in GB
+    under plain data parallelism, the largest micro-batch that fits the device
+    (``labkit.study.plan.planned_max_micro_batch``), the dp x tp x pp x ZeRO splits that fit, and
+    the predicted data-parallel scaling from 1 GPU to ``args.gpus``. With ``args.json`` one JSON
+    object with the raw values (bytes) instead."""
+    import polars as pl
+
+    from labkit.study import parallel, scaling
+    from labkit.study import plan as lp
+
     mem = lp.memory_plan(cfg, seq_len=args.seq_len, micro_batch=args.micro_batch, precision=args.precision,
                          dp=args.gpus)
     cap = lp.device_info(args.device)["memory_bytes"]
-    print(f"memory per GPU, {args.model} on {args.device} ({cap / 1e9:.0f} GB), data parallel over {args.gpus} "
-          f"GPUs, micro-batch {args.micro_batch} x {args.seq_len} tokens, {args.precision}:")
-    _print_json({k: v for k, v in mem.items()} | {"fits": mem["total"] <= cap})
+    best = lp.planned_max_micro_batch(cfg, device=args.device, seq_len=args.seq_len, precision=args.precision,
+                                      dp=args.gpus)
     plans = parallel.parallel_plans(cfg, n_gpus=args.gpus, seq_len=args.seq_len, micro_batch=args.micro_batch,
-                              device=args.device, gpus_per_node=args.gpus_per_node, precision=args.precision)
-    print("splits that fit (dp x tp x pp, ZeRO stage), least model parallelism first:")
+                                    device=args.device, gpus_per_node=args.gpus_per_node, precision=args.precision)
+    gpus = tuple(g for g in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if g <= args.gpus)
+    table = scaling.study_scaling(name, micro_batch=args.micro_batch, seq_len=args.seq_len, device=args.device,
+                                  vocab_size=cfg.vocab_size, gpus=gpus, network=args.network,
+                                  gpus_per_node=args.gpus_per_node)
+    fits = plans.filter(pl.col("fits")).head(args.top)
+    if getattr(args, "json", False):
+        _print_json({"memory": mem | {"fits": mem["total"] <= cap, "capacity_bytes": cap},
+                     "max_micro_batch": best["max_micro_batch"], "max_micro_batch_capacity_bytes": best["capacity_bytes"],
+                     "splits_that_fit": fits.to_dicts(), "scaling": table.to_dicts()})
+        return
+    print(f"memory per GPU: {name} on {args.device} ({cap / 1e9:.0f} GB), data parallel over {args.gpus} GPUs, "
+          f"micro-batch {args.micro_batch} x {args.seq_len} tokens, {args.precision} (GB = 1e9 bytes):")
+    _print_memory(mem)
+    verdict = "fits" if mem["total"] <= cap else "does NOT fit"
+    print(f"{mem['total'] / 1e9:.2f} GB of {cap / 1e9:.0f} GB: {verdict}. Largest micro-batch that fits: "
+          f"{best['max_micro_batch']} sequences of {args.seq_len} tokens ({best['capacity_bytes'] / 1e9:.0f} GB usable, "
+          "1 GiB kept for the CUDA context)")
+    print("\nsplits that fit (dp x tp x pp, ZeRO stage), least model parallelism first:")
+    _print_table(fits.select("dp", "tp", "pp", "zero_stage", (pl.col("total") / 1e9).round(2).alias("GB per GPU"),
+                             pl.col("bubble").round(3), "tp_within_node"))
+    print(f"\npredicted data-parallel scaling over {args.network}, {args.gpus_per_node} GPUs per node:")
+    _print_table(table.select("n_gpus", "nodes", pl.col("compute_s").round(4), pl.col("exposed_s").round(4),
+                              pl.col("step_s").round(4), pl.col("efficiency").round(3), "comm_hidden"))
+
+
+def _print_memory(mem: dict) -> None:
+    """A ``labkit.study.plan.memory_plan`` as a table: each term in GB (1e9 bytes) and its share
+    of the total (``--json`` keeps the bytes)."""
     import polars as pl
 
-    _print_table(plans.filter(pl.col("fits")).head(args.top))
-    gpus = tuple(g for g in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if g <= args.gpus)
-    table = scaling.study_scaling(args.model, micro_batch=args.micro_batch, seq_len=args.seq_len, device=args.device,
-                                  vocab_size=args.vocab_size, gpus=gpus, network=args.network,
-                                  gpus_per_node=args.gpus_per_node)
-    print(f"predicted data-parallel scaling over {args.network}, {args.gpus_per_node} GPUs per node:")
-    _print_table(table)
+    terms = [k for k in ("params", "grads", "optimizer", "autocast_copies", "activations", "logits", "head_backward")
+             if k in mem]
+    _print_table(pl.DataFrame({"term": terms + ["total"], "GB": [round(mem[k] / 1e9, 3) for k in terms + ["total"]],
+                               "share": [round(mem[k] / mem["total"], 3) for k in terms] + [1.0]}))
+
+
+def plan_config(args) -> int:
+    """``labkit plan CONFIG``: the file's [train] model (preset + model_overrides) at its
+    micro-batch, sequence length and precision, on the [plan] device, GPUs and network (each
+    also an option of the command; the vocabulary: [plan] vocab_size, else the work
+    directory's shards). Prints the memory per GPU term by term, the largest micro-batch that
+    fits (``study.plan.planned_max_micro_batch``; with ``--count`` the count of what the step
+    keeps, ``study.memory.plan_model``) beside the file's, and the precision experiment
+    (``study.scaling.precision_experiment``: step time and DP efficiency at 1..gpus in fp32,
+    TF32 and bf16), then one JSON summary (also written to ``--out``)."""
+    from labkit.config.tomlfile import load
+    from labkit.data.shards import read_index
+    from labkit.study import plan as lp
+    from labkit.study import scaling
+    from labkit.train.run_config import model_config_of
+
+    lab = load(args.config, args.set)
+    pc = dataclasses.replace(lab.plan, **{k: v for k, v in (("device", args.device), ("gpus", args.gpus),
+                                                            ("gpus_per_node", args.gpus_per_node),
+                                                            ("network", args.network),
+                                                            ("vocab_size", args.vocab_size)) if v is not None})
+    vocab = pc.vocab_size or int(read_index(pathlib.Path(lab.workdir) / "shards")["vocab_size"])
+    cfg = model_config_of(lab.train, vocab)
+    seq_len, batch = args.seq_len or lab.shards.seq_len, args.micro_batch or lab.train.micro_batch_size
+    precision = args.precision or lab.train.precision
+    attention = "eager" if cfg.attention_backend == "eager" else "flash"
+    mem = lp.memory_plan(cfg, seq_len=seq_len, micro_batch=batch, precision=precision, attention=attention,
+                         dp=pc.gpus)
+    if getattr(args, "count", False):  # count what the step keeps (any model; about a minute on a CPU)
+        from labkit.study import memory
+
+        make_model, make_batch = memory.labkit_model(cfg, seq_len, mlm_probability=lab.train.mlm_probability)
+        fit = memory.plan_model(make_model, make_batch, device=pc.device, precision=precision, sharding="ddp",
+                                dp=pc.gpus)
+        method = "counted (study.memory.plan_model)"
+    else:
+        fit = lp.planned_max_micro_batch(cfg, device=pc.device, seq_len=seq_len, precision=precision,
+                                         attention=attention, dp=pc.gpus)
+        method = "planned (study.plan.planned_max_micro_batch)"
+    cap = lp.device_info(pc.device)["memory_bytes"]
+    print(f"{args.config}: {lab.train.model} + model_overrides, vocabulary {vocab}, seq {seq_len} "
+          f"({lab.shards.packing}), {precision}, {attention} attention, DDP over {pc.gpus} GPUs on {pc.device}")
+    print(f"memory per GPU at micro-batch {batch} (GB = 1e9 bytes): {mem['total'] / 1e9:.2f} GB of {cap / 1e9:.0f} GB, "
+          + ("fits" if mem["total"] <= cap else "does NOT fit"))
+    _print_memory(mem)
+    gpus = tuple(g for g in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if g <= pc.gpus)
+    table = scaling.precision_experiment(cfg, micro_batch=batch, seq_len=seq_len, device=pc.device,
+                                         network=pc.network, gpus=gpus, gpus_per_node=pc.gpus_per_node, mfu=pc.mfu)
+    print(f"planned data-parallel efficiency over {pc.network} at micro-batch {batch}, {pc.mfu:.0%} of each "
+          "precision's dense peak:")
+    _print_table(table.pivot(on="precision", index="n_gpus", values="efficiency"))
+    table_summary = scaling.precision_summary(table, mfu=pc.mfu)
+    _print_table(table_summary)
+    rows = list(table_summary.iter_rows(named=True))
+    best = fit["max_micro_batch"]
+    eff = {r["precision"]: round(r["efficiency"], 3) for r in rows}
+    print(f"max micro-batch ({precision}, {method}): {best} (the file's micro_batch_size {batch}: "
+          f"{(best - batch) / batch:+.1%}); planned {pc.network} DP efficiency at {gpus[-1]} GPUs: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in eff.items()))
+    summary = {"config": str(args.config), "max_micro_batch": best, "method": method, "micro_batch_size": batch,
+               "within_10pct": abs(best - batch) <= 0.1 * batch, "efficiency_at_max_gpus": eff,
+               "n_gpus": gpus[-1], "network": pc.network,
+               "network_limit_from_n": {r["precision"]: r["first_exposed_n"] for r in rows},
+               "break_even_mfu": {r["precision"]: round(r["break_even_mfu"], 3) for r in rows}}
+    _print_json(summary)
+    if getattr(args, "out", None):
+        from labkit.io import atomic_write_json
+
+        atomic_write_json(pathlib.Path(args.out), summary)
     return 0
 
 

@@ -89,9 +89,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         _say(f"    vocabulary {index['vocab_size']:,} (normalised disassembly has few distinct words; "
              f"the size is a cap); {index['n_tokens']:,} tokens in {index['n_sequences']:,} sequences, "
              f"{index['n_bytes'] / 1e6:.1f} MB of shards ({index['dtype']}); "
-             f"function dataset {prep['function_dataset_bytes'] / 1e6:.1f} MB -> training data "
-             f"{prep['training_data_bytes'] / 1e6:.1f} MB (reduction {prep['reduction_percent']} %, negative when larger; machine code "
-             f"{prep['machine_code_bytes'] / 1e6:.1f} MB, ELF files read {prep['raw_bytes'] / 1e6:.1f} MB)", t0)
+             f"function dataset {prep['dataset_bytes'] / 1e6:.1f} MB -> training data "
+             f"{prep['training_data_bytes'] / 1e6:.1f} MB ({prep['training_to_dataset_ratio']:.2f}x the function "
+             f"dataset; machine code {prep['machine_code_bytes'] / 1e6:.1f} MB, ELF files read "
+             f"{prep['raw_bytes'] / 1e6:.1f} MB)", t0)
 
         _say("4/7 staging shards to node-local disk, one engine per node, checksums verified", t0)
         staged = lab.stage(client, str(work))

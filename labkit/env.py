@@ -7,6 +7,8 @@
   the process's local id on its node (Slurm, Open MPI, MPICH, labkit's own), first set wins.
 - ``LABKIT_LOCAL_SCRATCH``: the node-local directory shards are staged to (default ``$TMPDIR``
   or /tmp, then ``labkit-<user>``); ``labkit.cluster.set_local_roots`` sets it per engine.
+- ``LABKIT_COMMAND``: the ``labkit`` command line a run came from (set by ``labkit.cli``,
+  inherited by the engines; ``labkit.train.provenance`` records it).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ LOCAL_ID_ENVS = ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID
 """Engine env vars giving the engine's local id on its node (Slurm, Open MPI, MPICH), first set wins."""
 SCRATCH_ENV = "LABKIT_LOCAL_SCRATCH"
 """Env var naming the node-local scratch directory that shards are staged to."""
+COMMAND_ENV = "LABKIT_COMMAND"
+"""Env var holding the ``labkit`` command line of a run (its provenance's command)."""
 
 
 def node_name() -> str:

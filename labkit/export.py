@@ -10,7 +10,10 @@
     tokenizer_config.json, special_tokens_map.json
                                         what ``AutoTokenizer`` reads: PreTrainedTokenizerFast,
                                         the special tokens, model_max_length = the run's seq_len
-    README.md                           model card: config, data, losses, provenance
+    README.md                           model card: config, the data the run trained on (kinds,
+                                        documents and tokens per kind, from the shards' index),
+                                        losses, provenance, and a fill-mask example from that data
+                                        with this checkpoint's own top-5 (``fill_mask_example``)
 
 ``AutoTokenizer.from_pretrained(out)``, ``AutoModelForMaskedLM.from_pretrained(out)`` and
 ``pipeline("fill-mask", model=out)`` load it offline (HF_HUB_OFFLINE=1).
@@ -62,28 +65,119 @@ def _model_config(cfg: TrainConfig, result: dict | None) -> ModelConfig:
 
 def hf_tokenizer_files(tokenizer_path: str | os.PathLike, *, model_max_length: int) -> dict[str, str]:
     """``{file name: text}`` of the tokenizer files transformers reads, from a labkit
-    ``tokenizer.json``. Raises ValueError if the tokenizer lacks SPECIAL_TOKENS at ids 0..4."""
+    ``tokenizer.json``; [NEXT] (when the tokenizer has it) is an additional special token. Raises
+    ValueError if the tokenizer lacks SPECIAL_TOKENS at ids 0..5 (0..4 before [NEXT]:
+    ``labkit.data.tokenize.special_ids``)."""
     from tokenizers import Tokenizer, processors
 
+    from labkit.data.tokenize import special_ids
+
     tok = Tokenizer.from_file(str(tokenizer_path))
-    for i, name in enumerate(SPECIAL_TOKENS):
-        if tok.token_to_id(name) != i:
-            raise ValueError(f"tokenizer: {tokenizer_path} has {name} at id {tok.token_to_id(name)}, not {i}")
+    names = dict(SPECIAL_NAMES)
+    if "[NEXT]" in special_ids(tok, name=f"tokenizer: {tokenizer_path}"):
+        names["additional_special_tokens"] = ["[NEXT]"]
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", SPECIAL_TOKENS.index("[CLS]")), ("[SEP]", SPECIAL_TOKENS.index("[SEP]"))])
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
               "model_input_names": ["input_ids", "token_type_ids", "attention_mask"],
-              "clean_up_tokenization_spaces": False, **SPECIAL_NAMES}
+              "clean_up_tokenization_spaces": False, **names}
     return {"tokenizer.json": tok.to_str(pretty=True),
             "tokenizer_config.json": json.dumps(config, indent=2) + "\n",
-            "special_tokens_map.json": json.dumps(SPECIAL_NAMES, indent=2) + "\n"}
+            "special_tokens_map.json": json.dumps(names, indent=2) + "\n"}
 
 
-def model_card(cfg: TrainConfig, mcfg: ModelConfig, result: dict | None, step: int) -> str:
-    """A short README.md for the export: what the model is, how to load it, the run's settings,
-    its losses and provenance (from result.json when the run finished)."""
+KIND_WORDS = {"elf": ("functions disassembled from ELF binaries", "one document per function, normalised operands"),
+              "text": ("text documents", "plain text, JSONL or Parquet")}
+"""How the model card names each data kind of ``labkit.data.balance.select_documents``."""
+
+
+def data_kinds(index: dict | None) -> dict[str, dict]:
+    """{kind: {"documents", "tokens"}} of a shard set's selected documents (index.json's
+    balance.kinds, ``labkit.data.balance``); {} for an index written before labkit recorded it."""
+    return dict(((index or {}).get("balance") or {}).get("kinds") or {})
+
+
+def _pieces(tok, ids) -> str:
+    return tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def fill_mask_example(model, tokenizer_path: str | os.PathLike, data_dir: str | os.PathLike, *,
+                      max_tokens: int = 24, top_k: int = 5) -> dict | None:
+    """A fill-mask example from the run's own data and what ``model`` (a ``labkit.model.BertMLM``
+    in eval mode) predicts for it, as ``pipeline("fill-mask")`` on the export would.
+
+    The first document of the first held-out sequence (else, saying so, of the first training
+    sequence), cut to ``max_tokens`` tokens; the masked token is the first word that starts a line
+    after the first line (an instruction, for disassembly), else the middle one. The text shown is
+    the decoded context around ``[MASK]``; the predictions come from encoding that text with the
+    run's tokenizer ([CLS] text [SEP]) and a forward pass. Returns {"text", "answer" (the token
+    masked), "split" ("held-out" or "training"), "predictions": [{"token", "score"}] (top_k,
+    softmax probabilities)}, or None when no sequence has a maskable token."""
+    import numpy as np
+    import torch
+    from tokenizers import Tokenizer
+
+    from labkit.data.heldout import read_heldout
+    from labkit.data.shards import SequenceReader
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    special = {tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    try:
+        row, split = np.asarray(read_heldout(data_dir, 1)[0]), "held-out"
+    except ValueError:
+        row, split = np.asarray(SequenceReader(data_dir)[0]), "training"
+    doc = []
+    for i in row[1:]:  # [CLS] first; the document runs to its [SEP]
+        if int(i) in special:
+            break
+        doc.append(int(i))
+    doc = doc[:max_tokens]
+    words = [k for k, i in enumerate(doc) if tok.id_to_token(i).isalpha() and 0 < k < len(doc) - 1]
+    if not words:
+        return None
+    newline = [k for k in words if tok.id_to_token(doc[k - 1]) == "\n"]
+    pos = newline[0] if newline else words[len(words) // 2]
+    text = f"{_pieces(tok, doc[:pos])} [MASK] {_pieces(tok, doc[pos + 1:])}".strip()
+    ids = [SPECIAL_TOKENS.index("[CLS]"), *tok.encode(text, add_special_tokens=False).ids, SPECIAL_TOKENS.index("[SEP]")]
+    where = ids.index(SPECIAL_TOKENS.index("[MASK]"))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, where].float()
+    probs = torch.softmax(logits, -1)
+    top = torch.topk(probs, top_k)
+    return {"text": text, "answer": tok.id_to_token(doc[pos]), "split": split,
+            "predictions": [{"token": tok.id_to_token(int(i)), "score": round(float(p), 4)}
+                            for p, i in zip(top.values, top.indices)]}
+
+
+def _data_section(kinds: dict[str, dict]) -> str:
+    if not kinds:
+        return "on the documents of its shard set (this index does not record their kinds)"
+    parts = [f"{v['documents']:,} {KIND_WORDS.get(k, (k, ''))[0]} ({v['tokens']:,} tokens; {KIND_WORDS.get(k, (k, k))[1]})"
+             for k, v in sorted(kinds.items())]
+    return "on " + " and ".join(parts)
+
+
+def _example_section(example: dict | None, r: dict, step: int) -> str:
+    if not example:
+        return ""
+    guesses = ", ".join(f"{p['token']!r} {p['score']:.3f}" for p in example["predictions"])
+    tokens = f"{r['tokens']:,} tokens" if r.get("tokens") else "an unknown number of tokens"
+    hit = "among them" if any(p["token"] == example["answer"] for p in example["predictions"]) else "not among them"
+    return (f"\nAn example from the run's {example['split']} data, with this checkpoint's top-{len(example['predictions'])} "
+            f"after {step} steps ({tokens} seen; probabilities after each guess); the masked token was "
+            f"`{example['answer']!r}`, {hit}:\n\n"
+            f"```python\nfill({example['text']!r})\n# {guesses}\n```\n")
+
+
+def model_card(cfg: TrainConfig, mcfg: ModelConfig, result: dict | None, step: int, *,
+               kinds: dict[str, dict] | None = None, example: dict | None = None) -> str:
+    """A short README.md for the export: what the model is and what data it was trained on
+    (``kinds``: ``data_kinds`` of its shards), how to load it, ``example`` (``fill_mask_example``)
+    with the checkpoint's own guesses, the run's settings, its losses and provenance (from
+    result.json when the run finished)."""
     r = result or {}
+    kinds = kinds or {}
     prov = r.get("provenance") or {}
     git = prov.get("git") or {}
     losses = {k: r.get(k) for k in ("initial_loss", "final_loss", "eval_loss", "final_eval_loss") if k in r}
@@ -101,23 +195,25 @@ def model_card(cfg: TrainConfig, mcfg: ModelConfig, result: dict | None, step: i
             ("hosts", ", ".join(sorted(set(prov.get("hostnames") or [])))),
             ("trained", f"{prov.get('start_time')} to {prov.get('end_time')}")]
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    tags = ", ".join(["labkit", "bert", "masked-lm", *(["disassembly"] if "elf" in kinds else []),
+                      *(["text"] if "text" in kinds else [])])
     return f"""---
 library_name: transformers
 pipeline_tag: fill-mask
-tags: [labkit, bert, masked-lm, disassembly]
+tags: [{tags}]
 ---
 
 # labkit encoder: {pathlib.Path(cfg.run_dir).name}
 
-A BERT-style encoder pretrained with masked-language modelling by labkit on functions
-disassembled from ELF binaries (one document per function, normalised operands). It loads
-as `BertForMaskedLM`; the tokenizer is labkit's, with [CLS]/[SEP] added around each text.
+A BERT-style encoder pretrained with masked-language modelling by labkit
+{_data_section(kinds)}. It loads as `BertForMaskedLM`; the tokenizer is labkit's, with
+[CLS]/[SEP] added around each text.
 
 ```python
 from transformers import pipeline
 fill = pipeline("fill-mask", model="path/to/this/directory")
-fill("test rax, rax\\n[MASK] ADDR")  # guesses for the instruction after a test
 ```
+{_example_section(example, r, step)}
 
 | setting | value |
 | --- | --- |
@@ -164,12 +260,17 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, tokenizer_
     load_model(model, str(ckpt / "model.safetensors"), strict=True)
     model.eval()
     seq_len = int((result or {}).get("seq_len") or (index or {}).get("seq_len") or mcfg.max_position_embeddings)
+    try:
+        example = fill_mask_example(model, tok_path, cfg.data_dir)
+    except (OSError, ValueError):  # shards moved or removed since training, a window longer than the example
+        example = None
     with atomic_dir(dest) as tmp:  # published only when complete
         tmp.chmod(0o755)
         with torch.no_grad():
             export_hf(model, tmp)
         files = hf_tokenizer_files(tok_path, model_max_length=seq_len)
-        files["README.md"] = model_card(cfg, mcfg, result, int(ckpt.name[5:]))
+        files["README.md"] = model_card(cfg, mcfg, result, int(ckpt.name[5:]), kinds=data_kinds(index),
+                                        example=example)
         for name, text in files.items():
             (tmp / name).write_text(text, encoding="utf-8")
         if dest.exists():  # force: the old export goes only once the new one is complete

@@ -27,13 +27,15 @@ from typing import Any, Callable
 import polars as pl
 
 from labkit.cluster.launch import train_on_cluster
+from labkit.data.prepared import preparation_report
 from labkit.config import CleanConfig, CorpusConfig, ShardConfig, TokenizerConfig, to_dict
 from labkit.io import atomic_write_json
 from labkit.study.sweeps import sweep_loader_workers, sweep_micro_batch, sweep_model_size, sweep_ranks
 from labkit.workdir import paths
 
-__all__ = ["build_corpus", "build_shards", "build_tokenizer", "clean_corpus", "preparation_report", "read_metrics",
-           "stage", "sweep_loader_workers", "sweep_micro_batch", "sweep_model_size", "sweep_ranks", "train_on_cluster"]
+__all__ = ["NotPrepared", "build_corpus", "build_shards", "build_tokenizer", "clean_corpus", "preparation_report",
+           "read_metrics", "require_prepared", "stage", "sweep_loader_workers", "sweep_micro_batch", "sweep_model_size",
+           "sweep_ranks", "train_on_cluster"]
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -61,6 +63,32 @@ def _wait_all(asyncs: list, desc: str, progress: bool, timeout: float | None = N
     return [ar.get() for ar in asyncs]
 
 
+class NotPrepared(FileNotFoundError):
+    """A notebook or stage needs an artifact an earlier notebook makes; the message says which
+    one to run first. In a notebook it is shown as that one line, not a traceback
+    (IPython's ``_render_traceback_``)."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
+def require_prepared(workdir: str) -> dict:
+    """The shard index of ``workdir`` and its tokenizer, which notebooks 02-05 read; raises
+    ``NotPrepared`` (one line) naming notebook 01, ``make demo`` and ``labkit prepare`` when the
+    shard set or the tokenizer is missing. Checked before a notebook starts engines."""
+    from labkit.data.shards import ShardError, read_index
+
+    p = paths(workdir)
+    try:
+        index = read_index(p["shards"])
+    except ShardError as err:
+        raise NotPrepared(f"{workdir} has no complete shard set ({err}): run notebooks/01_prepare.py first "
+                          "(same workdir), or make demo, or labkit prepare CONFIG") from None
+    if not p["tokenizer"].is_file():
+        raise NotPrepared(f"{workdir} has no tokenizer ({p['tokenizer']}): run notebooks/01_prepare.py first")
+    return index
+
+
 # --------------------------------------------------------------------------------------------
 # 1. corpus: functions disassembled from this machine's ELF files, split over the engines
 # --------------------------------------------------------------------------------------------
@@ -80,7 +108,9 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
 
     Returns the summed statistics, also written last to ``corpus/corpus.json``: files_found,
     parts, files_read, functions (ELF), documents (all sources), by_kind {elf|text|jsonl|parquet:
-    documents}, raw_bytes (input file sizes), text_bytes, skipped {reason: n}, skipped_files,
+    documents}, sources {kind: {"files_found", "files_read", "raw_bytes", "text_bytes",
+    "documents"}} (the kinds read only), part_kinds (the kind of each ``part-<i>.parquet``, in
+    order), raw_bytes (input file sizes), text_bytes, skipped {reason: n}, skipped_files,
     dropped_functions {reason: n} (functions left out at extraction: "disassembly_stopped"),
     seconds, config. Raises ``FileNotFoundError`` naming a missing input path, ``ValueError``
     when no input file is found.
@@ -121,10 +151,16 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
     parts = _wait_all(asyncs, "corpus: reading sources", progress)
     stats: dict[str, Any] = {"files_found": len(elf) + sum(map(len, text.values())), "parts": len(asyncs),
                              "files_read": 0, "functions": 0, "documents": 0, "by_kind": {}, "raw_bytes": 0,
-                             "text_bytes": 0, "skipped": {}, "skipped_files": {}, "dropped_functions": {}}
+                             "text_bytes": 0, "skipped": {}, "skipped_files": {}, "dropped_functions": {},
+                             "sources": {kind: {"files_found": len(files), "files_read": 0, "raw_bytes": 0,
+                                                "text_bytes": 0, "documents": 0}
+                                         for kind, files in {"elf": elf, **text}.items() if files},
+                             "part_kinds": kinds}
     for kind, p in zip(kinds, parts):
         for key in ("files_read", "raw_bytes", "text_bytes"):
             stats[key] += int(p[key])
+            stats["sources"][kind][key] += int(p[key])
+        stats["sources"][kind]["documents"] += int(p["functions"])
         stats["functions" if kind == "elf" else "documents"] += int(p["functions"])
         stats["by_kind"][kind] = stats["by_kind"].get(kind, 0) + int(p["functions"])
         for reason, n in p["skipped"].items():
@@ -280,68 +316,6 @@ def build_shards(client, cfg: ShardConfig, workdir: str, *, force: bool = False,
     index = engine.apply_sync(write_index, plan, done)
     atomic_write_json(parts_dir / "config.json", settings)
     return index
-
-
-def preparation_report(workdir: str) -> dict:
-    """Numbers of the data preparation, read back from the artifacts: documents left after each
-    stage, tokens, token share per source group before and after balancing, the UNK rate on
-    held-out documents, and the sizes behind lesson 1 (docs/results.md defines them):
-
-    - function_dataset_bytes: the extracted function dataset as first written, with its
-      metadata (corpus/part-*.parquet on disk: id, source, name, address, arch, n_bytes, text);
-    - training_data_bytes: what training reads (the shards, the held-out file and index.json);
-    - reduction_percent = 100 (1 - training_data_bytes / function_dataset_bytes), the study's
-      2 TB -> 25 GB measure (98.8 %); negative when the training data is the larger;
-    - context: machine_code_bytes (sum of the extracted functions' sizes, corpus n_bytes),
-      disassembly_bytes (their normalised text), raw_bytes (whole ELF files read, including
-      the files that yielded no function) and elf_reduction_percent (1 - shard bytes / raw
-      bytes, the figure quoted before, not comparable with the study's)."""
-    p = paths(workdir)
-    corpus = json.loads((p["corpus"] / "corpus.json").read_text())
-    drops = json.loads(p["clean"].with_name("docs.drops.json").read_text())
-    index = json.loads((p["shards"] / "index.json").read_text())
-    stats_path = p["tokenizer"].with_name("tokenizer.stats.json")
-    tok = json.loads(stats_path.read_text()) if stats_path.exists() else {}
-    balance = index.get("balance", {})
-    stages = drops.get("stages", {"corpus": drops["input"], "near_dedup": drops["kept"]})
-    raw = corpus["raw_bytes"]
-    near = drops.get("near_dedup") or {}
-    parts = sorted(p["corpus"].glob("part-*.parquet"))
-    dataset = sum(f.stat().st_size for f in parts)
-    machine_code = int(pl.scan_parquet(parts).select(pl.col("n_bytes").cast(pl.Int64).sum()).collect().item()) \
-        if parts else 0
-    training = index["n_bytes"] + sum(s["n_bytes"] for s in index.get("heldout", {}).get("shards", [])) \
-        + (p["shards"] / "index.json").stat().st_size
-    return {
-        "elf_files_read": corpus["files_read"],
-        "functions": corpus["functions"],
-        "raw_bytes": raw,
-        "disassembly_bytes": corpus["text_bytes"],
-        "documents_kept": drops["kept"],
-        "dropped": drops["dropped"],
-        "documents_per_stage": {"read": corpus.get("documents", corpus["functions"]),
-                                **{f"after_{k}": v for k, v in stages.items() if k != "corpus"},
-                                "in_shards": index["n_documents"]},
-        "skipped_inputs": corpus["skipped"],
-        "functions_left_out": corpus.get("dropped_functions", {}),
-        "near_dedup_docs_per_s": near.get("docs_per_s"),
-        "vocab_size": index["vocab_size"],
-        "unk_rate_held_out": tok.get("unk_rate"),
-        "held_out_docs": tok.get("held_out_docs"),
-        "unk_examples": tok.get("unk_examples"),
-        "tokens": index["n_tokens"],
-        "sequences": index["n_sequences"],
-        "seq_len": index["seq_len"],
-        "shard_bytes": index["n_bytes"],
-        "function_dataset_bytes": dataset,
-        "training_data_bytes": training,
-        "machine_code_bytes": machine_code,
-        "reduction_percent": round(100.0 * (1.0 - training / dataset), 2) if dataset else None,
-        "elf_reduction_percent": round(100.0 * (1.0 - index["n_bytes"] / raw), 2) if raw else None,
-        "heldout_documents": index.get("heldout", {}).get("n_documents", 0),
-        "source_share_before": balance.get("share_before"),
-        "source_share_after": balance.get("share_after"),
-    }
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Measurements, each defined once (docs/measurement.md).
 
 - tokens/s: real (non-[PAD]) tokens processed by all ranks per second of step time.
+- packing efficiency: real tokens / positions computed (sequences x sequence length).
 - samples/s: sequences processed by all ranks per second of step time.
 - data-wait fraction: time a rank waits for its next batch / step time.
 - MFU: achieved FLOP/s / (number of GPUs x dense peak FLOP/s of one GPU), with FLOPs per token
@@ -8,6 +9,8 @@
   head computes logits (all with the dense head, the masked ones with the sparse head;
   Megatron-LM's count of the output layer; ``labkit.model.flops_per_token``).
 - peak memory: CUDA ``max_memory_allocated`` on a GPU, else the process's peak RSS.
+- available memory: MemAvailable, or less where a memory cgroup's limit leaves less
+  (``available_memory``; ``check_cpu_budget`` refuses a CPU budget above it).
 - scaling efficiency at n ranks: throughput(n) / (n x throughput(1)), weak scaling.
 
 Timings skip warm-up steps (the caller's job) and synchronise the device before reading the
@@ -32,6 +35,12 @@ PEAK_FLOPS: dict[tuple[str, str], float] = {
     ("H100 SXM", "fp16"): 989e12,
     ("H100 NVL", "bf16"): 835.5e12,
     ("H100 NVL", "fp16"): 835.5e12,
+    # fp32 on the CUDA cores (no tensor cores: torch's default float32_matmul_precision "highest")
+    # and TF32 on the tensor cores (half of the with-sparsity figure), same page (C2)
+    ("H100 SXM", "fp32"): 67e12,
+    ("H100 SXM", "tf32"): 494.5e12,
+    ("H100 NVL", "fp32"): 60e12,
+    ("H100 NVL", "tf32"): 417.5e12,
     ("H200", "bf16"): 989e12,  # same tensor-core arithmetic as H100 SXM
     ("H200", "fp16"): 989e12,
     # NVIDIA's H200 page, H200 NVL column: BF16/FP16 Tensor Core 1,671 TFLOPS with sparsity (600 W
@@ -41,8 +50,9 @@ PEAK_FLOPS: dict[tuple[str, str], float] = {
     ("A100", "bf16"): 312e12,
     ("A100", "fp16"): 312e12,
 }
-"""(device kind, autocast dtype) -> dense peak FLOP/s of one GPU. fp32 runs have no entry (their
-peak depends on TF32 settings), so their MFU is None."""
+"""(device kind, precision) -> dense peak FLOP/s of one GPU. "fp32" is true fp32 on the CUDA
+cores (TF32 off, torch's default), "tf32" fp32 tensors with TF32 matmuls on the tensor cores;
+devices without an fp32 entry give fp32 runs an MFU of None."""
 
 
 def device_kind(name: str) -> str | None:
@@ -78,6 +88,15 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 def tokens_per_s(real_tokens_all_ranks: int | float, step_time_s: float) -> float:
     """Real (non-pad) tokens summed over all ranks / step time in seconds (docs/measurement.md)."""
     return float(real_tokens_all_ranks) / step_time_s
+
+
+def packing_efficiency(real_tokens: int | float, sequences: int, seq_len: int) -> float:
+    """Real (non-[PAD]) tokens / positions computed, ``sequences * seq_len`` (docs/measurement.md):
+    1.0 for full packed rows, the mean document length / seq_len for padded ones. Raises
+    ValueError when there are no positions."""
+    if sequences < 1 or seq_len < 1:
+        raise ValueError(f"sequences / seq_len: must be positive, got {sequences} / {seq_len}")
+    return float(real_tokens) / (sequences * seq_len)
 
 
 def samples_per_s(sequences_all_ranks: int | float, step_time_s: float) -> float:
@@ -221,3 +240,78 @@ class StepTimer:
         elapsed = self.lap()
         self._t0 = None
         return elapsed
+
+
+def _cgroup_memory() -> list[tuple[str, int, int]]:
+    """(cgroup directory, limit bytes, usage bytes) for this process's memory cgroup and each of
+    its ancestors that has a limit (v2: memory.max / memory.current; v1: memory.limit_in_bytes /
+    memory.usage_in_bytes, where "no limit" is a huge number). [] when none can be read."""
+    import os
+
+    out = []
+    try:
+        lines = open("/proc/self/cgroup").read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: the one unified hierarchy
+            root, limit_file, usage_file = "/sys/fs/cgroup", "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            root, limit_file, usage_file = "/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            d = os.path.join(root, *parts[:depth])
+            try:
+                limit = open(os.path.join(d, limit_file)).read().strip()
+                usage = int(open(os.path.join(d, usage_file)).read().strip())
+            except (OSError, ValueError):
+                continue
+            if limit != "max" and int(limit) < 2**60:
+                out.append((d, int(limit), usage))
+    return out
+
+
+def available_memory() -> dict:
+    """Memory this process can still take, in bytes: {"bytes", "machine_available_bytes"
+    (/proc/meminfo MemAvailable, the kernel's estimate of what can be allocated without swapping),
+    "machine_total_bytes", "cgroup" (the tightest memory cgroup with a limit: {"path", "limit_bytes",
+    "usage_bytes"}, or None)}; "bytes" = min(MemAvailable, limit - usage of every limiting cgroup).
+    Where /proc/meminfo is missing (not Linux), psutil's virtual_memory gives both machine numbers."""
+    info = {}
+    try:
+        for line in open("/proc/meminfo"):
+            key, value = line.split(":", 1)
+            info[key] = int(value.split()[0]) * 1024  # kB
+        avail, total = info["MemAvailable"], info["MemTotal"]
+    except (OSError, KeyError, ValueError):
+        import psutil
+
+        vm = psutil.virtual_memory()
+        avail, total = vm.available, vm.total
+    groups = _cgroup_memory()
+    tight = min(groups, key=lambda g: g[1] - g[2], default=None)
+    free = min([avail] + [max(0, limit - usage) for _, limit, usage in groups])
+    return {"bytes": int(free), "machine_available_bytes": int(avail), "machine_total_bytes": int(total),
+            "cgroup": None if tight is None else {"path": tight[0], "limit_bytes": tight[1], "usage_bytes": tight[2]}}
+
+
+def check_cpu_budget(budget_bytes: int, available: dict, *, key: str = "budget_bytes", model: str | None = None) -> None:
+    """Refuse a CPU micro-batch search whose per-rank budget exceeds what the machine (or the
+    engine's memory cgroup) can give now: the search really allocates up to the budget (model
+    state and the activations autograd saves), so a budget above it ends in the kernel's OOM
+    killer, which may take the notebook server with it. `available`:
+    ``available_memory()`` where the search runs. ValueError, one line naming
+    `key`, pointing to the planner, which predicts larger budgets without allocating them."""
+    if budget_bytes <= available["bytes"]:
+        return
+    cg, gib = available.get("cgroup"), 2**30
+    where = (f"memory cgroup {cg['path']}: limit {cg['limit_bytes'] / gib:.1f} GiB, {cg['usage_bytes'] / gib:.1f} GiB "
+             "used; " if cg else "") + f"MemAvailable {available['machine_available_bytes'] / gib:.1f} GiB of " \
+        f"{available['machine_total_bytes'] / gib:.1f} GiB"
+    raise ValueError(f"{key}: {budget_bytes / gib:.1f} GiB per rank is more than the {available['bytes'] / gib:.1f} GiB "
+                     f"this machine can give now ({where}), and the search allocates its budget; plan it instead: "
+                     f"labkit plan --model {model or 'MODEL'} --micro-batch B --device DEVICE "
+                     "(labkit.study.plan.memory_plan)")

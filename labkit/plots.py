@@ -1,24 +1,26 @@
-"""plotly figures for labkit results and a live-updating display for metrics streamed from engines.
+"""plotly figures for labkit results (the live display of metrics streamed from engines: ``labkit.live``).
 
 One style for every figure lives in `style()` (template, colours, fonts). Figures take polars
 frames (the tables labkit writes) and return `plotly.graph_objects.Figure`; nothing is shown.
-Notebooks call `setup_notebook_plotting()` once so exported HTML embeds plotly.js offline.
-Patterns: /work/shared/docs/references.md section E (plotly) and "Checked on a machine like ours".
+Notebooks call `setup_notebook_plotting()` once so exported HTML embeds plotly.js offline;
+`LivePlot` (``labkit.live``, re-exported here) needs no setup call: its first frame is drawn by the
+front end's own plotly renderer.
+Patterns: docs/references.md section E (plotly).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import json
-import time
-import uuid
-from typing import Callable, Sequence
+import math
+from typing import Sequence
 
 import plotly.graph_objects as go
 import plotly.io as pio
 import polars as pl
 from plotly.subplots import make_subplots
+
+from labkit.live import LivePlot, live_html  # noqa: F401 (re-exported: notebooks use plots.LivePlot)
 
 COLORS = {"loss": "#1f4e79", "throughput": "#c55a11", "ideal": "#7f7f7f", "bar": "#2e75b6", "busy": "#c00000"}
 """Named colours used across figures (colour-blind safe blue/orange pair, grey reference)."""
@@ -34,9 +36,13 @@ plotly.js once so nbconvert's HTML export renders offline (plotly/io/_renderers.
 def style() -> go.layout.Template:
     """The labkit plotly template: simple_white with the labkit font, colorway and grid."""
     t = go.layout.Template(pio.templates["simple_white"])
+    # the legend sits at the bottom of the whole figure (container coordinates), under the x-axis
+    # title, and plotly grows the bottom margin for its rows: at JupyterLab's output width (450 px
+    # high) a legend placed in plot coordinates (y=-0.18) wrapped onto the axis title
     t.layout.update(font=FONT, colorway=list(COLORWAY), hovermode="x unified",
                     margin={"l": 60, "r": 30, "t": 60, "b": 50},
-                    legend={"orientation": "h", "y": -0.18})
+                    legend={"orientation": "h", "yref": "container", "yanchor": "bottom", "y": 0,
+                            "xanchor": "left", "x": 0})
     t.layout.xaxis.update(showgrid=True, gridcolor="#e5e5e5")
     t.layout.yaxis.update(showgrid=True, gridcolor="#e5e5e5")
     # simple_white draws shapes with line width 0 (and 0.3 opacity): reference lines would be invisible
@@ -74,6 +80,16 @@ def round_axis(values: Sequence[float], *, percent: bool = False) -> dict:
     return out
 
 
+def integer_axis(values: Sequence[float]) -> dict:
+    """Axis settings for a count (steps, documents, sequences): ticks on whole numbers only, a
+    round step of at least 1 (``nice_step`` over the values' span), so a 4-step run is labelled
+    1, 2, 3, 4 and not 1, 1.5, 2, ...; ``tickformat="d"``. `values`: what the axis spans (include
+    0 for bars, which start there)."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    span = (max(finite) - min(finite)) if finite else 0.0
+    return {"tickmode": "linear", "tick0": 0, "dtick": max(1, int(nice_step(span))), "tickformat": "d"}
+
+
 def _register_offline_renderer() -> None:
     """Register "labkit_notebook": plotly's `notebook` renderer (plotly.js embedded by its
     activate()) whose figure HTML does not load MathJax from a CDN, as plotly's hard-codes
@@ -95,7 +111,8 @@ def setup_notebook_plotting(*, table_rows: int = 100) -> None:
     and show polars tables of up to `table_rows` rows whole (polars cuts at 10 rows with "…").
 
     Sets pio.renderers.default to RENDERER and activates it now, so plotly.js is emitted even if
-    the notebook only draws through `LivePlot`.
+    the notebook only draws through `LivePlot`. Only needed for exported HTML: figures and
+    `LivePlot` draw in JupyterLab, Notebook 7 and VS Code without it.
     """
     _register_offline_renderer()
     pio.renderers.default = RENDERER
@@ -138,6 +155,7 @@ def loss_figure(metrics: pl.DataFrame | pl.LazyFrame, *, title: str = "Training 
                          **round_axis(d["tokens_per_s"].to_list()))
     fig.update_yaxes(title_text="MLM loss", secondary_y=False)
     fig.update_layout(template=style(), title=title, xaxis_title="step")
+    fig.update_xaxes(**integer_axis(df["step"].to_list()))
     return fig
 
 
@@ -204,7 +222,7 @@ def microbatch_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Largest 
     """Bars: largest micro-batch per model (ordered by parameter count), one bar group per budget.
 
     `df` columns: model (str), params (int), max_micro_batch (int), budget_bytes (int; shown in
-    GiB). From labkit.study.plan.max_micro_batch. Raises ValueError naming missing columns.
+    GiB). From labkit.study.memory.max_micro_batch. Raises ValueError naming missing columns.
     """
     d = _frame(df, ["model", "params", "max_micro_batch", "budget_bytes"], "microbatch_figure").sort("params", "budget_bytes")
     order = d.unique("model", keep="first", maintain_order=True)["model"].to_list()
@@ -218,6 +236,7 @@ def microbatch_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Largest 
     fig.update_layout(template=style(), title=title, barmode="group", xaxis_title="model",
                       yaxis_title="max micro-batch (sequences)", legend_title_text="memory budget")
     fig.update_xaxes(categoryorder="array", categoryarray=order)
+    fig.update_yaxes(**integer_axis([0, *d["max_micro_batch"].to_list()]))
     return fig
 
 
@@ -225,83 +244,6 @@ def figure_bundle(fig: go.Figure) -> dict:
     """Raw display bundle: plotly JSON for JupyterLab plus HTML (without plotly.js) for exports."""
     return {"application/vnd.plotly.v1+json": json.loads(pio.to_json(fig, validate=False)),
             "text/html": pio.to_html(fig, include_plotlyjs=False, full_html=False)}
-
-
-_LIVE_SCRIPT = """<div id="{div_id}" class="plotly-graph-div" style="height:{height}px; width:100%;"></div>
-<script type="text/javascript">
-(function () {{
-  var fig = {fig_json};
-  function draw(tries) {{
-    var el = document.getElementById("{div_id}");
-    if (el && window.Plotly) {{ window.Plotly.newPlot(el, fig.data, fig.layout, {{"responsive": true}}); }}
-    else if (tries > 0) {{ setTimeout(function () {{ draw(tries - 1); }}, 100); }}
-  }}
-  draw(100);
-}})();
-</script>"""
-
-
-def live_html(fig: go.Figure, div_id: str, *, height: int = 450) -> str:
-    """HTML (a plotly div and a script drawing `fig` into it with the page's plotly.js) for a live output.
-
-    JupyterLab and the classic notebook re-render a text/html output on update_display_data, but
-    not a plotly mimetype output (plotly/plotly.py#3053), so live frames are HTML. The script
-    waits up to 10 s for ``window.Plotly`` (defined by ``setup_notebook_plotting``'s embedded
-    plotly.js) and for the div, then calls ``Plotly.newPlot``. `height` in CSS pixels."""
-    fig_json = pio.to_json(fig, validate=False).replace("</", "<\\/")  # keep </script> out of the JSON
-    return _LIVE_SCRIPT.format(div_id=div_id, height=int(height), fig_json=fig_json)
-
-
-class LivePlot:
-    """A figure redrawn in place in a notebook output, at most once per `min_interval` seconds.
-
-    `LivePlot(make_figure)(records)`: records (list of dicts, e.g. metrics records published by
-    `labkit.cluster.run_ddp`) become a polars DataFrame passed to make_figure. The first draw is
-    `display(bundle, raw=True, display_id=...)`, later ones `update_display(...)` of the same id.
-    Frames while running are text/html (``live_html``), which JupyterLab redraws on every update;
-    `flush()` (run_ddp calls it at the end) draws the final frame with the plotly mimetype added,
-    so the saved notebook renders even untrusted and the exported HTML keeps every point offline.
-    Calls inside the interval are kept and drawn by the next call or by `flush()`.
-    """
-
-    def __init__(self, make_figure: Callable[[pl.DataFrame], go.Figure], *, min_interval: float = 1.0,
-                 height: int = 450):
-        self.make_figure = make_figure
-        self.min_interval = min_interval
-        self.height = height
-        self.display_id = f"labkit-live-{uuid.uuid4().hex}"
-        self.draws = 0
-        self._records: list[dict] | None = None
-        self._pending = False
-        self._final = False
-        self._last = float("-inf")
-
-    def __call__(self, records: list[dict]) -> None:
-        self._records, self._pending = list(records), True
-        if time.monotonic() - self._last >= self.min_interval:
-            self._draw(final=False)
-
-    def flush(self) -> None:
-        """Draw the latest records as the final frame (HTML + plotly mimetype); no-op if already drawn."""
-        if self._records is None or (self._final and not self._pending):
-            return
-        self._draw(final=True)
-
-    def _draw(self, *, final: bool) -> None:
-        from IPython.display import display, update_display
-
-        fig = self.make_figure(pl.from_dicts(self._records, infer_schema_length=None))
-        bundle = {"text/html": live_html(fig, f"{self.display_id}-plot", height=self.height),
-                  "text/plain": f"<labkit live figure: {len(self._records)} records>"}
-        if final:
-            bundle["application/vnd.plotly.v1+json"] = json.loads(pio.to_json(fig, validate=False))
-        if self.draws == 0:
-            display(bundle, raw=True, display_id=self.display_id)
-        else:
-            update_display(bundle, raw=True, display_id=self.display_id)
-        self.draws += 1
-        self._pending, self._final = False, final
-        self._last = time.monotonic()
 
 
 def drop_reasons_figure(drops: dict, *, title: str = "Documents dropped, by reason") -> go.Figure:
@@ -312,6 +254,7 @@ def drop_reasons_figure(drops: dict, *, title: str = "Documents dropped, by reas
                            text=[n for _, n in items], marker={"color": COLORS["loss"]}))
     fig.update_layout(template=style(), title=f"{title} (kept {drops['kept']:,} of {drops['input']:,})",
                       xaxis_title="documents", yaxis_title="reason")
+    fig.update_xaxes(**integer_axis([0] + [n for _, n in items]))
     return fig
 
 
@@ -447,4 +390,30 @@ def staging_figure(staged: dict[str, dict], *, title: str = "Staging to node-loc
             + ("" if staged[n].get("copied", True) else " (kept, verified)") for n in nodes]
     fig = go.Figure(go.Bar(x=nodes, y=rates, text=text, marker={"color": COLORS["bar"]}))
     fig.update_layout(template=style(), title=title, xaxis_title="node", yaxis_title="MB/s (copy + sha256)")
+    return fig
+
+
+def preparation_figure(report: dict, *, title: str | None = None) -> go.Figure:
+    """Lesson 1 for the data actually used: bytes of the input files read per source kind, of
+    the document dataset (corpus Parquet) and of the training data (shards), on a log axis, each
+    bar labelled with its size and document count; the title gives the ratio training data /
+    document dataset. `report`: ``labkit.lab.preparation_report`` (its sources, dataset_bytes,
+    training_data_bytes, documents_kept, tokens)."""
+    rows = [(f"{kind} files read", v["raw_bytes"], f"{v['files_read']:,} files, {v['documents']:,} documents")
+            for kind, v in report["sources"].items()]
+    rows += [("document dataset", report["dataset_bytes"], f"{report['documents_kept']:,} documents kept"),
+             ("training data", report["training_data_bytes"], f"{report['tokens']:,} tokens")]
+    ratio = report["training_data_bytes"] / report["dataset_bytes"] if report["dataset_bytes"] else float("nan")
+    fig = go.Figure(go.Bar(x=[b / 1e6 for _, b, _ in rows], y=[r for r, _, _ in rows], orientation="h",
+                           text=[f"{b / 1e6:,.1f} MB: {t}" for _, b, t in rows], textposition="auto",
+                           marker={"color": [COLORS["bar"]] * (len(rows) - 2) + [COLORS["loss"], COLORS["throughput"]]}))
+    fig.update_layout(template=style(), xaxis_title="MB (1e6 bytes, log scale)", yaxis={"autorange": "reversed"},
+                      title=title or f"Training data is {ratio:.2g}x the document dataset "
+                                     f"({', '.join(report['sources'])})")
+    sizes = [b / 1e6 for _, b, _ in rows if b > 0]
+    if sizes:  # 1, 2, 5 x 10^k (powers of 10 over more than 3 decades): plotly labels a log axis's
+        lo, hi = min(sizes) / 2, max(sizes) * 2  # minor ticks 5, 6, ... 9, 1 otherwise
+        ticks = [v for v in log_ticks(lo, hi) if hi / lo <= 1e3 or abs(math.log10(v) - round(math.log10(v))) < 1e-9]
+        fig.update_xaxes(tickvals=ticks, tickformat=",~g")
+    fig.update_xaxes(type="log")
     return fig

@@ -14,6 +14,8 @@ from labkit.io import atomic_write_text
 import os
 import pathlib
 import re
+import shutil
+import tempfile
 from typing import Any
 
 import nbformat
@@ -100,7 +102,8 @@ def execute_notebook(
 
     `path`: a jupytext ``.py`` script or an ``.ipynb`` (``read_notebook``).
     `timeout`: seconds per cell (nbclient). `cwd`: the kernel's working directory (default: the
-    notebook's folder). The executed notebook is written beside the HTML (same stem, .ipynb),
+    notebook's folder). The report's title is ``notebook_title`` (else the file name). The
+    executed notebook is written beside the HTML (same stem, .ipynb),
     both atomically (ValueError if that .ipynb is the source notebook). If a cell fails, the executed-so-far notebook is still written, no HTML is
     written, and nbclient's CellExecutionError (naming the cell and the error) is raised.
     """
@@ -117,15 +120,50 @@ def execute_notebook(
     env = dict(os.environ, IPP_NONINTERACTIVE="1",
                PYTHONPATH=os.pathsep.join(p for p in (labkit_root, os.environ.get("PYTHONPATH")) if p))
     run_dir = str(pathlib.Path(cwd) if cwd is not None else src.resolve().parent)
-    client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name,
-                            resources={"metadata": {"path": run_dir}})
+    sockets = tempfile.mkdtemp(prefix="labkit-kernel-")  # 0700: the kernel's IPC sockets, this user's only
+    prefix = os.path.join(sockets, "k")
+    config = kernel_over_ipc(prefix) if len(os.fsencode(prefix)) <= UNIX_PATH_MAX - 4 else None  # "-<port>"
+    client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name, resources={"metadata": {"path": run_dir}},
+                            **({"config": config} if config is not None else {}))
     try:
         client.execute(env=env, cwd=run_dir)
     finally:
+        shutil.rmtree(sockets, ignore_errors=True)
         atomic_write_text(out_nb, nbformat.writes(nb))
-    body, _ = offline_exporter().from_notebook_node(nb)
+    title = notebook_title(nb) or src.stem
+    body, _ = offline_exporter().from_notebook_node(nb, resources={"metadata": {"name": title}})
     atomic_write_text(out_html, body)
     return out_html
+
+
+UNIX_PATH_MAX = 107
+"""Longest path of a Unix-domain socket (sockaddr_un.sun_path is 108 bytes on Linux, NUL included):
+under a longer ``$TMPDIR`` the kernel runs over TCP as before."""
+
+
+def kernel_over_ipc(prefix: str):
+    """traitlets Config for a kernel on this machine talking over Unix-domain sockets
+    ``<prefix>-<port>`` instead of TCP on 127.0.0.1 (jupyter_client's ``KernelManager.transport``
+    "ipc"): nothing listens on a port, and ipykernel has no reason to print its "Kernel is running
+    over TCP without encryption" warning. `prefix` must lie in a directory only this user can
+    enter (``execute_notebook`` uses a fresh ``tempfile.mkdtemp``)."""
+    from traitlets.config import Config
+
+    return Config({"KernelManager": {"transport": "ipc", "ip": prefix}})
+
+
+def notebook_title(nb: nbformat.NotebookNode) -> str | None:
+    """The notebook's title: ``metadata.title`` if set, else the text of the first level-1
+    heading (``# ...``) of its markdown cells, else None. ``execute_notebook`` gives it to the
+    exported report's ``<title>`` (nbconvert's default is "Notebook")."""
+    if nb.metadata.get("title"):
+        return str(nb.metadata["title"])
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.startswith("# "):
+                    return line[2:].strip()
+    return None
 
 
 _OFFLINE_TEMPLATE = """{%- extends 'index.html.j2' -%}

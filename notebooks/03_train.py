@@ -24,21 +24,18 @@ micro_batch_size = 16
 steps = 40  # optimiser steps of this notebook's run
 
 # %%
-import polars as pl
-
 from labkit import cluster as lc
-from labkit import lab, plots
+from labkit import lab, plots, tables
 from labkit.config import TrainConfig
 
+index = lab.require_prepared(workdir)  # the shards of notebook 01; stops here, in one line, without them
 plots.setup_notebook_plotting()
 cluster = lc.start_cluster(engines)
 client = lc.get_client(cluster)
 staged = lab.stage(client, workdir)
 
 # %%
-from labkit.data.shards import read_index
-
-held_out = "heldout" in read_index(f"{workdir}/shards")  # evaluate the held-out loss 4 times if there is a split
+held_out = "heldout" in index  # evaluate the held-out loss 4 times if there is a split
 cfg = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/notebook-03", model=model,
                   tokenizer_path=f"{workdir}/tokenizer/tokenizer.json",
                   micro_batch_size=micro_batch_size, max_steps=steps, warmup_steps=max(1, steps // 10),
@@ -49,17 +46,24 @@ live = plots.LivePlot(plots.loss_figure)
 result = lab.train_on_cluster(client, cfg, staged=staged, live=live)
 
 # %%
-pl.DataFrame([{k: v for k, v in result.items() if not isinstance(v, (dict, list))}])
+tables.show(result, title=f"Result of {cfg.run_dir} (result.json)")
 
 # %% [markdown]
 # ## The demo's full run
-# When `make demo` has run, its longer training run is in `runs/demo`.
+# When `make demo` has run, its longer training run is in `runs/demo`; this notebook's own run
+# is the live figure above.
 
 # %%
 import os
 
-run = f"{workdir}/runs/demo" if os.path.exists(f"{workdir}/runs/demo/metrics.jsonl") else cfg.run_dir
-plots.loss_figure(lab.read_metrics(run))
+demo_run = f"{workdir}/runs/demo"
+if os.path.exists(f"{demo_run}/metrics.jsonl"):
+    demo_metrics = lab.read_metrics(demo_run)
+    fig = plots.loss_figure(demo_metrics, title=f"The demo's run ({demo_run}, {demo_metrics['step'].max()} steps)")
+else:
+    fig = None
+    print(f"no demo run in {demo_run} (make demo writes one): the live figure above is this notebook's run")
+fig
 
 # %%
 lc.stop_cluster(cluster)

@@ -38,16 +38,15 @@ import numpy as np
 import polars as pl
 import torch
 
-from labkit import plots
+from labkit import lab, plots
 from labkit.study import laws
 from labkit.config import TrainConfig
-from labkit.data.shards import read_index
 from labkit.model import count_parameters, model_config
 from labkit.train import train
 
+index = lab.require_prepared(workdir)  # the shards of notebook 01; stops here, in one line, without them
 plots.setup_notebook_plotting()
 torch.set_num_threads(1)
-index = read_index(f"{workdir}/shards")
 
 # %% [markdown]
 # ## 1. The published law and the study's runs

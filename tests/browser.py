@@ -117,6 +117,9 @@ def run_all_and_watch(page, url: str, *, done_text: str, timeout_s: float = 240.
     page.wait_for_timeout(2000)  # the kernel's session settles after its first idle status
     with contextlib.suppress(Exception):  # JupyterLab's "official Jupyter news?" toast: answer it
         page.get_by_role("button", name="No").click(timeout=2000)
+    dialogs = page.locator(".jp-Dialog")
+    if dialogs.count():  # a modal (kernel selection, a server message) would take the clicks: say which
+        raise AssertionError(f"JupyterLab shows a dialog before the run: {dialogs.all_inner_texts()}")
     page.locator(".jp-Notebook .jp-Cell .jp-InputPrompt").first.click()
     for _ in range(page.locator(".jp-Notebook .jp-Cell").count()):  # Shift+Enter: run, select the next cell
         page.keyboard.press("Shift+Enter")
@@ -141,20 +144,57 @@ def run_all_and_watch(page, url: str, *, done_text: str, timeout_s: float = 240.
         page.wait_for_timeout(int(every_s * 1000))
 
 
+LAYOUT_JS = """async () => {
+    const out = [];
+    for (const gd of document.querySelectorAll('.js-plotly-plot')) {
+        gd.scrollIntoView();  // JupyterLab may skip laying out cells outside the viewport
+        await new Promise(r => setTimeout(r, 250));
+        const box = sel => [...gd.querySelectorAll(sel)].map(e => { const b = e.getBoundingClientRect();
+            return [b.left, b.top, b.right, b.bottom]; }).filter(b => b[2] > b[0] && b[3] > b[1]);
+        out.push({title: ((gd.layout || {}).title || {}).text || "", figure: box('.main-svg').slice(0, 1),
+                  legend: box('.legend'), titles: box('.gtitle, .xtitle, .ytitle, .y2title'),
+                  ticks: box('g.xtick text, g.ytick text, g.y2tick text')});
+    }
+    return out;
+}"""
+"""Per plotly figure on the page, each scrolled into view first: bounding boxes [left, top, right,
+bottom] (CSS px) of the figure, the legend, the figure and axis titles and the tick labels."""
+
+
+def _overlap(a: list[float], b: list[float]) -> bool:
+    return a[0] < b[2] - 0.5 and b[0] < a[2] - 0.5 and a[1] < b[3] - 0.5 and b[1] < a[3] - 0.5
+
+
+def layout_problems(fig: dict) -> list[str]:
+    """What is wrong with one ``LAYOUT_JS`` figure: the legend overlapping a title or a tick label,
+    or lying outside the figure (cut off). [] when nothing is."""
+    problems = []
+    frame = fig["figure"][0] if fig["figure"] else None
+    for legend in fig["legend"]:
+        problems += [f"legend {legend} overlaps title {t}" for t in fig["titles"] if _overlap(legend, t)]
+        problems += [f"legend {legend} overlaps tick label {t}" for t in fig["ticks"] if _overlap(legend, t)]
+        if frame and (legend[0] < frame[0] - 1 or legend[2] > frame[2] + 1 or legend[3] > frame[3] + 1):
+            problems.append(f"legend {legend} is cut off by the figure {frame}")
+    return problems
+
+
 REPORT_CHECK_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].map(gd => ({
     traces: (gd.data || []).length,
+    xtitle: (((gd.layout || {}).xaxis || {}).title || {}).text || "",
     shapes: ((gd.layout || {}).shapes || []).length,
     shape_widths: [...gd.querySelectorAll('.shapelayer path')].map(p => parseFloat(getComputedStyle(p).strokeWidth)),
     ticks: Object.fromEntries(['xtick', 'ytick', 'y2tick'].map(c =>
         [c, [...gd.querySelectorAll('g.' + c + ' text')].map(t => t.textContent)])),
 }))"""
-"""Per drawn plotly figure: traces, layout shapes, the stroke width of each drawn shape, tick labels per axis."""
+"""Per drawn plotly figure: traces, the x-axis title, layout shapes, the stroke width of each drawn shape,
+tick labels per axis."""
 
 
 def inspect_report(context, html: Path) -> dict:
     """Open one exported report in ``context`` (a Playwright browser context, offline for the
     tests) and return: failed_requests and remote_requests (URLs), charts_in_html (plotly divs
-    in the file), charts_drawn, and ``figures`` (``REPORT_CHECK_JS`` per drawn figure)."""
+    in the file), charts_drawn, ``figures`` (``REPORT_CHECK_JS`` per drawn figure) and ``layout``
+    (``LAYOUT_JS`` per drawn figure)."""
     import re
 
     page = context.new_page()
@@ -164,7 +204,8 @@ def inspect_report(context, html: Path) -> dict:
     page.goto(html.resolve().as_uri(), wait_until="load")
     page.wait_for_timeout(500)
     figs = page.evaluate(REPORT_CHECK_JS)
+    layout = page.evaluate(LAYOUT_JS)
     page.close()
     return {"failed_requests": failed, "remote_requests": remote,
             "charts_in_html": len(re.findall(r'class="plotly-graph-div"', html.read_text())),
-            "charts_drawn": len(figs), "figures": figs}
+            "charts_drawn": len(figs), "figures": figs, "layout": layout}

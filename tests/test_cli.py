@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -94,9 +95,16 @@ def test_plan_prints_the_planners_numbers(capsys):
 
     assert main(["plan", "--model", "bert-120m", "--gpus", "8", "--micro-batch", "16", "--seq-len", "512"]) == 0
     out = capsys.readouterr().out
-    mem = plan.memory_plan(model_config("bert-120m", plan.STUDY_VOCAB), seq_len=512, micro_batch=16, dp=8)
-    assert f'"total": {mem["total"]}' in out
+    cfg = model_config("bert-120m", plan.STUDY_VOCAB)
+    mem = plan.memory_plan(cfg, seq_len=512, micro_batch=16, dp=8)
+    best = plan.planned_max_micro_batch(cfg, device="H100 NVL", seq_len=512, precision="bf16", dp=8)
+    assert f"{mem['total'] / 1e9:.2f} GB of 94 GB: fits. Largest micro-batch that fits: {best['max_micro_batch']} " in out
+    assert f"│ activations     ┆ {mem['activations'] / 1e9:.3f} ┆" in out  # a table in GB, not raw bytes
     assert "splits that fit" in out and "predicted data-parallel scaling" in out and "efficiency" in out
+    assert max(map(len, out.splitlines())) <= 140 and "shape:" not in out  # readable in a terminal
+    assert main(["plan", "--model", "bert-120m", "--gpus", "8", "--micro-batch", "16", "--json"]) == 0
+    raw = json.loads(capsys.readouterr().out)
+    assert raw["memory"]["total"] == mem["total"] and raw["max_micro_batch"] == best["max_micro_batch"]
 
 
 def test_plan_counts_a_model_defined_in_a_users_file(tmp_path, capsys):
@@ -158,3 +166,65 @@ def test_train_without_shards_says_so_before_starting_engines(tmp_path, capsys):
     assert main(["train", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert "run labkit prepare first" in err and "starting" not in err
+
+
+PREFLIGHT = r'''
+import contextlib, io, json, sys
+from labkit.cli import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(argv)
+    out.append([rc, err.getvalue().strip().splitlines()])
+print(json.dumps({"results": out, "torch": "torch" in sys.modules, "ipyparallel": "ipyparallel" in sys.modules}))
+'''
+
+
+def test_values_are_refused_before_any_engine_starts(tmp_path):
+    """Presets, devices, paths and ranges are checked before start-up: each bad value is one line
+    naming its key, and the process never imported torch or ipyparallel (no engine was started)."""
+    import json
+    import os
+
+    import numpy as np
+
+    from labkit.data.shards import write_rows
+    from labkit.preflight import has_cuda_device, model_presets
+
+    from labkit.model import MODEL_SIZES
+
+    assert model_presets() == MODEL_SIZES  # read from the source without torch: the same table
+    work = tmp_path / "w"
+    write_rows(work / "shards", np.full((4, 16), 5), vocab_size=64, tokenizer_sha256="0" * 64, rows_per_shard=4)
+    (work / "tokenizer").mkdir()
+    (work / "tokenizer" / "tokenizer.json").write_text("{}")  # the default train.tokenizer_path exists
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"workdir = {str(work)!r}\n[cluster]\nengines = 2\n[train]\nmodel = \"tiny\"\n")
+    c = str(cfg)
+    cases = {
+        "train.model: unknown model preset 'huge'": ["train", c, "--set", "train.model=huge"],
+        "train.model_overrides: unknown fields ['hiden']": ["train", c, "--set", "train.model_overrides={hiden=1}"],
+        "train.model_overrides: hidden_size: must be positive": ["train", c, "--set", "train.model_overrides={hidden_size=-8}"],
+        "train.seq_len: 128, but the shards": ["train", c, "--set", "train.seq_len=128"],
+        "train.eval_every: 5, but the shards": ["train", c, "--set", "train.eval_every=5"],
+        "train.tokenizer_path: /no/tok.json does not exist": ["train", c, "--set", 'train.tokenizer_path="/no/tok.json"'],
+        "--ranks: [3] outside 1..2": ["sweep", "ranks", c, "--ranks", "1", "3"],
+        "--models: unknown model preset 'bert-9b'": ["sweep", "micro-batch", c, "--models", "tiny", "bert-9b"],
+        "--budget-gb: 100000.0 GiB per rank is more than": ["sweep", "micro-batch", c, "--budget-gb", "100000"],
+        "--workers: worker counts must be >= 0": ["sweep", "loaders", c, "--workers", "-1"],
+        "corpus.paths: '/no/such/dir' does not exist": ["prepare", c, "--set", 'corpus.paths=["/no/such/dir"]'],
+        "corpus.text_paths: '/no/notes' does not exist": ["prepare", c, "--set", 'corpus.text_paths=["/no/notes"]'],
+    }
+    if not has_cuda_device():
+        cases["train.device: 'cuda' was asked for"] = ["train", c, "--set", 'train.device="cuda"']
+        cases["--budget-gb: 0 searches the GPU"] = ["sweep", "micro-batch", c, "--budget-gb", "0"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(__import__("pathlib").Path(__file__).parents[1]),
+                                                                   os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-c", PREFLIGHT, json.dumps(list(cases.values()))], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for (expected, argv), (rc, err) in zip(cases.items(), got["results"]):
+        assert rc == 2 and len(err) == 1 and err[0].startswith(f"labkit {argv[0]}: error: {expected}"), (argv, err)
+    assert not got["torch"] and not got["ipyparallel"], got  # refused before anything that starts engines

@@ -6,6 +6,7 @@ loaded by transformers offline and asked to fill a masked instruction."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import pathlib
@@ -101,17 +102,24 @@ def test_export_loads_offline_and_fills_a_mask(walkthrough):
             "special_tokens_map.json", "README.md"} <= {p.name for p in out.iterdir()}
     card = (out / "README.md").read_text()
     assert "pipeline_tag: fill-mask" in card and "final loss" in card
+    assert "tags: [labkit, bert, masked-lm, disassembly]" in card and "functions disassembled from ELF" in card
+    # the card's example comes from the run's held-out data, with the checkpoint's own top-5
+    assert "An example from the run's held-out data" in card and "after 20 steps" in card
+    example = re.search(r"^fill\((.+)\)\n# (.+)$", card, re.M)
+    text = ast.literal_eval(example.group(1))
+    shown = [(ast.literal_eval(t), float(p))
+             for t, p in re.findall(r"('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\") (\d\.\d{3})", example.group(2))]
     code = f"""
 import json
 from transformers import AutoModelForMaskedLM, AutoTokenizer, pipeline
 out = {str(out)!r}
 tok = AutoTokenizer.from_pretrained(out)
 model = AutoModelForMaskedLM.from_pretrained(out)
-ids = tok("test rax, rax\\n[MASK] ADDR")["input_ids"]
+ids = tok({text!r})["input_ids"]
 fill = pipeline("fill-mask", model=out)
-preds = fill("test rax, rax\\n[MASK] ADDR", top_k=5)
+preds = fill({text!r}, top_k=5)
 print(json.dumps({{"model": type(model).__name__, "ids": ids, "mask_id": tok.mask_token_id,
-                   "preds": [[p["token"], p["token_str"], p["score"]] for p in preds]}}))
+                   "preds": [[tok.convert_ids_to_tokens(p["token"]), p["token_str"], p["score"]] for p in preds]}}))
 """
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -121,6 +129,9 @@ print(json.dumps({{"model": type(model).__name__, "ids": ids, "mask_id": tok.mas
     assert got["ids"][0] == 2 and got["ids"][-1] == 3 and 4 in got["ids"], "[CLS] ... [MASK] ... [SEP]"
     scores = [p[2] for p in got["preds"]]
     assert len(got["preds"]) == 5 and scores == sorted(scores, reverse=True) and 0 < sum(scores) <= 1.0
+    # transformers' pipeline on the exported files predicts what the card says labkit's model did
+    assert [t for t, _ in shown] == [p[0] for p in got["preds"]], (shown, got["preds"])
+    assert [p for _, p in shown] == pytest.approx(scores, abs=6e-4)
 
 
 def test_report_of_the_train_notebook(walkthrough):

@@ -42,6 +42,16 @@ def test_file_maps_onto_the_dataclasses(cfg_file):
     assert cfg.tokenizer.vocab_size == 8192, "a missing section takes the dataclass defaults"
 
 
+def test_text_sources_alone_mean_a_text_only_corpus(tmp_path):
+    from labkit.config.data import DEFAULT_ELF_PATHS
+
+    path = tmp_path / "text.toml"
+    path.write_text('[corpus]\ntext_paths = ["notes"]\n')
+    assert load(path).corpus.paths == ()  # no ELF file is read
+    assert load(path, ['corpus.paths=["/usr/lib"]']).corpus.paths == ("/usr/lib",)  # mixing names both
+    assert load(None).corpus.paths == DEFAULT_ELF_PATHS  # no source at all: this machine's ELF files
+
+
 def test_set_overrides_parse_toml_values_else_strings(cfg_file):
     cfg = load(cfg_file, ["train.max_steps=7", "train.model=mini", 'corpus.paths=["/a", "/b"]',
                           "train.num_threads=none", "clean.near_dedup.threshold=0.9", "train.trackers=[]"])
@@ -59,7 +69,7 @@ def test_set_overrides_parse_toml_values_else_strings(cfg_file):
     ("train.resume=1", "train.resume: expected bool, got 1"),
     ("corpus.paths=[1]", "corpus.paths[0]: expected str, got 1"),
     ("clean.near_dedup.bands=x", "clean.near_dedup.bands: expected int, got 'x'"),
-    ("trainer.lr=1", "trainer: unknown key; known top-level keys are workdir and the sections cluster"),
+    ("trainer.lr=1", "trainer: unknown key; known top-level keys are workdir, scaled_down and the sections cluster"),
     ("cluster.engines=0", "cluster.engines: must be at least 1, got 0"),
     ("train", "--set 'train': expected section.key=value"),
 ])
@@ -87,3 +97,38 @@ def test_run_config_reads_back_without_provenance(tmp_path):
         read_run_config(tmp_path, ["corpus.max_functions=1"])
     with pytest.raises(FileNotFoundError, match="is not a run directory"):
         read_run_config(tmp_path / "elsewhere")
+
+
+def test_the_toml_examples_in_the_docs_load():
+    """Every ```toml block of README.md and docs/*.md is a config file labkit accepts as written."""
+    import pathlib
+    import re
+    import tomllib
+
+    from labkit.config.tomlfile import from_mapping
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    blocks = [(p.name, b) for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+              for b in re.findall(r"```toml\n(.*?)```", p.read_text(), re.S)]
+    configs = {}
+    for name, block in blocks:
+        configs.setdefault(name, []).append(from_mapping(tomllib.loads(block)))  # raises on a bad key or value
+    text_only, mixed = configs["data_path.md"][:2]  # "Your own data": text alone, then a mix
+    assert text_only.corpus.paths == () and text_only.corpus.text_paths and text_only.corpus.jsonl_paths
+    assert mixed.corpus.paths == ("/usr/lib",) and mixed.corpus.parquet_paths and mixed.shards.source_caps
+
+
+def test_every_shipped_config_loads_and_the_study_scales_down():
+    import pathlib
+
+    for path in sorted(pathlib.Path("configs").glob("*.toml")):
+        load(path)
+    full, small = load("configs/study.toml"), load("configs/study.toml", ["train.max_steps=7"], scaled_down=True)
+    assert (full.train.micro_batch_size, full.shards.packing, full.tokenizer.kind) == (184, "padded", "instruction")
+    assert full.scaled_down == small.scaled_down and len(small.scaled_down) >= 5
+    assert small.train.model == "mini" and small.train.max_steps == 7  # --set after the file's own overrides
+    assert small.train.model_overrides == full.train.model_overrides and small.shards == full.shards
+    with pytest.raises(ValueError, match="^scaled_down: configs/walkthrough.toml names no scaled-down overrides"):
+        load("configs/walkthrough.toml", scaled_down=True)
+    with pytest.raises(ValueError, match=r"^plan\.mfu: must be in \(0, 1\]"):
+        load("configs/study.toml", ["plan.mfu=2.0"])

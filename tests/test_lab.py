@@ -127,13 +127,27 @@ def test_preparation_report(prepared):
     rep = lab.preparation_report(prepared["work"])
     c, s, index = prepared["corpus"], prepared["clean"], prepared["index"]
     assert rep["raw_bytes"] == c["raw_bytes"] > 0 and rep["shard_bytes"] == index["n_bytes"]
-    assert rep["elf_reduction_percent"] == round(100 * (1 - index["n_bytes"] / c["raw_bytes"]), 2)
     work = pathlib.Path(prepared["work"])
     dataset = sum(f.stat().st_size for f in (work / "corpus").glob("part-*.parquet"))
     training = index["n_bytes"] + (work / "shards" / "index.json").stat().st_size
-    assert rep["function_dataset_bytes"] == dataset > 0 and rep["training_data_bytes"] == training
-    assert rep["reduction_percent"] == round(100 * (1 - training / dataset), 2)
-    assert 0 < rep["machine_code_bytes"] < rep["raw_bytes"]
+    assert rep["dataset_bytes"] == dataset > 0 and rep["training_data_bytes"] == training
+    assert rep["training_to_dataset_ratio"] == round(training / dataset, 4)
+    # a mixed corpus: what each source gave, counted from the documents themselves
+    corpus = pl.read_parquet(work / "corpus" / "part-*.parquet")
+    kept = pl.read_parquet(work / "clean" / "docs.parquet")
+    assert rep["kinds"] == ["elf", "text", "jsonl"] and rep["elf_files_read"] == rep["sources"]["elf"]["files_read"]
+    by_source = lambda df, ext: df.filter(pl.col("source").str.ends_with(ext)).height  # noqa: E731
+    assert rep["sources"]["jsonl"]["documents"] == by_source(corpus, ".jsonl") == 6
+    assert rep["sources"]["jsonl"]["kept"] == by_source(kept, ".jsonl")
+    assert rep["sources"]["text"]["kept"] == by_source(kept, ".txt")
+    assert rep["sources"]["elf"]["kept"] == kept.filter(pl.col("arch") != "text").height
+    assert sum(v["kept"] for v in rep["sources"].values()) == kept.height
+    assert sum(v["raw_bytes"] for v in rep["sources"].values()) == c["raw_bytes"]
+    assert rep["examples"]["jsonl"] == kept.filter(pl.col("source").str.ends_with(".jsonl"))["text"][0][:240]
+    elf = corpus.filter(pl.col("arch") != "text")
+    assert rep["machine_code_bytes"] == elf["n_bytes"].sum() < rep["raw_bytes"]
+    assert index["balance"]["kinds"]["elf"]["documents"] + index["balance"]["kinds"]["text"]["documents"] \
+        == index["n_documents"]
     assert rep["documents_per_stage"] == {"read": c["documents"], "after_filters": s["stages"]["filters"],
                                           "after_exact_dedup": s["stages"]["exact_dedup"],
                                           "after_near_dedup": s["kept"], "in_shards": index["n_documents"]}
@@ -141,3 +155,41 @@ def test_preparation_report(prepared):
     assert sum(rep["source_share_before"].values()) == pytest.approx(1.0, abs=1e-5)
     assert 0.0 <= rep["unk_rate_held_out"] < 0.01 and rep["held_out_docs"] > 0
     assert rep["near_dedup_docs_per_s"] > 0
+
+
+def test_text_only_corpus_is_reported_and_exported_as_text(client, tmp_path):
+    """``text_paths`` without ``paths`` is a text-only corpus (no ELF file read); the preparation
+    report, the shard index and the exported model card name text, with an example of it."""
+    from labkit.config import TrainConfig
+    from labkit.export import export_run
+    from labkit.train import train
+
+    files = sorted(str(p) for p in pathlib.Path("/usr/share/common-licenses").iterdir() if p.is_file())
+    if len(files) < 5:
+        pytest.skip("fewer than 5 texts in /usr/share/common-licenses")
+    cfg = CorpusConfig(text_paths=tuple(files))
+    assert cfg.paths == () and CorpusConfig().paths and CorpusConfig(paths=("/x",), text_paths=("/y",)).paths == ("/x",)
+    work = str(tmp_path / "work")
+    corpus = lab.build_corpus(client, cfg, work, progress=False)
+    assert corpus["functions"] == 0 and corpus["by_kind"] == {"text": corpus["documents"]} == {"text": len(files)}
+    assert set(corpus["sources"]) == {"text"} and corpus["sources"]["text"]["raw_bytes"] == sum(map(os.path.getsize, files))
+    lab.clean_corpus(client, CleanConfig(), work, progress=False)
+    lab.build_tokenizer(client, TokenizerConfig(vocab_size=600), work)
+    index = lab.build_shards(client, ShardConfig(seq_len=32, heldout_fraction=0.3, heldout_seed=1), work, progress=False)
+    docs = pl.read_parquet(os.path.join(work, "clean", "docs.parquet"))
+    assert (docs["arch"] == "text").all() and docs.height >= 4
+    rep = lab.preparation_report(work)
+    assert rep["kinds"] == ["text"] and rep["sources"]["text"]["kept"] == docs.height == rep["documents_kept"]
+    assert rep["examples"] == {"text": docs["text"][0][:240]}  # from the data itself
+    assert not [k for k in rep if any(w in k for w in ("elf", "machine_code", "function", "disassembly"))]
+    held = index["heldout"]["n_documents"]
+    assert index["balance"]["kinds"]["text"]["documents"] == index["n_documents"] + held and set(index["balance"]["kinds"]) == {"text"}
+
+    run = str(tmp_path / "run")
+    train(TrainConfig(data_dir=os.path.join(work, "shards"), run_dir=run, model="tiny", micro_batch_size=4, max_steps=3,
+                      warmup_steps=1, num_threads=1, trackers=(), ckpt_every=3,
+                      tokenizer_path=os.path.join(work, "tokenizer", "tokenizer.json")))
+    card = (export_run(run, tmp_path / "export") / "README.md").read_text()
+    assert "tags: [labkit, bert, masked-lm, text]" in card and "text documents (" in card and "plain text, JSONL or Parquet" in card
+    assert "disassembl" not in card.lower() and "ELF" not in card and "rax" not in card
+    assert "An example from the run's held-out data" in card and "after 3 steps" in card

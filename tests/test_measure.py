@@ -87,7 +87,21 @@ def test_cuda_peak_memory_and_peak_flops():
     assert measure.peak_memory_bytes(device) >= x.numel()
     kind = measure.device_kind(torch.cuda.get_device_name(device))
     assert measure.peak_flops(device, "bf16") == measure.PEAK_FLOPS.get((kind, "bf16"))
-    assert measure.peak_flops(device, "fp32") is None
+    assert measure.peak_flops(device, "fp32") == measure.PEAK_FLOPS.get((kind, "fp32"))  # None if unlisted
+
+
+def test_fp32_and_tf32_peaks_of_the_h100s():
+    """NVIDIA's H100 page (docs/references.md C2): FP32 67 / 60 TFLOP/s (SXM / NVL, CUDA cores),
+    TF32 989 / 835 with sparsity, so 494.5 / 417.5 dense; bf16 stays twice TF32."""
+    assert measure.PEAK_FLOPS[("H100 NVL", "fp32")] == 60e12 and measure.PEAK_FLOPS[("H100 SXM", "fp32")] == 67e12
+    for kind in ("H100 NVL", "H100 SXM"):
+        assert measure.PEAK_FLOPS[(kind, "bf16")] == pytest.approx(2 * measure.PEAK_FLOPS[(kind, "tf32")], rel=1e-3)
+
+
+def test_packing_efficiency():
+    assert measure.packing_efficiency(96, 2, 64) == 0.75
+    with pytest.raises(ValueError, match="sequences"):
+        measure.packing_efficiency(1, 0, 64)
 
 
 def test_scaling_efficiency_closed_form():

@@ -57,6 +57,17 @@ def test_liveplot_displays_once_then_updates_same_id(monkeypatch):
     calls = []
     monkeypatch.setattr(IPython.display, "display", lambda b, **kw: calls.append(("display", b, kw)))
     monkeypatch.setattr(IPython.display, "update_display", lambda b, **kw: calls.append(("update", b, kw)))
+    live = plots.LivePlot(plots.loss_figure, min_interval=0)
+    live([{"step": 0, "loss": 5.0}])
+    live([{"step": 0, "loss": 5.0}, {"step": 1, "loss": 4.0}])
+    assert [c[0] for c in calls] == ["display", "update"]
+    first, between = calls[0][1], calls[1][1]
+    # the first frame is drawn by the front end's plotly renderer too (no setup call needed) ...
+    assert first["application/vnd.plotly.v1+json"]["data"][0]["y"] == [5.0]
+    # ... the frames between are HTML only (redrawn on update), and no frame carries plotly.js
+    assert "application/vnd.plotly.v1+json" not in between and "Plotly.newPlot" in between["text/html"]
+    assert not any("plotly.js v" in c[1]["text/html"] for c in calls)
+    calls.clear()
     live = plots.LivePlot(plots.loss_figure, min_interval=3600)  # every later call is inside the interval
     live([{"step": 0, "loss": 5.0}])
     live([{"step": 0, "loss": 5.0}, {"step": 1, "loss": 4.0}])

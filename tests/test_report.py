@@ -52,10 +52,12 @@ def test_inject_parameters_after_tagged_cell_replaces_old_injection(tmp_path):
     assert report.declared_parameters(nb) == ["n_points", "title"]
 
 
-def test_execute_notebook_exports_offline_html(tmp_path):
+def test_execute_notebook_exports_offline_html(tmp_path, capfd):
     src = _notebook(tmp_path / "tiny.ipynb")
     out = report.execute_notebook(src, tmp_path / "out" / "tiny.html", parameters={"n_points": 5, "title": "injected"},
                                   timeout=120)
+    err = capfd.readouterr().err  # the kernel's own stderr: it ran over IPC sockets, not TCP, so it did not warn
+    assert "running over TCP" not in err and "WARNING" not in err, err[-2000:]
     executed = nbformat.read(tmp_path / "out" / "tiny.ipynb", as_version=4)
     text = _text(executed)
     assert "squares [0, 1, 4, 9, 16] injected" in text  # the injected value took effect
@@ -65,7 +67,7 @@ def test_execute_notebook_exports_offline_html(tmp_path):
     assert info["external_plotly_scripts"] == [] and info["widgets"] == 0
     html = out.read_text()
     assert info["external_resources"] == [] and "require.js" not in html and "MathJax.js" not in html
-    assert "injected" in html
+    assert "injected" in html and "<title>tiny report</title>" in html  # the notebook's heading, not "Notebook"
     assert sorted(p.name for p in out.parent.iterdir()) == ["tiny.html", "tiny.ipynb"]  # no temp files left
 
 

@@ -12,6 +12,10 @@
 - `unreachable` asks engines through their control channel (ipyparallel's nanny process, which
   answers while the engine's main thread is busy) whether they are there; an engine that does
   not answer within a few seconds is gone (its node crashed or dropped off the network).
+- `death_cause` says why an engine process ended: the signal or exit status (for the local
+  engines of a cluster this process started, `track`), and "probably out of memory" when it was
+  SIGKILL and the kernel says so (its log's OOM-killer line for the pid, or the memory cgroup's
+  oom_kill count rising during the task).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import pathlib
 import re
 import subprocess
 import time
+import weakref
 from typing import Any
 
 import ipyparallel as ipp
@@ -189,3 +194,112 @@ def forget_engines(client: ipp.Client, engine_ids: list[int]) -> None:
     `client.ids`, and MPI engines restarted after them get their ids (their ranks) back."""
     for eid in engine_ids:
         client._send(client._query_stream, "unregistration_request", content={"id": int(eid)})
+
+
+# ---------------------------------------------------------------- why an engine died
+
+_STARTED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+"""Clusters this process started (``labkit.cluster.start_cluster`` adds them): the parents of
+their local engine processes, whose exit status only a parent can read."""
+
+_OOM_LINE = re.compile(r"(?:Out of memory|Memory cgroup out of memory): Killed process (\d+)|oom-kill:.*\bpid=(\d+),")
+
+
+def track(cluster: Any) -> None:
+    """Remember a started cluster, so ``exit_status`` can find its local engine processes."""
+    _STARTED.add(cluster)
+
+
+def exit_status(pid: int) -> int | None:
+    """The exit status of a local engine process of a cluster this process started: its code, or
+    -N when signal N ended it (psutil's reading, which ipyparallel's launcher took when it reaped
+    the process); None while it runs or when this process did not start it."""
+    import psutil
+
+    for cluster in list(_STARTED):
+        for engine_set in list(getattr(cluster, "engines", {}).values()):
+            for launcher in list(getattr(engine_set, "launchers", {}).values()):
+                proc = getattr(launcher, "process", None)
+                if proc is None or proc.pid != pid:
+                    continue
+                waiter = getattr(launcher, "_wait_thread", None)
+                if waiter is not None and waiter.is_alive():  # ipyparallel's thread reaps it: let it, then
+                    try:  # read what it read (psutil keeps the status); two waiters would race for it
+                        if proc.status() != psutil.STATUS_ZOMBIE:
+                            return None
+                    except psutil.NoSuchProcess:
+                        pass
+                    waiter.join(timeout=5)
+                try:
+                    return proc.wait(timeout=0)
+                except psutil.Error:  # still running (TimeoutExpired) or gone unreaped
+                    return None
+    return None
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has ended in this process's memory cgroup
+    (cgroup v2 memory.events, v1 memory.oom_control: "oom_kill N"); None where neither is readable."""
+    try:
+        lines = pathlib.Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            f = pathlib.Path("/sys/fs/cgroup", path.lstrip("/"), "memory.events")
+        elif "memory" in controllers.split(","):
+            f = pathlib.Path("/sys/fs/cgroup/memory", path.lstrip("/"), "memory.oom_control")
+        else:
+            continue
+        try:
+            for entry in f.read_text().splitlines():
+                key, _, value = entry.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def kernel_oom_kill(pid: int, log: str | None = None) -> str | None:
+    """The kernel log line saying its OOM killer ended `pid` ("Out of memory: Killed process
+    1234 (python3) ...", "oom-kill:...,pid=1234,..."), or None. `log`: the kernel log text;
+    None reads ``dmesg`` (which may need root or kernel.dmesg_restrict=0; unreadable: None)."""
+    if log is None:
+        try:
+            log = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+    for line in reversed(log.splitlines()):
+        m = _OOM_LINE.search(line)
+        if m and int(m.group(1) or m.group(2)) == pid:
+            return line.strip()
+    return None
+
+
+def death_cause(pid: int | None, *, local: bool = True, oom_kills_before: int | None = None) -> str:
+    """Why engine process `pid` ended, in a few words for an error line: "killed by signal 9
+    (SIGKILL); probably out of memory: <the kernel's line>", "exited with status 1", or that it
+    is unknown (this process did not start it, or it still runs). `local`: the engine ran on this host (else only "unknown" can be said);
+    `oom_kills_before`: ``oom_kills()`` before its task (an increase counts as the kernel's word)."""
+    import signal
+
+    if pid is None or not local:
+        return "its exit status is not visible from here (another host)" if not local else "its exit status is unknown"
+    code = exit_status(pid)
+    oom = kernel_oom_kill(pid)
+    after = oom_kills()
+    if oom is None and oom_kills_before is not None and after is not None and after > oom_kills_before:
+        oom = f"the memory cgroup's oom_kill count went from {oom_kills_before} to {after}"
+    if code is not None and code < 0:
+        what = f"killed by signal {-code} ({signal.Signals(-code).name})"
+    elif code is not None:
+        what = f"exited with status {code}"
+    elif oom is not None:
+        what = "killed by signal 9 (SIGKILL)"
+    else:
+        return "its exit status is unknown"
+    if oom is not None and (code is None or code == -signal.SIGKILL):
+        return f"{what}; probably out of memory: {oom}"
+    return what

@@ -11,7 +11,7 @@ Topology (`engine_info`, `assign_ranks`, `per_node`, `set_node_names`) is in
 `labkit.cluster.topology`, the DDP launch (`run_ddp`, `run_ddp_resumable`, `DDPError`,
 `progress_bar`) in `labkit.cluster.launch`; `labkit.cluster` re-exports all three modules' names.
 
-Patterns: /work/shared/docs/references.md section E (ipyparallel; DDP in persistent engines).
+Patterns: docs/references.md section E (ipyparallel; DDP in persistent engines).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import ipyparallel as ipp
 
 from labkit.cluster.engine_watch import (EngineStartError, forget_engines, registered,  # noqa: F401 (re-exported)
-                                         wait_for_engines, wait_unregistered)
+                                         track, wait_for_engines, wait_unregistered)
 from labkit.cluster.network import default_controller_ip, mpi_exports
 from labkit.io import atomic_write_json
 
@@ -186,6 +186,7 @@ def start_cluster(
         settings["batch_file"] = os.path.join(cluster.profile_dir, "log", f"slurm-engines-{cluster.cluster_id}.sbatch")
         os.makedirs(os.path.dirname(settings["batch_file"]), exist_ok=True)
     cluster.config = _launcher_config(settings)
+    track(cluster)  # engine_watch.death_cause reads its local engines' exit status
     if timeout is None:
         timeout = 3600.0 if engines == "slurm" else 120.0
     try:

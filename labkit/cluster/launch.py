@@ -9,7 +9,7 @@ sends SIGINT to the engines still working. `run_ddp_resumable` restarts the engi
 `DDPError` and runs again: a function that resumes from its newest checkpoint (labkit.train.train
 with cfg.resume) then continues where it stopped.
 
-Patterns: /work/shared/docs/references.md section E (ipyparallel #141/#506/#706; DDP in persistent
+Patterns: docs/references.md section E (ipyparallel #141/#506/#706; DDP in persistent
 engines: fresh MASTER_PORT per init, tear down on all ranks, restart engines after any error).
 """
 
@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import ipyparallel as ipp
 from ipyparallel import error as ipp_error
 
-from labkit.cluster.engine_watch import unreachable
+from labkit.cluster.engine_watch import death_cause, unreachable
 from labkit.cluster.engines import get_client, restart_engines
 from labkit.config import TrainConfig
 from labkit.cluster.topology import assign_ranks, engine_info
@@ -126,7 +126,7 @@ def _remote_text(err: BaseException) -> str:
 
 def labkit_frame(traceback_text: str) -> str | None:
     """The innermost labkit frame of a traceback (IPython's or Python's format, colours allowed),
-    as "labkit/model.py:78 in model_config"; None when no frame is in labkit."""
+    as "labkit/model/encoder.py:78 in model_config"; None when no frame is in labkit."""
     frames = _FRAME.findall(_ANSI.sub("", traceback_text))
     if not frames:
         return None
@@ -279,10 +279,10 @@ def run_ddp(
                 ars[min(pending)].wait(poll)
                 gone = dead()
                 if gone:
-                    r = gone[0]
-                    pending.discard(r)
+                    pending.discard(r := gone[0])
                     stop_others()
-                    raise DDPError(f"{who(r)}: engine died while running {name}; the other ranks were "
+                    cause = death_cause(by_id[engine_of[r]]["pid"], local=by_id[engine_of[r]]["hostname"] == here)
+                    raise DDPError(f"{who(r)}: engine died while running {name} ({cause}); the other ranks were "
                                    "interrupted. Restart the engines (labkit.cluster.restart_engines) and run "
                                    "again to resume from the last checkpoint", rank=r, engine_id=engine_of[r], died=True)
                 failed = _failed_ranks(ars, pending)

@@ -6,9 +6,16 @@ import dataclasses
 from typing import Any
 
 
-SPECIAL_TOKENS: tuple[str, ...] = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+SPECIAL_TOKENS: tuple[str, ...] = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[NEXT]")
 """Special tokens of every labkit tokenizer, in id order: [PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3,
-[MASK]=4 (BERT's names, arXiv:1810.04805 section 3)."""
+[MASK]=4 (BERT's names, arXiv:1810.04805 section 3) and [NEXT]=5, the instruction separator of
+the study's tokenizer and position embeddings (undertale-re/undertale be7ec98,
+undertale/models/item/tokenizer.py, where it is id 5 too). Tokenizers and shards written before
+[NEXT] was added have the first five only (``LEGACY_SPECIAL_TOKENS``) and stay readable: a shard
+index records the special ids its tokenizer had."""
+
+LEGACY_SPECIAL_TOKENS: tuple[str, ...] = SPECIAL_TOKENS[:5]
+"""The special tokens of labkit tokenizers from before [NEXT]: ids 0..4."""
 
 
 def _require(ok: bool, name: str, message: str) -> None:

@@ -14,10 +14,17 @@ DEFAULT_ELF_PATHS: tuple[str, ...] = ("/usr/lib", "/usr/bin", "/usr/sbin", "/usr
 
 @dataclass(kw_only=True)
 class CorpusConfig:
-    """Where documents come from: functions disassembled from ELF files (one per function)."""
+    """Where documents come from: functions disassembled from ELF files (one per function) and
+    text documents (plain text, JSONL, Parquet; ``labkit.data.sources``).
 
-    paths: tuple[str, ...] = DEFAULT_ELF_PATHS
-    """Files or directories (searched recursively, symlinks not followed) holding ELF files."""
+    Without any text source the corpus is this machine's ELF files (``DEFAULT_ELF_PATHS``); with
+    a text source and no ``paths`` it is text only. Mixing needs both: ``paths`` and a text source.
+    """
+
+    paths: tuple[str, ...] | None = None
+    """Files or directories (searched recursively, symlinks not followed) holding ELF files.
+    None: ``DEFAULT_ELF_PATHS`` when no text source is given, else none (a text-only corpus);
+    () reads no ELF file."""
     max_files: int | None = None
     """Read at most this many ELF files (after the seeded shuffle); None reads all that are needed."""
     max_functions: int | None = 30_000
@@ -58,6 +65,9 @@ class CorpusConfig:
     reading ('too_large') without being decoded."""
 
     def __post_init__(self) -> None:
+        if self.paths is None:  # text sources alone mean a text-only corpus; nothing means this machine's ELF
+            text = self.text_paths or self.jsonl_paths or self.parquet_paths
+            self.paths = () if text else DEFAULT_ELF_PATHS
         _require(self.max_functions_per_file is None or self.max_functions_per_file > 0,
                  "max_functions_per_file", "must be positive or None")
         _require(len(self.paths) + len(self.text_paths) + len(self.jsonl_paths) + len(self.parquet_paths) > 0,
@@ -200,10 +210,13 @@ class CleanConfig:
 class TokenizerConfig:
     """A subword tokenizer trained with HF tokenizers on a sample of the cleaned documents."""
 
-    kind: Literal["wordpiece", "bpe", "unigram"] = "wordpiece"
-    """WordPiece (BERT), byte-level BPE (GPT-2/RoBERTa) or Unigram (SentencePiece)."""
+    kind: Literal["wordpiece", "bpe", "unigram", "instruction"] = "wordpiece"
+    """WordPiece (BERT), byte-level BPE (GPT-2/RoBERTa), Unigram (SentencePiece), or the study's
+    tokenizer for disassembly: mnemonics, registers and operand syntax kept whole, immediates in
+    decimal through a BPE, [NEXT] between instructions (``labkit.data.instructions``)."""
     vocab_size: int = 8192
-    """Target vocabulary size, special tokens included."""
+    """Target vocabulary size, special tokens included. "instruction": the size of the BPE over
+    the immediates (the study's 4096); every other piece seen in training is added on top."""
     min_frequency: int = 2
     """Pairs/pieces seen fewer times than this are not merged into the vocabulary."""
     max_train_docs: int = 50_000
@@ -225,7 +238,7 @@ class TokenizerConfig:
     def __post_init__(self) -> None:
         _require(self.held_out_docs >= 0, "held_out_docs", "must be >= 0")
         _require(self.max_word_chars > 0, "max_word_chars", "must be positive")
-        _one_of(self.kind, "kind", ("wordpiece", "bpe", "unigram"))
+        _one_of(self.kind, "kind", ("wordpiece", "bpe", "unigram", "instruction"))
         _require(self.vocab_size > len(SPECIAL_TOKENS), "vocab_size",
                  f"must exceed the {len(SPECIAL_TOKENS)} special tokens {SPECIAL_TOKENS}")
 
@@ -236,6 +249,13 @@ class ShardConfig:
 
     seq_len: int = 128
     """Tokens per sequence, [CLS] included."""
+    packing: Literal["packed", "padded"] = "packed"
+    """How documents become rows (``labkit.data.pack``). "packed": documents back to back, each
+    followed by [SEP], cut into rows of seq_len - 1 after a [CLS] (HF run_mlm.py's grouping); a
+    row holds several documents, which attend to each other (no block-diagonal mask). "padded":
+    the study's samples (undertale be7ec98, tokenizer.py ``load``): one document per row, its
+    first seq_len ids then [PAD], no [CLS]/[SEP]; a longer document's tail is dropped (counted
+    in index.json's "packing")."""
     sequences_per_shard: int | None = None
     """Sequences per shard file (a packing group's last shard may hold fewer); None: as many as
     fit in ``shard_bytes``."""
@@ -268,6 +288,7 @@ class ShardConfig:
 
     def __post_init__(self) -> None:
         _require(self.seq_len >= 8, "seq_len", "must be at least 8")
+        _one_of(self.packing, "packing", ("packed", "padded"))
         _require(self.sequences_per_shard is None or self.sequences_per_shard > 0, "sequences_per_shard",
                  "must be positive or None")
         _require(self.shard_bytes > 0, "shard_bytes", "must be positive")

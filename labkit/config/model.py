@@ -26,13 +26,26 @@ class ModelConfig:
     max_position_embeddings: int = 512
     """Longest sequence the learned position table holds."""
     type_vocab_size: int = 2
-    """Token-type (segment) embeddings, kept for BERT checkpoint compatibility."""
+    """Token-type (segment) embeddings, kept for BERT checkpoint compatibility; 0: no token-type
+    table (the study's model, whose embedding is token + positions only)."""
     hidden_dropout: float = 0.1
     """Dropout after embeddings, attention output and feed-forward output."""
     attention_dropout: float = 0.1
     """Dropout on attention probabilities."""
+    attention_output_dropout: bool = True
+    """Dropout (hidden_dropout) on the attention block's output, before the residual add
+    (BERT). False: none there; the study's model drops out only after the embeddings and the
+    FFN."""
+    attention_backend: Literal["sdpa", "eager"] = "sdpa"
+    """Full attention through ``F.scaled_dot_product_attention`` (fused kernels where available)
+    or "eager": softmax(q k^T / sqrt(Q)) v written out, so autograd keeps the [T, T]
+    probabilities of every head (transformers' "eager"; the study's per-head ``bmm``)."""
     norm_eps: float = 1e-12
     """Epsilon of the normalisation layers (BERT: 1e-12)."""
+    block_norm_eps: float | None = None
+    """Epsilon of the two norms inside each block, when it differs from ``norm_eps``; None:
+    norm_eps. The study's model keeps torch's default 1e-5 there and 1e-12 for the embedding and
+    head norms (undertale be7ec98, undertale/models/item/model.py)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation (BERT: 0.02)."""
     tie_embeddings: bool = True
@@ -43,7 +56,10 @@ class ModelConfig:
     """Recompute each layer's activations in backward instead of keeping them."""
     norm_position: Literal["post", "pre"] = "post"
     """"post": x = norm(x + f(x)) (BERT); "pre": x = x + f(norm(x)) with a final norm after the
-    last layer (GPT-2, Xiong et al. arXiv:2002.04745)."""
+    last layer (GPT-2, Xiong et al. arXiv:2002.04745) unless ``final_norm`` is False."""
+    final_norm: bool = True
+    """Pre-norm only: a norm after the last layer (GPT-2). False: none, the head's own norm
+    being the first after the last block (the study's model). Post-norm has no final norm."""
     norm_type: Literal["layernorm", "rmsnorm"] = "layernorm"
     """LayerNorm (BERT) or RMSNorm (Zhang & Sennrich arXiv:1910.07467), for every norm."""
     init: Literal["normal", "xavier", "kaiming"] = "normal"
@@ -52,9 +68,12 @@ class ModelConfig:
     scale_residual_init: bool = False
     """Scale the weights of the two residual output projections (attention output, FFN output) by
     1/sqrt(2 * num_layers) at init (GPT-2, Radford et al. 2019, section 2.3)."""
-    position_embedding: Literal["absolute", "rotary"] = "absolute"
-    """Learned absolute position table (BERT) or rotary embeddings on queries and keys
-    (RoFormer, Su et al. arXiv:2104.09864; no position table)."""
+    position_embedding: Literal["absolute", "rotary", "instruction"] = "absolute"
+    """Learned absolute position table (BERT), rotary embeddings on queries and keys (RoFormer,
+    Su et al. arXiv:2104.09864; no position table), or the study's instruction positions: two
+    learned tables of max_position_embeddings rows, indexed by the instruction a token belongs
+    to (the number of [NEXT] tokens before it) and by its place within that instruction
+    (undertale be7ec98, undertale/models/item/model.py, ``PositionEmbedding``)."""
     rope_theta: float = 10_000.0
     """Base of the rotary frequencies theta_i = rope_theta^(-2i/head_dim) (RoFormer eq. 15)."""
     activation: Literal["gelu", "geglu", "swiglu"] = "gelu"
@@ -88,7 +107,15 @@ class ModelConfig:
         _one_of(self.norm_position, "norm_position", ("post", "pre"))
         _one_of(self.norm_type, "norm_type", ("layernorm", "rmsnorm"))
         _one_of(self.init, "init", ("normal", "xavier", "kaiming"))
-        _one_of(self.position_embedding, "position_embedding", ("absolute", "rotary"))
+        _one_of(self.position_embedding, "position_embedding", ("absolute", "rotary", "instruction"))
+        _one_of(self.attention_backend, "attention_backend", ("sdpa", "eager"))
+        _require(self.attention_backend == "sdpa" or self.attention == "full", "attention_backend",
+                 f"'eager' is written for attention='full', got attention={self.attention!r}")
+        _require(self.final_norm or self.norm_position == "pre", "final_norm",
+                 "False needs norm_position='pre' (post-norm has no final norm)")
+        _require(self.type_vocab_size >= 0, "type_vocab_size", f"must be >= 0, got {self.type_vocab_size}")
+        _require(self.block_norm_eps is None or self.block_norm_eps > 0, "block_norm_eps",
+                 f"must be positive or None, got {self.block_norm_eps}")
         _one_of(self.activation, "activation", ("gelu", "geglu", "swiglu"))
         _one_of(self.attention, "attention", ("full", "sliding_window", "linformer", "linear"))
         _require(self.position_embedding != "rotary" or self.head_dim % 2 == 0, "position_embedding",

@@ -13,6 +13,10 @@ Top-level keys and one table per stage::
     [train]                        # TrainConfig; run_dir defaults to <workdir>/runs/main, data_dir
                                    # to <workdir>/shards and then tokenizer_path to
                                    # <workdir>/tokenizer/tokenizer.json
+    [plan]                         # PlanConfig below: what ``labkit plan CONFIG`` plans at full size
+    scaled_down = ["train.model=mini", ...]
+                                   # overrides that fit the file's run to a small machine, applied
+                                   # (before --set) by ``load(..., scaled_down=True)``, ``--scaled-down``
 
 ``--set section.key=value`` overrides one key (the value is read as a TOML value, else taken as
 a string: ``--set train.max_steps=20``, ``--set train.model=tiny``,
@@ -69,12 +73,37 @@ class ClusterConfig:
             raise ValueError(f"kind: got {self.kind!r}; allowed values are 'local', 'slurm', 'mpi'")
 
 
+@dataclass(kw_only=True)
+class PlanConfig:
+    """What ``labkit plan CONFIG`` plans for the file's [train] model at full size
+    (``labkit.commands.plan``); each field has a ``labkit plan`` option that overrides it."""
+
+    device: str = "H100 NVL"
+    """A ``labkit.study.plan.DEVICES`` name."""
+    gpus: int = 256
+    """GPUs in all (data parallel)."""
+    gpus_per_node: int = 2
+    """GPUs sharing one node's network link."""
+    network: str = "25GbE"
+    """A ``labkit.study.scaling.NETWORKS`` name."""
+    vocab_size: int | None = None
+    """Vocabulary of the planned model; None: the work directory's shards' (``labkit prepare``)."""
+    mfu: float = 0.4
+    """Achieved share of each precision's dense peak, for the planned step time."""
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"gpus: gpus and gpus_per_node must be positive, got {self.gpus}, {self.gpus_per_node}")
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"mfu: must be in (0, 1], got {self.mfu}")
+
+
 SECTIONS: dict[str, type] = {"cluster": ClusterConfig, "corpus": CorpusConfig, "clean": CleanConfig,
                              "tokenizer": TokenizerConfig, "shards": ShardConfig, "stage": StageConfig,
-                             "train": TrainConfig}
+                             "train": TrainConfig, "plan": PlanConfig}
 """Table name -> the dataclass it fills."""
 
-TOP_LEVEL: dict[str, type] = {"workdir": str}
+TOP_LEVEL: dict[str, Any] = {"workdir": str, "scaled_down": tuple[str, ...]}
 """Top-level keys and their types."""
 
 
@@ -90,6 +119,8 @@ class LabConfig:
     shards: ShardConfig
     stage: StageConfig
     train: TrainConfig
+    plan: PlanConfig
+    scaled_down: tuple[str, ...] = ()
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -149,10 +180,13 @@ def _convert(key: str, value: Any, hint: Any) -> Any:
         nested = [a for a in args if dataclasses.is_dataclass(a)]
         if nested and isinstance(value, dict):  # a table for a nested config: its own errors
             return build(nested[0], value, key)
-        for arm in (a for a in args if a is not type(None)):
+        arms = [a for a in args if a is not type(None)]
+        for arm in arms:
             try:
                 return _convert(key, value, arm)
             except ValueError:
+                if len(arms) == 1:  # "X or None": X's own message names the element that is wrong
+                    raise
                 continue
     elif origin is Literal:
         if value in args:
@@ -217,7 +251,8 @@ def from_mapping(data: dict[str, Any]) -> LabConfig:
             raise ValueError(f"{key}: unknown key; known top-level keys are {', '.join(TOP_LEVEL)} and the "
                              f"sections {', '.join(SECTIONS)}")
     workdir = _convert("workdir", data.get("workdir", "work/demo"), str)
-    built: dict[str, Any] = {}
+    scaled = _convert("scaled_down", data.get("scaled_down", []), tuple[str, ...])
+    built: dict[str, Any] = {"scaled_down": scaled}
     for name, cls in SECTIONS.items():
         table = data.get(name, {})
         if name == "train" and isinstance(table, dict):
@@ -226,12 +261,15 @@ def from_mapping(data: dict[str, Any]) -> LabConfig:
     return LabConfig(workdir=workdir, **built)
 
 
-def load(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> LabConfig:
-    """Read the TOML file at ``path`` (None: no file, defaults only), apply ``overrides``
-    (``section.key=value``) and build every section's dataclass.
+def load(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = (), *,
+         scaled_down: bool = False) -> LabConfig:
+    """Read the TOML file at ``path`` (None: no file, defaults only), apply the file's own
+    ``scaled_down`` overrides when ``scaled_down``, then ``overrides`` (``section.key=value``),
+    and build every section's dataclass.
 
     Raises FileNotFoundError naming a missing file, ValueError naming a TOML syntax error (with
-    its line) or the first bad key (see the module docstring)."""
+    its line), the first bad key (see the module docstring), or ``scaled_down`` asked of a file
+    that names no such overrides."""
     data: dict[str, Any] = {}
     if path is not None:
         p = pathlib.Path(path)
@@ -241,6 +279,11 @@ def load(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] 
             data = tomllib.loads(p.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as err:
             raise ValueError(f"{p}: not valid TOML: {err}") from None
+    if scaled_down:
+        scaled = _convert("scaled_down", data.get("scaled_down", []), tuple[str, ...])
+        if not scaled:
+            raise ValueError(f"scaled_down: {path} names no scaled-down overrides (a top-level scaled_down = [...])")
+        overrides = [*scaled, *overrides]
     return from_mapping(apply_overrides(data, overrides))
 
 

@@ -77,13 +77,18 @@ def select_documents(docs_path: str, lengths: np.ndarray, cfg: ShardConfig) -> t
     ``lengths``: int64 [n_rows], tokens per row (-1 for a null text, never kept). Returns
     (keep: bool [n_rows], report) with report = {"source_pattern", "before": {group: tokens},
     "after": {group: tokens}, "documents_before", "documents_after", "share_before":
-    {group: fraction}, "share_after": {group: fraction}} (groups sorted by name). Without weights
-    and caps every non-null row is kept and before == after.
+    {group: fraction}, "share_after": {group: fraction}, "kinds": {kind: {"documents",
+    "tokens"}} of the kept rows} (groups sorted by name). A row's kind is "text" when its arch is
+    "text" (``labkit.data.sources``: text, JSONL and Parquet), else "elf" (a disassembled
+    function); without an arch column every row is "text". Without weights and caps every
+    non-null row is kept and before == after.
     """
     lf = pl.scan_parquet(docs_path)
     names = lf.collect_schema().names()
     order = pl.col("id") if "id" in names else pl.int_range(pl.len()).cast(pl.Utf8).str.zfill(12)
-    frame = (lf.select(order.alias("id"), source_groups(lf, cfg.source_pattern).alias("group"))
+    kind = (pl.when(pl.col("arch") == "text").then(pl.lit("text")).otherwise(pl.lit("elf"))
+            if "arch" in names else pl.lit("text"))
+    frame = (lf.select(order.alias("id"), source_groups(lf, cfg.source_pattern).alias("group"), kind.alias("kind"))
              .with_row_index("row").collect()
              .with_columns(tokens=pl.Series(lengths, dtype=pl.Int64))
              .filter(pl.col("tokens") >= 0))
@@ -104,6 +109,8 @@ def select_documents(docs_path: str, lengths: np.ndarray, cfg: ShardConfig) -> t
         total = sum(tokens.values())
         return {g: round(t / total, 6) if total else 0.0 for g, t in tokens.items()}
 
+    kinds = {k: {"documents": n, "tokens": t} for k, n, t in
+             kept.group_by("kind").agg(pl.len(), pl.col("tokens").sum()).sort("kind").iter_rows()}
     return keep, {"source_pattern": cfg.source_pattern, "before": before, "after": after,
                   "documents_before": frame.height, "documents_after": kept.height,
-                  "share_before": shares(before), "share_after": shares(after)}
+                  "share_before": shares(before), "share_after": shares(after), "kinds": kinds}

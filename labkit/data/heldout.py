@@ -3,8 +3,8 @@
 Rule (deterministic, by document): document row r of the documents file is held out iff
 ``numpy.random.default_rng(seed).random(n_rows)[r] < fraction`` and it was kept by the
 balancing selection. Held-out documents are removed from the training shards and packed, by
-the same rule as the shards (``labkit.data.pack.pack_rows``: [CLS] + ids, [SEP] after each
-document, the last row [PAD]-padded), into one file ``heldout-00000.bin`` beside them, so no
+the same rule as the shards (``labkit.data.pack``: "packed", [CLS] + ids, [SEP] after each
+document, the last row [PAD]-padded; or "padded", one document per row), into one file ``heldout-00000.bin`` beside them, so no
 document has tokens on both sides. ``index.json`` records it under "heldout":
 
     {"rule", "fraction", "seed", "n_documents", "n_sequences", "n_tokens",
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from labkit.data.pack import PAD_ID, pack_rows, with_seps
+from labkit.data.pack import PAD_ID, pack_rows, pad_rows, with_seps
 from labkit.io import atomic_write_bytes, sha256_bytes
 
 HELDOUT_FILE = "heldout-00000.bin"
@@ -47,9 +47,10 @@ def split_keep(keep: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray
 
 
 def write_heldout(parts: list[dict], lengths: np.ndarray, heldout: np.ndarray, out_dir: str | os.PathLike, *,
-                  seq_len: int, dtype: np.dtype, fraction: float, seed: int) -> dict | None:
+                  seq_len: int, dtype: np.dtype, fraction: float, seed: int, packing: str = "packed") -> dict | None:
     """Pack the ``heldout`` documents (bool mask over rows) of the encoded ``parts`` (markers of
-    ``labkit.data.shards.encode_part``, sorted by start) into ``out_dir/heldout-00000.bin``,
+    ``labkit.data.shards.encode_part``, sorted by start) into ``out_dir/heldout-00000.bin``
+    (``packing`` as the training shards: "packed" or "padded", ``labkit.data.pack``),
     written atomically; returns the index entry (module docstring) or None when no document is
     held out (a stale file is removed). ``lengths``: int64 [n_rows] ids per row (-1 = null text)."""
     path = Path(out_dir) / HELDOUT_FILE
@@ -64,8 +65,11 @@ def write_heldout(parts: list[dict], lengths: np.ndarray, heldout: np.ndarray, o
         valid = lens >= 0
         ids = np.fromfile(Path(p["dir"]) / p["ids"]["file"], dtype=np.dtype(p["dtype"]).newbyteorder("<"))
         token_keep = np.repeat(sel[valid], lens[valid])
-        streams.append(with_seps(ids[token_keep].astype(np.int64), lens[sel]))
-    rows = pack_rows(np.concatenate(streams), seq_len, final=True)[0]
+        if packing == "padded":
+            streams.append(pad_rows(ids[token_keep].astype(np.int64), lens[sel], seq_len)[lens[sel] > 0])
+        else:
+            streams.append(with_seps(ids[token_keep].astype(np.int64), lens[sel]))
+    rows = np.concatenate(streams) if packing == "padded" else pack_rows(np.concatenate(streams), seq_len, final=True)[0]
     data = np.ascontiguousarray(rows, dtype=dtype).tobytes()
     atomic_write_bytes(path, data)
     return {"rule": RULE, "fraction": fraction, "seed": seed, "n_documents": int(heldout.sum()),

@@ -316,6 +316,12 @@ class MLMLoader(DataLoader):
         return _as_tensors(super().__iter__())
 
 
+def index_special_ids(index: dict) -> tuple[int, ...]:
+    """The special ids of a shard set (its ``index.json``'s "special_ids" values): what masking
+    never chooses nor draws. Ids 0..5 for current tokenizers, 0..4 for sets built before [NEXT]."""
+    return tuple(sorted(int(i) for i in index["special_ids"].values()))
+
+
 def make_loader(data_dir: str, *, batch_size: int, rank: int, world_size: int, seed: int,
                 mlm_probability: float, vocab_size: int, num_workers: int = 0,
                 pin_memory: bool = False, prefetch_factor: int = 2, seq_len: int | None = None,
@@ -323,7 +329,8 @@ def make_loader(data_dir: str, *, batch_size: int, rank: int, world_size: int, s
                 compact: bool = False) -> DataLoader:
     """DataLoader of MLM batches for one rank: ``ShardDataset`` + ``RankSampler`` (as
     batch_sampler, drop_last, so the dataset is read once per batch) + ``MLMCollator``
-    (``compact`` as there). ``loader.batch_sampler`` holds the resume state.
+    (``compact`` as there; the special ids those of the set's index). ``loader.batch_sampler``
+    holds the resume state.
 
     Workers (num_workers > 0) are persistent, keep ``prefetch_factor`` batches each in flight,
     start with forkserver/spawn (never fork: the parent may run tokenizers/polars/OpenMP thread
@@ -336,15 +343,16 @@ def make_loader(data_dir: str, *, batch_size: int, rank: int, world_size: int, s
     tokenizer_sha256 and vocab_size (and with ``verify`` the shards' sha256): ShardError naming
     index.json and what differs. ValueError naming num_workers / prefetch_factor if negative.
     """
-    check_shards(data_dir, seq_len=seq_len, dtype=dtype, vocab_size=vocab_size,
-                 tokenizer_sha256=tokenizer_sha256, verify=verify)
+    index = check_shards(data_dir, seq_len=seq_len, dtype=dtype, vocab_size=vocab_size,
+                         tokenizer_sha256=tokenizer_sha256, verify=verify)
     if num_workers < 0:
         raise ValueError(f"num_workers: must be >= 0, got {num_workers}")
     if prefetch_factor < 1:
         raise ValueError(f"prefetch_factor: must be >= 1, got {prefetch_factor}")
     dataset = ShardDataset(data_dir)
     sampler = RankSampler(len(dataset), rank=rank, world_size=world_size, batch_size=batch_size, seed=seed)
-    collator = MLMCollator(vocab_size=vocab_size, mlm_probability=mlm_probability, seed=seed, compact=compact)
+    collator = MLMCollator(vocab_size=vocab_size, mlm_probability=mlm_probability, seed=seed, compact=compact,
+                           special_ids=index_special_ids(index))
     workers = dict(multiprocessing_context=_worker_context(), persistent_workers=True,
                    prefetch_factor=prefetch_factor, worker_init_fn=_worker_init) if num_workers else {}
     return MLMLoader(dataset, batch_sampler=sampler, collate_fn=_Packed(collator) if num_workers else collator,

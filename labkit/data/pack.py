@@ -1,8 +1,11 @@
 """Packing encoded documents into fixed-length rows and shard files, one group of parts per engine.
 
-The rows (HF ``run_mlm.py`` grouping plus BERT's specials; ``labkit.data.shards`` describes the
-format): documents' ids back to back, each followed by [SEP]; the stream cut into rows of
-``seq_len - 1`` tokens, each prefixed by [CLS]; the last partial row padded with [PAD].
+Two modes (``ShardConfig.packing``; ``labkit.data.shards`` describes the format). "packed" (HF
+``run_mlm.py`` grouping plus BERT's specials): documents' ids back to back, each followed by
+[SEP]; the stream cut into rows of ``seq_len - 1`` tokens, each prefixed by [CLS]; the last
+partial row padded with [PAD]. "padded" (the study's: one function per sample, padded and
+truncated to the sequence length): one row per document with at least one token, its first
+``seq_len`` ids then [PAD] (``pad_rows``); no [CLS] or [SEP].
 
 Parallel packing: the document rows are cut into ``groups`` contiguous ranges (``group_rows``),
 whatever the encoded parts (row ranges each engine encoded) are. Each group is one stream of its own, so its row
@@ -64,6 +67,19 @@ def pack_rows(stream: np.ndarray, seq_len: int, *, final: bool) -> tuple[np.ndar
     return rows, stream[n * body:]
 
 
+def pad_rows(flat: np.ndarray, lens: np.ndarray, seq_len: int) -> np.ndarray:
+    """One row per document, int64 [len(lens), seq_len]: document d's first min(lens[d], seq_len)
+    ids of ``flat`` (the documents back to back), then [PAD]. The study's samples (undertale
+    be7ec98, tokenizer.py ``load``: ``enable_padding(length=512)``, ``enable_truncation(512)``)."""
+    lens = np.asarray(lens, dtype=np.int64)
+    rows = np.full((len(lens), seq_len), PAD_ID, dtype=np.int64)
+    kept = np.minimum(lens, seq_len)
+    pos = np.arange(int(kept.sum())) - np.repeat(np.cumsum(kept) - kept, kept)  # position in its row
+    doc = np.repeat(np.arange(len(lens)), kept)
+    rows[doc, pos] = flat[np.repeat(np.cumsum(lens) - lens, kept) + pos]
+    return rows
+
+
 def pack_documents(ids_per_doc: list, seq_len: int) -> np.ndarray:
     """The packed rows ``[n_sequences, seq_len]`` (int64) of whole documents, as written to shards."""
     return pack_rows(doc_stream(ids_per_doc), seq_len, final=True)[0]
@@ -79,18 +95,19 @@ def group_rows(n_rows: int, groups: int) -> list[tuple[int, int]]:
 
 
 def plan_groups(parts: list[dict], lengths: np.ndarray, keep: np.ndarray, seq_len: int, rows_per_shard: int,
-                groups: int) -> list[dict]:
+                groups: int, *, packing: str = "packed") -> list[dict]:
     """Rows and shards of each packing group before packing. ``parts``: ``encode_part`` markers
     sorted by row (they tile the rows); ``lengths`` (int64 [n_rows], tokens per row, -1 for
-    none) and ``keep`` (bool [n_rows]) over all rows. A group's stream has the kept documents'
-    tokens plus one [SEP] each, so ceil(that / (seq_len - 1)) rows and ceil(rows /
-    rows_per_shard) shards. Returns [{"start", "stop" (rows), "parts": [indices of the parts
-    overlapping them], "n_rows", "first_shard", "n_shards"}, ...]."""
+    none) and ``keep`` (bool [n_rows]) over all rows. "packed": a group's stream has the kept
+    documents' tokens plus one [SEP] each, so ceil(that / (seq_len - 1)) rows; "padded": one row
+    per kept document with a token. Then ceil(rows / rows_per_shard) shards. Returns [{"start",
+    "stop" (rows), "parts": [indices of the parts overlapping them], "n_rows", "first_shard",
+    "n_shards"}, ...]."""
     out, first = [], 0
     for a, b in group_rows(len(lengths), groups):
         sel = keep[a:b]
         stream = int(lengths[a:b][sel].sum()) + int(sel.sum())
-        n_rows = -(-stream // (seq_len - 1))
+        n_rows = -(-stream // (seq_len - 1)) if packing == "packed" else int((sel & (lengths[a:b] > 0)).sum())
         n_shards = -(-n_rows // rows_per_shard)
         overlap = [i for i, p in enumerate(parts) if p["start"] < b and p["stop"] > a]
         out.append({"start": a, "stop": b, "parts": overlap, "n_rows": n_rows, "first_shard": first,
@@ -129,6 +146,7 @@ def pack_group(plan: dict, group: int) -> list[dict]:
     shard of rows, whatever the part and corpus sizes."""
     g = plan["groups"][group]
     seq_len, per_shard = plan["seq_len"], plan["rows_per_shard"]
+    padded = plan.get("packing", "packed") == "padded"
     keep = np.load(plan["keep_path"], mmap_mode="r")
     dtype = np.dtype(plan["dtype"])
     shards: list[dict] = []
@@ -155,8 +173,12 @@ def pack_group(plan: dict, group: int) -> list[dict]:
             n_tokens, skip = int(first_token[b] - first_token[a]), int(first_token[a]) * ids_dtype.itemsize
             ids = np.fromfile(Path(p["dir"]) / p["ids"]["file"], dtype=ids_dtype, count=n_tokens, offset=skip)
             token_keep = np.repeat(sel[a:b], np.maximum(lens[a:b], 0))  # [tokens of rows a..b]
-            stream = np.concatenate([carry, with_seps(ids[token_keep].astype(np.int64), lens[a:b][sel[a:b]])])
-            packed, carry = pack_rows(stream, seq_len, final=False)
+            if padded:  # one row per document with a token, no carry-over
+                doc_lens = lens[a:b][sel[a:b]]
+                packed = pad_rows(ids[token_keep].astype(np.int64), doc_lens, seq_len)[doc_lens > 0]
+            else:
+                stream = np.concatenate([carry, with_seps(ids[token_keep].astype(np.int64), lens[a:b][sel[a:b]])])
+                packed, carry = pack_rows(stream, seq_len, final=False)
             pending = flush(np.concatenate([pending, packed.astype(dtype)]), final=False)
     flush(np.concatenate([pending, pack_rows(carry, seq_len, final=True)[0].astype(dtype)]), final=True)
     if len(shards) != g["n_shards"]:

@@ -7,11 +7,17 @@ Layout of a shard directory::
 - A shard is a flat little-endian array of token ids, dtype ``uint16`` when the vocabulary has
   at most 65,536 ids, else ``uint32``, shape ``[n_sequences, seq_len]`` row-major; every shard
   holds ``ShardConfig.sequences_per_shard`` rows except possibly the last.
-- Packing (as HF ``run_mlm.py`` without ``line_by_line``, plus BERT's specials): the documents'
-  ids (no special tokens) are concatenated in file order, each document followed by [SEP] (3);
-  the stream is cut into rows of ``seq_len - 1`` tokens, each row prefixed by [CLS] (2); the
-  last partial row is padded with [PAD] (0). A document may continue in the next row. Real
-  tokens are the non-PAD ones. The result does not depend on ``ShardConfig.batch_docs``.
+- Rows, by ``ShardConfig.packing``. "packed" (default; HF ``run_mlm.py`` without
+  ``line_by_line``, plus BERT's specials): the documents' ids (no special tokens) are
+  concatenated in file order, each document followed by [SEP] (3); the stream is cut into rows
+  of ``seq_len - 1`` tokens, each row prefixed by [CLS] (2); the last partial row is padded with
+  [PAD] (0). A document may continue in the next row, and the documents of a row attend to each
+  other. "padded" (the study's samples): one row per document with a token, its first
+  ``seq_len`` ids then [PAD], no [CLS]/[SEP]; no attention across documents; a longer
+  document's tail is dropped. Real tokens are the non-PAD ones; index.json's "packing" gives
+  the mode, the packing efficiency (real tokens / positions), whether documents attend across
+  boundaries and what truncation dropped (``packing_info``). The result does not depend on
+  ``ShardConfig.batch_docs``.
 - Writing (``write_shards``, or ``encode_part`` on engines + ``finish_shards``) encodes row
   ranges ("parts") into ``<out_dir>.parts/part-XXXXX.ids/.lens`` with a completion marker each, then packs
   them in one pass in row order; finished parts and shards are skipped by a re-run.
@@ -37,8 +43,8 @@ from labkit.data.heldout import split_keep, write_heldout
 from labkit.io import atomic_write, atomic_write_bytes, atomic_write_npy, sha256_bytes, sha256_file
 from labkit.data.pack import (CLS_ID, PAD_ID, SEP_ID, doc_stream, pack_documents, pack_group, pack_rows,  # noqa: F401
                               plan_groups)
-from labkit.data.tokenize import (encode_flat, line_separable, load_tokenizer, process_line_cache, text_row_count,
-                                  tokenizer_sha256)
+from labkit.data.tokenize import (encode_flat, line_separable, load_tokenizer, process_line_cache, special_ids,
+                                  text_row_count, tokenizer_sha256)
 
 FORMAT = "labkit-shards"
 VERSION = 1
@@ -169,10 +175,13 @@ def encode_part(docs_path: str, tokenizer_path: str, parts_dir: str, part: int, 
 
 
 def _checked_tokenizer(tokenizer_path: str):
+    """The tokenizer at ``tokenizer_path``, its special tokens checked (``tokenize.special_ids``:
+    ShardError naming the file and the token) and special-token strings in texts encoded as text."""
     tok = load_tokenizer(tokenizer_path)
-    for i, name in enumerate(SPECIAL_TOKENS):
-        if tok.token_to_id(name) != i:
-            raise ShardError(f"{tokenizer_path}: {name} has id {tok.token_to_id(name)}, expected {i}")
+    try:
+        special_ids(tok, name=str(tokenizer_path))
+    except ValueError as err:
+        raise ShardError(str(err)) from None
     tok.encode_special_tokens = True
     return tok
 
@@ -216,7 +225,8 @@ def plan_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardCon
         raise ValueError(f"parts: row ranges {ranges} do not tile the {n_rows} rows of {docs_path}")
     if sum(p["n_docs"] for p in parts) == 0 or not n_rows:
         raise ValueError(f"{docs_path}: no documents to write shards from")
-    vocab_size = id_bound(load_tokenizer(tokenizer_path))
+    tok = _checked_tokenizer(tokenizer_path)
+    vocab_size = id_bound(tok)
     if cfg.model_vocab_size is not None and vocab_size > cfg.model_vocab_size:
         raise ShardError(f"{tokenizer_path}: emits ids up to {vocab_size - 1}, not below the model's vocabulary "
                          f"size {cfg.model_vocab_size} (ShardConfig.model_vocab_size)")
@@ -226,11 +236,14 @@ def plan_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardCon
     keep, balance = select_documents(docs_path, lens, cfg)
     keep, heldout = split_keep(keep, cfg.heldout_fraction, cfg.heldout_seed)  # labkit.data.heldout
     heldout_entry = write_heldout(parts, lens, heldout, out, seq_len=cfg.seq_len, dtype=dtype,
-                                  fraction=cfg.heldout_fraction, seed=cfg.heldout_seed)
+                                  fraction=cfg.heldout_fraction, seed=cfg.heldout_seed, packing=cfg.packing)
     per_shard = rows_per_shard(cfg, dtype)
     keep_sha = sha256_bytes(np.packbits(keep).tobytes())
     plan_hash = sha256_bytes(json.dumps([tok_sha, cfg.seq_len, per_shard, dtype.name, groups,
-                                         [p["ids"]["sha256"] for p in parts], keep_sha]).encode())
+                                         [p["ids"]["sha256"] for p in parts], keep_sha]
+                                        + ([cfg.packing] if cfg.packing != "packed" else [])).encode())
+    kept = lens[keep]
+    truncated = kept > cfg.seq_len if cfg.packing == "padded" else np.zeros(len(kept), dtype=bool)
     keep_path = parts_dir / "keep.npy"
     atomic_write_npy(keep_path, keep)
     (out / INDEX_NAME).unlink(missing_ok=True)  # incomplete from here until the new index is written
@@ -239,9 +252,11 @@ def plan_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardCon
             old.unlink()
     return {"out_dir": str(out.absolute()), "parts_dir": str(parts_dir), "keep_path": str(keep_path),
             "hash": plan_hash, "seq_len": cfg.seq_len, "rows_per_shard": per_shard, "dtype": dtype.name,
-            "vocab_size": vocab_size, "tokenizer_sha256": tok_sha, "n_documents": int(keep.sum()),
-            "balance": balance, "parts": parts, "heldout": heldout_entry,
-            "groups": plan_groups(parts, lens, keep, cfg.seq_len, per_shard, groups)}
+            "vocab_size": vocab_size, "tokenizer_sha256": tok_sha, "special_ids": special_ids(tok),
+            "n_documents": int(keep.sum()),
+            "balance": balance, "parts": parts, "heldout": heldout_entry, "packing": cfg.packing,
+            "truncated": [int(truncated.sum()), int((kept[truncated] - cfg.seq_len).sum())],
+            "groups": plan_groups(parts, lens, keep, cfg.seq_len, per_shard, groups, packing=cfg.packing)}
 
 
 def write_rows(out_dir: str | os.PathLike, rows: np.ndarray, *, vocab_size: int, tokenizer_sha256: str,
@@ -277,6 +292,29 @@ def write_rows(out_dir: str | os.PathLike, rows: np.ndarray, *, vocab_size: int,
     return index
 
 
+CROSS_DOCUMENT_ATTENTION = {"packed": True, "padded": False}
+"""Whether a token attends to tokens of other documents, per packing mode: packed rows hold
+several documents under one attention mask of non-[PAD] tokens (no block-diagonal mask), padded
+rows hold one document each."""
+
+
+def packing_info(mode: str, *, n_tokens: int, positions: int, truncated: list[int]) -> dict:
+    """index.json's "packing": {"mode", "efficiency" (real (non-[PAD]) tokens / positions, the
+    share of computed positions that carry a token), "cross_document_attention"
+    (``CROSS_DOCUMENT_ATTENTION``), "truncated_documents", "truncated_tokens" (the tails a padded
+    row cut off; 0 when packed)}. ``truncated``: [documents, tokens]."""
+    return {"mode": mode, "efficiency": n_tokens / positions if positions else 0.0,
+            "cross_document_attention": CROSS_DOCUMENT_ATTENTION[mode],
+            "truncated_documents": truncated[0], "truncated_tokens": truncated[1]}
+
+
+def packing_of(index: dict) -> dict:
+    """The "packing" entry of a shard index; for a set written before it existed (always packed),
+    the same entry computed from the index's counts."""
+    return index.get("packing") or packing_info("packed", n_tokens=index["n_tokens"],
+                                                positions=index["n_sequences"] * index["seq_len"], truncated=[0, 0])
+
+
 def write_index(plan: dict, group_shards: list[list[dict]]) -> dict:
     """Merge the shard infos ``pack_group`` returned for each group of ``plan`` (in group order),
     remove shards of an earlier, longer run and write ``index.json`` last. Returns the index."""
@@ -291,11 +329,14 @@ def write_index(plan: dict, group_shards: list[list[dict]]) -> dict:
     index = {
         "format": FORMAT, "version": VERSION, "dtype": plan["dtype"], "seq_len": plan["seq_len"],
         "vocab_size": plan["vocab_size"], "tokenizer_sha256": plan["tokenizer_sha256"],
-        "special_ids": {t: i for i, t in enumerate(SPECIAL_TOKENS)}, "n_documents": plan["n_documents"],
+        "special_ids": plan["special_ids"], "n_documents": plan["n_documents"],
         "n_sequences": sum(s["n_sequences"] for s in shards),
         "n_tokens": sum(s["n_tokens"] for s in shards),
         "n_bytes": sum(s["n_bytes"] for s in shards),
         "pack_groups": len(plan["groups"]),
+        "packing": packing_info(plan.get("packing", "packed"), n_tokens=sum(s["n_tokens"] for s in shards),
+                                positions=sum(s["n_sequences"] for s in shards) * plan["seq_len"],
+                                truncated=plan.get("truncated", [0, 0])),
         "shards": [{k: s[k] for k in ("file", "n_sequences", "n_bytes", "sha256")} for s in shards],
         "balance": plan["balance"],
     }
@@ -345,13 +386,15 @@ def write_shards(docs_path: str, tokenizer_path: str, out_dir: str, cfg: ShardCo
     documents when ``progress``.
 
     Returns the index dict: {"format": "labkit-shards", "version": 1, "dtype": "uint16"|"uint32",
-    "seq_len", "vocab_size", "tokenizer_sha256", "special_ids": {"[PAD]": 0, ...},
+    "seq_len", "vocab_size", "tokenizer_sha256", "special_ids": {"[PAD]": 0, ..., "[NEXT]": 5},
     "n_documents", "n_sequences", "n_tokens" (non-PAD ids), "n_bytes" (all shards),
+    "packing": ``packing_info`` (mode, efficiency, cross_document_attention, truncation),
     "shards": [{"file", "n_sequences", "n_bytes", "sha256"}, ...], "balance": token shares per
     source group before/after balancing (``labkit.data.balance.select_documents``), "heldout":
     the held-out split by document (``labkit.data.heldout``; absent when none)}.
     Raises ``ValueError`` naming ``docs_path`` when it holds no documents and ``ShardError``
-    naming the tokenizer when its special tokens are not at ids 0..4.
+    naming the tokenizer when its special tokens are not at ids 0..5 (0..4 for a tokenizer from
+    before [NEXT]: ``special_ids`` records which).
     """
     from tqdm.std import tqdm
 

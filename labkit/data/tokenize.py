@@ -1,7 +1,8 @@
 """Subword tokenizers for disassembly, trained with HF ``tokenizers`` on a sample of documents.
 
-Three kinds (``TokenizerConfig.kind``); every one has the special tokens
-``SPECIAL_TOKENS`` = [PAD] [UNK] [CLS] [SEP] [MASK] at ids 0..4 (checked after training):
+Four kinds (``TokenizerConfig.kind``); every one has the special tokens
+``SPECIAL_TOKENS`` = [PAD] [UNK] [CLS] [SEP] [MASK] [NEXT] at ids 0..5 (checked after
+training; tokenizers from before [NEXT] have ids 0..4 and are still accepted, ``special_ids``):
 
 - ``"wordpiece"`` (BERT, arXiv:1810.04805; WordPiece as in ``huggingface/tokenizers``):
   NFC normalisation only -- no lowercasing and no accent stripping, because disassembly is
@@ -18,6 +19,10 @@ Three kinds (``TokenizerConfig.kind``); every one has the special tokens
   (``"▁rax\\npop"``), as in SentencePiece. (Splitting newlines off first made HF's Unigram
   trainer keep far fewer pieces than asked -- 95 of 300 on 2,000 generated functions -- so it
   is not done.)
+- ``"instruction"``: the study's tokenizer for disassembly (``labkit.data.instructions``):
+  texts are pre-tokenized in Python into whole pieces with decimal immediates, a BPE covers
+  the immediates, [NEXT] separates instructions; every function here goes through
+  ``encode_flat`` / ``unk_report``, which pre-tokenize for it.
 
 Training reads the ``text`` column of a Parquet file (or glob) in polars slices, so memory is
 bounded by one slice and the trainer's word counts, never the whole corpus; the sample is
@@ -38,7 +43,8 @@ import numpy as np
 import polars as pl
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from labkit.config import SPECIAL_TOKENS, TokenizerConfig
+from labkit.config import LEGACY_SPECIAL_TOKENS, SPECIAL_TOKENS, TokenizerConfig
+from labkit.data import instructions
 from labkit.io import atomic_write_text, sha256_file
 
 UNK_ID = SPECIAL_TOKENS.index("[UNK]")
@@ -47,6 +53,21 @@ def _wordpiece_split(max_word_chars: int) -> str:
     """Pieces kept by the WordPiece pre-tokeniser: runs of at most ``max_word_chars`` word
     characters, single punctuation characters, newlines."""
     return rf"\w{{1,{max_word_chars}}}|[^\w\s]|\n"
+
+
+def special_ids(tokenizer: Tokenizer, *, name: str = "tokenizer") -> dict[str, int]:
+    """{token: id} of the special tokens ``tokenizer`` has: ``SPECIAL_TOKENS`` at ids 0..5, or,
+    for a tokenizer written before [NEXT] existed, ``LEGACY_SPECIAL_TOKENS`` at ids 0..4 (its id 5
+    is then an ordinary token). ValueError naming ``name`` and the first token at another id."""
+    for i, token in enumerate(LEGACY_SPECIAL_TOKENS):
+        if tokenizer.token_to_id(token) != i:
+            raise ValueError(f"{name}: {token} has id {tokenizer.token_to_id(token)}, expected {i}")
+    next_id = tokenizer.token_to_id("[NEXT]")
+    if next_id is None:
+        return {t: i for i, t in enumerate(LEGACY_SPECIAL_TOKENS)}
+    if next_id != SPECIAL_TOKENS.index("[NEXT]"):
+        raise ValueError(f"{name}: [NEXT] has id {next_id}, expected {SPECIAL_TOKENS.index('[NEXT]')}")
+    return {t: i for i, t in enumerate(SPECIAL_TOKENS)}
 
 
 def text_row_count(docs_path: str) -> int:
@@ -142,7 +163,7 @@ def train_tokenizer(docs_path: str, cfg: TokenizerConfig, out_path: str) -> str:
     After saving, the UNK rate on the held-out documents (``unk_report``) and the split sizes are
     written to ``<out_path stem>.stats.json`` beside it. Raises ``ValueError`` when the sample
     holds no text, and ``RuntimeError`` if the trained vocabulary does not put SPECIAL_TOKENS at
-    ids 0..4.
+    ids 0..5.
     """
     n = text_row_count(docs_path)
     rows, held = split_rows(n, cfg)
@@ -154,8 +175,13 @@ def train_tokenizer(docs_path: str, cfg: TokenizerConfig, out_path: str) -> str:
         rows_iter, n_sample = rows, len(rows)
     if n_sample == 0:
         raise ValueError(f"{docs_path}: no documents to train a tokenizer on")
-    tok, trainer = _untrained(cfg)
-    tok.train_from_iterator(iter_texts(docs_path, batch_docs=4096, rows=rows_iter), trainer=trainer, length=n_sample)
+    if cfg.kind == "instruction":
+        texts = (t for batch in iter_texts(docs_path, batch_docs=4096, rows=rows_iter) for t in batch)
+        tok = instructions.train_instruction_tokenizer(texts, cfg)
+    else:
+        tok, trainer = _untrained(cfg)
+        tok.train_from_iterator(iter_texts(docs_path, batch_docs=4096, rows=rows_iter), trainer=trainer,
+                                length=n_sample)
     if cfg.kind == "wordpiece":
         _complete_wordpiece(tok, cfg)
     for i, name in enumerate(SPECIAL_TOKENS):
@@ -197,13 +223,21 @@ def unk_report(tokenizer: Tokenizer, texts: list[str], *, top: int = 10) -> dict
     """UNK rate of ``texts`` and what became [UNK]: {"tokens", "unk_tokens", "unk_rate",
     "unk_examples": {text span: count} of the ``top`` most frequent spans mapped to [UNK]}. For a
     ``line_separable`` tokenizer each distinct line is encoded once and counted with its number
-    of occurrences (the same numbers, far fewer encodings on disassembly). Raises TypeError
-    naming the first text that is not a str."""
-    texts, weights = list(texts), None
+    of occurrences (the same numbers, far fewer encodings on disassembly); for an instruction
+    tokenizer each distinct pre-tokenized instruction, its [NEXT] separators counted as
+    tokens, and the spans are pieces of the pre-tokenized text. Raises TypeError naming the
+    first text that is not a str."""
+    texts, weights, extra = list(texts), None, 0
     bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
     if bad is not None:
         raise TypeError(f"unk_report: texts[{bad}] is {type(texts[bad]).__name__}, not str")
-    if texts and line_separable(tokenizer):  # each distinct line once, weighted by its count: the same sums
+    if texts and instructions.is_instruction_tokenizer(tokenizer):  # distinct pre-tokenized lines + [NEXT]s
+        table = instructions.line_table(texts)
+        lines = table.group_by("line").len().sort("line")
+        extra = table.height - table["doc"].n_unique()  # one [NEXT] between consecutive lines
+        texts = instructions.pretokenize_lines(lines["line"].to_list())
+        weights = lines["len"].to_list()
+    elif texts and line_separable(tokenizer):  # each distinct line once, weighted by its count: the same sums
         lines = (pl.DataFrame({"text": pl.Series(texts, dtype=pl.Utf8)})
                  .select(pl.col("text").str.split("\n", inclusive=True).alias("line")).explode("line")
                  .drop_nulls("line").group_by("line").len().sort("line"))
@@ -220,6 +254,7 @@ def unk_report(tokenizer: Tokenizer, texts: list[str], *, top: int = 10) -> dict
             span = text[a:b][:40]
             counts[span] = counts.get(span, 0) + w
     examples = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top])
+    total += extra
     return {"tokens": total, "unk_tokens": unk, "unk_rate": unk / total if total else 0.0, "unk_examples": examples}
 
 
@@ -265,8 +300,10 @@ class LineCache:
         self.ids = np.empty(0, dtype=np.int64)
         self.lengths = np.empty(0, dtype=np.int64)
 
-    def codes(self, tokenizer: Tokenizer, lines: pl.DataFrame) -> np.ndarray:
-        """Codes (int64, one per row of ``lines``' ``line`` column), encoding unseen lines first."""
+    def codes(self, tokenizer: Tokenizer, lines: pl.DataFrame, prepare=None) -> np.ndarray:
+        """Codes (int64, one per row of ``lines``' ``line`` column), encoding unseen lines first;
+        ``prepare`` (list of lines -> list of strings) turns them into what is encoded
+        (``instructions.pretokenize_lines``); None encodes the lines themselves."""
         encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
         unique = lines.select(pl.col("line").unique())
         new = unique.join(self.table, on="line", how="anti")
@@ -274,7 +311,8 @@ class LineCache:
             self.clear()
             new = unique
         if new.height:
-            ids = [e.ids for e in encode(new["line"].to_list(), add_special_tokens=False)]
+            batch = new["line"].to_list()
+            ids = [e.ids for e in encode(prepare(batch) if prepare else batch, add_special_tokens=False)]
             lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
             flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum()))
             new = new.with_columns(code=pl.int_range(self.table.height, self.table.height + new.height, dtype=pl.Int64))
@@ -306,9 +344,17 @@ def encode_flat(tokenizer: Tokenizer, texts: list[str], *, separable: bool | Non
     with polars (each keeping its ``"\\n"``), every distinct line is encoded once (per
     ``cache``, a fresh ``LineCache`` when None) and the ids are gathered back with numpy -- the
     same ids as encoding each text, far faster on disassembly, whose lines repeat (2.4 M lines,
-    129 k distinct in the 30,000-function demo corpus). Otherwise one ``encode_batch`` call
+    129 k distinct in the 30,000-function demo corpus). An instruction tokenizer
+    (``labkit.data.instructions``) pre-tokenizes and encodes each distinct instruction once the
+    same way and puts [NEXT] between instructions. Otherwise one ``encode_batch`` call
     (``encode_batch_fast`` when available) over the texts."""
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    if instructions.is_instruction_tokenizer(tokenizer):  # each distinct instruction once, [NEXT] by id
+        cache = LineCache() if cache is None else cache
+        lines = instructions.line_table(texts)
+        code = cache.codes(tokenizer, lines, prepare=instructions.pretokenize_lines)
+        return instructions.assemble(cache.ids, cache.lengths, code, lines["doc"].to_numpy().astype(np.int64),
+                                     len(texts))
     if separable is None:
         separable = line_separable(tokenizer)
     if not separable:

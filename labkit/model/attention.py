@@ -1,4 +1,4 @@
-"""Attention families and rotary positions for ``labkit.model``, as plain functions.
+"""Attention families, rotary and instruction positions for ``labkit.model``, as plain functions.
 
 Shapes: q [B, nh, Tq, Q], k and v [B, nh, T, Q] (nh heads of width Q); ``key_mask`` bool
 [B, 1, 1, T] (True = real token) or None. Tq == T except in the last layer with the sparse MLM
@@ -53,6 +53,37 @@ def full_attention(q, k, v, key_mask, *, dropout_p: float = 0.0) -> torch.Tensor
     Time O(T^2·Q); memory O(T^2) for the math path, O(T) with the fused kernels."""
     mask = None if key_mask is None else _additive(key_mask, q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
+def eager_attention(q, k, v, key_mask, *, dropout_p: float = 0.0, training: bool = True) -> torch.Tensor:
+    """Softmax attention written out: softmax(q k^T / sqrt(Q)) v with padded keys set to the
+    dtype's lowest value before the softmax, and dropout on the probabilities. The same result
+    as ``full_attention``; autograd keeps the [B, nh, Tq, T] probabilities for backward, as the
+    study's model does (undertale be7ec98, undertale/models/item/model.py
+    ``scaled_dot_product_attention``: one ``bmm`` per head, ``masked_fill(-1e9)``, softmax,
+    ``bmm``) and transformers' "eager" attention. Time O(T^2·Q), memory O(T^2)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, nh, Tq, T]
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0:
+        probs = F.dropout(probs, p=dropout_p, training=training)
+    return torch.matmul(probs, v)
+
+
+def instruction_positions(input_ids: torch.Tensor, next_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The study's positions (undertale be7ec98, undertale/models/item/model.py
+    ``PositionEmbedding``): for input_ids int64 [B, T], (instruction, argument), each int64
+    [B, T]: instruction = the number of ``next_id`` ([NEXT]) tokens before the position (a
+    [NEXT] belongs to the instruction it ends), argument = the position's place within its
+    instruction, counting from 0. Both are below T."""
+    t = input_ids.shape[1]
+    starts = torch.zeros_like(input_ids, dtype=torch.bool)
+    starts[:, 1:] = input_ids[:, :-1] == next_id  # a token after [NEXT] starts an instruction
+    instruction = starts.cumsum(dim=1)
+    pos = torch.arange(t, device=input_ids.device).expand_as(input_ids)
+    first = torch.where(starts, pos, torch.zeros_like(pos)).cummax(dim=1).values  # its instruction's first position
+    return instruction, pos - first
 
 
 def sliding_window_attention(q, k, v, key_mask, *, window: int, q_pos: torch.Tensor | None = None,

@@ -2,7 +2,8 @@
 
 transformers is a test/bench dependency, so it is imported inside the functions that need it.
 With the default options (``BERT_OPTIONS``) ``BertMLM`` maps onto ``BertForMaskedLM`` weight for
-weight (the fused QKV split into query/key/value); logits agree to 1e-5 in fp32.
+weight (the fused QKV weight [3, H, H] unbound into query/key/value, stacked back on load);
+logits agree to 1e-5 in fp32.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from labkit.io import atomic_write, atomic_write_text
 from labkit.model.encoder import BertMLM
 
 BERT_OPTIONS = {"norm_position": "post", "norm_type": "layernorm", "position_embedding": "absolute",
-                "activation": "gelu", "bias": True, "attention": "full"}
-"""Option values under which the model is BERT and maps onto ``BertForMaskedLM``."""
+                "activation": "gelu", "bias": True, "attention": "full", "attention_output_dropout": True}
+"""Option values under which the model is BERT and maps onto ``BertForMaskedLM``. Also needed:
+``block_norm_eps`` None or equal to ``norm_eps`` (BERT has one ``layer_norm_eps``). Either
+``attention_backend`` maps (the same weights; transformers' "eager" or "sdpa" attention), and
+``type_vocab_size`` 0 is written as one all-zero token-type row."""
 
 
 def _require_bert(cfg: ModelConfig) -> None:
@@ -28,6 +32,9 @@ def _require_bert(cfg: ModelConfig) -> None:
         if getattr(cfg, name) != value:
             raise ValueError(f"{name}: BertForMaskedLM interop needs {value!r}, got {getattr(cfg, name)!r} "
                              "(transformers' BERT cannot express this option)")
+    if cfg.block_norm_eps not in (None, cfg.norm_eps):
+        raise ValueError(f"block_norm_eps: BertForMaskedLM interop needs None or norm_eps {cfg.norm_eps}, got "
+                         f"{cfg.block_norm_eps} (transformers' BERT has one layer_norm_eps)")
 
 
 def hf_config(cfg: ModelConfig):
@@ -40,7 +47,7 @@ def hf_config(cfg: ModelConfig):
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, intermediate_size=cfg.ffn_size, hidden_act="gelu",
         hidden_dropout_prob=cfg.hidden_dropout, attention_probs_dropout_prob=cfg.attention_dropout,
-        max_position_embeddings=cfg.max_position_embeddings, type_vocab_size=cfg.type_vocab_size,
+        max_position_embeddings=cfg.max_position_embeddings, type_vocab_size=max(1, cfg.type_vocab_size),
         initializer_range=cfg.init_std, layer_norm_eps=cfg.norm_eps, pad_token_id=0,
         tie_word_embeddings=cfg.tie_embeddings,
     )
@@ -51,7 +58,6 @@ def _name_map(cfg: ModelConfig) -> dict[str, str]:
     m = {
         "word.weight": "bert.embeddings.word_embeddings.weight",
         "position.weight": "bert.embeddings.position_embeddings.weight",
-        "token_type.weight": "bert.embeddings.token_type_embeddings.weight",
         "embed_norm.weight": "bert.embeddings.LayerNorm.weight",
         "embed_norm.bias": "bert.embeddings.LayerNorm.bias",
         "head_dense.weight": "cls.predictions.transform.dense.weight",
@@ -62,6 +68,8 @@ def _name_map(cfg: ModelConfig) -> dict[str, str]:
     }
     if not cfg.tie_embeddings:
         m["decoder"] = "cls.predictions.decoder.weight"
+    if cfg.type_vocab_size:
+        m["token_type.weight"] = "bert.embeddings.token_type_embeddings.weight"
     for i in range(cfg.num_layers):
         ours, hf = f"layers.{i}.", f"bert.encoder.layer.{i}."
         for a, b in [("attn_out", "attention.output.dense"), ("attn_norm", "attention.output.LayerNorm"),
@@ -76,9 +84,11 @@ def to_hf_state_dict(model: BertMLM) -> dict[str, torch.Tensor]:
     _require_bert(model.cfg)
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     out = {hf: sd[ours] for ours, hf in _name_map(model.cfg).items()}
+    if not model.cfg.type_vocab_size:  # no token-type table: BERT's one row, all zero, adds nothing
+        out["bert.embeddings.token_type_embeddings.weight"] = sd["word.weight"].new_zeros(1, model.cfg.hidden_size)
     for i in range(model.cfg.num_layers):
         for p in ("weight", "bias"):
-            q, k, v = sd[f"layers.{i}.qkv.{p}"].chunk(3, dim=0)
+            q, k, v = sd[f"layers.{i}.qkv.{p}"].unbind(0)
             for name, t in zip(("query", "key", "value"), (q, k, v)):
                 out[f"bert.encoder.layer.{i}.attention.self.{name}.{p}"] = t
     if model.cfg.tie_embeddings:
@@ -101,10 +111,14 @@ def load_hf_state_dict(model: BertMLM, sd: dict[str, torch.Tensor]) -> None:
     missing = [k for k in needed if k not in sd]
     if missing:
         raise ValueError(f"state dict: missing BertForMaskedLM keys {missing[:5]} ({len(missing)} in all)")
+    token_type = sd.get("bert.embeddings.token_type_embeddings.weight")
+    if not model.cfg.type_vocab_size and token_type is not None and bool(token_type[0].any()):
+        raise ValueError("type_vocab_size: the model has no token-type table, but the state dict's "
+                         "token_type_embeddings row 0 is not zero")
     ours = {ours: sd[hf] for ours, hf in names.items()}
     for i in range(model.cfg.num_layers):
         for p in ("weight", "bias"):
-            ours[f"layers.{i}.qkv.{p}"] = torch.cat(
+            ours[f"layers.{i}.qkv.{p}"] = torch.stack(
                 [sd[f"bert.encoder.layer.{i}.attention.self.{n}.{p}"] for n in ("query", "key", "value")])
     target = model.state_dict()
     for k, v in ours.items():

@@ -14,7 +14,7 @@ freed the activations; FSDP's gathered units are among the transients)
   DDP with ``gradient_as_bucket_view=True`` (the gradients are views of the buckets, so no
   second copy), ZeRO-1 with ``ZeroRedundancyOptimizer``'s own greedy partition, FSDP2 with its
   per-parameter padding, AdamW's two fp32 moments and its fp32 ``step`` per tensor. Checked
-  against the tensors each rank of a 2-rank gloo run holds (tests/train/test_state_bytes.py).
+  against the tensors each rank of a 2-rank gloo run holds (tests/train/test_sharded_state.py).
 - activations (``labkit.study.counting.count_steps``): the bytes autograd saves, counted at
   b = 2 and 3 (linear from there on; b = 1 can sit off the line: some kernels take other paths)
   on fake tensors where the model allows it, else on CPU tensors; on a GPU device the count

@@ -7,6 +7,13 @@ arXiv:2205.05198, written for labkit's model and tested equal to the count for e
 ``zero_state_bytes`` (ZeRO arXiv:1910.02054), ``memory_plan`` (one GPU under DP x TP x PP and
 ZeRO 0-3, with the GPipe bubble), ``planned_max_micro_batch`` on a ``DEVICES`` entry, and the one
 micro-batch search ``largest_fitting``. ``labkit.study.parallel`` builds the study tables on it.
+
+The study's model options (configs/study.toml) in ``activation_terms``: without
+``attention_output_dropout`` one dropout mask per layer less (m·sbh, m·qh in a sparse last
+layer); pre-norm without ``final_norm`` has no final-norm term; instruction positions keep three
+id tensors (token, instruction, argument); ``attention_backend`` "eager" is planned as
+``attention="eager"`` (its copies of Q, K, V and the kept probabilities are the math path's).
+Equal to the count on CPU (tests/study/test_study_plan.py).
 """
 
 from __future__ import annotations
@@ -155,10 +162,11 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
     - the model options' own terms per layer: ``_layer_bytes``.
     - with ``cfg.activation_checkpointing``: each layer's input g·sbh (no scores), plus the
       gather index 8·sb with the sparse head (``checkpoint`` saves ``select`` as an input).
-    - ``embedding``: token and position ids (8·sb + 8·s), norm input g·sbh and statistics 8·sb,
-      dropout mask m·sbh (RMSNorm: its normalised copy, g·sbh more, and 4·sb of statistics);
-      rotary positions look no position up (-8·s) and keep their fp32 cos/sin tables 8·s·Q, under
-      autocast each layer's 16-bit copies of them for Q and for K, 4·L·s·Q·d.
+    - ``embedding``: token and position ids (8·sb + 8·s; instruction positions 24·sb), norm input
+      g·sbh and statistics 8·sb, dropout mask m·sbh (RMSNorm: its normalised copy, g·sbh more,
+      and 4·sb of statistics); rotary positions look no position up (-8·s) and keep their fp32
+      cos/sin tables 8·s·Q, under autocast each layer's 16-bit copies of them for Q and for K,
+      4·L·s·Q·d.
     - ``head`` at n positions (n = q with ``cfg.sparse_head``, else s·b): dense input, GELU
       input, decoder input 3·d·nh, the head norm's input (GELU's output) d·nh, on CUDA g·nh
       (its autocast runs layer_norm in fp32), head-norm statistics 8·n, fp32 log-softmax 4·nV,
@@ -200,9 +208,11 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
     # rotary: no position ids to look up; the fp32 cos/sin tables [s, Q] (under autocast each
     # layer's 16-bit copies of them, for q and for k) instead
     tables = (2 * s * cfg.head_dim * 4 if d == 4 else 4 * L * s * cfg.head_dim * d) - 8 * s
-    embedding = 8 * s * b + 8 * s + (g + env["m"]) * s * b * h + stat * s * b + g * s * b * h * rms + tables * rotary
+    ids = 24 * s * b if cfg.position_embedding == "instruction" else 8 * s * b + 8 * s  # + instruction, argument
+    embedding = ids + (g + env["m"]) * s * b * h + stat * s * b + g * s * b * h * rms + tables * rotary
     n_final = n if sparse else s * b  # pre-norm's final norm runs after the (sparse) last layer
-    final_norm = (g * n_final * h * (1 + rms) + stat * n_final) if cfg.norm_position == "pre" else 0
+    final_norm = (g * n_final * h * (1 + rms) + stat * n_final) if cfg.norm_position == "pre" and cfg.final_norm \
+        else 0
     head_norm_in = g if device == "cuda" else d  # GELU's output: CUDA's autocast runs the norm in fp32
     head = ((3 * d + head_norm_in) * n * h + 4 * n * v + g * n * h * rms) // tp + (stat + 8) * n + 4 \
         + (n if sparse else 0) + final_norm
@@ -227,7 +237,10 @@ def _layer_bytes(cfg: ModelConfig, kind: str, *, rows: int, s: int, b: int, d: i
       the projected K', V' 2·d·b·k·h;
     - linear attention (no SDPA, no scores): phi(k) and its transposed copy 2·d·sbh; phi(q), the
       numerator and the quotient 3·d·rows·h; the [Q, Q] state d·b·h·Q, the denominator d·a·rows
-      and z d·b·a·Q.
+      and z d·b·a·Q;
+    - ``attention_backend`` "eager" (the model's own softmax, the study's): the math path's terms,
+      except that on CUDA in 16 bits autocast runs the softmax in fp32, so each score keeps fp32
+      probabilities, their 16-bit copy for the product with V (and the dropout mask), 4 + d (+ 1).
     """
     h, f, a, hq = cfg.hidden_size, cfg.ffn_size, cfg.num_heads, cfg.head_dim
     sb, sbh = s * b, s * b * h
@@ -239,8 +252,10 @@ def _layer_bytes(cfg: ModelConfig, kind: str, *, rows: int, s: int, b: int, d: i
     eager = eager and kind != "linear"
     # the input, the QKV projection's input and the fused Q/K/V (one storage)
     width = (g + (d if pre else cast) + 3 * d) * sbh if last else 4 * d * sbh
-    # at the query rows: output-projection and FFN inputs, GELU (or gated) tensors, two dropout masks
-    width += 2 * d * rows * h + 2 * d * rows * f * (2 if cfg.activation != "gelu" else 1) + 2 * m * rows * h
+    # at the query rows: output-projection and FFN inputs, GELU (or gated) tensors, the FFN output's
+    # dropout mask and (``attention_output_dropout``) the attention output's
+    masks = (1 + cfg.attention_output_dropout) * m
+    width += 2 * d * rows * h + 2 * d * rows * f * (2 if cfg.activation != "gelu" else 1) + masks * rows * h
     if not last:  # both norms' inputs (and RMSNorm's copies) at every position
         width += 2 * g * sbh * (1 + rms)
         stats = 2 * stat * sb
@@ -267,6 +282,10 @@ def _layer_bytes(cfg: ModelConfig, kind: str, *, rows: int, s: int, b: int, d: i
         width += 2 * d * sbh * (not eager) + 2 * d * b * keys * h
     if eager:
         per_score = (2 * d + (1 if device == "cuda" else d)) if cfg.attention_dropout > 0 else d
+        if cfg.attention_backend == "eager" and device == "cuda" and d == 2:
+            # the model's own softmax under CUDA's autocast: fp32 probabilities (4), their 16-bit
+            # copy for the product with V (d), and the dropout mask between (1)
+            per_score = 4 + d + (cfg.attention_dropout > 0)
         return width, a * rows * keys * per_score, stats
     # fused kernels keep an fp32 log-sum-exp per query row; CUDA's memory-efficient kernel (the one
     # fp32 gets) rounds each sequence's rows up to a multiple of 32 (counting.cuda_attention_kernel)

@@ -230,3 +230,63 @@ def one_story(*, target_efficiency: float = 0.9, n_gpus: int = 256, network: str
                      "efficiency_at_max_mfu": eff_best,
                      "shared_by_both_models": tuple(r[k] for k in keys) in shared})
     return pl.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------------------------
+# The precision experiment (lesson 4 under the study's own settings)
+# --------------------------------------------------------------------------------------------
+
+STUDY_PRECISIONS = ("fp32", "tf32", "bf16")
+"""fp32 on the CUDA cores (the study's: Lightning's default 32-bit, torch's matmul precision
+"highest"), TF32 and bf16 on the tensor cores; peaks ``labkit.measure.PEAK_FLOPS``."""
+
+
+def precision_experiment(cfg, *, micro_batch: int, seq_len: int, device: str = "H100 NVL", network: str = "25GbE",
+                         gpus=(1, 2, 4, 8, 16, 32, 64, 128, 256), gpus_per_node: int = 2, mfu: float = 0.4,
+                         precisions=STUDY_PRECISIONS, mlm_probability: float = 0.15):
+    """Planned step time and data-parallel efficiency of one model (a ``ModelConfig``) at each
+    precision: the same micro-batch, network and assumed MFU, compute = tokens x FLOPs per token
+    / (``mfu`` x the precision's dense peak on ``device``), fp32 gradients all-reduced in DDP's
+    buckets (autocast keeps them fp32 in every precision). polars DataFrame: precision,
+    peak_flops, the ``efficiency_table`` columns. Raises ValueError for a precision without a
+    peak on ``device``."""
+    import polars as pl
+
+    from labkit.measure import PEAK_FLOPS
+    from labkit.model import count_parameters, flops_per_token
+    from labkit.study.plan import device_info
+
+    kind = device_info(device)["peak_kind"]
+    fpt = flops_per_token(cfg, seq_len, mlm_probability=mlm_probability)
+    grad_bytes = 4 * count_parameters(cfg)["total"]
+    frames = []
+    for precision in precisions:
+        peak = PEAK_FLOPS.get((kind, precision))
+        if peak is None:
+            raise ValueError(f"precision: no {precision!r} peak for {device} in labkit.measure.PEAK_FLOPS")
+        compute = compute_time(fpt, seq_len=seq_len, micro_batch=micro_batch, peak_flops=peak, mfu=mfu)
+        table = efficiency_table(compute_s=compute, grad_bytes=grad_bytes, tokens_per_step=seq_len * micro_batch,
+                                 gpus=gpus, network=network, gpus_per_node=gpus_per_node)
+        frames.append(table.select(pl.lit(precision).alias("precision"), pl.lit(peak).alias("peak_flops"),
+                                   pl.all()))
+    return pl.concat(frames)
+
+
+def precision_summary(table, *, mfu: float = 0.4):
+    """One row per precision of a ``precision_experiment`` table: compute_s (one GPU's step),
+    comm_s and efficiency at its largest n_gpus, first_exposed_n / below_90pct_n
+    (``network_limit``: where the network becomes the limit), and break_even_mfu: the MFU above
+    which the all-reduce at the largest n can no longer hide behind backward (comm = 2/3 of
+    compute), ``mfu`` x compute_s / (1.5 x comm_s); above 1 the network is never the limit."""
+    import polars as pl
+
+    rows = []
+    for precision in table["precision"].unique(maintain_order=True):
+        t = table.filter(pl.col("precision") == precision)
+        last = t.row(t.height - 1, named=True)
+        limit = network_limit(t)
+        rows.append({"precision": precision, "peak_flops": last["peak_flops"], "n_gpus": last["n_gpus"],
+                     "compute_s": t["compute_s"][0], "comm_s": last["comm_s"], "efficiency": last["efficiency"],
+                     **limit, "break_even_mfu": mfu * t["compute_s"][0] / (1.5 * last["comm_s"])
+                     if last["comm_s"] else None})
+    return pl.DataFrame(rows)

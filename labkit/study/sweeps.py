@@ -14,6 +14,7 @@ from labkit.cluster.launch import train_on_cluster
 from labkit.config import TrainConfig
 from labkit.data.shards import read_index
 from labkit.io import atomic_write
+from labkit.measure import check_cpu_budget
 from labkit.model import count_parameters, flops_per_token, model_config
 from labkit.study import gpu, memory
 from labkit.study.loader_sweep import sweep_loader
@@ -74,6 +75,35 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
     return _save(df, out)
 
 
+def _engine_memory() -> dict:
+    """On an engine: ``available_memory()`` plus its pid, hostname and cgroup OOM-kill count."""
+    import os
+    import socket
+
+    from labkit.cluster.engine_watch import oom_kills
+    from labkit.measure import available_memory
+
+    return available_memory() | {"pid": os.getpid(), "hostname": socket.gethostname(), "oom_kills": oom_kills()}
+
+
+def _search(engine, fn, *args, name: str, before: dict, engine_id: int):
+    """``engine.apply_sync(fn, *args)``; an engine that dies under it raises RuntimeError saying how
+    (the signal; probably out of memory when the kernel says so: ``engine_watch.death_cause``)."""
+    import socket
+
+    from ipyparallel.error import EngineError
+
+    from labkit.cluster.engine_watch import death_cause
+
+    try:
+        return engine.apply_sync(fn, *args)
+    except EngineError as err:
+        cause = death_cause(before["pid"], local=before["hostname"] == socket.gethostname(),
+                            oom_kills_before=before["oom_kills"])
+        raise RuntimeError(f"micro-batch search for {name}: engine {engine_id} (pid {before['pid']}) died: {cause}. "
+                           f"Use a smaller budget, or plan it without allocating: labkit plan --model {name}") from err
+
+
 def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: int, budget_bytes: int | None,
                       workdir: str, force: bool = False) -> pl.DataFrame:
     """Largest micro-batch per model size, measured on an engine: under a per-rank memory
@@ -81,21 +111,28 @@ def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: in
     step's counted peak of activations and transients, ``plan_model``), or with ``budget_bytes=None`` on the
     engine's GPU until out of memory (``labkit.study.gpu.max_micro_batch_cuda``; budget_bytes is
     then the device's memory). Cached in ``sweeps/microbatch.parquet``; measured points are
-    not rerun.
+    not rerun. A budget above the memory the engine's machine or cgroup can give is refused
+    before any search (``labkit.measure.check_cpu_budget``, ValueError); an engine that dies in a search raises
+    RuntimeError with the signal and whether the kernel ran out of memory.
     """
     out = paths(workdir)["sweeps"] / "microbatch.parquet"
     rows = [{"method": "budget", **r} for r in _done_rows(out, force)]  # tables written before the GPU method
     have = {(r["model"], r["seq_len"], r["budget_bytes"] if r["method"] == "budget" else None) for r in rows}
+    eid = client.ids[0]
+    engine = client[eid]
     for name in models:
         if (name, seq_len, budget_bytes) in have:
             continue
         mcfg = model_config(name, vocab_size)
-        engine = client[client.ids[0]]
+        before = engine.apply_sync(_engine_memory)
         if budget_bytes is None:
-            rep = engine.apply_sync(gpu.max_micro_batch_cuda, mcfg, seq_len)
+            rep = _search(engine, gpu.max_micro_batch_cuda, mcfg, seq_len, name=name, before=before, engine_id=eid)
             rep |= {"state_bytes": memory.model_state_bytes(mcfg), "act_bytes_per_sample": None}
         else:
-            rep = engine.apply_sync(memory.max_micro_batch, mcfg, seq_len, budget_bytes)
+            check_cpu_budget(budget_bytes, before, model=name)
+            rep = _search(engine, memory.max_micro_batch, mcfg, seq_len, budget_bytes, name=name, before=before,
+                          engine_id=eid) \
+                | {"budget_bytes": budget_bytes}
         rows.append({"method": "budget" if budget_bytes else "cuda_oom", "model": name, "params": int(rep["params"]),
                      "seq_len": seq_len, "budget_bytes": int(rep["budget_bytes"]), "state_bytes": int(rep["state_bytes"]),
                      "act_bytes_per_sample": rep["act_bytes_per_sample"],

@@ -40,6 +40,15 @@ HOST_ADDRS = {"h1": "10.200.0.1", "h2": "10.200.0.2"}
 """The only addresses the network hosts ever have (a /24 of their own, inside the namespaces)."""
 
 
+def hosts_text() -> str:
+    """The /etc/hosts of the network hosts: localhost, and each host's address both as IPv4 and
+    as the IPv4-mapped IPv6 address (``::ffff:10.200.0.2``). torch's TCPStore listens on a
+    dual-stack socket, so it sees its clients at the mapped address and asks getnameinfo for
+    that; without the mapped line the lookup went to DNS, which the namespaces cannot reach, and
+    c10d printed "The hostname of the client socket cannot be retrieved. err=-3" per connection."""
+    return "127.0.0.1 localhost\n" + "".join(f"{a} {h}\n::ffff:{a} {h}\n" for h, a in HOST_ADDRS.items())
+
+
 def unavailable() -> str | None:
     """Why a real cluster cannot be started here (one line), or None when it can."""
     if os.geteuid() != 0:
@@ -127,7 +136,7 @@ class NetHosts:
 
     def start(self) -> "NetHosts":
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.hosts_file.write_text("127.0.0.1 localhost\n" + "".join(f"{a} {h}\n" for h, a in HOST_ADDRS.items()))
+        self.hosts_file.write_text(hosts_text())
         self.stop()  # leftovers of a run that was killed
         for h in self.names:
             _run(["ip", "netns", "add", h])

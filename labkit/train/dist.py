@@ -189,7 +189,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     rank holds a DTensor shard; ``clip_grad_norm_`` on DTensors sums the squared shard norms
     over ranks (DTensor's Partial -> Replicate reduction) and returns a replicated DTensor, read
     here with ``full_tensor()``; every rank then scales its shard by the same factor;
-    tests/test_dist.py compares fsdp's norms and parameters with DDP's.
+    tests/train/test_dist.py compares fsdp's norms and parameters with DDP's.
     """
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if isinstance(norm, DTensor):

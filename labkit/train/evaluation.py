@@ -39,10 +39,12 @@ class HeldoutSet:
                  mlm_probability: float, max_sequences: int, batch_size: int,
                  device: torch.device, seed: int = 0) -> None:
         from labkit.data.heldout import read_heldout
-        from labkit.data.mlm import MLMCollator
+        from labkit.data.mlm import MLMCollator, index_special_ids
+        from labkit.data.shards import read_index
 
         rows = read_heldout(data_dir, max_sequences)
-        collate = MLMCollator(vocab_size=vocab_size, mlm_probability=mlm_probability, seed=seed)
+        collate = MLMCollator(vocab_size=vocab_size, mlm_probability=mlm_probability, seed=seed,
+                              special_ids=index_special_ids(read_index(data_dir)))
         self.n_sequences = len(rows)
         mine = [collate(rows[i:i + 1]) for i in range(rank, len(rows), world_size)]
         per_rank = math.ceil(len(rows) / world_size)

@@ -39,7 +39,7 @@ import torch
 from labkit import measure
 from labkit.config import TrainConfig, to_dict
 from labkit.data.mlm import make_loader
-from labkit.data.shards import read_index
+from labkit.data.shards import packing_of, read_index
 from labkit.io import atomic_write_json, atomic_write_text
 from labkit.model import BertMLM, count_parameters, flops_per_token
 from labkit.train import dist, provenance, sinks
@@ -189,6 +189,9 @@ def _build_model(cfg: TrainConfig, index: dict, rank: int) -> tuple[Any, BertMLM
     if seq_len > mcfg.max_position_embeddings:
         raise ValueError(f"model_overrides: shards in {cfg.data_dir} have seq_len {seq_len} > "
                          f"max_position_embeddings {mcfg.max_position_embeddings}")
+    if mcfg.position_embedding == "instruction" and "[NEXT]" not in index["special_ids"]:
+        raise ValueError(f"model_overrides: position_embedding 'instruction' counts [NEXT] tokens, but the shards in "
+                         f"{cfg.data_dir} come from a tokenizer without [NEXT] (special_ids {index['special_ids']})")
     torch.manual_seed(cfg.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
     model = BertMLM(mcfg)
     torch.manual_seed(cfg.seed + 1 + rank)  # dropout streams differ per rank
@@ -317,6 +320,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
             tps = measure.tokens_per_s(n_tokens_i, step_time)
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
                       "step_tokens": n_tokens_i, "n_masked": int(n_masked.item()), "tokens_per_s": tps,
+                      "packing_efficiency": measure.packing_efficiency(n_tokens_i, global_batch, seq_len),
                       **_rates(global_batch, step_time, wait_mean, device), "mfu": measure.mfu(tps, fpt, world, peak),
                       **windows.take(), "world_size": world, "global_batch_size": global_batch,
                       "epoch": epoch, "skipped": not finite, **evaluated, "time": time.time()}
@@ -436,6 +440,8 @@ def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple[int, int,
               "tokens_per_s": tps,
               "samples_per_s": measure.samples_per_s(samples, seconds) if timed else None,
               "data_wait_fraction": measure.data_wait_fraction(wait_s, seconds) if timed else None,
+              "packing_efficiency": measure.packing_efficiency(tok, samples, seq_len) if timed else None,
+              "packing": packing_of(index),
               "mfu": measure.mfu(tps, fpt, world, peak) if tps else None,
               "world_size": world, "global_batch_size": global_batch, "steps": step,
               "max_steps": cfg.max_steps, "params": params["total"],

@@ -36,8 +36,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW (arXiv:1711.05101) with weight decay on matrices only: parameters with ndim < 2
-    (biases, norm weights) get none. Tied parameters appear once. With ``cfg.sharding ==
+    """AdamW (arXiv:1711.05101) with weight decay on matrices only: biases (of any shape) and
+    parameters with ndim < 2 (norm weights) get none. Tied parameters appear once. With ``cfg.sharding ==
     "zero1"`` and a process group, the same two groups go to ``ZeroRedundancyOptimizer``
     (ZeRO stage 1: each rank holds and steps the AdamW state of its partition of the
     parameters, then broadcasts them); its ``param_groups`` are the whole groups, so setting
@@ -47,11 +47,18 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     same update); fsdp's DTensor shards keep the default implementation."""
     from torch.distributed.fsdp import FSDPModule
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    decay = [_decays(n, p) for n, p in named]  # a fused bias ([3, H]: labkit.model.encoder.FusedLinear) is 2-D
+    groups = [{"params": [p for p, d in zip(params, decay) if d], "weight_decay": cfg.weight_decay},
+              {"params": [p for p, d in zip(params, decay) if not d], "weight_decay": 0.0}]
     fused = {"fused": True} if params and params[0].is_cuda and not isinstance(model, FSDPModule) else {}
     if cfg.sharding == "zero1" and torch.distributed.is_initialized():
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=cfg.lr,
                                        betas=(cfg.beta1, cfg.beta2), **fused)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **fused)
+
+
+def _decays(name: str, p: torch.Tensor) -> bool:
+    """Whether parameter ``name`` gets weight decay: matrices (ndim >= 2) that are not a bias."""
+    return p.ndim >= 2 and not name.endswith("bias")

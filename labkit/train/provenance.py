@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
+from labkit import env
 from labkit.train import dist
 
-COMMAND_ENV = "LABKIT_COMMAND"
+COMMAND_ENV = env.COMMAND_ENV  # "LABKIT_COMMAND", defined in labkit.env (the CLI sets it without importing torch)
 """Environment variable the ``labkit`` command sets to its own command line, so engines it
 starts (which inherit its environment) record the command a researcher typed, not ipengine's."""
 

@@ -62,3 +62,54 @@ def test_srun_task_exit_ends_the_wait_with_the_job_output(tmp_path):
     # a job still queued (no output yet) is not a failure
     assert W.startup_failure(types.SimpleNamespace(job_id="43", output_file=str(tmp_path / "none")),
                              check_job=False) is None
+
+
+KERNEL_LOG = """\
+[  812.301100] python3 invoked oom-killer: gfp_mask=0x140cca(GFP_HIGHUSER_MOVABLE|__GFP_COMP), order=0, oom_score_adj=0
+[  812.301377] oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),cpuset=/,mems_allowed=0,global_oom,task_memcg=/user.slice,task=python3,pid=4242,uid=0
+[  812.301390] Out of memory: Killed process 4242 (python3) total-vm:25012344kB, anon-rss:23871200kB, file-rss:0kB, shmem-rss:0kB, UID:0 pgtables:46912kB oom_score_adj:0
+[  900.000001] Memory cgroup out of memory: Killed process 777 (ipengine) total-vm:901234kB, anon-rss:880000kB, file-rss:0kB, shmem-rss:0kB, UID:0 pgtables:2000kB oom_score_adj:0
+"""
+"""Lines in the kernel's own formats (mm/oom_kill.c: dump_oom_summary and __oom_kill_process)."""
+
+
+def test_kernel_oom_lines_are_found_by_pid():
+    assert W.kernel_oom_kill(4242, KERNEL_LOG).startswith("[  812.301390] Out of memory: Killed process 4242 (python3)")
+    assert "Memory cgroup out of memory: Killed process 777" in W.kernel_oom_kill(777, KERNEL_LOG)
+    assert W.kernel_oom_kill(42, KERNEL_LOG) is None and W.kernel_oom_kill(424, KERNEL_LOG) is None
+
+
+class _Cluster:
+    """What exit_status reads of an ipyparallel Cluster: engine sets with launchers holding a psutil.Process."""
+
+    def __init__(self, pid: int):
+        import psutil
+
+        self.engines = {"set": types.SimpleNamespace(launchers={0: types.SimpleNamespace(process=psutil.Process(pid))})}
+
+
+def test_death_cause_names_the_signal_and_the_kernels_oom_word(monkeypatch):
+    import signal
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    cluster = _Cluster(child.pid)
+    W.track(cluster)
+    try:
+        assert W.exit_status(child.pid) is None  # still running
+        child.send_signal(signal.SIGKILL)
+        cluster.engines["set"].launchers[0].process.wait(10)  # reaped as ipyparallel's launcher thread does
+        assert W.exit_status(child.pid) == -signal.SIGKILL
+        monkeypatch.setattr(W, "kernel_oom_kill", lambda pid, log=None: None)
+        assert W.death_cause(child.pid) == "killed by signal 9 (SIGKILL)"  # not called out of memory without the kernel
+        monkeypatch.setattr(W, "kernel_oom_kill", lambda pid, log=None: f"Out of memory: Killed process {pid} (python3)")
+        assert W.death_cause(child.pid) == (f"killed by signal 9 (SIGKILL); probably out of memory: "
+                                            f"Out of memory: Killed process {child.pid} (python3)")
+        monkeypatch.setattr(W, "kernel_oom_kill", lambda pid, log=None: None)
+        monkeypatch.setattr(W, "oom_kills", lambda: 3)
+        assert W.death_cause(child.pid, oom_kills_before=2).endswith("the memory cgroup's oom_kill count went from 2 to 3")
+        assert "not visible from here" in W.death_cause(child.pid, local=False)
+    finally:
+        child.kill()
+        child.wait()

@@ -1,6 +1,6 @@
 """labkit.cluster launchers without a batch system: the Slurm batch script rendered by
 ipyparallel's SlurmEngineSetLauncher, a Slurm cluster run end to end through fake
-sbatch/srun/scancel (tests/fake_slurm), the mpiexec command line, and reconnecting to a cluster
+sbatch/srun/scancel (tests/cluster/fake_slurm), the mpiexec command line, and reconnecting to a cluster
 another process started."""
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def test_slurm_cluster_through_fake_sbatch(tmp_path, monkeypatch):
         assert pathlib.Path(cl.profile_dir, "log", f"slurm-engines-{cl.cluster_id}.sbatch").read_text() == submitted
         assert "#SBATCH --export=ALL" in submitted and "#SBATCH --partition=debug" in submitted
         by_node = {i["node"]: i["engine_id"] for i in infos}
-        env = C.assign_ranks(infos, master_port=29500)  # what run_ddp sets (DDP itself: tests/test_cluster.py)
+        env = C.assign_ranks(infos, master_port=29500)  # what run_ddp sets (DDP itself: tests/cluster/test_engines.py)
         assert [(env[by_node[f"fake-node-{k}"]]["RANK"], env[by_node[f"fake-node-{k}"]]["NODE_RANK"],
                  env[by_node[f"fake-node-{k}"]]["LOCAL_RANK"]) for k in (0, 1)] == [("0", "0", "0"), ("1", "1", "0")]
         assert sorted(rc[:].apply_sync(_slurm_ids)) == [("0", "0"), ("0", "1")]  # (SLURM_LOCALID, SLURM_NODEID)

@@ -47,7 +47,7 @@ def net(tmp_path_factory):
 
 
 def drive(net: dict, command: str, name: str, **args) -> dict:
-    """Run tests/cluster_driver.py COMMAND on h1; its JSON result (fails with its stderr)."""
+    """Run tests/cluster/cluster_driver.py COMMAND on h1; its JSON result (fails with its stderr)."""
     d = net["dir"] / name
     args = {"shards": net["shards"], "run_dir": str(d / "run"), "profile_dir": str(d / "profile"),
             "steps": STEPS, "rsh_agent": net["rsh_agent"], "slurm_dir": str(net["slurm"].dir), **args}

@@ -61,12 +61,12 @@ def test_5000_shards_read_with_256_open_files(tmp_path):
 
 
 def gapped_tokenizer(path) -> str:
-    """A WordPiece tokenizer of 1,005 pieces whose ids go up to 70,999: a count below 65,536, ids above."""
+    """A WordPiece tokenizer of 1,006 pieces whose ids go up to 70,999: a count below 65,536, ids above."""
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)} | {f"w{i}": 70_000 + i for i in range(1000)}
     tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(path))
-    assert tok.get_vocab_size() == 1005
+    assert tok.get_vocab_size() == 1006
     return str(path)
 
 

@@ -134,15 +134,15 @@ def test_sequence_reader(inputs, tmp_path):
 
 def test_uint32_for_large_vocabularies(tmp_path):
     assert shard_dtype(65536) == np.uint16 and shard_dtype(65537) == np.uint32
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)} | {f"w{i}": i for i in range(5, 70_000)}
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)} | {f"w{i}": i for i in range(6, 70_000)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(tmp_path / "tokenizer.json"))
-    pl.DataFrame({"text": ["w5 w69999 w65536", "w70000 w65535"]}).write_parquet(tmp_path / "docs.parquet")
+    pl.DataFrame({"text": ["w6 w69999 w65536", "w70000 w65535"]}).write_parquet(tmp_path / "docs.parquet")
     index = write_shards(str(tmp_path / "docs.parquet"), str(tmp_path / "tokenizer.json"), str(tmp_path / "s"),
                          ShardConfig(seq_len=8), progress=False)
     assert index["dtype"] == "uint32" and index["vocab_size"] == 70_000
-    expected = [2, 5, 69999, 65536, 3, 1, 65535, 3]  # w70000 is not in the vocabulary -> [UNK]
+    expected = [2, 6, 69999, 65536, 3, 1, 65535, 3]  # w70000 is not in the vocabulary -> [UNK]
     assert np.fromfile(tmp_path / "s" / "shard-00000.bin", dtype="<u4").tolist() == expected
     np.testing.assert_array_equal(SequenceReader(tmp_path / "s")[0], expected)
 

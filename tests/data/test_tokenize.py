@@ -56,11 +56,11 @@ def trained(corpus, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_special_tokens_are_ids_0_to_4(trained, kind):
+def test_special_tokens_are_ids_0_to_5(trained, kind):
     tok = load_tokenizer(trained[kind])
-    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
-    assert [tok.id_to_token(i) for i in range(5)] == list(SPECIAL_TOKENS)
-    assert 5 < tok.get_vocab_size() <= 300
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3, 4, 5]
+    assert [tok.id_to_token(i) for i in range(6)] == list(SPECIAL_TOKENS)
+    assert 6 < tok.get_vocab_size() <= 300
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -90,7 +90,7 @@ def test_matches_transformers_fast_tokenizer(trained, corpus, kind):
 
     tok = load_tokenizer(trained[kind])
     hf = PreTrainedTokenizerFast(tokenizer_file=trained[kind])
-    assert hf.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == [0, 1, 2, 3, 4]
+    assert hf.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == [0, 1, 2, 3, 4, 5]
     for doc in corpus[1][:20]:
         assert hf.encode(doc, add_special_tokens=False) == tok.encode(doc, add_special_tokens=False).ids
 

@@ -470,10 +470,10 @@ def test_rmsnorm_gives_unit_rms():
 @pytest.mark.parametrize("activation, act", [("geglu", torch.nn.functional.gelu), ("swiglu", torch.nn.functional.silu)])
 def test_gated_ffn_is_act_of_gate_times_value(activation, act):
     layer = BertMLM(tiny(activation=activation, intermediate_size=48)).layers[0]
-    assert layer.ffn_in.weight.shape == (96, 64) and layer.ffn_out.weight.shape == (64, 48)
+    assert layer.ffn_in.weight.shape == (2, 48, 64) and layer.ffn_out.weight.shape == (64, 48)  # [W, V] stacked
     x = torch.randn(3, 64)
     w, b = layer.ffn_in.weight, layer.ffn_in.bias
-    ref = (act(x @ w[:48].T + b[:48]) * (x @ w[48:].T + b[48:])) @ layer.ffn_out.weight.T + layer.ffn_out.bias
+    ref = (act(x @ w[0].T + b[0]) * (x @ w[1].T + b[1])) @ layer.ffn_out.weight.T + layer.ffn_out.bias
     torch.testing.assert_close(layer.ffn(x), ref)
 
 
@@ -560,3 +560,81 @@ def test_bad_options_name_the_field_and_allowed_values(field, value, allowed):
             model_config("tiny", value)
         else:
             model_config("tiny", V, **{field: value})
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts and split points that model parallelism relies on (labkit.train.parallel)
+# --------------------------------------------------------------------------------------------
+
+
+def test_fused_linear_is_nn_linear_on_the_same_memory():
+    """FusedLinear's flattened weight is the [parts·out, in] matrix nn.Linear holds: the same seed
+    gives the same weights, the forward is bit-equal, and a Linear's flat state dict loads."""
+    from labkit.model.encoder import FusedLinear
+
+    torch.manual_seed(30)
+    ref = torch.nn.Linear(64, 3 * 32)
+    torch.manual_seed(30)
+    fused = FusedLinear(64, 32, 3, bias=True)
+    assert fused.weight.shape == (3, 32, 64) and fused.bias.shape == (3, 32)
+    assert torch.equal(fused.weight.flatten(0, 1), ref.weight) and torch.equal(fused.bias.flatten(), ref.bias)
+    x = torch.randn(5, 64)
+    assert torch.equal(fused(x), ref(x))
+    other = FusedLinear(64, 32, 3, bias=True)
+    other.load_state_dict(ref.state_dict())  # [96, 64] / [96] through the pre-hook
+    assert torch.equal(other.weight, fused.weight) and torch.equal(other.bias, fused.bias)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"activation": "swiglu", "norm_position": "pre"}])
+def test_flat_fused_checkpoints_load_into_the_stacked_layout(overrides):
+    """A state dict in the layout before the stacked one (qkv [3H, H], gated ffn_in [2F, H]) loads
+    into the model and gives bit-equal logits."""
+    torch.manual_seed(31)
+    model = BertMLM(tiny(**overrides)).eval()
+    flat = {k: (v.flatten(0, 1) if k.endswith((".qkv.weight", ".qkv.bias")) or (
+        k.endswith((".ffn_in.weight", ".ffn_in.bias")) and v.ndim > (1 if k.endswith("bias") else 2)) else v)
+        for k, v in model.state_dict().items()}
+    assert flat["layers.0.qkv.weight"].shape == (192, 64)
+    back = BertMLM(tiny(**overrides)).eval()
+    back.load_state_dict(flat)
+    ids, mask, labels = batch(seed=32)
+    with torch.no_grad():
+        assert torch.equal(back(ids, mask, labels).logits, model(ids, mask, labels).logits)
+
+
+def test_split_points_compose_to_the_forward():
+    """embed -> encode (in two ranges, as two pipeline stages) -> head_loss is the forward, bit for bit."""
+    torch.manual_seed(33)
+    model = BertMLM(tiny(num_layers=3)).eval()
+    ids, mask, labels = batch(seed=34)
+    with torch.no_grad():
+        ref = model(ids, mask, labels)
+        ctx = model.context(ids.shape, mask, labels, device=ids.device)
+        x = model.encode(model.embed(ids), ctx, range(0, 2))
+        assert x.shape == (3, 20, 64)
+        out = model.head_loss(model.encode(x, ctx, range(2, 3)), ctx, labels)
+    assert torch.equal(out.loss_sum, ref.loss_sum) and torch.equal(out.logits, ref.logits)
+    assert int(out.n_masked) == int((labels != -100).sum())
+
+
+def test_a_layer_runs_on_a_slice_of_its_heads():
+    """Local heads: two layers holding heads 0-1 and 2-3 of one 4-head layer (QKV rows of dim 1,
+    attention-output columns) give attention outputs that sum to the whole layer's."""
+    cfg = tiny(num_heads=4)
+    torch.manual_seed(35)
+    whole = BertMLM(cfg).layers[0].eval()
+    halves = [BertMLM(cfg).layers[0].eval() for _ in range(2)]
+    outs = {}
+    for name, layer in [("whole", whole), ("a", halves[0]), ("b", halves[1])]:
+        layer.attn_out.register_forward_hook(lambda m, i, o, name=name: outs.update({name: o}))
+    with torch.no_grad():
+        for k, layer in enumerate(halves):
+            cols = slice(32 * k, 32 * (k + 1))
+            layer.qkv.weight = torch.nn.Parameter(whole.qkv.weight[:, cols].clone())
+            layer.qkv.bias = torch.nn.Parameter(whole.qkv.bias[:, cols].clone())
+            layer.attn_out.weight = torch.nn.Parameter(whole.attn_out.weight[:, cols].clone())
+            layer.attn_out.bias.copy_(whole.attn_out.bias if k == 0 else torch.zeros(64))
+        x = torch.randn(2, 12, 64)
+        for layer in (whole, *halves):
+            layer(x, None)
+    torch.testing.assert_close(outs["a"] + outs["b"], outs["whole"], atol=1e-6, rtol=0)

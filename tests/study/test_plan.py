@@ -65,12 +65,16 @@ def test_planner_terms_against_hand_computed_values():
         plan.activation_terms(cfg, 32, 2, precision="int8")
 
 
+STUDY = {"position_embedding": "instruction", "type_vocab_size": 0, "norm_position": "pre", "final_norm": False,
+         "attention_backend": "eager", "attention_dropout": 0.0, "attention_output_dropout": False,
+         "block_norm_eps": 1e-5, "tie_embeddings": False}  # configs/study.toml's model options
 OPTIONS = [{}, {"norm_position": "pre"}, {"norm_type": "rmsnorm"}, {"position_embedding": "rotary"},
            {"activation": "geglu"}, {"activation": "swiglu", "intermediate_size": 170}, {"bias": False},
            {"tie_embeddings": False}, {"activation_checkpointing": True},
            {"attention": "sliding_window", "window_size": 15, "global_every": 2},
            {"attention": "linformer", "linformer_k": 16}, {"attention": "linear"},
-           {"norm_position": "pre", "norm_type": "rmsnorm", "position_embedding": "rotary", "activation": "swiglu"}]
+           {"norm_position": "pre", "norm_type": "rmsnorm", "position_embedding": "rotary", "activation": "swiglu"},
+           STUDY, STUDY | {"attention_dropout": 0.1}]
 MODES = [("cpu", "fp32", {}), ("cpu", "fp32", {"hidden_dropout": 0.0, "attention_dropout": 0.0}),
          ("cuda", "bf16", {}), ("cuda", "fp32", {})]
 
@@ -84,7 +88,8 @@ def test_formula_equals_the_count_for_every_option(overrides):
         for device, precision, extra in MODES:
             cfg = model_config("tiny", 512, sparse_head=sparse, **{**overrides, **extra})
             run = count_steps(*labkit_model(cfg, 64), (2, 3), precision=precision, cuda=device == "cuda")
-            attention = "eager" if device == "cpu" and cfg.attention_dropout > 0 else "flash"
+            eager = cfg.attention_backend == "eager" or (device == "cpu" and cfg.attention_dropout > 0)
+            attention = "eager" if eager else "flash"
             for b, c in run["counts"].items():
                 want = plan.saved_activation_bytes(cfg, 64, b, precision=precision, attention=attention, device=device)
                 assert c["saved_bytes"] - c["param_cast_bytes"] == want, (sparse, device, precision, extra, b)

@@ -1,4 +1,4 @@
-"""labkit/scaling.py: the ring all-reduce model against a simulated ring and its closed form,
+"""labkit/study/scaling.py: the ring all-reduce model against a simulated ring and its closed form,
 bucketing, overlap and the efficiency table."""
 
 from __future__ import annotations

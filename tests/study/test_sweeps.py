@@ -87,14 +87,41 @@ def test_sweep_micro_batch_resumes_with_a_real_measurement(tmp_path):
     client = FakeClient(2)
     budget = 64 * 2**20
     lab.sweep_micro_batch(client, ["tiny"], seq_len=32, vocab_size=256, budget_bytes=budget, workdir=str(tmp_path))
-    assert len(client.calls) == 1
+    assert len(client.calls) == 2  # the engine's free memory, then the search
     df = lab.sweep_micro_batch(client, ["tiny"], seq_len=32, vocab_size=256, budget_bytes=budget,
                                workdir=str(tmp_path))
-    assert len(client.calls) == 1  # read back, not measured again
+    assert len(client.calls) == 2  # read back, not measured again
     from labkit.model import model_config
     from labkit.study.memory import max_micro_batch
 
     assert df["max_micro_batch"].item() == max_micro_batch(model_config("tiny", 256), 32, budget)["max_micro_batch"]
+
+
+def test_sweep_micro_batch_refuses_a_budget_the_engine_cannot_have_and_explains_a_death(tmp_path, monkeypatch):
+    """A budget above the engine's free memory is refused before the search allocates it; an
+    engine that dies in the search is reported with the cause engine_watch.death_cause finds."""
+    import ipyparallel.error
+
+    import labkit.cluster.engine_watch as W
+    from labkit.measure import available_memory
+
+    free = available_memory()
+    monkeypatch.setattr(sweeps, "_engine_memory", lambda: free | {"pid": 4242, "hostname": "elsewhere", "oom_kills": 0})
+    client = FakeClient(1)
+    with pytest.raises(ValueError, match=r"^budget_bytes: .* GiB per rank is more than the .* GiB this machine can "
+                                         r"give now .*labkit plan --model tiny"):
+        lab.sweep_micro_batch(client, ["tiny"], seq_len=32, vocab_size=256, budget_bytes=free["bytes"] + 2**30,
+                              workdir=str(tmp_path))
+    assert len(client.calls) == 1  # only the memory probe: no search was started
+
+    def dies(*args):
+        raise ipyparallel.error.EngineError("Engine 0 died while running task 'x'")
+
+    monkeypatch.setattr(sweeps.memory, "max_micro_batch", dies)
+    monkeypatch.setattr(W, "death_cause", lambda pid, local, oom_kills_before: f"pid {pid} local {local} oom {oom_kills_before}")
+    with pytest.raises(RuntimeError, match=r"micro-batch search for tiny: engine 0 \(pid 4242\) died: "
+                                           r"pid 4242 local False oom 0\. Use a smaller budget"):
+        lab.sweep_micro_batch(client, ["tiny"], seq_len=32, vocab_size=256, budget_bytes=2**20, workdir=str(tmp_path))
 
 
 def test_sweep_loader_workers_resumes(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""Tests of labkit/dist.py and of the distributed step in labkit/train.py.
+"""Tests of labkit/train/dist.py and of the distributed step in labkit/train/loop.py.
 
 The key test: 2 ranks x 2 accumulation steps (gloo, CPU), whose micro-batches hold different
 numbers of masked tokens, give the gradients of one process on the whole global batch.

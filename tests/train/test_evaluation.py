@@ -1,4 +1,4 @@
-"""Held-out evaluation (labkit/evaluation.py and its use in labkit/train.py): the same loss for
+"""Held-out evaluation (labkit/train/evaluation.py and its use in labkit/train/loop.py): the same loss for
 1 and 2 ranks on the same weights, on repeated calls, with or without dropout configured."""
 
 from __future__ import annotations

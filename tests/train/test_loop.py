@@ -1,4 +1,4 @@
-"""Tests of labkit/train.py: the LR schedule, a single-process run on a tiny shard set,
+"""Tests of labkit/train/loop.py: the LR schedule, a single-process run on a tiny shard set,
 checkpoints loadable with weights_only=True, and exact resume."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from labkit import train as train_mod
 from labkit.train import loop
 from labkit.config import TrainConfig, from_dict
+from labkit.model import BertMLM, model_config
 from labkit.train import lr_at, train
 from tiny_shards import write_tiny_shards
 
@@ -77,6 +78,12 @@ def test_optimizer_decays_matrices_only():
     decay, no_decay = opt.param_groups
     assert [p.shape for p in decay["params"]] == [torch.Size([4, 3])]
     assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
+    bert = BertMLM(model_config("tiny", 64, activation="geglu"))  # fused biases [3, H] and [2, F] are 2-D
+    decay, no_decay = train_mod.build_optimizer(bert, _sched_cfg("linear")).param_groups
+    names = {id(p): n for n, p in bert.named_parameters()}
+    assert sorted(names[id(p)] for p in no_decay["params"] if p.ndim == 2) == [
+        "layers.0.ffn_in.bias", "layers.0.qkv.bias", "layers.1.ffn_in.bias", "layers.1.qkv.bias"]
+    assert not [names[id(p)] for p in decay["params"] if "bias" in names[id(p)] or p.ndim < 2]
 
 
 # -- a whole run ------------------------------------------------------------------------------

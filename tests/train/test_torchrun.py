@@ -63,7 +63,7 @@ def test_torchrun_two_ranks_matches_one_process(tmp_path):
     assert prov["world_size"] == 2 and len(prov["hostnames"]) == 2 and prov["devices"][0] == prov["devices"][1]
     assert prov["command"].startswith(f"torchrun worker: {sys.executable} -m labkit.train {cfg}"), prov["command"]
 
-    # the reference: the same TrainConfig on 2 ranks spawned by hand (tests/test_dist.py's worker)
+    # the reference: the same TrainConfig on 2 ranks spawned by hand (tests/train/test_dist.py's worker)
     import torch.multiprocessing as mp
 
     from labkit.config import to_dict

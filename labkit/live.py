@@ -1,0 +1,107 @@
+"""A figure redrawn in place in a notebook output while engines work: ``LivePlot``.
+
+JupyterLab redraws a text/html output on every ``update_display_data`` but not a plotly-mimetype
+one (plotly/plotly.py#3053), so the frames between the first and the last are HTML that draws
+with the page's plotly.js (``live_html``); the first and the final frames carry the plotly
+mimetype too, which the front end draws with its own renderer (and which, in JupyterLab, puts
+plotly.js on the page for the HTML frames). ``labkit.plots`` re-exports both names.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Callable
+
+import plotly.graph_objects as go
+import plotly.io as pio
+import polars as pl
+
+
+_LIVE_SCRIPT = """<div id="{div_id}" class="plotly-graph-div" style="height:{height}px; width:100%;"></div>
+<script type="text/javascript">
+(function () {{
+  var fig = {fig_json};
+  function draw(tries) {{
+    var el = document.getElementById("{div_id}");
+    if (el && window.Plotly) {{ window.Plotly.newPlot(el, fig.data, fig.layout, {{"responsive": true}}); }}
+    else if (tries > 0) {{ setTimeout(function () {{ draw(tries - 1); }}, 100); }}
+  }}
+  draw(100);
+}})();
+</script>"""
+
+
+def live_html(fig: go.Figure, div_id: str, *, height: int = 450) -> str:
+    """HTML (a plotly div and a script drawing `fig` into it with the page's plotly.js) for a live output.
+
+    JupyterLab and the classic notebook re-render a text/html output on update_display_data, but
+    not a plotly mimetype output (plotly/plotly.py#3053), so live frames are HTML. The script
+    waits up to 10 s for ``window.Plotly`` and for the div, then calls ``Plotly.newPlot``. The
+    page has ``window.Plotly`` once any plotly-mimetype figure was drawn (JupyterLab's plotly
+    renderer, the jupyterlab-plotly extension of the plotly package, loads its plotly.js bundle
+    from the local Jupyter server, which defines it; ``LivePlot``'s first frame is such a figure)
+    or after ``setup_notebook_plotting``. `height` in CSS pixels."""
+    fig_json = pio.to_json(fig, validate=False).replace("</", "<\\/")  # keep </script> out of the JSON
+    return _LIVE_SCRIPT.format(div_id=div_id, height=int(height), fig_json=fig_json)
+
+
+class LivePlot:
+    """A figure redrawn in place in a notebook output, at most once per `min_interval` seconds.
+
+    `LivePlot(make_figure)(records)`: records (list of dicts, e.g. metrics records published by
+    `labkit.cluster.run_ddp`) become a polars DataFrame passed to make_figure. The first draw is
+    `display(bundle, raw=True, display_id=...)`, later ones `update_display(...)` of the same id.
+    Frames while running are text/html (``live_html``), which JupyterLab redraws on every update;
+    `flush()` (run_ddp calls it at the end) draws the final frame with the plotly mimetype added,
+    so the saved notebook renders even untrusted and the exported HTML keeps every point offline.
+    Calls inside the interval are kept and drawn by the next call or by `flush()`.
+
+    No setup call is needed: the first frame, like the final one, carries the plotly mimetype too,
+    so the front end draws it with its own plotly renderer (JupyterLab, Notebook 7 and VS Code
+    do, offline), which in JupyterLab also gives the page the ``window.Plotly`` the HTML frames
+    after it draw with (``live_html``); no 4.8 MB copy of plotly.js travels with the frames.
+    Exported HTML (nbconvert) and the classic Notebook 6 interface (no plotly renderer of its own)
+    need ``setup_notebook_plotting`` for plotly.js, as every figure does.
+    """
+
+    def __init__(self, make_figure: Callable[[pl.DataFrame], go.Figure], *, min_interval: float = 1.0,
+                 height: int = 450):
+        self.make_figure = make_figure
+        self.min_interval = min_interval
+        self.height = height
+        self.display_id = f"labkit-live-{uuid.uuid4().hex}"
+        self.draws = 0
+        self._records: list[dict] | None = None
+        self._pending = False
+        self._final = False
+        self._last = float("-inf")
+
+    def __call__(self, records: list[dict]) -> None:
+        self._records, self._pending = list(records), True
+        if time.monotonic() - self._last >= self.min_interval:
+            self._draw(final=False)
+
+    def flush(self) -> None:
+        """Draw the latest records as the final frame (HTML + plotly mimetype); no-op if already drawn."""
+        if self._records is None or (self._final and not self._pending):
+            return
+        self._draw(final=True)
+
+    def _draw(self, *, final: bool) -> None:
+        from IPython.display import display, update_display
+
+        fig = self.make_figure(pl.from_dicts(self._records, infer_schema_length=None))
+        bundle = {"text/html": live_html(fig, f"{self.display_id}-plot", height=self.height),
+                  "text/plain": f"<labkit live figure: {len(self._records)} records>"}
+        if final or self.draws == 0:  # drawn natively (see the class docstring); JupyterLab does not
+            # redraw a plotly-mimetype output on update_display, so the frames between are HTML only
+            bundle["application/vnd.plotly.v1+json"] = json.loads(pio.to_json(fig, validate=False))
+        if self.draws == 0:
+            display(bundle, raw=True, display_id=self.display_id)
+        else:
+            update_display(bundle, raw=True, display_id=self.display_id)
+        self.draws += 1
+        self._pending, self._final = False, final
+        self._last = time.monotonic()
