@@ -4,7 +4,7 @@ lesson-5 table of docs/results.md.
 
 Settings: bert-120m and bert-350m at vocabulary ``plan.STUDY_VOCAB``, seq 512, on an H100 NVL,
 bf16 and fp32, sparse and dense MLM head, one DDP rank with AdamW, counted on fake tensors as CUDA
-would keep them (``labkit.study.counting.CudaLike``). Run from the repository root:
+would keep them (``labkit.study.cuda_like.CudaLike``). Run from the repository root:
 ``python docs/count_study.py``.
 """
 

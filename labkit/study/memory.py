@@ -18,7 +18,7 @@ freed the activations; FSDP's gathered units are among the transients)
 - activations (``labkit.study.counting.count_steps``): the bytes autograd saves, counted at
   b = 2 and 3 (linear from there on; b = 1 can sit off the line: some kernels take other paths)
   on fake tensors where the model allows it, else on CPU tensors; on a GPU device the count
-  keeps what CUDA keeps (``counting.CudaLike``: its attention kernel, 1-byte dropout masks,
+  keeps what CUDA keeps (``cuda_like.CudaLike``: its attention kernel, 1-byte dropout masks,
   its fp32 autocast ops), and the choices are stated in ``corrections``; FSDP in bf16 is
   counted on bf16 parameters, as its mixed-precision policy runs the forward.
 - transients: the rest of the step's counted peak (the held logits, their gradient and the
@@ -202,16 +202,7 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
     position. Raises ValueError naming a bad argument; the model's own errors propagate.
     """
     gpu = device != "cpu"
-    if gpu:
-        info = device_info(device)  # ValueError for an unknown device
-        memory = info["memory_bytes"]
-    elif budget_bytes is None:
-        raise ValueError("budget_bytes: device 'cpu' plans for this machine and needs a budget in bytes")
-    if budget_bytes is not None and budget_bytes <= 0:
-        raise ValueError(f"budget_bytes: must be positive, got {budget_bytes}")
-    if sharding not in SHARDINGS:
-        raise ValueError(f"sharding: got {sharding!r}; allowed values are {SHARDINGS}")
-    capacity = int((budget_bytes if budget_bytes is not None else memory) - (reserve_bytes if gpu else 0))
+    capacity = _capacity(device, budget_bytes, reserve_bytes, sharding)
     stage = STAGE_OF[sharding] if zero_stage is None else zero_stage
     fsdp = stage >= 2 and dp > 1
     # FSDP's MixedPrecisionPolicy (labkit/train/dist.py): the forward runs on bf16 parameters
@@ -224,10 +215,7 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
     impl = optimizer_impl("cuda" if gpu else "cpu", sharding) if optimizer == "adamw" else "for-loop"
     step_tmp = optimizer_step_bytes(params, impl, sharding=sharding, dp=dp) if optimizer == "adamw" else 0
     gathered = gathered_bytes(params, precision=precision, dp=dp) if fsdp else 0
-    # the step's peak is a maximum over time of sums linear in b: convex, piecewise linear (at a
-    # small b a fixed tensor can set it, at a large one the activations): the line from b = 2, 3,
-    # and where counting is cheap the line through the counts at the answer, b and b + 1
-    lines = [_line(counts, FIT_AT)]
+    lines = [_line(counts, FIT_AT)]  # the step's peak: convex in b (module docstring)
     fake = run["method"] == "fake tensors"
     cache: dict[int, dict] = dict(counts)
 
@@ -244,26 +232,8 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
         return {"activations": act, "transient": peak - act + gathered,
                 "total": state["total"] + max(peak + gathered, step_tmp)}
 
-    def solve() -> int:
-        return largest_fitting(lambda n: total(n)["total"] <= capacity, start=1, limit=limit)
-
-    b = solve()
-    cheap = fake or lines[0]["fixed"] + lines[0]["per_sequence"] * (b + 1) <= verify_limit_bytes
-    verified: dict[str, Any] | None = None
-    if b and cheap:
-        for _ in range(4):  # the line through the counts at the answer, until the answer stays
-            lines[1:] = [_line({n: counted(n) for n in (b, b + 1)}, (b, b + 1))]
-            b, before = solve(), b
-            if b == before or not b:
-                break
-        while b > 0 and total(b, exact=True)["total"] > capacity:
-            b -= 1
-        while b < limit and total(b + 1, exact=True)["total"] <= capacity:
-            b += 1
-        verified = {"micro_batch": b, "total_at_b": total(b, exact=True)["total"] if b else None,
-                    "total_at_b_plus_1": total(b + 1, exact=True)["total"]}
-        if b:  # the line through the answer's own counts
-            lines[1:] = [_line({n: counted(n) for n in (b, b + 1)}, (b, b + 1))]
+    cheap = (lambda b: fake or lines[0]["fixed"] + lines[0]["per_sequence"] * (b + 1) <= verify_limit_bytes)
+    b, verified = _search(total, counted, lines, capacity=capacity, limit=limit, cheap=cheap)
     at = total(max(b, 1), exact=verified is not None and b > 0)
     near = lines[-1]
     held_per_seq, held_fixed = _linear({n: cache[n] for n in near["at"]}, "held_bytes", near["at"])
@@ -292,6 +262,47 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
                             "counter": "torch.utils.flop_counter.FlopCounterMode"},
             "method": run["method"], "fake_refused": run["fake_refused"], "corrections": corrections,
             "verified": verified}
+
+
+def _capacity(device: str, budget_bytes: int | None, reserve_bytes: int, sharding: str) -> int:
+    """Bytes one rank may use: the budget or the device's memory, less the reserve on a GPU.
+    ValueError naming a bad device, budget or sharding."""
+    if device != "cpu":
+        memory = device_info(device)["memory_bytes"]  # ValueError for an unknown device
+    elif budget_bytes is None:
+        raise ValueError("budget_bytes: device 'cpu' plans for this machine and needs a budget in bytes")
+    if budget_bytes is not None and budget_bytes <= 0:
+        raise ValueError(f"budget_bytes: must be positive, got {budget_bytes}")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding: got {sharding!r}; allowed values are {SHARDINGS}")
+    return int((budget_bytes if budget_bytes is not None else memory) - (reserve_bytes if device != "cpu" else 0))
+
+
+def _search(total, counted, lines: list[dict], *, capacity: int, limit: int, cheap) -> tuple[int, dict | None]:
+    """The largest b with ``total(b)["total"] <= capacity``: solved on the peak ``lines``; where
+    ``cheap(b)``, the line through the counts at b and b + 1 is added and the answer re-solved
+    until it stays, then it is walked to the edge of the counted totals (``total(b, exact=True)``)
+    and the line refitted through the answer's own counts. Returns (b, verified or None)."""
+    def solve() -> int:
+        return largest_fitting(lambda n: total(n)["total"] <= capacity, start=1, limit=limit)
+
+    b = solve()
+    if not (b and cheap(b)):
+        return b, None
+    for _ in range(4):
+        lines[1:] = [_line({n: counted(n) for n in (b, b + 1)}, (b, b + 1))]
+        b, before = solve(), b
+        if b == before or not b:
+            break
+    while b > 0 and total(b, exact=True)["total"] > capacity:
+        b -= 1
+    while b < limit and total(b + 1, exact=True)["total"] <= capacity:
+        b += 1
+    verified = {"micro_batch": b, "total_at_b": total(b, exact=True)["total"] if b else None,
+                "total_at_b_plus_1": total(b + 1, exact=True)["total"]}
+    if b:
+        lines[1:] = [_line({n: counted(n) for n in (b, b + 1)}, (b, b + 1))]
+    return b, verified
 
 
 def total_at(plan: dict[str, Any], b: int) -> int:

@@ -119,10 +119,9 @@ def _check_options(precision: str, attention: str) -> None:
 def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precision: str = "bf16",
                      attention: str = "flash", device: str = "cuda", tp: int = 1,
                      mlm_probability: float = 0.15) -> dict[str, int]:
-    """Bytes kept for backward by ``BertMLM(cfg)`` at one micro-batch, term by term: the
-    explanation of what ``labkit.study.memory.plan_model`` counts, equal to the count for every
-    model option, both heads, on CPU (fp32, SDPA's math path or fused kernel) and as CUDA keeps it
-    (``labkit.study.counting.CudaLike``, bf16 and fp32) (tests/study/test_plan.py).
+    """Bytes kept for backward by ``BertMLM(cfg)`` at one micro-batch, term by term: what
+    ``labkit.study.memory.plan_model`` counts, equal to it for every option, both heads, on CPU
+    and as CUDA keeps it (``labkit.study.cuda_like.CudaLike``) (tests/study/test_plan.py).
 
     After Korthikanti et al. 2022 (arXiv:2205.05198, section 4.1), written for this model
     (post-norm, fused QKV, SDPA, GELU, dropout, and with ``cfg.sparse_head`` a last layer that
@@ -176,9 +175,8 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
       and its statistics.
     - ``logits`` (held by the returned output, not saved): d·nV.
 
-    ``tp`` > 1 divides the activation terms that scale with h, f or V by t (tensor + sequence
-    parallel, arXiv:2205.05198 section 4.2.2); index and statistics terms are not divided. This
-    is labkit's one activation-memory formula. Raises ValueError for unknown precision/attention
+    ``tp`` > 1 divides the width terms by t (tensor + sequence parallel, arXiv:2205.05198 section
+    4.2.2), not the index and statistics terms. Raises ValueError for unknown precision/attention
     or non-positive sizes.
     """
     _check_options(precision, attention)
@@ -225,7 +223,7 @@ def _layer_bytes(cfg: ModelConfig, kind: str, *, rows: int, s: int, b: int, d: i
     """(bytes that scale with the width, attention-score bytes, statistics bytes) one layer of
     attention ``kind`` keeps, its queries at ``rows`` positions (s·b, or q for the sparse last
     layer, whose keys and values still come from all s·b). Terms in ``activation_terms``'
-    docstring; the options' own, counted on CPU and under ``labkit.study.counting.CudaLike``:
+    docstring; the options' own, counted on CPU and under ``labkit.study.cuda_like.CudaLike``:
 
     - rotary: the rotated Q and K, 2·d·sbh (SDPA's math path copies Q and K itself: 0 there, and
       -2·d·sbh in a sparse last layer, whose gathers then save no fused QKV);
@@ -288,7 +286,7 @@ def _layer_bytes(cfg: ModelConfig, kind: str, *, rows: int, s: int, b: int, d: i
             per_score = 4 + d + (cfg.attention_dropout > 0)
         return width, a * rows * keys * per_score, stats
     # fused kernels keep an fp32 log-sum-exp per query row; CUDA's memory-efficient kernel (the one
-    # fp32 gets) rounds each sequence's rows up to a multiple of 32 (counting.cuda_attention_kernel)
+    # fp32 gets) rounds each sequence's rows up to a multiple of 32 (cuda_like.cuda_attention_kernel)
     per_seq = rows // b
     lse_rows = 32 * math.ceil(per_seq / 32) if device == "cuda" and d == 4 else per_seq
     return width, 4 * a * b * lse_rows, stats

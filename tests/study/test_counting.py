@@ -9,7 +9,8 @@ import torch
 
 from labkit.model import model_config
 from labkit.study import plan
-from labkit.study.counting import count_steps, cuda_attention_kernel, loss_of
+from labkit.study.counting import count_steps, loss_of
+from labkit.study.cuda_like import cuda_attention_kernel
 from labkit.study.memory import labkit_model
 from plain_encoder import factory
 
