@@ -13,6 +13,8 @@ blocks read the files the measuring command wrote, kept under docs/data/:
   ``docs/data/loader.jsonl``: ``work/demo/sweeps/loader.parquet`` written by the demo's
   notebook 04 (the loader-worker sweep), as JSON lines. ``python docs/generate.py --import
   work/demo`` copies both from a demo's work directory, then regenerates.
+- ``docs/data/plan_counted.jsonl``: the JSON lines ``python docs/count_study.py`` writes
+  (``plan_model`` of the study's two models on an H100 NVL).
 - ``docs/data/bench_model.jsonl`` / ``bench_ddp.jsonl`` / ``bench_parallel.jsonl``: the JSON
   lines printed by ``python benchmarks/bench_model.py`` / ``bench_ddp.py`` / ``bench_parallel.py``
   (one record per line).
@@ -201,9 +203,15 @@ def lesson4_measured() -> str:
 
 def lesson5_measured() -> str:
     rows = ["| model | labkit here: max micro-batch under 2 GiB per rank (CPU, fp32, seq 128, counted) |", "| --- | --- |"]
-    for r in _demo()["sweep_micro_batch"]:
+    demo_rows = _demo()["sweep_micro_batch"]
+    for r in demo_rows:
+        transient = f", transients {_mb(r['transient_bytes'])} at the answer" if r.get("transient_bytes") else ""
         rows.append(f"| `{r['model']}` ({r['params'] / 1e6:.1f} M parameters) | {r['max_micro_batch']} (state "
-                    f"{_mb(r['state_bytes'])}, {_mb(r['act_bytes_per_sample'])} of saved activations per sequence) |")
+                    f"{_mb(r['state_bytes'])}, {_mb(r['act_bytes_per_sample'])} of saved activations per sequence"
+                    f"{transient}) |")
+    if demo_rows and not any(r.get("transient_bytes") for r in demo_rows):
+        rows.append("\nThis demo ran before `plan_model` counted the step's transients: its rows are state at 16 B per "
+                    "parameter plus the saved activations only.")
     return "\n".join(rows) + "\n"
 
 
@@ -217,12 +225,17 @@ def lesson5_planner() -> str:
     t = parallel.study_table()
     shown = t.filter((pl.col("seq_len") == 512) | pl.col("within_10pct")).sort("model", "seq_len", "precision",
                                                                                 "attention", "sparse_head")
-    rows = ["| model | seq | precision | attention | head | planned max micro-batch | study |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    counted = {(r["model"], r["seq_len"], r["precision"], r["sparse_head"]): r
+               for r in _records("plan_counted.jsonl")}
+    rows = ["| model | seq | precision | attention | head | planned max micro-batch (formula) | counted "
+            "(`plan_model`) | study |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in shown.iter_rows(named=True):
         planned = f"**{r['planned']}**" if r["within_10pct"] else str(r["planned"])
+        c = counted.get((r["model"], r["seq_len"], r["precision"], r["sparse_head"])) if r["attention"] == "flash" \
+            else None
         rows.append(f"| {r['model']} | {r['seq_len']} | {r['precision']} | {r['attention']} | "
-                    f"{'sparse' if r['sparse_head'] else 'dense'} | {planned} | {r['study']} |")
+                    f"{'sparse' if r['sparse_head'] else 'dense'} | {planned} | "
+                    f"{c['max_micro_batch'] if c else ''} | {r['study']} |")
     parts = []
     for sparse in (False, True):
         m = plan.memory_plan(model_config("bert-120m", plan.STUDY_VOCAB, sparse_head=sparse), seq_len=512,
@@ -232,7 +245,16 @@ def lesson5_planner() -> str:
                      f"{m['autocast_copies'] / 1e9:.1f} GB, activations {m['activations'] / 1e9:.1f} GB, logits "
                      f"{m['logits'] / 1e9:.1f} GB, head backward {m['head_backward'] / 1e9:.1f} GB; "
                      f"{m['total'] / 1e9:.1f} GB in total")
-    return ("\n".join(rows) + "\n\nBreakdown at bert-120m, micro-batch 184, seq 512, bf16, fused attention "
+    keys = [(r["planned"], (r["model"], r["seq_len"], r["precision"], r["sparse_head"]))
+            for r in shown.iter_rows(named=True) if r["attention"] == "flash"]
+    pairs = [(planned, counted[k]["max_micro_batch"]) for planned, k in keys if k in counted]
+    note = ("\n\nThe counted column is `labkit.study.memory.plan_model` on labkit's model as CUDA keeps it "
+            "(fused attention, 1-byte dropout masks, CUDA's fp32 autocast ops), with the held logits, their "
+            "gradient and the other backward temporaries counted; it has no eager rows, as labkit's model always "
+            "calls SDPA. Written by `python docs/count_study.py` to docs/data/plan_counted.jsonl "
+            f"({len(counted)} settings); the formula's answer equals the count's in "
+            f"{sum(a == b for a, b in pairs)} of {len(pairs)}.") if counted else ""
+    return ("\n".join(rows) + note + "\n\nBreakdown at bert-120m, micro-batch 184, seq 512, bf16, fused attention "
             "(`plan.memory_plan`):\n\n" + "\n".join(f"- {x}" for x in parts) + "\n")
 
 

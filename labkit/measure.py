@@ -169,6 +169,47 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+class PeakWindows:
+    """Peak memory in its own windows (docs/measurement.md): the training steps since the last
+    record (``start``/``end_step`` around each step, ``take`` for the record), and each
+    evaluation or checkpoint (``around``), whose peaks are kept apart: a checkpoint's in the next
+    ``take``, the largest of each kind in ``maxima``. CUDA only; on CPU every window reads the
+    process's peak RSS."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.steps, self.checkpoint = device, 0, None
+        self.maxima: dict[str, int | None] = {"eval_peak_mem_bytes": None, "checkpoint_peak_mem_bytes": None}
+
+    def start(self) -> None:
+        """A step begins: reset the device's peak."""
+        reset_peak_memory(self.device)
+
+    def end_step(self) -> None:
+        """A step ended: keep its peak."""
+        self.steps = max(self.steps, peak_memory_bytes(self.device))
+
+    def around(self, kind: str, fn, *args, **kwargs):
+        """``(fn(*args, **kwargs), its peak)`` with the peak reset before; ``kind`` "eval" or
+        "checkpoint" names the window it is kept in."""
+        reset_peak_memory(self.device)
+        out = fn(*args, **kwargs)
+        peak = peak_memory_bytes(self.device)
+        key = f"{kind}_peak_mem_bytes"
+        self.maxima[key] = max(self.maxima[key] or 0, peak)
+        if kind == "checkpoint":
+            self.checkpoint = max(self.checkpoint or 0, peak)
+        return out, peak
+
+    def take(self) -> dict[str, int]:
+        """{"peak_mem_bytes": the steps' peak since the last take} (and
+        "checkpoint_peak_mem_bytes" when a checkpoint was written since), then start again."""
+        out = {"peak_mem_bytes": self.steps}
+        if self.checkpoint is not None:
+            out["checkpoint_peak_mem_bytes"] = self.checkpoint
+        self.steps, self.checkpoint = 0, None
+        return out
+
+
 class StepTimer:
     """Wall clock for one step that synchronises the device before each reading, so queued
     CUDA kernels are counted in the step that launched them.

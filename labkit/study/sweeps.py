@@ -136,7 +136,7 @@ def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: in
         rows.append({"method": "budget" if budget_bytes else "cuda_oom", "model": name, "params": int(rep["params"]),
                      "seq_len": seq_len, "budget_bytes": int(rep["budget_bytes"]), "state_bytes": int(rep["state_bytes"]),
                      "act_bytes_per_sample": rep["act_bytes_per_sample"],
-                     "max_micro_batch": int(rep["max_micro_batch"])})
+                     "transient_bytes": rep.get("transient_bytes"), "max_micro_batch": int(rep["max_micro_batch"])})
     return _save(pl.DataFrame(rows).sort("params"), out)
 
 

@@ -135,14 +135,19 @@ def _heldout_set(cfg: TrainConfig, rank: int, world: int, vocab_size: int, devic
                       batch_size=cfg.eval_batch_size or cfg.micro_batch_size, device=device)
 
 
-def _maybe_evaluate(model: torch.nn.Module, heldout: Any, cfg: TrainConfig, step: int, stop: int) -> dict[str, Any]:
-    """Collective: {"eval_loss", "perplexity", "eval_masked", "eval_sequences"} at the steps
-    that evaluate (every eval_every, and the last), else {}."""
+def _maybe_evaluate(model: torch.nn.Module, heldout: Any, cfg: TrainConfig, step: int, stop: int,
+                    windows: measure.PeakWindows | None = None) -> dict[str, Any]:
+    """Collective: {"eval_loss", "perplexity", "eval_masked", "eval_sequences",
+    "eval_peak_mem_bytes" (its own peak window in ``windows``)} at the steps that evaluate (every
+    eval_every, and the last), else {}."""
     from labkit.train.evaluation import evaluate
 
     if heldout is None or not ((cfg.eval_every and step % cfg.eval_every == 0) or step == stop):
         return {}
-    return evaluate(model, heldout, precision=cfg.precision)
+    if windows is None:
+        return evaluate(model, heldout, precision=cfg.precision)
+    out, peak = windows.around("eval", evaluate, model, heldout, precision=cfg.precision)
+    return out | {"eval_peak_mem_bytes": peak}
 
 
 # ------------------------------------------------------------------------------------------
@@ -315,15 +320,12 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     peak = measure.peak_flops(device, cfg.precision)
     timer = measure.StepTimer(device)
     timings: list[tuple[int, int, float, float]] = []  # (tokens, samples, step time, wait) per step
-    last_record: dict[str, Any] = {}
-    skipped = 0
-    # peak memory in its own windows: the training steps since the last record, each evaluation,
-    # each checkpoint (reset before, read after; CUDA only, docs/measurement.md)
-    step_peak, ckpt_peak, peaks = 0, None, {"eval_peak_mem_bytes": None, "checkpoint_peak_mem_bytes": None}
+    last_record, skipped = {}, 0
+    windows = measure.PeakWindows(device)  # peak memory of the steps, each evaluation, each checkpoint
     model.train()
     while step < stop:
         timer.start()
-        measure.reset_peak_memory(device)
+        windows.start()
         # 1. fetch this rank's micro-batches, timing the wait (a new epoch reshuffles)
         micro_batches, wait = [], 0.0
         for _ in range(cfg.grad_accum_steps):
@@ -352,40 +354,30 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         optimizer.zero_grad(set_to_none=True)
         step += 1
         step_time = timer.stop()
-        step_peak = max(step_peak, measure.peak_memory_bytes(device))
+        windows.end_step()
         # 4. measure and record
         n_tokens_i = int(n_tokens.item())
         tokens_seen += n_tokens_i
         timings.append((n_tokens_i, global_batch, step_time, wait_mean))
-        measure.reset_peak_memory(device)
-        evaluated = _maybe_evaluate(model, heldout, cfg, step, stop)  # held-out loss, outside the step time
-        if evaluated:
-            evaluated["eval_peak_mem_bytes"] = measure.peak_memory_bytes(device)
-            peaks["eval_peak_mem_bytes"] = max(peaks["eval_peak_mem_bytes"] or 0, evaluated["eval_peak_mem_bytes"])
+        evaluated = _maybe_evaluate(model, heldout, cfg, step, stop, windows)  # held-out loss, outside the step time
         if step % cfg.log_every == 0 or step == stop or evaluated:
             tps = measure.tokens_per_s(n_tokens_i, step_time)
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
                       "step_tokens": n_tokens_i, "n_masked": int(n_masked.item()), "tokens_per_s": tps,
                       "packing_efficiency": measure.packing_efficiency(n_tokens_i, global_batch, seq_len),
                       **_rates(global_batch, step_time, wait_mean, model), "mfu": measure.mfu(tps, fpt, world, peak),
-                      "peak_mem_bytes": step_peak, "world_size": world, "global_batch_size": global_batch,
+                      **windows.take(), "world_size": world, "global_batch_size": global_batch,
                       "epoch": epoch, "skipped": not finite, **evaluated, "time": time.time()}
-            if ckpt_peak is not None:  # the checkpoints written since the last record
-                record["checkpoint_peak_mem_bytes"], ckpt_peak = ckpt_peak, None
-            step_peak = 0
             last_record = _log(record, metrics_file, sink)
         if cfg.checkpoints and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == stop):
-            measure.reset_peak_memory(device)
-            _save(cfg, run_dir, model, optimizer, scaler, sampler, step=step, epoch=epoch, position=position,
-                  tokens=tokens_seen, world=world, sharding=sharding)
-            ckpt_peak = max(ckpt_peak or 0, measure.peak_memory_bytes(device))
-            peaks["checkpoint_peak_mem_bytes"] = max(peaks["checkpoint_peak_mem_bytes"] or 0, ckpt_peak)
+            windows.around("checkpoint", _save, cfg, run_dir, model, optimizer, scaler, sampler, step=step, epoch=epoch,
+                           position=position, tokens=tokens_seen, world=world, sharding=sharding)
 
     records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()] \
         if metrics_file is not None and metrics_file.exists() else [last_record]
     result = _result(cfg, records, timings, fpt=fpt, peak=peak, world=world, global_batch=global_batch, step=step,
                      params=params, tokens_seen=tokens_seen, resume_step=resume_step, skipped=skipped, mcfg=mcfg,
-                     index=index, device=device, sharding=sharding, t_start=t_start, prov=prov) | peaks
+                     index=index, device=device, sharding=sharding, t_start=t_start, prov=prov) | windows.maxima
     if dist.is_main():
         atomic_write_json(run_dir / "result.json", result)
     return result
