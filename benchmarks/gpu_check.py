@@ -149,22 +149,13 @@ def check_config(name: str, seq_len: int, *, vocab: int, device: torch.device, l
 
 
 def nccl_smoke(timeout_s: float = 60.0) -> dict:
-    """1-rank NCCL group (env://, 127.0.0.1, a free port) + all_reduce via
+    """1-rank NCCL group (env://, 127.0.0.1, a free port: ``_one_rank_env``) + all_reduce via
     ``dist.all_reduce_smoke_test``; the variables it sets are removed again."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with _one_rank_env():
         t0 = time.perf_counter()
         result = dist.all_reduce_smoke_test(timeout_s)
         result["seconds"] = round(time.perf_counter() - t0, 2)
         return result
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -338,8 +329,8 @@ def summary_markdown(report: dict) -> str:
     if "skipped" in check:
         lines += ["", f"Planner check: {check['skipped']}"]
     else:
-        lines += ["", "| plan_model: model | micro-batch | planned B | measured B (max_memory_allocated) | ratio | ok |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += ["", "| plan_model: model | micro-batch | planned B | measured B (max_memory_allocated) | ratio "
+                  "| ok |", "| --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {c['model']} | {c['micro_batch']} | {c['planned']:,} | {c['measured']:,} | {c['ratio']:.3f} | "
                   f"{c['ok']} |" for c in check.get("plan_model", [])]
         lines += ["", "Formula planner (`study.gpu.gpu_memory_check`): " + "; ".join(

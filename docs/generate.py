@@ -13,9 +13,11 @@ blocks read the files the measuring command wrote, kept under docs/data/:
   ``docs/data/loader.jsonl``: ``work/demo/sweeps/loader.parquet`` written by the demo's
   notebook 04 (the loader-worker sweep), as JSON lines. ``python docs/generate.py --import
   work/demo`` copies both from a demo's work directory, then regenerates.
-- ``docs/data/bench_model.jsonl`` / ``bench_ddp.jsonl`` / ``bench_stage.jsonl``: the JSON lines
-  printed by ``python benchmarks/bench_model.py`` / ``bench_ddp.py`` / ``bench_stage.py`` (one
-  record per line).
+- ``docs/data/plan_counted.jsonl``: the JSON lines ``python docs/count_study.py`` writes
+  (``plan_model`` of the study's two models on an H100 NVL).
+- ``docs/data/bench_model.jsonl`` / ``bench_ddp.jsonl`` / ``bench_stage.jsonl`` / ``bench_parallel.jsonl``:
+  the JSON lines printed by ``python benchmarks/bench_model.py`` / ``bench_ddp.py`` / ``bench_stage.py``
+  / ``bench_parallel.py`` (one record per line).
 - ``docs/data/prep_scale.jsonl``: the output of ``python benchmarks/bench_prep_scale.py``;
   ``prep_scale_default_threads.jsonl`` that of ``BENCH_SIZES=16 BENCH_ONE_CORE_PER_ENGINE=0
   python benchmarks/bench_prep_scale.py``; ``prep_scale_before.jsonl`` that of ``BENCH_SIZES=16
@@ -27,7 +29,7 @@ Blocks: ``demo-summary`` (README.md); ``lesson1-measured``, ``lesson1-planner``,
 ``lesson5-measured``, ``lesson5-planner`` (docs/results.md), and docs/generate_study.py's
 ``tokenizer-study``, ``study-run``, ``study-loaders``, ``study-plan``, ``precision-experiment``,
 ``one-story`` (docs/results.md, from configs/study.toml and the files its scripts write); ``bench-model`` (docs/model.md);
-``bench-ddp`` (docs/training.md); ``bench-stage``, ``prep-scale``, ``prep-projection`` (docs/data_path.md).
+``bench-ddp`` (docs/training.md); ``bench-parallel`` (docs/parallelism.md); ``bench-stage``, ``prep-scale``, ``prep-projection`` (docs/data_path.md).
 """
 
 from __future__ import annotations
@@ -201,9 +203,15 @@ def lesson4_measured() -> str:
 
 def lesson5_measured() -> str:
     rows = ["| model | labkit here: max micro-batch under 2 GiB per rank (CPU, fp32, seq 128, counted) |", "| --- | --- |"]
-    for r in _demo()["sweep_micro_batch"]:
+    demo_rows = _demo()["sweep_micro_batch"]
+    for r in demo_rows:
+        transient = f", transients {_mb(r['transient_bytes'])} at the answer" if r.get("transient_bytes") else ""
         rows.append(f"| `{r['model']}` ({r['params'] / 1e6:.1f} M parameters) | {r['max_micro_batch']} (state "
-                    f"{_mb(r['state_bytes'])}, {_mb(r['act_bytes_per_sample'])} of saved activations per sequence) |")
+                    f"{_mb(r['state_bytes'])}, {_mb(r['act_bytes_per_sample'])} of saved activations per sequence"
+                    f"{transient}) |")
+    if demo_rows and not any(r.get("transient_bytes") for r in demo_rows):
+        rows.append("\nThis demo ran before `plan_model` counted the step's transients: its rows are state at 16 B per "
+                    "parameter plus the saved activations only.")
     return "\n".join(rows) + "\n"
 
 
@@ -217,12 +225,17 @@ def lesson5_planner() -> str:
     t = parallel.study_table()
     shown = t.filter((pl.col("seq_len") == 512) | pl.col("within_10pct")).sort("model", "seq_len", "precision",
                                                                                 "attention", "sparse_head")
-    rows = ["| model | seq | precision | attention | head | planned max micro-batch | study |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    counted = {(r["model"], r["seq_len"], r["precision"], r["sparse_head"]): r
+               for r in _records("plan_counted.jsonl")}
+    rows = ["| model | seq | precision | attention | head | planned max micro-batch (formula) | counted "
+            "(`plan_model`) | study |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in shown.iter_rows(named=True):
         planned = f"**{r['planned']}**" if r["within_10pct"] else str(r["planned"])
+        c = counted.get((r["model"], r["seq_len"], r["precision"], r["sparse_head"])) if r["attention"] == "flash" \
+            else None
         rows.append(f"| {r['model']} | {r['seq_len']} | {r['precision']} | {r['attention']} | "
-                    f"{'sparse' if r['sparse_head'] else 'dense'} | {planned} | {r['study']} |")
+                    f"{'sparse' if r['sparse_head'] else 'dense'} | {planned} | "
+                    f"{c['max_micro_batch'] if c else ''} | {r['study']} |")
     parts = []
     for sparse in (False, True):
         m = plan.memory_plan(model_config("bert-120m", plan.STUDY_VOCAB, sparse_head=sparse), seq_len=512,
@@ -232,7 +245,16 @@ def lesson5_planner() -> str:
                      f"{m['autocast_copies'] / 1e9:.1f} GB, activations {m['activations'] / 1e9:.1f} GB, logits "
                      f"{m['logits'] / 1e9:.1f} GB, head backward {m['head_backward'] / 1e9:.1f} GB; "
                      f"{m['total'] / 1e9:.1f} GB in total")
-    return ("\n".join(rows) + "\n\nBreakdown at bert-120m, micro-batch 184, seq 512, bf16, fused attention "
+    keys = [(r["planned"], (r["model"], r["seq_len"], r["precision"], r["sparse_head"]))
+            for r in shown.iter_rows(named=True) if r["attention"] == "flash"]
+    pairs = [(planned, counted[k]["max_micro_batch"]) for planned, k in keys if k in counted]
+    note = ("\n\nThe counted column is `labkit.study.memory.plan_model` on labkit's model as CUDA keeps it "
+            "(fused attention, 1-byte dropout masks, CUDA's fp32 autocast ops), with the held logits, their "
+            "gradient and the other backward temporaries counted; it has no eager rows, as labkit's model always "
+            "calls SDPA. Written by `python docs/count_study.py` to docs/data/plan_counted.jsonl "
+            f"({len(counted)} settings); the formula's answer equals the count's in "
+            f"{sum(a == b for a, b in pairs)} of {len(pairs)}.") if counted else ""
+    return ("\n".join(rows) + note + "\n\nBreakdown at bert-120m, micro-batch 184, seq 512, bf16, fused attention "
             "(`plan.memory_plan`):\n\n" + "\n".join(f"- {x}" for x in parts) + "\n")
 
 
@@ -347,6 +369,28 @@ def bench_ddp() -> str:
     return "\n".join(rows) + "\n\nRecords:\n\n" + "".join(f"    {json.dumps(r)}\n" for r in recs)
 
 
+def bench_parallel() -> str:
+    """docs/parallelism.md: the JSON lines of ``python benchmarks/bench_parallel.py``."""
+    recs = _records("bench_parallel.jsonl")
+    summaries = [r for r in recs if r.get("benchmark") == "parallel"]
+    if not summaries:
+        return "No record yet (`docs/data/bench_parallel.jsonl` is empty).\n"
+    s = summaries[-1]
+    points = [r for r in recs if str(r.get("point", "")).startswith("pp2-")]
+    rows = ["| schedule | micro-batches | tokens/s | bubble measured (median) | planned | difference |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    rows += [f"| {r['schedule']} | {r['micro_batches']} | {r['tokens_per_s']:,.0f} | {r['bubble_measured']:.3f} | "
+             f"{r['bubble_planned']:.3f} | {r['abs_error']:.3f} |" for r in points]
+    load = f"load average {s['load_before']['load_avg_1m']:.1f} before, {s['load_after']['load_avg_1m']:.1f} after, " \
+           f"{s['load_before']['cpu_count']} CPUs"
+    goal = "met" if s["met"] else "not met"
+    return ("\n".join(rows) + f"\n\nBubble goal (GPipe, every m within {s['goal']}): {goal}, largest difference "
+            f"{s['value']:.3f} (1F1B {s['max_abs_error_1f1b']:.3f}); {load}. Memory at tp 2, planned / measured "
+            f"(largest rank): {s['memory_planned_over_measured_tp2_sp']:.3f} with sequence parallelism (goal within "
+            f"{s['memory_goal']:.0%}: {'met' if s['memory_met'] else 'not met'}), "
+            f"{s['memory_planned_over_measured_tp2_no_sp']:.3f} without.\n").replace("%", " %")
+
+
 def _prep_runs(name: str) -> tuple[dict[tuple[int, int], dict], dict]:
     recs = _records(name)
     return {(r["size"], r["engines"]): r for r in recs if "stages" in r}, next(r for r in recs if "goals" in r)
@@ -435,6 +479,7 @@ BLOCKS = {("README.md", "demo-summary"): demo_summary,
           ("docs/model.md", "bench-model"): bench_model,
           ("docs/training.md", "bench-ddp"): bench_ddp,
           ("docs/data_path.md", "bench-stage"): bench_stage,
+          ("docs/parallelism.md", "bench-parallel"): bench_parallel,
           ("docs/data_path.md", "prep-scale"): prep_scale,
           ("docs/data_path.md", "prep-projection"): prep_projection}
 

@@ -4,7 +4,7 @@
     labkit stage CONFIG              shards to node-local disk, checksums verified
     labkit train CONFIG              DDP training on the engines
     labkit resume RUN_DIR            continue a run from its newest checkpoint
-    labkit sweep ranks|micro-batch|loaders CONFIG
+    labkit sweep ranks|micro-batch|loaders|parallel CONFIG
     labkit plan [CONFIG]             the planner's memory and scaling tables (a file's run at full size)
     labkit export RUN_DIR OUT        model + tokenizer + model card for transformers
     labkit demo | verify SHARD_DIR | report NOTEBOOK OUT.html
@@ -29,11 +29,13 @@ EXAMPLES = {
     "prepare": "labkit prepare configs/walkthrough.toml --set corpus.max_functions=20000\n"
                "  labkit prepare configs/study.toml --scaled-down",
     "stage": "labkit stage configs/walkthrough.toml",
-    "train": "labkit train configs/walkthrough.toml --set train.max_steps=200 --engines 2",
+    "train": "labkit train configs/walkthrough.toml --set train.max_steps=200 --engines 2\n"
+             "  labkit train configs/walkthrough.toml --tp 2 --set train.sharding=replicate",
     "resume": "labkit resume work/walkthrough/runs/main --set train.max_steps=400",
     "sweep": "labkit sweep ranks configs/walkthrough.toml --ranks 1 2\n"
              "  labkit sweep micro-batch configs/walkthrough.toml --models mini small --budget-gb 2\n"
-             "  labkit sweep loaders configs/walkthrough.toml --workers 0 1 2 --step-time-s 0.05",
+             "  labkit sweep loaders configs/walkthrough.toml --workers 0 1 2 --step-time-s 0.05\n"
+             "  labkit sweep parallel configs/walkthrough.toml --micro-batches 4 --steps 8",
     "plan": 'labkit plan --model bert-350m --gpus 256 --micro-batch 16 --seq-len 512 --device "H100 NVL"\n'
             '  labkit plan configs/study.toml --device "H100 NVL"',
     "export": "labkit export work/walkthrough/runs/main work/walkthrough/export",
@@ -99,6 +101,9 @@ def _config(args: argparse.Namespace):
     from labkit.config.tomlfile import load
 
     overrides = list(args.set)
+    for flag in ("tp", "pp"):  # labkit train --tp / --pp: the model-parallel split
+        if getattr(args, flag, None) is not None:
+            overrides.append(f"train.{flag}={getattr(args, flag)}")
     for flag, key in (("engines", "engines"), ("profile", "profile"), ("cluster_id", "cluster_id")):
         value = getattr(args, flag, None)
         if value is not None:
@@ -218,19 +223,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(sub, "train", "train under DDP on the engines (notebook 03)", debug)
     _add_common(p)
     p.add_argument("--no-stage", action="store_true", help="read data_dir directly instead of staged copies")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (train.tp; with sharding fsdp/replicate)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree (train.pp; micro-batches: "
+                                                        "train.grad_accum_steps)")
     p.set_defaults(func=_command("train"))
     p = _sub(sub, "resume", "continue a run from its newest checkpoint with its saved config", debug)
     p.add_argument("run_dir")
     _add_common(p, config=False)
     p.set_defaults(func=_resume)
-    p = _sub(sub, "sweep", "scaling sweeps: ranks, micro-batch or DataLoader workers (notebook 04)", debug)
-    p.add_argument("kind", choices=("ranks", "micro-batch", "loaders"))
+    p = _sub(sub, "sweep", "scaling sweeps: ranks, micro-batch, DataLoader workers (notebook 04), "
+                           "data x tensor x pipeline splits (notebook 06)", debug)
+    p.add_argument("kind", choices=("ranks", "micro-batch", "loaders", "parallel"))
     _add_common(p)
     p.add_argument("--ranks", type=int, nargs="+", default=None, help="ranks: the rank counts (default 1..engines)")
     p.add_argument("--models", nargs="+", default=None, help="micro-batch: model presets (default: train.model)")
     p.add_argument("--budget-gb", type=float, default=2.0, help="micro-batch: GiB per rank; 0 = the GPU until OOM")
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="loaders: worker counts")
     p.add_argument("--step-time-s", type=float, default=0.05, help="loaders: the consumer's step time (s)")
+    p.add_argument("--micro-batches", type=int, default=4,
+                   help="parallel: micro-batches per step and data-parallel replica (the pipeline's m)")
+    p.add_argument("--steps", type=int, default=8, help="parallel: optimiser steps per split")
     p.add_argument("--force", action="store_true", help="rerun points already in the sweep's table")
     p.set_defaults(func=_command("sweep"))
     p = _sub(sub, "plan", "the planner's memory per GPU, parallel splits and scaling for a model and cluster", debug)

@@ -145,7 +145,9 @@ def run_world_size(run_dir: str) -> int | None:
 def sweep(kind: str, cfg: LabConfig, args) -> int:
     """The scaling sweeps of notebook 04: ``ranks`` (tokens/s at 1..N ranks), ``micro-batch``
     (largest micro-batch per model under a memory budget), ``loaders`` (data-wait fraction per
-    DataLoader worker count). Prints the sweep's table (also under <workdir>/sweeps/)."""
+    DataLoader worker count), and notebook 06's ``parallel`` (every dp x tp x pp split of the
+    engines: throughput, measured bubble, time in TP collectives and per-rank memory beside the
+    planner). Prints the sweep's table (also under <workdir>/sweeps/)."""
     from labkit import preflight
 
     w = cfg.workdir
@@ -162,6 +164,10 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
             df = lab.sweep_micro_batch(client, args.models or [cfg.train.model], seq_len=int(index["seq_len"]),
                                        vocab_size=int(index["vocab_size"]), budget_bytes=budget, workdir=w,
                                        force=args.force)
+        elif kind == "parallel":
+            staged = _stage(client, cfg) if _uses_workdir_shards(cfg) else None
+            df = lab.sweep_parallel(client, cfg.train, w, micro_batches=args.micro_batches, steps=args.steps,
+                                    staged=staged, force=args.force)
         else:
             staged = _stage(client, cfg) if _uses_workdir_shards(cfg) else None
             df = lab.sweep_loader_workers(client, w, batch_size=cfg.train.micro_batch_size,

@@ -30,12 +30,13 @@ from labkit.cluster.launch import train_on_cluster
 from labkit.data.prepared import preparation_report
 from labkit.config import CleanConfig, CorpusConfig, ShardConfig, TokenizerConfig, to_dict
 from labkit.io import atomic_write_json
-from labkit.study.sweeps import sweep_loader_workers, sweep_micro_batch, sweep_model_size, sweep_ranks
+from labkit.study.sweeps import (sweep_loader_workers, sweep_micro_batch, sweep_model_size, sweep_parallel,
+                                 sweep_ranks)
 from labkit.workdir import paths
 
 __all__ = ["NotPrepared", "build_corpus", "build_shards", "build_tokenizer", "clean_corpus", "preparation_report",
            "read_metrics", "require_prepared", "stage", "sweep_loader_workers", "sweep_micro_batch", "sweep_model_size",
-           "sweep_ranks", "train_on_cluster"]
+           "sweep_parallel", "sweep_ranks", "train_on_cluster"]
 
 
 def _progress(total: int, desc: str, enabled: bool):

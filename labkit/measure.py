@@ -16,6 +16,9 @@
   hidden behind backward: from the moment the last gradient is ready (end of the last backward
   kernel that produces one) to the end of the last gradient collective; a collective that runs
   inside backward and blocks it (FSDP2's reduce-scatter on CPU) is exposed whole.
+- pipeline bubble fraction: 1 - (time the stages compute) / (ranks x the longest rank's schedule time).
+- time in tensor-parallel collectives: the summed durations of those collectives (``IntervalTimer``).
+- peak saved-activation bytes: the most bytes of tensors autograd held for backward at once (``SavedActivationPeak``).
 
 Timings skip warm-up steps (the caller's job) and synchronise the device before reading the
 clock (``StepTimer``). When the device peak is unknown (CPU, an unlisted GPU) MFU is ``None``.
@@ -187,6 +190,47 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+class PeakWindows:
+    """Peak memory in its own windows (docs/measurement.md): the training steps since the last
+    record (``start``/``end_step`` around each step, ``take`` for the record), and each
+    evaluation or checkpoint (``around``), whose peaks are kept apart: a checkpoint's in the next
+    ``take``, the largest of each kind in ``maxima``. CUDA only; on CPU every window reads the
+    process's peak RSS."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.steps, self.checkpoint = device, 0, None
+        self.maxima: dict[str, int | None] = {"eval_peak_mem_bytes": None, "checkpoint_peak_mem_bytes": None}
+
+    def start(self) -> None:
+        """A step begins: reset the device's peak."""
+        reset_peak_memory(self.device)
+
+    def end_step(self) -> None:
+        """A step ended: keep its peak."""
+        self.steps = max(self.steps, peak_memory_bytes(self.device))
+
+    def around(self, kind: str, fn, *args, **kwargs):
+        """``(fn(*args, **kwargs), its peak)`` with the peak reset before; ``kind`` "eval" or
+        "checkpoint" names the window it is kept in."""
+        reset_peak_memory(self.device)
+        out = fn(*args, **kwargs)
+        peak = peak_memory_bytes(self.device)
+        key = f"{kind}_peak_mem_bytes"
+        self.maxima[key] = max(self.maxima[key] or 0, peak)
+        if kind == "checkpoint":
+            self.checkpoint = max(self.checkpoint or 0, peak)
+        return out, peak
+
+    def take(self) -> dict[str, int]:
+        """{"peak_mem_bytes": the steps' peak since the last take} (and
+        "checkpoint_peak_mem_bytes" when a checkpoint was written since), then start again."""
+        out = {"peak_mem_bytes": self.steps}
+        if self.checkpoint is not None:
+            out["checkpoint_peak_mem_bytes"] = self.checkpoint
+        self.steps, self.checkpoint = 0, None
+        return out
+
+
 class StepTimer:
     """Wall clock for one step that synchronises the device before each reading, so queued
     CUDA kernels are counted in the step that launched them.
@@ -236,6 +280,117 @@ class StepTimer:
         self.comm_exposed_s = self.comm.exposed_s() if self.comm is not None else 0.0
         self._t0 = None
         return elapsed
+
+
+def bubble_fraction(busy_s: float, span_s: float) -> float:
+    """Measured pipeline bubble: the idle share of a pipeline schedule, 1 - busy_s / span_s
+    (docs/measurement.md), where busy_s is the time the stages computed (their forward and backward
+    chunks) summed over the ranks and span_s the pipeline's time on all of them: the number of
+    ranks x the longest rank's wall time in the schedule's step (a rank done early idles until
+    the pipeline drains). GPipe's ideal is (p - 1)/(m + p - 1) (Huang
+    et al. arXiv:1811.06965) for p equal stages and m micro-batches (``labkit.study.plan.pipeline_bubble``)."""
+    if span_s <= 0:
+        raise ValueError(f"span_s: must be positive, got {span_s}")
+    return 1.0 - busy_s / span_s
+
+
+class IntervalTimer:
+    """The summed duration of many short intervals, ``with timer: ...`` around each (the time in
+    tensor-parallel collectives; a pipeline stage's compute). On CPU the wall clock around each
+    interval (a gloo collective returns when it is done); on CUDA a pair of CUDA events on the
+    current stream per interval, so nothing is synchronised until ``take`` reads them.
+
+    ``take() -> (seconds, intervals)`` since the previous ``take``, and starts again.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._seconds, self._count = 0.0, 0
+        self._open: list = []
+        self._events: list = []
+
+    def __enter__(self) -> IntervalTimer:
+        if self.device.type == "cuda":
+            import torch
+
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._open.append(start)
+        else:
+            self._open.append(time.perf_counter())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        start = self._open.pop()
+        self._count += 1
+        if self.device.type == "cuda":
+            import torch
+
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((start, end))
+        else:
+            self._seconds += time.perf_counter() - start
+
+    def take(self) -> tuple[float, int]:
+        """(seconds, number of intervals) since the last ``take``; then zero (synchronises on CUDA)."""
+        if self._events:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            self._seconds += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+            self._events.clear()
+        out = (self._seconds, self._count)
+        self._seconds, self._count = 0.0, 0
+        return out
+
+
+class SavedActivationPeak:
+    """The peak of the bytes autograd holds for backward while the block runs (``with peak: ...``,
+    then ``peak.bytes``): every tensor saved for backward is counted once per storage from when it
+    is saved (``torch.autograd.graph.saved_tensors_hooks``) until its last saved view is released
+    (after the backward that used it), and storages in ``exclude`` (the parameters) are not
+    counted. Unlike a CUDA allocator peak it works on CPU and counts activations only; tensors that
+    are not saved for backward (transient buffers, the logits) are outside it. CPython releases an
+    object when its last reference goes, which is when the count drops."""
+
+    def __init__(self, exclude: set[int] | None = None):
+        self.exclude = exclude or set()
+        self.bytes = 0
+        self._live = 0
+        self._refs: dict[int, list[int]] = {}  # storage address -> [saved views alive, bytes]
+        self._hooks = None
+
+    def _release(self, key: int) -> None:
+        entry = self._refs[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self._live -= entry[1]
+            del self._refs[key]
+
+    def _pack(self, t):
+        import weakref
+
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.exclude and storage.nbytes() > 0:
+            if key not in self._refs:
+                self._refs[key] = [0, storage.nbytes()]
+                self._live += storage.nbytes()
+                self.bytes = max(self.bytes, self._live)
+            self._refs[key][0] += 1
+            weakref.finalize(t, self._release, key)
+        return t
+
+    def __enter__(self) -> SavedActivationPeak:
+        import torch
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
 
 
 def _cgroup_memory() -> list[tuple[str, int, int]]:

@@ -393,6 +393,44 @@ def staging_figure(staged: dict[str, dict], *, title: str = "Staging to node-loc
     return fig
 
 
+def split_label(row: dict) -> str:
+    """"dp 1 x tp 2 x pp 1" (with the schedule when pp > 1): a sweep_parallel row's split."""
+    sched = f" {row['pp_schedule']}" if row.get("pp") and row["pp"] > 1 and row.get("pp_schedule") else ""
+    return f"dp {row['dp']} x tp {row['tp']} x pp {row['pp']}{sched}"
+
+
+def parallel_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data, tensor and pipeline parallelism") -> go.Figure:
+    """Three panels per split of ``labkit.lab.sweep_parallel``: tokens/s (all ranks); the pipeline
+    bubble measured beside the planner's (p - 1)/(v·m + p - 1) (splits with pp > 1); the largest
+    rank's memory measured beside the planner's (MiB: parameters, gradients, AdamW moments and the
+    activations held for backward). Columns: dp, tp, pp, pp_schedule, tokens_per_s, pipeline_bubble,
+    planned_bubble, measured_total_bytes, planned_total_bytes. Raises ValueError naming missing columns."""
+    need = ["dp", "tp", "pp", "pp_schedule", "tokens_per_s", "pipeline_bubble", "planned_bubble",
+            "measured_total_bytes", "planned_total_bytes"]
+    d = _frame(df, need, "parallel_figure")
+    labels = [split_label(r) for r in d.iter_rows(named=True)]
+    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.09,
+                        subplot_titles=("throughput", "pipeline bubble", "memory of the largest rank"))
+    fig.add_trace(go.Bar(x=labels, y=d["tokens_per_s"].to_list(), name="tokens/s (measured)",
+                         marker={"color": COLORS["throughput"]}, hovertemplate="%{x}: %{y:.4s} tokens/s"), row=1, col=1)
+    piped = [i for i, p in enumerate(d["pp"].to_list()) if p > 1]
+    for col, colour, name in (("pipeline_bubble", COLORS["bar"], "bubble measured"),
+                              ("planned_bubble", COLORS["ideal"], "bubble planned")):
+        fig.add_trace(go.Bar(x=[labels[i] for i in piped], y=[d[col][i] for i in piped], name=name,
+                             marker={"color": colour}, hovertemplate="%{x}: %{y:.1%}"), row=1, col=2)
+    for col, colour, name in (("measured_total_bytes", COLORS["loss"], "memory measured"),
+                              ("planned_total_bytes", COLORWAY[3], "memory planned")):
+        fig.add_trace(go.Bar(x=labels, y=(d[col] / 2**20).to_list(), name=name, marker={"color": colour},
+                             hovertemplate="%{x}: %{y:.1f} MiB"), row=1, col=3)
+    fig.update_yaxes(title_text="tokens/s (all ranks)", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title_text="idle share of the schedule", tickformat=".0%", rangemode="tozero", row=1, col=2)
+    fig.update_yaxes(title_text="MiB per rank", rangemode="tozero", row=1, col=3)
+    fig.update_xaxes(tickangle=-30)
+    fig.update_layout(template=style(), title=title, barmode="group", height=480, width=1250,
+                      margin={"l": 70, "r": 30, "t": 80, "b": 140})
+    return fig
+
+
 def preparation_figure(report: dict, *, title: str | None = None) -> go.Figure:
     """Lesson 1 for the data actually used: bytes of the input files read per source kind, of
     the document dataset (corpus Parquet) and of the training data (shards), on a log axis, each

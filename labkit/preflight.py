@@ -95,7 +95,8 @@ def _index(data_dir: str, key: str) -> dict:
 def check_train(cfg: TrainConfig, *, engines: int, local: bool, key: str = "train") -> None:
     """Everything of a training run that needs no engine: the shard set exists and matches the
     run (sequence length, tokenizer file, a held-out split when ``eval_every`` asks for one), the
-    model preset and overrides, the device."""
+    model preset and overrides, the device, and a tensor/pipeline split against the preset and the
+    ``engines`` (``labkit.config.split.check_split``)."""
     check_model(cfg.model, cfg.model_overrides, key=f"{key}.model")
     check_device(cfg, local=local, key=key)
     index = _index(cfg.data_dir, f"{key}.data_dir")
@@ -109,6 +110,15 @@ def check_train(cfg: TrainConfig, *, engines: int, local: bool, key: str = "trai
                          "split (set shards.heldout_fraction > 0 and prepare again, or eval_every = 0)")
     if engines < 1:
         raise ValueError(f"cluster.engines: must be at least 1, got {engines}")
+    if cfg.tp * cfg.pp > 1:  # the model-parallel split against the preset and the engines
+        from labkit.config.split import check_split
+
+        shape = {k: v for k, v in model_presets()[cfg.model].items() if k != "source"}
+        mcfg = ModelConfig(**{**shape, "vocab_size": int(index.get("vocab_size", 30522)), **cfg.model_overrides})
+        try:
+            check_split(cfg, mcfg, engines, int(index.get("seq_len", 0)))
+        except ValueError as err:
+            raise ValueError(f"{key}.{err}") from None
 
 
 def check_prepare(cfg: LabConfig) -> None:

@@ -15,8 +15,9 @@
 # Two of the study's lessons, measured here: data-parallel training scales near-linearly
 # (weak scaling: the same micro-batch per rank, efficiency = tokens/s(n) / (n x tokens/s(1))),
 # and larger models fit smaller micro-batches. On CPU the "device memory" is a stated budget
-# per rank: model state at 16 bytes per parameter (fp32 weights and gradients, two AdamW
-# moments) plus the bytes autograd saves for backward, counted exactly.
+# per rank: the model state a DDP rank holds (fp32 weights, gradients as DDP's buckets, two AdamW
+# moments) plus the training step's own peak (the bytes autograd saves for backward, the held
+# logits and the backward's temporaries), counted exactly (`labkit.study.memory.plan_model`).
 #
 # Points already measured (in `sweeps/*.parquet`) are not rerun. The second half plans the
 # study's scale from formulas (`labkit.study.plan`, `labkit.study.scaling`): memory per GPU, the largest
@@ -83,12 +84,11 @@ mb
 plots.microbatch_figure(mb)
 
 # %% [markdown]
-# ### The planner against the measurement
-# The same budget, planned from formulas (`labkit.study.plan.saved_activation_bytes`, fp32 on CPU)
-# instead of measured with autograd's saved-tensor hooks, by the same arithmetic as the
-# measurement (`plan.max_micro_batch`): bytes per sequence = bytes(b=3) - bytes(b=2), since
-# b = 1 sits off the line in both (some kernels take other paths at batch 1), then the
-# largest b whose state + bytes(b) fits.
+# ### The count and the formula that explains it
+# The sweep's answer is `plan_model`'s count; `labkit.study.plan.activation_terms` writes the
+# same bytes as a formula (fp32 on CPU, SDPA's math path with attention dropout): its bytes
+# per sequence equal the counted ones. The transients (held logits, their gradient, the
+# backward's temporaries) are counted only: the formula explains the saved activations.
 
 # %%
 from labkit.study import parallel, plan
@@ -97,19 +97,34 @@ from labkit.model import count_parameters, model_config
 rows = []
 for r in mb.iter_rows(named=True):
     cfg = model_config(r["model"], index["vocab_size"])
-
-    def saved(b, cfg=cfg, r=r):
-        return plan.saved_activation_bytes(cfg, r["seq_len"], b, precision="fp32", attention="eager", device="cpu")
-
-    slope = saved(3) - saved(2)
-    planned = max(0, (r["budget_bytes"] - r["state_bytes"] - (saved(2) - 2 * slope)) // slope)
-    while planned > 0 and r["state_bytes"] + saved(planned) > r["budget_bytes"]:
-        planned -= 1
-    while r["state_bytes"] + saved(planned + 1) <= r["budget_bytes"]:
-        planned += 1
-    rows.append({"model": r["model"], "measured": r["max_micro_batch"], "planned": int(planned),
-                 "act_bytes_per_sample_measured": r["act_bytes_per_sample"], "act_bytes_per_sample_planned": slope})
+    formula = (plan.saved_activation_bytes(cfg, r["seq_len"], 3, precision="fp32", attention="eager", device="cpu")
+               - plan.saved_activation_bytes(cfg, r["seq_len"], 2, precision="fp32", attention="eager", device="cpu"))
+    rows.append({"model": r["model"], "max_micro_batch (counted)": r["max_micro_batch"],
+                 "bytes per sequence (counted)": r["act_bytes_per_sample"], "bytes per sequence (formula)": formula,
+                 "transient bytes (counted)": r.get("transient_bytes")})
 pl.DataFrame(rows)
+
+# %% [markdown]
+# ### A GPU plan, counted
+# The same counting answers for a GPU: `plan_model` runs the step on this CPU and keeps what CUDA
+# keeps (its fused attention kernel, 1-byte dropout masks, its fp32 autocast ops), stating each
+# choice. Here this notebook's model on an H100 NVL in bf16, beside the formula planner
+# (`plan.memory_plan`) at the counted micro-batch. `labkit plan --model-module FILE.py:FACTORY`
+# does the same for a model you wrote yourself.
+
+# %%
+from labkit.study.memory import labkit_model, plan_model
+
+mcfg = model_config(model, index["vocab_size"])
+counted = plan_model(*labkit_model(mcfg, index["seq_len"]), device="H100 NVL", precision="bf16", name=model)
+formula = plan.planned_max_micro_batch(mcfg, device="H100 NVL", seq_len=index["seq_len"], precision="bf16")
+print("\n".join(counted["corrections"]))
+pl.DataFrame([{"model": model, "seq_len": index["seq_len"], "counted max micro-batch": counted["max_micro_batch"],
+               "formula max micro-batch": formula["max_micro_batch"],
+               "counted GB per sequence": (counted["activation_bytes_per_sequence"]
+                                           + counted["transient_terms"]["held_outputs_per_sequence"]
+                                           + counted["transient_terms"]["backward_per_sequence"]) / 1e9,
+               "FLOPs per token (FlopCounterMode)": counted["flops_per_token"]}])
 
 # %% [markdown]
 # ## Throughput per model size at all ranks

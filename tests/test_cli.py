@@ -209,6 +209,12 @@ def test_values_are_refused_before_any_engine_starts(tmp_path):
         "train.seq_len: 128, but the shards": ["train", c, "--set", "train.seq_len=128"],
         "train.eval_every: 5, but the shards": ["train", c, "--set", "train.eval_every=5"],
         "train.tokenizer_path: /no/tok.json does not exist": ["train", c, "--set", 'train.tokenizer_path="/no/tok.json"'],
+        "train.sharding: 'ddp' does not compose with tp/pp > 1": ["train", c, "--tp", "2"],
+        "train.tp/pp: world size 2 is not divisible by tp x pp = 4 x 1": [
+            "train", c, "--tp", "4", "--set", 'train.sharding="replicate"'],
+        "train.pp: 1 layers cannot fill pp x pp_virtual_stages = 2 x 1": [
+            "sweep", "parallel", c, "--set", "train.pp=2", "--set", 'train.sharding="replicate"',
+            "--set", "train.grad_accum_steps=2", "--set", "train.model_overrides={num_layers=1}"],
         "--ranks: [3] outside 1..2": ["sweep", "ranks", c, "--ranks", "1", "3"],
         "--models: unknown model preset 'bert-9b'": ["sweep", "micro-batch", c, "--models", "tiny", "bert-9b"],
         "--budget-gb: 100000.0 GiB per rank is more than": ["sweep", "micro-batch", c, "--budget-gb", "100000"],

@@ -141,3 +141,17 @@ def test_report_of_the_train_notebook(walkthrough):
 
     assert check_report(html)["ok"]
     assert json.loads((work / "runs" / "notebook-03" / "result.json").read_text())["steps"] == 4
+
+
+def test_parallel_sweep_of_the_walkthrough(walkthrough):
+    """``labkit sweep parallel configs/walkthrough.toml``: every dp x tp x pp split of the 2 engines
+    trained, measured and planned, in sweeps/parallel.parquet."""
+    import polars as pl
+
+    work, proc = walkthrough
+    table = pl.read_parquet(work / "sweeps" / "parallel.parquet")
+    assert [(r["dp"], r["tp"], r["pp"], r["pp_schedule"]) for r in table.iter_rows(named=True)] == [
+        (2, 1, 1, None), (1, 2, 1, None), (1, 1, 2, "1f1b"), (1, 1, 2, "gpipe")]
+    assert (table["tokens_per_s"] > 0).all() and (table["global_batch_size"] == 64).all()
+    assert (table["measured_state_bytes"] == table["planned_state_bytes"]).all()
+    assert (table.filter(pl.col("pp") > 1)["pipeline_bubble"] > 0).all()

@@ -109,3 +109,46 @@ def test_scaling_efficiency_closed_form():
     assert measure.scaling_efficiency(1000.0, 1000.0, 1) == 1.0
     with pytest.raises(ValueError, match="throughput_1"):
         measure.scaling_efficiency(1.0, 0.0, 2)
+
+
+def test_bubble_fraction_of_a_gpipe_timeline():
+    """2 stages, 1 micro-batch, forward 1 s and backward 2 s each: both ranks are in the pipeline
+    for 6 s and compute 3 s each, GPipe's (p - 1)/(m + p - 1) = 1/2."""
+    assert measure.bubble_fraction(busy_s=3.0 + 3.0, span_s=2 * 6.0) == 0.5
+    with pytest.raises(ValueError, match="span_s"):
+        measure.bubble_fraction(1.0, 0.0)
+
+
+def test_interval_timer_sums_intervals_and_restarts():
+    import time
+
+    timer = measure.IntervalTimer(torch.device("cpu"))
+    for _ in range(3):
+        with timer:
+            time.sleep(0.01)
+    seconds, n = timer.take()
+    assert n == 3 and 0.03 <= seconds < 1.0
+    assert timer.take() == (0.0, 0)
+
+
+def test_saved_activation_peak_against_the_planner_and_its_release():
+    """The peak of saved-for-backward bytes of one BertMLM step equals the planner's exact count
+    (``labkit.study.plan.saved_activation_bytes``), and backward releases them."""
+    from labkit.model import BertMLM, model_config
+    from labkit.study import plan
+
+    cfg = model_config("tiny", 300, max_position_embeddings=64, sparse_head=False, hidden_dropout=0.0,
+                       attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = BertMLM(cfg).train()
+    ids = torch.randint(5, 300, (3, 64))
+    labels = torch.where(torch.rand(3, 64) < 0.15, ids, -100)
+    peak = measure.SavedActivationPeak({p.untyped_storage().data_ptr() for p in model.parameters()})
+    with peak:
+        out = model(ids, torch.ones_like(ids, dtype=torch.bool), labels)
+        at_forward_end = peak._live
+        out.loss_sum.backward()
+        del out
+    assert peak.bytes == at_forward_end == plan.saved_activation_bytes(cfg, 64, 3, precision="fp32", device="cpu",
+                                                                        attention="flash")
+    assert peak._live < peak.bytes // 100  # released by backward (the ids and labels stay alive here)

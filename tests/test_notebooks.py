@@ -21,7 +21,8 @@ import pytest
 
 from labkit.config import CleanConfig, CorpusConfig, ShardConfig, TokenizerConfig
 
-NOTEBOOKS = ("00_cluster", "01_prepare", "02_stage_and_load", "03_train", "04_scaling", "05_scaling_laws")
+NOTEBOOKS = ("00_cluster", "01_prepare", "02_stage_and_load", "03_train", "04_scaling", "05_scaling_laws",
+             "06_model_parallel")
 ROOT = Path(__file__).resolve().parent.parent
 PARAMS = {"engines": 2, "model": "tiny", "micro_batch_size": 8, "max_functions": 3000, "vocab_size": 1024,
           "seq_len": 64, "steps": 6, "sweep_steps": 3, "sweep_models": ["tiny", "mini"], "memory_budget_gb": 0.25,
@@ -138,6 +139,14 @@ def test_notebooks_execute_and_export_offline_reports(reports, workdir):
     shown = "".join(o.get("data", {}).get("text/plain", "") for c in nb04.cells if c.cell_type == "code"
                     for o in c.get("outputs", []))
     assert re.search(r"┆ 184\s+│", shown), "the study's micro-batch (184) is not shown beside the plan"
+    # notebook 06: every split of 2 engines, measured beside the planner
+    splits = pl.read_parquet(workdir / "sweeps" / "parallel.parquet")
+    assert [(r["dp"], r["tp"], r["pp"], r["pp_schedule"]) for r in splits.iter_rows(named=True)] == [
+        (2, 1, 1, None), (1, 2, 1, None), (1, 1, 2, "1f1b"), (1, 1, 2, "gpipe")]
+    assert (splits["measured_state_bytes"] == splits["planned_state_bytes"]).all()
+    piped = splits.filter(pl.col("pp") > 1)
+    assert (piped["pipeline_bubble"] > 0).all() and (piped["planned_bubble"] == 0.2).all()
+    assert splits.filter(pl.col("tp") > 1)["tp_comm_s"].drop_nulls().len() == 1
 
 
 

@@ -142,6 +142,10 @@ def _all_figures() -> dict:
                                 frontier=pl.DataFrame([laws.compute_optimal(c) for c in (1e10, 1e11)])),
         "memory": plots.memory_figure(pl.DataFrame([p | {"label": "120m"}]), capacity_bytes=94e9),
         "staging": plots.staging_figure({"n0": {"bytes": 1e6, "seconds": 0.1, "mb_per_s": 10.0}}),
+        "parallel": plots.parallel_figure(pl.DataFrame({
+            "dp": [2, 1], "tp": [1, 1], "pp": [1, 2], "pp_schedule": [None, "1f1b"], "tokens_per_s": [100.0, 90.0],
+            "pipeline_bubble": [None, 0.25], "planned_bubble": [0.0, 0.2], "measured_total_bytes": [2**21, 2**20],
+            "planned_total_bytes": [2**21, 2**20]})),
     }
 
 
@@ -188,3 +192,17 @@ def test_throughput_figure_flags_rows_measured_on_a_busy_machine():
     busy = _trace(fig, "busy machine (load >= CPUs)")
     assert list(busy.x) == [2] and list(busy.y) == [110.0] and list(busy.customdata[0]) == [3.5, 2]
     assert [t.name for t in plots.throughput_figure(df.with_columns(busy=pl.lit(False))).data] == ["ideal", "measured"]
+
+
+def test_parallel_figure_three_panels_measured_beside_planned():
+    df = pl.DataFrame({"dp": [2, 1, 1], "tp": [1, 2, 1], "pp": [1, 1, 2], "pp_schedule": [None, None, "gpipe"],
+                       "tokens_per_s": [100.0, 80.0, 90.0], "pipeline_bubble": [None, None, 0.25],
+                       "planned_bubble": [0.0, 0.0, 0.2], "measured_total_bytes": [2**21, 2**20, 3 * 2**20],
+                       "planned_total_bytes": [2**21, 2**20, 3 * 2**20]})
+    fig = plots.parallel_figure(df)
+    names = [t.name for t in fig.data]
+    assert names == ["tokens/s (measured)", "bubble measured", "bubble planned", "memory measured", "memory planned"]
+    assert list(fig.data[1].x) == ["dp 1 x tp 1 x pp 2 gpipe"] and list(fig.data[1].y) == [0.25]  # pp > 1 only
+    assert list(fig.data[3].y) == [2.0, 1.0, 3.0]  # MiB
+    with pytest.raises(ValueError, match="planned_bubble"):
+        plots.parallel_figure(df.drop("planned_bubble"))

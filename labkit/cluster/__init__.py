@@ -17,10 +17,10 @@ from labkit.cluster.engines import (ENGINE_KINDS, connect_cluster, engine_logs, 
 from labkit.cluster.network import interface_address
 from labkit.cluster.launch import DDPError, progress_bar, run_ddp, run_ddp_resumable
 from labkit.cluster.topology import (LOCAL_ID_ENVS, NODE_ENV, assign_ranks, engine_info, node_name, per_node,
-                                     set_local_roots, set_node_names)
+                                     set_local_roots, set_node_names, tensor_parallel_groups)
 
 __all__ = ["DDPError", "ENGINE_KINDS", "EngineStartError", "interface_address", "registered",
            "LOCAL_ID_ENVS", "NODE_ENV", "assign_ranks", "connect_cluster", "engine_info",
            "engine_logs", "get_client", "list_clusters", "node_name", "per_node", "progress_bar", "restart_engines",
            "run_ddp", "run_ddp_resumable", "secure_connection_files", "set_local_roots", "set_node_names", "slurm_batch_template",
-           "start_cluster", "stop_cluster"]
+           "start_cluster", "stop_cluster", "tensor_parallel_groups"]

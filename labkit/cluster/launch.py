@@ -32,7 +32,7 @@ from ipyparallel import error as ipp_error
 from labkit.cluster.engine_watch import death_cause, unreachable
 from labkit.cluster.engines import get_client, restart_engines
 from labkit.config import TrainConfig
-from labkit.cluster.topology import assign_ranks, engine_info
+from labkit.cluster.topology import assign_ranks, engine_info, tensor_parallel_groups
 
 
 class DDPError(RuntimeError):
@@ -448,8 +448,16 @@ def train_on_cluster(client, cfg: TrainConfig, *, targets: list[int] | None = No
     With ``staged`` (the output of ``stage``), each rank reads the copy on its own node: the
     engine's node name picks ``staged[node]["path"]``. Returns rank 0's result dict (the same
     as ``<run_dir>/result.json``). ``live(records)`` is called about once a second with rank 0's
-    recent metric records.
+    recent metric records. With tp or pp > 1 (``labkit.train.parallel``) the split is checked
+    here first: tp x pp must divide the engines and each tensor-parallel group must sit on one
+    node (``labkit.cluster.topology.tensor_parallel_groups``); ValueError otherwise.
     """
+    if cfg.tp * cfg.pp > 1:
+        from labkit.train.parallel import split_of
+
+        infos = engine_info(client, targets, timeout=60)
+        split_of(cfg, len(infos))
+        tensor_parallel_groups(infos, cfg.tp)
     kwargs: dict[str, Any] = {}
     if staged is not None:
         kwargs["staged_paths"] = {node: info["path"] for node, info in staged.items()}

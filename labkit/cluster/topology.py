@@ -128,3 +128,21 @@ def per_node(client: ipp.Client, fn: Callable, *args: Any, timeout: float | None
         first.setdefault(i["node"], i["engine_id"])
     ars = {node: client[eid].apply_async(fn, *args, **kwargs) for node, eid in sorted(first.items())}
     return {node: ar.get(timeout=timeout) for node, ar in ars.items()}
+
+
+def tensor_parallel_groups(infos: list[dict], tp: int) -> list[list[int]]:
+    """The tensor-parallel groups of a run on these engines, as engine ids: ranks k·tp .. k·tp + tp - 1
+    of ``assign_ranks``'s order (``labkit.train.parallel``'s mesh puts tp innermost), which must each
+    sit on one node, since every layer all-reduces within its group twice per micro-batch.
+    Raises ValueError naming the first group that spans nodes and the engines per node."""
+    env = assign_ranks(infos, master_port=1)
+    order = sorted(env, key=lambda e: int(env[e]["RANK"]))
+    node = {i["engine_id"]: i["node"] for i in infos}
+    groups = [order[k:k + tp] for k in range(0, len(order), tp)]
+    for k, group in enumerate(groups):
+        nodes = sorted({node[e] for e in group})
+        if len(nodes) > 1:
+            counts = {nd: sum(1 for i in infos if i["node"] == nd) for nd in sorted(set(node.values()))}
+            raise ValueError(f"tp: the tensor-parallel group of ranks {k * tp}-{k * tp + len(group) - 1} spans nodes "
+                             f"{nodes}; tp {tp} must divide every node's engine count {counts}")
+    return groups

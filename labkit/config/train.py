@@ -16,7 +16,8 @@ class TrainConfig:
     """One MLM pretraining run (``labkit.train.train``). Rank and world size come from the
     environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), as under torchrun.
 
-    global batch size = micro_batch_size * grad_accum_steps * world size (sequences).
+    global batch size = micro_batch_size * grad_accum_steps * dp (sequences), dp = world size /
+    (tp * pp) the data-parallel degree (the world size itself without model parallelism).
     """
 
     data_dir: str
@@ -86,11 +87,28 @@ class TrainConfig:
     stop_after: int | None = None
     """Stop (checkpointing) after this many optimiser steps as if interrupted; the schedule still
     follows max_steps, so a resumed run continues it exactly. None runs to max_steps."""
-    sharding: Literal["ddp", "zero1", "fsdp"] = "ddp"
+    sharding: Literal["ddp", "zero1", "fsdp", "replicate"] = "ddp"
     """Data-parallel memory strategy (ZeRO stages, arXiv:1910.02054): ddp replicates everything;
     zero1 shards the AdamW moments (torch's ZeroRedundancyOptimizer); fsdp shards parameters,
     gradients and moments with FSDP2 ``fully_shard`` (ZeRO-3, or ZeRO-2-style with
-    fsdp_reshard_after_forward=False). Ignored in a single process."""
+    fsdp_reshard_after_forward=False). Ignored in a single process. With tp or pp > 1 (over the
+    dp dimension): fsdp, or replicate (whole copies, gradients averaged over dp after each
+    backward); ddp and zero1 do not compose with a split model (``labkit.train.parallel``)."""
+    tp: int = 1
+    """Tensor-parallel degree: ranks that split each layer's heads and FFN width and the word
+    embedding / decoder by vocabulary (Megatron-LM, arXiv:1909.08053); a group is tp consecutive
+    ranks, on one node. dp = world size / (tp * pp)."""
+    pp: int = 1
+    """Pipeline-parallel degree: stages the layers are split into (``labkit.train.pipeline``); the
+    grad_accum_steps micro-batches of a step flow through them."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    """Pipeline schedule (torch.distributed.pipelining): GPipe (arXiv:1811.06965), 1F1B or
+    interleaved 1F1B (arXiv:2104.04473 section 2.2)."""
+    pp_virtual_stages: int = 1
+    """Stages per pipeline rank: 1, or at least 2 with interleaved_1f1b."""
+    sequence_parallel: bool = False
+    """With tp > 1: split the residual stream along the sequence between the layers (norms and
+    dropout on 1/tp of the positions; arXiv:2205.05198 section 4.2.2)."""
     fsdp_reshard_after_forward: bool = True
     """fsdp: free the gathered parameters after each layer's forward (ZeRO-3) or keep them until
     backward (False: ZeRO-2-style, more memory, one all-gather less per layer)."""
@@ -131,7 +149,7 @@ class TrainConfig:
     "tensorboard" writes event files under run_dir/tensorboard; () writes none."""
 
     def __post_init__(self) -> None:
-        _one_of(self.sharding, "sharding", ("ddp", "zero1", "fsdp"))
+        _one_of(self.sharding, "sharding", ("ddp", "zero1", "fsdp", "replicate"))
         for name in ("micro_batch_size", "grad_accum_steps", "max_steps", "log_every", "keep_checkpoints"):
             _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
         _require(self.lr > 0, "lr", "must be positive")
@@ -152,6 +170,34 @@ class TrainConfig:
         _require(self.eval_sequences > 0, "eval_sequences", f"must be positive, got {self.eval_sequences}")
         _require(self.eval_batch_size is None or self.eval_batch_size > 0, "eval_batch_size",
                  f"must be positive or None, got {self.eval_batch_size}")
+        self._check_model_parallel()
+
+    def _check_model_parallel(self) -> None:
+        """One-line refusals of tp / pp settings that cannot work whatever the model and world size
+        (those that depend on them: ``labkit.train.parallel.check_split``)."""
+        for name in ("tp", "pp", "pp_virtual_stages"):
+            _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        _one_of(self.pp_schedule, "pp_schedule", ("gpipe", "1f1b", "interleaved_1f1b"))
+        split, m = self.tp * self.pp > 1, self.grad_accum_steps
+        _require(not split or self.sharding in ("fsdp", "replicate"), "sharding",
+                 f"{self.sharding!r} does not compose with tp/pp > 1 (DDP drops tensor-parallel parameters and "
+                 "asserts inside a pipeline stage); use 'fsdp' or 'replicate'")
+        _require(split or self.sharding != "replicate", "sharding",
+                 "'replicate' is the data-parallel side of tp/pp > 1 runs; with tp = pp = 1 use 'ddp'")
+        _require(self.tp > 1 or not self.sequence_parallel, "sequence_parallel", "needs tp > 1")
+        _require(self.pp > 1 or self.pp_virtual_stages == 1, "pp_virtual_stages", "needs pp > 1")
+        interleaved = self.pp_schedule == "interleaved_1f1b"
+        _require(self.pp == 1 or interleaved == (self.pp_virtual_stages > 1), "pp_virtual_stages",
+                 f"{self.pp_virtual_stages} with pp_schedule {self.pp_schedule!r}: interleaved_1f1b runs "
+                 "2 or more stages per rank, gpipe and 1f1b one")
+        _require(self.pp == 1 or self.pp_schedule == "gpipe" or m >= self.pp, "grad_accum_steps",
+                 f"{self.pp_schedule} needs at least as many micro-batches as stages: {m} < pp {self.pp}")
+        rounds = max(1, m // self.pp)
+        _require(self.pp == 1 or not interleaved or m % rounds == 0, "grad_accum_steps",
+                 f"interleaved_1f1b needs a multiple of {rounds} micro-batches (rounds of pp {self.pp}), got {m}")
+        _require(not split or self.precision != "fp16", "precision",
+                 "fp16 is not checked with tp/pp > 1 (its loss scaler would see split gradients); use bf16 or fp32")
+        _require(not split or not self.compile, "compile", "torch.compile is not checked with tp/pp > 1")
 
 
 def default_workdir() -> str:

@@ -1,7 +1,12 @@
 """Measuring and predicting how pretraining scales.
 
-- ``labkit.study.plan``: the activation-memory model (``activation_terms``), model state under
-  ZeRO, the memory plan of one GPU, and the one largest-micro-batch search (``largest_fitting``);
+- ``labkit.study.memory``: ``plan_model``, the largest micro-batch of any model on one rank,
+  counted (state per rank as training holds it, activations, transients, FLOPs per token);
+- ``labkit.study.counting``: the count behind it (saved tensors, the step's live peak, FLOPs),
+  on fake or CPU tensors; ``labkit.study.cuda_like``: what a CUDA GPU keeps, counted on the CPU;
+- ``labkit.study.plan``: the activation-memory formula that explains the count
+  (``activation_terms``), model state under ZeRO, the memory plan of one GPU, and the one
+  largest-micro-batch search (``largest_fitting``);
 - ``labkit.study.parallel``: DP x TP x PP splits at the study's scale;
 - ``labkit.study.gpu``: the planner against a real GPU (needs CUDA);
 - ``labkit.study.scaling``: the data-parallel network model (bucketed ring all-reduce);

@@ -20,45 +20,31 @@ forward and backward of ``model(**batch)`` (train mode) per micro-batch and coun
 
 It runs on fake tensors (``torch._subclasses.fake_tensor.FakeTensorMode``: the shapes, dtypes,
 strides and views of real tensors, no data, no arithmetic) when the model allows it, else on
-real CPU tensors; a model that reads a tensor's value on the host (``int(t)``, ``bool(t)``:
-labkit's sparse MLM head counts its masked positions) needs real ones. Both give the same bytes.
+real CPU tensors. A model may read integer data on the host (``int(t)``, ``bool(t)``, a
+boolean-mask index: labkit's sparse MLM head counts its masked positions, transformers checks
+its attention mask): ``_IntegerShadow`` answers those from real copies of the integer tensors;
+a model that reads floating data on the host needs real tensors. Both give the same bytes.
 
-``cuda=True`` counts what the step keeps on a CUDA GPU instead (``CudaLike``), since this
-CPU build of torch cannot trace CUDA tensors through autograd: dropout keeps a 1-byte mask
-(CUDA's fused ``native_dropout``), attention keeps what CUDA's fused SDPA kernels keep, and
-autocast runs CUDA's fp32 ops in fp32. Limits: docs/measurement.md, "Counting a model".
+``cuda=True`` counts what the step keeps on a CUDA GPU instead (``labkit.study.cuda_like``),
+since this CPU build of torch cannot trace CUDA tensors through autograd. Limits:
+docs/measurement.md, "Counting a model".
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+from labkit.study.cuda_like import CudaLike
 
-CUDA_FP32_OPS = frozenset({
-    # AT_FORALL_FP32 and AT_FORALL_FP32_SET_OPT_DTYPE of pytorch/pytorch v2.13
-    # aten/src/ATen/autocast_mode.h, by Python name (functions, methods and operators)
-    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal",
-    "rsqrt", "sinh", "tan", "pow", "__pow__", "__rpow__", "softplus", "layer_norm", "rms_norm", "group_norm",
-    "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "hinge_embedding_loss",
-    "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss",
-    "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
-    "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
-    "prod", "softmax", "log_softmax", "cumprod", "cumsum", "sum", "norm", "cross_entropy"})
-"""Ops CUDA's autocast runs in fp32 (casting 16-bit floating inputs up); ``cross_entropy`` is
-there as its parts are (log_softmax, nll_loss). CPU autocast leaves several of them (softmax,
-layer_norm, pow, ...) in the input's dtype."""
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 _FAKE_REFUSALS = (torch._subclasses.fake_tensor.DataDependentOutputException,
                   torch._subclasses.fake_tensor.DynamicOutputShapeException,
@@ -120,94 +106,72 @@ class _LiveStorages(TorchDispatchMode):
         return best
 
 
-def cuda_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any) -> str:
-    """The SDPA kernel CUDA (sm80 and newer) picks for these inputs, as far as memory goes:
-    "flash" (16-bit, no mask, head dim <= 256), else "efficient" (last dims divisible by 8 in
-    16-bit, 4 in fp32: ``minimum_gemm_alignment``), else "math". Source: pytorch/pytorch
-    aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (``check_head_dim_size_flash``,
-    ``check_head_dim_size_mem_efficient``; the flash -> efficient -> math order, with cuDNN's
-    kernel first on sm90 when the cuDNN runtime allows, which keeps what flash keeps)."""
-    half = q.dtype in (torch.float16, torch.bfloat16)
-    d, dv = q.shape[-1], v.shape[-1]
-    if half and attn_mask is None and d == k.shape[-1] == dv and d <= 256:
-        return "flash"
-    align = 8 if half else 4
-    if d == k.shape[-1] and d % align == 0 and dv % align == 0 and d > 0 and dv > 0:
-        return "efficient"
-    return "math"
+class _IntegerShadow(TorchDispatchMode):
+    """Answers a fake-tensor model's host-side reads of integer data: every non-floating tensor
+    derived from the batch's integer inputs (ids, labels, masks) and from integer factories
+    (``arange``) keeps a real copy beside its fake one, computed on the CPU (cheap: [b, s] index
+    arithmetic). An op fake tensors cannot answer (``item()``/``bool()`` of such a tensor, a
+    boolean-mask index, ``nonzero``) is answered from the real copies; a read of floating data
+    still refuses, and the model then runs on CPU tensors. This lets labkit's sparse head (which
+    counts its masked positions) and transformers' mask checks run on fake tensors."""
 
+    def __init__(self, fake_mode) -> None:
+        super().__init__()
+        from torch.utils.weak import WeakIdKeyDictionary
 
-class _FusedAttention(torch.autograd.Function):
-    """SDPA whose saved tensors are those of CUDA's fused kernels (``derivatives.yaml`` of
-    pytorch/pytorch v2.13, ``_scaled_dot_product_{flash,efficient}_attention``): query, key,
-    value, the output and an fp32 log-sum-exp [B, heads, rows] (rows = query length, rounded
-    up to a multiple of 32 by the memory-efficient kernel), and the mask when one is passed.
-    No s x s scores. For counting: its backward returns zero gradients of the right shapes."""
+        self.fake_mode, self.real = fake_mode, WeakIdKeyDictionary()
 
-    @staticmethod
-    def forward(ctx, q, k, v, mask, kernel, dropout_p, is_causal, scale, enable_gqa):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=is_causal,
-                                             scale=scale, enable_gqa=enable_gqa)
-        rows = q.shape[-2] if kernel == "flash" else 32 * math.ceil(q.shape[-2] / 32)
-        lse = torch.empty(*q.shape[:-2], rows, dtype=torch.float32, device=q.device)
-        ctx.save_for_backward(q, k, v, out, lse, *([mask] if isinstance(mask, torch.Tensor) else []))
+    def shadowed(self, real: torch.Tensor) -> torch.Tensor:
+        """The fake tensor for ``real`` (kept as its shadow when it is not floating)."""
+        fake = self.fake_mode.from_tensor(real)
+        if not (real.is_floating_point() or real.is_complex()):
+            self.real[fake] = real
+        return fake
+
+    def _real(self, x):
+        return self.real.get(x, x) if isinstance(x, torch.Tensor) else x
+
+    def _integer_indices(self, indices):
+        """``indices`` of an index op with each known boolean mask replaced by the integer
+        positions of its True entries (as torch expands it), so the result's shape is known."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        out = []
+        for idx in indices:
+            if isinstance(idx, torch.Tensor) and idx.dtype == torch.bool and idx in self.real:
+                with unset_fake_temporarily():
+                    cols = self.real[idx].nonzero().unbind(1)
+                out.extend(self.shadowed(c) for c in cols)
+            else:
+                out.append(idx)
         return out
 
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v = ctx.saved_tensors[:3]
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None, None, None, None
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.utils._pytree import tree_map
 
-
-def _sdpa_args(args, kwargs):
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    defaults = (None, None, None, None, 0.0, False, None, False)
-    got = dict(zip(names, defaults)) | dict(zip(names, args)) | kwargs
-    return [got[n] for n in names]
-
-
-class CudaLike(TorchFunctionMode):
-    """Make a CPU forward keep what the same forward keeps on a CUDA GPU (see the module
-    docstring). Intercepts, by the Python function called: ``F.dropout`` (training) ->
-    ``torch.native_dropout`` (1-byte bool mask, as CUDA's ``is_fused_kernel_acceptable`` path in
-    aten/src/ATen/native/Dropout.cpp); ``F.scaled_dot_product_attention`` -> ``_FusedAttention``
-    when ``cuda_attention_kernel`` is flash or efficient (math stays math); and, while autocast is
-    on, ``CUDA_FP32_OPS`` with their 16-bit floating inputs cast to fp32. ``kernels`` lists the
-    attention kernel chosen per SDPA call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.kernels: list[str] = []
-        self.dropouts = 0
-        self.upcast: set[str] = set()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.dropout:
-            names = ("input", "p", "training", "inplace")
-            got = dict(zip(names, (None, 0.5, True, False))) | dict(zip(names, args)) | kwargs
-            if got["training"] and 0.0 < got["p"] < 1.0 and not got["inplace"]:
-                self.dropouts += 1
-                return torch.native_dropout(got["input"], got["p"], True)[0]
-        elif func is F.scaled_dot_product_attention:
-            q, k, v, mask, p, causal, scale, gqa = _sdpa_args(args, kwargs)
-            dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
-            if dtype is not None:  # autocast casts SDPA's floating inputs first (lower-precision op)
-                q, k, v = (t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
-                mask = mask.to(dtype) if isinstance(mask, torch.Tensor) and mask.is_floating_point() else mask
-            kernel = cuda_attention_kernel(q, k, v, mask)
-            self.kernels.append(kernel)
-            if kernel != "math":
-                with torch.autocast("cpu", enabled=False):
-                    return _FusedAttention.apply(q, k, v, mask, kernel, p, causal, scale, gqa)
-        elif torch.is_autocast_enabled("cpu") and getattr(func, "__name__", "") in CUDA_FP32_OPS:
-            up = (lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16)
-                  else t)
-            if any(isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16)
-                   for t in (*args, *kwargs.values())):
-                self.upcast.add(func.__name__)
-            args, kwargs = tuple(up(a) for a in args), {k: up(v) for k, v in kwargs.items()}
-        return func(*args, **kwargs)
+        if func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default):
+            args = (args[0], self._integer_indices(args[1]), *args[2:])  # x[mask]: the mask's positions, known
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        known = all(t in self.real for t in tensors)
+        try:
+            out = func(*args, **kwargs)
+        except (torch._subclasses.fake_tensor.DataDependentOutputException,
+                torch._subclasses.fake_tensor.DynamicOutputShapeException):
+            if not (known and tensors):
+                raise
+            with unset_fake_temporarily():
+                real = func(*tree_map(self._real, args), **tree_map(self._real, kwargs))
+            return tree_map(lambda r: self.shadowed(r) if isinstance(r, torch.Tensor) else r, real)
+        if known:  # keep the real copies of integer results (views stay views of their real base)
+            fakes = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            if fakes and not any(t.is_floating_point() or t.is_complex() for t in fakes):
+                with unset_fake_temporarily():
+                    real = func(*tree_map(self._real, args), **tree_map(self._real, kwargs))
+                for fake, r in zip(fakes, [r for r in tree_leaves(real) if isinstance(r, torch.Tensor)]):
+                    self.real[fake] = r
+        return out
 
 
 def _flops_mapping() -> dict:
@@ -254,7 +218,7 @@ def _one_step(model: torch.nn.Module, batch: dict[str, Any], *, precision: str, 
     dtype = AUTOCAST[precision]
     tracker = _LiveStorages(state)
     counter = None
-    emulate = CudaLike() if cuda and not flops else None
+    emulate = CudaLike() if cuda and not flops else None  # labkit.study.cuda_like
     with contextlib.ExitStack() as stack:
         if flops:
             from torch.utils.flop_counter import FlopCounterMode
@@ -319,10 +283,13 @@ def count_steps(make_model: Callable[[], torch.nn.Module], make_batch: Callable[
     "fp32", or "bf16"/"fp16" autocast. ``cuda``: count what a CUDA GPU would keep
     (``CudaLike``). ``flops_at``: also count FLOPs at this micro-batch. ``fake``: try fake
     tensors first. ``param_dtype``: run the forward with the parameters in this dtype (FSDP's
-    mixed-precision policy); the parameter table keeps the dtype ``make_model`` gave. Returns {"method" ("fake tensors" or "CPU tensors"), "fake_refused" (why fake
-    tensors could not run the model, or None), "counts" {b: {saved_bytes, param_cast_bytes,
-    held_bytes, peak_bytes, attention_kernels, tokens}}, "flops" (fwd + bwd at flops_at, or None),
-    "flops_tokens", "parameters" (``parameter_table``), "model_class"}. Errors of the model itself propagate.
+    mixed-precision policy); the parameter table keeps the dtype ``make_model`` gave.
+
+    Returns {"method" ("fake tensors" or "CPU tensors"), "fake_refused" (why fake tensors could
+    not run the model, or None), "counts" {b: {saved_bytes, param_cast_bytes, held_bytes,
+    peak_bytes, attention_kernels, dropout_calls, fp32_ops, tokens}}, "flops" (fwd + bwd at
+    flops_at, or None), "flops_tokens", "parameters" (``parameter_table``), "model_class"}.
+    Errors of the model itself propagate.
     """
     if precision not in AUTOCAST:
         raise ValueError(f"precision: got {precision!r}; allowed values are {tuple(AUTOCAST)}")
@@ -331,8 +298,18 @@ def count_steps(make_model: Callable[[], torch.nn.Module], make_batch: Callable[
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         try:
-            with FakeTensorMode(allow_non_fake_inputs=True):
-                return _count(make_model, make_batch, micro_batches, precision, cuda, flops_at, param_dtype) | \
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            shadow = _IntegerShadow(mode)
+
+            def fake_batch(b: int) -> dict[str, Any]:  # the real batch (ids: cheap), then its fake twin
+                from torch.utils._python_dispatch import _disable_current_modes
+
+                with _disable_current_modes():
+                    batch = make_batch(b)
+                return {k: shadow.shadowed(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+            with mode, shadow:
+                return _count(make_model, fake_batch, micro_batches, precision, cuda, flops_at, param_dtype) | \
                     {"method": "fake tensors", "fake_refused": None}
         except _FAKE_REFUSALS as err:
             refused = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"

@@ -18,7 +18,7 @@ freed the activations; FSDP's gathered units are among the transients)
 - activations (``labkit.study.counting.count_steps``): the bytes autograd saves, counted at
   b = 2 and 3 (linear from there on; b = 1 can sit off the line: some kernels take other paths)
   on fake tensors where the model allows it, else on CPU tensors; on a GPU device the count
-  keeps what CUDA keeps (``counting.CudaLike``: its attention kernel, 1-byte dropout masks,
+  keeps what CUDA keeps (``cuda_like.CudaLike``: its attention kernel, 1-byte dropout masks,
   its fp32 autocast ops), and the choices are stated in ``corrections``; FSDP in bf16 is
   counted on bf16 parameters, as its mixed-precision policy runs the forward.
 - transients: the rest of the step's counted peak (the held logits, their gradient and the
@@ -27,9 +27,11 @@ freed the activations; FSDP's gathered units are among the transients)
   parameter), and under FSDP the parameters gathered per unit (the root, the unit in use and
   the one prefetched, and one unit's reduce-scatter input).
 
-The answer is solved from the linear fit and then checked by counting at b and b + 1 when that
-is cheap (fake tensors, or a CPU count under ``verify_limit_bytes``). FLOPs per token come from
-``FlopCounterMode`` over the same forward and backward.
+The step's peak is a maximum over time, so it is convex and piecewise linear in b (at a small b a
+fixed tensor can set it, at a large one the activations): the answer is solved from the line
+through b = 2, 3, then, where counting is cheap (fake tensors, or a CPU count under
+``verify_limit_bytes``), from the line through the counts at the answer, and checked by counting
+at b and b + 1. FLOPs per token come from ``FlopCounterMode`` over the same forward and backward.
 """
 
 from __future__ import annotations
@@ -162,11 +164,17 @@ def gathered_bytes(params: list[dict[str, Any]], *, precision: str, dp: int) -> 
     return pbytes * (root + 2 * largest) + 4 * largest
 
 
-def _linear(counts: dict[int, dict], key: str) -> tuple[int, int]:
-    """(per sequence, fixed) of counts[b][key] from b = FIT_AT."""
-    b1, b2 = FIT_AT
+def _linear(counts: dict[int, dict], key: str, at: tuple[int, int] = FIT_AT) -> tuple[int, int]:
+    """(per sequence, fixed) of counts[b][key] from the two micro-batches ``at``."""
+    b1, b2 = at
     slope = (counts[b2][key] - counts[b1][key]) // (b2 - b1)
     return slope, counts[b1][key] - b1 * slope
+
+
+def _line(counts: dict[int, dict], at: tuple[int, int]) -> dict[str, Any]:
+    """The step's peak as a line through the counts at the two micro-batches ``at``."""
+    slope, fixed = _linear(counts, "peak_bytes", at)
+    return {"at": list(at), "per_sequence": slope, "fixed": fixed}
 
 
 def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[int], dict[str, Any]], *,
@@ -194,16 +202,7 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
     position. Raises ValueError naming a bad argument; the model's own errors propagate.
     """
     gpu = device != "cpu"
-    if gpu:
-        info = device_info(device)  # ValueError for an unknown device
-        memory = info["memory_bytes"]
-    elif budget_bytes is None:
-        raise ValueError("budget_bytes: device 'cpu' plans for this machine and needs a budget in bytes")
-    if budget_bytes is not None and budget_bytes <= 0:
-        raise ValueError(f"budget_bytes: must be positive, got {budget_bytes}")
-    if sharding not in SHARDINGS:
-        raise ValueError(f"sharding: got {sharding!r}; allowed values are {SHARDINGS}")
-    capacity = int((budget_bytes if budget_bytes is not None else memory) - (reserve_bytes if gpu else 0))
+    capacity = _capacity(device, budget_bytes, reserve_bytes, sharding)
     stage = STAGE_OF[sharding] if zero_stage is None else zero_stage
     fsdp = stage >= 2 and dp > 1
     # FSDP's MixedPrecisionPolicy (labkit/train/dist.py): the forward runs on bf16 parameters
@@ -213,38 +212,31 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
     params, counts = run["parameters"], run["counts"]
     state = state_bytes(params, sharding=sharding, dp=dp, zero_stage=zero_stage, optimizer=optimizer)
     per_seq, fixed = _linear(counts, "saved_bytes")
-    peak_per_seq, peak_fixed = _linear(counts, "peak_bytes")
-    held_per_seq, held_fixed = _linear(counts, "held_bytes")
     impl = optimizer_impl("cuda" if gpu else "cpu", sharding) if optimizer == "adamw" else "for-loop"
     step_tmp = optimizer_step_bytes(params, impl, sharding=sharding, dp=dp) if optimizer == "adamw" else 0
     gathered = gathered_bytes(params, precision=precision, dp=dp) if fsdp else 0
+    lines = [_line(counts, FIT_AT)]  # the step's peak: convex in b (module docstring)
+    fake = run["method"] == "fake tensors"
+    cache: dict[int, dict] = dict(counts)
 
-    def total(b: int, counted: dict | None = None) -> dict[str, int]:
-        act = counted["saved_bytes"] if counted else fixed + per_seq * b
-        peak = counted["peak_bytes"] if counted else peak_fixed + peak_per_seq * b
+    def counted(n: int) -> dict[str, Any]:
+        if n not in cache:
+            cache[n] = count_steps(make_model, make_batch, (n,), fake=fake, **count)["counts"][n]
+        return cache[n]
+
+    def total(b: int, exact: bool = False) -> dict[str, int]:
+        if exact:
+            act, peak = counted(b)["saved_bytes"], counted(b)["peak_bytes"]
+        else:
+            act, peak = fixed + per_seq * b, max(line["fixed"] + line["per_sequence"] * b for line in lines)
         return {"activations": act, "transient": peak - act + gathered,
                 "total": state["total"] + max(peak + gathered, step_tmp)}
 
-    guess = max(1, (capacity - state["total"] - gathered - peak_fixed) // max(1, peak_per_seq))
-    b = largest_fitting(lambda n: total(n)["total"] <= capacity, start=min(guess, limit), limit=limit)
-    verified: dict[str, Any] | None = None
-    cheap = run["method"] == "fake tensors" or peak_fixed + peak_per_seq * (b + 1) <= verify_limit_bytes
-    if b and cheap:
-        cache: dict[int, dict] = {}
-
-        def counted(n: int) -> dict[str, int]:
-            if n not in cache:
-                cache[n] = total(n, count_steps(make_model, make_batch, (n,), fake=run["method"] == "fake tensors",
-                                                **count)["counts"][n])
-            return cache[n]
-
-        while b > 0 and counted(b)["total"] > capacity:
-            b -= 1
-        while b < limit and counted(b + 1)["total"] <= capacity:
-            b += 1
-        verified = {"micro_batch": b, "total_at_b": counted(b)["total"] if b else None,
-                    "total_at_b_plus_1": counted(b + 1)["total"]}
-    at = total(max(b, 1))
+    cheap = (lambda b: fake or lines[0]["fixed"] + lines[0]["per_sequence"] * (b + 1) <= verify_limit_bytes)
+    b, verified = _search(total, counted, lines, capacity=capacity, limit=limit, cheap=cheap)
+    at = total(max(b, 1), exact=verified is not None and b > 0)
+    near = lines[-1]
+    held_per_seq, held_fixed = _linear({n: cache[n] for n in near["at"]}, "held_bytes", near["at"])
     corrections = _corrections(counts[FIT_AT[0]], gpu, mixed is not None)
     seq_len = counts[FIT_AT[0]]["tokens"] // FIT_AT[0]
     return {"model": name or run["model_class"], "device": device,
@@ -260,9 +252,10 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
                                  "saved_at": {b_: c["saved_bytes"] for b_, c in counts.items()}},
             "transient_bytes": int(at["transient"]),
             "transient_terms": {"held_outputs_per_sequence": held_per_seq, "held_outputs_fixed": held_fixed,
-                                "backward_per_sequence": peak_per_seq - per_seq - held_per_seq,
-                                "backward_fixed": peak_fixed - fixed - held_fixed, "fsdp_gathered": gathered,
-                                "optimizer_step": step_tmp},
+                                "backward_per_sequence": near["per_sequence"] - per_seq - held_per_seq,
+                                "backward_fixed": near["fixed"] - fixed - held_fixed, "fsdp_gathered": gathered,
+                                "optimizer_step": step_tmp, "fitted_at": near["at"]},
+            "peak_lines": lines,
             "total_bytes": int(at["total"]),
             "flops_per_token": run["flops"] / run["flops_tokens"],
             "flops_terms": {"fwd_bwd_flops": run["flops"], "positions": run["flops_tokens"],
@@ -271,13 +264,53 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
             "verified": verified}
 
 
+def _capacity(device: str, budget_bytes: int | None, reserve_bytes: int, sharding: str) -> int:
+    """Bytes one rank may use: the budget or the device's memory, less the reserve on a GPU.
+    ValueError naming a bad device, budget or sharding."""
+    if device != "cpu":
+        memory = device_info(device)["memory_bytes"]  # ValueError for an unknown device
+    elif budget_bytes is None:
+        raise ValueError("budget_bytes: device 'cpu' plans for this machine and needs a budget in bytes")
+    if budget_bytes is not None and budget_bytes <= 0:
+        raise ValueError(f"budget_bytes: must be positive, got {budget_bytes}")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding: got {sharding!r}; allowed values are {SHARDINGS}")
+    return int((budget_bytes if budget_bytes is not None else memory) - (reserve_bytes if device != "cpu" else 0))
+
+
+def _search(total, counted, lines: list[dict], *, capacity: int, limit: int, cheap) -> tuple[int, dict | None]:
+    """The largest b with ``total(b)["total"] <= capacity``: solved on the peak ``lines``; where
+    ``cheap(b)``, the line through the counts at b and b + 1 is added and the answer re-solved
+    until it stays, then it is walked to the edge of the counted totals (``total(b, exact=True)``)
+    and the line refitted through the answer's own counts. Returns (b, verified or None)."""
+    def solve() -> int:
+        return largest_fitting(lambda n: total(n)["total"] <= capacity, start=1, limit=limit)
+
+    b = solve()
+    if not (b and cheap(b)):
+        return b, None
+    for _ in range(4):
+        lines[1:] = [_line({n: counted(n) for n in (b, b + 1)}, (b, b + 1))]
+        b, before = solve(), b
+        if b == before or not b:
+            break
+    while b > 0 and total(b, exact=True)["total"] > capacity:
+        b -= 1
+    while b < limit and total(b + 1, exact=True)["total"] <= capacity:
+        b += 1
+    verified = {"micro_batch": b, "total_at_b": total(b, exact=True)["total"] if b else None,
+                "total_at_b_plus_1": total(b + 1, exact=True)["total"]}
+    if b:
+        lines[1:] = [_line({n: counted(n) for n in (b, b + 1)}, (b, b + 1))]
+    return b, verified
+
+
 def total_at(plan: dict[str, Any], b: int) -> int:
-    """Planned bytes of one rank at micro-batch ``b`` from a ``plan_model`` result's linear terms:
-    state + max(activations + held outputs + backward temporaries + FSDP units, optimiser step)."""
-    act, tr = plan["activation_terms"], plan["transient_terms"]
-    step = (act["fixed"] + tr["held_outputs_fixed"] + tr["backward_fixed"] + tr["fsdp_gathered"]
-            + b * (act["per_sequence"] + tr["held_outputs_per_sequence"] + tr["backward_per_sequence"]))
-    return int(plan["state_bytes"] + max(step, tr["optimizer_step"]))
+    """Planned bytes of one rank at micro-batch ``b`` from a ``plan_model`` result: state +
+    max(the step's peak (the largest of its ``peak_lines`` at b) + FSDP units, optimiser step)."""
+    tr = plan["transient_terms"]
+    peak = max(line["fixed"] + line["per_sequence"] * b for line in plan["peak_lines"])
+    return int(plan["state_bytes"] + max(peak + tr["fsdp_gathered"], tr["optimizer_step"]))
 
 
 def _corrections(count: dict, gpu: bool, mixed: bool) -> list[str]:
@@ -309,7 +342,8 @@ def labkit_model(cfg: Any, seq_len: int, *, mlm_probability: float = 0.15):
     """``(make_model, make_batch)`` for ``plan_model`` of ``BertMLM(cfg)``: the batch is int64
     [b, seq_len] ids (a fixed generator) with exactly k = max(1, round(mlm_probability * seq_len))
     masked positions per row (1..k: the sparse head's last layer sees b·k rows, the expected
-    count) and an all-real bool attention mask (packed shards; the model then passes SDPA none)."""
+    count) and no attention mask: what the model does with packed shards' all-real mask (it
+    passes SDPA none), without the host-side check, so the dense head counts on fake tensors."""
     from labkit.model import BertMLM
 
     n_mask = max(1, round(mlm_probability * seq_len))
@@ -322,7 +356,7 @@ def labkit_model(cfg: Any, seq_len: int, *, mlm_probability: float = 0.15):
         ids = torch.randint(5, cfg.vocab_size, (b, seq_len), generator=g)
         labels = torch.full_like(ids, -100)
         labels[:, 1:1 + n_mask] = ids[:, 1:1 + n_mask]
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool), "labels": labels}
+        return {"input_ids": ids, "labels": labels}
 
     return make_model, make_batch
 

@@ -44,7 +44,9 @@ def parallel_plans(cfg: ModelConfig, *, n_gpus: int, seq_len: int, micro_batch: 
     polars DataFrame, one row per split, in the order a planner would try them (the least
     model parallelism first, then the lowest ZeRO stage): dp, tp, pp, zero_stage, the
     ``memory_plan`` terms in bytes, total, fits (total <= device memory - reserve),
-    tp_within_node (tensor parallelism across nodes is slow), bubble ((p - 1)/(m + p - 1)).
+    tp_within_node (tensor parallelism across nodes is slow), bubble ((p - 1)/(m + p - 1)),
+    micro_batch and pipeline_microbatches (m). ``plan_overrides`` turns a row into ``TrainConfig``
+    fields.
     tp must divide the heads and pp at most the layers; other splits are left out."""
     import polars as pl
 
@@ -60,7 +62,7 @@ def parallel_plans(cfg: ModelConfig, *, n_gpus: int, seq_len: int, micro_batch: 
                                    tp=tp, pp=pp, pipeline_microbatches=pipeline_microbatches, **kw)
                 rows.append({k: plan[k] for k in ("dp", "tp", "pp", "zero_stage", "params", "grads", "optimizer",
                                                   "autocast_copies", "activations", "logits", "head_backward",
-                                                  "total", "bubble")}
+                                                  "total", "bubble", "micro_batch", "pipeline_microbatches")}
                             | {"fits": plan["total"] <= cap, "tp_within_node": tp <= gpus_per_node})
     return pl.DataFrame(rows).sort(pl.col("tp") * pl.col("pp"), "pp", "zero_stage")
 
@@ -72,3 +74,119 @@ def first_fit(plans) -> dict | None:
 
     ok = plans.filter(pl.col("fits") & pl.col("tp_within_node"))
     return ok.row(0, named=True) if ok.height else None
+
+
+def plan_overrides(row: dict, *, schedule: str = "1f1b") -> dict:
+    """``TrainConfig`` fields that run a ``parallel_plans`` row (``first_fit``'s, say): tp, pp, the
+    sharding of its ZeRO stage over dp and, with pp > 1, ``schedule`` over the row's pipeline
+    micro-batches (``grad_accum_steps``; the planner's activation memory assumes 1F1B) and the
+    row's micro-batch. ZeRO 0 -> ddp (dp only) or replicate; 1 -> zero1 (dp only); 2 -> fsdp
+    without resharding after forward (ZeRO-2-style); 3 -> fsdp. ZeRO-1 with tp or pp > 1 has no
+    labkit run (DDP does not compose with a split model): ValueError naming the row's split."""
+    split = row["tp"] * row["pp"] > 1
+    zero = row["zero_stage"]
+    if zero == 1 and split:
+        raise ValueError(f"zero_stage: ZeRO-1 with tp {row['tp']} x pp {row['pp']} has no labkit run "
+                         "(ZeroRedundancyOptimizer needs DDP); take the row's ZeRO-2 neighbour")
+    sharding = {0: "replicate" if split else "ddp", 1: "zero1", 2: "fsdp", 3: "fsdp"}[zero]
+    out = {"tp": row["tp"], "pp": row["pp"], "sharding": sharding}
+    if zero >= 2:
+        out["fsdp_reshard_after_forward"] = zero == 3
+    if row["pp"] > 1:
+        out |= {"pp_schedule": schedule, "grad_accum_steps": row["pipeline_microbatches"]}
+    if row.get("micro_batch") is not None:
+        out["micro_batch_size"] = row["micro_batch"]
+    return out
+
+
+def planned_rank_memory(mcfg: ModelConfig, cfg, *, world: int, seq_len: int, device: str = "cpu") -> dict:
+    """The planner's memory of the worst rank of a run of ``cfg`` (a ``TrainConfig``) on ``world``
+    ranks, in the terms ``measure_rank_memory`` measures: {"state_bytes" (parameters, gradients,
+    AdamW moments: ``memory_plan``'s params + grads + optimizer), "activation_bytes" (its
+    activations), "total_bytes", "bubble" (GPipe's / 1F1B's (p - 1)/(m + p - 1); interleaved with v
+    stages per rank (p - 1)/(v·m + p - 1))}. fp32 on CPU, attention "eager" when attention dropout
+    is on (CPU's math path), else "flash"."""
+    dp = world // (cfg.tp * cfg.pp)
+    zero = 0 if dp == 1 or cfg.sharding in ("ddp", "replicate") else {"zero1": 1}.get(
+        cfg.sharding, 3 if cfg.fsdp_reshard_after_forward else 2)
+    attention = "eager" if mcfg.attention_dropout > 0 else "flash"
+    p = memory_plan(mcfg, seq_len=seq_len, micro_batch=cfg.micro_batch_size, precision=cfg.precision,
+                    attention=attention, zero_stage=zero, dp=dp, tp=cfg.tp, pp=cfg.pp,
+                    pipeline_microbatches=cfg.grad_accum_steps, device=device, pipeline_schedule=cfg.pp_schedule)
+    state = p["params"] + p["grads"] + p["optimizer"]
+    v = cfg.pp_virtual_stages
+    bubble = (cfg.pp - 1) / (v * cfg.grad_accum_steps + cfg.pp - 1)
+    return {"state_bytes": state, "activation_bytes": p["activations"], "total_bytes": state + p["activations"],
+            "bubble": bubble}
+
+
+def measure_rank_memory(cfg, staged_paths: dict[str, str] | None = None) -> dict:
+    """Collective, one call per rank of a run of ``cfg`` (a ``TrainConfig``; RANK / WORLD_SIZE from
+    the environment, as ``labkit.train.train`` reads them; with ``staged_paths`` {node: shard dir}
+    each rank reads its node's copy): build the model as ``train`` does (split by
+    ``labkit.train.parallel``, or DDP / FSDP2 for data parallelism alone), take two optimiser steps
+    on the run's first batches and measure this rank's memory: {"rank", "state_bytes" (bytes of its
+    parameters, gradients and AdamW moments, read from the tensors: the local slices of split or
+    sharded ones), "activation_bytes" (``labkit.measure.SavedActivationPeak`` over the second step's
+    forwards and backwards, micro-batches in flight as the schedule keeps them), "total_bytes"}.
+    A process group it creates is destroyed before it returns."""
+    import contextlib
+    import dataclasses
+
+    import torch
+
+    from labkit.data.mlm import make_loader
+    from labkit.data.shards import read_index
+    from labkit.env import node_name
+    from labkit.measure import SavedActivationPeak
+    from labkit.model import BertMLM
+    from labkit.model.encoder import local
+    from labkit.train import build_optimizer, dist, forward_backward
+    from labkit.train import parallel as tparallel
+    from labkit.train.loop import AUTOCAST_DTYPES
+    from labkit.train.run_config import model_config_of
+
+    if staged_paths:
+        cfg = dataclasses.replace(cfg, data_dir=staged_paths[node_name()])
+    rank, local_rank, world = dist.dist_info()
+    device = dist.resolve_device(cfg.device, local_rank)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    owns = not torch.distributed.is_initialized()
+    dist.init_distributed(cfg.backend, cfg.timeout_s, device)
+    try:
+        index = read_index(cfg.data_dir)
+        mcfg = model_config_of(cfg, int(index["vocab_size"]))
+        torch.manual_seed(cfg.seed)
+        model = BertMLM(mcfg)
+        if tparallel.is_split(cfg):
+            split = tparallel.check_split(cfg, mcfg, world, int(index["seq_len"]), rank)
+            model, optimizer, _, _, _ = tparallel.build(cfg, model, device, split)
+            data_rank, data_world = split.dp_rank, split.dp
+            step = lambda mbs: model.forward_backward(mbs, dtype=AUTOCAST_DTYPES[cfg.precision])  # noqa: E731
+        else:
+            model = dist.wrap_model(model.to(device), cfg, device)
+            optimizer = build_optimizer(model, cfg)
+            data_rank, data_world = rank, world
+            step = lambda mbs: forward_backward(model, mbs, world_size=world, precision=cfg.precision)  # noqa: E731
+        loader = make_loader(cfg.data_dir, batch_size=cfg.micro_batch_size, rank=data_rank, world_size=data_world,
+                             seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=mcfg.vocab_size)
+        batches = iter(loader)
+        params = list(model.parameters())
+        peak = SavedActivationPeak(exclude={local(p).untyped_storage().data_ptr() for p in params})
+        for n in range(2):
+            mbs = [{k: v.to(device) for k, v in next(batches).items()} for _ in range(cfg.grad_accum_steps)]
+            with peak if n == 1 else contextlib.nullcontext():
+                step(mbs)
+            if n == 1:
+                tensors = [local(p) for p in params] + [local(p.grad) for p in params if p.grad is not None]
+                tensors += [local(t) for st in optimizer.state.values() for t in st.values()
+                            if torch.is_tensor(t) and t.ndim > 0]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        state = sum(t.numel() * t.element_size() for t in tensors)
+        return {"rank": rank, "state_bytes": int(state), "activation_bytes": int(peak.bytes),
+                "total_bytes": int(state + peak.bytes)}
+    finally:
+        if owns:
+            dist.teardown()

@@ -119,134 +119,177 @@ def _check_options(precision: str, attention: str) -> None:
 def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precision: str = "bf16",
                      attention: str = "flash", device: str = "cuda", tp: int = 1,
                      mlm_probability: float = 0.15) -> dict[str, int]:
-    """Bytes kept for backward by ``BertMLM(cfg)`` at one micro-batch, term by term.
+    """Bytes kept for backward by ``BertMLM(cfg)`` at one micro-batch, term by term: what
+    ``labkit.study.memory.plan_model`` counts, equal to it for every option, both heads, on CPU
+    and as CUDA keeps it (``labkit.study.cuda_like.CudaLike``) (tests/study/test_plan.py).
 
     After Korthikanti et al. 2022 (arXiv:2205.05198, section 4.1), written for this model
     (post-norm, fused QKV, SDPA, GELU, dropout, and with ``cfg.sparse_head`` a last layer that
     runs its queries only at the masked positions). s = seq_len, b = micro_batch, h = hidden,
     a = heads, f = ffn width, V = vocabulary. d = bytes of the compute dtype (fp32 4; bf16/fp16 2
     under autocast with fp32 weights), m = dropout-mask bytes (1 on CUDA, d on CPU; 0 without
-    dropout), g = LayerNorm input bytes (4: autocast runs LayerNorm in fp32 and the residual
-    stream stays fp32). With the sparse head and labels the last layer has q = b·k query rows,
-    k = max(1, round(p·s)) (the most masked positions in a row; exact for the synthetic batch of
-    ``_saved_bytes``, which masks k per row). Terms:
+    dropout), g = LayerNorm input bytes (4: the residual stream stays fp32 under autocast). With
+    the sparse head and labels the last layer has q = b·k query rows, k = max(1, round(p·s)) (the
+    most masked positions in a row; exact for ``labkit.study.memory.labkit_model``'s batch, which
+    masks k per row). Terms:
 
     - ``layers``, every layer but a sparse last one: QKV input, the fused Q/K/V (one storage) and
       output-projection input 5·d·sbh, FFN input d·sbh, GELU input and output 2·d·sbf, two
       LayerNorm inputs 2·g·sbh, two dropout masks 2·m·sbh, norm mean/rstd 16·sb. For d = 2,
       m = 1, g = 2, f = 4h this is the paper's 34·sbh. (SDPA's math path saves its own copies
       of Q, K, V instead of the fused storage: the same 3·d·sbh.)
-    - the sparse last layer (model.py ``Layer.forward`` with ``select``; measured on CPU, not
-      from the paper): the layer input g·sbh and the whole fused QKV output 3·d·sbh (the two
-      ``gather`` calls save their sources), under autocast also the 16-bit copy of the input the
-      QKV projection keeps, d·sbh (found by ``labkit.study.counting.CudaLike``), the gather index 8·sb (``select`` is a slice of the
-      [b, s] int64 sort indices, which stay alive whole), then at q rows: output-projection
-      input, FFN input 2·d·qh, GELU 2·d·qf, norm inputs 2·g·qh, masks 2·m·qh, norm statistics
-      16·q; and its attention: "flash" keeps the gathered Q and the SDPA output 2·d·qh (a
-      separate storage from the output-projection input here, as the output follows Q's
-      layout); "eager" keeps a Q copy d·qh and K, V copies of all s positions 2·d·sbh.
+    - the sparse last layer (model.py ``Layer.forward`` with ``select``; counted, not from the
+      paper): the layer input g·sbh and the whole fused QKV output 3·d·sbh (the two ``gather``
+      calls save their sources), the QKV projection's input (post-norm: under autocast the
+      16-bit copy of the layer input, d·sbh; pre-norm: the norm's output, d·sbh), the gather
+      index 8·sb (``select`` is a slice of the [b, s] int64 sort indices, which stay alive
+      whole), then at q rows: output-projection input, FFN input 2·d·qh, GELU 2·d·qf, norm inputs
+      2·g·qh (pre-norm: the FFN norm's only), masks 2·m·qh, norm statistics; and its attention:
+      "flash" keeps the gathered Q and the SDPA output 2·d·qh (a separate storage from the
+      output-projection input here, as the output follows Q's layout); "eager" keeps a Q copy
+      d·qh and K, V copies of all s positions 2·d·sbh.
     - ``attention_scores``: "flash" (fused kernels, the paper's selective recompute; on CPU the
       fused path runs when attention dropout is off, as the model passes no mask for a batch
       without padding) keeps the log-sum-exp, 4·a·s·b per layer (4·a·q for the sparse last
       layer; in fp32 on CUDA, whose memory-efficient kernel rounds each sequence's rows up to a
-      multiple of 32, 4·a·b·32·ceil(s/32)). "eager" (SDPA's math path, which CPU takes when attention dropout is on) keeps
-      softmax output, dropout mask and dropped probabilities (2d + m)·a·s²·b, d·a·s²·b without
-      attention dropout: the paper's 5·a·s²·b; the sparse last layer a·q·s instead of a·s²·b.
-      (Measured on CPU, math path at b = 1: V's reshape is a view, so the whole fused QKV
-      storage is saved instead of a V copy, +2·d·sh per full layer; in the sparse last layer
-      that storage is already counted and the V copy is gone, -d·sh. Counted in ``layers``.)
+      multiple of 32, 4·a·b·32·ceil(s/32)). "eager" (SDPA's math path, which CPU takes when
+      attention dropout is on) keeps softmax output, dropout mask and dropped probabilities
+      (2d + m)·a·s²·b, d·a·s²·b without attention dropout: the paper's 5·a·s²·b; the sparse
+      last layer a·q·s instead of a·s²·b. (Counted on CPU, math path at b = 1: V's reshape is a
+      view, so the whole fused QKV storage is saved instead of a V copy, +2·d·sh per full layer;
+      in the sparse last layer that storage is already counted and the V copy is gone, -d·sh.)
+    - the model options' own terms per layer: ``_layer_bytes``.
     - with ``cfg.activation_checkpointing``: each layer's input g·sbh (no scores), plus the
       gather index 8·sb with the sparse head (``checkpoint`` saves ``select`` as an input).
     - ``embedding``: token and position ids (8·sb + 8·s; instruction positions 24·sb), norm input
-      g·sbh and statistics 8·sb, dropout mask m·sbh (RMSNorm: its normalised copy, g·sbh more).
+      g·sbh and statistics 8·sb, dropout mask m·sbh (RMSNorm: its normalised copy, g·sbh more,
+      and 4·sb of statistics); rotary positions look no position up (-8·s) and keep their fp32
+      cos/sin tables 8·s·Q, under autocast each layer's 16-bit copies of them for Q and for K,
+      4·L·s·Q·d.
     - ``head`` at n positions (n = q with ``cfg.sparse_head``, else s·b): dense input, GELU
       input, decoder input 3·d·nh, the head norm's input (GELU's output) d·nh, on CUDA g·nh
       (its autocast runs layer_norm in fp32), head-norm statistics 8·n, fp32 log-softmax 4·nV,
       target indices 8·n, the loss's 4-byte total weight; with the sparse head also the bool
       ``valid`` mask that picks the real rows, q bytes; RMSNorm's copy g·nh; with pre-norm the
-      final norm before the head, g·sbh (2·g·sbh with RMSNorm) and its statistics 8·sb.
+      final norm before the head at the rows the last layer returns, g·nh (2·g·nh with RMSNorm)
+      and its statistics.
     - ``logits`` (held by the returned output, not saved): d·nV.
 
-    ``tp`` > 1 divides the activation terms that scale with h, f or V by t (tensor + sequence
-    parallel, arXiv:2205.05198 section 4.2.2); index and statistics terms are not divided. The
-    same terms serve device="cuda" (only m and the b = 1 math-path correction differ), where the
-    sparse last layer is likewise modelled as the gathers and SDPA save it. Checked exactly
-    against saved-tensor counts on CPU (fp32) in tests/study/test_plan.py and
-    benchmarks/bench_planner.py. The other model options (rotary, RMSNorm, gated FFN, sliding
-    window, Linformer, linear attention) add ``_option_bytes`` per layer (checked within 3 % on
-    CPU). This is labkit's one activation-memory model. Raises ValueError for unknown
-    precision/attention or non-positive sizes.
+    ``tp`` > 1 divides the width terms by t (tensor + sequence parallel, arXiv:2205.05198 section
+    4.2.2), not the index and statistics terms. Raises ValueError for unknown precision/attention
+    or non-positive sizes.
     """
     _check_options(precision, attention)
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device: must be 'cuda' or 'cpu', got {device!r}")
     if seq_len < 1 or micro_batch < 1 or tp < 1:
         raise ValueError(f"seq_len/micro_batch/tp: must be positive, got {seq_len}/{micro_batch}/{tp}")
-    s, b, h, a, f, v, L = seq_len, micro_batch, cfg.hidden_size, cfg.num_heads, cfg.ffn_size, cfg.vocab_size, cfg.num_layers
+    s, b, h, v, L = seq_len, micro_batch, cfg.hidden_size, cfg.vocab_size, cfg.num_layers
     d = 4 if precision == "fp32" else 2
-    m = (1 if device == "cuda" else d) if cfg.hidden_dropout > 0 else 0
-    ma = 1 if device == "cuda" else d
     g = 4
-    cast = 0 if d == g else d  # a 16-bit copy of an fp32 input, beside the input itself
-    sbh = s * b * h
     sparse = cfg.sparse_head
     q = max(1, round(mlm_probability * s)) * b if sparse else 0  # query rows of the sparse last layer
     index = 8 * s * b if sparse else 0  # [b, s] int64 sort indices behind ``select``
-    eager = attention == "eager"
-    cpu_math_b1 = device == "cpu" and b == 1 and eager and cfg.attention_dropout > 0
-    per_score = (2 * d + ma) if cfg.attention_dropout > 0 else d  # bytes per eager score element
-    masks = (1 + cfg.attention_output_dropout) * m  # FFN (+ attention) output dropout masks: module docstring
-    base_layer = (6 * d + 2 * g + masks) * sbh + 2 * d * s * b * f + 2 * d * sbh * cpu_math_b1
-    kinds = [layer_attention(cfg, i) for i in range(L)]
-    extra = [_option_bytes(cfg, kind, s, b, d, g) for kind in kinds]
-    full_layers = [base_layer + x for x, _ in extra]
-    # fused kernels keep an fp32 log-sum-exp per query row; CUDA's memory-efficient kernel (the one
-    # fp32 gets) rounds the rows up to a multiple of 32 (counting.cuda_attention_kernel)
-    rows = (lambda r: 32 * math.ceil(r / 32)) if device == "cuda" and d == 4 else (lambda r: r)
-    full_scores = [(a * s * keys * b * per_score if eager else 4 * a * rows(s) * b * (keys > 0)) for _, keys in extra]
+    env = {"s": s, "b": b, "d": d, "g": g, "device": device, "eager": attention == "eager",
+           "m": (1 if device == "cuda" else d) if cfg.hidden_dropout > 0 else 0}
+    per_layer = [_layer_bytes(cfg, layer_attention(cfg, i), rows=q if sparse and i == L - 1 else s * b, **env)
+                 for i in range(L)]
     if cfg.activation_checkpointing:
-        layers, scores = L * g * sbh // tp + index, 0
-    elif not sparse:
-        layers = sum(full_layers) // tp + L * 16 * s * b
-        scores = sum(full_scores) // tp
+        layers, scores = L * g * s * b * h // tp + index, 0
     else:
-        last = (g + cast + 3 * d) * sbh + (2 * d + 2 * g + masks) * q * h + 2 * d * q * f + extra[-1][0]
-        last += (d * q * h + 2 * d * sbh - d * s * h * cpu_math_b1) if eager else 2 * d * q * h
-        layers = (sum(full_layers[:-1]) + last) // tp + (L - 1) * 16 * s * b + 16 * q + index
-        keys = extra[-1][1]
-        k_rows = q // b
-        scores = (sum(full_scores[:-1]) + (a * q * keys * per_score if eager else 4 * a * b * rows(k_rows) * (keys > 0))) // tp
+        layers = sum(x[0] for x in per_layer) // tp + sum(x[2] for x in per_layer) + index
+        scores = sum(x[1] for x in per_layer) // tp
     n = q if sparse else s * b
     rms = cfg.norm_type == "rmsnorm"  # torch's RMSNorm keeps a normalised copy of its input
+    stat = 4 if rms else 8  # per norm row: RMSNorm's rstd, LayerNorm's mean and rstd (fp32)
+    rotary = cfg.position_embedding == "rotary"
+    # rotary: no position ids to look up; the fp32 cos/sin tables [s, Q] (under autocast each
+    # layer's 16-bit copies of them, for q and for k) instead
+    tables = (2 * s * cfg.head_dim * 4 if d == 4 else 4 * L * s * cfg.head_dim * d) - 8 * s
     ids = 24 * s * b if cfg.position_embedding == "instruction" else 8 * s * b + 8 * s  # + instruction, argument
-    embedding = ids + (g + m) * sbh + 8 * s * b + g * sbh * rms
-    final_norm = (g * sbh * (1 + rms) + 8 * s * b) if cfg.norm_position == "pre" and cfg.final_norm else 0
+    embedding = ids + (g + env["m"]) * s * b * h + stat * s * b + g * s * b * h * rms + tables * rotary
+    n_final = n if sparse else s * b  # pre-norm's final norm runs after the (sparse) last layer
+    final_norm = (g * n_final * h * (1 + rms) + stat * n_final) if cfg.norm_position == "pre" and cfg.final_norm \
+        else 0
     head_norm_in = g if device == "cuda" else d  # GELU's output: CUDA's autocast runs the norm in fp32
-    head = ((3 * d + head_norm_in) * n * h + 4 * n * v + g * n * h * rms) // tp + 16 * n + 4 + (n if sparse else 0) + final_norm
+    head = ((3 * d + head_norm_in) * n * h + 4 * n * v + g * n * h * rms) // tp + (stat + 8) * n + 4 \
+        + (n if sparse else 0) + final_norm
     return {"layers": int(layers), "attention_scores": int(scores), "embedding": int(embedding),
             "head": int(head), "logits": int(d * n * v // tp)}
 
 
-def _option_bytes(cfg: ModelConfig, kind: str, s: int, b: int, d: int, g: int) -> tuple[int, int]:
-    """Extra bytes one layer of attention ``kind`` keeps beyond a BERT layer, and its keys per query.
+def _layer_bytes(cfg: ModelConfig, kind: str, *, rows: int, s: int, b: int, d: int, g: int, m: int,
+                 device: str, eager: bool) -> tuple[int, int, int]:
+    """(bytes that scale with the width, attention-score bytes, statistics bytes) one layer of
+    attention ``kind`` keeps, its queries at ``rows`` positions (s·b, or q for the sparse last
+    layer, whose keys and values still come from all s·b). Terms in ``activation_terms``'
+    docstring; the options' own, counted on CPU and under ``labkit.study.cuda_like.CudaLike``:
 
-    Measured on CPU against saved tensors for each option (tests/study/test_plan.py), d = compute
-    dtype bytes, g = norm-input bytes: rotary 2·d·sbh (rotated Q, K); RMSNorm 2·g·sbh (torch's
-    RMSNorm keeps a normalised copy of each of the two inputs); a gated FFN (GEGLU, SwiGLU) 2·d·sbf
-    more (value and gate, act(gate), product instead of GELU's input and output); sliding window
-    d·b·s² (the additive band mask SDPA keeps: the O(T²) price of the mask implementation);
-    Linformer 2·d·sbh + 2·d·b·k·h (masked and projected K, V); linear attention 5·d·sbh + d·b·h·Q
-    (feature maps, numerator and the output copy). Keys per query for the score terms: s for full
-    and sliding-window attention, k for Linformer, 0 for linear attention (no score matrix).
+    - rotary: the rotated Q and K, 2·d·sbh (SDPA's math path copies Q and K itself: 0 there, and
+      -2·d·sbh in a sparse last layer, whose gathers then save no fused QKV);
+    - RMSNorm: a normalised copy of each norm's input, and 4 bytes of statistics per row (not 8);
+    - gated FFN (GEGLU, SwiGLU): value, gate, act(gate) and product, 4·d·rows·f (GELU's 2·d·rows·f);
+    - sliding window: the additive band mask fused kernels keep, d·s² per layer whatever b (d·q·s
+      in a sparse last layer, [b, 1, k, s]); the math path keeps none;
+    - Linformer: contiguous K and V for the sequence projection 2·d·sbh (not on the math path) and
+      the projected K', V' 2·d·b·k·h;
+    - linear attention (no SDPA, no scores): phi(k) and its transposed copy 2·d·sbh; phi(q), the
+      numerator and the quotient 3·d·rows·h; the [Q, Q] state d·b·h·Q, the denominator d·a·rows
+      and z d·b·a·Q;
+    - ``attention_backend`` "eager" (the model's own softmax, the study's): the math path's terms,
+      except that on CUDA in 16 bits autocast runs the softmax in fp32, so each score keeps fp32
+      probabilities, their 16-bit copy for the product with V (and the dropout mask), 4 + d (+ 1).
     """
-    h, f = cfg.hidden_size, cfg.ffn_size
-    sbh = s * b * h
-    k = min(cfg.linformer_k, s)
-    extra = 2 * d * sbh * (cfg.position_embedding == "rotary") + 2 * g * sbh * (cfg.norm_type == "rmsnorm")
-    extra += 2 * d * s * b * f * (cfg.activation != "gelu")
-    extra += {"full": 0, "sliding_window": d * b * s * s, "linformer": 2 * d * sbh + 2 * d * b * k * h,
-              "linear": 5 * d * sbh + d * b * h * cfg.head_dim}[kind]
-    return extra, {"full": s, "sliding_window": s, "linformer": k, "linear": 0}[kind]
+    h, f, a, hq = cfg.hidden_size, cfg.ffn_size, cfg.num_heads, cfg.head_dim
+    sb, sbh = s * b, s * b * h
+    last = rows != sb
+    pre, rms = cfg.norm_position == "pre", cfg.norm_type == "rmsnorm"
+    stat = 4 if rms else 8
+    cast = 0 if d == g else d  # a 16-bit copy of an fp32 input, beside the input itself
+    math_b1 = device == "cpu" and b == 1 and eager and cfg.attention_dropout > 0 and kind != "linear"
+    eager = eager and kind != "linear"
+    # the input, the QKV projection's input and the fused Q/K/V (one storage)
+    width = (g + (d if pre else cast) + 3 * d) * sbh if last else 4 * d * sbh
+    # at the query rows: output-projection and FFN inputs, GELU (or gated) tensors, the FFN output's
+    # dropout mask and (``attention_output_dropout``) the attention output's
+    masks = (1 + cfg.attention_output_dropout) * m
+    width += 2 * d * rows * h + 2 * d * rows * f * (2 if cfg.activation != "gelu" else 1) + masks * rows * h
+    if not last:  # both norms' inputs (and RMSNorm's copies) at every position
+        width += 2 * g * sbh * (1 + rms)
+        stats = 2 * stat * sb
+    elif pre:  # the attention norm's input is the layer input (counted above); its copy at every position
+        width += g * rows * h * (1 + rms) + g * sbh * rms
+        stats = stat * (sb + rows)
+    else:
+        width += 2 * g * rows * h * (1 + rms)
+        stats = 2 * stat * rows
+    rotary = cfg.position_embedding == "rotary"
+    if kind == "linear":
+        width += 2 * d * sbh + 3 * d * rows * h + d * b * h * hq + d * a * rows + d * b * a * hq
+        return width, 0, stats
+    if last:  # the gathered Q and the SDPA output (fused); a Q copy and K, V of every position (math path)
+        width += (d * rows * h + 2 * d * sbh - d * s * h * math_b1) if eager else 2 * d * rows * h
+    else:
+        width += 2 * d * sbh * math_b1  # b = 1 on CPU's math path: the whole fused storage for V
+    width += (2 * d * sbh if not eager else -2 * d * sbh if last else 0) * rotary
+    keys = s
+    if kind == "sliding_window":
+        width += 0 if eager else (d * rows * s if last else d * s * s)
+    elif kind == "linformer":
+        keys = min(cfg.linformer_k, s)
+        width += 2 * d * sbh * (not eager) + 2 * d * b * keys * h
+    if eager:
+        per_score = (2 * d + (1 if device == "cuda" else d)) if cfg.attention_dropout > 0 else d
+        if cfg.attention_backend == "eager" and device == "cuda" and d == 2:
+            # the model's own softmax under CUDA's autocast: fp32 probabilities (4), their 16-bit
+            # copy for the product with V (d), and the dropout mask between (1)
+            per_score = 4 + d + (cfg.attention_dropout > 0)
+        return width, a * rows * keys * per_score, stats
+    # fused kernels keep an fp32 log-sum-exp per query row; CUDA's memory-efficient kernel (the one
+    # fp32 gets) rounds each sequence's rows up to a multiple of 32 (cuda_like.cuda_attention_kernel)
+    per_seq = rows // b
+    lse_rows = 32 * math.ceil(per_seq / 32) if device == "cuda" and d == 4 else per_seq
+    return width, 4 * a * b * lse_rows, stats
 
 
 def saved_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, **kw) -> int:
@@ -277,19 +320,37 @@ def zero_state_bytes(n_params: float, *, zero_stage: int = 0, dp: int = 1,
 
 
 def _params_per_gpu(cfg: ModelConfig, tp: int, pp: int) -> float:
-    """Parameters one GPU holds: its pipeline stage's layers (ceil(L/pp)) plus the embeddings
-    and head (worst stage), divided over tp tensor-parallel ranks."""
+    """Parameters the worst GPU holds under labkit's split (``labkit.train.tensor_parallel``,
+    ``labkit.train.pipeline``): its stage's layers (ceil(L/pp)), plus the embeddings on the first
+    stage and the head on the last (the worse of the two; both with pp = 1; with tied embeddings
+    the last stage holds a copy of the word embedding). Tensor parallelism divides by tp the QKV,
+    FFN and output-projection weights, the column-parallel biases and the vocabulary rows (word
+    embedding, decoder, decoder bias; the first slice's ceil(V/tp) rows), and keeps the norms, the
+    row-parallel biases, the position (or instruction and argument) and token-type tables and the
+    head's dense layer whole on every rank."""
+    h, f, v, bias = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size, int(cfg.bias)
     total = count_parameters(cfg)["total"]
     per_layer = count_parameters(dataclasses.replace(cfg, num_layers=2))["total"] - \
         count_parameters(dataclasses.replace(cfg, num_layers=1))["total"]
-    other = total - cfg.num_layers * per_layer
-    return (math.ceil(cfg.num_layers / pp) * per_layer + other) / tp
+    f_in = 2 * f if cfg.activation != "gelu" else f
+    split_layer = 3 * h * h + 3 * h * bias + f_in * h + f_in * bias + h * h + f * h
+    layer = per_layer - split_layer + split_layer / tp
+    norm = h * (2 if cfg.norm_type == "layernorm" and cfg.bias else 1)
+    tables = {"absolute": 1, "instruction": 2}.get(cfg.position_embedding, 0)  # the study's: instruction, argument
+    positions = tables * cfg.max_position_embeddings * h
+    vt = math.ceil(v / tp)  # vocabulary rows of the first (largest) slice
+    first = vt * h + positions + cfg.type_vocab_size * h + norm
+    head_split = (0 if cfg.tie_embeddings else v * h) + v * bias
+    head_whole = total - cfg.num_layers * per_layer - (v * h + positions + cfg.type_vocab_size * h + norm) - head_split
+    last = head_whole + head_split * vt / v
+    other = first + last if pp == 1 else max(first, last + (vt * h if cfg.tie_embeddings else 0))
+    return math.ceil(cfg.num_layers / pp) * layer + other
 
 
 def memory_plan(cfg: ModelConfig, *, seq_len: int, micro_batch: int, precision: str = "bf16",
                 attention: str = "flash", zero_stage: int = 0, dp: int = 1, tp: int = 1, pp: int = 1,
                 pipeline_microbatches: int = 1, device: str = "cuda", mlm_probability: float = 0.15,
-                layout: tuple[float, float, float] = (4, 4, 8)) -> dict[str, Any]:
+                layout: tuple[float, float, float] = (4, 4, 8), pipeline_schedule: str = "1f1b") -> dict[str, Any]:
     """Planned peak memory of one GPU, in bytes, term by term.
 
     params / grads / optimizer: ``zero_state_bytes`` of this GPU's parameters
@@ -297,9 +358,12 @@ def memory_plan(cfg: ModelConfig, *, seq_len: int, micro_batch: int, precision: 
     autocast_copies: the bf16/fp16 weight copies autocast caches during forward and backward
     (2 B per local parameter; 0 in fp32; sharded with ZeRO-3, which casts as FSDP's mixed
     precision does, one layer's gathered weights at a time). activations: ``activation_terms`` with the layers of
-    one stage; pipeline parallel with the 1F1B schedule keeps min(pp, m) micro-batches in
-    flight on the first stage (Narayanan et al. arXiv:2104.04473 section 2.2.1), the embedding
-    on the first stage and the head on the last, the worse stage counted. logits: held output.
+    one stage; with pp > 1 the first stage holds ceil(L/pp) full layers and the embedding, the
+    last stage L // pp layers (the sparse head's last layer among them) and the head; 1F1B
+    (``pipeline_schedule`` "1f1b", and "interleaved_1f1b" counted the same) keeps min(pp, m)
+    micro-batches in flight on the first stage and one on the last (Narayanan et al.
+    arXiv:2104.04473 section 2.2.1), GPipe all m on every stage; the worse stage is counted.
+    logits: held output (0 with pp > 1: labkit's last stage returns only the loss).
     With activation checkpointing one layer's full activations are added (its recompute in
     backward). head_backward: two fp32 [n, V] gradient buffers alive when backward starts. Grads are
     counted as allocated throughout (an upper estimate when they are set to None between steps).
@@ -311,20 +375,31 @@ def memory_plan(cfg: ModelConfig, *, seq_len: int, micro_batch: int, precision: 
     state = zero_state_bytes(_params_per_gpu(cfg, tp, pp), zero_stage=zero_stage, dp=dp, layout=layout)
     t = activation_terms(cfg, seq_len, micro_batch, precision=precision, attention=attention,
                          device=device, tp=tp, mlm_probability=mlm_probability)
-    stage_layers = math.ceil(cfg.num_layers / pp) / cfg.num_layers
-    per_mb = (t["layers"] + t["attention_scores"]) * stage_layers
+    if pipeline_schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
+        raise ValueError(f"pipeline_schedule: got {pipeline_schedule!r}; allowed values are 'gpipe', '1f1b', "
+                         "'interleaved_1f1b'")
+    L = cfg.num_layers
+    recompute = 0.0
     if cfg.activation_checkpointing:  # backward recomputes one layer at a time: its activations come back
         full = activation_terms(dataclasses.replace(cfg, activation_checkpointing=False), seq_len, micro_batch,
                                 precision=precision, attention=attention, device=device, tp=tp,
                                 mlm_probability=mlm_probability)
-        per_mb += (full["layers"] + full["attention_scores"]) / cfg.num_layers
+        recompute = (full["layers"] + full["attention_scores"]) / L
     if pp == 1:
-        acts = per_mb + t["embedding"] + t["head"]
+        acts = t["layers"] + t["attention_scores"] + recompute + t["embedding"] + t["head"]
         logits = t["logits"]
     else:
-        first = min(pp, pipeline_microbatches) * (per_mb + t["embedding"])
-        last = per_mb + t["head"] + t["logits"]
-        acts, logits = max(first, last), 0  # the last stage's count includes its logits
+        dense = activation_terms(dataclasses.replace(cfg, sparse_head=False), seq_len, micro_batch,
+                                 precision=precision, attention=attention, device=device, tp=tp,
+                                 mlm_probability=mlm_probability)
+        per_layer = (dense["layers"] + dense["attention_scores"]) / L  # a full (not sparse) layer
+        n_first, n_last = math.ceil(L / pp), L // pp
+        last_layers = t["layers"] + t["attention_scores"] - per_layer * (L - n_last)
+        m = pipeline_microbatches
+        in_flight = (m, m) if pipeline_schedule == "gpipe" else (min(pp, m), 1)
+        first = in_flight[0] * (per_layer * n_first + recompute + t["embedding"])
+        last = in_flight[1] * (last_layers + recompute + t["head"])
+        acts, logits = max(first, last), 0
     n_positions = round(mlm_probability * seq_len) * micro_batch if cfg.sparse_head else seq_len * micro_batch
     out = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
            "autocast_copies": 0 if precision == "fp32" else 2 * _params_per_gpu(cfg, tp, pp) / (dp if zero_stage == 3 else 1),

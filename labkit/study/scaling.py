@@ -104,7 +104,8 @@ def embedding_bucket_bytes(cfg, *, grad_dtype_bytes: int = 4, bucket_bytes: floa
     from labkit.model import count_parameters
 
     h = cfg.hidden_size
-    tables = (cfg.vocab_size + cfg.type_vocab_size + cfg.max_position_embeddings * (cfg.position_embedding == "absolute"))
+    positions = cfg.max_position_embeddings * (cfg.position_embedding == "absolute")
+    tables = cfg.vocab_size + cfg.type_vocab_size + positions
     embedding = grad_dtype_bytes * (tables * h + 2 * h)
     return max(float(embedding), min(float(bucket_bytes), float(grad_dtype_bytes * count_parameters(cfg)["total"])))
 

@@ -140,7 +140,7 @@ def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: in
         rows.append({"method": "budget" if budget_bytes else "cuda_oom", "model": name, "params": int(rep["params"]),
                      "seq_len": seq_len, "budget_bytes": int(rep["budget_bytes"]), "state_bytes": int(rep["state_bytes"]),
                      "act_bytes_per_sample": rep["act_bytes_per_sample"],
-                     "max_micro_batch": int(rep["max_micro_batch"])})
+                     "transient_bytes": rep.get("transient_bytes"), "max_micro_batch": int(rep["max_micro_batch"])})
     return _save(pl.DataFrame(rows).sort("params"), out)
 
 
@@ -215,3 +215,84 @@ def sweep_model_size(client, base: TrainConfig, workdir: str, *, models: list[st
                      "flops_per_token": fpt, "achieved_flops": res["tokens_per_s"] * fpt,
                      "comm_exposed_s": res["comm_exposed_s"], **load})
     return _save(pl.DataFrame(rows, infer_schema_length=None).sort("params", "ranks"), out)
+
+
+def parallel_grid(n: int, mcfg, *, micro_batches: int, seq_len: int) -> list[dict]:
+    """Every split dp x tp x pp = ``n`` a run of ``mcfg`` can take (tp dividing the heads, the FFN
+    width and ``seq_len`` (sequence parallelism), with an attention kind checked under tensor
+    parallelism; pp at most the layers), the least
+    model parallelism first; pp > 1 under GPipe, and under 1F1B when ``micro_batches`` >= pp.
+    Each: {"tp", "pp", "pp_schedule"} (pp_schedule None without pp)."""
+    from labkit.train.parallel import TP_ATTENTION
+
+    out = []
+    for tp in (t for t in range(1, n + 1) if n % t == 0 and mcfg.num_heads % t == 0 and mcfg.ffn_size % t == 0
+               and seq_len % t == 0 and (t == 1 or mcfg.attention in TP_ATTENTION)):
+        for pp in (p for p in range(1, n // tp + 1) if (n // tp) % p == 0 and p <= mcfg.num_layers):
+            schedules = [None] if pp == 1 else ["gpipe"] + (["1f1b"] if micro_batches >= pp else [])
+            out += [{"tp": tp, "pp": pp, "pp_schedule": s} for s in schedules]
+    return sorted(out, key=lambda g: (g["tp"] * g["pp"], g["pp"], g["pp_schedule"] or ""))
+
+
+def sweep_parallel(client, base: TrainConfig, workdir: str, *, splits: list[dict] | None = None,
+                   micro_batches: int = 4, steps: int = 8, staged: dict[str, dict] | None = None,
+                   force: bool = False) -> pl.DataFrame:
+    """Data, tensor and pipeline parallelism on all engines, each split one short run beside the
+    planner: the same model and global batch (``base.micro_batch_size`` x ``micro_batches`` x engines
+    sequences) at every split of ``parallel_grid`` (or ``splits``: dicts of tp, pp, pp_schedule), each
+    data-parallel replica taking its share in ``micro_batches`` micro-batches (the pipeline's m).
+    Model-parallel splits replicate over dp (``sharding="replicate"``; tp > 1 with sequence
+    parallelism, as the planner assumes), dp alone uses DDP.
+
+    Per split, ``steps`` optimiser steps (``train_on_cluster``; no checkpoints) give tokens/s,
+    samples/s, step_time_s, the measured pipeline bubble and time in TP collectives (result.json:
+    means after the warm-up steps), and one ``labkit.study.parallel.measure_rank_memory`` call on the
+    engines the per-rank memory (the largest rank's); beside them the planner's bubble and per-rank
+    memory (``planned_rank_memory``). Tidy: one row per split, in ``sweeps/parallel.parquet``;
+    splits already there (same model, micro-batches and global batch) are not rerun. Columns: dp,
+    tp, pp, pp_schedule, micro_batches, micro_batch_size, global_batch_size, model, world_size,
+    tokens_per_s, samples_per_s, step_time_s, pipeline_bubble, planned_bubble, tp_comm_s,
+    tp_comm_fraction (of the step), measured_/planned_ state_bytes, activation_bytes, total_bytes,
+    and the machine's load before the run (``_load_columns``)."""
+    from labkit.cluster.launch import run_ddp
+    from labkit.study.parallel import measure_rank_memory, planned_rank_memory
+    from labkit.train.run_config import model_config_of
+
+    out = paths(workdir)["sweeps"] / "parallel.parquet"
+    n = len(client.ids)
+    index = read_index(base.data_dir)
+    mcfg = model_config_of(base, int(index["vocab_size"]))
+    global_batch = base.micro_batch_size * micro_batches * n
+    rows = _done_rows(out, force)
+    have = {(r["dp"], r["tp"], r["pp"], r["pp_schedule"], r["model"], r["micro_batches"], r["global_batch_size"])
+            for r in rows}
+    staged_paths = {node: info["path"] for node, info in staged.items()} if staged else None
+    for split in splits or parallel_grid(n, mcfg, micro_batches=micro_batches, seq_len=int(index["seq_len"])):
+        tp, pp, schedule = split["tp"], split["pp"], split.get("pp_schedule")
+        dp = n // (tp * pp)
+        if (dp, tp, pp, schedule, base.model, micro_batches, global_batch) in have:
+            continue
+        name = f"sweep-parallel-{base.model}-dp{dp}-tp{tp}-pp{pp}" + (f"-{schedule}" if schedule else "")
+        cfg = dataclasses.replace(base, tp=tp, pp=pp, pp_schedule=schedule or "1f1b", grad_accum_steps=micro_batches,
+                                  micro_batch_size=global_batch // (dp * micro_batches), max_steps=steps,
+                                  sharding="replicate" if tp * pp > 1 else "ddp", sequence_parallel=tp > 1,
+                                  run_dir=str(paths(workdir)["runs"] / name), resume=False, checkpoints=False,
+                                  eval_every=0)
+        load = _load_columns(client, client.ids[0])
+        res = train_on_cluster(client, cfg, staged=staged)
+        memory = max(run_ddp(client, measure_rank_memory, cfg, staged_paths=staged_paths, stream=False),
+                     key=lambda r: r["total_bytes"])
+        planned = planned_rank_memory(mcfg, cfg, world=n, seq_len=int(index["seq_len"]))
+        step_time = res["global_batch_size"] / res["samples_per_s"]
+        rows.append({"dp": dp, "tp": tp, "pp": pp, "pp_schedule": schedule, "micro_batches": micro_batches,
+                     "micro_batch_size": cfg.micro_batch_size, "global_batch_size": res["global_batch_size"],
+                     "model": base.model, "world_size": n, "tokens_per_s": res["tokens_per_s"],
+                     "samples_per_s": res["samples_per_s"], "step_time_s": step_time,
+                     "pipeline_bubble": res["pipeline_bubble"], "planned_bubble": planned["bubble"],
+                     "tp_comm_s": res["tp_comm_s"],
+                     "tp_comm_fraction": res["tp_comm_s"] / step_time if res["tp_comm_s"] is not None else None,
+                     **{f"measured_{k}": memory[k] for k in ("state_bytes", "activation_bytes", "total_bytes")},
+                     **{f"planned_{k}": int(planned[k]) for k in ("state_bytes", "activation_bytes", "total_bytes")},
+                     **load})
+    df = pl.DataFrame(rows, infer_schema_length=None).with_columns(_order=pl.col("tp") * pl.col("pp"))
+    return _save(df.sort("_order", "pp", "pp_schedule", nulls_last=False).drop("_order"), out)

@@ -4,6 +4,8 @@
 - ``labkit.train.optim``: AdamW and the learning-rate schedule ``lr_at``;
 - ``labkit.train.checkpoint``: atomic checkpoints and exact resume;
 - ``labkit.train.dist``: process groups, DDP / ZeRO-1 / FSDP2 wrapping, collectives;
+- ``labkit.train.parallel``: tensor and pipeline parallel runs (``ParallelModel``) over a (pp, dp, tp)
+  mesh, with ``labkit.train.tensor_parallel`` and ``labkit.train.pipeline``;
 - ``labkit.train.evaluation``: the held-out loss on a fixed masked set, reduced over ranks;
 - ``labkit.train.run_config``: a run directory's config and data identity; resume refuses drift.
 

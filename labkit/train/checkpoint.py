@@ -90,3 +90,80 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module) -> dict[str
     path = pathlib.Path(path)
     load_model(dist.unwrap(model), str(path / "model.safetensors"), strict=True)
     return torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+
+
+# ------------------------------------------------------------------------------------------
+# Split models (tensor / pipeline parallel): torch.distributed.checkpoint
+# ------------------------------------------------------------------------------------------
+
+def _split_options():
+    """Sharded state dicts (DTensors stay sharded), AdamW state flattened by parameter name, so
+    a pipeline rank loads the names it holds whatever the split that wrote them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _split_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(model, options=_split_options()),
+            "optim": get_optimizer_state_dict(model, optimizer, options=_split_options())}
+
+
+def is_split_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` (a step-N directory) was written by ``save_split_checkpoint``."""
+    return (pathlib.Path(path) / ".metadata").is_file()
+
+
+def save_split_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Module,
+                          optimizer: torch.optim.Optimizer, state: dict[str, Any], per_rank: dict[str, Any], *,
+                          keep: int) -> pathlib.Path | None:
+    """Collective: checkpoint step-N of a split model (``labkit.train.parallel.ParallelModel``) as a
+    ``torch.distributed.checkpoint`` directory: {"model": parameters, "optim": AdamW state} under the
+    ``BertMLM`` names, each rank writing its own shards (every rank's files go to run_dir, which a
+    multi-node run must share), plus state.pt from rank 0 (``state`` and ``ranks`` = [per_rank of
+    rank 0, 1, ...], as ``save_checkpoint``). Built under a temporary name that rank 0 renames
+    into place after every rank has written; returns the directory on rank 0, None elsewhere."""
+    import contextlib
+
+    import torch.distributed.checkpoint as dcp
+
+    ranks = dist.all_gather_object(per_rank)
+    ckdir = pathlib.Path(run_dir) / "checkpoints"
+    final = ckdir / f"step-{step}"
+    with contextlib.ExitStack() as stack:
+        tmp = None
+        if dist.is_main():
+            shutil.rmtree(final, ignore_errors=True)
+            tmp = stack.enter_context(atomic_dir(final))
+        box = [str(tmp) if tmp is not None else None]
+        torch.distributed.broadcast_object_list(box, src=0)
+        dcp.save(_split_state_dict(model, optimizer), checkpoint_id=box[0])
+        if dist.is_main():
+            torch.save({**state, "ranks": ranks}, pathlib.Path(box[0]) / "state.pt")
+    if dist.is_main():
+        for old in checkpoint_steps(run_dir)[:-keep]:
+            shutil.rmtree(ckdir / f"step-{old}", ignore_errors=True)
+    dist.barrier()
+    return final if dist.is_main() else None
+
+
+def read_state(path: str | os.PathLike) -> dict[str, Any]:
+    """state.pt of checkpoint directory ``path`` (``torch.load(weights_only=True)`` on CPU)."""
+    return torch.load(pathlib.Path(path) / "state.pt", map_location="cpu", weights_only=True)
+
+
+def load_split_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
+                          optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Collective: load a ``save_split_checkpoint`` directory into a split model and its optimiser
+    (any split: each rank reads the shards of the names and slices it holds) and return state.pt.
+    The optimiser's state is created first with a zero step (lr 0), as torch's ``get_optimizer_state_dict`` does."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    sd = _split_state_dict(model, optimizer)
+    dcp.load(sd, checkpoint_id=str(path))
+    set_model_state_dict(model, sd["model"], options=_split_options())
+    set_optimizer_state_dict(model, optimizer, sd["optim"], options=_split_options())
+    return read_state(path)

@@ -20,6 +20,15 @@ gathers parameters and moments (keyed by name) to rank 0. The LR is a pure funct
 step (``lr_at``), so the step is the whole scheduler state. Resume needs the same world size
 and sharding (sharding "none" in a single process) and a config and data that match the run
 directory's config.json / data.json (``labkit.train.run_config``: one-line refusal naming each field).
+
+With tp or pp > 1 the model is split (``labkit.train.parallel.ParallelModel``: pipeline stages,
+tensor parallelism, FSDP2 or replicas over dp) and the same loop runs: one visible branch per
+step calls its ``forward_backward`` and ``clip_grad_norm`` instead of this module's and
+``dist.clip_grad_norm``. Data (sampler, masked-token count, held-out set) follows the dp rank;
+global batch = micro_batch_size * grad_accum_steps * dp; records gain ``pipeline_bubble`` and
+``tp_comm_s`` (None when not split that way); checkpoints are torch.distributed.checkpoint
+directories (``labkit.train.checkpoint.save_split_checkpoint``) that load at another split with
+the same dp (``parallel.refuse_checkpoint`` names both splits otherwise).
 """
 
 from __future__ import annotations
@@ -42,9 +51,10 @@ from labkit.data.mlm import make_loader
 from labkit.data.shards import packing_of, read_index
 from labkit.io import atomic_write_json, atomic_write_text
 from labkit.model import BertMLM, count_parameters, flops_per_token
-from labkit.train import dist, provenance, sinks
+from labkit.train import dist, parallel, provenance, sinks
+from labkit.train.checkpoint import (_rng_state, _set_rng_state, checkpoint_steps, load_checkpoint, save_checkpoint,
+                                     save_split_checkpoint)
 from labkit.train.comm import time_gradient_collectives
-from labkit.train.checkpoint import _rng_state, _set_rng_state, checkpoint_steps, load_checkpoint, save_checkpoint
 from labkit.train.optim import build_optimizer, lr_at
 from labkit.train.run_config import check_resume, data_identity, model_config_of, save_run_config
 
@@ -140,14 +150,19 @@ def _heldout_set(cfg: TrainConfig, rank: int, world: int, vocab_size: int, devic
                       batch_size=cfg.eval_batch_size or cfg.micro_batch_size, device=device)
 
 
-def _maybe_evaluate(model: torch.nn.Module, heldout: Any, cfg: TrainConfig, step: int, stop: int) -> dict[str, Any]:
-    """Collective: {"eval_loss", "perplexity", "eval_masked", "eval_sequences"} at the steps
-    that evaluate (every eval_every, and the last), else {}."""
+def _maybe_evaluate(model: torch.nn.Module, heldout: Any, cfg: TrainConfig, step: int, stop: int,
+                    windows: measure.PeakWindows | None = None) -> dict[str, Any]:
+    """Collective: {"eval_loss", "perplexity", "eval_masked", "eval_sequences",
+    "eval_peak_mem_bytes" (its own peak window in ``windows``)} at the steps that evaluate (every
+    eval_every, and the last), else {}."""
     from labkit.train.evaluation import evaluate
 
     if heldout is None or not ((cfg.eval_every and step % cfg.eval_every == 0) or step == stop):
         return {}
-    return evaluate(model, heldout, precision=cfg.precision)
+    if windows is None:
+        return evaluate(model, heldout, precision=cfg.precision)
+    out, peak = windows.around("eval", evaluate, model, heldout, precision=cfg.precision)
+    return out | {"eval_peak_mem_bytes": peak}
 
 
 # ------------------------------------------------------------------------------------------
@@ -192,10 +207,11 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
             dist.teardown()
 
 
-def _build_model(cfg: TrainConfig, index: dict, rank: int) -> tuple[Any, BertMLM]:
-    """The model config for the shards' vocabulary and ``BertMLM`` built from ``cfg.seed`` (the same
-    init on every rank), then each rank's own dropout stream seeded. ValueError when the shards'
-    sequence length exceeds the model's positions."""
+def _build_model(cfg: TrainConfig, index: dict, rank: int, world: int) -> tuple[Any, BertMLM, parallel.Split | None]:
+    """The model config for the shards' vocabulary, the tensor/pipeline split (None without one;
+    ``parallel.check_split`` refuses one that cannot work) and ``BertMLM`` built from ``cfg.seed``
+    (the same init on every rank), then each rank's own dropout stream seeded. ValueError when the
+    shards' sequence length exceeds the model's positions."""
     seq_len, vocab_size = int(index["seq_len"]), int(index["vocab_size"])
     mcfg = model_config_of(cfg, vocab_size)
     if seq_len > mcfg.max_position_embeddings:
@@ -204,22 +220,31 @@ def _build_model(cfg: TrainConfig, index: dict, rank: int) -> tuple[Any, BertMLM
     if mcfg.position_embedding == "instruction" and "[NEXT]" not in index["special_ids"]:
         raise ValueError(f"model_overrides: position_embedding 'instruction' counts [NEXT] tokens, but the shards in "
                          f"{cfg.data_dir} come from a tokenizer without [NEXT] (special_ids {index['special_ids']})")
+    split = parallel.check_split(cfg, mcfg, world, seq_len, rank) if parallel.is_split(cfg) else None
     torch.manual_seed(cfg.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
     model = BertMLM(mcfg)
-    torch.manual_seed(cfg.seed + 1 + rank)  # dropout streams differ per rank
-    random.seed(cfg.seed + 1 + rank)
-    np.random.seed(cfg.seed + 1 + rank)
-    return mcfg, model
+    seed = cfg.seed + 1 + rank // cfg.tp  # dropout streams differ per rank, except across a tp group,
+    torch.manual_seed(seed)  # whose ranks compute the same replicated activations
+    random.seed(seed)
+    np.random.seed(seed)
+    return mcfg, model, split
 
 
 def _restore(state: dict | None, model: torch.nn.Module, optimizer: Any, scaler: Any, sampler: Any, *,
              rank: int, world: int, sharding: str, where: str) -> tuple[int, int, int, int]:
     """Optimiser, scaler and sampler state from a checkpoint's ``state`` (None: a fresh run).
     Returns (step, epoch, position in the epoch, tokens seen). ValueError when the checkpoint was
-    written by another world size or sharding (``where`` names it)."""
+    written by another world size or sharding (``where`` names it). A split model's optimiser was
+    loaded with its weights (``load_split_checkpoint``); its rank entry is ``parallel.rank_entry``'s."""
     if state is None:
         sampler.set_epoch(0)
         return 0, 0, 0, 0
+    if isinstance(model, parallel.ParallelModel):
+        mine = parallel.rank_entry(state, rank, model.split)
+        scaler.load_state_dict(state["scaler"])
+        sampler.set_epoch(state["epoch"])
+        sampler.load_state_dict(mine["sampler"])
+        return state["step"], state["epoch"], mine["sampler"]["position"], state["tokens"]
     if len(state["ranks"]) != world:
         raise ValueError(f"resume: checkpoint {where} was written by "
                          f"{len(state['ranks'])} ranks; this run has {world} (set resume=False)")
@@ -232,6 +257,30 @@ def _restore(state: dict | None, model: torch.nn.Module, optimizer: Any, scaler:
     sampler.set_epoch(state["epoch"])
     sampler.load_state_dict(mine["sampler"])
     return state["step"], state["epoch"], mine["sampler"]["position"], state["tokens"]
+
+
+def _forward_backward(model: Any, micro_batches: list[dict[str, torch.Tensor]], cfg: TrainConfig, world: int,
+                      scaler: Any, split: parallel.Split | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step's forwards and backwards: ``forward_backward`` (data parallel), or the split model's
+    own (tensor / pipeline parallel, ``labkit.train.parallel``: the schedule, or tp-split stages)."""
+    if split is None:
+        return forward_backward(model, micro_batches, world_size=world, precision=cfg.precision, scaler=scaler)
+    return model.forward_backward(micro_batches, dtype=AUTOCAST_DTYPES[cfg.precision])
+
+
+def _load_and_wrap(cfg: TrainConfig, model: BertMLM, device: torch.device, split: parallel.Split | None,
+                   ckpt: pathlib.Path | None, world: int) -> tuple[Any, Any, Any, str, dict | None]:
+    """The checkpoint ``ckpt`` (None: a fresh run) loaded and the model wrapped, in the order each
+    kind needs; returns (model, optimizer, scaler, sharding, state.pt or None). Data parallel:
+    the whole weights into the one-device model, then ``_parallelize``. Tensor / pipeline parallel:
+    ``parallel.build`` splits first, then loads through torch.distributed.checkpoint. A checkpoint
+    of another kind, or at another dp, is refused naming both splits (``parallel.refuse_checkpoint``)."""
+    if ckpt is not None:
+        parallel.refuse_checkpoint(ckpt, split, world)
+    if split is not None:
+        return parallel.build(cfg, model, device, split, ckpt)
+    state = load_checkpoint(ckpt, model) if ckpt is not None else None
+    return (*_parallelize(cfg, model, device), state)
 
 
 def _start_files(run_dir: pathlib.Path, cfg: TrainConfig, identity: dict, prov: dict, *, resumed: bool,
@@ -255,8 +304,9 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     run_dir = pathlib.Path(cfg.run_dir)
     index = read_index(cfg.data_dir)
     seq_len = int(index["seq_len"])
-    mcfg, model = _build_model(cfg, index, rank)
-    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * world
+    mcfg, model, split = _build_model(cfg, index, rank, world)
+    dp_rank, dp = (split.dp_rank, split.dp) if split else (rank, world)  # data follows the dp rank
+    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * dp
     params = count_parameters(model)
     fpt = flops_per_token(mcfg, seq_len, mlm_probability=cfg.mlm_probability)
 
@@ -264,15 +314,15 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     identity = data_identity(index)
     if resume_step:  # refuse to continue a run under another configuration (labkit.train.run_config)
         check_resume(run_dir, to_dict(cfg), identity, allow_safe_changes=cfg.allow_safe_changes)
-    state = load_checkpoint(run_dir / "checkpoints" / f"step-{resume_step}", model) if resume_step else None
-    model, optimizer, scaler, sharding = _parallelize(cfg, model, device)
-    loader = make_loader(cfg.data_dir, batch_size=cfg.micro_batch_size, rank=rank, world_size=world,
+    ckpt = run_dir / "checkpoints" / f"step-{resume_step}" if resume_step else None
+    model, optimizer, scaler, sharding, state = _load_and_wrap(cfg, model, device, split, ckpt, world)
+    loader = make_loader(cfg.data_dir, batch_size=cfg.micro_batch_size, rank=dp_rank, world_size=dp,
                          seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=mcfg.vocab_size,
                          num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
                          seq_len=cfg.seq_len, tokenizer_sha256=_tokenizer_sha256(cfg.tokenizer_path),
                          verify=cfg.verify_data)  # refuses mismatched shards before any step
     sampler = _find_sampler(loader)
-    heldout = _heldout_set(cfg, rank, world, mcfg.vocab_size, device)  # fixed masked held-out set
+    heldout = _heldout_set(cfg, dp_rank, dp, mcfg.vocab_size, device)  # fixed masked held-out set
     # position: batches of this epoch consumed
     step, epoch, position, tokens_seen = _restore(state, model, optimizer, scaler, sampler, rank=rank, world=world,
                                                   sharding=sharding, where=f"step-{resume_step} in {run_dir}")
@@ -281,28 +331,25 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     metrics_file = _start_files(run_dir, cfg, identity, prov, resumed=state is not None, step=step)
     batches_iter = _iterate(loader)
     if state is not None:
-        _set_rng_state(state["ranks"][rank]["rng"])  # last, so nothing above consumes randomness
+        _set_rng_state(parallel.rank_entry(state, rank, split)["rng"])  # last, so nothing above consumes randomness
 
     stop = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
     peak = measure.peak_flops(device, cfg.precision)
-    timer = measure.StepTimer(device, comm=time_gradient_collectives(model, device))  # + comm_exposed_s
-    timings: list[tuple[int, int, float, float, float]] = []  # (tokens, samples, step time, wait, exposed comm)
-    last_record: dict[str, Any] = {}
-    skipped = 0
-    # peak memory in its own windows: the training steps since the last record, each evaluation,
-    # each checkpoint (reset before, read after; CUDA only, docs/measurement.md)
-    step_peak, ckpt_peak, peaks = 0, None, {"eval_peak_mem_bytes": None, "checkpoint_peak_mem_bytes": None}
+    timer = measure.StepTimer(device, comm=None if split else time_gradient_collectives(model, device))
+    timings: list[tuple] = []  # (tokens, samples, step time, wait, exposed comm or None) per step
+    last_record, skipped = {}, 0
+    windows = measure.PeakWindows(device)  # peak memory of the steps, each evaluation, each checkpoint
     model.train()
     while step < stop:
         timer.start()
-        measure.reset_peak_memory(device)
+        windows.start()
         # 1. fetch this rank's micro-batches, timing the wait (a new epoch reshuffles)
         micro_batches, wait = [], 0.0
         for _ in range(cfg.grad_accum_steps):
             t0 = time.perf_counter()
             batch = next(batches_iter, None)
             if batch is None:  # epoch over: reshuffle and start again
-                epoch, position, batches_iter = epoch + 1, 0, _next_epoch(loader, sampler, epoch + 1, cfg, world)
+                epoch, position, batches_iter = epoch + 1, 0, _next_epoch(loader, sampler, epoch + 1, cfg, dp)
                 batch = next(batches_iter)
             position += 1
             micro_batches.append(to_device(batch, device))
@@ -312,8 +359,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss_sum, n_masked, n_tokens = forward_backward(model, micro_batches, world_size=world,
-                                                        precision=cfg.precision, scaler=scaler)
+        loss_sum, n_masked, n_tokens = _forward_backward(model, micro_batches, cfg, world, scaler, split)
         summed = dist.all_reduce_sum(torch.stack([loss_sum.double(), torch.tensor(wait, dtype=torch.float64,
                                                                                     device=loss_sum.device)]))
         loss = summed[0].item() / max(1, n_masked.item())
@@ -325,40 +371,30 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         optimizer.zero_grad(set_to_none=True)
         step += 1
         step_time = timer.stop()
-        step_peak = max(step_peak, measure.peak_memory_bytes(device))
+        windows.end_step()
         # 4. measure and record
         n_tokens_i = int(n_tokens.item())
         tokens_seen += n_tokens_i
-        timings.append((n_tokens_i, global_batch, step_time, wait_mean, timer.comm_exposed_s))
-        measure.reset_peak_memory(device)
-        evaluated = _maybe_evaluate(model, heldout, cfg, step, stop)  # held-out loss, outside the step time
-        if evaluated:
-            evaluated["eval_peak_mem_bytes"] = measure.peak_memory_bytes(device)
-            peaks["eval_peak_mem_bytes"] = max(peaks["eval_peak_mem_bytes"] or 0, evaluated["eval_peak_mem_bytes"])
+        timings.append((n_tokens_i, global_batch, step_time, wait_mean, None if split else timer.comm_exposed_s))
+        evaluated = _maybe_evaluate(model, heldout, cfg, step, stop, windows)  # held-out loss, outside the step time
         if step % cfg.log_every == 0 or step == stop or evaluated:
             tps = measure.tokens_per_s(n_tokens_i, step_time)
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
                       "step_tokens": n_tokens_i, "n_masked": int(n_masked.item()), "tokens_per_s": tps,
                       "packing_efficiency": measure.packing_efficiency(n_tokens_i, global_batch, seq_len),
-                      **_rates(global_batch, timer, step_time, wait_mean, device),
-                      "mfu": measure.mfu(tps, fpt, world, peak), "peak_mem_bytes": step_peak, "world_size": world,
+                      **_rates(global_batch, timer, step_time, wait_mean, model),
+                      "mfu": measure.mfu(tps, fpt, world, peak), **windows.take(), "world_size": world,
                       "global_batch_size": global_batch, "epoch": epoch, "skipped": not finite, **evaluated, "time": time.time()}
-            if ckpt_peak is not None:  # the checkpoints written since the last record
-                record["checkpoint_peak_mem_bytes"], ckpt_peak = ckpt_peak, None
-            step_peak = 0
             last_record = _log(record, metrics_file, sink)
         if cfg.checkpoints and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == stop):
-            measure.reset_peak_memory(device)
-            _save(cfg, run_dir, model, optimizer, scaler, sampler, step=step, epoch=epoch, position=position,
-                  tokens=tokens_seen, world=world, sharding=sharding)
-            ckpt_peak = max(ckpt_peak or 0, measure.peak_memory_bytes(device))
-            peaks["checkpoint_peak_mem_bytes"] = max(peaks["checkpoint_peak_mem_bytes"] or 0, ckpt_peak)
+            windows.around("checkpoint", _save, cfg, run_dir, model, optimizer, scaler, sampler, step=step, epoch=epoch,
+                           position=position, tokens=tokens_seen, world=world, sharding=sharding)
 
     records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()] \
         if metrics_file is not None and metrics_file.exists() else [last_record]
     result = _result(cfg, records, timings, fpt=fpt, peak=peak, world=world, global_batch=global_batch, step=step,
                      params=params, tokens_seen=tokens_seen, resume_step=resume_step, skipped=skipped, mcfg=mcfg,
-                     index=index, device=device, sharding=sharding, t_start=t_start, prov=prov) | peaks
+                     index=index, device=device, sharding=sharding, t_start=t_start, prov=prov) | windows.maxima
     if dist.is_main():
         atomic_write_json(run_dir / "result.json", result)
     return result
@@ -390,7 +426,10 @@ def _clip_and_step(cfg: TrainConfig, model: torch.nn.Module, optimizer: Any, sca
     grad_norm = float("nan")
     if finite or fp16:
         scaler.unscale_(optimizer)
-        grad_norm = dist.clip_grad_norm(model, cfg.grad_clip or float("inf"))  # global norm, any sharding
+        if isinstance(model, parallel.ParallelModel):  # across meshes and pipeline stages
+            grad_norm = model.clip_grad_norm(cfg.grad_clip or float("inf"))
+        else:
+            grad_norm = dist.clip_grad_norm(model, cfg.grad_clip or float("inf"))  # global norm, any sharding
         finite = finite and (fp16 or math.isfinite(grad_norm))
     if not finite and cfg.on_nonfinite == "raise":
         raise FloatingPointError(f"step {step + 1}: non-finite loss {loss} / grad norm {grad_norm} "
@@ -419,14 +458,21 @@ def _save(cfg: TrainConfig, run_dir: pathlib.Path, model: torch.nn.Module, optim
     """Collective: checkpoint step-N (``labkit.train.checkpoint.save_checkpoint``) with the
     optimiser (gathered), scaler, step, epoch and tokens, and per rank the RNG states and the
     batches consumed, in RankSampler's state format (with workers the sampler itself runs ahead
-    of the trainer, so ``position`` is the trainer's)."""
+    of the trainer, so ``position`` is the trainer's). A split model: ``save_split_checkpoint``
+    (weights and optimiser through torch.distributed.checkpoint) with its split."""
+    per_rank = {"rng": _rng_state(), "sampler": {**sampler.state_dict(), "epoch": epoch, "position": position}}
+    if isinstance(model, parallel.ParallelModel):
+        save_split_checkpoint(run_dir, step, model, optimizer,
+                              {"format": 1, "step": step, "epoch": epoch, "tokens": tokens, "lr": lr_at(step, cfg),
+                               "scaler": scaler.state_dict(), "world_size": world, "sharding": sharding,
+                               "split": parallel.split_record(model.split, cfg)}, per_rank, keep=cfg.keep_checkpoints)
+        return
     save_checkpoint(run_dir, step, model,
                     {"format": 1, "step": step, "epoch": epoch, "tokens": tokens,
                      "optimizer": dist.optimizer_state_dict(model, optimizer),  # collective
                      "lr": lr_at(step, cfg), "scaler": scaler.state_dict(), "world_size": world,
                      "sharding": sharding},
-                    {"rng": _rng_state(), "sampler": {**sampler.state_dict(), "epoch": epoch, "position": position}},
-                    keep=cfg.keep_checkpoints)
+                    per_rank, keep=cfg.keep_checkpoints)
 
 
 def _next_epoch(loader: Any, sampler: Any, epoch: int, cfg: TrainConfig, world: int) -> Any:
@@ -442,15 +488,19 @@ def _next_epoch(loader: Any, sampler: Any, epoch: int, cfg: TrainConfig, world: 
 
 
 def _rates(global_batch: int, timer: measure.StepTimer, step_time: float, wait_mean: float,
-           device: torch.device) -> dict[str, Any]:
-    """The per-step rates of a metrics record (docs/measurement.md), with the step timer's CPU
-    seconds and exposed gradient communication (rank 0's)."""
+           model: Any = None) -> dict[str, Any]:
+    """The per-step rates of a metrics record (docs/measurement.md): the step timer's CPU seconds
+    and exposed gradient communication (rank 0's; None for a split model, whose collectives the
+    timer does not see), and with a split ``model`` its measured pipeline bubble and time in TP
+    collectives (``parallel.measures``: collective; None for both otherwise)."""
+    split = isinstance(model, parallel.ParallelModel)
     return {"samples_per_s": measure.samples_per_s(global_batch, step_time), "step_time_s": step_time,
-            "comm_exposed_s": timer.comm_exposed_s, "cpu_s": timer.cpu_s, "thread_cpu_s": timer.thread_cpu_s,
-            "data_wait_s": wait_mean, "data_wait_fraction": measure.data_wait_fraction(wait_mean, step_time)}
+            "comm_exposed_s": None if split else timer.comm_exposed_s, "cpu_s": timer.cpu_s,
+            "thread_cpu_s": timer.thread_cpu_s, "data_wait_s": wait_mean,
+            "data_wait_fraction": measure.data_wait_fraction(wait_mean, step_time), **parallel.measures(model)}
 
 
-def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple[int, int, float, float, float]], *, fpt: float,
+def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple], *, fpt: float,
             peak: float | None, world: int, global_batch: int, step: int, params: dict, tokens_seen: int,
             resume_step: int, skipped: int, mcfg: Any, index: dict, device: torch.device, sharding: str,
             t_start: float, prov: dict) -> dict[str, Any]:
@@ -458,7 +508,9 @@ def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple[int, int,
     ``cfg.timing_warmup_steps``), sizes and settings, and the provenance with the end time."""
     seq_len, vocab_size = int(index["seq_len"]), int(index["vocab_size"])
     timed = timings[cfg.timing_warmup_steps:] or timings  # too short a run: time every step
-    tok, samples, seconds, wait_s, exposed_s = (sum(t[i] for t in timed) for i in range(5))
+    tok, samples, seconds, wait_s = (sum(t[i] for t in timed) for i in range(4))
+    exposed = [t[4] for t in timed if t[4] is not None]  # none for a split model
+    exposed_s = sum(exposed) if exposed else None
     tps = measure.tokens_per_s(tok, seconds) if timed else None
     evals = [r for r in records if r.get("eval_loss") is not None]
     result = {"initial_loss": records[0].get("loss") if records else None,
@@ -468,8 +520,8 @@ def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple[int, int,
               "tokens_per_s": tps,
               "samples_per_s": measure.samples_per_s(samples, seconds) if timed else None,
               "data_wait_fraction": measure.data_wait_fraction(wait_s, seconds) if timed else None,
-              "comm_exposed_s": exposed_s / len(timed) if timed else None,  # mean per timed step, rank 0
-              "comm_exposed_fraction": exposed_s / seconds if timed else None,
+              "comm_exposed_s": exposed_s / len(exposed) if exposed else None,  # mean per timed step, rank 0
+              "comm_exposed_fraction": exposed_s / seconds if exposed else None,
               "packing_efficiency": measure.packing_efficiency(tok, samples, seq_len) if timed else None,
               "packing": packing_of(index),
               "mfu": measure.mfu(tps, fpt, world, peak) if tps else None,
@@ -482,4 +534,5 @@ def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple[int, int,
               "device": str(device), "precision": cfg.precision, "sharding": sharding,
               "activation_checkpointing": mcfg.activation_checkpointing, "wall_s": time.time() - t_start,
               "provenance": prov | {"end_time": provenance.now_iso()}}
-    return result
+    dp = global_batch // (cfg.micro_batch_size * cfg.grad_accum_steps)
+    return result | parallel.result_fields(cfg, dp, records)  # the split, its measured means

@@ -45,15 +45,17 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     shards and plain AdamW steps each rank's shard. On CPU and CUDA (ddp, zero1 and single
     process) AdamW is torch's fused implementation (``fused=True``: one kernel per dtype and
     device for all parameters, the same update; on CPU since torch 2.4, about a quarter of the
-    for-loop's CPU time: docs/training.md); fsdp's DTensor shards keep the default implementation."""
-    from torch.distributed.fsdp import FSDPModule
+    for-loop's CPU time: docs/training.md). DTensor parameters (fsdp's shards, tensor-parallel
+    weights, which sit beside plain tensors in one group) keep the default implementation: the
+    fused kernel refuses a mix of Tensor and DTensor."""
+    from torch.distributed.tensor import DTensor
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     decay = [_decays(n, p) for n, p in named]  # a fused bias ([3, H]: labkit.model.encoder.FusedLinear) is 2-D
     groups = [{"params": [p for p, d in zip(params, decay) if d], "weight_decay": cfg.weight_decay},
               {"params": [p for p, d in zip(params, decay) if not d], "weight_decay": 0.0}]
-    fused = {"fused": True} if params and not isinstance(model, FSDPModule) else {}
+    fused = {"fused": True} if params and not any(isinstance(p, DTensor) for p in params) else {}
     if cfg.sharding == "zero1" and torch.distributed.is_initialized():
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=cfg.lr,
                                        betas=(cfg.beta1, cfg.beta2), **fused)

@@ -11,8 +11,8 @@ the new run's, field by field (``config_drift``):
   the schedule follows max_steps) and this module's own switch.
 - ``SAFE_FIELDS`` change what is logged, saved or how far the run goes, not the steps already
   taken: more steps (``max_steps``; with a decaying schedule the LR of the
-  remaining steps follows the new max_steps), log, checkpoint and evaluation intervals. They
-  may differ only with ``TrainConfig.allow_safe_changes=True``.
+  remaining steps follows the new max_steps), log, checkpoint and evaluation intervals, the
+  tensor/pipeline split. They may differ only with ``TrainConfig.allow_safe_changes=True``.
 - Every other field changes the result (model and its overrides, optimiser, schedule, batch,
   masking, precision, sharding, seed, ...), as do the data's shard hashes, the tokenizer hash
   and the sequence length: such a resume is refused.
@@ -37,8 +37,11 @@ FREE_FIELDS = frozenset({"run_dir", "data_dir", "tokenizer_path", "num_workers",
 """TrainConfig fields that never change a run's result."""
 
 SAFE_FIELDS = frozenset({"max_steps", "checkpoints", "log_every", "ckpt_every", "keep_checkpoints", "eval_every",
-                         "eval_sequences", "eval_batch_size", "timing_warmup_steps"})
-"""TrainConfig fields that may change on resume with ``allow_safe_changes=True``."""
+                         "eval_sequences", "eval_batch_size", "timing_warmup_steps",
+                         "tp", "pp", "pp_schedule", "pp_virtual_stages", "sequence_parallel"})
+"""TrainConfig fields that may change on resume with ``allow_safe_changes=True``. The model-parallel
+split changes how a step is computed, not what (the same loss to rounding; a split checkpoint
+loads at another split with the same dp, ``labkit.train.parallel.refuse_checkpoint``)."""
 
 
 def data_identity(index: dict) -> dict[str, Any]:

@@ -47,6 +47,18 @@ def test_assign_ranks_two_hosts_uneven_and_order_independent():
         assert C.assign_ranks(shuffled, master_port=1234) == env
 
 
+def test_tensor_parallel_groups_stay_within_a_node():
+    """tp innermost (labkit.train.parallel): groups of tp consecutive ranks, each on one node."""
+    infos = [_info(0, "b", 1), _info(1, "a", 0), _info(2, "b", 0), _info(3, "a", 1)]  # 2 engines per node
+    assert C.tensor_parallel_groups(infos, 2) == [[1, 3], [2, 0]]  # ranks 0-1 on a, 2-3 on b
+    assert C.tensor_parallel_groups(infos, 1) == [[1], [3], [2], [0]]
+    with pytest.raises(ValueError, match=r"^tp: the tensor-parallel group of ranks 0-3 spans nodes \['a', 'b'\]"):
+        C.tensor_parallel_groups(infos, 4)
+    three = [_info(i, "ab"[i // 3], i % 3) for i in range(6)]
+    with pytest.raises(ValueError, match=r"ranks 2-3 spans .* tp 2 must divide every node's engine count \{'a': 3, 'b': 3\}"):
+        C.tensor_parallel_groups(three, 2)
+
+
 def test_assign_ranks_ties_on_local_id_break_by_engine_id_and_errors():
     env = C.assign_ranks([_info(5, "n", 0), _info(2, "n", 0)], master_port=1)
     assert env[2]["RANK"] == "0" and env[5]["RANK"] == "1"

@@ -62,8 +62,9 @@ def _allreduce_ranks():
 
 def test_slurm_engines_on_two_nodes(slurm, tmp_path):
     """start_cluster(engines="slurm") on n1/n2: node names and local ids from Slurm, ranks node
-    by node, the interface setting on every engine, staging per node, DDP across the nodes,
-    restart_engines (a new job, the old one gone), and squeue empty after stop_cluster."""
+    by node, the interface setting on every engine, staging per node, DDP across the nodes, a
+    pipeline x data parallel run (pp 2 x dp 2: one stage per node), restart_engines (a new job,
+    the old one gone), and squeue empty after stop_cluster."""
     from labkit import lab
     from tiny_shards import write_tiny_shards
 
@@ -96,6 +97,17 @@ def test_slurm_engines_on_two_nodes(slurm, tmp_path):
 
         out = C.run_ddp(rc, _allreduce_ranks, timeout=120, stream=False)
         assert out == [(0, 4, 10.0, "n1", 0), (1, 4, 10.0, "n1", 1), (2, 4, 10.0, "n2", 0), (3, 4, 10.0, "n2", 1)]
+
+        # pipeline x data parallel across the nodes: stage 0 on n1's ranks, stage 1 on n2's (tp innermost)
+        from labkit.config import TrainConfig
+
+        pp2 = TrainConfig(data_dir=str(workdir / "shards"), run_dir=str(tmp_path / "pp2-dp2"), model="tiny",
+                          micro_batch_size=4, grad_accum_steps=2, max_steps=3, warmup_steps=1, pp=2, sharding="fsdp",
+                          device="cpu", num_threads=1, timeout_s=120, trackers=(), timing_warmup_steps=1)
+        result = lab.train_on_cluster(rc, pp2, staged=staged, timeout=300)
+        assert (result["dp"], result["pp"], result["world_size"], result["steps"]) == (2, 2, 4, 3)
+        assert 0 < result["pipeline_bubble"] < 1 and result["final_loss"] < result["initial_loss"] + 1
+        assert (tmp_path / "pp2-dp2" / "checkpoints" / "step-3" / ".metadata").is_file()
 
         old_ids = rc.ids
         new_ids = C.restart_engines(cl, timeout=180)

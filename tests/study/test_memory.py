@@ -25,8 +25,8 @@ def old_saved_bytes(cfg, seq_len: int, b: int) -> int:
     n_mask = max(1, round(0.15 * seq_len))
     labels[:, 1:1 + n_mask] = ids[:, 1:1 + n_mask]
     torch.manual_seed(0)
-    return reference_saved_bytes(BertMLM(cfg), {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
-                                                "labels": labels})
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool), "labels": labels}
+    return reference_saved_bytes(BertMLM(cfg), batch)
 
 
 @pytest.mark.parametrize("name", ["mini", "small"])
@@ -35,11 +35,11 @@ def test_labkit_presets_keep_the_exact_cpu_count(name):
     bytes per sequence (slope from b = 2 to 3) and fixed part, exactly."""
     cfg = model_config(name, 1073)
     make_model, make_batch = labkit_model(cfg, 128)
-    p = plan_model(make_model, make_batch, device="cpu", precision="fp32", budget_bytes=2**31, verify_limit_bytes=0)
+    p = plan_model(make_model, make_batch, device="cpu", precision="fp32", budget_bytes=2**31)
     a2, a3 = old_saved_bytes(cfg, 128, 2), old_saved_bytes(cfg, 128, 3)
     assert p["activation_bytes_per_sequence"] == a3 - a2
     assert p["activation_bytes_fixed"] == a2 - 2 * (a3 - a2)
-    assert p["method"] == "CPU tensors" and p["verified"] is None
+    assert p["method"] == "fake tensors" and p["verified"] is not None  # the host reads answered (counting.py)
     n = sum(q.numel() for q in {id(q): q for q in BertMLM(cfg).parameters()}.values())
     assert p["params"] == n and p["state_terms"]["params"] == 4 * n
 

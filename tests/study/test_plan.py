@@ -9,7 +9,8 @@ import torch
 
 from labkit.model import BertMLM, model_config
 from labkit.study import gpu, parallel, plan
-from labkit.study.memory import activation_bytes
+from labkit.study.counting import count_steps
+from labkit.study.memory import activation_bytes, labkit_model
 
 SEQ = 32
 
@@ -64,18 +65,43 @@ def test_planner_terms_against_hand_computed_values():
         plan.activation_terms(cfg, 32, 2, precision="int8")
 
 
-@pytest.mark.parametrize("kw", [{}, {"sparse_head": False}, {"activation_checkpointing": True},
-                                {"hidden_dropout": 0.0, "attention_dropout": 0.0}])
-def test_planner_matches_saved_tensor_count_on_cpu(kw):
-    cfg = _cfg(**kw)
-    for seq, b in ((32, 1), (32, 2), (64, 3)):
-        measured = activation_bytes(cfg, seq, b)
-        # CPU's SDPA keeps the s x s scores (math path) only when attention dropout is on
-        attention = "eager" if cfg.attention_dropout > 0 else "flash"
-        planned = plan.saved_activation_bytes(cfg, seq, b, precision="fp32", attention=attention, device="cpu")
-        # b = 1 takes other CPU kernel paths (the math path saves the fused QKV storage; the
-        # planner models it, exact when measured), but is held to 5 %; b >= 2 to 0.5 %
-        assert planned == pytest.approx(measured, rel=0.05 if b == 1 else 0.005), (kw, seq, b)
+STUDY = {"position_embedding": "instruction", "type_vocab_size": 0, "norm_position": "pre", "final_norm": False,
+         "attention_backend": "eager", "attention_dropout": 0.0, "attention_output_dropout": False,
+         "block_norm_eps": 1e-5, "tie_embeddings": False}  # configs/study.toml's model options
+OPTIONS = [{}, {"norm_position": "pre"}, {"norm_type": "rmsnorm"}, {"position_embedding": "rotary"},
+           {"activation": "geglu"}, {"activation": "swiglu", "intermediate_size": 170}, {"bias": False},
+           {"tie_embeddings": False}, {"activation_checkpointing": True},
+           {"attention": "sliding_window", "window_size": 15, "global_every": 2},
+           {"attention": "linformer", "linformer_k": 16}, {"attention": "linear"},
+           {"norm_position": "pre", "norm_type": "rmsnorm", "position_embedding": "rotary", "activation": "swiglu"},
+           STUDY, STUDY | {"attention_dropout": 0.1}]
+MODES = [("cpu", "fp32", {}), ("cpu", "fp32", {"hidden_dropout": 0.0, "attention_dropout": 0.0}),
+         ("cuda", "bf16", {}), ("cuda", "fp32", {})]
+
+
+@pytest.mark.parametrize("overrides", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "bert")
+def test_formula_equals_the_count_for_every_option(overrides):
+    """``activation_terms`` explains the count exactly: every option, both heads, on CPU (fp32,
+    SDPA's math path with attention dropout, its fused kernel without) and as CUDA keeps it
+    (CudaLike, bf16 and fp32), at b = 2 and 3; autocast's weight copies are memory_plan's own term."""
+    for sparse in (True, False):
+        for device, precision, extra in MODES:
+            cfg = model_config("tiny", 512, sparse_head=sparse, **{**overrides, **extra})
+            run = count_steps(*labkit_model(cfg, 64), (2, 3), precision=precision, cuda=device == "cuda")
+            eager = cfg.attention_backend == "eager" or (device == "cpu" and cfg.attention_dropout > 0)
+            attention = "eager" if eager else "flash"
+            for b, c in run["counts"].items():
+                want = plan.saved_activation_bytes(cfg, 64, b, precision=precision, attention=attention, device=device)
+                assert c["saved_bytes"] - c["param_cast_bytes"] == want, (sparse, device, precision, extra, b)
+
+
+def test_formula_at_micro_batch_1_on_cpu():
+    """b = 1 takes other CPU kernel paths (the math path saves the fused QKV storage for V); the
+    formula models it, held to 5 %."""
+    for kw in ({}, {"sparse_head": False}):
+        cfg = _cfg(**kw)
+        assert plan.saved_activation_bytes(cfg, 32, 1, precision="fp32", attention="eager", device="cpu") == \
+            pytest.approx(activation_bytes(cfg, 32, 1), rel=0.05)
 
 
 def test_zero_stages_match_the_paper_example():

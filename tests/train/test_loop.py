@@ -371,7 +371,9 @@ def test_peak_memory_windows_keep_evaluation_and_checkpoints_apart(tmp_path, mon
     monkeypatch.setattr(loop.measure, "reset_peak_memory", mem.reset)
     monkeypatch.setattr(loop.measure, "peak_memory_bytes", mem.read)
     monkeypatch.setattr(loop, "forward_backward", mem.around(loop.forward_backward, 300))
-    monkeypatch.setattr(loop, "_maybe_evaluate", mem.around(loop._maybe_evaluate, 5000))
+    from labkit.train import evaluation
+
+    monkeypatch.setattr(evaluation, "evaluate", mem.around(evaluation.evaluate, 5000))
     monkeypatch.setattr(loop, "_save", mem.around(loop._save, 7000))
     cfg = tiny_cfg(shards, tmp_path / "run", max_steps=4, eval_every=2, ckpt_every=2, eval_sequences=4)
     result = train(cfg)

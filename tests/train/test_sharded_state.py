@@ -73,7 +73,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str, train_cfg: str) -> N
             opt = build_optimizer(model, cfg)
             for _ in range(2):  # the second step runs on DDP's rebuilt buckets
                 opt.zero_grad(set_to_none=True)
-                forward_backward(model, [make_batch(2)], world_size=world, precision=precision)
+                batch = make_batch(2)
+                batch["attention_mask"] = torch.ones_like(batch["input_ids"], dtype=torch.bool)  # as the loader gives
+                forward_backward(model, [batch], world_size=world, precision=precision)
                 opt.step()
             held[name] = _held(model, opt)
         train(from_dict(TrainConfig, json.loads(train_cfg)))  # fsdp, 1 held-out sequence for 2 ranks
