@@ -1,7 +1,7 @@
 """Pipeline bubble and per-rank memory of labkit's model parallelism against the planner (CPU, gloo).
 
-Bubble: one model (mini: 4 layers, width 256, 4 heads; vocabulary 128, sequences of 128, dropout
-0, the dense MLM head) and one global batch (32 sequences) at pp 2 with 1, 2, 4 and 8 micro-batches, GPipe and (from
+Bubble: one model (mini's width 256 and 4 heads at ``--num-layers`` 8 layers, 4 per stage; vocabulary
+128, sequences of 128, dropout 0, the dense MLM head) and one global batch (``--global-batch``, 64 sequences) at pp 2 with 1, 2, 4 and 8 micro-batches, GPipe and (from
 2 micro-batches) 1F1B, each ``train()`` of ``--steps`` steps on 2 processes. Its tokens/s is
 ``train()``'s (result.json) and the measured bubble the median over the steps after warm-up of
 each record's ``pipeline_bubble`` (1 - the stages' compute / (ranks x the longest rank's schedule
@@ -12,9 +12,16 @@ keeps its meaning on a loaded machine, but a stage that loses its core to anothe
 the other wait (a step's bubble rises), and two stages computing at once on a shared machine run
 slower than one alone (it falls): the median resists the first, and the load average is printed
 with each point. The formula is for equal stages: with the dense head and a small vocabulary the
-two stages (the embeddings and layers 0-1; layers 2-3 and the head) differ by a few percent. With
+two stages (the embeddings and the first half of the layers; the second half and the head) differ
+by the head, about an eighth of one layer's work; at mini's 4 layers (2 per stage) that
+imbalance put GPipe's measured bubble 0.053 above the formula at m = 8 on an idle machine, at 8
+layers 0.031 (docs/log.md), so the default is 8. With
 the sparse head the last stage is lighter (its last layer runs at the masked positions only) and
-the bubble exceeds the formula at many micro-batches (``--sparse-head`` shows it).
+the bubble exceeds the formula at many micro-batches (``--sparse-head`` shows it). The formula
+also leaves out each micro-batch's fixed cost (a gloo send and receive of its activations and
+gradients, the schedule's own work), which a rank spends outside its stages' compute: the
+smaller the micro-batch, the more of the step it is (at 4 layers, global batches of 32 and 64
+gave the same error at m = 8, 0.051 and 0.053, so the imbalance, not this, set it there).
 
 Memory: the same model at tp 2, with and without sequence parallelism, micro-batch 4:
 ``labkit.study.parallel.measure_rank_memory`` (parameters, gradients and AdamW moments read from
@@ -49,7 +56,7 @@ from labkit.study.parallel import planned_rank_memory  # noqa: E402
 from labkit.study.plan import pipeline_bubble  # noqa: E402
 from labkit.study.sweeps import machine_load  # noqa: E402
 
-VOCAB, SEQ, GLOBAL_BATCH = 128, 128, 32
+VOCAB, SEQ = 128, 128
 OVERRIDES = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
 
 
@@ -92,17 +99,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="optimiser steps per point (3 of them warm-up)")
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--sparse-head", action="store_true", help="bubble points with the sparse MLM head")
+    ap.add_argument("--num-layers", type=int, default=8, help="encoder layers (split evenly over the 2 stages)")
+    ap.add_argument("--global-batch", type=int, default=64, help="sequences per optimiser step (all micro-batches)")
     args = ap.parse_args()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-parallel-"))
     shards = tmp / "shards"
-    write_shards(shards, n_sequences=GLOBAL_BATCH * (args.steps + 2), seq_len=SEQ, vocab_size=VOCAB)
+    write_shards(shards, n_sequences=args.global_batch * (args.steps + 2), seq_len=SEQ, vocab_size=VOCAB)
     points, jobs = [], []
     for m in args.micro_batches:
         for schedule in ("gpipe", "1f1b") if m >= 2 else ("gpipe",):
             name = f"pp2-{schedule}-m{m}"
             cfg = _base(tmp, shards, name, pp=2, sharding="replicate", pp_schedule=schedule, grad_accum_steps=m,
-                        micro_batch_size=GLOBAL_BATCH // m, max_steps=args.steps, timing_warmup_steps=3,
-                        model_overrides=OVERRIDES | {"sparse_head": args.sparse_head})
+                        micro_batch_size=args.global_batch // m, max_steps=args.steps, timing_warmup_steps=3,
+                        model_overrides=OVERRIDES | {"sparse_head": args.sparse_head,
+                                                             "num_layers": args.num_layers})
             points.append((name, schedule, m, cfg))
             jobs.append(("train", json.dumps(to_dict(cfg))))
     memory = {sp: _base(tmp, shards, f"tp2-sp{int(sp)}", tp=2, sharding="fsdp", sequence_parallel=sp, micro_batch_size=4)
@@ -119,7 +129,7 @@ def main() -> None:
         bubbles = [r["pipeline_bubble"] for r in records]
         ideal, measured = pipeline_bubble(2, m), statistics.median(bubbles)
         errors[(schedule, m)] = abs(measured - ideal)
-        print(json.dumps({"point": name, "schedule": schedule, "micro_batches": m, "micro_batch_size": GLOBAL_BATCH // m,
+        print(json.dumps({"point": name, "schedule": schedule, "micro_batches": m, "micro_batch_size": args.global_batch // m,
                           "tokens_per_s": result["tokens_per_s"], "bubble_measured": measured,
                           "bubble_mean": result["pipeline_bubble"], "bubble_min": min(bubbles),
                           "bubble_max": max(bubbles), "bubble_planned": ideal,
@@ -143,7 +153,8 @@ def main() -> None:
                       "memory_planned_over_measured_tp2_sp": ratios[True],
                       "memory_planned_over_measured_tp2_no_sp": ratios[False],
                       "memory_goal": 0.10, "memory_met": abs(ratios[True] - 1) <= 0.10,
-                      "micro_batches": args.micro_batches, "steps": args.steps, "sparse_head": args.sparse_head,
+                      "micro_batches": args.micro_batches, "global_batch_size": args.global_batch, "steps": args.steps,
+                      "sparse_head": args.sparse_head,
                       "load_before": load_before, "load_after": load_after}))
 
 

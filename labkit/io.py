@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,46 @@ def sha256_file(path: str | os.PathLike, *, chunk: int = _CHUNK,
             if on_block is not None:
                 on_block(block)
     return h.hexdigest()
+
+
+_buffers = threading.local()  # one reused read buffer per thread (copy_and_hash)
+
+
+def copy_and_hash(src: str | os.PathLike, dst: str | os.PathLike, *, hashed: bool = True,
+                  chunk: int = _CHUNK) -> tuple[int, str | None]:
+    """Copy the file ``src`` to ``dst`` in one pass and return (bytes written, hex SHA-256 of
+    those bytes, or None when not ``hashed``). Each block (``chunk`` bytes, 1 MiB) is read into a
+    buffer the thread reuses, hashed and written from it, so the copy is read once: the hash is
+    that of the bytes as written, the way rsync's whole-file checksum covers the data as it
+    arrives, rather than a second read of the copy through the page cache (which returns the
+    same pages). ``dst`` must not exist (``FileExistsError``); it is created with mode 0o666 less
+    the umask, as ``shutil.copyfile`` does, and not fsynced. The reads, writes and the hash of
+    blocks above 2 KiB release the GIL, so threads copy in parallel. Raises ``OSError`` from
+    the system calls (ENOSPC when the disk fills; ``dst`` is then left partial for the caller
+    to remove)."""
+    buf = getattr(_buffers, "buf", None)
+    if buf is None or len(buf) != chunk:
+        buf = _buffers.buf = bytearray(chunk)
+    view = memoryview(buf)
+    h = hashlib.sha256() if hashed else None
+    n = 0
+    fd_in = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd_out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        try:
+            while k := os.readv(fd_in, [buf]):
+                block = view[:k]
+                if h is not None:
+                    h.update(block)
+                done = 0
+                while done < k:
+                    done += os.write(fd_out, block[done:])
+                n += k
+        finally:
+            os.close(fd_out)
+    finally:
+        os.close(fd_in)
+    return n, h.hexdigest() if h is not None else None
 
 
 def atomic_write_npy(path: str | os.PathLike, array: Any) -> Path:

@@ -2,7 +2,8 @@
 
 ``stage_shards`` runs once per node (one engine per host). The copy goes to a temporary
 directory ``<local_root>/.tmp-<name>-<pid>`` beside the destination, every shard is checked
-against the source ``index.json`` (size, and sha256 when ``verify``), index.json is copied last,
+against the source ``index.json`` (size, and sha256 when ``verify``: each shard is read once and
+hashed as it is written, ``labkit.io.copy_and_hash``), index.json is copied last,
 and the directory is renamed into place. So the destination either does not exist or holds a
 complete, verified set; an interrupted copy leaves only a ``.tmp-`` directory, which a later
 call removes once its process is gone (so ``local_root`` must be node-local: process ids are
@@ -32,7 +33,7 @@ from pathlib import Path
 from labkit import env
 from labkit.data.shards import INDEX_NAME, ShardError, read_index, verify_shards
 from labkit.env import SCRATCH_ENV
-from labkit.io import fsync_tree, replace, sha256_file
+from labkit.io import copy_and_hash, fsync_tree, replace
 
 
 def resolve_local_root(local_root: str | None = None) -> Path:
@@ -71,20 +72,19 @@ def _copy_is_good(dst: Path, index: dict, verify: bool) -> bool:
 
 def copy_workers(n_files: int) -> int:
     """Threads that copy and hash shards at once: one per usable CPU (``sched_getaffinity``), at
-    most 4 and at most ``n_files``. The copy (``sendfile``) and sha256 (OpenSSL) release the GIL."""
+    most 4 and at most ``n_files``. The reads, writes and sha256 (OpenSSL) release the GIL."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(4, cpus, n_files))
 
 
 def _copy_one(src: Path, tmp: Path, shard: dict, verify: bool) -> None:
-    """Copy one shard into ``tmp`` (``shutil.copyfile``: a kernel copy) and check the copy's
-    size and, with ``verify``, its sha256 (read back) against the index entry ``shard``."""
-    target = tmp / shard["file"]
-    shutil.copyfile(src / shard["file"], target)
-    size = target.stat().st_size
+    """Copy one shard into ``tmp`` in one pass (``labkit.io.copy_and_hash``: read once, hashed
+    as written) and check the bytes written and, with ``verify``, their sha256 against the
+    index entry ``shard``."""
+    size, digest = copy_and_hash(src / shard["file"], tmp / shard["file"], hashed=verify)
     if size != shard["n_bytes"]:
         raise ShardError(f"{src / shard['file']}: copied {size} bytes, index says {shard['n_bytes']}")
-    if verify and (digest := sha256_file(target)) != shard["sha256"]:
+    if verify and digest != shard["sha256"]:
         raise ShardError(f"{src / shard['file']}: copy has sha256 {digest}, index says {shard['sha256']}")
 
 

@@ -68,7 +68,7 @@ def test_corrupt_destination_is_replaced_only_after_a_good_copy(src, tmp_path, m
     dst = expected_dst(src, tmp_path)
     bad = dst / "shard-00001.bin"
     bad.write_bytes(b"\x00" + bad.read_bytes()[1:])
-    real_copy, calls = shutil.copyfile, []
+    real_copy, calls = stage.copy_and_hash, []
 
     def failing_copy(a, b, **kw):
         calls.append(a)
@@ -76,7 +76,7 @@ def test_corrupt_destination_is_replaced_only_after_a_good_copy(src, tmp_path, m
             raise OSError(errno.EIO, "simulated I/O error")
         return real_copy(a, b, **kw)
 
-    monkeypatch.setattr(stage.shutil, "copyfile", failing_copy)
+    monkeypatch.setattr(stage, "copy_and_hash", failing_copy)
     with pytest.raises(OSError, match="simulated"):
         stage_shards(str(src), local_root=str(tmp_path))
     assert (dst / "index.json").exists() and bad.read_bytes()[0] == 0  # the old copy is still there
@@ -87,7 +87,7 @@ def test_corrupt_destination_is_replaced_only_after_a_good_copy(src, tmp_path, m
 
 
 def test_interrupted_copy_leaves_nothing_complete_and_retry_works(src, tmp_path, monkeypatch):
-    real_copy, calls = shutil.copyfile, []
+    real_copy, calls = stage.copy_and_hash, []
 
     def interrupted(a, b, **kw):
         calls.append(a)
@@ -95,7 +95,7 @@ def test_interrupted_copy_leaves_nothing_complete_and_retry_works(src, tmp_path,
             raise KeyboardInterrupt
         return real_copy(a, b, **kw)
 
-    monkeypatch.setattr(stage.shutil, "copyfile", interrupted)
+    monkeypatch.setattr(stage, "copy_and_hash", interrupted)
     with pytest.raises(KeyboardInterrupt):
         stage_shards(str(src), local_root=str(tmp_path))
     dst = expected_dst(src, tmp_path)
@@ -183,7 +183,7 @@ def test_disk_full_during_the_copy_keeps_the_old_copy(src, tmp_path, monkeypatch
     bad = dst / "shard-00000.bin"
     bad.write_bytes(b"\x01" + bad.read_bytes()[1:])  # a copy that fails verification
     before = {p.name: p.read_bytes() for p in dst.iterdir()}
-    real_copy, calls = shutil.copyfile, []
+    real_copy, calls = stage.copy_and_hash, []
 
     def fills_up(a, b, **kw):
         calls.append(a)
@@ -192,7 +192,7 @@ def test_disk_full_during_the_copy_keeps_the_old_copy(src, tmp_path, monkeypatch
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_copy(a, b, **kw)
 
-    monkeypatch.setattr(stage.shutil, "copyfile", fills_up)
+    monkeypatch.setattr(stage, "copy_and_hash", fills_up)
     shard_bytes = read_index(src)["shards"][0]["n_bytes"]
     with pytest.raises(OSError, match=rf"disk full while staging {src} into {tmp_path}: {2 * shard_bytes} of "
                                       rf"\d+ bytes copied when shard-00002.bin failed; .*{dst} was left as it was") as e:
