@@ -132,6 +132,7 @@ def measure_rank_memory(cfg, staged_paths: dict[str, str] | None = None) -> dict
     A process group it creates is destroyed before it returns."""
     import contextlib
     import dataclasses
+    import gc
 
     import torch
 
@@ -185,8 +186,19 @@ def measure_rank_memory(cfg, staged_paths: dict[str, str] | None = None) -> dict
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         state = sum(t.numel() * t.element_size() for t in tensors)
-        return {"rank": rank, "state_bytes": int(state), "activation_bytes": int(peak.bytes),
-                "total_bytes": int(state + peak.bytes)}
+        out = {"rank": rank, "state_bytes": int(state), "activation_bytes": int(peak.bytes),
+               "total_bytes": int(state + peak.bytes)}
+        # The gradient all-reduces ran inside the saved-tensor hooks, so their gloo work objects
+        # hold those Python hooks (torch's ThreadLocalState) and a gloo thread needs the GIL to
+        # free each one. Freeing the DDP reducer drops the last reference to the process group,
+        # whose destructor joins those threads while holding the GIL: a deadlock when a work
+        # object is still alive. A barrier waits with the GIL released until they are gone, and
+        # the model goes before the group does.
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        del step, model, optimizer, tensors, params, peak, batches, loader
+        gc.collect()
+        return out
     finally:
         if owns:
             dist.teardown()
