@@ -111,6 +111,8 @@ def run_all_and_watch(page, url: str, *, done_text: str, timeout_s: float = 240.
     Returns [(seconds since the run started, COUNT_POINTS_JS result)], the last sample taken after
     `done_text` appeared. `screenshot`: written once, the first time ``shot_when(counts)`` is true.
     Raises AssertionError on timeout, naming the last counts and any error output."""
+    from playwright.sync_api import Error as PlaywrightError
+
     page.goto(url)
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
@@ -128,9 +130,12 @@ def run_all_and_watch(page, url: str, *, done_text: str, timeout_s: float = 240.
         counts = page.evaluate(COUNT_POINTS_JS)
         samples.append((round(time.monotonic() - t0, 2), counts))
         if not shot and shot_when(counts):
-            page.locator(".jp-OutputArea-output .js-plotly-plot").first.scroll_into_view_if_needed()
-            page.screenshot(path=str(screenshot), full_page=False)
-            shot = True
+            try:  # a live update can replace the figure's element between the lookup and the scroll
+                page.locator(".jp-OutputArea-output .js-plotly-plot").first.scroll_into_view_if_needed(timeout=5000)
+                page.screenshot(path=str(screenshot), full_page=False)
+                shot = True
+            except PlaywrightError:  # detached: try again at the next sample
+                pass
         outputs = page.locator(".jp-OutputArea-output").all_inner_texts()
         if any(done_text in o for o in outputs):
             page.wait_for_timeout(1000)  # the final frame follows the text output within the same cell
