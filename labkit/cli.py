@@ -29,9 +29,10 @@ EXAMPLES = {
     "prepare": "labkit prepare configs/walkthrough.toml --set corpus.max_functions=20000\n"
                "  labkit prepare configs/study.toml --scaled-down",
     "stage": "labkit stage configs/walkthrough.toml",
-    "train": "labkit train configs/walkthrough.toml --set train.max_steps=200 --engines 2\n"
-             "  labkit train configs/walkthrough.toml --tp 2 --set train.sharding=replicate",
-    "resume": "labkit resume work/walkthrough/runs/main --set train.max_steps=400",
+    "train": "labkit train configs/walkthrough.toml --set train.max_steps=200 --set train.run_dir=work/walkthrough/runs/long\n"
+             "  labkit train configs/walkthrough.toml --tp 2 --set train.sharding=replicate "
+             "--set train.run_dir=work/walkthrough/runs/tp2",
+    "resume": "labkit resume work/walkthrough/runs/main --set train.max_steps=400 --set train.allow_safe_changes=true",
     "sweep": "labkit sweep ranks configs/walkthrough.toml --ranks 1 2\n"
              "  labkit sweep micro-batch configs/walkthrough.toml --models mini small --budget-gb 2\n"
              "  labkit sweep loaders configs/walkthrough.toml --workers 0 1 2 --step-time-s 0.05\n"
@@ -257,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=None,
                    help="sequences per GPU per step (default 16, or CONFIG's micro_batch_size)")
     p.add_argument("--device", default=None,
-                   help="a labkit.study.plan.DEVICES name, or cpu (with --budget-gb); default H100 NVL")
+                   help="a labkit.study.plan.DEVICES name, or cpu (with --model-module and --budget-gb); default H100 NVL")
     p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32"),
                    help="default bf16, or CONFIG's [train] precision")
     p.add_argument("--vocab-size", type=int, default=None, help="default: the study's vocabulary")
@@ -271,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("your own model (labkit.study.memory.plan_model: counted, not estimated)")
     g.add_argument("--model-module", default=None, metavar="FILE.py:FACTORY",
                    help="FACTORY(seq_len=...) returns (make_model, make_batch); see tests/plain_encoder.py")
-    g.add_argument("--budget-gb", type=float, default=None, help="memory per rank in GB (default: the device's)")
+    g.add_argument("--budget-gb", type=float, default=None, help="with --model-module: memory per rank in GB (default: the device's)")
     g.add_argument("--sharding", default="ddp", choices=("none", "ddp", "zero1", "fsdp"))
     g.add_argument("--dp", type=int, default=1, help="data-parallel ranks the state is sharded over")
     p.set_defaults(func=_command("plan"))

@@ -173,6 +173,14 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
             df = lab.sweep_loader_workers(client, w, batch_size=cfg.train.micro_batch_size,
                                           step_time_s=args.step_time_s, workers=args.workers, staged=staged,
                                           force=args.force)
+    if kind == "parallel":  # 26 columns: the ones to read, memory in GB; the rest stay in the Parquet file
+        import polars as pl
+
+        gb = [pl.col(c) / 1e9 for c in ("measured_total_bytes", "planned_total_bytes")]
+        df = df.select("dp", "tp", "pp", "pp_schedule", "micro_batches", "tokens_per_s", "pipeline_bubble",
+                       "planned_bubble", "tp_comm_fraction",
+                       gb[0].alias("measured_GB_per_rank"), gb[1].alias("planned_GB_per_rank"))
+        print(f"sweeps/parallel.parquet in {w} holds every column (load, state and activation bytes)")
     _print_table(df)
     return 0
 
@@ -268,6 +276,9 @@ def plan(args) -> int:
                        sharding=args.sharding, dp=args.dp)
         print_plan_model(p, label=f"{args.model_module}: ")
         return 0
+    if getattr(args, "budget_gb", None) is not None or args.device == "cpu":
+        raise ValueError("--budget-gb and --device cpu plan a counted model: give --model-module FILE.py:FACTORY "
+                         "(a preset is planned for a device from the table, at that device's memory)")
     cfg = model_config(args.model, args.vocab_size or lp.STUDY_VOCAB,
                        max_position_embeddings=max(512, args.seq_len))
     print_plan(cfg, args, name=args.model)

@@ -119,7 +119,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         summary["sweep_ranks"] = ranks.to_dicts()
         summary["sweep_micro_batch"] = mb.to_dicts()
         for r in ranks.iter_rows(named=True):
-            _say(f"    {r['ranks']} rank(s): {r['tokens_per_s']:,.0f} tokens/s, efficiency {r['efficiency']:.2f}", t0)
+            busy = (f" (machine busy: load {r['load_avg_1m']:.1f} on {r['cpu_count']} CPUs, the efficiency is not "
+                    "a scaling measurement)" if r.get("busy") else "")
+            _say(f"    {r['ranks']} rank(s): {r['tokens_per_s']:,.0f} tokens/s, efficiency {r['efficiency']:.2f}{busy}", t0)
         for r in mb.iter_rows(named=True):
             _say(f"    {r['model']} ({r['params'] / 1e6:.1f} M params): max micro-batch {r['max_micro_batch']}", t0)
     finally:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 from concurrent import futures
 from pathlib import Path
@@ -83,10 +84,10 @@ def require_prepared(workdir: str) -> dict:
     try:
         index = read_index(p["shards"])
     except ShardError as err:
-        raise NotPrepared(f"{workdir} has no complete shard set ({err}): run notebooks/01_prepare.py first "
+        raise NotPrepared(f"{os.path.abspath(workdir)} has no complete shard set ({err}): run notebooks/01_prepare.py first "
                           "(same workdir), or make demo, or labkit prepare CONFIG") from None
     if not p["tokenizer"].is_file():
-        raise NotPrepared(f"{workdir} has no tokenizer ({p['tokenizer']}): run notebooks/01_prepare.py first")
+        raise NotPrepared(f"{os.path.abspath(workdir)} has no tokenizer ({p['tokenizer']}): run notebooks/01_prepare.py first")
     return index
 
 

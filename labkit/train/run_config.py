@@ -85,8 +85,9 @@ def check_resume(run_dir: str | os.PathLike, new: dict, new_data: dict, *, allow
     drift = config_drift(saved, new, saved_data, new_data, allow_safe_changes=allow_safe_changes)
     if drift:
         safe_only = all(d.split(":")[0] in SAFE_FIELDS for d in drift)
-        hint = ("set allow_safe_changes=True to resume with them" if safe_only
-                else "use another run_dir, or resume=False to start over")
+        hint = ("set allow_safe_changes=True (on the command line: --set train.allow_safe_changes=true) to resume "
+                "with them" if safe_only else "use another run_dir (--set train.run_dir=...), or resume=False to "
+                "start over")
         raise ValueError(f"resume: {run_dir} was started with another configuration: {'; '.join(drift)} ({hint})")
 
 
