@@ -7,6 +7,18 @@ reduce-scatter on every ``FSDPModule``. ``labkit.measure.StepTimer(device, comm=
 it per step and turns its records into ``comm_exposed_s`` (``labkit.measure.comm_exposed_s``,
 docs/measurement.md). Tests: tests/train/test_dist.py (every record of 2-rank ddp, zero1 and
 fsdp runs), tests/study/test_scaling.py (the overlap model against it).
+
+DDP takes ONE comm hook (a second ``register_comm_hook`` raises), so the timing, the gradient
+compression and any per-bucket statistics are one composed hook (``_composed_hook``):
+
+    observers.before(bucket)  ->  timer start  ->  reduce(state, bucket)  ->  timer end  ->  observers.after
+
+``reduce`` is a torch DDP comm hook (``default_hooks.allreduce_hook`` unless a compression is
+chosen); ``wire_bytes(bucket)`` is the number of bytes that hook puts on the wire for the bucket
+(the timer records it). Observers (``GradientObserver``) see each bucket's local gradient before
+the reduction and the averaged one after; FSDP2 gives them the reduce-scatter's input (this rank's
+unsharded gradients) and output shard. ``CommTimer.step_fields()`` gathers what the observers add
+to a metrics record, once per step, on every rank (it may run a collective).
 """
 
 from __future__ import annotations
@@ -21,6 +33,31 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from labkit.train.dist import is_fsdp
 
 
+class GradientObserver:
+    """Per-bucket statistics taken inside the gradient collective (the base class does nothing).
+
+    ``before(bucket_index, local)`` gets this rank's flattened gradient bucket (a 1-D tensor, the
+    gradient of the local batch, before any division); ``after(bucket_index, reduced)`` gets the
+    averaged bucket (DDP) or this rank's reduce-scatter shard (FSDP2, ``sharded=True``). Both run on
+    the communication path: keep them to a few device ops (no host sync on CUDA). ``step_fields()``
+    is called once per optimiser step on every rank, after the step, and returns the fields it adds
+    to the metrics record (it may all-reduce); ``reset()`` is called before each step."""
+
+    sharded = False
+
+    def before(self, bucket_index: int, local: torch.Tensor) -> None:  # noqa: D102
+        return None
+
+    def after(self, bucket_index: int, reduced: torch.Tensor) -> None:  # noqa: D102
+        return None
+
+    def reset(self) -> None:  # noqa: D102
+        return None
+
+    def step_fields(self) -> dict[str, Any]:  # noqa: D102
+        return {}
+
+
 class CommTimer:
     """Start and end of every gradient collective of one optimiser step, for
     ``labkit.measure.comm_exposed_s``. ``time_gradient_collectives`` installs it.
@@ -31,8 +68,10 @@ class CommTimer:
     synchronised (``StepTimer.stop``). ``blocking``: the collectives run on the backward thread
     and stall it (FSDP2 on CPU)."""
 
-    def __init__(self, device: torch.device, *, blocking: bool = False) -> None:
+    def __init__(self, device: torch.device, *, blocking: bool = False,
+                 observers: tuple[GradientObserver, ...] | list[GradientObserver] = ()) -> None:
         self.device, self.blocking = device, blocking
+        self.observers = list(observers)
         self._records: list[tuple[Any, Any, int]] = []
 
     def now(self) -> Any:
@@ -50,8 +89,23 @@ class CommTimer:
         self._records.append((start, end, nbytes))
 
     def reset(self) -> None:
-        """Forget the last step's collectives (call before the step)."""
+        """Forget the last step's collectives (call before the step); resets the observers."""
         self._records = []
+        for observer in self.observers:
+            observer.reset()
+
+    def sent_bytes(self) -> int:
+        """Bytes the step's gradient collectives put on the wire (after any compression), summed
+        over the collectives this rank launched."""
+        return sum(n for _, _, n in self._records)
+
+    def step_fields(self) -> dict[str, Any]:
+        """What the step adds to its metrics record: ``comm_bytes`` (``sent_bytes``) and each
+        observer's ``step_fields()``. Collective when an observer's is: call on every rank."""
+        fields: dict[str, Any] = {"comm_bytes": self.sent_bytes()}
+        for observer in self.observers:
+            fields |= observer.step_fields()
+        return fields
 
     def collectives(self) -> list[dict[str, float]]:
         """[{"start_s", "end_s", "bytes"}] of the step, in launch order; times in seconds from the
@@ -73,20 +127,37 @@ class CommTimer:
         return comm_exposed_s([(c["start_s"], c["end_s"]) for c in self.collectives()], blocking=self.blocking)
 
 
-def _timed_allreduce_hook(timer, bucket):  # no annotations: DDP checks them against dist.GradBucket
-    """DDP comm hook (timer: CommTimer, bucket: dist.GradBucket -> Future): torch's default averaging all-reduce
-    (``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook``, the same
-    division by the world size, then ``all_reduce``), with its launch and completion timed."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+class HookState:
+    """The composed DDP comm hook's state: the ``timer``, the inner ``reduce`` hook and its own
+    ``reduce_state`` (e.g. a ``PowerSGDState``; None for the default all-reduce), and
+    ``wire_bytes(bucket) -> int`` (bytes the inner hook sends for the bucket)."""
 
-    start, buffer = timer.now(), bucket.buffer()
-    nbytes = buffer.numel() * buffer.element_size()
+    def __init__(self, timer: CommTimer, reduce: Any = None, reduce_state: Any = None, wire_bytes: Any = None) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self.timer, self.reduce, self.reduce_state = timer, reduce or allreduce_hook, reduce_state
+        self.wire_bytes = wire_bytes or (lambda bucket: bucket.buffer().numel() * bucket.buffer().element_size())
+
+
+def _composed_hook(state, bucket):  # no annotations: DDP checks them against dist.GradBucket
+    """DDP comm hook (state: HookState, bucket: dist.GradBucket -> Future): the observers see the
+    local bucket, then the inner ``reduce`` hook runs (torch's default averaging all-reduce,
+    ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook``, unless a
+    compression hook was chosen) with its launch and completion timed, then the observers see the
+    averaged bucket."""
+    timer, index = state.timer, bucket.index()
+    for observer in timer.observers:
+        observer.before(index, bucket.buffer())
+    start, nbytes = timer.now(), state.wire_bytes(bucket)
 
     def done(fut: torch.futures.Future) -> torch.Tensor:
         timer.add(start, timer.now(), nbytes)
-        return fut.value()
+        reduced = fut.value()
+        for observer in timer.observers:
+            observer.after(index, reduced)
+        return reduced
 
-    return allreduce_hook(None, bucket).then(done)
+    return state.reduce(state.reduce_state, bucket).then(done)
 
 
 def _timed_reduce_scatter(timer: CommTimer) -> Any:
@@ -98,29 +169,39 @@ def _timed_reduce_scatter(timer: CommTimer) -> Any:
 
     class TimedReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001
+            for observer in timer.observers:
+                observer.before(0, input_tensor)
             start = timer.now()
             work = super().__call__(output_tensor, input_tensor, group, op, async_op)  # FSDP2: async_op False
             timer.add(start, timer.now(), input_tensor.numel() * input_tensor.element_size())
+            for observer in timer.observers:
+                observer.after(0, output_tensor)
             return work
 
     return TimedReduceScatter()
 
 
-def time_gradient_collectives(model: torch.nn.Module, device: torch.device) -> CommTimer | None:
+def time_gradient_collectives(model: torch.nn.Module, device: torch.device, *, reduce: Any = None,
+                              reduce_state: Any = None, wire_bytes: Any = None,
+                              observers: tuple[GradientObserver, ...] | list[GradientObserver] = ()) -> CommTimer | None:
     """Install a ``CommTimer`` on the gradient collectives of a wrapped ``model`` and return it
-    (None without a process group): a DDP comm hook around the default all-reduce (ddp, zero1),
-    or a timed reduce-scatter on every FSDP2 module (fsdp; blocking on CPU, where FSDP2 runs it
-    on the backward thread). Call once, after ``wrap_model`` and before the first step."""
+    (None without a process group): DDP's one comm hook, composed (``_composed_hook``: the
+    observers, the timing, the inner ``reduce`` hook with ``reduce_state``, torch's default
+    all-reduce when None), for ddp and zero1; or a timed reduce-scatter on every FSDP2 module
+    (fsdp; blocking on CPU, where FSDP2 runs it on the backward thread; ``reduce`` must be None
+    there: ValueError). Call once, after ``wrap_model`` and before the first step."""
     if not dist.is_initialized():
         return None
     if is_fsdp(model):
-        timer = CommTimer(device, blocking=device.type != "cuda")
+        if reduce is not None:
+            raise ValueError("grad_compression: a compression hook applies to DDP (ddp, zero1), not to FSDP2's reduce-scatter")
+        timer = CommTimer(device, blocking=device.type != "cuda", observers=observers)
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_custom_reduce_scatter(_timed_reduce_scatter(timer))
         return timer
     if isinstance(model, DDP):
-        timer = CommTimer(device)
-        model.register_comm_hook(timer, _timed_allreduce_hook)
+        timer = CommTimer(device, observers=observers)
+        model.register_comm_hook(HookState(timer, reduce, reduce_state, wire_bytes), _composed_hook)
         return timer
     return None

@@ -372,6 +372,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         step += 1
         step_time = timer.stop()
         windows.end_step()
+        comm_fields = timer.comm.step_fields() if timer.comm is not None else {}  # every rank: may all-reduce
         # 4. measure and record
         n_tokens_i = int(n_tokens.item())
         tokens_seen += n_tokens_i
@@ -382,7 +383,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
                       "step_tokens": n_tokens_i, "n_masked": int(n_masked.item()), "tokens_per_s": tps,
                       "packing_efficiency": measure.packing_efficiency(n_tokens_i, global_batch, seq_len),
-                      **_rates(global_batch, timer, step_time, wait_mean, model),
+                      **_rates(global_batch, timer, step_time, wait_mean, model), **comm_fields,
                       "mfu": measure.mfu(tps, fpt, world, peak), **windows.take(), "world_size": world,
                       "global_batch_size": global_batch, "epoch": epoch, "skipped": not finite, **evaluated, "time": time.time()}
             last_record = _log(record, metrics_file, sink)
