@@ -91,7 +91,7 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
 
 def _short(value: Any) -> str:
     text = json.dumps(value, default=str)
-    return text if len(text) <= 60 else text[:28] + "..." + text[-28:]
+    return text if len(text) <= 120 else text[:58] + "..." + text[-58:]
 
 
 def changes(old: dict | None, new: dict) -> list[str]:
