@@ -56,9 +56,16 @@ def _load_columns(client, engine_id: int) -> dict:
 
 
 _NOT_SETTINGS = frozenset({"run_dir", "data_dir", "tokenizer_path", "resume", "allow_safe_changes", "trackers",
-                           "timeout_s", "stop_after", "verify_data"})
-"""TrainConfig fields that do not shape a sweep point's measurement (where it is written and read;
-the data are identified by their index.json instead)."""
+                           "timeout_s", "stop_after", "verify_data",
+                           "lr", "min_lr_ratio", "warmup_steps", "schedule", "wsd_decay_fraction", "weight_decay",
+                           "beta1", "beta2", "grad_clip", "seed", "on_nonfinite", "log_every", "ckpt_every",
+                           "keep_checkpoints", "checkpoints", "eval_every", "eval_sequences", "eval_batch_size"})
+"""TrainConfig fields that do not shape a sweep point's measurement of time and memory: where it
+is written and read (the data are identified by their index.json instead), the values of the
+optimisation (learning rate and its schedule, decay, clipping threshold, seed: the same work per
+step) and what happens between the timed steps (logging, checkpoints, held-out evaluation).
+Everything else -- model, batch, steps, timing warm-up, precision, sharding, split, threads,
+loader workers, compile, bucket size -- is part of the point's record."""
 
 
 def run_settings(cfg: TrainConfig, **extra) -> dict:
