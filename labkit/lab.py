@@ -121,8 +121,10 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
     "documents"}} (the kinds read only), part_kinds (the kind of each ``part-<i>.parquet``, in
     order), raw_bytes (input file sizes), text_bytes, skipped {reason: n}, skipped_files,
     dropped_functions {reason: n} (functions left out at extraction: "disassembly_stopped"),
-    seconds, config. Raises ``FileNotFoundError`` naming a missing input path, ``ValueError``
-    when no input file is found.
+    seconds, config, made_by (``labkit.data.made_by``: settings ``to_dict(cfg)``, inputs the
+    path, size and mtime of every input file found). An existing ``corpus.json`` with the same
+    record is returned as is (one line on stderr); any difference rebuilds. Raises
+    ``FileNotFoundError`` naming a missing input path, ``ValueError`` when no input file is found.
     """
     from labkit.data.corpus import find_elf_files, write_corpus_part
     from labkit.data.sources import find_source_files, write_source_part
@@ -227,8 +229,9 @@ def clean_corpus(client, cfg: CleanConfig, workdir: str, *, force: bool = False,
     "seconds": {step: s}, "extraction": {reason: n} (functions left out before the corpus,
     from ``corpus.json``: "disassembly_stopped"), "near_dedup": {"seconds", "docs_per_s",
     "config"} | None}``, also
-    written to ``clean/docs.drops.json``. Raises ``labkit.data.clean.EmptyCorpusError`` when
-    nothing is kept.
+    written to ``clean/docs.drops.json`` with its ``made_by`` record (settings ``to_dict(cfg)``
+    and the ``extra_filters`` expressions, input corpus.json's sha256): reused when it matches,
+    else rebuilt. Raises ``labkit.data.clean.EmptyCorpusError`` when nothing is kept.
     """
     import shutil
 
@@ -273,7 +276,9 @@ def clean_corpus(client, cfg: CleanConfig, workdir: str, *, force: bool = False,
 
 def build_tokenizer(client, cfg: TokenizerConfig, workdir: str, *, force: bool = False) -> str:
     """Train the tokenizer on one engine; returns the path of ``tokenizer.json``. The held-out
-    UNK report goes to ``tokenizer/tokenizer.stats.json`` (``labkit.data.tokenize``)."""
+    UNK report goes to ``tokenizer/tokenizer.stats.json`` (``labkit.data.tokenize``), with the
+    ``made_by`` record (settings ``to_dict(cfg)``, input docs.drops.json's sha256) added last:
+    an existing tokenizer is reused only when that record matches."""
     from labkit.data.tokenize import train_tokenizer
 
     p = paths(workdir)
@@ -305,9 +310,11 @@ def build_shards(client, cfg: ShardConfig, workdir: str, *, force: bool = False,
     its own range of shard numbers); the engines pack the groups (``labkit.data.pack.pack_group``);
     one engine merges the shard lists into ``index.json`` (``write_index``). The bytes equal
     ``write_shards(..., groups=len(client.ids))`` in one process.
-    Finished parts and shards of an interrupted run are not redone. A shard set whose
-    ``index.json`` exists, was built with the current tokenizer and the same output settings
-    (``_OUTPUT_FIELDS``, kept in ``shards.parts/config.json``) is returned as is.
+    Finished parts and shards of an interrupted run of the same record are not redone. A shard
+    set whose ``index.json`` exists and whose ``made_by`` record (``shards.parts/config.json``:
+    the ``_OUTPUT_FIELDS`` and pack groups; inputs the tokenizer's and ``docs.drops.json``'s
+    sha256) equals the current one is returned as is; on any difference the parts are removed
+    and the set is rebuilt, one line naming the change (``labkit.data.made_by``).
     """
     from labkit.data.pack import pack_group
     from labkit.data.shards import (ShardError, encode_part, parts_dir_for, plan_parts, plan_shards, read_index,
