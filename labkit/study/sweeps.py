@@ -257,7 +257,10 @@ def sweep_loader_workers(client, workdir: str, *, batch_size: int, step_time_s: 
     run on the first engine with ``labkit.study.loader_sweep.sweep_loader`` (the loader helper's
     sweep) on its node's staged copy when ``staged`` is given. Worker counts already in
     ``sweeps/loader.parquet`` for the same batch_size and step_time_s are not rerun; ``knee`` is
-    recomputed over the whole table (fewest workers with data-wait fraction below 5 %).
+    recomputed over the whole table (fewest workers with data-wait fraction below 5 %). Rows
+    measured now carry the machine's load just before (``_load_columns``: load_avg_1m,
+    load_avg_5m, cpu_count, busy); the micro-batch sweep alone has none (it counts memory, which
+    the load does not change).
     """
     out = paths(workdir)["sweeps"] / "loader.parquet"
     rows = [{k: v for k, v in r.items() if k != "knee"} for r in _done_rows(out, force)]
@@ -272,10 +275,11 @@ def sweep_loader_workers(client, workdir: str, *, batch_size: int, step_time_s: 
     if staged:
         data_dir = next(iter(staged.values()))["path"]
     if todo:
+        load = _load_columns(client, client.ids[0])
         table = client[client.ids[0]].apply_sync(sweep_loader, data_dir, batch_size=batch_size,
                                                  step_time_s=step_time_s, workers=todo, n_batches=n_batches,
                                                  gpu_index=None, **kw)
-        rows += [r | {"batch_size": batch_size, "step_time_s_planned": step_time_s} | _point(settings)
+        rows += [r | {"batch_size": batch_size, "step_time_s_planned": step_time_s} | load | _point(settings)
                  for r in table.drop("knee").to_dicts()]
     df = pl.DataFrame(rows, infer_schema_length=None).sort("batch_size", "step_time_s_planned", "num_workers")
     knee = (pl.col("data_wait_fraction") < 0.05) & (

@@ -176,6 +176,8 @@ def test_sweep_loader_workers_resumes(tmp_path, monkeypatch):
     assert seen == [[0, 1], [2, 3]]
     assert df["num_workers"].to_list() == [0, 1, 2, 3]
     assert df.filter(pl.col("knee"))["num_workers"].to_list() == [3]  # 0.5/13 < 0.05 first at 3
+    assert df["busy"].dtype == pl.Boolean and df["load_avg_1m"].null_count() == 0  # each point's load, flagged
+    assert df["reused"].to_list() == [True, True, False, False]
 
 
 def test_sweep_micro_batch_until_out_of_memory_resumes(tmp_path, monkeypatch):
