@@ -129,6 +129,12 @@ def resume(run_dir: str, cluster: ClusterConfig, overrides: list[str]) -> int:
         cfg = dataclasses.replace(cfg, stop_after=None)
     cfg = dataclasses.replace(cfg, resume=True)
     preflight.check_train(cfg, engines=cluster.engines, local=_local(cluster))
+    from labkit.train.run_config import finished_run
+
+    done = finished_run(cfg)  # nothing left to train: said so, no engine started, no file touched
+    if done is not None:
+        _print_json(_summary(done) | {"run_dir": run_dir, "already_finished": True})
+        return 0
     from labkit import lab
     with cluster_client(cluster) as client:
         result = lab.train_on_cluster(client, cfg)
