@@ -167,3 +167,25 @@ def test_a_parallel_sweep_with_more_steps_measures_again(client, tmp_path, capfd
     again = lab.sweep_parallel(client, base, str(work), splits=split, micro_batches=1, steps=3)
     assert again["reused"].to_list() == [True] and again["tokens_per_s"].to_list() == df["tokens_per_s"].to_list()
     assert lab.reused_note(again).startswith("1 of 1 points reused from earlier runs (measured 20")
+
+
+def test_train_on_cluster_on_a_finished_run_touches_nothing(client, tmp_path, capfd):
+    """The README's live-plot cell run twice: the second ``lab.train_on_cluster`` returns the
+    saved result (rank 0 says so in one line, streamed from the engine) and no file changes."""
+    from labkit import plots
+    from labkit.config import TrainConfig
+    from tiny_shards import write_tiny_shards
+
+    shards = write_tiny_shards(tmp_path / "shards")
+    cfg = TrainConfig(data_dir=str(shards), run_dir=str(tmp_path / "runs" / "mine"), model="tiny", micro_batch_size=4,
+                      max_steps=3, warmup_steps=1, num_threads=1, trackers=("tensorboard",), checkpoints=False)
+    first = lab.train_on_cluster(client, cfg, live=plots.LivePlot(plots.loss_figure))
+    run = pathlib.Path(cfg.run_dir)
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(run.rglob("*")) if p.is_file()}
+    assert {"result.json", "metrics.jsonl", "config.json"} <= {p.name for p in before}
+    capfd.readouterr()
+    again = lab.train_on_cluster(client, cfg, live=plots.LivePlot(plots.loss_figure))
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(run.rglob("*")) if p.is_file()} == before
+    assert again == json.loads((run / "result.json").read_text()) == json.loads(json.dumps(first))
+    out, err = capfd.readouterr()
+    assert "already finished (3 of 3 steps" in out + err
