@@ -341,8 +341,8 @@ def build_shards(client, cfg: ShardConfig, workdir: str, *, force: bool = False,
             return index
     elif old is not None and not diff and not force:
         made_by.say(f"shards: finishing the interrupted build in {out} (same settings and inputs)")
-    else:
-        made_by.say(f"shards: building {out}" + (f" ({'; '.join(diff)})" if old is not None and diff else ""))
+    elif old is not None:
+        made_by.say(f"shards: {'--force' if force else '; '.join(diff)}, rebuilding {out} (unfinished)")
     (p["shards"] / "index.json").unlink(missing_ok=True)  # incomplete until the new index is written
     if force or (old is not None and diff):  # parts and shard markers made from other settings or inputs
         shutil.rmtree(parts_dir, ignore_errors=True)
