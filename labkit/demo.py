@@ -136,17 +136,7 @@ def run_demo(cfg: DemoConfig, *, force: bool = False) -> dict[str, Any]:
                                    budget_bytes=int(cfg.memory_budget_gb * 2**30), workdir=str(work), force=force)
         summary["sweep_ranks"] = ranks.to_dicts()
         summary["sweep_micro_batch"] = mb.to_dicts()
-        for note in filter(None, (lab.reused_note(ranks), lab.reused_note(mb))):
-            _say(f"    {note}", t0)
-        for r in ranks.iter_rows(named=True):
-            busy = (f" (machine busy: load {r['load_avg_1m']:.1f} on {r['cpu_count']} CPUs, the efficiency is not "
-                    "a scaling measurement)" if r.get("busy") else "")
-            old = f" [reused: measured {r.get('measured_at')}]" if r.get("reused") else ""
-            _say(f"    {r['ranks']} rank(s): {r['tokens_per_s']:,.0f} tokens/s, efficiency {r['efficiency']:.2f}"
-                 f"{busy}{old}", t0)
-        for r in mb.iter_rows(named=True):
-            old = f" [reused: measured {r.get('measured_at')}]" if r.get("reused") else ""
-            _say(f"    {r['model']} ({r['params'] / 1e6:.1f} M params): max micro-batch {r['max_micro_batch']}{old}", t0)
+        _say_sweeps(ranks, mb, t0)
     finally:
         stop_cluster(cluster)
 
@@ -162,6 +152,24 @@ def run_demo(cfg: DemoConfig, *, force: bool = False) -> dict[str, Any]:
     for path in summary.get("reports", []):
         print(f"  report: {path}")
     return summary
+
+
+def _say_sweeps(ranks, mb, t0: float) -> None:
+    """The sweeps' lines: one per point, a busy machine's flagged, and a reused point labelled
+    with when it was measured (``lab.reused_note`` first, with the load then)."""
+    from labkit import lab
+
+    for note in filter(None, (lab.reused_note(ranks), lab.reused_note(mb))):
+        _say(f"    {note}", t0)
+    for r in ranks.iter_rows(named=True):
+        busy = (f" (machine busy: load {r['load_avg_1m']:.1f} on {r['cpu_count']} CPUs, the efficiency is not "
+                "a scaling measurement)" if r.get("busy") else "")
+        old = f" [reused: measured {r.get('measured_at')}]" if r.get("reused") else ""
+        _say(f"    {r['ranks']} rank(s): {r['tokens_per_s']:,.0f} tokens/s, efficiency {r['efficiency']:.2f}"
+             f"{busy}{old}", t0)
+    for r in mb.iter_rows(named=True):
+        old = f" [reused: measured {r.get('measured_at')}]" if r.get("reused") else ""
+        _say(f"    {r['model']} ({r['params'] / 1e6:.1f} M params): max micro-batch {r['max_micro_batch']}{old}", t0)
 
 
 def _write_figures(work: Path) -> list[str]:

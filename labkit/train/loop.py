@@ -399,9 +399,8 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     result = _result(cfg, records, timings, fpt=fpt, peak=peak, world=world, global_batch=global_batch, step=step,
                      params=params, tokens_seen=tokens_seen, resume_step=resume_step, skipped=skipped, mcfg=mcfg,
                      index=index, device=device, sharding=sharding, t_start=t_start, prov=prov) | windows.maxima
-    if dist.is_main():
-        result = with_segments(run_dir, result, cfg.timing_warmup_steps)  # the whole run, every segment's times
-        atomic_write_json(run_dir / "result.json", result)
+    if dist.is_main():  # result.json covers the whole run: every segment (run_config.with_segments)
+        atomic_write_json(run_dir / "result.json", result := with_segments(run_dir, result, cfg.timing_warmup_steps))
     return result
 
 
