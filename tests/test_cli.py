@@ -44,7 +44,7 @@ def test_demo_on_a_stripped_binary_says_no_functions_in_one_line(tmp_path, capsy
 def test_interrupt_is_one_line_and_exit_130(monkeypatch, tmp_path, capsys):
     import labkit.demo
 
-    def interrupted(cfg):
+    def interrupted(cfg, force=False):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(labkit.demo, "run_demo", interrupted)
