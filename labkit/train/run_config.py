@@ -228,8 +228,8 @@ def with_segments(run_dir: str | os.PathLike, result: dict, timing_warmup_steps:
     ``result["provenance"]["segments"]`` their times and commands. The throughput fields become
     the whole run's, weighted by each segment's timed seconds: tokens_per_s = sum(tokens_per_s_i
     x s_i) / sum(s_i), likewise samples_per_s, data_wait_fraction, packing_efficiency (by timed
-    samples) and mfu (tokens_per_s x this segment's mfu / tokens_per_s, when the world size is
-    unchanged); comm_exposed_s is the mean per timed step and comm_exposed_fraction its share of
+    samples) and mfu (tokens_per_s x the last timed segment's mfu / tokens_per_s, when the world
+    size is unchanged); comm_exposed_s is the mean per timed step and comm_exposed_fraction its share of
     the timed time; wall_s the sum. A fresh run (not resumed) is one segment, its fields as is."""
     segments = []
     start = result.get("resumed_from_step") or 0
@@ -275,10 +275,9 @@ def with_segments(run_dir: str | os.PathLike, result: dict, timing_warmup_steps:
         total = sum(s["comm_exposed_s"] * s["timed_steps"] for s in comm)
         out["comm_exposed_s"] = total / steps if steps else None
         out["comm_exposed_fraction"] = total / sum(s["timed_seconds"] for s in comm)
-    last = segments[-1]
-    if (result.get("mfu") is not None and last.get("tokens_per_s")
-            and all(s["world_size"] == last["world_size"] for s in timed)):
-        out["mfu"] = tps * result["mfu"] / last["tokens_per_s"]
+    ref = next((s for s in reversed(timed) if s.get("mfu") is not None and s.get("tokens_per_s")), None)
+    if ref is not None and all(s["world_size"] == ref["world_size"] for s in timed):  # mfu / tokens_per_s: fixed
+        out["mfu"] = tps * ref["mfu"] / ref["tokens_per_s"]
     return out
 
 

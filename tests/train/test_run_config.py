@@ -139,3 +139,14 @@ def test_more_steps_make_a_result_over_the_whole_run_and_every_segment(shards, t
     segs = c["provenance"]["segments"]
     assert _trained(c) == (f"{trained_seconds(c):,.0f} s in 3 segments "
                            f"({segs[0]['start_time']} to {segs[-1]['end_time']})")
+
+
+def test_a_resume_with_no_step_left_keeps_the_whole_runs_numbers(shards, tmp_path):
+    """The issue's case: a finished run resumed with a safe change only (eval interval), so no
+    step is left: the run's throughput stays the whole run's, not null."""
+    run = tmp_path / "run"
+    done = train(tiny_cfg(shards, run, max_steps=4, ckpt_every=4))
+    again = train(tiny_cfg(shards, run, max_steps=4, ckpt_every=4, log_every=2, allow_safe_changes=True))
+    assert [(s["start_step"], s["end_step"]) for s in again["segments"]] == [(0, 4), (4, 4)]
+    for key in ("tokens_per_s", "samples_per_s", "data_wait_fraction", "mfu", "packing_efficiency"):
+        assert again[key] == pytest.approx(done[key]) if done[key] is not None else again[key] is None, key
