@@ -126,7 +126,7 @@ def _demo(args: argparse.Namespace) -> int:
     cfg = DemoConfig(workdir=args.workdir, engines=args.engines, corpus=corpus,
                      train_steps=args.steps if args.steps is not None else DemoConfig().train_steps,
                      reports=not args.no_reports)
-    run_demo(cfg)
+    run_demo(cfg, force=args.force)
     return 0
 
 
@@ -291,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--paths", nargs="*", default=None, help="ELF files or directories (default: system dirs)")
     p.add_argument("--steps", type=int, default=None, help="DDP training steps")
     p.add_argument("--no-reports", action="store_true", help="skip executing the notebooks")
+    p.add_argument("--force", action="store_true", help="redo every stage, the training run and the sweeps, even "
+                                                        "those whose artifacts match the settings")
     p.set_defaults(func=_demo)
     p = _sub(sub, "verify", "check a shard set's index and every shard's sha256", debug)
     p.add_argument("shard_dir")

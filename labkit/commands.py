@@ -53,15 +53,11 @@ def prepare(cfg: LabConfig, *, force: bool = False) -> int:
     ``lab.preparation_report``."""
     from labkit import preflight
 
-    w = cfg.workdir
     preflight.check_prepare(cfg)
     from labkit import lab  # after the checks: its imports (torch, ipyparallel) take seconds
     with cluster_client(cfg.cluster) as client:
-        lab.build_corpus(client, cfg.corpus, w, force=force)
-        lab.clean_corpus(client, cfg.clean, w, force=force)
-        lab.build_tokenizer(client, cfg.tokenizer, w, force=force)
-        lab.build_shards(client, cfg.shards, w, force=force)
-    _print_json(lab.preparation_report(w))
+        report = lab.prepare(client, cfg, force=force)
+    _print_json(report)
     return 0
 
 
@@ -107,6 +103,12 @@ def train(cfg: LabConfig, *, stage_first: bool = True) -> int:
     from labkit import preflight
 
     preflight.check_train(cfg.train, engines=cfg.cluster.engines, local=_local(cfg.cluster))
+    from labkit.train.run_config import finished_run
+
+    done = finished_run(cfg.train)  # a finished run of this config: said so, no engine started, no file touched
+    if done is not None:
+        _print_json(_summary(done) | {"run_dir": cfg.train.run_dir, "already_finished": True})
+        return 0
     from labkit import lab
     with cluster_client(cfg.cluster) as client:
         staged = _stage(client, cfg) if stage_first and _uses_workdir_shards(cfg) else None
@@ -127,6 +129,12 @@ def resume(run_dir: str, cluster: ClusterConfig, overrides: list[str]) -> int:
         cfg = dataclasses.replace(cfg, stop_after=None)
     cfg = dataclasses.replace(cfg, resume=True)
     preflight.check_train(cfg, engines=cluster.engines, local=_local(cluster))
+    from labkit.train.run_config import finished_run
+
+    done = finished_run(cfg)  # nothing left to train: said so, no engine started, no file touched
+    if done is not None:
+        _print_json(_summary(done) | {"run_dir": run_dir, "already_finished": True})
+        return 0
     from labkit import lab
     with cluster_client(cluster) as client:
         result = lab.train_on_cluster(client, cfg)
@@ -179,8 +187,12 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
         gb = [pl.col(c) / 1e9 for c in ("measured_total_bytes", "planned_total_bytes")]
         df = df.select("dp", "tp", "pp", "pp_schedule", "micro_batches", "tokens_per_s", "pipeline_bubble",
                        "planned_bubble", "tp_comm_fraction",
-                       gb[0].alias("measured_GB_per_rank"), gb[1].alias("planned_GB_per_rank"))
+                       gb[0].alias("measured_GB_per_rank"), gb[1].alias("planned_GB_per_rank"),
+                       *[c for c in ("busy", "reused") if c in df.columns])
         print(f"sweeps/parallel.parquet in {w} holds every column (load, state and activation bytes)")
+    note = lab.reused_note(df)
+    if note:
+        print(note)
     _print_table(df)
     return 0
 

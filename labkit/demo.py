@@ -52,11 +52,22 @@ def _say(msg: str, t0: float) -> None:
     print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", flush=True)
 
 
-def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+def run_demo(cfg: DemoConfig, *, force: bool = False) -> dict[str, Any]:
     """Run every stage of the lab and return (and write to ``<workdir>/demo.json``) a summary
-    of what was measured. Raises whatever a stage raises (each names its problem)."""
+    of what was measured. Raises whatever a stage raises (each names its problem).
+
+    A second run on the same work directory reuses what the same settings made: each data stage
+    whose ``made_by`` record matches (``labkit.lab``), the training run when it finished with
+    the same config (``labkit.train.run_config.finished_run``), and sweep points measured with
+    the same settings; each reuse is said in one line, with when it was made and, for
+    measurements, at what load (``labkit.study.sweeps.reused_note``). A changed setting redoes
+    what it shapes. ``force`` redoes everything: every stage, the training run (its directory
+    is emptied first) and every sweep point."""
+    import shutil
+
     from labkit import lab
     from labkit.cluster import get_client, start_cluster, stop_cluster
+    from labkit.train.run_config import finished_run
 
     t0 = time.perf_counter()
     missing = [p for p in cfg.corpus.paths if not os.path.exists(p)]
@@ -72,18 +83,18 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         client = get_client(cluster)
 
         _say(f"1/7 corpus: disassembling functions from ELF files under {', '.join(cfg.corpus.paths)}", t0)
-        corpus = lab.build_corpus(client, cfg.corpus, str(work))
+        corpus = lab.build_corpus(client, cfg.corpus, str(work), force=force)
         _say(f"    {corpus['functions']:,} functions from {corpus['files_read']:,} files "
              f"({corpus['raw_bytes'] / 1e6:.1f} MB of ELF), skipped {corpus['skipped']}", t0)
 
         _say("2/7 clean, exact and near dedup (polars, MinHash LSH)", t0)
-        drops = lab.clean_corpus(client, cfg.clean, str(work))
+        drops = lab.clean_corpus(client, cfg.clean, str(work), force=force)
         _say(f"    kept {drops['kept']:,} of {drops['input']:,}; dropped {drops['dropped']}", t0)
 
         _say(f"3/7 tokenizer ({cfg.tokenizer.kind}, vocabulary of at most {cfg.tokenizer.vocab_size}) and "
              f"shards (seq_len {cfg.shards.seq_len})", t0)
-        lab.build_tokenizer(client, cfg.tokenizer, str(work))
-        index = lab.build_shards(client, cfg.shards, str(work))
+        lab.build_tokenizer(client, cfg.tokenizer, str(work), force=force)
+        index = lab.build_shards(client, cfg.shards, str(work), force=force)
         prep = lab.preparation_report(str(work))
         summary["preparation"] = prep
         _say(f"    vocabulary {index['vocab_size']:,} (normalised disassembly has few distinct words; "
@@ -103,7 +114,14 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         tcfg = demo_train_config(cfg, work)
         _say(f"5/7 DDP training: model {cfg.model}, {cfg.engines} ranks x micro-batch {cfg.micro_batch_size}, "
              f"{cfg.train_steps} steps", t0)
-        result = lab.train_on_cluster(client, tcfg, staged=staged, live=_TerminalProgress(cfg.train_steps))
+        if force:
+            shutil.rmtree(tcfg.run_dir, ignore_errors=True)
+        result = finished_run(tcfg, say=False)
+        if result is not None:
+            _say(f"    reusing the finished run in {tcfg.run_dir} (ended {result['provenance'].get('end_time')}, "
+                 f"same config and data; --force trains again)", t0)
+        else:
+            result = lab.train_on_cluster(client, tcfg, staged=staged, live=_TerminalProgress(cfg.train_steps))
         summary["train"] = result
         _say(f"    loss {result['initial_loss']:.3f} -> {result['final_loss']:.3f}; held-out loss "
              f"{result['eval_loss']:.3f} (perplexity {result['perplexity']:.1f}); "
@@ -112,18 +130,13 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         _say(f"6/7 scaling sweep: tokens/s at 1..{cfg.engines} ranks; largest micro-batch under "
              f"{cfg.memory_budget_gb} GiB per rank for {', '.join(cfg.sweep_models)}", t0)
         base = dataclasses.replace(tcfg, max_steps=cfg.sweep_steps, warmup_steps=1, timing_warmup_steps=2)
-        ranks = lab.sweep_ranks(client, base, str(work), staged=staged)
+        ranks = lab.sweep_ranks(client, base, str(work), staged=staged, force=force)
         mb = lab.sweep_micro_batch(client, list(cfg.sweep_models), seq_len=cfg.shards.seq_len,
                                    vocab_size=index["vocab_size"],
-                                   budget_bytes=int(cfg.memory_budget_gb * 2**30), workdir=str(work))
+                                   budget_bytes=int(cfg.memory_budget_gb * 2**30), workdir=str(work), force=force)
         summary["sweep_ranks"] = ranks.to_dicts()
         summary["sweep_micro_batch"] = mb.to_dicts()
-        for r in ranks.iter_rows(named=True):
-            busy = (f" (machine busy: load {r['load_avg_1m']:.1f} on {r['cpu_count']} CPUs, the efficiency is not "
-                    "a scaling measurement)" if r.get("busy") else "")
-            _say(f"    {r['ranks']} rank(s): {r['tokens_per_s']:,.0f} tokens/s, efficiency {r['efficiency']:.2f}{busy}", t0)
-        for r in mb.iter_rows(named=True):
-            _say(f"    {r['model']} ({r['params'] / 1e6:.1f} M params): max micro-batch {r['max_micro_batch']}", t0)
+        _say_sweeps(ranks, mb, t0)
     finally:
         stop_cluster(cluster)
 
@@ -139,6 +152,24 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     for path in summary.get("reports", []):
         print(f"  report: {path}")
     return summary
+
+
+def _say_sweeps(ranks, mb, t0: float) -> None:
+    """The sweeps' lines: one per point, a busy machine's flagged, and a reused point labelled
+    with when it was measured (``lab.reused_note`` first, with the load then)."""
+    from labkit import lab
+
+    for note in filter(None, (lab.reused_note(ranks), lab.reused_note(mb))):
+        _say(f"    {note}", t0)
+    for r in ranks.iter_rows(named=True):
+        busy = (f" (machine busy: load {r['load_avg_1m']:.1f} on {r['cpu_count']} CPUs, the efficiency is not "
+                "a scaling measurement)" if r.get("busy") else "")
+        old = f" [reused: measured {r.get('measured_at')}]" if r.get("reused") else ""
+        _say(f"    {r['ranks']} rank(s): {r['tokens_per_s']:,.0f} tokens/s, efficiency {r['efficiency']:.2f}"
+             f"{busy}{old}", t0)
+    for r in mb.iter_rows(named=True):
+        old = f" [reused: measured {r.get('measured_at')}]" if r.get("reused") else ""
+        _say(f"    {r['model']} ({r['params'] / 1e6:.1f} M params): max micro-batch {r['max_micro_batch']}{old}", t0)
 
 
 def _write_figures(work: Path) -> list[str]:
@@ -173,6 +204,9 @@ def run_reports(cfg: DemoConfig, work: Path, *, t0: float | None = None) -> list
               "micro_batch_size": cfg.micro_batch_size, "max_functions": cfg.corpus.max_functions,
               "vocab_size": cfg.tokenizer.vocab_size, "seq_len": cfg.shards.seq_len,
               "heldout_fraction": cfg.shards.heldout_fraction,
+              # the demo's corpus sources: notebook 01 reuses the demo's artifacts only with the same settings
+              "elf_paths": list(cfg.corpus.paths), "text_paths": list(cfg.corpus.text_paths),
+              "jsonl_paths": list(cfg.corpus.jsonl_paths), "parquet_paths": list(cfg.corpus.parquet_paths),
               "steps": min(cfg.train_steps, 20), "sweep_steps": cfg.sweep_steps,
               "sweep_models": list(cfg.sweep_models), "memory_budget_gb": cfg.memory_budget_gb}
     for name in NOTEBOOKS:

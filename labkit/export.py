@@ -170,6 +170,22 @@ def _example_section(example: dict | None, r: dict, step: int) -> str:
             f"```python\nfill({example['text']!r})\n# {guesses}\n```\n")
 
 
+def _trained(result: dict) -> str:
+    """The model card's "trained" row: the time spent training, summed over the run's segments
+    (``labkit.train.run_config.trained_seconds``: a stopped and resumed run counts every part),
+    and the first start and last end: ``"84 s in 2 segments (2026-... to 2026-...)"``."""
+    from labkit.train.run_config import trained_seconds
+
+    prov = result.get("provenance") or {}
+    spans = prov.get("segments") or [prov]
+    seconds = trained_seconds(result)
+    when = f"{spans[0].get('start_time')} to {spans[-1].get('end_time')}"
+    if seconds is None:
+        return when
+    parts = f" in {len(spans)} segments" if len(spans) > 1 else ""
+    return f"{seconds:,.0f} s{parts} ({when})"
+
+
 def model_card(cfg: TrainConfig, mcfg: ModelConfig, result: dict | None, step: int, *,
                kinds: dict[str, dict] | None = None, example: dict | None = None) -> str:
     """A short README.md for the export: what the model is and what data it was trained on
@@ -193,7 +209,7 @@ def model_card(cfg: TrainConfig, mcfg: ModelConfig, result: dict | None, step: i
                                     + (" (dirty)" if git.get("dirty") else "")),
             ("torch / CUDA", f"{prov.get('torch')} / {prov.get('cuda')}"),
             ("hosts", ", ".join(sorted(set(prov.get("hostnames") or [])))),
-            ("trained", f"{prov.get('start_time')} to {prov.get('end_time')}")]
+            ("trained", _trained(r))]
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     tags = ", ".join(["labkit", "bert", "masked-lm", *(["disassembly"] if "elf" in kinds else []),
                       *(["text"] if "text" in kinds else [])])

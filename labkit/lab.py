@@ -1,10 +1,15 @@
 """The lab's stages over a cluster: what the notebooks and ``labkit demo`` call.
 
 Each stage reads the previous stage's artifact under a work directory and writes its own; a
-stage whose artifact is already complete returns it without redoing the work (``force=True``
-redoes it). "Complete" is decided the same way everywhere: the file a stage writes last exists
-(``corpus.json``, the kept-documents Parquet and its ``.drops.json``, ``tokenizer.json``,
-``index.json``, a staged copy that verifies, ``result.json``).
+stage whose artifact is already complete, and was made with the same settings from the same
+inputs, returns it without redoing the work (``force=True`` redoes it). "Complete" is decided
+the same way everywhere: the file a stage writes last exists (``corpus.json``, the
+kept-documents Parquet and its ``.drops.json``, ``tokenizer.json`` and its ``.stats.json``,
+``index.json``, a staged copy that verifies, ``result.json``). "Made the same way" is the
+``made_by`` record that file carries (``labkit.data.made_by``): the stage's settings and the
+identity of its inputs (the previous stage's last file, by sha256). Any difference rebuilds
+the artifact, and one line on stderr names it (``tokenizer: vocab_size 1024 -> 512,
+rebuilding``); a reused artifact is named too, with when it was made.
 
 The work directory's layout is defined once, in ``labkit.workdir``. Sweeps live in
 ``labkit.study.sweeps`` and DDP training on the engines in ``labkit.cluster.launch``; both are
@@ -20,6 +25,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from concurrent import futures
 from pathlib import Path
@@ -28,16 +34,17 @@ from typing import Any, Callable
 import polars as pl
 
 from labkit.cluster.launch import train_on_cluster
+from labkit.data import made_by
 from labkit.data.prepared import preparation_report
 from labkit.config import CleanConfig, CorpusConfig, ShardConfig, TokenizerConfig, to_dict
 from labkit.io import atomic_write_json
-from labkit.study.sweeps import (sweep_loader_workers, sweep_micro_batch, sweep_model_size, sweep_parallel,
-                                 sweep_ranks)
+from labkit.study.sweeps import (reused_note, sweep_loader_workers, sweep_micro_batch, sweep_model_size,
+                                 sweep_parallel, sweep_ranks)
 from labkit.workdir import paths
 
-__all__ = ["NotPrepared", "build_corpus", "build_shards", "build_tokenizer", "clean_corpus", "preparation_report",
-           "read_metrics", "require_prepared", "stage", "sweep_loader_workers", "sweep_micro_batch", "sweep_model_size",
-           "sweep_parallel", "sweep_ranks", "train_on_cluster"]
+__all__ = ["NotPrepared", "build_corpus", "build_shards", "build_tokenizer", "clean_corpus", "prepare",
+           "preparation_report", "read_metrics", "require_prepared", "reused_note", "stage", "sweep_loader_workers",
+           "sweep_micro_batch", "sweep_model_size", "sweep_parallel", "sweep_ranks", "train_on_cluster"]
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -114,24 +121,29 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
     "documents"}} (the kinds read only), part_kinds (the kind of each ``part-<i>.parquet``, in
     order), raw_bytes (input file sizes), text_bytes, skipped {reason: n}, skipped_files,
     dropped_functions {reason: n} (functions left out at extraction: "disassembly_stopped"),
-    seconds, config. Raises ``FileNotFoundError`` naming a missing input path, ``ValueError``
-    when no input file is found.
+    seconds, config, made_by (``labkit.data.made_by``: settings ``to_dict(cfg)``, inputs the
+    path, size and mtime of every input file found). An existing ``corpus.json`` with the same
+    record is returned as is (one line on stderr); any difference rebuilds. Raises
+    ``FileNotFoundError`` naming a missing input path, ``ValueError`` when no input file is found.
     """
     from labkit.data.corpus import find_elf_files, write_corpus_part
     from labkit.data.sources import find_source_files, write_source_part
 
     out = paths(workdir)["corpus"]
     done = out / "corpus.json"
-    if done.exists() and not force:
-        return json.loads(done.read_text())
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("part-*.parquet"):
-        stale.unlink()
     elf = [str(p) for p in find_elf_files(cfg)] if cfg.paths else []
     text = {kind: find_source_files(kind, cfg) for kind in ("text", "jsonl", "parquet")}
+    record = made_by.record("corpus", to_dict(cfg),
+                            {"files": made_by.files_identity(elf + [str(f) for fs in text.values() for f in fs])})
+    if done.exists() and made_by.reuse("corpus", str(out), made_by.read_record(done), record, force=force):
+        return json.loads(done.read_text())
     if not elf and not any(text.values()):
         raise ValueError(f"paths: no input files found under {list(cfg.paths)} (ELF) or the text sources "
                          f"{list(cfg.text_paths) + list(cfg.jsonl_paths) + list(cfg.parquet_paths)}")
+    done.unlink(missing_ok=True)  # incomplete from here until the new corpus.json is written
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("part-*.parquet"):
+        stale.unlink()
     view = client.load_balanced_view()
     width = len(client.ids) * chunks_per_engine
     t0 = time.perf_counter()
@@ -173,6 +185,7 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
     stats["documents"] += stats["functions"]
     stats["seconds"] = round(time.perf_counter() - t0, 2)
     stats["config"] = to_dict(cfg)
+    stats["made_by"] = record
     stats = json.loads(json.dumps(stats))  # the return value equals corpus.json (tuples as lists)
     if stats["documents"] == 0:  # nothing to clean: say why here, not as an empty corpus later
         from labkit.data.clean import EmptyCorpusError
@@ -216,8 +229,9 @@ def clean_corpus(client, cfg: CleanConfig, workdir: str, *, force: bool = False,
     "seconds": {step: s}, "extraction": {reason: n} (functions left out before the corpus,
     from ``corpus.json``: "disassembly_stopped"), "near_dedup": {"seconds", "docs_per_s",
     "config"} | None}``, also
-    written to ``clean/docs.drops.json``. Raises ``labkit.data.clean.EmptyCorpusError`` when
-    nothing is kept.
+    written to ``clean/docs.drops.json`` with its ``made_by`` record (settings ``to_dict(cfg)``
+    and the ``extra_filters`` expressions, input corpus.json's sha256): reused when it matches,
+    else rebuilt. Raises ``labkit.data.clean.EmptyCorpusError`` when nothing is kept.
     """
     import shutil
 
@@ -226,7 +240,10 @@ def clean_corpus(client, cfg: CleanConfig, workdir: str, *, force: bool = False,
 
     p = paths(workdir)
     drops_path = p["clean"].with_name("docs.drops.json")
-    if p["clean"].exists() and drops_path.exists() and not force:
+    settings = to_dict(cfg) | {"extra_filters": {name: str(expr) for name, expr in (extra_filters or {}).items()}}
+    record = made_by.record("clean", settings, {"corpus": made_by.file_identity(p["corpus"] / "corpus.json")})
+    if (p["clean"].exists() and drops_path.exists()
+            and made_by.reuse("clean", str(p["clean"]), made_by.read_record(drops_path), record, force=force)):
         return json.loads(drops_path.read_text())
     drops_path.unlink(missing_ok=True)
     if p["clean"].is_file():  # a single-file docs.parquet of an earlier labkit
@@ -246,6 +263,7 @@ def clean_corpus(client, cfg: CleanConfig, workdir: str, *, force: bool = False,
         sec = sum(v for k, v in stats["seconds"].items() if k.startswith("near_"))
         stats["near_dedup"] = {"seconds": round(sec, 3), "docs_per_s": round(stats["stages"]["exact_dedup"] / sec, 1)
                                if sec else None, "config": to_dict(cfg.near_dedup)}
+    stats["made_by"] = record
     stats = json.loads(json.dumps(stats))  # equal to the file (tuples as lists)
     atomic_write_json(drops_path, stats)
     return stats
@@ -258,15 +276,23 @@ def clean_corpus(client, cfg: CleanConfig, workdir: str, *, force: bool = False,
 
 def build_tokenizer(client, cfg: TokenizerConfig, workdir: str, *, force: bool = False) -> str:
     """Train the tokenizer on one engine; returns the path of ``tokenizer.json``. The held-out
-    UNK report goes to ``tokenizer/tokenizer.stats.json`` (``labkit.data.tokenize``)."""
+    UNK report goes to ``tokenizer/tokenizer.stats.json`` (``labkit.data.tokenize``), with the
+    ``made_by`` record (settings ``to_dict(cfg)``, input docs.drops.json's sha256) added last:
+    an existing tokenizer is reused only when that record matches."""
     from labkit.data.tokenize import train_tokenizer
 
     p = paths(workdir)
     stats = p["tokenizer"].with_name("tokenizer.stats.json")
-    if p["tokenizer"].exists() and stats.exists() and not force:
+    record = made_by.record("tokenizer", to_dict(cfg),
+                            {"clean": made_by.file_identity(p["clean"].with_name("docs.drops.json"))})
+    if (p["tokenizer"].exists() and stats.exists()
+            and made_by.reuse("tokenizer", str(p["tokenizer"]), made_by.read_record(stats), record, force=force)):
         return str(p["tokenizer"])
+    stats.unlink(missing_ok=True)  # incomplete until the stats carry the new record
     p["tokenizer"].parent.mkdir(parents=True, exist_ok=True)
-    return client[client.ids[0]].apply_sync(train_tokenizer, str(p["clean"]), cfg, str(p["tokenizer"]))
+    out = client[client.ids[0]].apply_sync(train_tokenizer, str(p["clean"]), cfg, str(p["tokenizer"]))
+    atomic_write_json(stats, json.loads(stats.read_text()) | {"made_by": record}, indent=1)
+    return out
 
 
 _OUTPUT_FIELDS = ("seq_len", "sequences_per_shard", "shard_bytes", "source_pattern", "source_weights", "source_caps",
@@ -284,9 +310,11 @@ def build_shards(client, cfg: ShardConfig, workdir: str, *, force: bool = False,
     its own range of shard numbers); the engines pack the groups (``labkit.data.pack.pack_group``);
     one engine merges the shard lists into ``index.json`` (``write_index``). The bytes equal
     ``write_shards(..., groups=len(client.ids))`` in one process.
-    Finished parts and shards of an interrupted run are not redone. A shard set whose
-    ``index.json`` exists, was built with the current tokenizer and the same output settings
-    (``_OUTPUT_FIELDS``, kept in ``shards.parts/config.json``) is returned as is.
+    Finished parts and shards of an interrupted run of the same record are not redone. A shard
+    set whose ``index.json`` exists and whose ``made_by`` record (``shards.parts/config.json``:
+    the ``_OUTPUT_FIELDS`` and pack groups; inputs the tokenizer's and ``docs.drops.json``'s
+    sha256) equals the current one is returned as is; on any difference the parts are removed
+    and the set is rebuilt, one line naming the change (``labkit.data.made_by``).
     """
     from labkit.data.pack import pack_group
     from labkit.data.shards import (ShardError, encode_part, parts_dir_for, plan_parts, plan_shards, read_index,
@@ -296,15 +324,30 @@ def build_shards(client, cfg: ShardConfig, workdir: str, *, force: bool = False,
     p = paths(workdir)
     docs, tok, out = str(p["clean"]), str(p["tokenizer"]), str(p["shards"])
     parts_dir = parts_dir_for(out)
-    settings = {k: getattr(cfg, k) for k in _OUTPUT_FIELDS} | {"tokenizer_sha256": tokenizer_sha256(tok),
-                                                              "pack_groups": len(client.ids)}
-    if (p["shards"] / "index.json").exists() and not force:
+    settings = {k: getattr(cfg, k) for k in _OUTPUT_FIELDS} | {"pack_groups": len(client.ids)}
+    record = made_by.record("shards", settings, {"tokenizer": tokenizer_sha256(tok),
+                                                 "clean": made_by.file_identity(p["clean"].with_name("docs.drops.json"))})
+    try:
+        old = json.loads((parts_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        old = None
+    diff = made_by.changes(old, record)
+    if (p["shards"] / "index.json").exists():
         try:
             index = read_index(out)
-            if json.loads((parts_dir / "config.json").read_text()) == settings:
-                return index
         except (ShardError, OSError, json.JSONDecodeError):
-            pass
+            index = None
+        if index is not None and made_by.reuse("shards", out, old, record, force=force):
+            return index
+    elif old is not None and not diff and not force:
+        made_by.say(f"shards: finishing the interrupted build in {out} (same settings and inputs)")
+    elif old is not None:
+        made_by.say(f"shards: {'--force' if force else '; '.join(diff)}, rebuilding {out} (unfinished)")
+    (p["shards"] / "index.json").unlink(missing_ok=True)  # incomplete until the new index is written
+    if force or (old is not None and diff):  # parts and shard markers made from other settings or inputs
+        shutil.rmtree(parts_dir, ignore_errors=True)
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(parts_dir / "config.json", record)  # what the parts in parts_dir are made for
     n = text_row_count(docs)
     rows = max(1, min(cfg.part_docs, math.ceil(n / (len(client.ids) * parts_per_engine))))
     view = client.load_balanced_view()
@@ -315,9 +358,21 @@ def build_shards(client, cfg: ShardConfig, workdir: str, *, force: bool = False,
     plan = engine.apply_sync(plan_shards, docs, tok, out, cfg, parts, groups=len(client.ids))
     done = _wait_all([view.apply_async(pack_group, plan, g) for g in range(len(plan["groups"]))],
                      "shards: packing groups", progress)
-    index = engine.apply_sync(write_index, plan, done)
-    atomic_write_json(parts_dir / "config.json", settings)
-    return index
+    return engine.apply_sync(write_index, plan, done)
+
+
+def prepare(client, cfg, *, force: bool = False, progress: bool = True) -> dict:
+    """Every data stage of notebook 01 for ``cfg`` (a ``labkit.config.tomlfile.LabConfig``:
+    its corpus, clean, tokenizer and shards settings and workdir), in order: ``build_corpus``,
+    ``clean_corpus``, ``build_tokenizer``, ``build_shards``. Each reuses its artifact only when
+    its settings and inputs are unchanged (a rebuilt stage rebuilds every later one: its output
+    file, their input, changed). Returns ``preparation_report(cfg.workdir)``."""
+    w = cfg.workdir
+    build_corpus(client, cfg.corpus, w, force=force, progress=progress)
+    clean_corpus(client, cfg.clean, w, force=force, progress=progress)
+    build_tokenizer(client, cfg.tokenizer, w, force=force)
+    build_shards(client, cfg.shards, w, force=force, progress=progress)
+    return preparation_report(w)
 
 
 # --------------------------------------------------------------------------------------------

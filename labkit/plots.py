@@ -202,6 +202,29 @@ def throughput_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data-par
     return fig
 
 
+def busy_marks(rows: pl.DataFrame, x: Sequence, y: Sequence) -> go.Scatter | None:
+    """Red crosses on the points ``(x[i], y[i])`` of sweep rows ``rows`` (same order) measured on a
+    busy machine (``busy`` True: the 1-minute load was at least the usable CPUs,
+    ``labkit.study.sweeps.BUSY_LOAD_PER_CPU``), hovering the load, the CPUs and when the point was
+    measured (``measured_at``, and "reused" for a row read back from an earlier sweep). None
+    when no row is busy or the rows carry no ``busy`` column."""
+    if "busy" not in rows.columns or not rows["busy"].fill_null(False).any():
+        return None
+    pick = [i for i, b in enumerate(rows["busy"].fill_null(False).to_list()) if b]
+
+    def col(name: str) -> list:
+        return [rows[name][i] for i in pick] if name in rows.columns else [None] * len(pick)
+
+    reused = [" (reused from an earlier sweep)" if r else "" for r in col("reused")]
+    return go.Scatter(x=[x[i] for i in pick], y=[y[i] for i in pick], mode="markers",
+                      name="busy machine (load >= CPUs)", showlegend=True,
+                      marker={"symbol": "x-thin-open", "size": 16, "line": {"width": 3, "color": COLORS["busy"]},
+                              "color": COLORS["busy"]},
+                      customdata=list(zip(col("load_avg_1m"), col("cpu_count"), col("measured_at"), reused)),
+                      hovertemplate="measured %{customdata[2]}%{customdata[3]} while the 1-min load was "
+                                    "%{customdata[0]} on %{customdata[1]} CPUs<extra></extra>")
+
+
 def _flag_busy(fig: go.Figure, rows: pl.DataFrame, table: pl.DataFrame, *, x: str = "ranks") -> None:
     """Cross the points of `table` whose `x` value has a row in `rows` with busy == True."""
     if "busy" not in rows.columns or not rows["busy"].fill_null(False).any():
@@ -284,8 +307,9 @@ def efficiency_figure(predicted: pl.DataFrame | pl.LazyFrame, *, measured: pl.Da
 
     `predicted` columns: n_gpus (int), efficiency (float) [, label (str), comm_hidden (bool)]:
     ``labkit.study.scaling.efficiency_table`` rows, several tables stacked with a label column.
-    `measured` (optional) columns ranks, efficiency (``labkit.lab.sweep_ranks``) are drawn as
-    markers. The 90 % line marks near-linear scaling. Raises ValueError naming missing columns."""
+    `measured` (optional) columns ranks, efficiency [, busy, load_avg_1m, cpu_count]
+    (``labkit.lab.sweep_ranks``) are drawn as markers, a busy machine's with red crosses
+    (``busy_marks``). The 90 % line marks near-linear scaling. Raises ValueError naming missing columns."""
     d = _frame(predicted, ["n_gpus", "efficiency"], "efficiency_figure")
     if "label" not in d.columns:
         d = d.with_columns(label=pl.lit("model"))
@@ -298,6 +322,9 @@ def efficiency_figure(predicted: pl.DataFrame | pl.LazyFrame, *, measured: pl.Da
         m = _frame(measured, ["ranks", "efficiency"], "efficiency_figure (measured)").sort("ranks")
         fig.add_trace(go.Scatter(x=m["ranks"].to_list(), y=m["efficiency"].to_list(), name="measured here",
                                  mode="markers", marker={"size": 11, "symbol": "diamond", "color": "black"}))
+        busy = busy_marks(m, m["ranks"].to_list(), m["efficiency"].to_list())
+        if busy is not None:
+            fig.add_trace(busy)
     fig.add_hline(y=0.9, line={"color": COLORS["ideal"], "dash": "dash"}, annotation_text="90 %")
     fig.update_layout(template=style(), title=title, xaxis_title="GPUs (data-parallel ranks)",
                       yaxis_title="scaling efficiency", yaxis_tickformat=".0%")
@@ -309,7 +336,8 @@ def efficiency_figure(predicted: pl.DataFrame | pl.LazyFrame, *, measured: pl.Da
 def loader_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data loader workers: the knee") -> go.Figure:
     """Samples/s (left axis) and data-wait fraction (right axis) vs DataLoader workers, the knee
     (fewest workers with data wait under 5 %) marked. `df` columns: num_workers, samples_per_s,
-    data_wait_fraction [, knee (bool)] (``labkit.lab.sweep_loader_workers``)."""
+    data_wait_fraction [, knee (bool), busy, load_avg_1m, cpu_count: worker counts measured on a
+    busy machine get red crosses, ``busy_marks``] (``labkit.lab.sweep_loader_workers``)."""
     d = _frame(df, ["num_workers", "samples_per_s", "data_wait_fraction"], "loader_figure").sort("num_workers")
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     x = d["num_workers"].to_list()
@@ -317,6 +345,9 @@ def loader_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data loader 
                              line={"color": COLORS["throughput"]}), secondary_y=False)
     fig.add_trace(go.Scatter(x=x, y=d["data_wait_fraction"].to_list(), name="data-wait fraction",
                              mode="lines+markers", line={"color": COLORS["loss"], "dash": "dot"}), secondary_y=True)
+    busy = busy_marks(d, x, d["samples_per_s"].to_list())
+    if busy is not None:
+        fig.add_trace(busy, secondary_y=False)
     if "knee" in d.columns and d["knee"].any():
         k = d.filter(pl.col("knee")).row(0, named=True)
         fig.add_vline(x=k["num_workers"], line={"color": COLORS["ideal"], "dash": "dash"},
@@ -404,7 +435,9 @@ def parallel_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data, tens
     bubble measured beside the planner's (p - 1)/(v·m + p - 1) (splits with pp > 1); the largest
     rank's memory measured beside the planner's (MiB: parameters, gradients, AdamW moments and the
     activations held for backward). Columns: dp, tp, pp, pp_schedule, tokens_per_s, pipeline_bubble,
-    planned_bubble, measured_total_bytes, planned_total_bytes. Raises ValueError naming missing columns."""
+    planned_bubble, measured_total_bytes, planned_total_bytes [, busy, load_avg_1m, cpu_count,
+    measured_at, reused: the splits measured on a busy machine get red crosses on their throughput,
+    ``busy_marks``]. Raises ValueError naming missing columns."""
     need = ["dp", "tp", "pp", "pp_schedule", "tokens_per_s", "pipeline_bubble", "planned_bubble",
             "measured_total_bytes", "planned_total_bytes"]
     d = _frame(df, need, "parallel_figure")
@@ -413,6 +446,9 @@ def parallel_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data, tens
                         subplot_titles=("throughput", "pipeline bubble", "memory of the largest rank"))
     fig.add_trace(go.Bar(x=labels, y=d["tokens_per_s"].to_list(), name="tokens/s (measured)",
                          marker={"color": COLORS["throughput"]}, hovertemplate="%{x}: %{y:.4s} tokens/s"), row=1, col=1)
+    busy = busy_marks(d, labels, d["tokens_per_s"].to_list())  # a busy machine's throughput is low by an unknown amount
+    if busy is not None:
+        fig.add_trace(busy, row=1, col=1)
     piped = [i for i, p in enumerate(d["pp"].to_list()) if p > 1]
     for col, colour, name in (("pipeline_bubble", COLORS["bar"], "bubble measured"),
                               ("planned_bubble", COLORS["ideal"], "bubble planned")):

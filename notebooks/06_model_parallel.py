@@ -56,9 +56,11 @@ staged = lab.stage(client, workdir)
 base = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/sweep", model=model,
                    micro_batch_size=split_micro_batch_size, warmup_steps=1, num_threads=1, resume=False)
 table = lab.sweep_parallel(client, base, workdir, micro_batches=micro_batches, steps=sweep_steps, staged=staged)
+print(lab.reused_note(table) or "every split measured now")  # splits read back from an earlier sweep: when, at what load
 table.select("dp", "tp", "pp", "pp_schedule", pl.col("tokens_per_s").round(0),
              pl.col("pipeline_bubble").round(3).alias("bubble"), pl.col("planned_bubble").round(3).alias("planned"),
-             pl.col("tp_comm_fraction").round(3).alias("TP comm share"))
+             pl.col("tp_comm_fraction").round(3).alias("TP comm share"),
+             "busy", "reused")  # busy: measured while the load was at least the CPUs, its throughput low
 
 # %%
 plots.parallel_figure(table)

@@ -44,7 +44,7 @@ def test_demo_on_a_stripped_binary_says_no_functions_in_one_line(tmp_path, capsy
 def test_interrupt_is_one_line_and_exit_130(monkeypatch, tmp_path, capsys):
     import labkit.demo
 
-    def interrupted(cfg):
+    def interrupted(cfg, force=False):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(labkit.demo, "run_demo", interrupted)
@@ -234,3 +234,29 @@ def test_values_are_refused_before_any_engine_starts(tmp_path):
     for (expected, argv), (rc, err) in zip(cases.items(), got["results"]):
         assert rc == 2 and len(err) == 1 and err[0].startswith(f"labkit {argv[0]}: error: {expected}"), (argv, err)
     assert not got["torch"] and not got["ipyparallel"], got  # refused before anything that starts engines
+
+
+def test_train_twice_on_a_finished_run_leaves_every_file_as_it_was(tmp_path, capsys):
+    """``labkit train CONFIG`` on the run it already finished: exit 0, one line saying so, no
+    engine started, result.json, metrics.jsonl and config.json byte-identical (nothing touched)."""
+    import pathlib
+
+    from tiny_shards import write_tiny_shards
+
+    work = tmp_path / "w"
+    shards = write_tiny_shards(tmp_path / "shards")  # a data_dir of its own: no tokenizer to check against
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"workdir = {str(work)!r}\n[cluster]\nengines = 1\n[train]\nmodel = \"tiny\"\nmicro_batch_size = 4\n"
+                   "max_steps = 3\nwarmup_steps = 1\nnum_threads = 1\nckpt_every = 3\ntrackers = []\n"
+                   f"data_dir = {str(shards)!r}\n")
+    assert main(["train", str(cfg), "--no-stage"]) == 0
+    run = work / "runs" / "main"
+    files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(pathlib.Path(run).rglob("*")) if p.is_file()}
+    assert {"result.json", "metrics.jsonl", "config.json"} <= {p.name for p in files}
+    capsys.readouterr()
+    for _ in range(2):
+        assert main(["train", str(cfg), "--no-stage"]) == 0
+        out, err = capsys.readouterr()
+        assert json.loads(out)["already_finished"] is True and json.loads(out)["steps"] == 3
+        assert "already finished (3 of 3 steps" in err and "starting" not in err
+        assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in files} == files

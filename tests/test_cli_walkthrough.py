@@ -63,6 +63,11 @@ def test_train_then_resume_artifacts(walkthrough):
     run = work / "runs" / "main"
     result = json.loads((run / "result.json").read_text())
     assert result["steps"] == 20 and result["resumed_from_step"] == 10 and result["world_size"] == 2
+    segments = result["provenance"]["segments"]  # stopped at 10, resumed: both parts, the whole run's throughput
+    assert [(s["start_step"], s["end_step"]) for s in segments] == [(0, 10), (10, 20)]
+    assert [s["command"] for s in segments] == ["labkit train configs/walkthrough.toml --set train.stop_after=10",
+                                                "labkit resume work/walkthrough/runs/main"]
+    assert result["tokens_per_s"] > 0 and result["data_wait_fraction"] is not None
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 21))
     assert result["final_loss"] == records[-1]["loss"] < records[0]["loss"]

@@ -194,6 +194,30 @@ def test_throughput_figure_flags_rows_measured_on_a_busy_machine():
     assert [t.name for t in plots.throughput_figure(df.with_columns(busy=pl.lit(False))).data] == ["ideal", "measured"]
 
 
+def test_every_sweep_figure_flags_points_measured_on_a_busy_machine():
+    """Notebook 06's parallel figure (throughput panel), the loader figure and the efficiency
+    figure's measured points cross the rows measured at a load of at least the CPUs, hovering
+    the load, the CPUs, when they were measured and whether they were reused."""
+    load = {"busy": [False, True], "load_avg_1m": [0.4, 6.0], "cpu_count": [2, 2],
+            "measured_at": ["2026-12-01T17:00:00+00:00", "2026-12-01T17:01:00+00:00"], "reused": [False, True]}
+    par = pl.DataFrame({"dp": [2, 1], "tp": [1, 1], "pp": [1, 2], "pp_schedule": [None, "1f1b"],
+                        "tokens_per_s": [100.0, 180.0], "pipeline_bubble": [None, 0.2], "planned_bubble": [0.0, 0.2],
+                        "measured_total_bytes": [2**20, 2**20], "planned_total_bytes": [2**20, 2**20], **load})
+    busy = _trace(plots.parallel_figure(par), "busy machine (load >= CPUs)")
+    assert list(busy.x) == ["dp 1 x tp 1 x pp 2 1f1b"] and list(busy.y) == [180.0]
+    assert list(busy.customdata[0]) == [6.0, 2, "2026-12-01T17:01:00+00:00", " (reused from an earlier sweep)"]
+    assert busy.xaxis == "x"  # on the throughput panel
+    loader = pl.DataFrame({"num_workers": [0, 1], "samples_per_s": [50.0, 90.0], "data_wait_fraction": [0.4, 0.1],
+                           **load})
+    assert list(_trace(plots.loader_figure(loader), "busy machine (load >= CPUs)").x) == [1]
+    measured = pl.DataFrame({"ranks": [1, 2], "efficiency": [1.0, 0.6], **load})
+    pred = pl.DataFrame({"n_gpus": [1, 2, 4], "efficiency": [1.0, 0.95, 0.9]})
+    eff = _trace(plots.efficiency_figure(pred, measured=measured), "busy machine (load >= CPUs)")
+    assert list(eff.x) == [2] and list(eff.y) == [0.6]
+    for fig in (plots.parallel_figure(par.drop(*load)), plots.loader_figure(loader.with_columns(busy=pl.lit(False)))):
+        assert "busy machine (load >= CPUs)" not in [t.name for t in fig.data]
+
+
 def test_parallel_figure_three_panels_measured_beside_planned():
     df = pl.DataFrame({"dp": [2, 1, 1], "tp": [1, 2, 1], "pp": [1, 1, 2], "pp_schedule": [None, None, "gpipe"],
                        "tokens_per_s": [100.0, 80.0, 90.0], "pipeline_bubble": [None, None, 0.25],

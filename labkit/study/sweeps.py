@@ -1,17 +1,29 @@
 """Sweeps over a cluster: throughput vs ranks, the largest micro-batch per model size, loader
 workers, throughput per model size. Each point is one short run (or one measurement) on the
-engines; a sweep's table is Parquet under ``<workdir>/sweeps/`` and points already in it are
-not measured again (``force=True`` measures all)."""
+engines; a sweep's table is Parquet under ``<workdir>/sweeps/``.
+
+Each row records what made it: ``made_by`` (JSON of the point's settings: the run's
+``TrainConfig`` without where it is written, the shard set's ``index.json`` sha256, the model,
+budget, ...), ``measured_at`` (ISO 8601 UTC) and the machine's load just before
+(``_load_columns``). A point already in the table is reused only when its ``made_by`` equals
+the one it would be measured with now; otherwise it is measured again, with one line on stderr
+naming the change (``sweep parallel dp2-tp1-pp1: max_steps 4 -> 8, measuring again``).
+``force=True`` measures all. The returned frame has a ``reused`` column (True: read back from
+the table, measured at ``measured_at``, not now); the table on disk has none. ``reused_note``
+is the one line every printer of a sweep shows for reused rows."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 from pathlib import Path
 
 import polars as pl
 
 from labkit.cluster.launch import train_on_cluster
-from labkit.config import TrainConfig
+from labkit.config import TrainConfig, to_dict
+from labkit.data import made_by
 from labkit.data.shards import read_index
 from labkit.io import atomic_write
 from labkit.measure import check_cpu_budget
@@ -43,6 +55,76 @@ def _load_columns(client, engine_id: int) -> dict:
     return load | {"busy": load["load_avg_1m"] >= BUSY_LOAD_PER_CPU * load["cpu_count"]}
 
 
+_NOT_SETTINGS = frozenset({"run_dir", "data_dir", "tokenizer_path", "resume", "allow_safe_changes", "trackers",
+                           "timeout_s", "stop_after", "verify_data",
+                           "lr", "min_lr_ratio", "warmup_steps", "schedule", "wsd_decay_fraction", "weight_decay",
+                           "beta1", "beta2", "grad_clip", "seed", "on_nonfinite", "log_every", "ckpt_every",
+                           "keep_checkpoints", "checkpoints", "eval_every", "eval_sequences", "eval_batch_size"})
+"""TrainConfig fields that do not shape a sweep point's measurement of time and memory: where it
+is written and read (the data are identified by their index.json instead), the values of the
+optimisation (learning rate and its schedule, decay, clipping threshold, seed: the same work per
+step) and what happens between the timed steps (logging, checkpoints, held-out evaluation).
+Everything else -- model, batch, steps, timing warm-up, precision, sharding, split, threads,
+loader workers, compile, bucket size -- is part of the point's record."""
+
+
+def run_settings(cfg: TrainConfig, **extra) -> dict:
+    """The settings of a sweep point that is one short run of ``cfg``: ``to_dict(cfg)`` without
+    ``_NOT_SETTINGS``, the sha256 of the shard set's ``index.json`` (``data``; None when there is
+    none) and ``extra`` (e.g. ``ranks``)."""
+    keep = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_SETTINGS}
+    return keep | {"data": made_by.file_identity(Path(cfg.data_dir) / "index.json")} | extra
+
+
+def _point(settings: dict) -> dict:
+    """The bookkeeping columns of a newly measured row: made_by (its settings as canonical JSON),
+    measured_at (ISO 8601 UTC) and reused (False)."""
+    return {"made_by": json.dumps(made_by.plain(settings), sort_keys=True), "measured_at": made_by._now_iso(),
+            "reused": False}
+
+
+def _reusable(sweep: str, name: str, row: dict | None, settings: dict) -> bool:
+    """Whether ``row`` (the table's row for this point, None: not measured) was made with
+    ``settings``; prints one line naming the change when it was not."""
+    if row is None:
+        return False
+    saved = row.get("made_by")
+    old = {"settings": json.loads(saved), "inputs": {}} if saved else None
+    diff = made_by.changes(old, {"settings": made_by.plain(settings), "inputs": {}})
+    if diff:
+        made_by.say(f"sweep {sweep} {name}: {'; '.join(diff)}, measuring again")
+    return not diff
+
+
+def reused_note(df: pl.DataFrame) -> str | None:
+    """One line for the rows of a sweep frame that were read back, not measured now: how many,
+    when they were measured and the highest load then (``"3 of 4 points reused from earlier
+    runs (measured 2026-12-01T17:00:00+00:00 to ..., load up to 7.0 on 2 CPUs, busy); --force
+    measures them again"``). None when every row was measured now."""
+    if "reused" not in df.columns or not df["reused"].any():
+        return None
+    old = df.filter(pl.col("reused"))
+    when = ""
+    if "measured_at" in old.columns and old["measured_at"].drop_nulls().len():
+        first, last = old["measured_at"].drop_nulls().min(), old["measured_at"].drop_nulls().max()
+        when = f"measured {first}" + (f" to {last}" if last != first else "")
+    else:
+        when = "measured at an unrecorded time"
+    load = ""
+    if "load_avg_1m" in old.columns and old["load_avg_1m"].drop_nulls().len():
+        load = f", load up to {old['load_avg_1m'].max()} on {old['cpu_count'].max()} CPUs"
+        if "busy" in old.columns and old["busy"].any():
+            load += ", busy"
+    return f"{old.height} of {df.height} points reused from earlier runs ({when}{load}); --force measures them again"
+
+
+def _fresh_run_dir(cfg: TrainConfig) -> TrainConfig:
+    """A sweep point's run directory emptied first: it is the sweep's scratch, and a finished run
+    of the same config would otherwise be returned as is (``labkit.train.run_config``)."""
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    return cfg
+
+
 def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | None = None,
                 staged: dict[str, dict] | None = None, force: bool = False) -> pl.DataFrame:
     """Weak scaling: the same per-rank micro-batch at 1..N ranks, one short run per point.
@@ -58,19 +140,22 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
     out = paths(workdir)["sweeps"] / "ranks.parquet"
     ranks = ranks or list(range(1, len(client.ids) + 1))
     rows = [{k: v for k, v in r.items() if k != "efficiency"} for r in _done_rows(out, force)]
-    have = {(r["ranks"], r["model"], r["micro_batch_size"]) for r in rows}
+    have = {(r["ranks"], r["model"], r["micro_batch_size"]): r for r in rows}
     for n in ranks:
-        if (n, base.model, base.micro_batch_size) in have:
-            continue
         cfg = dataclasses.replace(base, run_dir=str(paths(workdir)["runs"] / f"sweep-ranks-{base.model}-{n}"),
                                   resume=False, checkpoints=False)
+        settings = run_settings(cfg, ranks=n)
+        old = have.get((n, base.model, base.micro_batch_size))
+        if _reusable("ranks", f"{n} rank(s)", old, settings):
+            continue
+        rows = [r for r in rows if r is not old]
         load = _load_columns(client, client.ids[0])
-        res = train_on_cluster(client, cfg, targets=client.ids[:n], staged=staged)
+        res = train_on_cluster(client, _fresh_run_dir(cfg), targets=client.ids[:n], staged=staged)
         rows.append({"ranks": n, "model": base.model, "micro_batch_size": base.micro_batch_size,
                      "global_batch_size": res["global_batch_size"], "tokens_per_s": res["tokens_per_s"],
                      "samples_per_s": res["samples_per_s"], "data_wait_fraction": res["data_wait_fraction"],
                      "comm_exposed_s": res["comm_exposed_s"], "comm_exposed_fraction": res["comm_exposed_fraction"],
-                     **load})
+                     **load, **_point(settings)})
     df = pl.DataFrame(rows, infer_schema_length=None).sort("model", "micro_batch_size", "ranks")
     one = (df.filter(pl.col("ranks") == 1).select("model", "micro_batch_size", pl.col("tokens_per_s").alias("_t1")))
     df = df.join(one, on=["model", "micro_batch_size"], how="left").with_columns(
@@ -121,13 +206,17 @@ def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: in
     """
     out = paths(workdir)["sweeps"] / "microbatch.parquet"
     rows = [{"method": "budget", **r} for r in _done_rows(out, force)]  # tables written before the GPU method
-    have = {(r["model"], r["seq_len"], r["budget_bytes"] if r["method"] == "budget" else None) for r in rows}
+    have = {(r["model"], r["seq_len"], r["budget_bytes"] if r["method"] == "budget" else None): r for r in rows}
     eid = client.ids[0]
     engine = client[eid]
     for name in models:
-        if (name, seq_len, budget_bytes) in have:
-            continue
         mcfg = model_config(name, vocab_size)
+        settings = {"model_config": to_dict(mcfg), "seq_len": seq_len, "vocab_size": vocab_size,
+                    "budget_bytes": budget_bytes}
+        old = have.get((name, seq_len, budget_bytes))
+        if _reusable("micro-batch", name, old, settings):
+            continue
+        rows = [r for r in rows if r is not old]
         before = engine.apply_sync(_engine_memory)
         if budget_bytes is None:
             rep = _search(engine, gpu.max_micro_batch_cuda, mcfg, seq_len, name=name, before=before, engine_id=eid)
@@ -140,19 +229,24 @@ def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: in
         rows.append({"method": "budget" if budget_bytes else "cuda_oom", "model": name, "params": int(rep["params"]),
                      "seq_len": seq_len, "budget_bytes": int(rep["budget_bytes"]), "state_bytes": int(rep["state_bytes"]),
                      "act_bytes_per_sample": rep["act_bytes_per_sample"],
-                     "transient_bytes": rep.get("transient_bytes"), "max_micro_batch": int(rep["max_micro_batch"])})
-    return _save(pl.DataFrame(rows).sort("params"), out)
+                     "transient_bytes": rep.get("transient_bytes"), "max_micro_batch": int(rep["max_micro_batch"]),
+                     **_point(settings)})
+    return _save(pl.DataFrame(rows, infer_schema_length=None).sort("params"), out)
 
 
 def _save(df: pl.DataFrame, out: Path) -> pl.DataFrame:
-    """Write a sweep table to Parquet atomically (``labkit.io``); returns ``df``."""
+    """Write a sweep table to Parquet atomically (``labkit.io``), without the per-call ``reused``
+    column; returns ``df`` (with it: rows without one are marked measured now)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out, df.write_parquet)
+    df = df.with_columns(reused=pl.col("reused").fill_null(False)) if "reused" in df.columns \
+        else df.with_columns(reused=pl.lit(False))
+    atomic_write(out, df.drop("reused").write_parquet)
     return df
 
 
 def _done_rows(out: Path, force: bool) -> list[dict]:
-    return pl.read_parquet(out).to_dicts() if out.exists() and not force else []
+    """The rows of the table at ``out`` (none with ``force``), each marked ``reused``."""
+    return [r | {"reused": True} for r in pl.read_parquet(out).to_dicts()] if out.exists() and not force else []
 
 
 def sweep_loader_workers(client, workdir: str, *, batch_size: int, step_time_s: float,
@@ -163,22 +257,31 @@ def sweep_loader_workers(client, workdir: str, *, batch_size: int, step_time_s: 
     run on the first engine with ``labkit.study.loader_sweep.sweep_loader`` (the loader helper's
     sweep) on its node's staged copy when ``staged`` is given. Worker counts already in
     ``sweeps/loader.parquet`` for the same batch_size and step_time_s are not rerun; ``knee`` is
-    recomputed over the whole table (fewest workers with data-wait fraction below 5 %).
+    recomputed over the whole table (fewest workers with data-wait fraction below 5 %). Rows
+    measured now carry the machine's load just before (``_load_columns``: load_avg_1m,
+    load_avg_5m, cpu_count, busy); the micro-batch sweep alone has none (it counts memory, which
+    the load does not change).
     """
     out = paths(workdir)["sweeps"] / "loader.parquet"
     rows = [{k: v for k, v in r.items() if k != "knee"} for r in _done_rows(out, force)]
-    have = {(r["num_workers"], r["batch_size"], r["step_time_s_planned"]) for r in rows}
-    todo = [w for w in workers if (w, batch_size, step_time_s) not in have]
+    have = {(r["num_workers"], r["batch_size"], r["step_time_s_planned"]): r for r in rows}
+    settings = {"batch_size": batch_size, "step_time_s": step_time_s, "n_batches": n_batches,
+                "data": made_by.file_identity(paths(workdir)["shards"] / "index.json"), **kw}
+    todo = [w for w in workers
+            if not _reusable("loaders", f"{w} worker(s)", have.get((w, batch_size, step_time_s)), settings)]
+    rows = [r for r in rows if (r["num_workers"], r["batch_size"], r["step_time_s_planned"])
+            not in {(w, batch_size, step_time_s) for w in todo}]
     data_dir = str(paths(workdir)["shards"])
     if staged:
         data_dir = next(iter(staged.values()))["path"]
     if todo:
+        load = _load_columns(client, client.ids[0])
         table = client[client.ids[0]].apply_sync(sweep_loader, data_dir, batch_size=batch_size,
                                                  step_time_s=step_time_s, workers=todo, n_batches=n_batches,
                                                  gpu_index=None, **kw)
-        rows += [r | {"batch_size": batch_size, "step_time_s_planned": step_time_s}
+        rows += [r | {"batch_size": batch_size, "step_time_s_planned": step_time_s} | load | _point(settings)
                  for r in table.drop("knee").to_dicts()]
-    df = pl.DataFrame(rows).sort("batch_size", "step_time_s_planned", "num_workers")
+    df = pl.DataFrame(rows, infer_schema_length=None).sort("batch_size", "step_time_s_planned", "num_workers")
     knee = (pl.col("data_wait_fraction") < 0.05) & (
         pl.col("num_workers") == pl.col("num_workers").filter(pl.col("data_wait_fraction") < 0.05).min()
         .over("batch_size", "step_time_s_planned"))
@@ -197,15 +300,18 @@ def sweep_model_size(client, base: TrainConfig, workdir: str, *, models: list[st
     out = paths(workdir)["sweeps"] / "model_size.parquet"
     n = ranks or len(client.ids)
     rows = _done_rows(out, force)
-    have = {(r["model"], r["ranks"], r["micro_batch_size"]) for r in rows}
+    have = {(r["model"], r["ranks"], r["micro_batch_size"]): r for r in rows}
     index = read_index(base.data_dir)
     for name in models:
-        if (name, n, base.micro_batch_size) in have:
-            continue
         cfg = dataclasses.replace(base, model=name, resume=False, checkpoints=False,
                                   run_dir=str(paths(workdir)["runs"] / f"sweep-size-{name}-{n}"))
+        settings = run_settings(cfg, ranks=n)
+        old = have.get((name, n, base.micro_batch_size))
+        if _reusable("model-size", name, old, settings):
+            continue
+        rows = [r for r in rows if r is not old]
         load = _load_columns(client, client.ids[0])
-        res = train_on_cluster(client, cfg, targets=client.ids[:n], staged=staged)
+        res = train_on_cluster(client, _fresh_run_dir(cfg), targets=client.ids[:n], staged=staged)
         mcfg = model_config(name, index["vocab_size"], **base.model_overrides)
         fpt = flops_per_token(mcfg, index["seq_len"], mlm_probability=base.mlm_probability)
         counts = count_parameters(mcfg)
@@ -213,7 +319,7 @@ def sweep_model_size(client, base: TrainConfig, workdir: str, *, models: list[st
                      "ranks": n, "micro_batch_size": base.micro_batch_size, "seq_len": index["seq_len"],
                      "tokens_per_s": res["tokens_per_s"], "samples_per_s": res["samples_per_s"],
                      "flops_per_token": fpt, "achieved_flops": res["tokens_per_s"] * fpt,
-                     "comm_exposed_s": res["comm_exposed_s"], **load})
+                     "comm_exposed_s": res["comm_exposed_s"], **load, **_point(settings)})
     return _save(pl.DataFrame(rows, infer_schema_length=None).sort("params", "ranks"), out)
 
 
@@ -264,22 +370,25 @@ def sweep_parallel(client, base: TrainConfig, workdir: str, *, splits: list[dict
     mcfg = model_config_of(base, int(index["vocab_size"]))
     global_batch = base.micro_batch_size * micro_batches * n
     rows = _done_rows(out, force)
-    have = {(r["dp"], r["tp"], r["pp"], r["pp_schedule"], r["model"], r["micro_batches"], r["global_batch_size"])
+    have = {(r["dp"], r["tp"], r["pp"], r["pp_schedule"], r["model"], r["micro_batches"], r["global_batch_size"]): r
             for r in rows}
     staged_paths = {node: info["path"] for node, info in staged.items()} if staged else None
     for split in splits or parallel_grid(n, mcfg, micro_batches=micro_batches, seq_len=int(index["seq_len"])):
         tp, pp, schedule = split["tp"], split["pp"], split.get("pp_schedule")
         dp = n // (tp * pp)
-        if (dp, tp, pp, schedule, base.model, micro_batches, global_batch) in have:
-            continue
         name = f"sweep-parallel-{base.model}-dp{dp}-tp{tp}-pp{pp}" + (f"-{schedule}" if schedule else "")
         cfg = dataclasses.replace(base, tp=tp, pp=pp, pp_schedule=schedule or "1f1b", grad_accum_steps=micro_batches,
                                   micro_batch_size=global_batch // (dp * micro_batches), max_steps=steps,
                                   sharding="replicate" if tp * pp > 1 else "ddp", sequence_parallel=tp > 1,
                                   run_dir=str(paths(workdir)["runs"] / name), resume=False, checkpoints=False,
                                   eval_every=0)
+        settings = run_settings(cfg, world_size=n)
+        old = have.get((dp, tp, pp, schedule, base.model, micro_batches, global_batch))
+        if _reusable("parallel", name.removeprefix(f"sweep-parallel-{base.model}-"), old, settings):
+            continue
+        rows = [r for r in rows if r is not old]
         load = _load_columns(client, client.ids[0])
-        res = train_on_cluster(client, cfg, staged=staged)
+        res = train_on_cluster(client, _fresh_run_dir(cfg), staged=staged)
         memory = max(run_ddp(client, measure_rank_memory, cfg, staged_paths=staged_paths, stream=False),
                      key=lambda r: r["total_bytes"])
         planned = planned_rank_memory(mcfg, cfg, world=n, seq_len=int(index["seq_len"]))
@@ -293,6 +402,6 @@ def sweep_parallel(client, base: TrainConfig, workdir: str, *, splits: list[dict
                      "tp_comm_fraction": res["tp_comm_s"] / step_time if res["tp_comm_s"] is not None else None,
                      **{f"measured_{k}": memory[k] for k in ("state_bytes", "activation_bytes", "total_bytes")},
                      **{f"planned_{k}": int(planned[k]) for k in ("state_bytes", "activation_bytes", "total_bytes")},
-                     **load})
+                     "steps": steps, **load, **_point(settings)})
     df = pl.DataFrame(rows, infer_schema_length=None).with_columns(_order=pl.col("tp") * pl.col("pp"))
     return _save(df.sort("_order", "pp", "pp_schedule", nulls_last=False).drop("_order"), out)

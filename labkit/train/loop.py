@@ -56,7 +56,8 @@ from labkit.train.checkpoint import (_rng_state, _set_rng_state, checkpoint_step
                                      save_split_checkpoint)
 from labkit.train.comm import time_gradient_collectives
 from labkit.train.optim import build_optimizer, lr_at
-from labkit.train.run_config import check_resume, data_identity, model_config_of, save_run_config
+from labkit.train.run_config import (check_resume, data_identity, finished_run, model_config_of, save_run_config,
+                                     with_segments)
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -190,6 +191,9 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
     TensorBoard event files under run_dir/tensorboard by default); config.json and result.json
     carry the run's ``provenance`` (``labkit.train.provenance.collect``).
     """
+    done = finished_run(cfg)  # a finished run of this config: its result as saved, no file opened or written
+    if done is not None:
+        return done
     t_start = time.time()
     rank, local_rank, world = dist.dist_info()
     device = dist.resolve_device(cfg.device, local_rank)
@@ -396,8 +400,8 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     result = _result(cfg, records, timings, fpt=fpt, peak=peak, world=world, global_batch=global_batch, step=step,
                      params=params, tokens_seen=tokens_seen, resume_step=resume_step, skipped=skipped, mcfg=mcfg,
                      index=index, device=device, sharding=sharding, t_start=t_start, prov=prov) | windows.maxima
-    if dist.is_main():
-        atomic_write_json(run_dir / "result.json", result)
+    if dist.is_main():  # result.json covers the whole run: every segment (run_config.with_segments)
+        atomic_write_json(run_dir / "result.json", result := with_segments(run_dir, result, cfg.timing_warmup_steps))
     return result
 
 

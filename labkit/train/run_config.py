@@ -122,3 +122,180 @@ def model_config_of(cfg: Any, vocab_size: int) -> Any:
 
     overrides = {**cfg.model_overrides, **({"activation_checkpointing": True} if cfg.activation_checkpointing else {})}
     return model_config(cfg.model, vocab_size, **overrides)
+
+
+# ------------------------------------------------------------------------------------------
+# A finished run is never redone, and a continued one is summed over its segments
+# ------------------------------------------------------------------------------------------
+
+
+def finished_run(cfg: Any, *, say: bool = True) -> dict | None:
+    """The saved result of ``cfg.run_dir`` when it holds a finished run of this same config,
+    else None. Finished: result.json exists, its ``steps`` equals its ``max_steps`` and
+    ``cfg.max_steps``, and ``cfg.stop_after`` does not stop earlier. Same config: config.json
+    differs from ``to_dict(cfg)`` in no field but ``FREE_FIELDS`` (``resume`` among them), and
+    data.json equals the identity of ``cfg.data_dir``'s shard set (``data_identity``).
+
+    Called before anything is opened or written (``labkit.train.loop.train``; ``labkit train``
+    before it starts engines): training it again would only overwrite result.json with the
+    numbers of zero steps. Nothing is written or touched; with ``say`` one line on stderr says
+    so and how to train further (``max_steps`` and ``allow_safe_changes`` on resume). A changed
+    config is not finished: it goes on to ``check_resume``, which refuses or continues it."""
+    from labkit.config import to_dict
+    from labkit.data.shards import ShardError, read_index
+
+    run_dir = pathlib.Path(cfg.run_dir)
+    try:
+        result = json.loads((run_dir / "result.json").read_text())
+        saved = json.loads((run_dir / "config.json").read_text())
+        saved_data = json.loads((run_dir / "data.json").read_text())
+        identity = data_identity(read_index(cfg.data_dir))
+    except (OSError, ValueError, KeyError, ShardError):
+        return None
+    stop = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
+    if not (result.get("steps") == result.get("max_steps") == cfg.max_steps == stop):
+        return None
+    if config_drift(saved, to_dict(cfg), saved_data, identity, allow_safe_changes=False):
+        return None
+    if say and _is_main():
+        import sys
+
+        end = (result.get("provenance") or {}).get("end_time")
+        print(f"train: {run_dir} already finished ({result['steps']} of {cfg.max_steps} steps, ended {end}) with this "
+              "config and data: nothing to do, every file left as is. To train further: labkit resume "
+              f"{run_dir} --set train.max_steps=N --set train.allow_safe_changes=true", file=sys.stderr, flush=True)
+    return result
+
+
+def _is_main() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+SEGMENT_FIELDS = ("start_step", "end_step", "start_time", "end_time", "command", "wall_s", "world_size",
+                  "timed_steps", "timed_seconds", "tokens_per_s", "samples_per_s", "data_wait_fraction",
+                  "comm_exposed_s", "mfu", "packing_efficiency")
+"""What result.json's ``segments`` keeps of each invocation of a run."""
+
+
+def _segment(result: dict, timing_warmup_steps: int) -> dict:
+    """One invocation's segment from the result.json it wrote (its own means and times): the
+    timed steps are its steps after ``timing_warmup_steps`` (all when it had no more), the timed
+    seconds ``timed_steps * global_batch_size / samples_per_s``."""
+    prov = result.get("provenance") or {}
+    start = result.get("resumed_from_step") or 0
+    n = result["steps"] - start
+    timed = n - timing_warmup_steps if n > timing_warmup_steps else n
+    sps = result.get("samples_per_s")
+    seconds = timed * result["global_batch_size"] / sps if sps else 0.0
+    return {"start_step": start, "end_step": result["steps"], "start_time": prov.get("start_time"),
+            "end_time": prov.get("end_time"), "command": prov.get("command"), "wall_s": result.get("wall_s"),
+            "world_size": result.get("world_size"), "timed_steps": timed if sps else 0, "timed_seconds": seconds,
+            **{k: result.get(k) for k in ("tokens_per_s", "samples_per_s", "data_wait_fraction", "comm_exposed_s",
+                                          "mfu", "packing_efficiency")}}
+
+
+def _segments_from_metrics(path: pathlib.Path, upto: int) -> list[dict]:
+    """The segment of steps 1..``upto`` of a run interrupted before it wrote result.json, from
+    the wall-clock ``time`` of its metric records (the first is logged after step 1, so the start
+    is late by one step); no throughput (timed_seconds 0) and no command. [] without records."""
+    import datetime
+
+    try:
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+    times = [r["time"] for r in records if r.get("step", upto + 1) <= upto and r.get("time") is not None]
+    if not times:
+        return []
+
+    def iso(t: float) -> str:
+        return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="seconds")
+
+    return [{"start_step": 0, "end_step": upto, "start_time": iso(min(times)), "end_time": iso(max(times)),
+             "command": None, "wall_s": max(times) - min(times), "world_size": records[-1].get("world_size"),
+             "timed_steps": 0, "timed_seconds": 0.0, "tokens_per_s": None, "samples_per_s": None,
+             "data_wait_fraction": None, "comm_exposed_s": None, "mfu": None, "packing_efficiency": None,
+             "from": "metrics.jsonl"}]
+
+
+def with_segments(run_dir: str | os.PathLike, result: dict, timing_warmup_steps: int) -> dict:
+    """``result`` (this invocation's, about to be written to result.json) covering the whole run.
+
+    Each invocation of a run is a segment (``SEGMENT_FIELDS``: its steps, start and end time,
+    command, its own throughput means). A run resumed from step k keeps the segments of the run
+    directory's previous result.json that began before k (the last one cut at k: its means are
+    then unknown and not counted) and appends this one; ``result["segments"]`` lists them and
+    ``result["provenance"]["segments"]`` their times and commands. The throughput fields become
+    the whole run's, weighted by each segment's timed seconds: tokens_per_s = sum(tokens_per_s_i
+    x s_i) / sum(s_i), likewise samples_per_s, data_wait_fraction, packing_efficiency (by timed
+    samples) and mfu (tokens_per_s x the last timed segment's mfu / tokens_per_s, when the world
+    size is unchanged); comm_exposed_s is the mean per timed step and comm_exposed_fraction its share of
+    the timed time; wall_s the sum. A fresh run (not resumed) is one segment, its fields as is."""
+    segments = []
+    start = result.get("resumed_from_step") or 0
+    if start:
+        try:
+            old = json.loads((pathlib.Path(run_dir) / "result.json").read_text())
+        except (OSError, ValueError):
+            old = None
+        if old is not None and old.get("steps"):
+            segments = [s for s in old.get("segments") or [_segment(old, timing_warmup_steps)]
+                        if s["start_step"] < start]
+        else:  # interrupted before it wrote a result: its times from its metric records
+            segments = _segments_from_metrics(pathlib.Path(run_dir) / "metrics.jsonl", start)
+            if segments and segments[-1]["end_step"] > start:  # cut at the checkpoint: its means are not this part's
+                segments[-1] = segments[-1] | {"end_step": start, "timed_steps": 0, "timed_seconds": 0.0}
+    segments.append(_segment(result, timing_warmup_steps))
+    out = dict(result)
+    out["segments"] = segments
+    out["provenance"] = dict(result.get("provenance") or {}) | {
+        "segments": [{k: s.get(k) for k in ("start_step", "end_step", "start_time", "end_time", "command")}
+                     for s in segments]}
+    if len(segments) == 1:
+        return out
+    timed = [s for s in segments if s["timed_seconds"] and s["tokens_per_s"] is not None]
+    seconds = sum(s["timed_seconds"] for s in timed)
+    out["wall_s"] = sum(s["wall_s"] or 0.0 for s in segments)
+    if not seconds:
+        return out
+
+    def weighted(key: str) -> float | None:
+        have = [s for s in timed if s.get(key) is not None]
+        return sum(s[key] * s["timed_seconds"] for s in have) / sum(s["timed_seconds"] for s in have) if have else None
+
+    tps = weighted("tokens_per_s")
+    out |= {"tokens_per_s": tps, "samples_per_s": weighted("samples_per_s"),
+            "data_wait_fraction": weighted("data_wait_fraction")}
+    samples = [(s["samples_per_s"] * s["timed_seconds"], s) for s in timed if s.get("packing_efficiency") is not None]
+    if samples:
+        out["packing_efficiency"] = sum(n * s["packing_efficiency"] for n, s in samples) / sum(n for n, _ in samples)
+    comm = [s for s in timed if s.get("comm_exposed_s") is not None]
+    if comm:
+        steps = sum(s["timed_steps"] for s in comm)
+        total = sum(s["comm_exposed_s"] * s["timed_steps"] for s in comm)
+        out["comm_exposed_s"] = total / steps if steps else None
+        out["comm_exposed_fraction"] = total / sum(s["timed_seconds"] for s in comm)
+    ref = next((s for s in reversed(timed) if s.get("mfu") is not None and s.get("tokens_per_s")), None)
+    if ref is not None and all(s["world_size"] == ref["world_size"] for s in timed):  # mfu / tokens_per_s: fixed
+        out["mfu"] = tps * ref["mfu"] / ref["tokens_per_s"]
+    return out
+
+
+def trained_seconds(result: dict) -> float | None:
+    """Seconds a run spent training, summed over its segments (``with_segments``; each from its
+    provenance start to end time); a result without segments counts its one start-to-end span.
+    None when no time is recorded."""
+    import datetime
+
+    prov = result.get("provenance") or {}
+    spans = prov.get("segments") or [prov]
+    total, known = 0.0, False
+    for s in spans:
+        try:
+            a = datetime.datetime.fromisoformat(s["start_time"])
+            b = datetime.datetime.fromisoformat(s["end_time"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        total += (b - a).total_seconds()
+        known = True
+    return total if known else None

@@ -6,6 +6,9 @@ tests/test_demo.py); what is under test here is the bookkeeping of the sweeps.""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import polars as pl
 import pytest
 import torch
@@ -61,17 +64,42 @@ def test_sweep_ranks_resumes(tmp_path, trained):
     df = lab.sweep_ranks(client, base, str(tmp_path), ranks=[1, 2, 4])
     assert trained[2:] == [("tiny", 4)]  # 1 and 2 were read back, not rerun
     assert df["ranks"].to_list() == [1, 2, 4] and df["efficiency"].to_list() == pytest.approx([1.0, 0.9, 0.9])
-    assert pl.read_parquet(tmp_path / "sweeps" / "ranks.parquet").equals(df)
+    assert df["reused"].to_list() == [True, True, False]  # labelled, and the table on disk has no such column
+    assert pl.read_parquet(tmp_path / "sweeps" / "ranks.parquet").equals(df.drop("reused"))
+    note = lab.reused_note(df)
+    assert note.startswith("2 of 3 points reused from earlier runs (measured 20") and "--force" in note
     assert df["comm_exposed_s"].to_list() == pytest.approx([0.0, 0.01, 0.03])  # each run's result.json
     assert df["comm_exposed_fraction"].to_list() == pytest.approx([0.0, 0.02, 0.06])
-    # a table written before the column existed: its rows read back with nulls, new rows carry it
+    # a table written before the column existed (and before rows recorded what made them): its
+    # rows cannot be shown to match the settings, so they are measured again
     (tmp_path / "sweeps" / "ranks.parquet").unlink()
-    sweeps._save(df.filter(pl.col("ranks") == 1).drop("comm_exposed_s", "comm_exposed_fraction"),
+    sweeps._save(df.filter(pl.col("ranks") == 1).drop("comm_exposed_s", "comm_exposed_fraction", "made_by"),
                  tmp_path / "sweeps" / "ranks.parquet")
-    mixed = lab.sweep_ranks(client, base, str(tmp_path), ranks=[1, 2])
-    assert mixed["comm_exposed_s"].to_list() == [None, pytest.approx(0.01)]
+    again = lab.sweep_ranks(client, base, str(tmp_path), ranks=[1, 2])
+    assert trained[3:] == [("tiny", 1), ("tiny", 2)] and not again["reused"].any()
+    assert again["comm_exposed_s"].to_list() == pytest.approx([0.0, 0.01]) and lab.reused_note(again) is None
     lab.sweep_ranks(client, base, str(tmp_path), ranks=[1], force=True)
-    assert trained[4:] == [("tiny", 1)]
+    assert trained[5:] == [("tiny", 1)]
+
+
+def test_a_sweep_point_with_other_settings_is_measured_again(tmp_path, trained, capsys):
+    """The sweep's steps (max_steps of each point's run) changed between two calls: the points
+    are measured again with the new steps, each change named in one line; unchanged, reused."""
+    base = TrainConfig(data_dir=str(tmp_path / "shards"), run_dir=str(tmp_path / "r"), model="tiny",
+                       micro_batch_size=4, max_steps=4)
+    client = FakeClient(2)
+    first = lab.sweep_ranks(client, base, str(tmp_path), ranks=[1, 2])
+    capsys.readouterr()
+    eight = dataclasses.replace(base, max_steps=8)
+    df = lab.sweep_ranks(client, eight, str(tmp_path), ranks=[1, 2])
+    assert trained == [("tiny", 1), ("tiny", 2)] * 2 and not df["reused"].any()
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["sweep ranks 1 rank(s): max_steps 4 -> 8, measuring again",
+                   "sweep ranks 2 rank(s): max_steps 4 -> 8, measuring again"]
+    assert [json.loads(m)["max_steps"] for m in df["made_by"]] == [8, 8]
+    assert (df["measured_at"] >= first["measured_at"]).all()
+    same = lab.sweep_ranks(client, eight, str(tmp_path), ranks=[1, 2])
+    assert len(trained) == 4 and same["reused"].all() and same.drop("reused").equals(df.drop("reused"))
 
 
 def test_sweep_model_size_resumes(tmp_path, trained, monkeypatch):
@@ -148,6 +176,8 @@ def test_sweep_loader_workers_resumes(tmp_path, monkeypatch):
     assert seen == [[0, 1], [2, 3]]
     assert df["num_workers"].to_list() == [0, 1, 2, 3]
     assert df.filter(pl.col("knee"))["num_workers"].to_list() == [3]  # 0.5/13 < 0.05 first at 3
+    assert df["busy"].dtype == pl.Boolean and df["load_avg_1m"].null_count() == 0  # each point's load, flagged
+    assert df["reused"].to_list() == [True, True, False, False]
 
 
 def test_sweep_micro_batch_until_out_of_memory_resumes(tmp_path, monkeypatch):

@@ -79,3 +79,74 @@ def test_model_config_of_is_the_preset_with_overrides_and_activation_checkpointi
     assert plain == model_config("tiny", 300, num_layers=1) and not plain.activation_checkpointing
     on = model_config_of(dataclasses.replace(cfg, activation_checkpointing=True), 300)
     assert on == model_config("tiny", 300, num_layers=1, activation_checkpointing=True)
+
+
+def _snapshot(run) -> dict:
+    """Every file of a run directory: its bytes and modification time."""
+    return {str(p.relative_to(run)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def test_training_a_finished_run_again_is_a_no_op_that_says_so(shards, tmp_path, capfd):
+    """The same config on a finished run (resume or not, other free fields such as threads):
+    the saved result is returned and no file of the run directory is written or even touched."""
+    run = tmp_path / "run"
+    first = train(tiny_cfg(shards, run, max_steps=3, ckpt_every=3))
+    before = _snapshot(run)
+    capfd.readouterr()
+    for cfg in (tiny_cfg(shards, run, max_steps=3, ckpt_every=3),
+                tiny_cfg(shards, run, max_steps=3, ckpt_every=3, resume=False, num_threads=2)):
+        again = train(cfg)
+        assert _snapshot(run) == before
+        assert again == json.loads((run / "result.json").read_text()) == json.loads(json.dumps(first))
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"train: {run} already finished (3 of 3 steps, ended 20")
+        assert "labkit resume" in err[0] and "train.max_steps=N" in err[0]
+    # a stopped run is not finished, and a changed config is not this run: both go on as before
+    stopped = tmp_path / "stopped"
+    train(tiny_cfg(shards, stopped, max_steps=4, ckpt_every=2, stop_after=2))
+    assert train(tiny_cfg(shards, stopped, max_steps=4, ckpt_every=2))["resumed_from_step"] == 2
+    with pytest.raises(ValueError, match="lr: 0.003 -> 0.01"):
+        train(tiny_cfg(shards, run, max_steps=3, ckpt_every=3, lr=0.01))
+
+
+def test_more_steps_make_a_result_over_the_whole_run_and_every_segment(shards, tmp_path):
+    """Stopped after 4 steps, resumed to 8, then asked for 12 explicitly: result.json's throughput
+    is the whole run's (segments weighted by their timed seconds, none null) and its provenance
+    keeps each segment's steps, times and command; the model card's "trained" sums them."""
+    from labkit.train.run_config import trained_seconds
+
+    run = tmp_path / "run"
+    a = train(tiny_cfg(shards, run, max_steps=8, ckpt_every=4, stop_after=4))
+    b = train(tiny_cfg(shards, run, max_steps=8, ckpt_every=4))
+    seg = b["segments"]
+    assert [(s["start_step"], s["end_step"]) for s in seg] == [(0, 4), (4, 8)]
+    assert seg[0]["tokens_per_s"] == a["tokens_per_s"] and seg[0]["start_time"] == a["provenance"]["start_time"]
+    # each segment times 3 of its 4 steps (timing_warmup_steps=1): seconds = steps x batch / samples_per_s
+    secs = [3 * b["global_batch_size"] / s["samples_per_s"] for s in seg]
+    assert [s["timed_seconds"] for s in seg] == pytest.approx(secs)
+    assert b["tokens_per_s"] == pytest.approx(sum(s["tokens_per_s"] * t for s, t in zip(seg, secs)) / sum(secs))
+    assert b["samples_per_s"] == pytest.approx(6 * b["global_batch_size"] / sum(secs))
+    assert b["wall_s"] == pytest.approx(a["wall_s"] + seg[1]["wall_s"])
+    c = train(tiny_cfg(shards, run, max_steps=12, ckpt_every=4, allow_safe_changes=True))
+    assert [(s["start_step"], s["end_step"]) for s in c["segments"]] == [(0, 4), (4, 8), (8, 12)]
+    for key in ("tokens_per_s", "samples_per_s", "data_wait_fraction", "comm_exposed_s", "packing_efficiency"):
+        assert c[key] is not None or key == "comm_exposed_s"  # one process: no gradient communication
+    assert [s["command"] for s in c["provenance"]["segments"]] == [a["provenance"]["command"]] * 3
+    assert c == json.loads((run / "result.json").read_text())
+    assert trained_seconds(c) == pytest.approx(sum(trained_seconds({"provenance": s}) for s in c["provenance"]["segments"]))
+    from labkit.export import _trained  # the model card's row
+
+    segs = c["provenance"]["segments"]
+    assert _trained(c) == (f"{trained_seconds(c):,.0f} s in 3 segments "
+                           f"({segs[0]['start_time']} to {segs[-1]['end_time']})")
+
+
+def test_a_resume_with_no_step_left_keeps_the_whole_runs_numbers(shards, tmp_path):
+    """The issue's case: a finished run resumed with a safe change only (eval interval), so no
+    step is left: the run's throughput stays the whole run's, not null."""
+    run = tmp_path / "run"
+    done = train(tiny_cfg(shards, run, max_steps=4, ckpt_every=4))
+    again = train(tiny_cfg(shards, run, max_steps=4, ckpt_every=4, log_every=2, allow_safe_changes=True))
+    assert [(s["start_step"], s["end_step"]) for s in again["segments"]] == [(0, 4), (4, 4)]
+    for key in ("tokens_per_s", "samples_per_s", "data_wait_fraction", "mfu", "packing_efficiency"):
+        assert again[key] == pytest.approx(done[key]) if done[key] is not None else again[key] is None, key
