@@ -18,7 +18,10 @@ tensors), so FSDP2, ``torch.distributed.checkpoint`` and AdamW see their global 
 modules compute on the local slices (``labkit.model.encoder.local``) and every collective is one
 of the autograd functions below, each timed by an ``IntervalTimer`` (the record's ``tp_comm_s``).
 Modules are switched to their tensor-parallel subclass in place (``module.__class__``, as FSDP2's
-``fully_shard`` does), so parameter names do not change. pattern: Megatron-LM
+``fully_shard`` does), so parameter names do not change. Dropout: the attention dropout (on this
+rank's heads) and, with sequence parallelism, the dropout on this rank's sequence chunk draw from
+the per-tp-rank default stream; the dropout of the replicated residual stream becomes
+``labkit.train.rng.ReplicatedDropout`` (one stream for the group; ``labkit.train.rng``). pattern: Megatron-LM
 ``megatron/core/tensor_parallel/layers.py``, ``mappings.py``, ``cross_entropy.py``.
 """
 
@@ -36,6 +39,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from labkit.measure import IntervalTimer
 from labkit.model.encoder import IGNORE_INDEX, BertMLM, FusedLinear, Layer, local
+from labkit.train.rng import ReplicatedDropout
 
 
 class Comm:
@@ -303,6 +307,10 @@ def apply_tensor_parallel(model: BertMLM, mesh: DeviceMesh, *, sequence_parallel
             sp_params += [f"layers.{i}.{m}.bias" for m in ("attn_out", "ffn_out") if getattr(layer, m).bias is not None]
         if sequence_parallel and not sp:  # the sparse head's last layer gathers the whole sequence first
             layer.register_forward_pre_hook(lambda m, args: (_Gather.apply(args[0], comm, True), *args[1:]))
+        if not sp:  # its hidden dropout acts on the replicated residual stream: one mask for the group
+            layer.dropout.__class__ = ReplicatedDropout
+    if not sequence_parallel and getattr(model, "dropout", None) is not None:
+        model.dropout.__class__ = ReplicatedDropout  # the embeddings' dropout, on the whole sequence
     vocab = cfg.vocab_size
     start = shard_start(vocab, comm.size, comm.rank)
     if model.word is not None:
