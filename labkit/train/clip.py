@@ -32,9 +32,9 @@ def copies_of(p: torch.Tensor, holders: int) -> float:
     product of the mesh sizes of ``p``'s ``Shard`` placements (1 for a plain tensor, whose every
     holder has all of it). ValueError when the shards do not divide ``holders``."""
     distinct = 1
-    if isinstance(p, DTensor):
+    if isinstance(p, DTensor):  # Shard, or FSDP2's _StridedShard over a tp Shard (not a Shard subclass)
         for size, placement in zip(p.device_mesh.shape, p.placements):
-            distinct *= size if placement.is_shard() else 1
+            distinct *= 1 if placement.is_replicate() else size
     if holders % distinct:
         raise ValueError(f"holders: {holders} ranks cannot hold {distinct} distinct shards evenly")
     return holders / distinct

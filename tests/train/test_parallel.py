@@ -134,6 +134,8 @@ def _run_case(name: str, fields: dict, overrides: dict, world: int, rank: int) -
         out["losses"].append(total.item() / n_masked.item())
     out["params"] = {n: _full(p) for n, p in par.named_parameters()}
     out["split"] = (split.pp_rank, split.dp_rank, split.tp_rank)
+    out["plain"] = [n for n, p in par.named_parameters() if not isinstance(p, DTensor)]
+    out["fused"] = all(group.get("fused") for group in optimizer.param_groups)
     return out
 
 
@@ -249,6 +251,8 @@ def _check_cases(ranks: list[dict], cases: dict) -> None:
             assert worst["grad"] > 1e-2, (name, worst)  # the tp-dependent layout: silently wrong
             continue
         assert max(worst.values()) < 1e-5, (name, worst)
+        for r in ranks:  # with tp every parameter is a DTensor (Replicate() where not split): fused AdamW
+            assert r[name]["fused"] and (r[name]["plain"] == [] or fields.get("tp", 1) == 1), (name, r[name]["plain"])
         measures = ranks[0][name]["measures"]
         assert (measures["tp_comm_s"] is not None) == (fields.get("tp", 1) > 1), (name, measures)
         assert (measures["pipeline_bubble"] is not None) == (fields.get("pp", 1) > 1), (name, measures)
