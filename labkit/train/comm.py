@@ -3,7 +3,9 @@
 ``time_gradient_collectives(model, device)`` installs a ``CommTimer`` on a model wrapped by
 ``labkit.train.dist.wrap_model``: for DDP (ddp, zero1) a comm hook around torch's default
 averaging all-reduce (the same collective DDP runs without a hook), for FSDP2 (fsdp) a timed
-reduce-scatter on every ``FSDPModule``. ``labkit.measure.StepTimer(device, comm=timer)`` resets
+reduce-scatter on every ``FSDPModule``; a split run (``labkit.train.runtime.Runtime``) times its dp
+collectives the same way: ``time_reduce_scatters`` on its stages' FSDP2 modules, or
+``timed_all_reduce`` for the replicas' gradient mean. ``labkit.measure.StepTimer(device, comm=timer)`` resets
 it per step and turns its records into ``comm_exposed_s`` (``labkit.measure.comm_exposed_s``,
 docs/measurement.md). Tests: tests/train/test_dist.py (every record of 2-rank ddp, zero1 and
 fsdp runs), tests/study/test_scaling.py (the overlap model against it).

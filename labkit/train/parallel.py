@@ -120,7 +120,7 @@ class ParallelModel(nn.Module):
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]], *,
                          dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``labkit.train.loop.forward_backward`` for a split model: this data-parallel replica's
+        """``labkit.train.runtime.forward_backward`` for a split model: this data-parallel replica's
         micro-batches (the same on its tp and pp ranks), autocast ``dtype`` (None: fp32); returns
         (loss_sum: this rank's, nonzero on one rank per replica; n_masked_global; n_tokens_global),
         the counts summed over the dp group once before the forwards."""

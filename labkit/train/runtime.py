@@ -80,18 +80,26 @@ class Runtime:
     otherwise), ``scaler`` the fp16 grad scaler (disabled: a pass-through), ``world`` and ``rank``
     this process's place (``split_of(cfg, world, rank)``: ValueError when tp x pp does not divide
     the world). ``observers``: ``labkit.train.comm.GradientObserver``\\ s inside the dp gradient
-    collectives (every mode). Build it once, after wrapping and before the first step."""
+    collectives (every mode); ``reduce``, ``reduce_state``, ``wire_bytes``: DDP's inner comm hook
+    (a compression; ``labkit.train.comm.time_gradient_collectives``), for data parallelism alone
+    (ValueError for a split run, whose dp reduction is FSDP2's or the replicas' all-reduce). Build it
+    once, after wrapping and before the first step."""
 
     def __init__(self, cfg: TrainConfig, model: torch.nn.Module, scaler: Any, device: torch.device, *,
-                 world: int, rank: int, observers: tuple[GradientObserver, ...] | list[GradientObserver] = ()):
+                 world: int, rank: int, observers: tuple[GradientObserver, ...] | list[GradientObserver] = (),
+                 reduce: Any = None, reduce_state: Any = None, wire_bytes: Any = None):
         self.cfg, self.model, self.scaler, self.device, self.world = cfg, model, scaler, device, world
         self.mesh = split_of(cfg, world, rank)
         self.dp, self.dp_rank = self.mesh.dp, self.mesh.dp_rank
         self._split = model if isinstance(model, ParallelModel) else None
         if self._split is None:
-            self.comm = time_gradient_collectives(model, device, observers=observers)
+            self.comm = time_gradient_collectives(model, device, reduce=reduce, reduce_state=reduce_state,
+                                                  wire_bytes=wire_bytes, observers=observers)
             self._copies = [(p, copies_of(p, world)) for p in model.parameters()]
         else:
+            if reduce is not None:
+                raise ValueError("grad_compression: a compression hook applies to DDP (ddp, zero1), not to a "
+                                 f"split run (tp {cfg.tp}, pp {cfg.pp})")
             self.comm = self._time_split(observers) if torch.distributed.is_initialized() else None
             self._copies = self._split.grad_copies()
 
