@@ -371,7 +371,9 @@ class SavedActivationPeak:
     def _pack(self, t):
         import weakref
 
-        storage = t.untyped_storage()
+        # a DTensor (a tensor-parallel run's parameters and the inputs of their modules) holds its
+        # storage in its local tensor; its own is a wrapper without data
+        storage = getattr(t, "_local_tensor", t).untyped_storage()
         key = storage.data_ptr()
         if key not in self.exclude and storage.nbytes() > 0:
             if key not in self._refs:

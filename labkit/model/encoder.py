@@ -379,7 +379,7 @@ class BertMLM(nn.Module):
         dropout. T is checked by ``context``."""
         x = self.word(input_ids)  # [B, T, H]
         if self.token_type is not None:
-            x = x + self.token_type.weight[0]
+            x = x + local(self.token_type.weight)[0]  # a Replicate() DTensor under tensor parallelism
         if self.position is not None:
             x = x + self.position(torch.arange(input_ids.shape[1], device=input_ids.device))
         elif self.cfg.position_embedding == "instruction":

@@ -21,6 +21,7 @@ from safetensors.torch import load_model, save_file, save_model
 
 from labkit.io import atomic_dir
 from labkit.train import dist
+from labkit.train.rng import TRACKER
 
 
 def _rng_state() -> dict[str, Any]:
@@ -33,6 +34,8 @@ def _rng_state() -> dict[str, Any]:
              "python": {"version": version, "internal": list(internal), "gauss": gauss}}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
+    if TRACKER.states:  # tensor parallelism: the replicated stream (labkit.train.rng)
+        state["tp_streams"] = TRACKER.state()
     return state
 
 
@@ -44,6 +47,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((p["version"], tuple(p["internal"]), p["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+    if "tp_streams" in state:  # else keep the streams this run seeded (labkit.train.rng.seed_streams)
+        TRACKER.set_state(state["tp_streams"])
 
 
 def checkpoint_steps(run_dir: str | os.PathLike) -> list[int]:

@@ -3,7 +3,9 @@
 ``time_gradient_collectives(model, device)`` installs a ``CommTimer`` on a model wrapped by
 ``labkit.train.dist.wrap_model``: for DDP (ddp, zero1) a comm hook around torch's default
 averaging all-reduce (the same collective DDP runs without a hook), for FSDP2 (fsdp) a timed
-reduce-scatter on every ``FSDPModule``. ``labkit.measure.StepTimer(device, comm=timer)`` resets
+reduce-scatter on every ``FSDPModule``; a split run (``labkit.train.runtime.Runtime``) times its dp
+collectives the same way: ``time_reduce_scatters`` on its stages' FSDP2 modules, or
+``timed_all_reduce`` for the replicas' gradient mean. ``labkit.measure.StepTimer(device, comm=timer)`` resets
 it per step and turns its records into ``comm_exposed_s`` (``labkit.measure.comm_exposed_s``,
 docs/measurement.md). Tests: tests/train/test_dist.py (every record of 2-rank ddp, zero1 and
 fsdp runs), tests/study/test_scaling.py (the overlap model against it).
@@ -196,12 +198,42 @@ def time_gradient_collectives(model: torch.nn.Module, device: torch.device, *, r
         if reduce is not None:
             raise ValueError("grad_compression: a compression hook applies to DDP (ddp, zero1), not to FSDP2's reduce-scatter")
         timer = CommTimer(device, blocking=device.type != "cuda", observers=observers)
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_custom_reduce_scatter(_timed_reduce_scatter(timer))
+        time_reduce_scatters(model.modules(), timer)
         return timer
     if isinstance(model, DDP):
         timer = CommTimer(device, observers=observers)
         model.register_comm_hook(HookState(timer, reduce, reduce_state, wire_bytes), _composed_hook)
         return timer
     return None
+
+
+def time_reduce_scatters(modules: Any, timer: CommTimer) -> int:
+    """Give every FSDP2 module among ``modules`` (an iterable of modules) the reduce-scatter timed
+    by ``timer`` (``_timed_reduce_scatter``: FSDP2's default, with the observers around it); returns
+    how many there were. A split run (``labkit.train.runtime``) calls it on its pipeline stages'
+    modules, which FSDP2 shards over the dp mesh."""
+    count = 0
+    for module in modules:
+        if isinstance(module, FSDPModule):
+            module.set_custom_reduce_scatter(_timed_reduce_scatter(timer))
+            count += 1
+    return count
+
+
+def timed_all_reduce(timer: CommTimer | None, flat: torch.Tensor, group: Any, divide_by: int) -> torch.Tensor:
+    """All-reduce the flat gradient ``flat`` over ``group`` in place and divide it by
+    ``divide_by`` (the replicas' mean), as one timed collective of ``timer`` (None: untimed) with its
+    observers before (the local gradient) and after (the mean): the data-parallel gradient
+    reduction of a split run's ``sharding="replicate"``, which runs on the calling thread after the
+    backward (make that timer ``blocking``). Returns ``flat``."""
+    observers = timer.observers if timer is not None else []
+    for observer in observers:
+        observer.before(0, flat)
+    start = timer.now() if timer is not None else None
+    dist.all_reduce(flat, group=group)
+    if timer is not None:
+        timer.add(start, timer.now(), flat.numel() * flat.element_size())
+    flat /= divide_by
+    for observer in observers:
+        observer.after(0, flat)
+    return flat

@@ -1,7 +1,8 @@
 """MLM pretraining: ``train(cfg)`` runs one run in this process, as one rank of many or alone.
 
 The optimiser step reads top to bottom in ``train`` (as nanoGPT's main loop does); the
-micro-batch part (count, forwards, backwards) is ``forward_backward`` so the 2-rank
+micro-batch part (count, forwards, backwards) is ``forward_backward`` (``labkit.train.runtime``,
+re-exported here) so the 2-rank
 gradient test exercises exactly the code ``train`` runs.
 
 Loss normalisation (``pytorch/torchtitan: torchtitan/trainer.py``):
@@ -21,12 +22,14 @@ step (``lr_at``), so the step is the whole scheduler state. Resume needs the sam
 and sharding (sharding "none" in a single process) and a config and data that match the run
 directory's config.json / data.json (``labkit.train.run_config``: one-line refusal naming each field).
 
-With tp or pp > 1 the model is split (``labkit.train.parallel.ParallelModel``: pipeline stages,
-tensor parallelism, FSDP2 or replicas over dp) and the same loop runs: one visible branch per
-step calls its ``forward_backward`` and ``clip_grad_norm`` instead of this module's and
-``dist.clip_grad_norm``. Data (sampler, masked-token count, held-out set) follows the dp rank;
-global batch = micro_batch_size * grad_accum_steps * dp; records gain ``pipeline_bubble`` and
-``tp_comm_s`` (None when not split that way); checkpoints are torch.distributed.checkpoint
+Every run is a (pp, dp, tp) mesh, data parallelism alone being pp = tp = 1, and the step goes
+through one ``labkit.train.runtime.Runtime`` whatever the split: its ``forward_backward``,
+``clip_grad_norm`` (every mesh dimension and pipeline stage), its timer of the dp gradient
+collectives and its per-step measures (``comm_exposed_s``, ``pipeline_bubble``, ``tp_comm_s``:
+the last two None when not split that way). With tp or pp > 1 the model is split
+(``labkit.train.parallel``: pipeline stages, tensor parallelism, FSDP2 or replicas over dp).
+Data (sampler, masked-token count, held-out set) follows the dp rank;
+global batch = micro_batch_size * grad_accum_steps * dp; checkpoints are torch.distributed.checkpoint
 directories (``labkit.train.checkpoint.save_split_checkpoint``) that load at another split with
 the same dp (``parallel.refuse_checkpoint`` names both splits otherwise).
 """
@@ -38,11 +41,9 @@ import json
 import math
 import os
 import pathlib
-import random
 import time
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from labkit import measure
@@ -51,49 +52,13 @@ from labkit.data.mlm import make_loader
 from labkit.data.shards import packing_of, read_index
 from labkit.io import atomic_write_json, atomic_write_text
 from labkit.model import BertMLM, count_parameters, flops_per_token
-from labkit.train import dist, parallel, provenance, sinks
+from labkit.train import dist, parallel, provenance, rng, sinks
 from labkit.train.checkpoint import (_rng_state, _set_rng_state, checkpoint_steps, load_checkpoint, save_checkpoint,
                                      save_split_checkpoint)
-from labkit.train.comm import time_gradient_collectives
 from labkit.train.optim import build_optimizer, lr_at
 from labkit.train.run_config import (check_resume, data_identity, finished_run, model_config_of, save_run_config,
                                      with_segments)
-
-AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def forward_backward(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]], *,
-                     world_size: int, precision: str = "fp32",
-                     scaler: torch.amp.GradScaler | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Accumulate the gradients of one optimiser step over ``micro_batches`` (this rank's).
-
-    Each batch holds input_ids int64[B,T], labels int64[B,T] (-100 = not masked) and
-    attention_mask bool[B,T], on the model's device, and may hold what the host knew before the
-    copy (``to_device``): ``all_real`` (no [PAD]: the model gets no mask) and ``max_masked``
-    (the sparse head's gather size), so the forward needs no host sync. The masked and real-token counts of all
-    micro-batches on all ranks are all-reduced once before the forwards; gradient all-reduce
-    (DDP) happens on the last micro-batch only (``no_sync`` on the others). Returns
-    ``(loss_sum, n_masked_global, n_tokens_global)``: this rank's summed CE (fp32, detached),
-    the global masked count and the global real-token count (int64).
-    """
-    counts = torch.stack([torch.stack([(b["labels"] != -100).sum(), b["attention_mask"].sum()])
-                          for b in micro_batches]).sum(0).to(torch.int64)
-    dist.all_reduce_sum(counts)
-    n_masked_global, n_tokens_global = counts[0], counts[1]
-    dtype = AUTOCAST_DTYPES[precision]
-    device_type = micro_batches[0]["input_ids"].device.type
-    loss_sum = torch.zeros((), dtype=torch.float32, device=counts.device)
-    for i, batch in enumerate(micro_batches):
-        with dist.no_sync(model, sync=i == len(micro_batches) - 1):
-            with torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-                mask = None if batch.get("all_real") else batch["attention_mask"]  # host facts: no sync
-                out = model(batch["input_ids"], attention_mask=mask, labels=batch["labels"],
-                            max_masked=batch.get("max_masked"))
-            loss = out.loss_sum.float() * world_size / n_masked_global.clamp(min=1)
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-        loss_sum += out.loss_sum.detach().float()
-    return loss_sum, n_masked_global, n_tokens_global
-
+from labkit.train.runtime import AUTOCAST_DTYPES, Runtime, forward_backward  # noqa: F401 (re-exported)
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
     """A collated CPU batch on ``device`` (non-blocking copies), plus two facts read on the host
@@ -211,10 +176,12 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
             dist.teardown()
 
 
-def _build_model(cfg: TrainConfig, index: dict, rank: int, world: int) -> tuple[Any, BertMLM, parallel.Split | None]:
+def _build_model(cfg: TrainConfig, index: dict, rank: int, world: int,
+                 device: torch.device) -> tuple[Any, BertMLM, parallel.Split | None]:
     """The model config for the shards' vocabulary, the tensor/pipeline split (None without one;
     ``parallel.check_split`` refuses one that cannot work) and ``BertMLM`` built from ``cfg.seed``
-    (the same init on every rank), then each rank's own dropout stream seeded. ValueError when the
+    (the same init on every rank), then each rank's dropout streams seeded on ``device``
+    (``labkit.train.rng.seed_streams``). ValueError when the
     shards' sequence length exceeds the model's positions."""
     seq_len, vocab_size = int(index["seq_len"]), int(index["vocab_size"])
     mcfg = model_config_of(cfg, vocab_size)
@@ -227,11 +194,8 @@ def _build_model(cfg: TrainConfig, index: dict, rank: int, world: int) -> tuple[
     split = parallel.check_split(cfg, mcfg, world, seq_len, rank) if parallel.is_split(cfg) else None
     torch.manual_seed(cfg.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
     model = BertMLM(mcfg)
-    seed = cfg.seed + 1 + rank // cfg.tp  # dropout streams differ per rank, except across a tp group,
-    torch.manual_seed(seed)  # whose ranks compute the same replicated activations
-    random.seed(seed)
-    np.random.seed(seed)
-    return mcfg, model, split
+    rng.seed_streams(cfg.seed, rank, world, cfg.tp, device)  # dropout: one stream per rank, and with tp a
+    return mcfg, model, split  # shared one for the replicated regions of the tp group (labkit.train.rng)
 
 
 def _restore(state: dict | None, model: torch.nn.Module, optimizer: Any, scaler: Any, sampler: Any, *,
@@ -261,15 +225,6 @@ def _restore(state: dict | None, model: torch.nn.Module, optimizer: Any, scaler:
     sampler.set_epoch(state["epoch"])
     sampler.load_state_dict(mine["sampler"])
     return state["step"], state["epoch"], mine["sampler"]["position"], state["tokens"]
-
-
-def _forward_backward(model: Any, micro_batches: list[dict[str, torch.Tensor]], cfg: TrainConfig, world: int,
-                      scaler: Any, split: parallel.Split | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One step's forwards and backwards: ``forward_backward`` (data parallel), or the split model's
-    own (tensor / pipeline parallel, ``labkit.train.parallel``: the schedule, or tp-split stages)."""
-    if split is None:
-        return forward_backward(model, micro_batches, world_size=world, precision=cfg.precision, scaler=scaler)
-    return model.forward_backward(micro_batches, dtype=AUTOCAST_DTYPES[cfg.precision])
 
 
 def _load_and_wrap(cfg: TrainConfig, model: BertMLM, device: torch.device, split: parallel.Split | None,
@@ -308,9 +263,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     run_dir = pathlib.Path(cfg.run_dir)
     index = read_index(cfg.data_dir)
     seq_len = int(index["seq_len"])
-    mcfg, model, split = _build_model(cfg, index, rank, world)
-    dp_rank, dp = (split.dp_rank, split.dp) if split else (rank, world)  # data follows the dp rank
-    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * dp
+    mcfg, model, split = _build_model(cfg, index, rank, world, device)
     params = count_parameters(model)
     fpt = flops_per_token(mcfg, seq_len, mlm_probability=cfg.mlm_probability)
 
@@ -320,13 +273,15 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         check_resume(run_dir, to_dict(cfg), identity, allow_safe_changes=cfg.allow_safe_changes)
     ckpt = run_dir / "checkpoints" / f"step-{resume_step}" if resume_step else None
     model, optimizer, scaler, sharding, state = _load_and_wrap(cfg, model, device, split, ckpt, world)
-    loader = make_loader(cfg.data_dir, batch_size=cfg.micro_batch_size, rank=dp_rank, world_size=dp,
+    runtime = Runtime(cfg, model, scaler, device, world=world, rank=rank)  # the step on the (pp, dp, tp) mesh
+    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * runtime.dp  # data follows the dp rank
+    loader = make_loader(cfg.data_dir, batch_size=cfg.micro_batch_size, rank=runtime.dp_rank, world_size=runtime.dp,
                          seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=mcfg.vocab_size,
                          num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
                          seq_len=cfg.seq_len, tokenizer_sha256=_tokenizer_sha256(cfg.tokenizer_path),
                          verify=cfg.verify_data)  # refuses mismatched shards before any step
     sampler = _find_sampler(loader)
-    heldout = _heldout_set(cfg, dp_rank, dp, mcfg.vocab_size, device)  # fixed masked held-out set
+    heldout = _heldout_set(cfg, runtime.dp_rank, runtime.dp, mcfg.vocab_size, device)  # fixed masked held-out set
     # position: batches of this epoch consumed
     step, epoch, position, tokens_seen = _restore(state, model, optimizer, scaler, sampler, rank=rank, world=world,
                                                   sharding=sharding, where=f"step-{resume_step} in {run_dir}")
@@ -339,7 +294,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
 
     stop = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
     peak = measure.peak_flops(device, cfg.precision)
-    timer = measure.StepTimer(device, comm=None if split else time_gradient_collectives(model, device))
+    timer = measure.StepTimer(device, comm=runtime.comm)  # the dp gradient collectives, every mode
     timings: list[tuple] = []  # (tokens, samples, step time, wait, exposed comm or None) per step
     last_record, skipped = {}, 0
     windows = measure.PeakWindows(device)  # peak memory of the steps, each evaluation, each checkpoint
@@ -353,7 +308,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
             t0 = time.perf_counter()
             batch = next(batches_iter, None)
             if batch is None:  # epoch over: reshuffle and start again
-                epoch, position, batches_iter = epoch + 1, 0, _next_epoch(loader, sampler, epoch + 1, cfg, dp)
+                epoch, position, batches_iter = epoch + 1, 0, _next_epoch(loader, sampler, epoch + 1, cfg, runtime.dp)
                 batch = next(batches_iter)
             position += 1
             micro_batches.append(to_device(batch, device))
@@ -363,31 +318,30 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss_sum, n_masked, n_tokens = _forward_backward(model, micro_batches, cfg, world, scaler, split)
+        loss_sum, n_masked, n_tokens = runtime.forward_backward(micro_batches)
         summed = dist.all_reduce_sum(torch.stack([loss_sum.double(), torch.tensor(wait, dtype=torch.float64,
                                                                                     device=loss_sum.device)]))
         loss = summed[0].item() / max(1, n_masked.item())
         wait_mean = summed[1].item() / world
         # 3. unscale (fp16), clip the global grad norm, step; a non-finite loss (or, fp32/bf16,
         #    grad norm) skips the step or raises
-        grad_norm, finite = _clip_and_step(cfg, model, optimizer, scaler, loss, step)
+        grad_norm, finite = _clip_and_step(cfg, runtime, optimizer, scaler, loss, step)
         skipped += not finite
         optimizer.zero_grad(set_to_none=True)
         step += 1
         step_time = timer.stop()
         windows.end_step()
-        comm_fields = timer.comm.step_fields() if timer.comm is not None else {}  # every rank: may all-reduce
-        # 4. measure and record
+        measures = runtime.step_measures(timer)  # 4. measure (collective: every rank, every step) and record
         n_tokens_i = int(n_tokens.item())
         tokens_seen += n_tokens_i
-        timings.append((n_tokens_i, global_batch, step_time, wait_mean, None if split else timer.comm_exposed_s))
+        timings.append((n_tokens_i, global_batch, step_time, wait_mean, measures["comm_exposed_s"]))
         evaluated = _maybe_evaluate(model, heldout, cfg, step, stop, windows)  # held-out loss, outside the step time
         if step % cfg.log_every == 0 or step == stop or evaluated:
             tps = measure.tokens_per_s(n_tokens_i, step_time)
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
                       "step_tokens": n_tokens_i, "n_masked": int(n_masked.item()), "tokens_per_s": tps,
                       "packing_efficiency": measure.packing_efficiency(n_tokens_i, global_batch, seq_len),
-                      **_rates(global_batch, timer, step_time, wait_mean, model), **comm_fields,
+                      **_rates(global_batch, timer, step_time, wait_mean), **measures,
                       "mfu": measure.mfu(tps, fpt, world, peak), **windows.take(), "world_size": world,
                       "global_batch_size": global_batch, "epoch": epoch, "skipped": not finite, **evaluated, "time": time.time()}
             last_record = _log(record, metrics_file, sink)
@@ -420,9 +374,10 @@ def _parallelize(cfg: TrainConfig, model: torch.nn.Module, device: torch.device)
     return model, optimizer, scaler, sharding
 
 
-def _clip_and_step(cfg: TrainConfig, model: torch.nn.Module, optimizer: Any, scaler: Any, loss: float,
+def _clip_and_step(cfg: TrainConfig, runtime: Runtime, optimizer: Any, scaler: Any, loss: float,
                    step: int) -> tuple[float, bool]:
-    """Unscale (fp16), clip the global grad norm (correct under any sharding), step. Returns
+    """Unscale (fp16), clip the global grad norm (``Runtime.clip_grad_norm``: every mesh dimension
+    and pipeline stage), step. Returns
     (grad_norm, finite). A non-finite loss (or, in fp32/bf16, grad norm) skips the step, or raises
     FloatingPointError with ``on_nonfinite="raise"``; an fp16 overflow in the grads alone is the
     scaler's business: it skips that step and lowers the scale (finite is then False)."""
@@ -431,10 +386,7 @@ def _clip_and_step(cfg: TrainConfig, model: torch.nn.Module, optimizer: Any, sca
     grad_norm = float("nan")
     if finite or fp16:
         scaler.unscale_(optimizer)
-        if isinstance(model, parallel.ParallelModel):  # across meshes and pipeline stages
-            grad_norm = model.clip_grad_norm(cfg.grad_clip or float("inf"))
-        else:
-            grad_norm = dist.clip_grad_norm(model, cfg.grad_clip or float("inf"))  # global norm, any sharding
+        grad_norm = runtime.clip_grad_norm(cfg.grad_clip or float("inf"))  # global norm, any split
         finite = finite and (fp16 or math.isfinite(grad_norm))
     if not finite and cfg.on_nonfinite == "raise":
         raise FloatingPointError(f"step {step + 1}: non-finite loss {loss} / grad norm {grad_norm} "
@@ -492,17 +444,13 @@ def _next_epoch(loader: Any, sampler: Any, epoch: int, cfg: TrainConfig, world: 
     return itertools.chain([first], batches)
 
 
-def _rates(global_batch: int, timer: measure.StepTimer, step_time: float, wait_mean: float,
-           model: Any = None) -> dict[str, Any]:
-    """The per-step rates of a metrics record (docs/measurement.md): the step timer's CPU seconds
-    and exposed gradient communication (rank 0's; None for a split model, whose collectives the
-    timer does not see), and with a split ``model`` its measured pipeline bubble and time in TP
-    collectives (``parallel.measures``: collective; None for both otherwise)."""
-    split = isinstance(model, parallel.ParallelModel)
+def _rates(global_batch: int, timer: measure.StepTimer, step_time: float, wait_mean: float) -> dict[str, Any]:
+    """The per-step rates of a metrics record (docs/measurement.md): samples per second, the step
+    timer's wall and CPU seconds, and the mean data wait over ranks. ``comm_exposed_s``, the
+    pipeline bubble and ``tp_comm_s`` are ``Runtime.step_measures``'."""
     return {"samples_per_s": measure.samples_per_s(global_batch, step_time), "step_time_s": step_time,
-            "comm_exposed_s": None if split else timer.comm_exposed_s, "cpu_s": timer.cpu_s,
-            "thread_cpu_s": timer.thread_cpu_s, "data_wait_s": wait_mean,
-            "data_wait_fraction": measure.data_wait_fraction(wait_mean, step_time), **parallel.measures(model)}
+            "cpu_s": timer.cpu_s, "thread_cpu_s": timer.thread_cpu_s, "data_wait_s": wait_mean,
+            "data_wait_fraction": measure.data_wait_fraction(wait_mean, step_time)}
 
 
 def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple], *, fpt: float,
@@ -514,7 +462,7 @@ def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple], *, fpt:
     seq_len, vocab_size = int(index["seq_len"]), int(index["vocab_size"])
     timed = timings[cfg.timing_warmup_steps:] or timings  # too short a run: time every step
     tok, samples, seconds, wait_s = (sum(t[i] for t in timed) for i in range(4))
-    exposed = [t[4] for t in timed if t[4] is not None]  # none for a split model
+    exposed = [t[4] for t in timed if t[4] is not None]
     exposed_s = sum(exposed) if exposed else None
     tps = measure.tokens_per_s(tok, seconds) if timed else None
     evals = [r for r in records if r.get("eval_loss") is not None]

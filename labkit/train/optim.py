@@ -43,11 +43,13 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     parameters, then broadcasts them); its ``param_groups`` are the whole groups, so setting
     the lr there reaches every partition at ``step()``. Under fsdp the parameters are DTensor
     shards and plain AdamW steps each rank's shard. On CPU and CUDA (ddp, zero1 and single
-    process) AdamW is torch's fused implementation (``fused=True``: one kernel per dtype and
-    device for all parameters, the same update; on CPU since torch 2.4, about a quarter of the
-    for-loop's CPU time: docs/training.md). DTensor parameters (fsdp's shards, tensor-parallel
-    weights, which sit beside plain tensors in one group) keep the default implementation: the
-    fused kernel refuses a mix of Tensor and DTensor."""
+    process, fsdp and split runs alike) AdamW is torch's fused implementation (``fused=True``: one
+    kernel per dtype and device for all parameters, the same update; on CPU since torch 2.4, about
+    a quarter of the for-loop's CPU time: docs/training.md). It takes DTensor parameters when all
+    of them are DTensors on one mesh (fsdp's shards; a split run's, where every parameter is a
+    DTensor: ``labkit.train.tensor_parallel``), not a mix of Tensor and DTensor, and not fsdp under
+    fp16 (``ShardedGradScaler``'s found-inf flag has a shape the fused step refuses, torch 2.13):
+    those keep the default implementation."""
     from torch.distributed.tensor import DTensor
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -55,7 +57,11 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     decay = [_decays(n, p) for n, p in named]  # a fused bias ([3, H]: labkit.model.encoder.FusedLinear) is 2-D
     groups = [{"params": [p for p, d in zip(params, decay) if d], "weight_decay": cfg.weight_decay},
               {"params": [p for p, d in zip(params, decay) if not d], "weight_decay": 0.0}]
-    fused = {"fused": True} if params and not any(isinstance(p, DTensor) for p in params) else {}
+    n_dtensor = sum(isinstance(p, DTensor) for p in params)
+    # fused: not over a mix of Tensor and DTensor, nor DTensors under fp16 (ShardedGradScaler's found_inf is
+    # [1]-shaped; fused AdamW's step update refuses it: "output with shape [] doesn't match the broadcast shape [1]")
+    fusable = params and n_dtensor in (0, len(params)) and not (n_dtensor and cfg.precision == "fp16")
+    fused = {"fused": True} if fusable else {}
     if cfg.sharding == "zero1" and torch.distributed.is_initialized():
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=cfg.lr,
                                        betas=(cfg.beta1, cfg.beta2), **fused)

@@ -23,7 +23,6 @@ the parameters and AdamW state under the ``BertMLM`` names (``labkit.train.check
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -32,7 +31,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from labkit.config import TrainConfig
 from labkit.config.split import TP_ATTENTION, Split, check_split, is_split, split_of  # noqa: F401 (re-exported)
@@ -40,6 +38,8 @@ from labkit.measure import IntervalTimer, bubble_fraction
 from labkit.model.encoder import BertMLM, MLMOutput, local
 from labkit.train import pipeline
 from labkit.train.checkpoint import load_split_checkpoint, read_state
+from labkit.train.clip import clip_grad_norm_, copies_of
+from labkit.train.comm import CommTimer, timed_all_reduce
 from labkit.train.optim import build_optimizer
 from labkit.train.tensor_parallel import apply_tensor_parallel, sync_sequence_parallel_grads
 
@@ -91,6 +91,7 @@ class ParallelModel(nn.Module):
             self.schedule = pipeline.build_schedule(stages, cfg.grad_accum_steps, cfg.pp_schedule, self._loss)
         self._scale = torch.ones((), dtype=torch.float64)
         self._last: dict[str, float] = {}
+        self.dp_timer: CommTimer | None = None  # times the replicas' gradient all-reduce (labkit.train.runtime)
 
     # -- names -------------------------------------------------------------------------------
 
@@ -119,7 +120,7 @@ class ParallelModel(nn.Module):
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]], *,
                          dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``labkit.train.loop.forward_backward`` for a split model: this data-parallel replica's
+        """``labkit.train.runtime.forward_backward`` for a split model: this data-parallel replica's
         micro-batches (the same on its tp and pp ranks), autocast ``dtype`` (None: fp32); returns
         (loss_sum: this rank's, nonzero on one rank per replica; n_masked_global; n_tokens_global),
         the counts summed over the dp group once before the forwards."""
@@ -169,9 +170,8 @@ class ParallelModel(nn.Module):
             dist.all_reduce(local(self.word.weight.grad), group=self.embedding_group)
         if self.cfg.sharding == "replicate" and self.split.dp > 1:
             grads = [local(p.grad) for p in self.parameters() if p.grad is not None]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.dp_group)
-            flat /= self.split.dp
+            flat = timed_all_reduce(self.dp_timer, torch.cat([g.reshape(-1) for g in grads]), self.dp_group,
+                                    self.split.dp)
             for g, part in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(part.view_as(g))
 
@@ -189,31 +189,25 @@ class ParallelModel(nn.Module):
 
     # -- clipping and measures ---------------------------------------------------------------
 
+    def grad_copies(self) -> list[tuple[nn.Parameter, float]]:
+        """(parameter, copies) for ``labkit.train.clip.clip_grad_norm_``: each parameter is held by the
+        dp x tp ranks of its pipeline stage (the tied word embedding by those of the first and the last
+        stage), and ``clip.copies_of`` divides by its distinct shards (tp, dp or both)."""
+        holders = self.split.dp * self.split.tp
+        tied = self.embedding_group is not None
+        return [(p, copies_of(p, holders * (2 if tied and name == "word.weight" else 1)))
+                for name, p in self.named_parameters()]
+
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip the gradients to a global L2 norm of ``max_norm`` (``inf``: measure only) and return the
-        norm before clipping, the same on every rank: one all-reduce over the world of the local squared
-        norms, each weighted by 1 / (ranks holding the same values: its tp replicas unless split by tp,
-        its dp replicas unless FSDP-sharded, the two copies of the tied embedding). torch's
-        ``clip_grad_norm_`` cannot: the parameters live on different meshes (dp; dp x tp; none)."""
-        s = self.split
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        grads = []
-        for name, p in self.named_parameters():
-            if p.grad is None:
-                continue
-            g = local(p.grad)
-            grads.append(g)
-            mesh_dims = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else ()
-            copies = (1 if "tp" in mesh_dims else s.tp) * (1 if "dp" in mesh_dims else s.dp)
-            copies *= 2 if self.embedding_group is not None and name == "word.weight" else 1
-            total += g.double().pow(2).sum() / copies
-        dist.all_reduce(total)
-        norm = math.sqrt(total.item())
-        coef = min(1.0, max_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s factor
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        return norm
+        norm before clipping, the same on every rank (``labkit.train.clip.clip_grad_norm_`` over
+        ``grad_copies``: every parameter counted once across tp, dp and pp)."""
+        return clip_grad_norm_(self.grad_copies(), max_norm)
+
+    def dp_modules(self) -> list[nn.Module]:
+        """Every module of this rank's pipeline stages (FSDP2's units among them: ``labkit.train.comm``
+        times their reduce-scatters over dp)."""
+        return [m for chunk in self._chunks for m in chunk.modules()]
 
     def take_measures(self) -> dict[str, float | None]:
         """Collective: this step's {"pipeline_bubble": ``labkit.measure.bubble_fraction`` of every rank's
@@ -248,14 +242,6 @@ class ParallelModel(nn.Module):
         if loss_sum is None or not self.representative:
             loss_sum, n_masked = torch.zeros((), device=input_ids.device), torch.zeros_like(n_masked)
         return MLMOutput(loss_sum.float(), n_masked, torch.empty(0, device=input_ids.device))
-
-
-def measures(model: Any) -> dict[str, float | None]:
-    """A metrics record's {"pipeline_bubble", "tp_comm_s"}: ``ParallelModel.take_measures`` (collective)
-    for a split model, None for both otherwise."""
-    if isinstance(model, ParallelModel):
-        return model.take_measures()
-    return {"pipeline_bubble": None, "tp_comm_s": None}
 
 
 def split_record(split: Split, cfg: TrainConfig) -> dict[str, Any]:

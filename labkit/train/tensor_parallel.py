@@ -13,12 +13,16 @@ split along the sequence: each all-reduce becomes a reduce-scatter plus an all-g
 norms and dropout run on 1/tp of the positions; the sparse head's last layer (which gathers the
 masked positions from the whole sequence) and the head run on the whole sequence.
 
-Parameters are DTensors on the tp mesh (Shard on the split dimension; replicated ones stay plain
-tensors), so FSDP2, ``torch.distributed.checkpoint`` and AdamW see their global shapes; the
+Every parameter is a DTensor on the tp mesh (Shard on the split dimension; ``Replicate()`` for the
+rest, through torchtitan's ``NoParallel`` style, ``_no_parallel``), so FSDP2,
+``torch.distributed.checkpoint``, the clip and fused AdamW see their global shapes on one mesh; the
 modules compute on the local slices (``labkit.model.encoder.local``) and every collective is one
 of the autograd functions below, each timed by an ``IntervalTimer`` (the record's ``tp_comm_s``).
 Modules are switched to their tensor-parallel subclass in place (``module.__class__``, as FSDP2's
-``fully_shard`` does), so parameter names do not change. pattern: Megatron-LM
+``fully_shard`` does), so parameter names do not change. Dropout: the attention dropout (on this
+rank's heads) and, with sequence parallelism, the dropout on this rank's sequence chunk draw from
+the per-tp-rank default stream; the dropout of the replicated residual stream becomes
+``labkit.train.rng.ReplicatedDropout`` (one stream for the group; ``labkit.train.rng``). pattern: Megatron-LM
 ``megatron/core/tensor_parallel/layers.py``, ``mappings.py``, ``cross_entropy.py``.
 """
 
@@ -32,10 +36,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from labkit.measure import IntervalTimer
 from labkit.model.encoder import IGNORE_INDEX, BertMLM, FusedLinear, Layer, local
+from labkit.train.rng import ReplicatedDropout
 
 
 class Comm:
@@ -187,7 +192,7 @@ class RowwiseLinear(_TPLinearMixin, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, local(self.weight))
         y = _Scatter.apply(y, self.comm, True) if self.sequence_parallel else _Reduce.apply(y, self.comm)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else y + local(self.bias)
 
 
 class VocabEmbedding(nn.Embedding):
@@ -251,14 +256,54 @@ def shard_start(n: int, parts: int, index: int) -> int:
     return min(index * math.ceil(n / parts), n)
 
 
-def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, dim: int | None) -> None:
-    """Replace parameter ``name`` of ``module`` by its DTensor split along ``dim`` over ``mesh``
-    (each rank keeps its slice of its own copy: every rank built the same weights from the seed)."""
+def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, dim: int | None, *, replicate: bool = False) -> None:
+    """Replace parameter ``name`` of ``module`` by its DTensor split along ``dim`` over ``mesh``, or
+    with ``replicate`` whole on every rank (``Replicate()``), each rank keeping its part of its own
+    copy (no communication: every rank built the same weights from the seed)."""
     p = getattr(module, name)
-    if p is None or dim is None:
+    if p is None or (dim is None and not replicate):
         return
-    setattr(module, name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(dim)], src_data_rank=None),
+    placement = Replicate() if replicate else Shard(dim)
+    setattr(module, name, nn.Parameter(distribute_tensor(p.detach(), mesh, [placement], src_data_rank=None),
                                        requires_grad=p.requires_grad))
+
+
+def _no_parallel(module: nn.Module, mesh: DeviceMesh) -> None:
+    """torchtitan's ``NoParallel`` style (``torchtitan/distributed/tensor_parallel.py``; torch has no
+    such class): ``module``'s parameters become ``Replicate()`` DTensors on ``mesh``; its tensor
+    inputs enter as ``Replicate()`` DTensors (after the hooks registered before, such as the
+    sequence-parallel scatter) and its output leaves as the local tensor (before the hooks registered
+    before, such as Megatron's f on the head norm). Under sequence parallelism a norm's input is this
+    rank's chunk of the sequence: its computation is per position, so the same; its weight gradient
+    is then this chunk's part, summed over tp after backward (``sync_sequence_parallel_grads``)."""
+    for name, _ in list(module.named_parameters(recurse=False)):
+        _distribute(module, name, mesh, None, replicate=True)
+
+    def enter(m: nn.Module, args: tuple) -> tuple:
+        return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                     if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+
+    def leave(m: nn.Module, args: tuple, out: Any) -> Any:
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, prepend=True)
+
+
+def _replicate_the_rest(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Every parameter of ``model`` not yet a DTensor becomes a ``Replicate()`` DTensor on ``mesh``:
+    the tensor-parallel modules' own (a row-parallel bias; they compute on ``local``) in place, every
+    other module's through ``_no_parallel``; so all of a tp run's parameters live on one mesh (and on
+    the (dp, tp) mesh under FSDP2), where torch's clip, FSDP2 and fused AdamW take them together."""
+    for module in model.modules():
+        plain = [n for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+        if not plain:
+            continue
+        if module is model or isinstance(module, (_TPLinearMixin, VocabEmbedding)):
+            for name in plain:
+                _distribute(module, name, mesh, None, replicate=True)
+        else:
+            _no_parallel(module, mesh)
 
 
 def _to_tp(module: nn.Module, cls: type, comm: Comm, mesh: DeviceMesh, weight_dim: int, bias_dim: int | None,
@@ -303,6 +348,10 @@ def apply_tensor_parallel(model: BertMLM, mesh: DeviceMesh, *, sequence_parallel
             sp_params += [f"layers.{i}.{m}.bias" for m in ("attn_out", "ffn_out") if getattr(layer, m).bias is not None]
         if sequence_parallel and not sp:  # the sparse head's last layer gathers the whole sequence first
             layer.register_forward_pre_hook(lambda m, args: (_Gather.apply(args[0], comm, True), *args[1:]))
+        if not sp:  # its hidden dropout acts on the replicated residual stream: one mask for the group
+            layer.dropout.__class__ = ReplicatedDropout
+    if not sequence_parallel and getattr(model, "dropout", None) is not None:
+        model.dropout.__class__ = ReplicatedDropout  # the embeddings' dropout, on the whole sequence
     vocab = cfg.vocab_size
     start = shard_start(vocab, comm.size, comm.rank)
     if model.word is not None:
@@ -324,6 +373,7 @@ def apply_tensor_parallel(model: BertMLM, mesh: DeviceMesh, *, sequence_parallel
             head = model.final_norm if model.final_norm is not None else model.head_dense
             if head is not None:
                 head.register_forward_pre_hook(lambda m, args: (_Gather.apply(args[0], comm, True),))
+    _replicate_the_rest(model, mesh)  # after the hooks above: the sequence-parallel ones run outside
     return comm, sp_params
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from labkit import train as train_mod
-from labkit.train import loop
+from labkit.train import loop, runtime
 from labkit.config import TrainConfig, from_dict
 from labkit.model import BertMLM, model_config
 from labkit.train import lr_at, train
@@ -146,7 +146,7 @@ def test_nonfinite_loss_raises_or_skips(shards, tmp_path, monkeypatch):
         loss_sum, n_masked, n_tokens = real(*args, **kwargs)
         return loss_sum * float("nan"), n_masked, n_tokens
 
-    monkeypatch.setattr(loop, "forward_backward", poisoned)
+    monkeypatch.setattr(runtime, "forward_backward", poisoned)  # what Runtime.forward_backward runs
     with pytest.raises(FloatingPointError, match="step 1: non-finite loss"):
         train(tiny_cfg(shards, tmp_path / "raise", max_steps=2))
     run = tmp_path / "skip"
@@ -370,7 +370,7 @@ def test_peak_memory_windows_keep_evaluation_and_checkpoints_apart(tmp_path, mon
     mem = FakeAllocator()
     monkeypatch.setattr(loop.measure, "reset_peak_memory", mem.reset)
     monkeypatch.setattr(loop.measure, "peak_memory_bytes", mem.read)
-    monkeypatch.setattr(loop, "forward_backward", mem.around(loop.forward_backward, 300))
+    monkeypatch.setattr(runtime, "forward_backward", mem.around(runtime.forward_backward, 300))
     from labkit.train import evaluation
 
     monkeypatch.setattr(evaluation, "evaluate", mem.around(evaluation.evaluate, 5000))

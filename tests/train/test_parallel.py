@@ -134,6 +134,8 @@ def _run_case(name: str, fields: dict, overrides: dict, world: int, rank: int) -
         out["losses"].append(total.item() / n_masked.item())
     out["params"] = {n: _full(p) for n, p in par.named_parameters()}
     out["split"] = (split.pp_rank, split.dp_rank, split.tp_rank)
+    out["plain"] = [n for n, p in par.named_parameters() if not isinstance(p, DTensor)]
+    out["fused"] = all(group.get("fused") for group in optimizer.param_groups)
     return out
 
 
@@ -249,6 +251,8 @@ def _check_cases(ranks: list[dict], cases: dict) -> None:
             assert worst["grad"] > 1e-2, (name, worst)  # the tp-dependent layout: silently wrong
             continue
         assert max(worst.values()) < 1e-5, (name, worst)
+        for r in ranks:  # with tp every parameter is a DTensor (Replicate() where not split): fused AdamW
+            assert r[name]["fused"] and (r[name]["plain"] == [] or fields.get("tp", 1) == 1), (name, r[name]["plain"])
         measures = ranks[0][name]["measures"]
         assert (measures["tp_comm_s"] is not None) == (fields.get("tp", 1) > 1), (name, measures)
         assert (measures["pipeline_bubble"] is not None) == (fields.get("pp", 1) > 1), (name, measures)
@@ -342,6 +346,8 @@ def test_train_tp2_matches_data_parallel_and_resumes_exactly(world2):
     assert max(abs(a["eval_loss"] - b["eval_loss"]) for a, b in zip(tp2, ref) if "eval_loss" in b) < 1e-5
     assert sum("eval_loss" in r for r in tp2) == 2
     assert all(r["tp_comm_s"] > 0 and r["pipeline_bubble"] is None and r["global_batch_size"] == 8 for r in tp2)
+    # one set of measures in every mode: at dp 1 no gradient collective runs over dp (comm_exposed_s 0.0)
+    assert all(r["comm_exposed_s"] == 0.0 and r["peak_mem_bytes"] > 0 for r in tp2)
     assert _losses(tmp / "part") == _losses(tmp / "tp2")  # stopped at 5, resumed: exact
     result = json.loads((tmp / "part" / "result.json").read_text())
     assert result["resumed_from_step"] == 5 and (result["tp"], result["pp"], result["dp"]) == (2, 1, 1)
@@ -391,11 +397,20 @@ def test_four_process_splits_match_one_process_and_train(world2, tmp_path):
     shards = world2["shards"]
     pp2 = _run_cfg(shards, tmp_path / "pp2dp2", pp=2, sharding="fsdp")
     part = dataclasses.replace(pp2, run_dir=str(tmp_path / "part"), stop_after=5)
-    ranks = _spawn(4, tmp_path, CASES_4, [_j(pp2), _j(part), _j(dataclasses.replace(part, stop_after=None))])
+    replicas = _run_cfg(shards, tmp_path / "pp2dp2-replicate", pp=2, sharding="replicate", max_steps=3,
+                        checkpoints=False, eval_every=0)
+    ranks = _spawn(4, tmp_path, CASES_4, [_j(pp2), _j(part), _j(dataclasses.replace(part, stop_after=None)),
+                                          _j(replicas)])
     _check_cases(ranks, CASES_4)
     ref, got = _records(world2["tmp"] / "dp2"), _records(tmp_path / "pp2dp2")
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(got, ref)) < 1e-5
     assert all(r["global_batch_size"] == 16 and 0 < r["pipeline_bubble"] < 1 for r in got)
+    # the dp collectives of a split run are timed as data parallelism's are: FSDP2's reduce-scatters,
+    # the replicas' all-reduce (comm_bytes: the fp32 gradients of the stage's parameters, or more)
+    for records in (got, _records(tmp_path / "pp2dp2-replicate")):
+        assert all(0 < r["comm_exposed_s"] <= r["step_time_s"] and r["comm_bytes"] > 0 for r in records)
+    result = json.loads((tmp_path / "pp2dp2" / "result.json").read_text())
+    assert result["comm_exposed_s"] > 0 and 0 < result["comm_exposed_fraction"] < 1
     assert _losses(tmp_path / "part") == _losses(tmp_path / "pp2dp2")
 
 
