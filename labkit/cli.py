@@ -24,6 +24,7 @@ import json
 import os
 import shlex
 import sys
+import textwrap
 
 EXAMPLES = {
     "prepare": "labkit prepare configs/walkthrough.toml --set corpus.max_functions=20000\n"
@@ -44,6 +45,14 @@ EXAMPLES = {
     "verify": "labkit verify work/demo/shards",
     "report": "labkit report notebooks/03_train.py work/demo/reports/03_train.html --param steps=20",
 }
+
+FACTORY_CONTRACT = (
+    "FACTORY(seq_len) -> (make_model, make_batch), called as FACTORY(seq_len=<--seq-len>), and with "
+    "vocab_size=<--vocab-size> too when that option is given (FACTORY must then name a vocab_size parameter); "
+    "make_model() returns a torch.nn.Module; make_batch(b) returns the keyword arguments of its forward for "
+    "micro-batch b, int64 input ids [b, seq_len] among them; the forward returns the scalar loss (a tensor, "
+    "or an object with .loss)")
+"""The ``--model-module`` factory's contract, as ``labkit plan --help`` and docs/measurement.md state it."""
 
 
 def _one_line(exc: BaseException) -> str:
@@ -267,14 +276,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with CONFIG: count what the step keeps (study.memory.plan_model; a minute or more on a CPU) "
                         "instead of the formula planner")
     p.add_argument("--out", default=None, help="with CONFIG: also write the JSON summary to this file")
-    p.add_argument("--top", type=int, default=8, help="splits shown")
+    p.add_argument("--top", type=int, default=None, help="splits shown (default 8)")
     p.add_argument("--json", action="store_true", help="one JSON object with the raw values (bytes) instead of tables")
-    g = p.add_argument_group("your own model (labkit.study.memory.plan_model: counted, not estimated)")
+    g = p.add_argument_group(
+        "your own model (labkit.study.memory.plan_model: counted, not estimated)", textwrap.fill(
+        "--model-module FILE.py:FACTORY counts your model and predicts its data-parallel scaling (--gpus, "
+        "--gpus-per-node, --network, --micro-batch; --json) from the counted parameters and FLOPs. "
+        "The factory's contract: " + FACTORY_CONTRACT + ". Example: tests/plain_encoder.py. --model, --top and "
+        "CONFIG's options are refused with it; --vocab-size is passed to the factory.", 100, break_on_hyphens=False))
     g.add_argument("--model-module", default=None, metavar="FILE.py:FACTORY",
                    help="FACTORY(seq_len=...) returns (make_model, make_batch); see tests/plain_encoder.py")
     g.add_argument("--budget-gb", type=float, default=None, help="with --model-module: memory per rank in GB (default: the device's)")
     g.add_argument("--sharding", default="ddp", choices=("none", "ddp", "zero1", "fsdp"))
-    g.add_argument("--dp", type=int, default=1, help="data-parallel ranks the state is sharded over")
+    g.add_argument("--dp", type=int, default=None,
+                   help="data-parallel ranks the state is sharded over (default: --gpus; 1 with --device cpu)")
     p.set_defaults(func=_command("plan"))
     p = _sub(sub, "export", "write a run's model, tokenizer and model card for transformers", debug)
     p.add_argument("run_dir")

@@ -197,7 +197,8 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
     Returns {"max_micro_batch", "capacity_bytes", "state_bytes", "state_terms",
     "activation_bytes_per_sequence", "activation_bytes_fixed", "activation_terms",
     "transient_bytes", "transient_terms", "total_bytes" (all three at the answer, b = 1 when
-    nothing fits), "flops_per_token", "flops_terms", "seq_len", "params", "method",
+    nothing fits), "flops_per_token", "flops_terms", "seq_len", "params", "params_before_blocks"
+    (``params_before_blocks``), "method",
     "corrections", "verified", and the inputs}. Bytes are bytes, FLOPs are forward + backward per
     position. Raises ValueError naming a bad argument; the model's own errors propagate.
     """
@@ -243,6 +244,7 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
             "precision": precision, "sharding": sharding, "dp": dp,
             "zero_stage": stage, "optimizer": optimizer,
             "optimizer_impl": impl, "seq_len": seq_len, "params": sum(p["numel"] for p in params),
+            "params_before_blocks": params_before_blocks(params),
             "max_micro_batch": int(b), "capacity_bytes": capacity, "reserve_bytes": reserve_bytes if gpu else 0,
             "state_bytes": state["total"], "state_terms": state,
             "activation_bytes_per_sequence": int(per_seq), "activation_bytes_fixed": int(fixed),
@@ -262,6 +264,19 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
                             "counter": "torch.utils.flop_counter.FlopCounterMode"},
             "method": run["method"], "fake_refused": run["fake_refused"], "corrections": corrections,
             "verified": verified}
+
+
+def params_before_blocks(params: list[dict[str, Any]]) -> int | None:
+    """Parameters defined before the model's first block (``parameter_table`` rows up to the first
+    with a ``unit``): its embeddings, whose gradients are ready last in backward, so DDP's bucket
+    holding them is reduced last (``labkit.study.scaling.model_scaling``). None for a model
+    without a ``ModuleList`` of blocks."""
+    n = 0
+    for p in params:
+        if p["unit"] is not None:
+            return n
+        n += p["numel"]
+    return None
 
 
 def _capacity(device: str, budget_bytes: int | None, reserve_bytes: int, sharding: str) -> int:
