@@ -261,6 +261,8 @@ def print_plan_model(p: dict[str, Any], *, label: str = "") -> None:
     print(f"FLOPs per token (forward + backward, FlopCounterMode): {p['flops_per_token']:,.0f}")
     for line in p["corrections"]:
         print(f"  corrected: {line}")
+    for line in p.get("not_modelled", ()):
+        print(f"  not modelled: {line}")
     if p["fake_refused"]:
         print(f"  CPU tensors because fake tensors could not run the model: {p['fake_refused']}")
 

@@ -208,6 +208,7 @@ def test_plan_of_a_users_model_honours_or_refuses_every_flag(tmp_path, capsys):
     assert "at micro-batch 7: " in out and "fits" in out
     assert "predicted data-parallel scaling over 100GbE, 4 GPUs per node, micro-batch 7," in out
     assert "│ 8      ┆ 2     ┆" in out  # 8 GPUs on 2 nodes
+    assert "not modelled: the CUDA context, cuBLAS workspaces, NCCL buffers" in out  # the count's limits, stated
     assert main(["plan", "--model-module", f"{user}:sized", *small, "--vocab-size", "123", "--json"]) == 0
     raw = json.loads(capsys.readouterr().out)
     heads, attn_out, ffn, norms = 2 * 3 * (32 * 16 + 16), 32 * 32 + 32, 32 * 64 + 64 + 64 * 32 + 32, 3 * 2 * 32
