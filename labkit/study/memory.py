@@ -365,7 +365,7 @@ def _not_modelled(count: dict, gpu: bool, *, precision: str, sharding: str, dp: 
     else:
         out.append("the CPU allocator's own heap (process RSS above the tensors' bytes): tensor bytes only")
     if dp > 1 and sharding != "none":
-        out.append(f"{sharding}'s communication buffers (DDP/NCCL) are not modelled")
+        out.append(f"{sharding} over {dp} ranks: the communication buffers (DDP/NCCL) are outside the count")
     out.append("a model that takes another path on CUDA (a CUDA-only kernel or extension) is counted on the path "
                "it takes on the CPU")
     return out
