@@ -188,13 +188,11 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
 def load_model_module(spec: str, **factory_kw) -> tuple[Any, Any]:
     """``(make_model, make_batch)`` from ``"FILE.py:FACTORY"``: the file is imported under its
     own name and ``FACTORY(**factory_kw)`` is called (``seq_len``, and ``vocab_size`` when asked;
-    ``FACTORY_CONTRACT``). ValueError naming the problem (no ':', no such function, a factory
+    ``labkit.cli.FACTORY_CONTRACT``). ValueError naming the problem (no ':', no such function, a factory
     whose signature cannot take ``factory_kw``, one that does not return two callables);
     FileNotFoundError for a missing file."""
     import importlib.util
     import inspect
-
-    from labkit.cli import FACTORY_CONTRACT
 
     path, sep, name = spec.rpartition(":")
     if not sep or not path or not name:
@@ -222,7 +220,7 @@ def load_model_module(spec: str, **factory_kw) -> tuple[Any, Any]:
         signature.bind(**factory_kw)
     except TypeError as err:
         raise ValueError(f"model_module: {name}{signature} cannot be called as {called} ({err}); "
-                         f"the contract: {FACTORY_CONTRACT.split(', called')[0]}") from None
+                         "the contract: FACTORY(seq_len) -> (make_model, make_batch), labkit plan --help") from None
     made = factory(**factory_kw)
     if not (isinstance(made, tuple) and len(made) == 2 and all(callable(f) for f in made)):
         raise ValueError(f"model_module: {name}() must return (make_model, make_batch), got {type(made).__name__}")

@@ -199,8 +199,9 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
     "transient_bytes", "transient_terms", "total_bytes" (all three at the answer, b = 1 when
     nothing fits), "flops_per_token", "flops_terms", "seq_len", "params", "params_before_blocks"
     (``params_before_blocks``), "method", "corrections" (what the count changed for the device),
-    "not_modelled" (what it leaves out, in words), "verified", and the inputs}. Bytes are bytes, FLOPs are forward + backward per
-    position. Raises ValueError naming a bad argument; the model's own errors propagate.
+    "not_modelled" (what it leaves out, in words), "verified", and the inputs}. Bytes are bytes,
+    FLOPs are forward + backward per position. Raises ValueError naming a bad argument; the
+    model's own errors propagate.
     """
     gpu = device != "cpu"
     capacity = _capacity(device, budget_bytes, reserve_bytes, sharding)
