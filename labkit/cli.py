@@ -24,6 +24,7 @@ import json
 import os
 import shlex
 import sys
+import textwrap
 
 EXAMPLES = {
     "prepare": "labkit prepare configs/walkthrough.toml --set corpus.max_functions=20000\n"
@@ -44,6 +45,14 @@ EXAMPLES = {
     "verify": "labkit verify work/demo/shards",
     "report": "labkit report notebooks/03_train.py work/demo/reports/03_train.html --param steps=20",
 }
+
+FACTORY_CONTRACT = (
+    "FACTORY(seq_len) -> (make_model, make_batch), called as FACTORY(seq_len=<--seq-len>), and with "
+    "vocab_size=<--vocab-size> too when that option is given (FACTORY must then name a vocab_size parameter); "
+    "make_model() returns a torch.nn.Module; make_batch(b) returns the keyword arguments of its forward for "
+    "micro-batch b, int64 input ids [b, seq_len] among them; the forward returns the scalar loss (a tensor, "
+    "or an object with .loss)")
+"""The ``--model-module`` factory's contract, as ``labkit plan --help`` and docs/measurement.md state it."""
 
 
 def _one_line(exc: BaseException) -> str:
@@ -204,6 +213,49 @@ def _sub(sub, name: str, help_text: str, debug_parent: argparse.ArgumentParser) 
                           epilog=f"example:\n  {EXAMPLES[name]}", formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+def _add_plan(sub, debug_parent: argparse.ArgumentParser) -> None:
+    """The ``labkit plan`` subcommand: a preset, a CONFIG file's run, or your own model
+    (``--model-module``, whose contract is ``FACTORY_CONTRACT``)."""
+    p = _sub(sub, "plan", "the planner's memory per GPU, parallel splits and scaling for a model and cluster",
+             debug_parent)
+    p.add_argument("config", nargs="?", default=None,
+                   help="plan this TOML file's [train] model on its [plan] cluster (configs/study.toml)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="with CONFIG: override one config key; repeatable")
+    p.add_argument("--model", default=None, help="model preset (labkit.model.MODEL_SIZES; default bert-120m)")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs in all (default 256)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="default 2")
+    p.add_argument("--seq-len", type=int, default=None, help="default 512, or CONFIG's [shards] seq_len")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="sequences per GPU per step (default 16, or CONFIG's micro_batch_size)")
+    p.add_argument("--device", default=None,
+                   help="a labkit.study.plan.DEVICES name, or cpu (with --model-module and --budget-gb); default H100 NVL")
+    p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32"),
+                   help="default bf16, or CONFIG's [train] precision")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="default: the study's vocabulary (with --model-module: FACTORY's vocab_size, if it takes one)")
+    p.add_argument("--network", default=None, help="a labkit.study.scaling.NETWORKS name (default 25GbE)")
+    p.add_argument("--count", action="store_true",
+                   help="with CONFIG: count what the step keeps (study.memory.plan_model; a minute or more on a CPU) "
+                        "instead of the formula planner")
+    p.add_argument("--out", default=None, help="with CONFIG: also write the JSON summary to this file")
+    p.add_argument("--top", type=int, default=None, help="splits shown (default 8)")
+    p.add_argument("--json", action="store_true", help="one JSON object with the raw values (bytes) instead of tables")
+    g = p.add_argument_group(
+        "your own model (labkit.study.memory.plan_model: counted, not estimated)", textwrap.fill(
+        "--model-module FILE.py:FACTORY counts your model and predicts its data-parallel scaling (--gpus, "
+        "--gpus-per-node, --network, --micro-batch; --json) from the counted parameters and FLOPs. "
+        "The factory's contract: " + FACTORY_CONTRACT + ". Example: tests/plain_encoder.py. --model, --top and "
+        "CONFIG's options are refused with it; --vocab-size is passed to the factory.", 100, break_on_hyphens=False))
+    g.add_argument("--model-module", default=None, metavar="FILE.py:FACTORY",
+                   help="FACTORY(seq_len=...) returns (make_model, make_batch); see tests/plain_encoder.py")
+    g.add_argument("--budget-gb", type=float, default=None, help="with --model-module: memory per rank in GB (default: the device's)")
+    g.add_argument("--sharding", default="ddp", choices=("none", "ddp", "zero1", "fsdp"))
+    g.add_argument("--dp", type=int, default=None,
+                   help="data-parallel ranks the state is sharded over (default: --gpus; 1 with --device cpu)")
+    p.set_defaults(func=_command("plan"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``labkit`` argument parser (every subcommand's ``--help`` ends with an example)."""
     debug = argparse.ArgumentParser(add_help=False)
@@ -246,36 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=8, help="parallel: optimiser steps per split")
     p.add_argument("--force", action="store_true", help="rerun points already in the sweep's table")
     p.set_defaults(func=_command("sweep"))
-    p = _sub(sub, "plan", "the planner's memory per GPU, parallel splits and scaling for a model and cluster", debug)
-    p.add_argument("config", nargs="?", default=None,
-                   help="plan this TOML file's [train] model on its [plan] cluster (configs/study.toml)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="with CONFIG: override one config key; repeatable")
-    p.add_argument("--model", default=None, help="model preset (labkit.model.MODEL_SIZES; default bert-120m)")
-    p.add_argument("--gpus", type=int, default=None, help="GPUs in all (default 256)")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="default 2")
-    p.add_argument("--seq-len", type=int, default=None, help="default 512, or CONFIG's [shards] seq_len")
-    p.add_argument("--micro-batch", type=int, default=None,
-                   help="sequences per GPU per step (default 16, or CONFIG's micro_batch_size)")
-    p.add_argument("--device", default=None,
-                   help="a labkit.study.plan.DEVICES name, or cpu (with --model-module and --budget-gb); default H100 NVL")
-    p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32"),
-                   help="default bf16, or CONFIG's [train] precision")
-    p.add_argument("--vocab-size", type=int, default=None, help="default: the study's vocabulary")
-    p.add_argument("--network", default=None, help="a labkit.study.scaling.NETWORKS name (default 25GbE)")
-    p.add_argument("--count", action="store_true",
-                   help="with CONFIG: count what the step keeps (study.memory.plan_model; a minute or more on a CPU) "
-                        "instead of the formula planner")
-    p.add_argument("--out", default=None, help="with CONFIG: also write the JSON summary to this file")
-    p.add_argument("--top", type=int, default=8, help="splits shown")
-    p.add_argument("--json", action="store_true", help="one JSON object with the raw values (bytes) instead of tables")
-    g = p.add_argument_group("your own model (labkit.study.memory.plan_model: counted, not estimated)")
-    g.add_argument("--model-module", default=None, metavar="FILE.py:FACTORY",
-                   help="FACTORY(seq_len=...) returns (make_model, make_batch); see tests/plain_encoder.py")
-    g.add_argument("--budget-gb", type=float, default=None, help="with --model-module: memory per rank in GB (default: the device's)")
-    g.add_argument("--sharding", default="ddp", choices=("none", "ddp", "zero1", "fsdp"))
-    g.add_argument("--dp", type=int, default=1, help="data-parallel ranks the state is sharded over")
-    p.set_defaults(func=_command("plan"))
+    _add_plan(sub, debug)
     p = _sub(sub, "export", "write a run's model, tokenizer and model card for transformers", debug)
     p.add_argument("run_dir")
     p.add_argument("out")

@@ -199,10 +199,12 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
 
 def load_model_module(spec: str, **factory_kw) -> tuple[Any, Any]:
     """``(make_model, make_batch)`` from ``"FILE.py:FACTORY"``: the file is imported under its
-    own name and ``FACTORY(**factory_kw)`` is called (e.g. ``seq_len``). ValueError naming the
-    problem (no ':', no such function, a factory that does not return two callables);
+    own name and ``FACTORY(**factory_kw)`` is called (``seq_len``, and ``vocab_size`` when asked;
+    ``labkit.cli.FACTORY_CONTRACT``). ValueError naming the problem (no ':', no such function, a factory
+    whose signature cannot take ``factory_kw``, one that does not return two callables);
     FileNotFoundError for a missing file."""
     import importlib.util
+    import inspect
 
     path, sep, name = spec.rpartition(":")
     if not sep or not path or not name:
@@ -220,6 +222,17 @@ def load_model_module(spec: str, **factory_kw) -> tuple[Any, Any]:
     factory = getattr(module, name, None)
     if not callable(factory):
         raise ValueError(f"model_module: {file} has no function {name!r}")
+    signature = inspect.signature(factory)
+    called = f"{name}({', '.join(f'{k}={v!r}' for k, v in factory_kw.items())})"
+    named = {n for n, prm in signature.parameters.items() if prm.kind is not prm.VAR_KEYWORD}
+    if "vocab_size" in factory_kw and "vocab_size" not in named:
+        raise ValueError(f"--vocab-size: {name}{signature} has no vocab_size parameter; set the vocabulary in "
+                         f"{name} or give it a vocab_size parameter")
+    try:
+        signature.bind(**factory_kw)
+    except TypeError as err:
+        raise ValueError(f"model_module: {name}{signature} cannot be called as {called} ({err}); "
+                         "the contract: FACTORY(seq_len) -> (make_model, make_batch), labkit plan --help") from None
     made = factory(**factory_kw)
     if not (isinstance(made, tuple) and len(made) == 2 and all(callable(f) for f in made)):
         raise ValueError(f"model_module: {name}() must return (make_model, make_batch), got {type(made).__name__}")
@@ -258,6 +271,8 @@ def print_plan_model(p: dict[str, Any], *, label: str = "") -> None:
     print(f"FLOPs per token (forward + backward, FlopCounterMode): {p['flops_per_token']:,.0f}")
     for line in p["corrections"]:
         print(f"  corrected: {line}")
+    for line in p.get("not_modelled", ()):
+        print(f"  not modelled: {line}")
     if p["fake_refused"]:
         print(f"  CPU tensors because fake tensors could not run the model: {p['fake_refused']}")
 
@@ -275,25 +290,87 @@ def plan(args) -> int:
     if getattr(args, "config", None):
         return plan_config(args)
     defaults = {"model": "bert-120m", "gpus": 256, "gpus_per_node": 2, "seq_len": 512, "micro_batch": 16,
-                "device": "H100 NVL", "precision": "bf16", "network": "25GbE"}
+                "device": "H100 NVL", "precision": "bf16", "network": "25GbE", "top": 8}
+    given = {key for key in defaults if getattr(args, key, None) is not None}
     for key, value in defaults.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     if getattr(args, "model_module", None):
-        from labkit.study.memory import plan_model
-
-        make_model, make_batch = load_model_module(args.model_module, seq_len=args.seq_len)
-        budget = int(args.budget_gb * 1e9) if args.budget_gb else None
-        p = plan_model(make_model, make_batch, device=args.device, precision=args.precision, budget_bytes=budget,
-                       sharding=args.sharding, dp=args.dp)
-        print_plan_model(p, label=f"{args.model_module}: ")
-        return 0
+        return plan_model_module(args, given)
     if getattr(args, "budget_gb", None) is not None or args.device == "cpu":
         raise ValueError("--budget-gb and --device cpu plan a counted model: give --model-module FILE.py:FACTORY "
                          "(a preset is planned for a device from the table, at that device's memory)")
     cfg = model_config(args.model, args.vocab_size or lp.STUDY_VOCAB,
                        max_position_embeddings=max(512, args.seq_len))
     print_plan(cfg, args, name=args.model)
+    return 0
+
+
+def plan_model_module(args, given: set[str]) -> int:
+    """``labkit plan --model-module FILE.py:FACTORY``: the user's model counted
+    (``labkit.study.memory.plan_model``) at ``args.seq_len`` on ``args.device``, sharded
+    ``args.sharding`` over ``args.dp`` ranks (default: ``args.gpus``), then the predicted
+    data-parallel scaling from 1 GPU to ``args.gpus`` over ``args.network`` from the counted
+    parameters and FLOPs per token (``labkit.study.scaling.model_scaling``, the presets' path) at
+    ``args.micro_batch`` (default: the counted largest one; a given one is also checked against
+    the memory). ``given``: the options set on the command line. Options that cannot apply are
+    refused in one line (ValueError): --model, --top (the dp x tp x pp splits need a preset's
+    layer shapes), CONFIG's --set/--count/--out, --vocab-size when the factory takes no
+    ``vocab_size``, and the scaling options with --device cpu (no peak FLOPs)."""
+    import polars as pl
+
+    from labkit.study import memory, scaling
+
+    refused = [flag for flag, on in (("--model", "model" in given), ("--top", "top" in given),
+                                     ("--set", bool(getattr(args, "set", None))),
+                                     ("--count", getattr(args, "count", False)),
+                                     ("--out", getattr(args, "out", None) is not None)) if on]
+    why = {"--model": "the model is FACTORY's", "--top": "the dp x tp x pp splits need a labkit preset's layer shapes",
+           "--set": "it overrides a CONFIG", "--count": "a FACTORY's model is always counted",
+           "--out": "it writes a CONFIG plan's summary (use --json)"}
+    if args.device == "cpu":
+        refused += [f"--{k.replace('_', '-')}" for k in ("gpus", "gpus_per_node", "network") if k in given]
+        why |= dict.fromkeys(("--gpus", "--gpus-per-node", "--network"),
+                             "the scaling table needs a GPU's peak FLOPs (give --device)")
+    if refused:
+        raise ValueError(f"{refused[0]}: does not apply with --model-module ({why[refused[0]]})")
+    kw = {"seq_len": args.seq_len}
+    if args.vocab_size is not None:
+        kw["vocab_size"] = args.vocab_size
+    make_model, make_batch = load_model_module(args.model_module, **kw)
+    budget = int(args.budget_gb * 1e9) if args.budget_gb else None
+    dp = args.dp if args.dp is not None else args.gpus if args.device != "cpu" else 1
+    p = memory.plan_model(make_model, make_batch, device=args.device, precision=args.precision, budget_bytes=budget,
+                          sharding=args.sharding, dp=dp)
+    batch = args.micro_batch if "micro_batch" in given else max(p["max_micro_batch"], 1)
+    at = {"micro_batch": batch, "total_bytes": memory.total_at(p, batch),
+          "fits": memory.total_at(p, batch) <= p["capacity_bytes"], "capacity_bytes": p["capacity_bytes"]}
+    table = None
+    if args.device != "cpu":
+        gpus = tuple(g for g in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if g <= args.gpus)
+        table = scaling.model_scaling(params=p["params"], flops_per_token=p["flops_per_token"], micro_batch=batch,
+                                      seq_len=p["seq_len"], device=args.device, gpus=gpus, network=args.network,
+                                      gpus_per_node=args.gpus_per_node, params_ready_last=p["params_before_blocks"])
+    if getattr(args, "json", False):
+        _print_json({"model_module": args.model_module, "plan": p, "at_micro_batch": at,
+                     "scaling": None if table is None else table.to_dicts(),
+                     "scaling_inputs": None if table is None else
+                     {"params": p["params"], "flops_per_token": p["flops_per_token"], "micro_batch": batch,
+                      "seq_len": p["seq_len"], "network": args.network, "gpus_per_node": args.gpus_per_node,
+                      "mfu": 0.4, "grad_dtype_bytes": 4, "params_ready_last": p["params_before_blocks"]}})
+        return 0
+    print_plan_model(p, label=f"{args.model_module}: ")
+    if "micro_batch" in given:
+        print(f"at micro-batch {batch}: {at['total_bytes'] / 1e9:.3f} GB of {at['capacity_bytes'] / 1e9:.3f} GB: "
+              + ("fits" if at["fits"] else "does NOT fit"))
+    if table is None:
+        print("no scaling table on --device cpu (it needs a GPU's peak FLOPs)")
+        return 0
+    print(f"\npredicted data-parallel scaling over {args.network}, {args.gpus_per_node} GPUs per node, micro-batch "
+          f"{batch}{'' if 'micro_batch' in given else ' (the largest that fits)'}, from the counted "
+          f"{p['params'] / 1e6:.1f} M parameters and {p['flops_per_token']:,.0f} FLOPs/token at 40 % MFU:")
+    _print_table(table.select("n_gpus", "nodes", pl.col("compute_s").round(4), pl.col("exposed_s").round(4),
+                              pl.col("step_s").round(4), pl.col("efficiency").round(3), "comm_hidden"))
     return 0
 
 

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import polars as pl
 
+from labkit.cluster.engines import call, interrupt_tasks
 from labkit.cluster.launch import train_on_cluster
 from labkit.data import made_by
 from labkit.data.prepared import preparation_report
@@ -61,14 +62,18 @@ def _wait_all(asyncs: list, desc: str, progress: bool, timeout: float | None = N
     deadline = None if timeout is None else time.monotonic() + timeout
     pending = set(asyncs)
     with _progress(len(pending), desc, progress) as bar:
-        while pending:  # wakes as soon as a task ends; at least once a second (Ctrl-C, deadline)
-            left = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
-            done, pending = futures.wait(pending, timeout=left, return_when=futures.FIRST_COMPLETED)
-            for ar in done:
-                ar.get()  # raises the engine's error, if any
-            bar.update(len(done))
-            if pending and deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"{desc}: {len(pending)} engine tasks unfinished after {timeout} s")
+        try:
+            while pending:  # wakes as soon as a task ends; at least once a second (Ctrl-C, deadline)
+                left = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
+                done, pending = futures.wait(pending, timeout=left, return_when=futures.FIRST_COMPLETED)
+                for ar in done:
+                    ar.get()  # raises the engine's error, if any
+                bar.update(len(done))
+                if pending and deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"{desc}: {len(pending)} engine tasks unfinished after {timeout} s")
+        except KeyboardInterrupt:  # Ctrl-C: the engines' tasks are stopped too
+            interrupt_tasks(list(asyncs))
+            raise
     return [ar.get() for ar in asyncs]
 
 
@@ -290,7 +295,7 @@ def build_tokenizer(client, cfg: TokenizerConfig, workdir: str, *, force: bool =
         return str(p["tokenizer"])
     stats.unlink(missing_ok=True)  # incomplete until the stats carry the new record
     p["tokenizer"].parent.mkdir(parents=True, exist_ok=True)
-    out = client[client.ids[0]].apply_sync(train_tokenizer, str(p["clean"]), cfg, str(p["tokenizer"]))
+    out = call(client[client.ids[0]], train_tokenizer, str(p["clean"]), cfg, str(p["tokenizer"]))
     atomic_write_json(stats, json.loads(stats.read_text()) | {"made_by": record}, indent=1)
     return out
 
@@ -355,10 +360,10 @@ def build_shards(client, cfg: ShardConfig, workdir: str, *, force: bool = False,
               for i, (s, e) in enumerate(plan_parts(n, rows))]
     parts = _wait_all(asyncs, "shards: encoding parts", progress)
     engine = client[client.ids[0]]
-    plan = engine.apply_sync(plan_shards, docs, tok, out, cfg, parts, groups=len(client.ids))
+    plan = call(engine, plan_shards, docs, tok, out, cfg, parts, groups=len(client.ids))
     done = _wait_all([view.apply_async(pack_group, plan, g) for g in range(len(plan["groups"]))],
                      "shards: packing groups", progress)
-    return engine.apply_sync(write_index, plan, done)
+    return call(engine, write_index, plan, done)
 
 
 def prepare(client, cfg, *, force: bool = False, progress: bool = True) -> dict:

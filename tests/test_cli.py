@@ -136,6 +136,96 @@ def test_plan_counts_a_model_defined_in_a_users_file(tmp_path, capsys):
     assert "FILE.py:FACTORY" in capsys.readouterr().err
 
 
+def test_plan_of_a_users_model_prints_json_with_its_scaling_table():
+    """`labkit plan --model-module tests/plain_encoder.py:factory --gpus 64 --network IB-NDR --json`
+    (issue 31): one JSON object; its scaling table is the presets' path (study.scaling.model_scaling,
+    which study_scaling also takes) fed the counted parameters and FLOPs, and the parameters are
+    the model's own."""
+    import pathlib
+
+    import polars as pl
+
+    from labkit.study import plan, scaling
+
+    root = pathlib.Path(__file__).parents[1]
+    proc = subprocess.run([sys.executable, "-m", "labkit.cli", "plan", "--model-module", "tests/plain_encoder.py:factory",
+                           "--gpus", "64", "--network", "IB-NDR", "--json"], capture_output=True, text=True, cwd=root,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    raw = json.loads(proc.stdout)
+    p = raw["plan"]
+    sys.path.insert(0, str(root / "tests"))
+    from plain_encoder import factory
+
+    model = factory(seq_len=512)[0]()
+    assert p["params"] == sum(t.numel() for t in model.parameters())
+    assert p["params_before_blocks"] == model.tok.weight.numel() + model.pos.weight.numel()
+    assert p["device"] == "H100 NVL" and p["dp"] == 64 and p["seq_len"] == 512
+    b = raw["at_micro_batch"]["micro_batch"]
+    assert b == p["max_micro_batch"] > 0 and raw["at_micro_batch"]["fits"]
+    table = pl.DataFrame(raw["scaling"])
+    assert table["n_gpus"].to_list() == [1, 2, 4, 8, 16, 32, 64]
+    want = scaling.efficiency_table(
+        compute_s=512 * b * p["flops_per_token"] / (0.4 * plan.device_info("H100 NVL")["peak_flops"]),
+        grad_bytes=4 * p["params"], tokens_per_step=512 * b, gpus=(1, 2, 4, 8, 16, 32, 64), network="IB-NDR",
+        gpus_per_node=2, last_bucket_bytes=max(4 * p["params_before_blocks"], min(scaling.BUCKET_BYTES, 4 * p["params"])))
+    for col in ("compute_s", "comm_s", "exposed_s", "step_s", "efficiency"):
+        assert table[col].to_list() == pytest.approx(want[col].to_list(), rel=1e-12), col
+    assert raw["scaling_inputs"]["network"] == "IB-NDR"
+
+
+def test_model_scaling_is_the_presets_path():
+    """study_scaling of a preset is model_scaling fed that preset's formula parameters and FLOPs."""
+    from labkit.model import count_parameters, flops_per_token, model_config
+    from labkit.study import plan, scaling
+
+    cfg = model_config("bert-120m", plan.STUDY_VOCAB, max_position_embeddings=512)
+    kw = {"micro_batch": 16, "seq_len": 512, "network": "IB-NDR", "gpus": (1, 8, 64), "gpus_per_node": 4}
+    preset = scaling.study_scaling("bert-120m", **kw)
+    h = cfg.hidden_size
+    embeddings = (cfg.vocab_size + cfg.type_vocab_size + cfg.max_position_embeddings) * h + 2 * h
+    counted = scaling.model_scaling(params=count_parameters(cfg)["total"], flops_per_token=flops_per_token(cfg, 512),
+                                    params_ready_last=embeddings, **kw)
+    assert preset.equals(counted)
+
+
+def test_plan_of_a_users_model_honours_or_refuses_every_flag(tmp_path, capsys):
+    """With --model-module: --micro-batch sets the scaling table's micro-batch and is checked
+    against the memory; --top, --model, --gpus on a CPU, --vocab-size for a factory without a
+    vocab_size parameter and a factory without seq_len are one line and exit 2."""
+    user = tmp_path / "my_model.py"
+    user.write_text("from plain_encoder import factory as plain\n"
+                    "def factory(seq_len):\n"
+                    "    return plain(seq_len=seq_len, vocab=300, hidden=32, layers=1, heads=2, ffn=64)\n"
+                    "def sized(seq_len, vocab_size):\n"
+                    "    return plain(seq_len=seq_len, vocab=vocab_size, hidden=32, layers=1, heads=2, ffn=64)\n"
+                    "def no_seq_len():\n"
+                    "    return plain(vocab=300, hidden=32, layers=1, heads=2, ffn=64)\n")
+    small = ["--seq-len", "32", "--precision", "fp32"]
+    assert main(["plan", "--model-module", f"{user}:factory", *small, "--gpus", "8", "--gpus-per-node", "4",
+                 "--network", "100GbE", "--micro-batch", "7"]) == 0
+    out = capsys.readouterr().out
+    assert "at micro-batch 7: " in out and "fits" in out
+    assert "predicted data-parallel scaling over 100GbE, 4 GPUs per node, micro-batch 7," in out
+    assert "│ 8      ┆ 2     ┆" in out  # 8 GPUs on 2 nodes
+    assert "not modelled: the CUDA context, cuBLAS workspaces, NCCL buffers" in out  # the count's limits, stated
+    assert main(["plan", "--model-module", f"{user}:sized", *small, "--vocab-size", "123", "--json"]) == 0
+    raw = json.loads(capsys.readouterr().out)
+    heads, attn_out, ffn, norms = 2 * 3 * (32 * 16 + 16), 32 * 32 + 32, 32 * 64 + 64 + 64 * 32 + 32, 3 * 2 * 32
+    tok, pos, decoder = 123 * 32, 512 * 32, 32 * 123 + 123  # vocab_size=123 reached the model; untied decoder
+    assert raw["plan"]["params"] == heads + attn_out + ffn + norms + tok + pos + decoder
+    assert raw["plan"]["params_before_blocks"] == tok + pos and len(raw["scaling"]) == 9  # 1..256 GPUs
+    for args, err in (([f"{user}:factory", "--top", "3"], "--top: does not apply with --model-module"),
+                      ([f"{user}:factory", "--model", "bert-120m"], "--model: does not apply"),
+                      ([f"{user}:factory", "--device", "cpu", "--budget-gb", "1", "--gpus", "8"],
+                       "--gpus: does not apply with --model-module (the scaling table needs a GPU's peak FLOPs"),
+                      ([f"{user}:factory", "--vocab-size", "99"], "--vocab-size: factory(seq_len) has no vocab_size"),
+                      ([f"{user}:no_seq_len"], "model_module: no_seq_len() cannot be called as no_seq_len(seq_len=32)")):
+        assert main(["plan", "--model-module", *args, "--seq-len", "32"]) == 2
+        got = capsys.readouterr().err
+        assert err in got and len(got.strip().splitlines()) == 1, got
+
+
 def _notebook(path, *cells):
     import nbformat
 

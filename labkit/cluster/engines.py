@@ -1,4 +1,5 @@
-"""ipyparallel clusters: start (local, Slurm, MPI), reconnect, restart, stop, logs.
+"""ipyparallel clusters: start (local, Slurm, MPI), reconnect, restart, stop, logs, and blocking
+calls that Ctrl-C interrupts (``call``, ``wait_results``).
 
 Clusters are started with ipyparallel's own launchers: local engines, `SlurmEngineSetLauncher`
 with a labkit `batch_template` (one engine per GPU on each node, `#SBATCH --export=ALL` kept,
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from concurrent import futures
 import os
 import pathlib
 import signal
@@ -38,6 +40,67 @@ STALE_ENGINE_WAIT_S = 10.0
 """restart_engines waits up to this long for killed engines to unregister themselves; those
 still registered then (their node is unreachable) are unregistered by labkit."""
 _LAUNCHERS = {"local": "LocalEngineSetLauncher", "slurm": "SlurmEngineSetLauncher", "mpi": "MPIEngineSetLauncher"}
+
+
+INTERRUPT_WAIT_S = 10.0
+"""After Ctrl-C, ``wait_results`` waits up to this long for the interrupted engines' tasks to end."""
+
+
+# ---------------------------------------------------------------- blocking calls Ctrl-C interrupts
+
+
+def interrupt_tasks(ars: list) -> None:
+    """Stop the work of ipyparallel AsyncResults ``ars`` that are not done: queued tasks are
+    aborted (``Client.abort``), and the engines running them get SIGINT (``Client.send_signal``,
+    through each engine's nanny), so a Python task raises KeyboardInterrupt there. The engines
+    of a direct view's tasks are known (``AsyncResult._targets``); a load-balanced task's engine
+    is not, so every engine of the client gets SIGINT (an idle engine ignores it). Then waits up
+    to ``INTERRUPT_WAIT_S`` for the tasks to end. Errors of the cluster are suppressed: the
+    caller is already handling an interrupt."""
+    pending = [ar for ar in ars if not ar.ready()]
+    if not pending:
+        return
+    client = pending[0]._client
+    targets: set[int] = set()
+    for ar in pending:
+        known = ar._targets if isinstance(ar._targets, (list, tuple)) else [ar._targets]
+        if any(t is None for t in known) or not known:
+            targets.update(client.ids)
+        else:
+            targets.update(t for t in known if isinstance(t, int))
+        with contextlib.suppress(Exception):
+            ar.abort()
+    with contextlib.suppress(Exception):
+        client.send_signal(signal.SIGINT, targets=sorted(t for t in targets if t in client.ids), block=False)
+    with contextlib.suppress(Exception):
+        futures.wait(pending, timeout=INTERRUPT_WAIT_S)
+
+
+def wait_results(ars: list, *, poll: float = 1.0) -> list:
+    """The results of ipyparallel AsyncResults ``ars`` (``concurrent.futures.Future``s), in order,
+    waiting so that Ctrl-C is never lost: ipyparallel's blocking ``apply_sync`` catches
+    KeyboardInterrupt and returns the AsyncResult instead (ipyparallel/client/view.py,
+    ``_really_apply``), here a KeyboardInterrupt stops the engines' work (``interrupt_tasks``)
+    and is raised again. The first engine error is raised when its task ends
+    (``ipyparallel.error.RemoteError``)."""
+    pending = set(ars)
+    try:
+        while pending:  # wakes at least every ``poll`` s, so the signal's KeyboardInterrupt lands here
+            done, pending = futures.wait(pending, timeout=poll, return_when=futures.FIRST_COMPLETED)
+            for ar in done:
+                ar.get()
+        return [ar.get() for ar in ars]
+    except KeyboardInterrupt:
+        interrupt_tasks(list(ars))
+        raise
+
+
+def call(view, fn, *args, **kwargs) -> Any:
+    """``view.apply_sync(fn, *args, **kwargs)`` that Ctrl-C interrupts: the task is submitted with
+    ``apply_async`` and waited for by ``wait_results`` (KeyboardInterrupt raised, the engine's work
+    stopped). ``view``: a DirectView (``client[engine_id]``) or a LoadBalancedView. Returns fn's
+    result; the engine's error is raised as ``ipyparallel.error.RemoteError``."""
+    return wait_results([view.apply_async(fn, *args, **kwargs)])[0]
 
 
 # ---------------------------------------------------------------- Slurm batch script
@@ -338,7 +401,8 @@ def stop_cluster(cluster: ipp.Cluster) -> None:
 
     ipyparallel logs each engine's whole output when it stops (a WARNING, as stopped engines exit
     by signal); that is quietened here
-    (a notebook's last cell would otherwise end in a log dump). ``engine_logs`` keeps it."""
+    (a notebook's last cell would otherwise end in a log dump). ``engine_logs`` keeps it. The
+    processes this host's engines started (their nannies) are ended too, so none outlives the call."""
     import logging
 
     client = getattr(cluster, "_labkit_client", None)
@@ -350,15 +414,46 @@ def stop_cluster(cluster: ipp.Cluster) -> None:
     levels = {key: lg.level for key, lg in logs.items()}
     for lg in logs.values():  # stopped engines exit by signal, which ipyparallel logs as a WARNING
         lg.setLevel(logging.ERROR)
+    helpers = _engine_children(cluster)
     try:
         cluster.stop_cluster_sync()
     finally:
         for key, lg in logs.items():
             lg.setLevel(levels[key])
+    _end_processes(helpers)
     try:
         _settings_path(cluster).unlink()
     except FileNotFoundError:
         pass
+
+
+def _engine_children(cluster: ipp.Cluster) -> list:
+    """The processes this host's engine processes started: ipyparallel's nanny, one per engine
+    (ipyparallel/engine/nanny.py). None for engines on other hosts (Slurm)."""
+    import psutil
+
+    procs = []
+    for engine_set in getattr(cluster, "engines", {}).values():
+        for launcher in getattr(engine_set, "launchers", {}).values():
+            with contextlib.suppress(Exception):
+                procs += psutil.Process(launcher.pid).children(recursive=True)
+    return procs
+
+
+def _end_processes(procs: list, wait_s: float = 1.0) -> None:
+    """Wait up to ``wait_s`` for ``procs`` to exit, then end the rest (SIGTERM, SIGKILL after 3 s).
+    A nanny outlives its stopped engine by up to 3 s while it tries to unregister the engine from
+    the controller that was stopped with it (its socket's LINGER)."""
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=wait_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(alive, timeout=3.0)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
 
 
 def engine_logs(cluster: ipp.Cluster) -> dict[str, str]:

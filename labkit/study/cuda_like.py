@@ -2,7 +2,14 @@
 
 torch's CPU build cannot trace CUDA tensors through autograd (a fake ``cuda:0`` tensor that needs
 a gradient aborts the process), so the CPU count is made to keep what CUDA keeps where the two
-differ for a training step, each choice from torch's own source:
+differ for a training step, each choice from torch's own source. Dropout and attention are
+replaced at the dispatcher, as kernels of the aten ops ``aten::dropout`` and
+``aten::scaled_dot_product_attention`` for the AutogradCPU key (above autograd, so autograd saves
+what the replacement saves), registered while a ``CudaLike`` is active: every call reaches them,
+``F.dropout`` and ``F.scaled_dot_product_attention`` as much as the ones inside C++ or Python
+composites (``F.multi_head_attention_forward``, hence ``nn.MultiheadAttention`` and
+``nn.TransformerEncoderLayer``; the math attention path's own dropout). The fp32 autocast ops are
+cast up by the Python function called (a ``TorchFunctionMode``).
 
 - dropout: CUDA's fused kernel (``native_dropout``) keeps a 1-byte bool mask; CPU's keeps a mask
   in the compute dtype (aten/src/ATen/native/Dropout.cpp, ``is_fused_kernel_acceptable``);
@@ -18,6 +25,7 @@ Limits: docs/measurement.md, "Counting a model".
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -63,8 +71,8 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, kernel, dropout_p, is_causal, scale, enable_gqa):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=is_causal,
-                                             scale=scale, enable_gqa=enable_gqa)
+        # the op's own composite kernel (CPU's choice of path), past the AutogradCPU kernel CudaLike registers
+        out = _SDPA.decompose(q, k, v, mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
         rows = q.shape[-2] if kernel == "flash" else 32 * math.ceil(q.shape[-2] / 32)
         lse = torch.empty(*q.shape[:-2], rows, dtype=torch.float32, device=q.device)
         ctx.save_for_backward(q, k, v, out, lse, *([mask] if isinstance(mask, torch.Tensor) else []))
@@ -76,21 +84,26 @@ class _FusedAttention(torch.autograd.Function):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None, None, None, None
 
 
-def _sdpa_args(args, kwargs):
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    defaults = (None, None, None, None, 0.0, False, None, False)
-    got = dict(zip(names, defaults)) | dict(zip(names, args)) | kwargs
-    return [got[n] for n in names]
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_DROPOUT = torch.ops.aten.dropout.default
 
 
 class CudaLike(TorchFunctionMode):
     """Make a CPU forward keep what the same forward keeps on a CUDA GPU (see the module
-    docstring). Intercepts, by the Python function called: ``F.dropout`` (training) ->
-    ``torch.native_dropout`` (1-byte bool mask, as CUDA's ``is_fused_kernel_acceptable`` path in
-    aten/src/ATen/native/Dropout.cpp); ``F.scaled_dot_product_attention`` -> ``_FusedAttention``
-    when ``cuda_attention_kernel`` is flash or efficient (math stays math); and, while autocast is
-    on, ``CUDA_FP32_OPS`` with their 16-bit floating inputs cast to fp32. ``kernels`` lists the
-    attention kernel chosen per SDPA call."""
+    docstring). While active, two aten ops get a kernel for the AutogradCPU dispatch key
+    (``torch.library``; removed on exit): ``aten::dropout`` in training with 0 < p < 1 ->
+    ``aten::native_dropout`` (1-byte bool mask, as CUDA's ``is_fused_kernel_acceptable`` path in
+    aten/src/ATen/native/Dropout.cpp); ``aten::scaled_dot_product_attention`` -> ``_FusedAttention``
+    when ``cuda_attention_kernel`` is flash or efficient (math stays CPU's composite, whose own
+    dropout then takes the first kernel). Autocast has cast SDPA's inputs before the AutogradCPU
+    key (its AutocastCPU kernel runs first), as CUDA's does. As a ``TorchFunctionMode``, while
+    autocast is on, it casts the 16-bit floating inputs of ``CUDA_FP32_OPS`` up to fp32.
+    ``kernels`` lists the attention kernel chosen per SDPA call, ``dropouts`` counts the dropout
+    calls given CUDA's mask, ``upcast`` names the ops cast up. Not thread-safe: the kernels are
+    the process's while it is active (one ``CudaLike`` at a time; nested ones share them)."""
+
+    _active: list["CudaLike"] = []
+    _library: Any = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -98,26 +111,54 @@ class CudaLike(TorchFunctionMode):
         self.dropouts = 0
         self.upcast: set[str] = set()
 
+    def __enter__(self):
+        if not CudaLike._active:
+            lib = torch.library.Library("aten", "IMPL")
+            lib.impl("dropout", CudaLike._dropout, "AutogradCPU")
+            lib.impl("scaled_dot_product_attention", CudaLike._attention, "AutogradCPU")
+            CudaLike._library = lib
+        CudaLike._active.append(self)
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._release()
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        CudaLike._active.remove(self)
+        if not CudaLike._active:
+            CudaLike._library._destroy()
+            CudaLike._library = None
+
+    @staticmethod
+    def _dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+        """``aten::dropout`` as CUDA runs it: the fused ``native_dropout`` (bool mask) in training
+        for 0 < p < 1 and a non-empty input, else the op's own composite kernel."""
+        if train and 0.0 < p < 1.0 and input.numel() > 0:
+            CudaLike._active[-1].dropouts += 1
+            return torch.ops.aten.native_dropout.default(input, p, True)[0]
+        return _DROPOUT.decompose(input, p, train)
+
+    @staticmethod
+    def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+                   enable_gqa=False):
+        """``aten::scaled_dot_product_attention`` as CUDA runs it (``cuda_attention_kernel``)."""
+        kernel = cuda_attention_kernel(query, key, value, attn_mask)
+        CudaLike._active[-1].kernels.append(kernel)
+        if kernel == "math":
+            return _SDPA.decompose(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                   enable_gqa=enable_gqa)
+        return _FusedAttention.apply(query, key, value, attn_mask, kernel, dropout_p, is_causal, scale, enable_gqa)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.dropout:
-            names = ("input", "p", "training", "inplace")
-            got = dict(zip(names, (None, 0.5, True, False))) | dict(zip(names, args)) | kwargs
-            if got["training"] and 0.0 < got["p"] < 1.0 and not got["inplace"]:
-                self.dropouts += 1
-                return torch.native_dropout(got["input"], got["p"], True)[0]
-        elif func is F.scaled_dot_product_attention:
-            q, k, v, mask, p, causal, scale, gqa = _sdpa_args(args, kwargs)
-            dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
-            if dtype is not None:  # autocast casts SDPA's floating inputs first (lower-precision op)
-                q, k, v = (t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
-                mask = mask.to(dtype) if isinstance(mask, torch.Tensor) and mask.is_floating_point() else mask
-            kernel = cuda_attention_kernel(q, k, v, mask)
-            self.kernels.append(kernel)
-            if kernel != "math":
-                with torch.autocast("cpu", enabled=False):
-                    return _FusedAttention.apply(q, k, v, mask, kernel, p, causal, scale, gqa)
-        elif torch.is_autocast_enabled("cpu") and getattr(func, "__name__", "") in CUDA_FP32_OPS:
+        if torch.is_autocast_enabled("cpu") and getattr(func, "__name__", "") in CUDA_FP32_OPS:
             up = (lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16)
                   else t)
             if any(isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16)
@@ -125,5 +166,3 @@ class CudaLike(TorchFunctionMode):
                 self.upcast.add(func.__name__)
             args, kwargs = tuple(up(a) for a in args), {k: up(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)
-
-

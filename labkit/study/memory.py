@@ -197,9 +197,11 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
     Returns {"max_micro_batch", "capacity_bytes", "state_bytes", "state_terms",
     "activation_bytes_per_sequence", "activation_bytes_fixed", "activation_terms",
     "transient_bytes", "transient_terms", "total_bytes" (all three at the answer, b = 1 when
-    nothing fits), "flops_per_token", "flops_terms", "seq_len", "params", "method",
-    "corrections", "verified", and the inputs}. Bytes are bytes, FLOPs are forward + backward per
-    position. Raises ValueError naming a bad argument; the model's own errors propagate.
+    nothing fits), "flops_per_token", "flops_terms", "seq_len", "params", "params_before_blocks"
+    (``params_before_blocks``), "method", "corrections" (what the count changed for the device),
+    "not_modelled" (what it leaves out, in words), "verified", and the inputs}. Bytes are bytes,
+    FLOPs are forward + backward per position. Raises ValueError naming a bad argument; the
+    model's own errors propagate.
     """
     gpu = device != "cpu"
     capacity = _capacity(device, budget_bytes, reserve_bytes, sharding)
@@ -238,11 +240,14 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
     near = lines[-1]
     held_per_seq, held_fixed = _linear({n: cache[n] for n in near["at"]}, "held_bytes", near["at"])
     corrections = _corrections(counts[FIT_AT[0]], gpu, mixed is not None)
+    not_modelled = _not_modelled(counts[FIT_AT[0]], gpu, precision=precision, sharding=sharding, dp=dp,
+                                 reserve_bytes=reserve_bytes)
     seq_len = counts[FIT_AT[0]]["tokens"] // FIT_AT[0]
     return {"model": name or run["model_class"], "device": device,
             "precision": precision, "sharding": sharding, "dp": dp,
             "zero_stage": stage, "optimizer": optimizer,
             "optimizer_impl": impl, "seq_len": seq_len, "params": sum(p["numel"] for p in params),
+            "params_before_blocks": params_before_blocks(params),
             "max_micro_batch": int(b), "capacity_bytes": capacity, "reserve_bytes": reserve_bytes if gpu else 0,
             "state_bytes": state["total"], "state_terms": state,
             "activation_bytes_per_sequence": int(per_seq), "activation_bytes_fixed": int(fixed),
@@ -261,7 +266,20 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
             "flops_terms": {"fwd_bwd_flops": run["flops"], "positions": run["flops_tokens"],
                             "counter": "torch.utils.flop_counter.FlopCounterMode"},
             "method": run["method"], "fake_refused": run["fake_refused"], "corrections": corrections,
-            "verified": verified}
+            "not_modelled": not_modelled, "verified": verified}
+
+
+def params_before_blocks(params: list[dict[str, Any]]) -> int | None:
+    """Parameters defined before the model's first block (``parameter_table`` rows up to the first
+    with a ``unit``): its embeddings, whose gradients are ready last in backward, so DDP's bucket
+    holding them is reduced last (``labkit.study.scaling.model_scaling``). None for a model
+    without a ``ModuleList`` of blocks."""
+    n = 0
+    for p in params:
+        if p["unit"] is not None:
+            return n
+        n += p["numel"]
+    return None
 
 
 def _capacity(device: str, budget_bytes: int | None, reserve_bytes: int, sharding: str) -> int:
@@ -330,6 +348,27 @@ def _corrections(count: dict, gpu: bool, mixed: bool) -> list[str]:
     if mixed:
         out.append("fsdp bf16: the forward runs on bf16 parameters (FSDP's MixedPrecisionPolicy): no autocast "
                    "weight copies, gathered units instead")
+    return out
+
+
+def _not_modelled(count: dict, gpu: bool, *, precision: str, sharding: str, dp: int, reserve_bytes: int) -> list[str]:
+    """What the count leaves out for this plan, in words (docs/measurement.md, "Counting a model",
+    Limits), so the answer states it where it is read."""
+    out = []
+    if gpu:
+        out.append(f"the CUDA context, cuBLAS workspaces, NCCL buffers and the caching allocator's rounding and "
+                   f"fragmentation: outside the count ({reserve_bytes / 2**30:.2f} GiB reserved off the device)")
+        if precision != "fp32":
+            out.append("autocast: an fp32 op called inside a C++ composite, and CUDA-only 16-bit ops (addmv, addr, "
+                       "mv, RNN cells), stay as CPU's autocast leaves them")
+        if "flash" in count["attention_kernels"]:
+            out.append("flash attention: its padding of head dims to a multiple of 8 and its random-number state")
+    else:
+        out.append("the CPU allocator's own heap (process RSS above the tensors' bytes): tensor bytes only")
+    if dp > 1 and sharding != "none":
+        out.append(f"{sharding} over {dp} ranks: the communication buffers (DDP/NCCL) are outside the count")
+    out.append("a model that takes another path on CUDA (a CUDA-only kernel or extension) is counted on the path "
+               "it takes on the CPU")
     return out
 
 

@@ -196,16 +196,38 @@ def study_scaling(model: str, *, micro_batch: int, seq_len: int = 512, device: s
     MLM decoder at every position with the dense head (``sparse_head=False``), at the masked
     fraction ``mlm_probability`` with the sparse one; None keeps ``ModelConfig``'s default head."""
     from labkit.model import count_parameters, flops_per_token, model_config
-    from labkit.study.plan import STUDY_VOCAB, device_info
+    from labkit.study.plan import STUDY_VOCAB
 
     head = {} if sparse_head is None else {"sparse_head": sparse_head}
     cfg = model_config(model, vocab_size or STUDY_VOCAB, max_position_embeddings=max(512, seq_len), **head)
     fpt = flops_per_token(cfg, seq_len, mlm_probability=mlm_probability)
-    compute = step_time_1 or compute_time(fpt, seq_len=seq_len, micro_batch=micro_batch,
-                                          peak_flops=device_info(device)["peak_flops"], mfu=mfu)
-    grad_bytes = grad_dtype_bytes * count_parameters(cfg)["total"]
     kw.setdefault("last_bucket_bytes", embedding_bucket_bytes(cfg, grad_dtype_bytes=grad_dtype_bytes,
                                                               bucket_bytes=kw.get("bucket_bytes", BUCKET_BYTES)))
+    return model_scaling(params=count_parameters(cfg)["total"], flops_per_token=fpt, micro_batch=micro_batch,
+                         seq_len=seq_len, device=device, mfu=mfu, grad_dtype_bytes=grad_dtype_bytes,
+                         step_time_1=step_time_1, **kw)
+
+
+def model_scaling(*, params: int, flops_per_token: float, micro_batch: int, seq_len: int,
+                  device: str = "H100 NVL", mfu: float = 0.4, grad_dtype_bytes: int = 4,
+                  step_time_1: float | None = None, params_ready_last: int | None = None, **kw):
+    """``efficiency_table`` of any model from its parameter count and its forward + backward
+    FLOPs per token (``labkit.study.memory.plan_model`` counts both; ``study_scaling`` gives a
+    preset's from the formulas): compute from ``step_time_1`` when measured, else tokens x
+    FLOPs/token at ``mfu`` of ``device``'s peak (``compute_time``); all ``params`` gradients
+    all-reduced at ``grad_dtype_bytes`` each. ``params_ready_last``: the parameters defined
+    before the model's first block (its embeddings), whose bucket DDP reduces last
+    (``embedding_bucket_bytes``): exposed as max(their bytes, one bucket or all gradients);
+    None leaves ``last_bucket_bytes`` in ``kw`` (or the remainder bucket). ``kw`` go to
+    ``step_time``. Raises ValueError for an unknown device or network."""
+    from labkit.study.plan import device_info
+
+    compute = step_time_1 or compute_time(flops_per_token, seq_len=seq_len, micro_batch=micro_batch,
+                                          peak_flops=device_info(device)["peak_flops"], mfu=mfu)
+    grad_bytes = grad_dtype_bytes * params
+    if params_ready_last is not None:
+        kw.setdefault("last_bucket_bytes", max(float(grad_dtype_bytes * params_ready_last),
+                                               min(float(kw.get("bucket_bytes", BUCKET_BYTES)), float(grad_bytes))))
     return efficiency_table(compute_s=compute, grad_bytes=grad_bytes, tokens_per_step=seq_len * micro_batch, **kw)
 
 

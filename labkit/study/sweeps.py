@@ -21,6 +21,7 @@ from pathlib import Path
 
 import polars as pl
 
+from labkit.cluster.engines import call
 from labkit.cluster.launch import train_on_cluster
 from labkit.config import TrainConfig, to_dict
 from labkit.data import made_by
@@ -41,7 +42,7 @@ already occupied every core, so the point's throughput is low by an unknown amou
 def machine_load() -> dict:
     """This host's load: {"load_avg_1m", "load_avg_5m" (os.getloadavg: runnable + waiting tasks,
     averaged over 1 and 5 minutes), "cpu_count" (CPUs this process may use, sched_getaffinity)}.
-    Runs on an engine in the sweeps (``client[id].apply_sync(machine_load)``)."""
+    Runs on an engine in the sweeps (``call(client[id], machine_load)``)."""
     import os
 
     one, five, _ = os.getloadavg()
@@ -51,7 +52,7 @@ def machine_load() -> dict:
 
 def _load_columns(client, engine_id: int) -> dict:
     """``machine_load`` of an engine's host plus ``busy`` (load_avg_1m >= BUSY_LOAD_PER_CPU x cpu_count)."""
-    load = client[engine_id].apply_sync(machine_load)
+    load = call(client[engine_id], machine_load)
     return load | {"busy": load["load_avg_1m"] >= BUSY_LOAD_PER_CPU * load["cpu_count"]}
 
 
@@ -176,7 +177,8 @@ def _engine_memory() -> dict:
 
 
 def _search(engine, fn, *args, name: str, before: dict, engine_id: int):
-    """``engine.apply_sync(fn, *args)``; an engine that dies under it raises RuntimeError saying how
+    """``engine.apply_sync(fn, *args)`` that Ctrl-C interrupts (``labkit.cluster.engines.call``); an
+    engine that dies under it raises RuntimeError saying how
     (the signal; probably out of memory when the kernel says so: ``engine_watch.death_cause``)."""
     import socket
 
@@ -185,7 +187,7 @@ def _search(engine, fn, *args, name: str, before: dict, engine_id: int):
     from labkit.cluster.engine_watch import death_cause
 
     try:
-        return engine.apply_sync(fn, *args)
+        return call(engine, fn, *args)
     except EngineError as err:
         cause = death_cause(before["pid"], local=before["hostname"] == socket.gethostname(),
                             oom_kills_before=before["oom_kills"])
@@ -217,7 +219,7 @@ def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: in
         if _reusable("micro-batch", name, old, settings):
             continue
         rows = [r for r in rows if r is not old]
-        before = engine.apply_sync(_engine_memory)
+        before = call(engine, _engine_memory)
         if budget_bytes is None:
             rep = _search(engine, gpu.max_micro_batch_cuda, mcfg, seq_len, name=name, before=before, engine_id=eid)
             rep |= {"state_bytes": memory.model_state_bytes(mcfg), "act_bytes_per_sample": None}
@@ -276,9 +278,9 @@ def sweep_loader_workers(client, workdir: str, *, batch_size: int, step_time_s: 
         data_dir = next(iter(staged.values()))["path"]
     if todo:
         load = _load_columns(client, client.ids[0])
-        table = client[client.ids[0]].apply_sync(sweep_loader, data_dir, batch_size=batch_size,
-                                                 step_time_s=step_time_s, workers=todo, n_batches=n_batches,
-                                                 gpu_index=None, **kw)
+        table = call(client[client.ids[0]], sweep_loader, data_dir, batch_size=batch_size,
+                     step_time_s=step_time_s, workers=todo, n_batches=n_batches,
+                     gpu_index=None, **kw)
         rows += [r | {"batch_size": batch_size, "step_time_s_planned": step_time_s} | load | _point(settings)
                  for r in table.drop("knee").to_dicts()]
     df = pl.DataFrame(rows, infer_schema_length=None).sort("batch_size", "step_time_s_planned", "num_workers")

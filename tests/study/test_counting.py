@@ -141,6 +141,66 @@ def test_cuda_like_count_equals_the_cuda_terms_of_the_formula():
             assert (c["param_cast_bytes"] > 0) == (precision == "bf16")
 
 
+class _Encoder(torch.nn.Module):
+    """Post-LN encoder of ``torch.nn.TransformerEncoderLayer`` blocks (``sdpa=False``), or the same
+    model written by hand on ``F.scaled_dot_product_attention`` (``sdpa=True``): the same packed
+    in-projection, attention dropout, output projection, two residual dropouts, ReLU FFN with its
+    dropout and two LayerNorms, so a CUDA GPU keeps the same bytes for both."""
+
+    def __init__(self, sdpa: bool, *, vocab: int = 300, hidden: int = 128, heads: int = 4, ffn: int = 256,
+                 layers: int = 2, p: float = 0.1) -> None:
+        super().__init__()
+        self.sdpa, self.heads, self.p = sdpa, heads, p
+        self.emb = torch.nn.Embedding(vocab, hidden)
+        self.layers = torch.nn.ModuleList(torch.nn.TransformerEncoderLayer(hidden, heads, ffn, dropout=p,
+                                                                           batch_first=True) for _ in range(layers))
+        self.out = torch.nn.Linear(hidden, vocab)
+
+    def _block(self, layer, x):
+        import torch.nn.functional as F
+
+        b, t, h = x.shape
+        a = layer.self_attn
+        q, k, v = F.linear(x, a.in_proj_weight, a.in_proj_bias).view(b, t, 3, self.heads, h // self.heads) \
+            .permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p).transpose(1, 2).reshape(b, t, h)
+        x = layer.norm1(x + layer.dropout1(a.out_proj(o)))
+        return layer.norm2(x + layer.dropout2(layer.linear2(layer.dropout(F.relu(layer.linear1(x))))))
+
+    def forward(self, input_ids, labels):
+        x = self.emb(input_ids)
+        for layer in self.layers:
+            x = self._block(layer, x) if self.sdpa else layer(x)
+        return torch.nn.functional.cross_entropy(self.out(x).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_transformer_encoder_layer_counts_as_its_sdpa_twin_on_the_cuda_path(precision):
+    """``nn.TransformerEncoderLayer`` reaches SDPA inside ``F.multi_head_attention_forward``; the
+    count replaces attention at the aten op, so it keeps CUDA's fused kernel's bytes as the same
+    model calling ``F.scaled_dot_product_attention`` does (issue 31: 320 MB vs 106 MB per
+    sequence before): activation bytes per sequence within 5 % (they are equal). On CPU's own
+    path the two differ (the dropout in attention takes CPU's math path: s x s scores and mask)."""
+    seq = 128
+
+    def make_batch(b: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 300, (b, seq), generator=torch.Generator().manual_seed(0))
+        return {"input_ids": ids, "labels": ids}
+
+    per_seq = {}
+    for cuda in (True, False):
+        for sdpa in (False, True):
+            run = count_steps(lambda: _Encoder(sdpa), make_batch, (2, 3), precision=precision, cuda=cuda)
+            c = run["counts"]
+            per_seq[cuda, sdpa] = c[3]["saved_bytes"] - c[2]["saved_bytes"]
+            if cuda:
+                assert c[2]["attention_kernels"] == ["flash" if precision == "bf16" else "efficient"] * 2
+    assert per_seq[True, False] == pytest.approx(per_seq[True, True], rel=0.05)
+    assert per_seq[True, False] == per_seq[True, True]
+    scores = 2 * 4 * seq * seq  # one layer's [heads, s, s] scores per sequence, fewer bytes than CPU keeps
+    assert per_seq[False, False] - per_seq[True, False] > 2 * scores
+
+
 def test_cuda_attention_kernel_rules():
     q16 = torch.empty(2, 4, 8, 64, dtype=torch.bfloat16)
     q32 = torch.empty(2, 4, 8, 64)

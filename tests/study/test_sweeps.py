@@ -26,9 +26,21 @@ class _Engine:
         self.calls.append(args)
         return fn(*args, **kwargs)
 
+    def apply_async(self, fn, *args, **kwargs):
+        """A finished ``concurrent.futures.Future`` with AsyncResult's ``get`` (engines.call waits on it)."""
+        from concurrent.futures import Future
+
+        done = Future()
+        try:
+            done.set_result(self.apply_sync(fn, *args, **kwargs))
+        except Exception as err:
+            done.set_exception(err)
+        done.get = done.result
+        return done
+
 
 class FakeClient:
-    """``client.ids`` and ``client[id].apply_sync`` run locally, each call recorded."""
+    """``client.ids`` and ``client[id].apply_sync`` / ``apply_async`` run locally, each call recorded."""
 
     def __init__(self, n):
         self.ids = list(range(n))
