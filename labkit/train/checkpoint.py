@@ -9,17 +9,20 @@ states); rank 0 writes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import random
 import shutil
-from typing import Any
+import time
+import uuid
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 from safetensors.torch import load_model, save_file, save_model
 
-from labkit.io import atomic_dir
+from labkit.io import atomic_dir, replace
 from labkit.train import dist
 
 
@@ -55,6 +58,148 @@ def checkpoint_steps(run_dir: str | os.PathLike) -> list[int]:
     return sorted(int(p.name[5:]) for p in ckdir.iterdir() if p.name.startswith("step-") and p.name[5:].isdigit())
 
 
+# ------------------------------------------------------------------------------------------
+# Run identity: which run a run directory and each of its checkpoints belong to
+# ------------------------------------------------------------------------------------------
+
+RUN_FILES = ("checkpoints", "metrics.jsonl", "result.json", "config.json", "data.json", "configs", "tensorboard")
+"""What a run leaves in its run_dir; a new run in a used run_dir moves these to ``previous/``."""
+
+PREVIOUS_DIR = "previous"
+"""run_dir/previous/<UTC start>-<run id>/: the files of earlier runs set aside by ``plan_run``."""
+
+
+def new_run_id() -> str:
+    """A fresh run id: the UTC start time and 12 hex digits of a uuid4, e.g. ``20261201T182300Z-3f2a9c1e4b7d``
+    (sortable by start; the random part tells apart runs started in the same second)."""
+    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:12]}"
+
+
+def saved_run_id(run_dir: str | os.PathLike) -> str | None:
+    """The ``run_id`` in run_dir/config.json (None: no config.json, or one from before run ids)."""
+    path = pathlib.Path(run_dir) / "config.json"
+    if not path.exists():
+        return None
+    import json
+
+    return json.loads(path.read_text()).get("run_id")
+
+
+def checkpoint_run_id(path: str | os.PathLike) -> str | None:
+    """The ``run_id`` stored in checkpoint directory ``path`` (None: a checkpoint from before run ids)."""
+    return read_state(path).get("run_id")
+
+
+def is_used(run_dir: str | os.PathLike) -> bool:
+    """Whether ``run_dir`` holds any file a run leaves (``RUN_FILES``)."""
+    return any((pathlib.Path(run_dir) / name).exists() for name in RUN_FILES)
+
+
+def set_aside(run_dir: str | os.PathLike) -> pathlib.Path | None:
+    """Move the files of the run in ``run_dir`` (``RUN_FILES``) into
+    ``run_dir/previous/<UTC now>-<its run id, or "unnamed">/`` (renames: nothing copied, nothing
+    deleted). Returns that directory, or None when run_dir holds none of them."""
+    run_dir = pathlib.Path(run_dir)
+    present = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
+    if not present:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest = run_dir / PREVIOUS_DIR / f"{stamp}-{saved_run_id(run_dir) or 'unnamed'}"
+    k = 1
+    while dest.exists():  # two set-asides in one second
+        dest, k = dest.with_name(f"{dest.name.split('~')[0]}~{k}"), k + 1
+    dest.mkdir(parents=True)
+    for path in present:
+        os.replace(path, dest / path.name)
+    return dest
+
+
+def plan_run(run_dir: str | os.PathLike, resume: bool) -> dict[str, Any]:
+    """Rank 0, before anything is written: which run this is and where it starts.
+
+    With ``resume`` and a complete checkpoint in ``run_dir``, the newest one: its run id must be
+    run_dir/config.json's (a checkpoint without an id, from before run ids, is taken as the run's).
+    Otherwise a new run: a fresh ``new_run_id``, and a used run_dir's files are first moved aside
+    (``set_aside``). Returns {"step": resume step (0: fresh), "run_id", "set_aside": the directory
+    the old run went to or None, "error": a one-line refusal or None}; the error is returned, not
+    raised, so that rank 0 can hand it to every rank (``agree_on_plan``) instead of leaving them
+    waiting in a collective."""
+    run_dir = pathlib.Path(run_dir)
+    plan: dict[str, Any] = {"step": 0, "run_id": None, "set_aside": None, "error": None}
+    try:
+        steps = checkpoint_steps(run_dir) if resume else []
+        if steps:
+            path = run_dir / "checkpoints" / f"step-{steps[-1]}"
+            ckpt_id, dir_id = checkpoint_run_id(path), saved_run_id(run_dir)
+            if ckpt_id is not None and dir_id is not None and ckpt_id != dir_id:
+                plan["error"] = (f"resume: checkpoint {path} belongs to run {ckpt_id}, but {run_dir} holds run "
+                                 f"{dir_id} (config.json); move that checkpoint away, or set resume=False to set "
+                                 "both aside and start a new run")
+            return plan | {"step": steps[-1], "run_id": ckpt_id or dir_id or new_run_id()}
+        aside = set_aside(run_dir) if is_used(run_dir) else None
+        return plan | {"run_id": new_run_id(), "set_aside": None if aside is None else str(aside)}
+    except (OSError, ValueError, RuntimeError) as err:  # e.g. an unreadable state.pt
+        return plan | {"error": f"resume: cannot plan the run in {run_dir}: {type(err).__name__}: {err}".splitlines()[0]}
+
+
+def agree_on_plan(plan: dict[str, Any] | None, run_dir: str | os.PathLike) -> dict[str, Any]:
+    """Collective: rank 0's ``plan_run`` result on every rank; then every rank confirms that it
+    can read the chosen checkpoint (``is_complete`` on its own view of run_dir, all-reduced)
+    before any rank loads it. Raises ValueError (one line, the same on every rank) with rank 0's
+    refusal, or naming the ranks that cannot read the step (a run_dir that is not shared, or a
+    stale listing of a shared file system). Without a process group: ``plan`` checked alone."""
+    import torch.distributed as tdist
+
+    if tdist.is_initialized():
+        box = [plan]
+        tdist.broadcast_object_list(box, src=0)
+        plan = box[0]
+    assert plan is not None
+    if plan["error"]:
+        raise ValueError(plan["error"])
+    if plan["step"]:
+        path = pathlib.Path(run_dir) / "checkpoints" / f"step-{plan['step']}"
+        rank, _, world = dist.dist_info()
+        missing = torch.zeros(world, dtype=torch.int64)
+        missing[rank] = 0 if is_complete(path) else 1
+        if tdist.is_initialized() and tdist.get_backend() == "nccl":
+            missing = missing.cuda()
+        dist.all_reduce_sum(missing)
+        bad = [r for r in range(world) if missing[r]]
+        if bad:
+            raise ValueError(f"resume: rank(s) {bad} cannot read checkpoints/step-{plan['step']} in their run_dir, "
+                             "the checkpoint rank 0 chose to resume from (every rank must see the same run_dir: "
+                             "use a shared file system)")
+    return plan
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """Whether checkpoint directory ``path`` is complete: its files are all there (a
+    ``step-N`` directory is published by rename only once complete, so this checks what this
+    process can see of it)."""
+    path = pathlib.Path(path)
+    return (path / "state.pt").is_file() and ((path / "model.safetensors").is_file() or (path / ".metadata").is_file())
+
+
+@contextlib.contextmanager
+def _replacing(final: pathlib.Path) -> Iterator[pathlib.Path]:
+    """``labkit.io.atomic_dir(final)`` that may replace an existing ``final``: the new directory is
+    built and made durable under a temporary name first; only then is the old one renamed away
+    (``.step-N.*.old``, ignored by ``checkpoint_steps``), the new one renamed into place and the
+    old one deleted. A crash at any point leaves a complete step-N or the previous steps."""
+    if not final.exists():
+        with atomic_dir(final) as tmp:
+            yield tmp
+        return
+    with atomic_dir(final.parent / f".{final.name}.new") as tmp:
+        yield tmp
+    # the complete new copy is now at .step-N.new; swap it in
+    old = final.parent / f".{final.name}.{os.getpid()}.old"
+    os.replace(final, old)
+    replace(final.parent / f".{final.name}.new", final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Module, state: dict[str, Any],
                     per_rank: dict[str, Any], *, keep: int) -> pathlib.Path | None:
     """Collective (every rank calls): gather ``per_rank`` (RNG, sampler position) from all ranks;
@@ -71,8 +216,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
     if dist.is_main():
         ckdir = pathlib.Path(run_dir) / "checkpoints"
         final = ckdir / f"step-{step}"
-        shutil.rmtree(final, ignore_errors=True)
-        with atomic_dir(final) as tmp:
+        with _replacing(final) as tmp:
             if weights is None:
                 save_model(dist.unwrap(model), str(tmp / "model.safetensors"), force_contiguous=True)
             else:
@@ -135,8 +279,7 @@ def save_split_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn
     with contextlib.ExitStack() as stack:
         tmp = None
         if dist.is_main():
-            shutil.rmtree(final, ignore_errors=True)
-            tmp = stack.enter_context(atomic_dir(final))
+            tmp = stack.enter_context(_replacing(final))
         box = [str(tmp) if tmp is not None else None]
         torch.distributed.broadcast_object_list(box, src=0)
         dcp.save(_split_state_dict(model, optimizer), checkpoint_id=box[0])

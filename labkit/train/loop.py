@@ -10,9 +10,12 @@ once, before the forwards; each micro-batch's loss is ``loss_sum * world_size / 
 so that DDP's gradient average over ranks gives the gradient of (sum of CE over all masked
 tokens of the global batch) / (their count), the same as one process on the whole batch.
 
-Run directory (rank 0 writes): config.json, metrics.jsonl (one record per log step, appended
-and flushed), checkpoints/step-N/ (model.safetensors + state.pt), result.json (atomic).
-state.pt = {format, step, epoch, tokens, lr, optimizer, scaler, world_size, sharding, ranks:
+Run directory (rank 0 writes): config.json (with the run's ``run_id``), metrics.jsonl (one record
+per log step, appended and flushed), checkpoints/step-N/ (model.safetensors + state.pt), result.json
+(atomic). Rank 0 alone decides where the run starts (``checkpoint.plan_run``) and every rank checks it
+can read that checkpoint (``checkpoint.agree_on_plan``): the newest checkpoint when resuming, and it
+must carry config.json's run id; a new run in a used run_dir first moves the old run's files to
+run_dir/previous/<UTC time>-<old run id>/. state.pt = {format, run_id, step, epoch, tokens, lr, optimizer, scaler, world_size, sharding, ranks:
 [{rng: {torch, cuda?, numpy, python}, sampler: {epoch, position}} per rank]}, all tensors,
 numbers and lists so ``torch.load(weights_only=True)`` reads it. Weights and optimiser state
 are whole (unsharded) under every sharding: zero1 consolidates the moments on rank 0, fsdp
@@ -40,6 +43,7 @@ import os
 import pathlib
 import random
 import time
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -52,8 +56,8 @@ from labkit.data.shards import packing_of, read_index
 from labkit.io import atomic_write_json, atomic_write_text
 from labkit.model import BertMLM, count_parameters, flops_per_token
 from labkit.train import dist, parallel, provenance, sinks
-from labkit.train.checkpoint import (_rng_state, _set_rng_state, checkpoint_steps, load_checkpoint, save_checkpoint,
-                                     save_split_checkpoint)
+from labkit.train.checkpoint import (_rng_state, _set_rng_state, agree_on_plan, load_checkpoint, plan_run,
+                                     save_checkpoint, save_split_checkpoint)
 from labkit.train.comm import time_gradient_collectives
 from labkit.train.optim import build_optimizer, lr_at
 from labkit.train.run_config import check_resume, data_identity, model_config_of, save_run_config
@@ -196,10 +200,12 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     owns_group = not torch.distributed.is_initialized()
+    # rank 0: resume step and run id; a new run first moves a used run_dir's files aside (before the sinks open there)
+    plan = plan_run(cfg.run_dir, cfg.resume) if rank == 0 else None
     trackers = sinks.open_sinks(cfg.trackers, cfg.run_dir, main=rank == 0)  # rank 0 writes
     try:
         dist.init_distributed(cfg.backend, cfg.timeout_s, device)
-        return _run(cfg, sinks.fan_out(sink, trackers), rank, world, device, t_start)
+        return _run(cfg, sinks.fan_out(sink, trackers), rank, world, device, t_start, plan)
     finally:
         for tracker in trackers:
             tracker.close()
@@ -284,23 +290,37 @@ def _load_and_wrap(cfg: TrainConfig, model: BertMLM, device: torch.device, split
 
 
 def _start_files(run_dir: pathlib.Path, cfg: TrainConfig, identity: dict, prov: dict, *, resumed: bool,
-                 step: int) -> pathlib.Path | None:
-    """Rank 0: config.json (earlier configs kept in configs/; provenance is not compared) and
-    metrics.jsonl cut back to the checkpoint's step. Returns the metrics file on rank 0, else None."""
+                 step: int, run_id: str) -> pathlib.Path | None:
+    """Rank 0: config.json with the run's ``run_id`` (earlier configs kept in configs/; provenance
+    is not compared) and metrics.jsonl cut back to the checkpoint's step. A torn last line (a crash
+    during its append) is dropped with a warning naming the file and line; an unreadable line
+    before the last is a ValueError naming both. Returns the metrics file on rank 0, else None."""
     if not dist.is_main():
         return None
     metrics_path = run_dir / "metrics.jsonl"
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_run_config(run_dir, to_dict(cfg) | {"provenance": prov}, identity, atomic_write_json)
+    save_run_config(run_dir, to_dict(cfg) | {"run_id": run_id, "provenance": prov}, identity, atomic_write_json)
     old = metrics_path.read_text().splitlines() if resumed and metrics_path.exists() else []
-    kept = [line for line in old if line.strip() and json.loads(line)["step"] <= step]
+    kept = []
+    for number, line in enumerate(old, 1):
+        try:
+            record = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            if number < len(old):
+                raise ValueError(f"{metrics_path}: line {number} is not a JSON record") from None
+            warnings.warn(f"{metrics_path}: line {number} is torn (cut off during its append); dropped on resume",
+                          stacklevel=2)
+            continue
+        if record is not None and record["step"] <= step:
+            kept.append(line)
     atomic_write_text(metrics_path, "".join(line + "\n" for line in kept))  # drop records after the checkpoint
     return metrics_path
 
 
 def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world: int,
-         device: torch.device, t_start: float) -> dict[str, Any]:
-    """The run: build, resume, then the optimiser step, top to bottom, until ``stop``."""
+         device: torch.device, t_start: float, plan: dict | None) -> dict[str, Any]:
+    """The run: build, resume, then the optimiser step, top to bottom, until ``stop``. ``plan``:
+    rank 0's ``plan_run`` (None on the other ranks)."""
     run_dir = pathlib.Path(cfg.run_dir)
     index = read_index(cfg.data_dir)
     seq_len = int(index["seq_len"])
@@ -310,7 +330,8 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     params = count_parameters(model)
     fpt = flops_per_token(mcfg, seq_len, mlm_probability=cfg.mlm_probability)
 
-    resume_step = (checkpoint_steps(run_dir) or [0])[-1] if cfg.resume else 0
+    plan = agree_on_plan(plan, run_dir)  # collective: rank 0's choice, readable by every rank, or one refusal
+    resume_step, run_id = plan["step"], plan["run_id"]
     identity = data_identity(index)
     if resume_step:  # refuse to continue a run under another configuration (labkit.train.run_config)
         check_resume(run_dir, to_dict(cfg), identity, allow_safe_changes=cfg.allow_safe_changes)
@@ -328,7 +349,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                                                   sharding=sharding, where=f"step-{resume_step} in {run_dir}")
     prov = provenance.collect(device, start_time=provenance.now_iso())  # collective: every rank's host, device
     # rank 0 appends to metrics_file per record: no handle to leak
-    metrics_file = _start_files(run_dir, cfg, identity, prov, resumed=state is not None, step=step)
+    metrics_file = _start_files(run_dir, cfg, identity, prov, resumed=state is not None, step=step, run_id=run_id)
     batches_iter = _iterate(loader)
     if state is not None:
         _set_rng_state(parallel.rank_entry(state, rank, split)["rng"])  # last, so nothing above consumes randomness
@@ -389,13 +410,14 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
             last_record = _log(record, metrics_file, sink)
         if cfg.checkpoints and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == stop):
             windows.around("checkpoint", _save, cfg, run_dir, model, optimizer, scaler, sampler, step=step, epoch=epoch,
-                           position=position, tokens=tokens_seen, world=world, sharding=sharding)
+                           position=position, tokens=tokens_seen, world=world, sharding=sharding, run_id=run_id)
 
     records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()] \
         if metrics_file is not None and metrics_file.exists() else [last_record]
     result = _result(cfg, records, timings, fpt=fpt, peak=peak, world=world, global_batch=global_batch, step=step,
                      params=params, tokens_seen=tokens_seen, resume_step=resume_step, skipped=skipped, mcfg=mcfg,
                      index=index, device=device, sharding=sharding, t_start=t_start, prov=prov) | windows.maxima
+    result["run_id"] = run_id
     if dist.is_main():
         atomic_write_json(run_dir / "result.json", result)
     return result
@@ -455,21 +477,22 @@ def _log(record: dict, metrics_file: pathlib.Path | None, sink: Callable[[dict],
 
 
 def _save(cfg: TrainConfig, run_dir: pathlib.Path, model: torch.nn.Module, optimizer: Any, scaler: Any,
-          sampler: Any, *, step: int, epoch: int, position: int, tokens: int, world: int, sharding: str) -> None:
+          sampler: Any, *, step: int, epoch: int, position: int, tokens: int, world: int, sharding: str,
+          run_id: str) -> None:
     """Collective: checkpoint step-N (``labkit.train.checkpoint.save_checkpoint``) with the
     optimiser (gathered), scaler, step, epoch and tokens, and per rank the RNG states and the
     batches consumed, in RankSampler's state format (with workers the sampler itself runs ahead
-    of the trainer, so ``position`` is the trainer's). A split model: ``save_split_checkpoint``
+    of the trainer, so ``position`` is the trainer's), and the run's ``run_id``. A split model: ``save_split_checkpoint``
     (weights and optimiser through torch.distributed.checkpoint) with its split."""
     per_rank = {"rng": _rng_state(), "sampler": {**sampler.state_dict(), "epoch": epoch, "position": position}}
     if isinstance(model, parallel.ParallelModel):
         save_split_checkpoint(run_dir, step, model, optimizer,
-                              {"format": 1, "step": step, "epoch": epoch, "tokens": tokens, "lr": lr_at(step, cfg),
+                              {"format": 1, "run_id": run_id, "step": step, "epoch": epoch, "tokens": tokens, "lr": lr_at(step, cfg),
                                "scaler": scaler.state_dict(), "world_size": world, "sharding": sharding,
                                "split": parallel.split_record(model.split, cfg)}, per_rank, keep=cfg.keep_checkpoints)
         return
     save_checkpoint(run_dir, step, model,
-                    {"format": 1, "step": step, "epoch": epoch, "tokens": tokens,
+                    {"format": 1, "run_id": run_id, "step": step, "epoch": epoch, "tokens": tokens,
                      "optimizer": dist.optimizer_state_dict(model, optimizer),  # collective
                      "lr": lr_at(step, cfg), "scaler": scaler.state_dict(), "world_size": world,
                      "sharding": sharding},

@@ -112,7 +112,8 @@ def test_train_single_process(shards, tmp_path):
     assert on_disk["final_loss"] == losses[-1] and on_disk["initial_loss"] == losses[0]
     assert on_disk["steps"] == 12 and on_disk["world_size"] == 1 and result["params"] == on_disk["params"]
     saved = json.loads((run_dir / "config.json").read_text())
-    assert saved.pop("provenance")["world_size"] == 1 and from_dict(TrainConfig, saved) == cfg
+    assert saved.pop("provenance")["world_size"] == 1 and saved.pop("run_id") == result["run_id"]
+    assert from_dict(TrainConfig, saved) == cfg
     assert train_mod.checkpoint_steps(run_dir) == [8, 12]  # keep_checkpoints=2 pruned step-4
     state = torch.load(run_dir / "checkpoints" / "step-12" / "state.pt", weights_only=True)
     assert state["step"] == 12 and len(state["ranks"]) == 1
