@@ -36,6 +36,7 @@ the same dp (``parallel.refuse_checkpoint`` names both splits otherwise).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -56,8 +57,9 @@ from labkit.data.shards import packing_of, read_index
 from labkit.io import atomic_write_json, atomic_write_text
 from labkit.model import BertMLM, count_parameters, flops_per_token
 from labkit.train import dist, parallel, provenance, sinks
-from labkit.train.checkpoint import (_rng_state, _set_rng_state, agree_on_plan, load_checkpoint, plan_run,
-                                     save_checkpoint, save_split_checkpoint)
+from labkit.train.checkpoint import (Checkpointer, _rng_state, _set_rng_state, agree_on_plan, is_legacy,
+                                     load_checkpoint, plan_run)
+from labkit.train.checkpoint import load as load_checkpoint_sharded
 from labkit.train.comm import time_gradient_collectives
 from labkit.train.optim import build_optimizer, lr_at
 from labkit.train.run_config import check_resume, data_identity, model_config_of, save_run_config
@@ -238,13 +240,21 @@ def _build_model(cfg: TrainConfig, index: dict, rank: int, world: int) -> tuple[
 
 def _restore(state: dict | None, model: torch.nn.Module, optimizer: Any, scaler: Any, sampler: Any, *,
              rank: int, world: int, sharding: str, where: str) -> tuple[int, int, int, int]:
-    """Optimiser, scaler and sampler state from a checkpoint's ``state`` (None: a fresh run).
-    Returns (step, epoch, position in the epoch, tokens seen). ValueError when the checkpoint was
-    written by another world size or sharding (``where`` names it). A split model's optimiser was
-    loaded with its weights (``load_split_checkpoint``); its rank entry is ``parallel.rank_entry``'s."""
+    """Scaler and sampler state from a checkpoint's ``state`` (None: a fresh run); the weights and
+    optimiser state were loaded with it (``checkpoint.load``). Returns (step, epoch, position in
+    the epoch, tokens seen). A ``checkpoint.FORMAT`` 2 state holds the global sampler state, which
+    continues the same global sample order at any world size (``RankSampler.load_state_dict``:
+    ValueError, one line, where it cannot). A format-1 checkpoint (``where`` names it): the
+    whole optimiser state is loaded here, and another world size or sharding is a ValueError; a
+    split model's rank entry is ``parallel.rank_entry``'s."""
     if state is None:
         sampler.set_epoch(0)
         return 0, 0, 0, 0
+    if state.get("format", 1) >= 2:
+        scaler.load_state_dict(state["scaler"])
+        sampler.set_epoch(state["epoch"])
+        sampler.load_state_dict(state["sampler"])
+        return state["step"], state["epoch"], sampler.position, state["tokens"]
     if isinstance(model, parallel.ParallelModel):
         mine = parallel.rank_entry(state, rank, model.split)
         scaler.load_state_dict(state["scaler"])
@@ -276,17 +286,57 @@ def _forward_backward(model: Any, micro_batches: list[dict[str, torch.Tensor]], 
 
 def _load_and_wrap(cfg: TrainConfig, model: BertMLM, device: torch.device, split: parallel.Split | None,
                    ckpt: pathlib.Path | None, world: int) -> tuple[Any, Any, Any, str, dict | None]:
-    """The checkpoint ``ckpt`` (None: a fresh run) loaded and the model wrapped, in the order each
-    kind needs; returns (model, optimizer, scaler, sharding, state.pt or None). Data parallel:
-    the whole weights into the one-device model, then ``_parallelize``. Tensor / pipeline parallel:
-    ``parallel.build`` splits first, then loads through torch.distributed.checkpoint. A checkpoint
-    of another kind, or at another dp, is refused naming both splits (``parallel.refuse_checkpoint``)."""
-    if ckpt is not None:
+    """The model wrapped for this run (``_parallelize``, or ``parallel.build`` for a split), then
+    the checkpoint ``ckpt`` (None: a fresh run) loaded into it through torch.distributed.checkpoint
+    (``checkpoint.load``: each rank reads what it holds, at any world size, sharding or split).
+    Returns (model, optimizer, scaler, sharding, state.pt or None). A format-1 checkpoint
+    (``checkpoint.is_legacy``) loads as before: whole weights into the one-device model, or a split
+    run's DCP at the same dp; another kind is refused naming both splits (``parallel.refuse_checkpoint``)."""
+    legacy = ckpt is not None and is_legacy(ckpt)
+    if legacy:
         parallel.refuse_checkpoint(ckpt, split, world)
+        if split is None:
+            state = load_checkpoint(ckpt, model)
+            return (*_parallelize(cfg, model, device), state)
     if split is not None:
-        return parallel.build(cfg, model, device, split, ckpt)
-    state = load_checkpoint(ckpt, model) if ckpt is not None else None
-    return (*_parallelize(cfg, model, device), state)
+        model, optimizer, scaler, sharding, state = parallel.build(cfg, model, device, split, ckpt if legacy else None)
+    else:
+        (model, optimizer, scaler, sharding), state = _parallelize(cfg, model, device), None
+    if ckpt is not None and not legacy:
+        state = load_checkpoint_sharded(ckpt, model, optimizer)  # collective
+    return model, optimizer, scaler, sharding, state
+
+
+def _keep_global_batch(cfg: TrainConfig, saved: int | None, dp: int) -> TrainConfig:
+    """``cfg`` with grad_accum_steps such that micro_batch_size x grad_accum_steps x dp is the
+    checkpoint's global batch ``saved`` (None: a fresh run or a format-1 checkpoint: ``cfg`` as it
+    is): fewer data-parallel ranks accumulate more micro-batches. ValueError (one line) when
+    ``saved`` is not a multiple of micro_batch_size x dp."""
+    if not saved or saved == cfg.micro_batch_size * cfg.grad_accum_steps * dp:
+        return cfg
+    accum, rest = divmod(saved, cfg.micro_batch_size * dp)
+    if rest or accum < 1:
+        raise ValueError(f"grad_accum_steps: the checkpoint's global batch {saved} is not micro_batch_size "
+                         f"{cfg.micro_batch_size} x dp {dp} x a whole number of accumulation steps (resume at a dp "
+                         f"dividing {saved} / micro_batch_size)")
+    return dataclasses.replace(cfg, grad_accum_steps=accum)
+
+
+def _resume_rng(state: dict, rank: int, world: int, split: parallel.Split | None, cfg: TrainConfig) -> None:
+    """This rank's RNG states from ``state`` where the checkpoint was written at the same
+    layout (the same world size, data parallel only; or both split: ``parallel.rank_entry``).
+    At another layout no saved stream is this rank's: the dropout streams restart from
+    ``cfg.seed``, the step and the rank's data-parallel index (so they never repeat step 0's)."""
+    saved_split = state.get("split")
+    if saved_split is not None and split is not None:
+        _set_rng_state(parallel.rank_entry(state, rank, split)["rng"])
+    elif saved_split is None and split is None and len(state["ranks"]) == world:
+        _set_rng_state(state["ranks"][rank]["rng"])
+    else:
+        seed = (cfg.seed + 1 + rank // cfg.tp) * 1_000_003 + state["step"]
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
 
 
 def _start_files(run_dir: pathlib.Path, cfg: TrainConfig, identity: dict, prov: dict, *, resumed: bool,
@@ -322,6 +372,8 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     """The run: build, resume, then the optimiser step, top to bottom, until ``stop``. ``plan``:
     rank 0's ``plan_run`` (None on the other ranks)."""
     run_dir = pathlib.Path(cfg.run_dir)
+    plan = agree_on_plan(plan, run_dir)  # collective: rank 0's choice, readable by every rank, or one refusal
+    given, cfg = cfg, _keep_global_batch(cfg, plan.get("global_batch_size"), world // (cfg.tp * cfg.pp))
     index = read_index(cfg.data_dir)
     seq_len = int(index["seq_len"])
     mcfg, model, split = _build_model(cfg, index, rank, world)
@@ -330,11 +382,10 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     params = count_parameters(model)
     fpt = flops_per_token(mcfg, seq_len, mlm_probability=cfg.mlm_probability)
 
-    plan = agree_on_plan(plan, run_dir)  # collective: rank 0's choice, readable by every rank, or one refusal
     resume_step, run_id = plan["step"], plan["run_id"]
     identity = data_identity(index)
     if resume_step:  # refuse to continue a run under another configuration (labkit.train.run_config)
-        check_resume(run_dir, to_dict(cfg), identity, allow_safe_changes=cfg.allow_safe_changes)
+        check_resume(run_dir, to_dict(given), identity, allow_safe_changes=cfg.allow_safe_changes)
     ckpt = run_dir / "checkpoints" / f"step-{resume_step}" if resume_step else None
     model, optimizer, scaler, sharding, state = _load_and_wrap(cfg, model, device, split, ckpt, world)
     loader = make_loader(cfg.data_dir, batch_size=cfg.micro_batch_size, rank=dp_rank, world_size=dp,
@@ -349,10 +400,11 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                                                   sharding=sharding, where=f"step-{resume_step} in {run_dir}")
     prov = provenance.collect(device, start_time=provenance.now_iso())  # collective: every rank's host, device
     # rank 0 appends to metrics_file per record: no handle to leak
-    metrics_file = _start_files(run_dir, cfg, identity, prov, resumed=state is not None, step=step, run_id=run_id)
+    metrics_file = _start_files(run_dir, given, identity, prov, resumed=state is not None, step=step, run_id=run_id)
     batches_iter = _iterate(loader)
     if state is not None:
-        _set_rng_state(parallel.rank_entry(state, rank, split)["rng"])  # last, so nothing above consumes randomness
+        _resume_rng(state, rank, world, split, cfg)  # last, so nothing above consumes randomness
+    checkpointer = Checkpointer(run_dir, keep=cfg.keep_checkpoints, asynchronous=cfg.async_checkpoint)  # collective
 
     stop = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
     peak = measure.peak_flops(device, cfg.precision)
@@ -406,18 +458,21 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                       "packing_efficiency": measure.packing_efficiency(n_tokens_i, global_batch, seq_len),
                       **_rates(global_batch, timer, step_time, wait_mean, model), **comm_fields,
                       "mfu": measure.mfu(tps, fpt, world, peak), **windows.take(), "world_size": world,
-                      "global_batch_size": global_batch, "epoch": epoch, "skipped": not finite, **evaluated, "time": time.time()}
+                      "global_batch_size": global_batch, "epoch": epoch, "skipped": not finite, **evaluated,
+                      **checkpointer.take(), "time": time.time()}
             last_record = _log(record, metrics_file, sink)
         if cfg.checkpoints and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == stop):
-            windows.around("checkpoint", _save, cfg, run_dir, model, optimizer, scaler, sampler, step=step, epoch=epoch,
-                           position=position, tokens=tokens_seen, world=world, sharding=sharding, run_id=run_id)
+            windows.around("checkpoint", _save, cfg, checkpointer, model, optimizer, scaler, sampler, step=step,
+                           epoch=epoch, position=position, tokens=tokens_seen, world=world, sharding=sharding,
+                           run_id=run_id, split=split)
+    checkpointer.close()  # the last asynchronous save written and published
 
     records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()] \
         if metrics_file is not None and metrics_file.exists() else [last_record]
     result = _result(cfg, records, timings, fpt=fpt, peak=peak, world=world, global_batch=global_batch, step=step,
                      params=params, tokens_seen=tokens_seen, resume_step=resume_step, skipped=skipped, mcfg=mcfg,
                      index=index, device=device, sharding=sharding, t_start=t_start, prov=prov) | windows.maxima
-    result["run_id"] = run_id
+    result |= {"run_id": run_id, "checkpoint_stall_s": checkpointer.stalls, "checkpoint_save_s": checkpointer.saved_s}
     if dist.is_main():
         atomic_write_json(run_dir / "result.json", result)
     return result
@@ -476,27 +531,22 @@ def _log(record: dict, metrics_file: pathlib.Path | None, sink: Callable[[dict],
     return record
 
 
-def _save(cfg: TrainConfig, run_dir: pathlib.Path, model: torch.nn.Module, optimizer: Any, scaler: Any,
+def _save(cfg: TrainConfig, checkpointer: Checkpointer, model: torch.nn.Module, optimizer: Any, scaler: Any,
           sampler: Any, *, step: int, epoch: int, position: int, tokens: int, world: int, sharding: str,
-          run_id: str) -> None:
-    """Collective: checkpoint step-N (``labkit.train.checkpoint.save_checkpoint``) with the
-    optimiser (gathered), scaler, step, epoch and tokens, and per rank the RNG states and the
-    batches consumed, in RankSampler's state format (with workers the sampler itself runs ahead
-    of the trainer, so ``position`` is the trainer's), and the run's ``run_id``. A split model: ``save_split_checkpoint``
-    (weights and optimiser through torch.distributed.checkpoint) with its split."""
-    per_rank = {"rng": _rng_state(), "sampler": {**sampler.state_dict(), "epoch": epoch, "position": position}}
-    if isinstance(model, parallel.ParallelModel):
-        save_split_checkpoint(run_dir, step, model, optimizer,
-                              {"format": 1, "run_id": run_id, "step": step, "epoch": epoch, "tokens": tokens, "lr": lr_at(step, cfg),
-                               "scaler": scaler.state_dict(), "world_size": world, "sharding": sharding,
-                               "split": parallel.split_record(model.split, cfg)}, per_rank, keep=cfg.keep_checkpoints)
-        return
-    save_checkpoint(run_dir, step, model,
-                    {"format": 1, "run_id": run_id, "step": step, "epoch": epoch, "tokens": tokens,
-                     "optimizer": dist.optimizer_state_dict(model, optimizer),  # collective
-                     "lr": lr_at(step, cfg), "scaler": scaler.state_dict(), "world_size": world,
-                     "sharding": sharding},
-                    per_rank, keep=cfg.keep_checkpoints)
+          run_id: str, split: parallel.Split | None) -> float:
+    """Collective: checkpoint step-N (``checkpoint.Checkpointer.save``: every rank writes its part
+    of the weights and optimiser state) with state.pt = the run's ``run_id``, step, epoch, tokens,
+    lr, scaler, world size, sharding, the split (None: data parallel only), the global batch and
+    the global sampler state after the batches the trainer consumed (with workers the sampler
+    itself runs ahead of the trainer, so ``position`` is the trainer's: ``RankSampler.state_at``),
+    and per rank its RNG states. Returns the seconds training stalled."""
+    dp = world // (cfg.tp * cfg.pp)
+    state = {"run_id": run_id, "step": step, "epoch": epoch, "tokens": tokens, "lr": lr_at(step, cfg),
+             "scaler": scaler.state_dict(), "world_size": world, "sharding": sharding,
+             "split": parallel.split_record(split, cfg) if split is not None else None,
+             "global_batch_size": cfg.micro_batch_size * cfg.grad_accum_steps * dp,
+             "sampler": sampler.state_at(epoch, position)}
+    return checkpointer.save(step, model, optimizer, state, {"rng": _rng_state()})
 
 
 def _next_epoch(loader: Any, sampler: Any, epoch: int, cfg: TrainConfig, world: int) -> Any:

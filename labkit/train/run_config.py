@@ -33,15 +33,16 @@ from labkit.io import sha256_bytes
 
 FREE_FIELDS = frozenset({"run_dir", "data_dir", "tokenizer_path", "num_workers", "num_threads", "backend",
                          "timeout_s", "verify_data", "resume", "allow_safe_changes", "stop_after", "trackers",
-                         "provenance", "run_id"})
+                         "provenance", "run_id", "async_checkpoint"})
 """TrainConfig fields that never change a run's result."""
 
 SAFE_FIELDS = frozenset({"max_steps", "checkpoints", "log_every", "ckpt_every", "keep_checkpoints", "eval_every",
                          "eval_sequences", "eval_batch_size", "timing_warmup_steps",
-                         "tp", "pp", "pp_schedule", "pp_virtual_stages", "sequence_parallel"})
+                         "tp", "pp", "pp_schedule", "pp_virtual_stages", "sequence_parallel", "sharding"})
 """TrainConfig fields that may change on resume with ``allow_safe_changes=True``. The model-parallel
-split changes how a step is computed, not what (the same loss to rounding; a split checkpoint
-loads at another split with the same dp, ``labkit.train.parallel.refuse_checkpoint``)."""
+split and the data-parallel sharding change how a step is computed, not what (the same loss to
+rounding: a checkpoint loads at another split, sharding or world size, with the global batch kept,
+``labkit.train.checkpoint.load``; a format-1 checkpoint only at its own, ``parallel.refuse_checkpoint``)."""
 
 
 def data_identity(index: dict) -> dict[str, Any]:
