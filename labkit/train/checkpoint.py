@@ -408,19 +408,29 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
     return pathlib.Path(run_dir) / "checkpoints" / f"step-{step}"
 
 
+_KERNEL_CHOICES = ("fused", "foreach", "capturable", "differentiable")
+"""AdamW param-group settings that choose the implementation, not the update: a checkpoint of a
+fused data-parallel run must not make a tensor-parallel run's AdamW fused (its kernel refuses DTensors)."""
+
+
 def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Collective: load checkpoint directory ``path`` (``FORMAT`` 2, or a format-1 split
     directory) into ``model`` and ``optimizer`` as wrapped for this run, whatever the world size
     or split that wrote it: DCP reads, on each rank, the names and slices that rank holds
     (``state_dicts``: an FSDP2 rank reads only its shards, a ZeRO-1 rank only its partition's
-    optimiser state), then ``set_model_state_dict`` / ``set_optimizer_state_dict``. Returns state.pt."""
+    optimiser state), then ``set_model_state_dict`` / ``set_optimizer_state_dict`` (keeping this
+    run's own ``_KERNEL_CHOICES``). Returns state.pt."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     sd = state_dicts(model, optimizer)
     _quiet(dcp.load, sd, checkpoint_id=str(path), no_dist=_no_dist())
     set_model_state_dict(model, sd["model"], options=_options())
-    set_optimizer_state_dict(model, _local_optimizer(optimizer), sd["optim"], options=_options())
+    local = _local_optimizer(optimizer)
+    kernels = [{k: g[k] for k in _KERNEL_CHOICES if k in g} for g in local.param_groups]
+    set_optimizer_state_dict(model, local, sd["optim"], options=_options())
+    for group, own in zip(local.param_groups, kernels):  # how this run steps, not what: keep its own
+        group.update(own)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     if isinstance(optimizer, ZeroRedundancyOptimizer):

@@ -212,3 +212,133 @@ def test_rank_0_chooses_the_resume_step_and_every_rank_confirms_it(shards, tmp_p
     assert refusal.startswith("resume: rank(s) [1] cannot read checkpoints/step-4 in their run_dir, the checkpoint "
                               "rank 0 chose") and "\n" not in refusal
     assert out[0][1] == out[1][1] == {"resumed_from_step": 4, "steps": 6}
+
+
+# -- one format for every mode: a checkpoint moves between world sizes, splits and shardings ------
+
+NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "num_heads": 4}
+
+
+def _moving_cfg(shards: pathlib.Path, run_dir: pathlib.Path, **kw) -> TrainConfig:
+    """6 steps of a global batch of 16 (2 ranks x 2 micro-batches of 4; 48 sequences: 3 steps an
+    epoch, so the resume at step 3 starts epoch 1), checkpoints every 3, no dropout."""
+    base = dict(micro_batch_size=4, grad_accum_steps=2, max_steps=6, ckpt_every=3, warmup_steps=1, timeout_s=60,
+                grad_clip=1.0, model_overrides=NO_DROPOUT, eval_every=0)
+    return tiny_cfg(shards, run_dir, **{**base, **kw})
+
+
+def _many_worker(rank: int, world: int, port: int, steps_json: str) -> None:
+    """One process group; each step is a config to train or ["copy", src, dst] (rank 0 copies)."""
+    torch.set_num_threads(1)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"})
+    from labkit.train import dist
+
+    dist.init_distributed("gloo", 60.0, torch.device("cpu"))
+    try:
+        for step in json.loads(steps_json):
+            if isinstance(step, list):
+                if rank == 0:
+                    shutil.copytree(step[1], step[2])
+                dist.barrier()
+            else:
+                train(from_dict(TrainConfig, step))
+    finally:
+        dist.teardown()
+
+
+@pytest.fixture(scope="module")
+def moved(tmp_path_factory) -> pathlib.Path:
+    """Run dirs: "dp2" (6 steps at 2 ranks, never moved), "part" (its first 3 steps), continued
+    at 2 ranks ("same"), at tp 2 ("tp2"), at 1 rank ("one", in this process); "fsdp" (never
+    moved) and "fsdp-part" continued under DDP ("fsdp-ddp"); "async" (asynchronous saves every 2
+    steps) stopped at 3 and resumed."""
+    root = tmp_path_factory.mktemp("moved")
+    shards = write_tiny_shards(root / "shards", n_sequences=48)
+    dp2 = _moving_cfg(shards, root / "dp2", sharding="ddp")
+    part = dataclasses.replace(dp2, run_dir=str(root / "part"), stop_after=3)
+    fsdp = _moving_cfg(shards, root / "fsdp", sharding="fsdp")
+    fsdp_part = dataclasses.replace(fsdp, run_dir=str(root / "fsdp-part"), stop_after=3)
+    asynchronous = dataclasses.replace(dp2, run_dir=str(root / "async"), async_checkpoint=True, ckpt_every=2)
+    steps = [dp2, part, ["copy", root / "part", root / "same"], ["copy", root / "part", root / "tp2"],
+             ["copy", root / "part", root / "one"],
+             dataclasses.replace(part, run_dir=str(root / "same"), stop_after=None),
+             dataclasses.replace(part, run_dir=str(root / "tp2"), stop_after=None, tp=2, sharding="replicate",
+                                 allow_safe_changes=True),
+             fsdp, fsdp_part, ["copy", root / "fsdp-part", root / "fsdp-ddp"],
+             dataclasses.replace(fsdp_part, run_dir=str(root / "fsdp-ddp"), stop_after=None, sharding="ddp",
+                                 allow_safe_changes=True),
+             dataclasses.replace(asynchronous, stop_after=3), asynchronous]
+    steps = [[s[0], str(s[1]), str(s[2])] if isinstance(s, list) else to_dict(s) for s in steps]
+    mp.spawn(_many_worker, args=(2, _free_port(), json.dumps(steps)), nprocs=2, join=True)
+    train(dataclasses.replace(part, run_dir=str(root / "one"), stop_after=None))  # 1 rank, no process group
+    return root
+
+
+def _weights(run_dir: pathlib.Path, step: int = 6) -> dict[str, torch.Tensor]:
+    from labkit.train.checkpoint import load_weights
+
+    return load_weights(run_dir / "checkpoints" / f"step-{step}")
+
+
+def test_each_rank_writes_its_own_part_and_a_marker_last(moved):
+    """A 2-rank DDP checkpoint: two DCP data files of about half the bytes each (DCP writes each
+    replicated tensor once), state.pt, the marker; no whole-model file."""
+    from labkit.train.checkpoint import MARKER
+
+    step = moved / "dp2" / "checkpoints" / "step-6"
+    names = {p.name for p in step.iterdir()}
+    assert names == {".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt", MARKER}
+    sizes = [(step / f"__{r}_0.distcp").stat().st_size for r in (0, 1)]
+    assert 0.35 < sizes[0] / sum(sizes) < 0.65, sizes
+    assert json.loads((step / MARKER).read_text())["step"] == 6
+
+
+def test_a_resume_on_the_same_split_is_bitwise(moved):
+    keys = ("step", "loss", "grad_norm", "lr", "tokens", "epoch")
+    want = [tuple(r[k] for k in keys) for r in read_metrics(moved / "dp2" / "metrics.jsonl")]
+    for name in ("same", "async"):
+        assert [tuple(r[k] for k in keys) for r in read_metrics(moved / name / "metrics.jsonl")] == want, name
+        for k, v in _weights(moved / "dp2").items():
+            assert torch.equal(_weights(moved / name)[k], v), (name, k)
+
+
+@pytest.mark.parametrize("name,ref", [("one", "dp2"), ("tp2", "dp2"), ("fsdp-ddp", "fsdp")])
+def test_a_checkpoint_moved_to_another_world_size_or_split_continues_the_run(moved, name, ref):
+    """dp 2 -> 1 rank (4 accumulated micro-batches make up the global batch of 16), dp 2 -> tp 2
+    (dp 1), fsdp -> ddp: the same global batch and sample order, so the losses and final weights
+    of the never-moved run to 1e-5 (only the order of the reductions differs)."""
+    want, got = read_metrics(moved / ref / "metrics.jsonl"), read_metrics(moved / name / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(1, 7))
+    assert all(r["global_batch_size"] == 16 for r in got)
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(got, want)) < 1e-5
+    assert [r["epoch"] for r in got] == [r["epoch"] for r in want] == [0, 0, 0, 1, 1, 1]
+    result = json.loads((moved / name / "result.json").read_text())
+    assert result["resumed_from_step"] == 3
+    ref_w, w = _weights(moved / ref), _weights(moved / name)
+    assert set(w) == set(ref_w)
+    assert max(float((w[k] - v).abs().max()) for k, v in ref_w.items()) < 1e-5
+
+
+def test_async_saves_record_their_stall(moved):
+    records = read_metrics(moved / "async" / "metrics.jsonl")
+    stalls = [r["checkpoint_stall_s"] for r in records if r.get("checkpoint_stall_s") is not None]
+    # the saves at steps 2 and 4, each in the next record (step 3's and 6's are after their invocation's last)
+    assert [r["step"] for r in records if r.get("checkpoint_stall_s") is not None] == [3, 5]
+    assert all(0 < s < 60 for s in stalls)
+    result = json.loads((moved / "async" / "result.json").read_text())  # the resumed invocation: steps 4 and 6
+    assert len(result["checkpoint_stall_s"]) == len(result["checkpoint_save_s"]) == 2
+    assert checkpoint_steps(moved / "async") == [4, 6]
+
+
+def test_the_global_batch_that_cannot_be_kept_is_refused(shards, tmp_path):
+    """A checkpoint's global batch of 8 (micro-batches of 4 x 2) at dp 3: no whole number of
+    accumulation steps; the rule in one line."""
+    from labkit.train.loop import _keep_global_batch
+
+    cfg = tiny_cfg(shards, tmp_path, micro_batch_size=4, grad_accum_steps=1)
+    assert _keep_global_batch(cfg, 8, 1).grad_accum_steps == 2 and _keep_global_batch(cfg, 8, 2) is cfg
+    assert _keep_global_batch(cfg, None, 5) is cfg
+    with pytest.raises(ValueError, match=r"^grad_accum_steps: the checkpoint's global batch 8 is not micro_batch_size "
+                                         r"4 x dp 3 x a whole number of accumulation steps"):
+        _keep_global_batch(cfg, 8, 3)
