@@ -11,27 +11,26 @@ so that DDP's gradient average over ranks gives the gradient of (sum of CE over 
 tokens of the global batch) / (their count), the same as one process on the whole batch.
 
 Run directory (rank 0 writes): config.json (with the run's ``run_id``), metrics.jsonl (one record
-per log step, appended and flushed), checkpoints/step-N/ (model.safetensors + state.pt), result.json
-(atomic). Rank 0 alone decides where the run starts (``checkpoint.plan_run``) and every rank checks it
-can read that checkpoint (``checkpoint.agree_on_plan``): the newest checkpoint when resuming, and it
-must carry config.json's run id; a new run in a used run_dir first moves the old run's files to
-run_dir/previous/<UTC time>-<old run id>/. state.pt = {format, run_id, step, epoch, tokens, lr, optimizer, scaler, world_size, sharding, ranks:
-[{rng: {torch, cuda?, numpy, python}, sampler: {epoch, position}} per rank]}, all tensors,
-numbers and lists so ``torch.load(weights_only=True)`` reads it. Weights and optimiser state
-are whole (unsharded) under every sharding: zero1 consolidates the moments on rank 0, fsdp
-gathers parameters and moments (keyed by name) to rank 0. The LR is a pure function of the
-step (``lr_at``), so the step is the whole scheduler state. Resume needs the same world size
-and sharding (sharding "none" in a single process) and a config and data that match the run
-directory's config.json / data.json (``labkit.train.run_config``: one-line refusal naming each field).
+per log step, appended and flushed), checkpoints/step-N/, result.json (atomic). Rank 0 alone
+decides where the run starts (``checkpoint.plan_run``) and every rank checks it can read that
+checkpoint (``checkpoint.agree_on_plan``): the newest checkpoint when resuming, and it must carry
+config.json's run id; a new run in a used run_dir first moves the old run's files to
+run_dir/previous/<UTC time>-<old run id>/. Checkpoints are torch.distributed.checkpoint
+directories in every mode (``checkpoint.Checkpointer``: each rank writes its own part, a marker
+last, optionally asynchronously) with state.pt = {format, run_id, step, epoch, tokens, lr,
+scaler, world_size, sharding, split, global_batch_size, sampler (global), ranks: [{rng} per
+rank]}. They load at another world size, sharding or split: the global batch is kept by
+accumulation (``_keep_global_batch``) and the sampler continues the global sample order. The LR
+is a pure function of the step (``lr_at``), so the step is the whole scheduler state. Resume
+needs a config and data that match the run directory's config.json / data.json
+(``labkit.train.run_config``: one-line refusal naming each field).
 
 With tp or pp > 1 the model is split (``labkit.train.parallel.ParallelModel``: pipeline stages,
 tensor parallelism, FSDP2 or replicas over dp) and the same loop runs: one visible branch per
 step calls its ``forward_backward`` and ``clip_grad_norm`` instead of this module's and
 ``dist.clip_grad_norm``. Data (sampler, masked-token count, held-out set) follows the dp rank;
 global batch = micro_batch_size * grad_accum_steps * dp; records gain ``pipeline_bubble`` and
-``tp_comm_s`` (None when not split that way); checkpoints are torch.distributed.checkpoint
-directories (``labkit.train.checkpoint.save_split_checkpoint``) that load at another split with
-the same dp (``parallel.refuse_checkpoint`` names both splits otherwise).
+``tp_comm_s`` (None when not split that way).
 """
 
 from __future__ import annotations
