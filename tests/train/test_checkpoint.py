@@ -342,3 +342,30 @@ def test_the_global_batch_that_cannot_be_kept_is_refused(shards, tmp_path):
     with pytest.raises(ValueError, match=r"^grad_accum_steps: the checkpoint's global batch 8 is not micro_batch_size "
                                          r"4 x dp 3 x a whole number of accumulation steps"):
         _keep_global_batch(cfg, 8, 3)
+
+
+def test_a_two_rank_checkpoint_exports_to_transformers(moved, tmp_path):
+    """The HF round trip reads the new format: the whole model of a 2-rank DCP checkpoint
+    (``load_weights``, one process) loads strictly into BertMLM, and ``export_hf``'s directory
+    gives transformers' BertForMaskedLM the same logits (1e-5)."""
+    import warnings
+
+    import transformers
+
+    from labkit.model import BertMLM, export_hf, model_config
+
+    model = BertMLM(model_config("tiny", 96, **NO_DROPOUT, sparse_head=False)).eval()
+    model.load_state_dict(_weights(moved / "dp2"), strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.BertForMaskedLM.from_pretrained(export_hf(model, tmp_path / "hf")).eval()
+    ids = torch.randint(5, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=ids).logits, model(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_load_weights_names_a_directory_that_is_no_checkpoint(tmp_path):
+    from labkit.train.checkpoint import load_weights
+
+    with pytest.raises(FileNotFoundError, match=f"^{tmp_path}: not a checkpoint"):
+        load_weights(tmp_path)
