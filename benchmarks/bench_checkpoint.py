@@ -112,7 +112,8 @@ def _worker(rank: int, world: int, port: int, args_json: str, out: str) -> None:
                         saver.wait()
                         save_s = saver.saved_s[-1]
                         dist.barrier()  # rank 0 has published the directory
-                        step_dir = run_dir / ("sync" if way == "dcp_sync" else "async") / "checkpoints" / f"step-{rnd + 1}"
+                        kind = "sync" if way == "dcp_sync" else "async"
+                        step_dir = run_dir / kind / "checkpoints" / f"step-{rnd + 1}"
                         assert (step_dir / MARKER).is_file()
                         written = _dir_bytes(step_dir, rank)
                     per_rank = dist.all_gather_object({"stall_s": stall, "save_s": save_s, "bytes": written})

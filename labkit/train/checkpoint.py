@@ -151,7 +151,8 @@ def plan_run(run_dir: str | os.PathLike, resume: bool) -> dict[str, Any]:
         aside = set_aside(run_dir) if is_used(run_dir) else None
         return plan | {"run_id": new_run_id(), "set_aside": None if aside is None else str(aside)}
     except (OSError, ValueError, RuntimeError) as err:  # e.g. an unreadable state.pt
-        return plan | {"error": f"resume: cannot plan the run in {run_dir}: {type(err).__name__}: {err}".splitlines()[0]}
+        message = f"resume: cannot plan the run in {run_dir}: {type(err).__name__}: {err}"
+        return plan | {"error": message.splitlines()[0]}
 
 
 def agree_on_plan(plan: dict[str, Any] | None, run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -338,15 +339,16 @@ class Checkpointer:
             if _no_dist():  # one process: copy, then write in a thread of our own (DCP's would warn there)
                 import concurrent.futures
 
-                staged = {part: {k: v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in d.items()}
-                          for part, d in sd.items()}  # both flat: {name: tensor or number}
+                staged = {part: {k: v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
+                                 for k, v in d.items()} for part, d in sd.items()}  # both flat: {name: tensor or number}
                 self._executor = self._executor or concurrent.futures.ThreadPoolExecutor(max_workers=1)
                 future = self._executor.submit(_quiet, dcp.save, staged, checkpoint_id=str(tmp), no_dist=True)
             else:
                 future = dcp.async_save(sd, checkpoint_id=str(tmp), process_group=self.group)
             self.pending = (future, tmp, final)
         else:
-            _quiet(dcp.save, sd, checkpoint_id=str(tmp), no_dist=_no_dist())  # returns once every rank's part and .metadata are written
+            # returns once every rank's part and .metadata are written
+            _quiet(dcp.save, sd, checkpoint_id=str(tmp), no_dist=_no_dist())
             self._publish(tmp, final)
         stall = time.perf_counter() - t0
         self.stalls.append(stall)
