@@ -253,11 +253,11 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, tokenizer_
     tokenizer; ValueError for a non-empty ``out`` (unless ``force``), a tokenizer the shards were
     not built with, or a model option BertForMaskedLM cannot represent."""
     import torch
-    from safetensors.torch import load_model
 
     from labkit.config.tomlfile import read_run_config
     from labkit.data.tokenize import tokenizer_sha256
     from labkit.model import BertMLM, export_hf
+    from labkit.train.checkpoint import load_weights
 
     run, dest = pathlib.Path(run_dir), pathlib.Path(out)
     cfg = read_run_config(run)
@@ -273,7 +273,7 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, tokenizer_
     mcfg = _model_config(cfg, result)
     ckpt = _checkpoint(run, step)
     model = BertMLM(mcfg)
-    load_model(model, str(ckpt / "model.safetensors"), strict=True)
+    model.load_state_dict(load_weights(ckpt), strict=True)  # torch.distributed.checkpoint, or format 1
     model.eval()
     seq_len = int((result or {}).get("seq_len") or (index or {}).get("seq_len") or mcfg.max_position_embeddings)
     try:

@@ -421,7 +421,10 @@ def run_ddp_resumable(cluster: ipp.Cluster, fn: Callable, *args: Any, restarts: 
     """`run_ddp` on the cluster's engines; after a DDPError, restart the engines and run again.
 
     fn must resume from its own newest checkpoint (labkit.train.train does with cfg.resume=True),
-    so a rerun continues where the failed run stopped. At most `restarts` restarts; each is
+    so a rerun continues where the failed run stopped. A ``TrainConfig`` among the arguments with
+    resume=False (a new run, which set an earlier run in its run_dir aside) is rerun with
+    resume=True: the restart continues the run the first attempt started, whose id its
+    checkpoints carry. At most `restarts` restarts; each is
     announced on stderr with the error. `targets` (None = all engines) only applies to the first
     attempt; after a restart all new engines are used. Keyword arguments go to `run_ddp`.
     Returns the results of the successful attempt; re-raises the last DDPError.
@@ -437,7 +440,18 @@ def run_ddp_resumable(cluster: ipp.Cluster, fn: Callable, *args: Any, restarts: 
             print(f"labkit: {first_line}\nlabkit: restarting the engines and resuming "
                   f"(restart {attempt + 1} of {restarts})", file=sys.stderr, flush=True)
             targets = restart_engines(cluster)
+            args = tuple(_resuming(a) for a in args)
+            kwargs = {k: _resuming(v) for k, v in kwargs.items()}
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _resuming(arg: Any) -> Any:
+    """``arg`` with resume=True when it is a ``TrainConfig`` (the rerun continues the run), else ``arg``."""
+    if isinstance(arg, TrainConfig) and not arg.resume:
+        import dataclasses as _dc
+
+        return _dc.replace(arg, resume=True)
+    return arg
 
 
 def train_on_cluster(client, cfg: TrainConfig, *, targets: list[int] | None = None,

@@ -72,11 +72,16 @@ class TrainConfig:
     """Checkpoint every this many steps (0: only at the end)."""
     keep_checkpoints: int = 2
     """Keep the newest this many checkpoints."""
+    async_checkpoint: bool = False
+    """Write checkpoints in the background (torch.distributed.checkpoint's ``async_save``): training
+    stalls only while the state is copied to CPU memory (``checkpoint_stall_s`` in the records)."""
     checkpoints: bool = True
     """False: write no checkpoint at all (sweep runs: metrics.jsonl and result.json only; such a
     run cannot be resumed)."""
     resume: bool = True
-    """Continue from the newest checkpoint in run_dir/checkpoints if there is one."""
+    """Continue from the newest checkpoint in run_dir/checkpoints if there is one (it must be this
+    run's: the run id in config.json); False, or no checkpoint: a new run, and the files of an
+    earlier run in run_dir move to run_dir/previous/<UTC time>-<its run id>/."""
     on_nonfinite: Literal["skip", "raise"] = "raise"
     """A non-finite loss either skips the optimiser step or stops with an error."""
     timeout_s: float = 300.0

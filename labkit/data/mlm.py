@@ -11,8 +11,10 @@ Determinism and resume. Every random choice is a function of a seed and the data
 process state:
 
 - ``RankSampler``: the epoch's order is ``torch.randperm`` from a ``torch.Generator`` seeded with
-  ``seed + epoch``; rank r takes every world-th index, so batch k of rank r in epoch e is a pure
-  function of (seed, epoch, rank, world_size, batch_size, k). ``{"epoch", "position"}`` resumes it.
+  ``seed + epoch``, cut into micro-batches of consecutive indices; rank r takes every world-th
+  micro-batch, so batch k of rank r in epoch e is a pure function of (seed, epoch, rank,
+  world_size, batch_size, k), and the global micro-batch sequence does not depend on world_size.
+  Its global state (``RankSampler.state_at``) resumes it, at another world size too.
 - ``MLMCollator``: before each batch its ``torch.Generator`` is re-seeded from
   blake2b(seed, batch shape, batch ids as uint32 bytes). The same batch therefore gets the same masks on
   every run, whichever worker process, worker count or call order collates it, so a resumed run
@@ -183,16 +185,22 @@ class RankSampler(Sampler[list[int]]):
     """Batches of sample indices for one data-parallel rank (a ``batch_sampler``).
 
     Epoch e's order is ``torch.randperm(n_samples)`` from a generator seeded with ``seed + e``.
-    With drop_last, the first (n // (world*batch)) * world*batch indices are kept and rank r takes
-    ``kept[r::world]``: disjoint, equal-length partitions, only the tail dropped. Without
-    drop_last the order is extended cyclically to a multiple of world*batch (some samples repeat)
-    so every rank still has the same number of full batches. Each rank yields
-    ``len(self)`` batches of ``batch_size`` per epoch.
+    With drop_last, the first (n // (world*batch)) * world*batch indices are kept, cut into
+    global micro-batches of ``batch_size`` consecutive indices, and rank r takes micro-batches
+    r, r + world, r + 2 world, ...: disjoint, equal-length partitions, only the tail dropped.
+    Without drop_last the order is extended cyclically to a multiple of world*batch (some samples
+    repeat) so every rank still has the same number of full batches. Each rank yields
+    ``len(self)`` batches of ``batch_size`` per epoch. A micro-batch's contents (so its MLM masks,
+    seeded from its ids) do not depend on the world size: k steps of dp ranks x a accumulated
+    micro-batches consume global micro-batches 0 .. k*a*dp - 1 for any split of a*dp.
 
     ``position`` counts the batches of the current epoch this sampler has yielded; after the last
-    one it moves to epoch + 1, position 0. ``load_state_dict({"epoch", "position"})`` makes the
-    next iteration yield exactly the remaining batches. A DataLoader with workers draws batches
-    ahead of the trainer, so a trainer should checkpoint {"epoch", "position": batches it consumed}.
+    one it moves to epoch + 1, position 0. The state is global (``state_at``): {"epoch",
+    "position" (this rank's), "micro_batches" (global micro-batches consumed in the epoch:
+    position * world), "batch_size", "epoch_samples"}, so ``load_state_dict`` resumes it at
+    another world size: it makes the next iteration yield exactly the remaining batches. A
+    DataLoader with workers draws batches ahead of the trainer, so a trainer should checkpoint
+    ``state_at(epoch, batches it consumed)``.
     """
 
     def __init__(self, n_samples: int, *, rank: int, world_size: int, batch_size: int, seed: int = 0,
@@ -220,13 +228,36 @@ class RankSampler(Sampler[list[int]]):
         self.epoch, self.position = int(epoch), 0
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+        """``state_at`` this sampler's own epoch and position."""
+        return self.state_at(self.epoch, self.position)
+
+    def state_at(self, epoch: int, position: int) -> dict[str, int]:
+        """The global state after this rank consumed ``position`` batches of ``epoch`` (every rank
+        consumed as many): {"epoch", "position", "micro_batches": position * world_size,
+        "batch_size", "epoch_samples": indices kept per epoch, num_batches * world * batch}."""
+        return {"epoch": int(epoch), "position": int(position), "micro_batches": int(position) * self.world_size,
+                "batch_size": self.batch_size, "epoch_samples": self.num_batches * self.world_size * self.batch_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume at batch ``position`` of ``epoch``; ValueError naming position if out of range."""
-        if not 0 <= state["position"] <= self.num_batches:
-            raise ValueError(f"position: must be in [0, {self.num_batches}], got {state['position']}")
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        """Resume after ``state["micro_batches"]`` global micro-batches of ``state["epoch"]``
+        (a state without it, from before global states: after this rank's ``position``).
+        ValueError, one line, when the state cannot continue at this world size: another
+        batch_size or epoch length (``epoch_samples``: drop_last keeps a multiple of world*batch),
+        micro-batches not divisible by world_size, or a position out of range."""
+        position = state["position"]
+        if "micro_batches" in state:
+            kept = self.num_batches * self.world_size * self.batch_size
+            if (state["batch_size"], state["epoch_samples"]) != (self.batch_size, kept):
+                raise ValueError(f"sampler: the saved order has micro-batches of {state['batch_size']} and "
+                                 f"{state['epoch_samples']} samples an epoch; at world_size {self.world_size} "
+                                 f"it has {self.batch_size} and {kept} (the epochs would not line up)")
+            if state["micro_batches"] % self.world_size:
+                raise ValueError(f"sampler: {state['micro_batches']} micro-batches consumed do not divide "
+                                 f"among {self.world_size} ranks")
+            position = state["micro_batches"] // self.world_size
+        if not 0 <= position <= self.num_batches:
+            raise ValueError(f"position: must be in [0, {self.num_batches}], got {position}")
+        self.epoch, self.position = int(state["epoch"]), int(position)
 
     def batches(self, epoch: int) -> torch.Tensor:
         """int64 [len(self), batch_size]: this rank's batches of ``epoch``."""
@@ -235,7 +266,7 @@ class RankSampler(Sampler[list[int]]):
         total = self.num_batches * self.world_size * self.batch_size
         if total > self.n_samples:
             order = order.repeat(-(-total // self.n_samples))
-        return order[:total][self.rank::self.world_size].view(self.num_batches, self.batch_size)
+        return order[:total].view(-1, self.batch_size)[self.rank::self.world_size]
 
     def __iter__(self) -> Iterator[list[int]]:
         batches = self.batches(self.epoch)

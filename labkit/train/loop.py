@@ -11,16 +11,20 @@ once, before the forwards; each micro-batch's loss is ``loss_sum * world_size / 
 so that DDP's gradient average over ranks gives the gradient of (sum of CE over all masked
 tokens of the global batch) / (their count), the same as one process on the whole batch.
 
-Run directory (rank 0 writes): config.json, metrics.jsonl (one record per log step, appended
-and flushed), checkpoints/step-N/ (model.safetensors + state.pt), result.json (atomic).
-state.pt = {format, step, epoch, tokens, lr, optimizer, scaler, world_size, sharding, ranks:
-[{rng: {torch, cuda?, numpy, python}, sampler: {epoch, position}} per rank]}, all tensors,
-numbers and lists so ``torch.load(weights_only=True)`` reads it. Weights and optimiser state
-are whole (unsharded) under every sharding: zero1 consolidates the moments on rank 0, fsdp
-gathers parameters and moments (keyed by name) to rank 0. The LR is a pure function of the
-step (``lr_at``), so the step is the whole scheduler state. Resume needs the same world size
-and sharding (sharding "none" in a single process) and a config and data that match the run
-directory's config.json / data.json (``labkit.train.run_config``: one-line refusal naming each field).
+Run directory (rank 0 writes): config.json (with the run's ``run_id``), metrics.jsonl (one record
+per log step, appended and flushed), checkpoints/step-N/, result.json (atomic). Rank 0 alone
+decides where the run starts (``checkpoint.plan_run``) and every rank checks it can read that
+checkpoint (``checkpoint.agree_on_plan``): the newest checkpoint when resuming, and it must carry
+config.json's run id; a new run in a used run_dir first moves the old run's files to
+run_dir/previous/<UTC time>-<old run id>/. Checkpoints are torch.distributed.checkpoint
+directories in every mode (``checkpoint.Checkpointer``: each rank writes its own part, a marker
+last, optionally asynchronously) with state.pt = {format, run_id, step, epoch, tokens, lr,
+scaler, world_size, sharding, split, global_batch_size, sampler (global), ranks: [{rng} per
+rank]}. They load at another world size, sharding or split: the global batch is kept by
+accumulation (``_keep_global_batch``) and the sampler continues the global sample order. The LR
+is a pure function of the step (``lr_at``), so the step is the whole scheduler state. Resume
+needs a config and data that match the run directory's config.json / data.json
+(``labkit.train.run_config``: one-line refusal naming each field).
 
 Every run is a (pp, dp, tp) mesh, data parallelism alone being pp = tp = 1, and the step goes
 through one ``labkit.train.runtime.Runtime`` whatever the split: its ``forward_backward``,
@@ -29,19 +33,19 @@ collectives and its per-step measures (``comm_exposed_s``, ``pipeline_bubble``, 
 the last two None when not split that way). With tp or pp > 1 the model is split
 (``labkit.train.parallel``: pipeline stages, tensor parallelism, FSDP2 or replicas over dp).
 Data (sampler, masked-token count, held-out set) follows the dp rank;
-global batch = micro_batch_size * grad_accum_steps * dp; checkpoints are torch.distributed.checkpoint
-directories (``labkit.train.checkpoint.save_split_checkpoint``) that load at another split with
-the same dp (``parallel.refuse_checkpoint`` names both splits otherwise).
+global batch = micro_batch_size * grad_accum_steps * dp.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
 import os
 import pathlib
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -52,10 +56,9 @@ from labkit.data.mlm import make_loader
 from labkit.data.shards import packing_of, read_index
 from labkit.io import atomic_write_json, atomic_write_text
 from labkit.model import BertMLM, count_parameters, flops_per_token
-from labkit.train import dist, parallel, provenance, rng, sinks
-from labkit.train.checkpoint import (_rng_state, _set_rng_state, checkpoint_steps, load_checkpoint, save_checkpoint,
-                                     save_split_checkpoint)
-from labkit.train.optim import build_optimizer, lr_at
+from labkit.train import dist, parallel, provenance, resume, rng, sinks
+from labkit.train.checkpoint import Checkpointer, _rng_state, agree_on_plan, plan_run
+from labkit.train.optim import lr_at
 from labkit.train.run_config import (check_resume, data_identity, finished_run, model_config_of, save_run_config,
                                      with_segments)
 from labkit.train.runtime import AUTOCAST_DTYPES, Runtime, forward_backward  # noqa: F401 (re-exported)
@@ -165,10 +168,12 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     owns_group = not torch.distributed.is_initialized()
+    # rank 0: resume step and run id; a new run first moves a used run_dir's files aside (before the sinks open there)
+    plan = plan_run(cfg.run_dir, cfg.resume) if rank == 0 else None
     trackers = sinks.open_sinks(cfg.trackers, cfg.run_dir, main=rank == 0)  # rank 0 writes
     try:
         dist.init_distributed(cfg.backend, cfg.timeout_s, device)
-        return _run(cfg, sinks.fan_out(sink, trackers), rank, world, device, t_start)
+        return _run(cfg, sinks.fan_out(sink, trackers), rank, world, device, t_start, plan)
     finally:
         for tracker in trackers:
             tracker.close()
@@ -198,81 +203,68 @@ def _build_model(cfg: TrainConfig, index: dict, rank: int, world: int,
     return mcfg, model, split  # shared one for the replicated regions of the tp group (labkit.train.rng)
 
 
-def _restore(state: dict | None, model: torch.nn.Module, optimizer: Any, scaler: Any, sampler: Any, *,
-             rank: int, world: int, sharding: str, where: str) -> tuple[int, int, int, int]:
-    """Optimiser, scaler and sampler state from a checkpoint's ``state`` (None: a fresh run).
-    Returns (step, epoch, position in the epoch, tokens seen). ValueError when the checkpoint was
-    written by another world size or sharding (``where`` names it). A split model's optimiser was
-    loaded with its weights (``load_split_checkpoint``); its rank entry is ``parallel.rank_entry``'s."""
-    if state is None:
-        sampler.set_epoch(0)
-        return 0, 0, 0, 0
-    if isinstance(model, parallel.ParallelModel):
-        mine = parallel.rank_entry(state, rank, model.split)
-        scaler.load_state_dict(state["scaler"])
-        sampler.set_epoch(state["epoch"])
-        sampler.load_state_dict(mine["sampler"])
-        return state["step"], state["epoch"], mine["sampler"]["position"], state["tokens"]
-    if len(state["ranks"]) != world:
-        raise ValueError(f"resume: checkpoint {where} was written by "
-                         f"{len(state['ranks'])} ranks; this run has {world} (set resume=False)")
-    if state.get("sharding", sharding) != sharding:
-        raise ValueError(f"sharding: checkpoint {where} was written with "
-                         f"{state.get('sharding')!r}, this run uses {sharding!r} (set resume=False)")
-    dist.load_optimizer_state_dict(model, optimizer, state["optimizer"])
-    scaler.load_state_dict(state["scaler"])
-    mine = state["ranks"][rank]
-    sampler.set_epoch(state["epoch"])
-    sampler.load_state_dict(mine["sampler"])
-    return state["step"], state["epoch"], mine["sampler"]["position"], state["tokens"]
-
-
-def _load_and_wrap(cfg: TrainConfig, model: BertMLM, device: torch.device, split: parallel.Split | None,
-                   ckpt: pathlib.Path | None, world: int) -> tuple[Any, Any, Any, str, dict | None]:
-    """The checkpoint ``ckpt`` (None: a fresh run) loaded and the model wrapped, in the order each
-    kind needs; returns (model, optimizer, scaler, sharding, state.pt or None). Data parallel:
-    the whole weights into the one-device model, then ``_parallelize``. Tensor / pipeline parallel:
-    ``parallel.build`` splits first, then loads through torch.distributed.checkpoint. A checkpoint
-    of another kind, or at another dp, is refused naming both splits (``parallel.refuse_checkpoint``)."""
-    if ckpt is not None:
-        parallel.refuse_checkpoint(ckpt, split, world)
-    if split is not None:
-        return parallel.build(cfg, model, device, split, ckpt)
-    state = load_checkpoint(ckpt, model) if ckpt is not None else None
-    return (*_parallelize(cfg, model, device), state)
+def _keep_global_batch(cfg: TrainConfig, saved: int | None, dp: int) -> TrainConfig:
+    """``cfg`` with grad_accum_steps such that micro_batch_size x grad_accum_steps x dp is the
+    checkpoint's global batch ``saved`` (None: a fresh run or a format-1 checkpoint: ``cfg`` as it
+    is): fewer data-parallel ranks accumulate more micro-batches. ValueError (one line) when
+    ``saved`` is not a multiple of micro_batch_size x dp."""
+    if not saved or saved == cfg.micro_batch_size * cfg.grad_accum_steps * dp:
+        return cfg
+    accum, rest = divmod(saved, cfg.micro_batch_size * dp)
+    if rest or accum < 1:
+        raise ValueError(f"grad_accum_steps: the checkpoint's global batch {saved} is not micro_batch_size "
+                         f"{cfg.micro_batch_size} x dp {dp} x a whole number of accumulation steps (resume at a dp "
+                         f"dividing {saved} / micro_batch_size)")
+    return dataclasses.replace(cfg, grad_accum_steps=accum)
 
 
 def _start_files(run_dir: pathlib.Path, cfg: TrainConfig, identity: dict, prov: dict, *, resumed: bool,
-                 step: int) -> pathlib.Path | None:
-    """Rank 0: config.json (earlier configs kept in configs/; provenance is not compared) and
-    metrics.jsonl cut back to the checkpoint's step. Returns the metrics file on rank 0, else None."""
+                 step: int, run_id: str) -> pathlib.Path | None:
+    """Rank 0: config.json with the run's ``run_id`` (earlier configs kept in configs/; provenance
+    is not compared) and metrics.jsonl cut back to the checkpoint's step. A torn last line (a crash
+    during its append) is dropped with a warning naming the file and line; an unreadable line
+    before the last is a ValueError naming both. Returns the metrics file on rank 0, else None."""
     if not dist.is_main():
         return None
     metrics_path = run_dir / "metrics.jsonl"
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_run_config(run_dir, to_dict(cfg) | {"provenance": prov}, identity, atomic_write_json)
+    save_run_config(run_dir, to_dict(cfg) | {"run_id": run_id, "provenance": prov}, identity, atomic_write_json)
     old = metrics_path.read_text().splitlines() if resumed and metrics_path.exists() else []
-    kept = [line for line in old if line.strip() and json.loads(line)["step"] <= step]
+    kept = []
+    for number, line in enumerate(old, 1):
+        try:
+            record = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            if number < len(old):
+                raise ValueError(f"{metrics_path}: line {number} is not a JSON record") from None
+            warnings.warn(f"{metrics_path}: line {number} is torn (cut off during its append); dropped on resume",
+                          stacklevel=2)
+            continue
+        if record is not None and record["step"] <= step:
+            kept.append(line)
     atomic_write_text(metrics_path, "".join(line + "\n" for line in kept))  # drop records after the checkpoint
     return metrics_path
 
 
 def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world: int,
-         device: torch.device, t_start: float) -> dict[str, Any]:
-    """The run: build, resume, then the optimiser step, top to bottom, until ``stop``."""
+         device: torch.device, t_start: float, plan: dict | None) -> dict[str, Any]:
+    """The run: build, resume, then the optimiser step, top to bottom, until ``stop``. ``plan``:
+    rank 0's ``plan_run`` (None on the other ranks)."""
     run_dir = pathlib.Path(cfg.run_dir)
+    plan = agree_on_plan(plan, run_dir)  # collective: rank 0's choice, readable by every rank, or one refusal
+    given, cfg = cfg, _keep_global_batch(cfg, plan.get("global_batch_size"), world // (cfg.tp * cfg.pp))
     index = read_index(cfg.data_dir)
     seq_len = int(index["seq_len"])
     mcfg, model, split = _build_model(cfg, index, rank, world, device)
     params = count_parameters(model)
     fpt = flops_per_token(mcfg, seq_len, mlm_probability=cfg.mlm_probability)
 
-    resume_step = (checkpoint_steps(run_dir) or [0])[-1] if cfg.resume else 0
+    resume_step, run_id = plan["step"], plan["run_id"]
     identity = data_identity(index)
     if resume_step:  # refuse to continue a run under another configuration (labkit.train.run_config)
-        check_resume(run_dir, to_dict(cfg), identity, allow_safe_changes=cfg.allow_safe_changes)
+        check_resume(run_dir, to_dict(given), identity, allow_safe_changes=cfg.allow_safe_changes)
     ckpt = run_dir / "checkpoints" / f"step-{resume_step}" if resume_step else None
-    model, optimizer, scaler, sharding, state = _load_and_wrap(cfg, model, device, split, ckpt, world)
+    model, optimizer, scaler, sharding, state = resume.load_and_wrap(cfg, model, device, split, ckpt, world)
     runtime = Runtime(cfg, model, scaler, device, world=world, rank=rank)  # the step on the (pp, dp, tp) mesh
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * runtime.dp  # data follows the dp rank
     loader = make_loader(cfg.data_dir, batch_size=cfg.micro_batch_size, rank=runtime.dp_rank, world_size=runtime.dp,
@@ -283,14 +275,15 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     sampler = _find_sampler(loader)
     heldout = _heldout_set(cfg, runtime.dp_rank, runtime.dp, mcfg.vocab_size, device)  # fixed masked held-out set
     # position: batches of this epoch consumed
-    step, epoch, position, tokens_seen = _restore(state, model, optimizer, scaler, sampler, rank=rank, world=world,
+    step, epoch, position, tokens_seen = resume.restore(state, model, optimizer, scaler, sampler, rank=rank, world=world,
                                                   sharding=sharding, where=f"step-{resume_step} in {run_dir}")
     prov = provenance.collect(device, start_time=provenance.now_iso())  # collective: every rank's host, device
     # rank 0 appends to metrics_file per record: no handle to leak
-    metrics_file = _start_files(run_dir, cfg, identity, prov, resumed=state is not None, step=step)
+    metrics_file = _start_files(run_dir, given, identity, prov, resumed=state is not None, step=step, run_id=run_id)
     batches_iter = _iterate(loader)
     if state is not None:
-        _set_rng_state(parallel.rank_entry(state, rank, split)["rng"])  # last, so nothing above consumes randomness
+        resume.resume_rng(state, rank, world, split, cfg, device)  # last, so nothing above consumes randomness
+    checkpointer = Checkpointer(run_dir, keep=cfg.keep_checkpoints, asynchronous=cfg.async_checkpoint)  # collective
 
     stop = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
     peak = measure.peak_flops(device, cfg.precision)
@@ -343,35 +336,24 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                       "packing_efficiency": measure.packing_efficiency(n_tokens_i, global_batch, seq_len),
                       **_rates(global_batch, timer, step_time, wait_mean), **measures,
                       "mfu": measure.mfu(tps, fpt, world, peak), **windows.take(), "world_size": world,
-                      "global_batch_size": global_batch, "epoch": epoch, "skipped": not finite, **evaluated, "time": time.time()}
+                      "global_batch_size": global_batch, "epoch": epoch, "skipped": not finite, **evaluated,
+                      **checkpointer.take(), "time": time.time()}
             last_record = _log(record, metrics_file, sink)
         if cfg.checkpoints and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == stop):
-            windows.around("checkpoint", _save, cfg, run_dir, model, optimizer, scaler, sampler, step=step, epoch=epoch,
-                           position=position, tokens=tokens_seen, world=world, sharding=sharding)
+            windows.around("checkpoint", _save, cfg, checkpointer, model, optimizer, scaler, sampler, step=step,
+                           epoch=epoch, position=position, tokens=tokens_seen, world=world, sharding=sharding,
+                           run_id=run_id, split=split)
+    checkpointer.close()  # the last asynchronous save written and published
 
     records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()] \
         if metrics_file is not None and metrics_file.exists() else [last_record]
     result = _result(cfg, records, timings, fpt=fpt, peak=peak, world=world, global_batch=global_batch, step=step,
                      params=params, tokens_seen=tokens_seen, resume_step=resume_step, skipped=skipped, mcfg=mcfg,
                      index=index, device=device, sharding=sharding, t_start=t_start, prov=prov) | windows.maxima
+    result |= {"run_id": run_id, "checkpoint_stall_s": checkpointer.stalls, "checkpoint_save_s": checkpointer.saved_s}
     if dist.is_main():  # result.json covers the whole run: every segment (run_config.with_segments)
         atomic_write_json(run_dir / "result.json", result := with_segments(run_dir, result, cfg.timing_warmup_steps))
     return result
-
-
-def _parallelize(cfg: TrainConfig, model: torch.nn.Module, device: torch.device) -> tuple[Any, Any, Any, str]:
-    """Applied from outside the model, in this order: move to ``device``, ``torch.compile``
-    (``cfg.compile``; in place, so state-dict keys keep their names), wrap for data parallelism
-    (DDP, or FSDP2 ``fully_shard``), then the optimiser (AdamW, or ZeRO-1) and the fp16 grad
-    scaler. Returns (model, optimizer, scaler, sharding in effect: "none" in one process)."""
-    model = model.to(device)
-    if cfg.compile:
-        model.compile()  # in place: state_dict keys unchanged (no _orig_mod prefix)
-    model = dist.wrap_model(model, cfg, device)  # DDP, or FSDP2 fully_shard (in place)
-    optimizer = build_optimizer(model, cfg)  # AdamW, or ZeroRedundancyOptimizer (zero1)
-    scaler = dist.grad_scaler(model, device, enabled=cfg.precision == "fp16")
-    sharding = cfg.sharding if torch.distributed.is_initialized() else "none"  # one process: nothing to shard
-    return model, optimizer, scaler, sharding
 
 
 def _clip_and_step(cfg: TrainConfig, runtime: Runtime, optimizer: Any, scaler: Any, loss: float,
@@ -410,26 +392,22 @@ def _log(record: dict, metrics_file: pathlib.Path | None, sink: Callable[[dict],
     return record
 
 
-def _save(cfg: TrainConfig, run_dir: pathlib.Path, model: torch.nn.Module, optimizer: Any, scaler: Any,
-          sampler: Any, *, step: int, epoch: int, position: int, tokens: int, world: int, sharding: str) -> None:
-    """Collective: checkpoint step-N (``labkit.train.checkpoint.save_checkpoint``) with the
-    optimiser (gathered), scaler, step, epoch and tokens, and per rank the RNG states and the
-    batches consumed, in RankSampler's state format (with workers the sampler itself runs ahead
-    of the trainer, so ``position`` is the trainer's). A split model: ``save_split_checkpoint``
-    (weights and optimiser through torch.distributed.checkpoint) with its split."""
-    per_rank = {"rng": _rng_state(), "sampler": {**sampler.state_dict(), "epoch": epoch, "position": position}}
-    if isinstance(model, parallel.ParallelModel):
-        save_split_checkpoint(run_dir, step, model, optimizer,
-                              {"format": 1, "step": step, "epoch": epoch, "tokens": tokens, "lr": lr_at(step, cfg),
-                               "scaler": scaler.state_dict(), "world_size": world, "sharding": sharding,
-                               "split": parallel.split_record(model.split, cfg)}, per_rank, keep=cfg.keep_checkpoints)
-        return
-    save_checkpoint(run_dir, step, model,
-                    {"format": 1, "step": step, "epoch": epoch, "tokens": tokens,
-                     "optimizer": dist.optimizer_state_dict(model, optimizer),  # collective
-                     "lr": lr_at(step, cfg), "scaler": scaler.state_dict(), "world_size": world,
-                     "sharding": sharding},
-                    per_rank, keep=cfg.keep_checkpoints)
+def _save(cfg: TrainConfig, checkpointer: Checkpointer, model: torch.nn.Module, optimizer: Any, scaler: Any,
+          sampler: Any, *, step: int, epoch: int, position: int, tokens: int, world: int, sharding: str,
+          run_id: str, split: parallel.Split | None) -> float:
+    """Collective: checkpoint step-N (``checkpoint.Checkpointer.save``: every rank writes its part
+    of the weights and optimiser state) with state.pt = the run's ``run_id``, step, epoch, tokens,
+    lr, scaler, world size, sharding, the split (None: data parallel only), the global batch and
+    the global sampler state after the batches the trainer consumed (with workers the sampler
+    itself runs ahead of the trainer, so ``position`` is the trainer's: ``RankSampler.state_at``),
+    and per rank its RNG states. Returns the seconds training stalled."""
+    dp = world // (cfg.tp * cfg.pp)
+    state = {"run_id": run_id, "step": step, "epoch": epoch, "tokens": tokens, "lr": lr_at(step, cfg),
+             "scaler": scaler.state_dict(), "world_size": world, "sharding": sharding,
+             "split": parallel.split_record(split, cfg),
+             "global_batch_size": cfg.micro_batch_size * cfg.grad_accum_steps * dp,
+             "sampler": sampler.state_at(epoch, position)}
+    return checkpointer.save(step, model, optimizer, state, {"rng": _rng_state()})
 
 
 def _next_epoch(loader: Any, sampler: Any, epoch: int, cfg: TrainConfig, world: int) -> Any:

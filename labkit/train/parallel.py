@@ -244,8 +244,10 @@ class ParallelModel(nn.Module):
         return MLMOutput(loss_sum.float(), n_masked, torch.empty(0, device=input_ids.device))
 
 
-def split_record(split: Split, cfg: TrainConfig) -> dict[str, Any]:
-    """The split as checkpoints and results record it."""
+def split_record(split: Split | None, cfg: TrainConfig) -> dict[str, Any] | None:
+    """The split as checkpoints and results record it (None: data parallel only)."""
+    if split is None:
+        return None
     return {"dp": split.dp, "tp": split.tp, "pp": split.pp, "pp_schedule": cfg.pp_schedule,
             "pp_virtual_stages": cfg.pp_virtual_stages, "sequence_parallel": cfg.sequence_parallel}
 

@@ -7,7 +7,7 @@ the new run's, field by field (``config_drift``):
 - ``FREE_FIELDS`` never matter: where things are (run_dir, data_dir, tokenizer_path; the data
   and tokenizer themselves are compared by hash instead), how the process runs (threads,
   loader workers, backend, timeout, verification, metric trackers, the provenance record that
-  config.json carries), ``stop_after`` (a simulated interruption:
+  config.json carries, the run's id), ``stop_after`` (a simulated interruption:
   the schedule follows max_steps) and this module's own switch.
 - ``SAFE_FIELDS`` change what is logged, saved or how far the run goes, not the steps already
   taken: more steps (``max_steps``; with a decaying schedule the LR of the
@@ -33,15 +33,16 @@ from labkit.io import sha256_bytes
 
 FREE_FIELDS = frozenset({"run_dir", "data_dir", "tokenizer_path", "num_workers", "num_threads", "backend",
                          "timeout_s", "verify_data", "resume", "allow_safe_changes", "stop_after", "trackers",
-                         "provenance"})
+                         "provenance", "run_id", "async_checkpoint"})
 """TrainConfig fields that never change a run's result."""
 
 SAFE_FIELDS = frozenset({"max_steps", "checkpoints", "log_every", "ckpt_every", "keep_checkpoints", "eval_every",
                          "eval_sequences", "eval_batch_size", "timing_warmup_steps",
-                         "tp", "pp", "pp_schedule", "pp_virtual_stages", "sequence_parallel"})
+                         "tp", "pp", "pp_schedule", "pp_virtual_stages", "sequence_parallel", "sharding"})
 """TrainConfig fields that may change on resume with ``allow_safe_changes=True``. The model-parallel
-split changes how a step is computed, not what (the same loss to rounding; a split checkpoint
-loads at another split with the same dp, ``labkit.train.parallel.refuse_checkpoint``)."""
+split and the data-parallel sharding change how a step is computed, not what (the same loss to
+rounding: a checkpoint loads at another split, sharding or world size, with the global batch kept,
+``labkit.train.checkpoint.load``; a format-1 checkpoint only at its own, ``parallel.refuse_checkpoint``)."""
 
 
 def data_identity(index: dict) -> dict[str, Any]:
@@ -87,7 +88,7 @@ def check_resume(run_dir: str | os.PathLike, new: dict, new_data: dict, *, allow
         safe_only = all(d.split(":")[0] in SAFE_FIELDS for d in drift)
         hint = ("set allow_safe_changes=True (on the command line: --set train.allow_safe_changes=true) to resume "
                 "with them" if safe_only else "use another run_dir (--set train.run_dir=...), or resume=False to "
-                "start over")
+                f"start a new run there (the old run's files move to {run_dir / 'previous'}/)")
         raise ValueError(f"resume: {run_dir} was started with another configuration: {'; '.join(drift)} ({hint})")
 
 

@@ -62,9 +62,9 @@ def drive(net: dict, command: str, name: str, **args) -> dict:
 
 
 def _weights(run_dir: str, step: int) -> dict:
-    from safetensors.torch import load_file
+    from labkit.train.checkpoint import load_weights
 
-    return load_file(str(pathlib.Path(run_dir, "checkpoints", f"step-{step}", "model.safetensors")))
+    return load_weights(pathlib.Path(run_dir, "checkpoints", f"step-{step}"))
 
 
 @pytest.fixture(scope="module")

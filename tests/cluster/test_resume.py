@@ -112,3 +112,42 @@ def test_train_killed_mid_run_resumes_from_checkpoint(cluster, tmp_path, capsys)
     # a second run in the same (new) engines: fresh port, fresh process group, from scratch
     again = C.run_ddp(rc, _weighted_sum, str(tmp_path / "run2"), 3, timeout=60, stream=False)
     assert [(r["resumed_from"], r["total"]) for r in again] == [(0, 18.0), (0, 18.0)]
+
+
+def test_a_new_run_killed_in_a_used_run_dir_is_restarted_as_itself(cluster, tmp_path, capsys):
+    """Issue 28: run A leaves step-20 and step-40; run B (resume=False, 30 steps, checkpoints every
+    2) in the same run_dir is SIGKILLed on rank 1 after step 10; ``run_ddp_resumable`` reruns it
+    with resume=True: it continues B from B's own newest checkpoint (never A's step-40) to B's 30
+    steps, and A's files are kept under previous/."""
+    import dataclasses
+
+    from labkit.config import TrainConfig
+    from tiny_shards import write_tiny_shards
+
+    rc = C.get_client(cluster)
+    shards = write_tiny_shards(tmp_path / "shards")
+    run = tmp_path / "run"
+    a = TrainConfig(data_dir=str(shards), run_dir=str(run), model="tiny", micro_batch_size=4, max_steps=40,
+                    ckpt_every=20, lr=3e-3, warmup_steps=2, num_threads=1, timing_warmup_steps=1, device="cpu",
+                    backend="gloo", seed=0, timeout_s=30, trackers=())
+    id_a = C.run_ddp(rc, _train, a, timeout=300, stream=False)[0]["run_id"]
+    infos = C.engine_info(rc)
+    ranks = C.assign_ranks(infos, master_port=1)
+    rank1_pid = next(i["pid"] for i in infos if ranks[i["engine_id"]]["RANK"] == "1")
+    b = dataclasses.replace(a, max_steps=30, ckpt_every=2, keep_checkpoints=2, resume=False, seed=1)
+    seen = []
+
+    def kill_rank1(records):
+        if not seen and records[-1]["step"] >= 10:
+            seen.append(records[-1]["step"])
+            os.kill(rank1_pid, signal.SIGKILL)
+
+    res = C.run_ddp_resumable(cluster, _train, b, restarts=1, live=kill_rank1, timeout=300, stream=False)
+    assert "engine died while running _train" in capsys.readouterr().err
+    assert seen and res[0]["steps"] == 30 and res[0]["run_id"] != id_a
+    resumed = res[0]["resumed_from_step"]
+    assert resumed is not None and resumed % 2 == 0 and seen[0] - 2 <= resumed < 30, (seen, resumed)  # B's own
+    (old,) = (run / "previous").iterdir()
+    assert old.name.endswith(id_a) and sorted(p.name for p in (old / "checkpoints").iterdir()) == ["step-20", "step-40"]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 31))

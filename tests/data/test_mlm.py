@@ -111,23 +111,45 @@ def test_sampler_epochs_and_resume():
     s = RankSampler(50, rank=1, world_size=2, batch_size=3, seed=7)
     epoch0 = list(s)
     epoch1 = list(s)  # finishing an epoch moves to the next
-    assert s.state_dict() == {"epoch": 2, "position": 0} and epoch0 != epoch1
+    glob = {"batch_size": 3, "epoch_samples": 48}
+    assert s.state_dict() == {"epoch": 2, "position": 0, "micro_batches": 0, **glob} and epoch0 != epoch1
     s.set_epoch(0)
     assert list(s) == epoch0
     s.set_epoch(1)
     it = iter(s)
     head = [next(it) for _ in range(3)]
     state = s.state_dict()
-    assert state == {"epoch": 1, "position": 3} and head == epoch1[:3]
+    assert state == {"epoch": 1, "position": 3, "micro_batches": 6, **glob} and head == epoch1[:3]
     resumed = RankSampler(50, rank=1, world_size=2, batch_size=3, seed=7)
     resumed.load_state_dict(state)
     assert list(resumed) == epoch1[3:]
     with pytest.raises(ValueError, match="position"):
         resumed.load_state_dict({"epoch": 0, "position": 99})
+    resumed.load_state_dict({"epoch": 1, "position": 3})  # a per-rank state from before global states
+    assert list(resumed) == epoch1[3:]
     with pytest.raises(ValueError, match="rank"):
         RankSampler(50, rank=2, world_size=2, batch_size=3)
     with pytest.raises(ValueError, match="n_samples"):
         RankSampler(5, rank=0, world_size=2, batch_size=3)
+
+
+def test_the_global_micro_batch_order_does_not_depend_on_the_world_size():
+    """World 2 and world 1 see the same micro-batches (so the same masks) in the same global order:
+    world 1's batch 2k + r is rank r's batch k; a global state saved at world 2 resumes at world 1
+    with the remaining micro-batches, and a state that cannot line up is refused in one line."""
+    n, b = 50, 4
+    two = [RankSampler(n, rank=r, world_size=2, batch_size=b, seed=3).batches(0) for r in range(2)]
+    one = RankSampler(n, rank=0, world_size=1, batch_size=b, seed=3)
+    assert len(one) == 12 and all(torch.equal(one.batches(0)[2 * k + r], two[r][k]) for k in range(6) for r in range(2))
+    state = RankSampler(n, rank=1, world_size=2, batch_size=b, seed=3).state_at(0, 2)
+    assert state["micro_batches"] == 4
+    one.load_state_dict(state)
+    assert list(one) == one.batches(0)[4:].tolist()
+    with pytest.raises(ValueError, match="^sampler: 5 micro-batches consumed do not divide among 2 ranks$"):
+        RankSampler(n, rank=0, world_size=2, batch_size=b).load_state_dict({**state, "micro_batches": 5})
+    with pytest.raises(ValueError, match="^sampler: the saved order has micro-batches of 4 and 40 samples an epoch; "
+                                         "at world_size 3 it has 4 and 48"):
+        RankSampler(n, rank=0, world_size=3, batch_size=b).load_state_dict({**state, "epoch_samples": 40})
 
 
 def batches_equal(xs, ys) -> bool:

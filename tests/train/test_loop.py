@@ -17,6 +17,7 @@ from labkit.train import loop, runtime
 from labkit.config import TrainConfig, from_dict
 from labkit.model import BertMLM, model_config
 from labkit.train import lr_at, train
+from labkit.train.checkpoint import load_weights
 from tiny_shards import write_tiny_shards
 
 SEQ_LEN = 32
@@ -112,12 +113,12 @@ def test_train_single_process(shards, tmp_path):
     assert on_disk["final_loss"] == losses[-1] and on_disk["initial_loss"] == losses[0]
     assert on_disk["steps"] == 12 and on_disk["world_size"] == 1 and result["params"] == on_disk["params"]
     saved = json.loads((run_dir / "config.json").read_text())
-    assert saved.pop("provenance")["world_size"] == 1 and from_dict(TrainConfig, saved) == cfg
+    assert saved.pop("provenance")["world_size"] == 1 and saved.pop("run_id") == result["run_id"]
+    assert from_dict(TrainConfig, saved) == cfg
     assert train_mod.checkpoint_steps(run_dir) == [8, 12]  # keep_checkpoints=2 pruned step-4
     state = torch.load(run_dir / "checkpoints" / "step-12" / "state.pt", weights_only=True)
-    assert state["step"] == 12 and len(state["ranks"]) == 1
-    from safetensors.torch import load_file
-    weights = load_file(run_dir / "checkpoints" / "step-12" / "model.safetensors")
+    assert state["step"] == 12 and len(state["ranks"]) == 1 and state["run_id"] == result["run_id"]
+    weights = load_weights(run_dir / "checkpoints" / "step-12")  # torch.distributed.checkpoint
     assert all(torch.isfinite(w).all() for w in weights.values()) and len(weights) > 5
 
 
@@ -209,7 +210,10 @@ def test_lr_applied_once_per_optimizer_step_across_accumulation_and_resume(shard
     train(dataclasses.replace(part, stop_after=None))
     want = [[lr_at(s, full)] * 2 for s in range(7)]  # both param groups
     assert [lrs for run, lrs in seen if run == "full"] == want
-    assert [lrs for run, lrs in seen if run == "part"] == want  # 3 steps, then 4 after the resume
+    part_lrs = [lrs for run, lrs in seen if run == "part"]
+    # the resume first creates AdamW's state with one lr-0 step (torch.distributed.checkpoint.state_dict
+    # does, before the saved state is loaded into it), then 4 steps
+    assert part_lrs == want[:3] + [[0.0, 0.0]] + want[3:]
     assert want[0][0] == pytest.approx(full.lr / 2) and want[6][0] < want[2][0]
     assert [r["lr"] for r in read_metrics(tmp_path / "part")] == [w[0] for w in want]
     # the run's last step (step 7, lr_at(6)) is the one that reaches min_lr
@@ -244,17 +248,49 @@ def test_train_bf16_on_cuda(shards, tmp_path):
     assert all((r["mfu"] is None) == (kind is None) for r in records)
 
 
-def test_resume_refuses_a_checkpoint_of_another_sharding(shards, tmp_path):
-    """Optimiser state layouts differ between shardings (fsdp keys moments by name): a mismatch is
-    a ValueError naming the field, not a silent mis-load."""
-    run = tmp_path / "run"
-    train(tiny_cfg(shards, run, max_steps=2))
-    path = run / "checkpoints" / "step-2" / "state.pt"
-    state = torch.load(path, weights_only=True)
-    assert state["sharding"] == "none"  # one process: nothing sharded
-    torch.save({**state, "sharding": "fsdp"}, path)
-    with pytest.raises(ValueError, match="sharding: checkpoint step-2 .* 'fsdp', this run uses 'none'"):
-        train(tiny_cfg(shards, run, max_steps=3, allow_safe_changes=True))
+def _to_format_1(path: pathlib.Path, cfg: TrainConfig) -> None:
+    """Rewrite checkpoint directory ``path`` as labkit wrote it before torch.distributed.checkpoint
+    for data-parallel runs (format 1): model.safetensors + state.pt with the whole optimiser state
+    and per-rank sampler positions, no run id, no marker."""
+    from safetensors.torch import save_model
+
+    from labkit.train.checkpoint import load
+    from labkit.train.run_config import model_config_of
+
+    model = BertMLM(model_config_of(cfg, VOCAB))
+    optimizer = train_mod.build_optimizer(model, cfg)
+    state = load(path, model, optimizer)
+    for f in path.iterdir():
+        f.unlink()
+    save_model(model, str(path / "model.safetensors"))
+    torch.save({"format": 1, "step": state["step"], "epoch": state["epoch"], "tokens": state["tokens"],
+                "lr": state["lr"], "optimizer": optimizer.state_dict(), "scaler": state["scaler"], "world_size": 1,
+                "sharding": "none", "ranks": [{"rng": state["ranks"][0]["rng"],
+                                               "sampler": {"epoch": state["sampler"]["epoch"],
+                                                           "position": state["sampler"]["position"]}}]},
+               path / "state.pt")
+
+
+def test_format_1_checkpoints_still_resume_exactly_and_refuse_another_sharding(shards, tmp_path):
+    """A checkpoint in the format before torch.distributed.checkpoint (model.safetensors + whole
+    optimiser in state.pt) resumes to exactly the uninterrupted run's losses; its sharding must
+    still match: a mismatch is a ValueError naming the field, not a silent mis-load."""
+    full = tiny_cfg(shards, tmp_path / "full", max_steps=6)
+    train(full)
+    part = dataclasses.replace(full, run_dir=str(tmp_path / "part"), stop_after=3)
+    train(part)
+    _to_format_1(tmp_path / "part" / "checkpoints" / "step-3", part)
+    other = tmp_path / "other"
+    import shutil
+
+    shutil.copytree(tmp_path / "part", other)
+    assert train(dataclasses.replace(part, stop_after=None))["resumed_from_step"] == 3
+    want = [(r["step"], r["loss"], r["grad_norm"], r["tokens"]) for r in read_metrics(tmp_path / "full")]
+    assert [(r["step"], r["loss"], r["grad_norm"], r["tokens"]) for r in read_metrics(tmp_path / "part")] == want
+    path = other / "checkpoints" / "step-3" / "state.pt"
+    torch.save({**torch.load(path, weights_only=True), "sharding": "fsdp"}, path)
+    with pytest.raises(ValueError, match="sharding: checkpoint step-3 .* 'fsdp', this run uses 'none'"):
+        train(dataclasses.replace(part, run_dir=str(other), stop_after=None))
 
 
 def test_mismatched_shards_are_refused_before_training(shards, tmp_path):
@@ -281,8 +317,6 @@ def test_compiled_model_trains_to_the_same_losses(shards, tmp_path, sparse_head)
     (the loss after each: every update compounds) the same losses as eager to 1e-5 without
     dropout (inductor draws dropout masks from its own generator), with either head, and
     checkpoints keep the eager parameter names."""
-    from safetensors.torch import load_file
-
     kw = dict(max_steps=10, grad_accum_steps=1,
               model_overrides={"hidden_dropout": 0.0, "attention_dropout": 0.0, "sparse_head": sparse_head})
     eager = train(tiny_cfg(shards, tmp_path / "eager", **kw))
@@ -291,8 +325,9 @@ def test_compiled_model_trains_to_the_same_losses(shards, tmp_path, sparse_head)
     assert len(losses) == 10 and losses[-1] < losses[0] - 0.1  # it trained: the comparison means something
     assert [r["loss"] for r in read_metrics(tmp_path / "compiled")] == pytest.approx(losses, rel=1e-5)
     assert compiled["final_loss"] == pytest.approx(eager["final_loss"], rel=1e-5)
-    names = set(load_file(str(tmp_path / "compiled" / "checkpoints" / "step-10" / "model.safetensors")))
-    assert names == set(load_file(str(tmp_path / "eager" / "checkpoints" / "step-10" / "model.safetensors")))
+    names = set(load_weights(tmp_path / "compiled" / "checkpoints" / "step-10"))
+    assert names == set(load_weights(tmp_path / "eager" / "checkpoints" / "step-10"))
+    assert names == set(BertMLM(model_config("tiny", VOCAB)).state_dict())
 
 
 def test_host_facts_leave_the_step_unchanged(shards):

@@ -59,7 +59,7 @@ def test_every_result_changing_field_is_compared():
     data = {"data_sha256": "a", "tokenizer_sha256": "t", "seq_len": 32, "vocab_size": 96}
     assert config_drift(base, base, data, data, allow_safe_changes=False) == []
     for key, value in (("model", "mini"), ("micro_batch_size", 8), ("grad_accum_steps", 4), ("schedule", "cosine"),
-                       ("weight_decay", 0.1), ("beta2", 0.999), ("precision", "bf16"), ("sharding", "fsdp"),
+                       ("weight_decay", 0.1), ("beta2", 0.999), ("precision", "bf16"),
                        ("mlm_probability", 0.3), ("model_overrides", {"bias": False}), ("seq_len", 64)):
         assert config_drift(base, {**base, key: value}, data, data, allow_safe_changes=True) == [
             f"{key}: {base[key]!r} -> {value!r}"], key
@@ -67,6 +67,10 @@ def test_every_result_changing_field_is_compared():
         assert config_drift(base, base, data, {**data, key: "x"}, allow_safe_changes=True) == [
             f"{key}: {data[key]!r} -> 'x'"]
     assert config_drift(base, {**base, "eval_every": 5}, data, data, allow_safe_changes=True) == []
+    # the sharding changes how a step is computed, not what: a checkpoint loads under another one
+    assert config_drift(base, {**base, "sharding": "fsdp"}, data, data, allow_safe_changes=True) == []
+    assert config_drift(base, {**base, "sharding": "fsdp"}, data, data, allow_safe_changes=False) == [
+        f"sharding: {base['sharding']!r} -> 'fsdp'"]
     assert not FREE_FIELDS & SAFE_FIELDS
 
 
