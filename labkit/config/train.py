@@ -40,8 +40,10 @@ class TrainConfig:
     """Final learning rate as a fraction of lr."""
     warmup_steps: int = 10
     """Linear warm-up steps from 0 to lr."""
-    schedule: Literal["linear", "cosine", "wsd"] = "linear"
-    """Decay after warm-up: linear, cosine, or warmup-stable-decay."""
+    schedule: Literal["linear", "cosine", "wsd", "hf_linear"] = "linear"
+    """Decay after warm-up: linear, cosine, or warmup-stable-decay to lr * min_lr_ratio; or "hf_linear",
+    transformers' ``get_linear_schedule_with_warmup`` step for step (warm-up from 0, decay towards 0;
+    min_lr_ratio unused)."""
     weight_decay: float = 0.01
     """AdamW decoupled weight decay (not applied to norms and biases)."""
     beta1: float = 0.9
@@ -155,7 +157,7 @@ class TrainConfig:
         _require(self.lr > 0, "lr", "must be positive")
         _require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
         _require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
-        _one_of(self.schedule, "schedule", ("linear", "cosine", "wsd"))
+        _one_of(self.schedule, "schedule", ("linear", "cosine", "wsd", "hf_linear"))
         _one_of(self.precision, "precision", ("fp32", "bf16", "fp16"))
         _one_of(self.device, "device", ("auto", "cpu", "cuda"))
         _one_of(self.backend, "backend", ("auto", "gloo", "nccl"))
