@@ -134,8 +134,10 @@ def _verify(args: argparse.Namespace) -> int:
     from labkit.data.shards import verify_shards
 
     index = verify_shards(args.shard_dir)
-    print(json.dumps({k: v for k, v in index.items() if k != "shards"} | {"shards_verified": len(index["shards"])},
-                     indent=2))
+    held = (index.get("heldout") or {}).get("n_sequences")
+    print(f"verified {args.shard_dir}: {len(index['shards'])} shards, {index['n_sequences']:,} sequences of "
+          f"{index['seq_len']} tokens" + (f", held-out {held:,} sequences" if held else ", no held-out split")
+          + f" (sha256 and ids < vocab_size {index['vocab_size']})")
     return 0
 
 
@@ -292,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="DDP training steps")
     p.add_argument("--no-reports", action="store_true", help="skip executing the notebooks")
     p.set_defaults(func=_demo)
-    p = _sub(sub, "verify", "check a shard set's index and every shard's sha256", debug)
+    p = _sub(sub, "verify", "check a shard set's index and the sha256 of every shard and the held-out file", debug)
     p.add_argument("shard_dir")
     p.set_defaults(func=_verify)
     p = _sub(sub, "report", "execute a notebook and export it as self-contained HTML", debug)
