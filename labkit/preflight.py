@@ -19,7 +19,7 @@ import os
 import pathlib
 from typing import Any
 
-from labkit.config import ModelConfig, TrainConfig
+from labkit.config import ModelConfig, TrainConfig, did_you_mean
 from labkit.config.tomlfile import LabConfig
 
 ENCODER = pathlib.Path(__file__).resolve().parent / "model" / "encoder.py"
@@ -57,8 +57,8 @@ def check_model(name: str, overrides: dict[str, Any], *, key: str = "train.model
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise ValueError(f"{key.rsplit('.', 1)[0]}.model_overrides: unknown fields {unknown}; ModelConfig has "
-                         f"{', '.join(sorted(fields))}")
+        raise ValueError(f"{key.rsplit('.', 1)[0]}.model_overrides: unknown fields {unknown}; "
+                         + did_you_mean(unknown[0], sorted(fields), f"ModelConfig has {', '.join(sorted(fields))}"))
     shape = {k: v for k, v in presets[name].items() if k != "source"}
     try:
         ModelConfig(**{**shape, "vocab_size": vocab_size, **overrides})
