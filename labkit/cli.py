@@ -25,6 +25,8 @@ import os
 import shlex
 import sys
 
+__all__ = ["EXAMPLES", "build_parser", "main"]
+
 EXAMPLES = {
     "prepare": "labkit prepare configs/walkthrough.toml --set corpus.max_functions=20000\n"
                "  labkit prepare configs/study.toml --scaled-down",

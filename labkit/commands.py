@@ -15,6 +15,9 @@ from typing import Any, Iterator
 
 from labkit.config.tomlfile import ClusterConfig, LabConfig
 
+__all__ = ["cluster_client", "export", "load_model_module", "plan", "plan_config", "prepare", "print_plan",
+           "print_plan_model", "resume", "run_world_size", "stage", "sweep", "train"]
+
 
 def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, default=str))

@@ -34,6 +34,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch is imported where a CUDA call needs it: engines reading their RSS never load it
     import torch
 
+__all__ = ["DEVICE_ALIASES", "DEVICES", "PEAK_FLOPS", "available_memory", "bubble_fraction", "check_cpu_budget",
+           "comm_exposed_s", "data_wait_fraction", "device_kind", "device_name", "IntervalTimer", "mfu",
+           "packing_efficiency", "peak_flops", "peak_memory_bytes", "peak_rss_bytes", "PeakWindows",
+           "reset_peak_memory", "samples_per_s", "SavedActivationPeak", "scaling_efficiency", "StepTimer",
+           "tokens_per_s"]
+
 _H100_PAGE = "https://www.nvidia.com/en-us/data-center/h100/"
 _H200_PAGE = "https://www.nvidia.com/en-us/data-center/h200/"
 _A100_PAGE = "https://www.nvidia.com/en-us/data-center/a100/"

@@ -22,6 +22,9 @@ from typing import Any
 from labkit.config import ModelConfig, TrainConfig, did_you_mean
 from labkit.config.tomlfile import LabConfig
 
+__all__ = ["ENCODER", "check_device", "check_model", "check_prepare", "check_sweep", "check_train", "has_cuda_device",
+           "model_presets"]
+
 ENCODER = pathlib.Path(__file__).resolve().parent / "model" / "encoder.py"
 
 

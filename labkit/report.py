@@ -20,6 +20,10 @@ from typing import Any
 
 import nbformat
 
+__all__ = ["INJECTED_TAG", "PARAMETERS_TAG", "UNIX_PATH_MAX", "check_parameters", "check_report",
+           "declared_parameters", "execute_notebook", "inject_parameters", "kernel_over_ipc", "notebook_title",
+           "offline_exporter", "parameter_defaults", "read_notebook"]
+
 INJECTED_TAG = "injected-parameters"
 PARAMETERS_TAG = "parameters"
 

@@ -6,6 +6,8 @@ import dataclasses
 import difflib
 from typing import Any, Iterable
 
+__all__ = ["LEGACY_SPECIAL_TOKENS", "SPECIAL_TOKENS", "did_you_mean", "from_dict", "to_dict"]
+
 
 SPECIAL_TOKENS: tuple[str, ...] = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[NEXT]")
 """Special tokens of every labkit tokenizer, in id order: [PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3,

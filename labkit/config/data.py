@@ -8,6 +8,9 @@ from typing import Literal
 
 from labkit.config.base import SPECIAL_TOKENS, _one_of, _require, to_dict  # noqa: F401
 
+__all__ = ["DEFAULT_ELF_PATHS", "DEFAULT_TEXT_BLOCKLIST", "DEFAULT_TEXT_BOILERPLATE", "CleanConfig", "CorpusConfig",
+           "DedupConfig", "ShardConfig", "StageConfig", "TokenizerConfig"]
+
 
 DEFAULT_ELF_PATHS: tuple[str, ...] = ("/usr/lib", "/usr/bin", "/usr/sbin", "/usr/libexec", "/lib")
 

@@ -51,6 +51,9 @@ from labkit.config import (
     did_you_mean,
 )
 
+__all__ = ["SECTIONS", "TOP_LEVEL", "apply_overrides", "build", "ClusterConfig", "from_mapping", "LabConfig", "load",
+           "parse_override", "PlanConfig", "read_run_config"]
+
 
 @dataclass(kw_only=True)
 class ClusterConfig:

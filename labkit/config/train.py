@@ -10,6 +10,8 @@ from labkit.config.base import SPECIAL_TOKENS, _one_of, _require, to_dict  # noq
 from labkit.config.data import CleanConfig, CorpusConfig, ShardConfig, StageConfig, TokenizerConfig  # noqa: F401
 from labkit.config.model import ModelConfig  # noqa: F401
 
+__all__ = ["default_workdir", "DemoConfig", "TrainConfig"]
+
 
 @dataclass(kw_only=True)
 class TrainConfig:

@@ -47,6 +47,10 @@ from labkit.config import LEGACY_SPECIAL_TOKENS, SPECIAL_TOKENS, TokenizerConfig
 from labkit.data import instructions
 from labkit.io import atomic_write_text, sha256_file
 
+__all__ = ["MAX_CACHED_LINES", "UNK_ID", "encode_flat", "iter_texts", "line_separable", "LineCache", "load_tokenizer",
+           "process_line_cache", "special_ids", "split_rows", "text_row_count", "tokenizer_sha256", "train_tokenizer",
+           "unk_rate", "unk_report"]
+
 UNK_ID = SPECIAL_TOKENS.index("[UNK]")
 
 def _wordpiece_split(max_word_chars: int) -> str:

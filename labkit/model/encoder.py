@@ -56,6 +56,9 @@ from labkit.model.attention import (apply_rotary, eager_attention, full_attentio
                                     sliding_window_attention)
 from labkit.config import SPECIAL_TOKENS, ModelConfig, did_you_mean
 
+__all__ = ["IGNORE_INDEX", "MODEL_SIZES", "BertMLM", "Context", "cross_entropy_sum", "FusedLinear", "Layer", "local",
+           "MLMOutput", "model_config"]
+
 IGNORE_INDEX = -100
 """Label of positions that carry no MLM loss (PyTorch's cross_entropy default)."""
 

@@ -28,6 +28,10 @@ from labkit.config import ModelConfig
 from labkit.model import count_parameters
 from labkit.model.attention import layer_attention
 
+__all__ = ["ATTENTION", "DEVICES", "PRECISIONS", "STUDY_MICRO_BATCH", "STUDY_VOCAB", "activation_terms", "device_info",
+           "largest_fitting", "memory_plan", "pipeline_bubble", "planned_max_micro_batch", "saved_activation_bytes",
+           "zero_state_bytes"]
+
 
 def largest_fitting(fits: Callable[[int], bool], *, limit: int, start: int = 1) -> int:
     """Largest b in [0, limit] with ``fits(b)``, for a monotone ``fits`` (True up to some b, False above).

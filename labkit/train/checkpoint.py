@@ -22,6 +22,9 @@ from safetensors.torch import load_model, save_file, save_model
 from labkit.io import atomic_dir
 from labkit.train import dist
 
+__all__ = ["checkpoint_steps", "is_split_checkpoint", "load_checkpoint", "load_split_checkpoint", "read_state",
+           "save_checkpoint", "save_split_checkpoint"]
+
 
 def _rng_state() -> dict[str, Any]:
     """This process's RNG states as tensors/lists/numbers (loadable with weights_only=True)."""

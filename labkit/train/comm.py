@@ -20,6 +20,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from labkit.train.dist import is_fsdp
 
+__all__ = ["CommTimer", "time_gradient_collectives"]
+
 
 class CommTimer:
     """Start and end of every gradient collective of one optimiser step, for

@@ -11,6 +11,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from labkit.config import TrainConfig
 
+__all__ = ["build_optimizer", "lr_at"]
+
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate of optimiser step ``step`` (0-based) under ``cfg.schedule``.
