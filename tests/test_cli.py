@@ -234,3 +234,20 @@ def test_values_are_refused_before_any_engine_starts(tmp_path):
     for (expected, argv), (rc, err) in zip(cases.items(), got["results"]):
         assert rc == 2 and len(err) == 1 and err[0].startswith(f"labkit {argv[0]}: error: {expected}"), (argv, err)
     assert not got["torch"] and not got["ipyparallel"], got  # refused before anything that starts engines
+
+
+def test_train_prints_the_eval_loss_of_the_result(monkeypatch, tmp_path, capsys):
+    import contextlib
+    import json
+
+    from labkit import commands, lab, preflight
+    from labkit.config.tomlfile import load
+
+    result = {"initial_loss": 6.9, "final_loss": 5.1, "eval_loss": 5.37, "perplexity": 214.9, "steps": 20}
+    monkeypatch.setattr(preflight, "check_train", lambda *a, **k: None)
+    monkeypatch.setattr(commands, "cluster_client", lambda cc: contextlib.nullcontext(None))
+    monkeypatch.setattr(lab, "train_on_cluster", lambda client, cfg, staged=None: result)
+    cfg = load(None, [f"workdir={json.dumps(str(tmp_path))}"])
+    assert commands.train(cfg, stage_first=False) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["eval_loss"], out["perplexity"], out["final_loss"]) == (5.37, 214.9, 5.1)
