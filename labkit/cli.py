@@ -36,7 +36,7 @@ EXAMPLES = {
              "--set train.run_dir=work/walkthrough/runs/tp2",
     "resume": "labkit resume work/walkthrough/runs/main --set train.max_steps=400 --set train.allow_safe_changes=true",
     "sweep": "labkit sweep ranks configs/walkthrough.toml --ranks 1 2\n"
-             "  labkit sweep micro-batch configs/walkthrough.toml --models mini small --budget-gb 2\n"
+             "  labkit sweep micro-batch configs/walkthrough.toml --models mini small --budget-gib 2\n"
              "  labkit sweep loaders configs/walkthrough.toml --workers 0 1 2 --step-time-s 0.05\n"
              "  labkit sweep parallel configs/walkthrough.toml --micro-batches 4 --steps 8",
     "plan": 'labkit plan --model bert-350m --gpus 256 --micro-batch 16 --seq-len 512 --device "H100 NVL"\n'
@@ -242,7 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.add_argument("--ranks", type=int, nargs="+", default=None, help="ranks: the rank counts (default 1..engines)")
     p.add_argument("--models", nargs="+", default=None, help="micro-batch: model presets (default: train.model)")
-    p.add_argument("--budget-gb", type=float, default=2.0, help="micro-batch: GiB per rank; 0 = the GPU until OOM")
+    p.add_argument("--budget-gib", type=float, default=2.0,
+                   help="micro-batch: GiB (2**30 bytes) per rank; 0 = the GPU until OOM")
+    p.add_argument("--budget-gb", type=float, default=None, help=argparse.SUPPRESS)  # refused: GB is plan's unit
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="loaders: worker counts")
     p.add_argument("--step-time-s", type=float, default=0.05, help="loaders: the consumer's step time (s)")
     p.add_argument("--micro-batches", type=int, default=4,

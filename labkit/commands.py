@@ -166,7 +166,7 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
             df = lab.sweep_ranks(client, cfg.train, w, ranks=args.ranks, staged=staged, force=args.force)
         elif kind == "micro-batch":
             index = read_index(cfg.train.data_dir)
-            budget = int(args.budget_gb * 2**30) if args.budget_gb else None
+            budget = int(args.budget_gib * 2**30) if args.budget_gib else None
             df = lab.sweep_micro_batch(client, args.models or [cfg.train.model], seq_len=int(index["seq_len"]),
                                        vocab_size=int(index["vocab_size"]), budget_bytes=budget, workdir=w,
                                        force=args.force)
@@ -254,6 +254,10 @@ def print_plan_model(p: dict[str, Any], *, label: str = "") -> None:
         print(f"  corrected: {line}")
     if p["fake_refused"]:
         print(f"  CPU tensors because fake tensors could not run the model: {p['fake_refused']}")
+    if p["device"] == "cpu":
+        from labkit.measure import cpu_rss_caveat
+
+        print(cpu_rss_caveat(p["capacity_bytes"]))
 
 
 def plan(args) -> int:

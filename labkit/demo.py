@@ -112,12 +112,12 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
              f"{result['tokens_per_s']:,.0f} tokens/s over {result['world_size']} ranks", t0)
 
         _say(f"6/7 scaling sweep: tokens/s at 1..{cfg.engines} ranks; largest micro-batch under "
-             f"{cfg.memory_budget_gb} GiB per rank for {', '.join(cfg.sweep_models)}", t0)
+             f"{cfg.memory_budget_gib} GiB per rank for {', '.join(cfg.sweep_models)}", t0)
         base = dataclasses.replace(tcfg, max_steps=cfg.sweep_steps, warmup_steps=1, timing_warmup_steps=2)
         ranks = lab.sweep_ranks(client, base, str(work), staged=staged)
         mb = lab.sweep_micro_batch(client, list(cfg.sweep_models), seq_len=cfg.shards.seq_len,
                                    vocab_size=index["vocab_size"],
-                                   budget_bytes=int(cfg.memory_budget_gb * 2**30), workdir=str(work))
+                                   budget_bytes=int(cfg.memory_budget_gib * 2**30), workdir=str(work))
         summary["sweep_ranks"] = ranks.to_dicts()
         summary["sweep_micro_batch"] = mb.to_dicts()
         for r in ranks.iter_rows(named=True):
@@ -176,7 +176,7 @@ def run_reports(cfg: DemoConfig, work: Path, *, t0: float | None = None) -> list
               "vocab_size": cfg.tokenizer.vocab_size, "seq_len": cfg.shards.seq_len,
               "heldout_fraction": cfg.shards.heldout_fraction,
               "steps": min(cfg.train_steps, 20), "sweep_steps": cfg.sweep_steps,
-              "sweep_models": list(cfg.sweep_models), "memory_budget_gb": cfg.memory_budget_gb}
+              "sweep_models": list(cfg.sweep_models), "memory_budget_gib": cfg.memory_budget_gib}
     for name in NOTEBOOKS:
         src = notebooks_dir() / f"{name}.py"  # the jupytext script is the source
         out = work / "reports" / f"{name}.html"

@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch is imported where a CUDA call needs it: engines reading their RSS never load it
     import torch
 
-__all__ = ["DEVICE_ALIASES", "DEVICES", "PEAK_FLOPS", "available_memory", "bubble_fraction", "check_cpu_budget",
-           "comm_exposed_s", "data_wait_fraction", "device_kind", "device_name", "IntervalTimer", "mfu",
-           "packing_efficiency", "peak_flops", "peak_memory_bytes", "peak_rss_bytes", "PeakWindows",
-           "reset_peak_memory", "samples_per_s", "SavedActivationPeak", "scaling_efficiency", "StepTimer",
-           "tokens_per_s"]
+__all__ = ["CPU_RSS_OVERHEAD", "DEVICE_ALIASES", "DEVICES", "PEAK_FLOPS", "available_memory", "bubble_fraction",
+           "check_cpu_budget", "comm_exposed_s", "cpu_rss_caveat", "data_wait_fraction", "device_kind", "device_name",
+           "IntervalTimer", "mfu", "packing_efficiency", "peak_flops", "peak_memory_bytes", "peak_rss_bytes",
+           "PeakWindows", "reset_peak_memory", "samples_per_s", "SavedActivationPeak", "scaling_efficiency",
+           "StepTimer", "tokens_per_s"]
 
 _H100_PAGE = "https://www.nvidia.com/en-us/data-center/h100/"
 _H200_PAGE = "https://www.nvidia.com/en-us/data-center/h200/"
@@ -492,6 +492,24 @@ def available_memory() -> dict:
     free = min([avail] + [max(0, limit - usage) for _, limit, usage in groups])
     return {"bytes": int(free), "machine_available_bytes": int(avail), "machine_total_bytes": int(total),
             "cgroup": None if tight is None else {"path": tight[0], "limit_bytes": tight[1], "usage_bytes": tight[2]}}
+
+
+CPU_RSS_OVERHEAD: tuple[float, float] = (1.19, 1.41)
+"""(least, most) measured ratio of a CPU training process's RSS growth (``VmHWM`` less the RSS
+before the model was built) to the planner's count of its tensor bytes (``plan_model`` on
+"cpu", ``total_at`` at its largest micro-batch under 1 GiB): tiny 1.19, mini 1.41, small 1.22
+(seq 128, fp32, 3 steps of fused AdamW; benchmarks/bench_cpu_rss.py, 2026-12-01, load average
+11-15 on 2 cores). glibc's heap keeps freed blocks and torch's CPU allocator rounds them, so a
+CPU budget in tensor bytes needs this much more of the machine's memory."""
+
+
+def cpu_rss_caveat(budget_bytes: int) -> str:
+    """One line for a plan on device "cpu": the budget counts tensor bytes, and the process's
+    RSS runs ``CPU_RSS_OVERHEAD`` above them (the memory to have free, in GB)."""
+    lo, hi = CPU_RSS_OVERHEAD
+    return (f"CPU: the budget counts tensor bytes; a training process's RSS ran {lo:.2f}-{hi:.2f}x that "
+            f"(allocator heap; benchmarks/bench_cpu_rss.py), so have {budget_bytes * hi / 1e9:.2f} GB free "
+            f"for this {budget_bytes / 1e9:.2f} GB budget")
 
 
 def check_cpu_budget(budget_bytes: int, available: dict, *, key: str = "budget_bytes", model: str | None = None) -> None:

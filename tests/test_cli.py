@@ -130,6 +130,7 @@ def test_plan_counts_a_model_defined_in_a_users_file(tmp_path, capsys):
                    precision="fp32", budget_bytes=int(0.05e9))
     assert f"max micro-batch: {p['max_micro_batch']} (verified by counting" in out
     assert f"{p['activation_bytes_per_sequence']:,}" in out and "state: adamw state" in out
+    assert "CPU: the budget counts tensor bytes; a training process's RSS ran 1.19-1.41x" in out  # measure.CPU_RSS_OVERHEAD
     assert main(["plan", "--model-module", f"{user}:nope", "--device", "cpu", "--budget-gb", "1"]) == 2
     assert "has no function 'nope'" in capsys.readouterr().err
     assert main(["plan", "--model-module", str(user), "--device", "cpu", "--budget-gb", "1"]) == 2
@@ -217,14 +218,15 @@ def test_values_are_refused_before_any_engine_starts(tmp_path):
             "--set", "train.grad_accum_steps=2", "--set", "train.model_overrides={num_layers=1}"],
         "--ranks: [3] outside 1..2": ["sweep", "ranks", c, "--ranks", "1", "3"],
         "--models: unknown model preset 'bert-9b'": ["sweep", "micro-batch", c, "--models", "tiny", "bert-9b"],
-        "--budget-gb: 100000.0 GiB per rank is more than": ["sweep", "micro-batch", c, "--budget-gb", "100000"],
+        "--budget-gib: 100000.0 GiB per rank is more than": ["sweep", "micro-batch", c, "--budget-gib", "100000"],
+        "--budget-gb: sweep micro-batch takes --budget-gib": ["sweep", "micro-batch", c, "--budget-gb", "2"],
         "--workers: worker counts must be >= 0": ["sweep", "loaders", c, "--workers", "-1"],
         "corpus.paths: '/no/such/dir' does not exist": ["prepare", c, "--set", 'corpus.paths=["/no/such/dir"]'],
         "corpus.text_paths: '/no/notes' does not exist": ["prepare", c, "--set", 'corpus.text_paths=["/no/notes"]'],
     }
     if not has_cuda_device():
         cases["train.device: 'cuda' was asked for"] = ["train", c, "--set", 'train.device="cuda"']
-        cases["--budget-gb: 0 searches the GPU"] = ["sweep", "micro-batch", c, "--budget-gb", "0"]
+        cases["--budget-gib: 0 searches the GPU"] = ["sweep", "micro-batch", c, "--budget-gib", "0"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(__import__("pathlib").Path(__file__).parents[1]),
                                                                    os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, "-c", PREFLIGHT, json.dumps(list(cases.values()))], capture_output=True,

@@ -231,8 +231,8 @@ class DemoConfig:
     sweep_steps: int = 8
     """Steps per point of the rank-scaling sweep (the first two are warm-up)."""
     sweep_models: tuple[str, ...] = ("mini", "small")
-    """Model presets whose largest micro-batch is found under memory_budget_gb."""
-    memory_budget_gb: float = 2.0
+    """Model presets whose largest micro-batch is found under memory_budget_gib."""
+    memory_budget_gib: float = 2.0
     """CPU memory budget per rank for the micro-batch sweep, in GiB (model state plus the
     activations saved for backward)."""
     reports: bool = True
@@ -241,4 +241,4 @@ class DemoConfig:
     def __post_init__(self) -> None:
         _require(self.engines >= 1, "engines", "must be at least 1")
         _require(self.train_steps > 0, "train_steps", "must be positive")
-        _require(self.memory_budget_gb > 0, "memory_budget_gb", "must be positive")
+        _require(self.memory_budget_gib > 0, "memory_budget_gib", "must be positive")
