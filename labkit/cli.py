@@ -32,7 +32,7 @@ EXAMPLES = {
                "  labkit prepare configs/study.toml --scaled-down",
     "stage": "labkit stage configs/walkthrough.toml",
     "train": "labkit train configs/walkthrough.toml --set train.max_steps=200 --set train.run_dir=work/walkthrough/runs/long\n"
-             "  labkit train configs/walkthrough.toml --tp 2 --set train.sharding=replicate "
+             "  labkit train configs/walkthrough.toml --tp 2 "
              "--set train.run_dir=work/walkthrough/runs/tp2",
     "resume": "labkit resume work/walkthrough/runs/main --set train.max_steps=400 --set train.allow_safe_changes=true",
     "sweep": "labkit sweep ranks configs/walkthrough.toml --ranks 1 2\n"
@@ -113,7 +113,38 @@ def _config(args: argparse.Namespace):
             overrides.append(f"cluster.{key}={json.dumps(value)}")
     if getattr(args, "slurm", False):
         overrides.append('cluster.kind="slurm"')
-    return load(args.config, overrides, scaled_down=getattr(args, "scaled_down", False))
+    scaled = getattr(args, "scaled_down", False)
+    if (getattr(args, "tp", None) or 1) * (getattr(args, "pp", None) or 1) > 1 and not _sets_sharding(args, scaled):
+        return _split_sharding(load(args.config, [*overrides, 'train.sharding="replicate"'], scaled_down=scaled))
+    return load(args.config, overrides, scaled_down=scaled)
+
+
+def _sets_sharding(args: argparse.Namespace, scaled: bool) -> bool:
+    """Whether CONFIG (its [train] table, or its scaled_down overrides when used) or --set names
+    train.sharding: then --tp / --pp leave it as given."""
+    import tomllib
+
+    sets = [o.split("=", 1)[0].strip() for o in args.set]
+    data = tomllib.loads(open(args.config, encoding="utf-8").read()) if args.config and os.path.isfile(args.config) else {}
+    if scaled:
+        sets += [o.split("=", 1)[0].strip() for o in data.get("scaled_down", [])]
+    return "train.sharding" in sets or "sharding" in data.get("train", {})
+
+
+def _split_sharding(cfg):
+    """--tp / --pp without a sharding: "replicate" when the engines hold one model copy
+    (dp = engines / (tp x pp) = 1), where it is the only layout (fsdp over one copy shards nothing);
+    with dp > 1 fsdp and replicate both apply, so the choice is asked for in one line."""
+    t = cfg.train
+    dp, rest = divmod(cfg.cluster.engines, t.tp * t.pp)
+    if dp > 1 and not rest:
+        raise ValueError(f"train.sharding: --tp {t.tp} --pp {t.pp} on {cfg.cluster.engines} engines leaves dp {dp} "
+                         "model copies; choose how they hold the model: --set train.sharding=\"fsdp\" (sharded) or "
+                         "\"replicate\" (whole copies)")
+    if not rest:
+        print(f"--tp {t.tp} --pp {t.pp} on {cfg.cluster.engines} engines: one model copy (dp 1), so "
+              "train.sharding=\"replicate\"", file=sys.stderr)
+    return cfg
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -228,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(sub, "train", "train under DDP on the engines (notebook 03)", debug)
     _add_common(p)
     p.add_argument("--no-stage", action="store_true", help="read data_dir directly instead of staged copies")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (train.tp; with sharding fsdp/replicate)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (train.tp; with sharding fsdp/replicate: "
+                   "replicate unless set when the engines hold one copy, dp 1)")
     p.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree (train.pp; micro-batches: "
                                                         "train.grad_accum_steps)")
     p.set_defaults(func=_command("train"))

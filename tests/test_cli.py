@@ -210,7 +210,9 @@ def test_values_are_refused_before_any_engine_starts(tmp_path):
         "train.seq_len: 128, but the shards": ["train", c, "--set", "train.seq_len=128"],
         "train.eval_every: 5, but the shards": ["train", c, "--set", "train.eval_every=5"],
         "train.tokenizer_path: /no/tok.json does not exist": ["train", c, "--set", 'train.tokenizer_path="/no/tok.json"'],
-        "train.sharding: 'ddp' does not compose with tp/pp > 1": ["train", c, "--tp", "2"],
+        "train.sharding: 'ddp' does not compose with tp/pp > 1": ["train", c, "--tp", "2", "--set", 'train.sharding="ddp"'],
+        "train.sharding: --tp 2 --pp 1 on 4 engines leaves dp 2 model copies; choose": [
+            "train", c, "--tp", "2", "--engines", "4"],
         "train.tp/pp: world size 2 is not divisible by tp x pp = 4 x 1": [
             "train", c, "--tp", "4", "--set", 'train.sharding="replicate"'],
         "train.pp: 1 layers cannot fill pp x pp_virtual_stages = 2 x 1": [
@@ -253,3 +255,22 @@ def test_train_prints_the_eval_loss_of_the_result(monkeypatch, tmp_path, capsys)
     assert commands.train(cfg, stage_first=False) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["eval_loss"], out["perplexity"], out["final_loss"]) == (5.37, 214.9, 5.1)
+
+
+def test_tp_alone_chooses_replicate_when_it_is_the_only_layout(tmp_path, capsys):
+    import argparse
+
+    from labkit.cli import _config
+
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text("[cluster]\nengines = 2\n[train]\nmodel = \"tiny\"\n")
+    args = argparse.Namespace(config=str(cfg_file), set=[], tp=2, pp=None, engines=None, profile=None, cluster_id=None)
+    cfg = _config(args)
+    assert (cfg.train.tp, cfg.train.sharding) == (2, "replicate") and "dp 1" in capsys.readouterr().err
+    pp2 = argparse.Namespace(**{**vars(args), "tp": None, "pp": 2, "set": ["train.grad_accum_steps=2"]})
+    assert _config(pp2).train.sharding == "replicate"
+    explicit = argparse.Namespace(**{**vars(args), "set": ['train.sharding="fsdp"']})
+    assert _config(explicit).train.sharding == "fsdp"  # a sharding the user names is kept
+    cfg_file.write_text("[cluster]\nengines = 2\n[train]\nmodel = \"tiny\"\nsharding = \"ddp\"\n")
+    with pytest.raises(ValueError, match="'ddp' does not compose with tp/pp > 1"):
+        _config(args)
