@@ -431,7 +431,9 @@ def parallel_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data, tens
     fig.update_yaxes(title_text="idle share of the schedule", tickformat=".0%", rangemode="tozero", row=1, col=2)
     fig.update_yaxes(title_text="MiB per rank", rangemode="tozero", row=1, col=3)
     fig.update_xaxes(tickangle=-30)
-    fig.update_layout(template=style(), title=title, barmode="group", height=480, width=1250,
+    # no fixed width: the figure takes its output's width (a 1,250-px figure was cut off in a
+    # 1,280-px window, where JupyterLab's output area is narrower; tests/test_plots.py draws it)
+    fig.update_layout(template=style(), title=title, barmode="group", height=480,
                       margin={"l": 70, "r": 30, "t": 80, "b": 140})
     return fig
 
