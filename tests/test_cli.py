@@ -274,3 +274,17 @@ def test_tp_alone_chooses_replicate_when_it_is_the_only_layout(tmp_path, capsys)
     cfg_file.write_text("[cluster]\nengines = 2\n[train]\nmodel = \"tiny\"\nsharding = \"ddp\"\n")
     with pytest.raises(ValueError, match="'ddp' does not compose with tp/pp > 1"):
         _config(args)
+
+
+def test_plan_raises_no_deprecation_warning():
+    """The planner (preset and counted model) under -W error for DeprecationWarning and
+    FutureWarning: torch.distributed.optim's import-time torch.jit.script warnings are filtered
+    where labkit imports it (labkit/train/dist.py, optim.py), and nothing else warns."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    flags = [sys.executable, "-W", "error::DeprecationWarning", "-W", "error::FutureWarning", "-m", "labkit.cli", "plan"]
+    for args in (["configs/walkthrough.toml", "--vocab-size", "1024"],
+                 ["--model-module", "tests/plain_encoder.py:factory", "--seq-len", "32"]):
+        proc = subprocess.run(flags + args, cwd=root, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0 and "Warning" not in proc.stderr, (args, proc.stderr[-2000:])

@@ -5,11 +5,17 @@ function of the step."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from labkit.config import TrainConfig
+
+with warnings.catch_warnings():
+    # torch.distributed.optim's __init__ compiles its functional optimisers with torch.jit.script,
+    # each raising torch 2.13's own DeprecationWarning at import (torch's call, not labkit's)
+    warnings.filterwarnings("ignore", r"`torch\.jit\.(script|interface)` is deprecated", DeprecationWarning)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = ["build_optimizer", "lr_at"]
 
