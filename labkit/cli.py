@@ -122,10 +122,12 @@ def _config(args: argparse.Namespace):
 def _sets_sharding(args: argparse.Namespace, scaled: bool) -> bool:
     """Whether CONFIG (its [train] table, or its scaled_down overrides when used) or --set names
     train.sharding: then --tp / --pp leave it as given."""
+    import pathlib
     import tomllib
 
     sets = [o.split("=", 1)[0].strip() for o in args.set]
-    data = tomllib.loads(open(args.config, encoding="utf-8").read()) if args.config and os.path.isfile(args.config) else {}
+    path = pathlib.Path(args.config) if args.config else None
+    data = tomllib.loads(path.read_text(encoding="utf-8")) if path and path.is_file() else {}
     if scaled:
         sets += [o.split("=", 1)[0].strip() for o in data.get("scaled_down", [])]
     return "train.sharding" in sets or "sharding" in data.get("train", {})
@@ -259,8 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(sub, "train", "train under DDP on the engines (notebook 03)", debug)
     _add_common(p)
     p.add_argument("--no-stage", action="store_true", help="read data_dir directly instead of staged copies")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (train.tp; with sharding fsdp/replicate: "
-                   "replicate unless set when the engines hold one copy, dp 1)")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel degree (train.tp; with sharding fsdp/replicate: replicate unless set "
+                        "when the engines hold one copy, dp 1)")
     p.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree (train.pp; micro-batches: "
                                                         "train.grad_accum_steps)")
     p.set_defaults(func=_command("train"))

@@ -98,8 +98,8 @@ def _summary(result: dict) -> dict:
     """The result's main numbers as ``labkit train`` / ``resume`` print them: the training loss
     at the first and last step and the held-out ``eval_loss`` / ``perplexity`` of the last
     evaluation (None when the run evaluated nothing), then steps, tokens, speed, world size."""
-    keys = ("initial_loss", "final_loss", "eval_loss", "perplexity", "steps", "max_steps", "tokens", "tokens_per_s", "world_size",
-            "global_batch_size", "resumed_from_step", "wall_s")
+    keys = ("initial_loss", "final_loss", "eval_loss", "perplexity", "steps", "max_steps", "tokens", "tokens_per_s",
+            "world_size", "global_batch_size", "resumed_from_step", "wall_s")
     return {k: result.get(k) for k in keys}
 
 

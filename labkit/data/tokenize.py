@@ -49,9 +49,9 @@ from labkit.config import LEGACY_SPECIAL_TOKENS, SPECIAL_TOKENS, TokenizerConfig
 from labkit.data import instructions
 from labkit.io import atomic_write_text, sha256_file
 
-__all__ = ["MAX_CACHED_LINES", "UNK_ID", "corpus_alphabet", "encode_flat", "iter_texts", "line_separable", "LineCache", "load_tokenizer",
-           "process_line_cache", "special_ids", "split_rows", "text_row_count", "tokenizer_sha256", "train_tokenizer",
-           "unk_rate", "unk_report"]
+__all__ = ["MAX_CACHED_LINES", "UNK_ID", "corpus_alphabet", "encode_flat", "iter_texts", "line_separable", "LineCache",
+           "load_tokenizer", "process_line_cache", "special_ids", "split_rows", "text_row_count", "tokenizer_sha256",
+           "train_tokenizer", "unk_rate", "unk_report"]
 
 UNK_ID = SPECIAL_TOKENS.index("[UNK]")
 
@@ -190,9 +190,9 @@ def train_tokenizer(docs_path: str, cfg: TokenizerConfig, out_path: str) -> str:
     The training sample and held-out documents come from ``split_rows`` (read in file order).
     WordPiece and Unigram start from ``cfg.initial_alphabet`` plus the corpus's own characters
     (``corpus_alphabet``). After saving, the UNK rate on the held-out documents (``unk_report``),
-    the alphabet's size and the split sizes are written to ``<out_path stem>.stats.json`` beside it. Raises ``ValueError`` when the sample
-    holds no text, and ``RuntimeError`` if the trained vocabulary does not put SPECIAL_TOKENS at
-    ids 0..5.
+    the alphabet's size and the split sizes are written to ``<out_path stem>.stats.json`` beside
+    it. Raises ``ValueError`` when the sample holds no text, and ``RuntimeError`` if the trained
+    vocabulary does not put SPECIAL_TOKENS at ids 0..5.
     """
     n = text_row_count(docs_path)
     rows, held = split_rows(n, cfg)
