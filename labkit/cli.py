@@ -261,9 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(sub, "train", "train under DDP on the engines (notebook 03)", debug)
     _add_common(p)
     p.add_argument("--no-stage", action="store_true", help="read data_dir directly instead of staged copies")
-    p.add_argument("--tp", type=int, default=None,
-                   help="tensor-parallel degree (train.tp; with sharding fsdp/replicate: replicate unless set "
-                        "when the engines hold one copy, dp 1)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (train.tp; sharding fsdp or "
+                   "replicate: replicate when unset and the engines hold one copy)")
     p.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree (train.pp; micro-batches: "
                                                         "train.grad_accum_steps)")
     p.set_defaults(func=_command("train"))
