@@ -26,16 +26,18 @@ import shlex
 import sys
 import textwrap
 
+__all__ = ["EXAMPLES", "build_parser", "main"]
+
 EXAMPLES = {
     "prepare": "labkit prepare configs/walkthrough.toml --set corpus.max_functions=20000\n"
                "  labkit prepare configs/study.toml --scaled-down",
     "stage": "labkit stage configs/walkthrough.toml",
     "train": "labkit train configs/walkthrough.toml --set train.max_steps=200 --set train.run_dir=work/walkthrough/runs/long\n"
-             "  labkit train configs/walkthrough.toml --tp 2 --set train.sharding=replicate "
+             "  labkit train configs/walkthrough.toml --tp 2 "
              "--set train.run_dir=work/walkthrough/runs/tp2",
     "resume": "labkit resume work/walkthrough/runs/main --set train.max_steps=400 --set train.allow_safe_changes=true",
     "sweep": "labkit sweep ranks configs/walkthrough.toml --ranks 1 2\n"
-             "  labkit sweep micro-batch configs/walkthrough.toml --models mini small --budget-gb 2\n"
+             "  labkit sweep micro-batch configs/walkthrough.toml --models mini small --budget-gib 2\n"
              "  labkit sweep loaders configs/walkthrough.toml --workers 0 1 2 --step-time-s 0.05\n"
              "  labkit sweep parallel configs/walkthrough.toml --micro-batches 4 --steps 8",
     "plan": 'labkit plan --model bert-350m --gpus 256 --micro-batch 16 --seq-len 512 --device "H100 NVL"\n'
@@ -120,7 +122,40 @@ def _config(args: argparse.Namespace):
             overrides.append(f"cluster.{key}={json.dumps(value)}")
     if getattr(args, "slurm", False):
         overrides.append('cluster.kind="slurm"')
-    return load(args.config, overrides, scaled_down=getattr(args, "scaled_down", False))
+    scaled = getattr(args, "scaled_down", False)
+    if (getattr(args, "tp", None) or 1) * (getattr(args, "pp", None) or 1) > 1 and not _sets_sharding(args, scaled):
+        return _split_sharding(load(args.config, [*overrides, 'train.sharding="replicate"'], scaled_down=scaled))
+    return load(args.config, overrides, scaled_down=scaled)
+
+
+def _sets_sharding(args: argparse.Namespace, scaled: bool) -> bool:
+    """Whether CONFIG (its [train] table, or its scaled_down overrides when used) or --set names
+    train.sharding: then --tp / --pp leave it as given."""
+    import pathlib
+    import tomllib
+
+    sets = [o.split("=", 1)[0].strip() for o in args.set]
+    path = pathlib.Path(args.config) if args.config else None
+    data = tomllib.loads(path.read_text(encoding="utf-8")) if path and path.is_file() else {}
+    if scaled:
+        sets += [o.split("=", 1)[0].strip() for o in data.get("scaled_down", [])]
+    return "train.sharding" in sets or "sharding" in data.get("train", {})
+
+
+def _split_sharding(cfg):
+    """--tp / --pp without a sharding: "replicate" when the engines hold one model copy
+    (dp = engines / (tp x pp) = 1), where it is the only layout (fsdp over one copy shards nothing);
+    with dp > 1 fsdp and replicate both apply, so the choice is asked for in one line."""
+    t = cfg.train
+    dp, rest = divmod(cfg.cluster.engines, t.tp * t.pp)
+    if dp > 1 and not rest:
+        raise ValueError(f"train.sharding: --tp {t.tp} --pp {t.pp} on {cfg.cluster.engines} engines leaves dp {dp} "
+                         "model copies; choose how they hold the model: --set train.sharding=\"fsdp\" (sharded) or "
+                         "\"replicate\" (whole copies)")
+    if not rest:
+        print(f"--tp {t.tp} --pp {t.pp} on {cfg.cluster.engines} engines: one model copy (dp 1), so "
+              "train.sharding=\"replicate\"", file=sys.stderr)
+    return cfg
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -143,8 +178,10 @@ def _verify(args: argparse.Namespace) -> int:
     from labkit.data.shards import verify_shards
 
     index = verify_shards(args.shard_dir)
-    print(json.dumps({k: v for k, v in index.items() if k != "shards"} | {"shards_verified": len(index["shards"])},
-                     indent=2))
+    held = (index.get("heldout") or {}).get("n_sequences")
+    print(f"verified {args.shard_dir}: {len(index['shards'])} shards, {index['n_sequences']:,} sequences of "
+          f"{index['seq_len']} tokens" + (f", held-out {held:,} sequences" if held else ", no held-out split")
+          + f" (sha256 and ids < vocab_size {index['vocab_size']})")
     return 0
 
 
@@ -276,7 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(sub, "train", "train under DDP on the engines (notebook 03)", debug)
     _add_common(p)
     p.add_argument("--no-stage", action="store_true", help="read data_dir directly instead of staged copies")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (train.tp; with sharding fsdp/replicate)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (train.tp; sharding fsdp or "
+                   "replicate: replicate when unset and the engines hold one copy)")
     p.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree (train.pp; micro-batches: "
                                                         "train.grad_accum_steps)")
     p.set_defaults(func=_command("train"))
@@ -290,7 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.add_argument("--ranks", type=int, nargs="+", default=None, help="ranks: the rank counts (default 1..engines)")
     p.add_argument("--models", nargs="+", default=None, help="micro-batch: model presets (default: train.model)")
-    p.add_argument("--budget-gb", type=float, default=2.0, help="micro-batch: GiB per rank; 0 = the GPU until OOM")
+    p.add_argument("--budget-gib", type=float, default=2.0,
+                   help="micro-batch: GiB (2**30 bytes) per rank; 0 = the GPU until OOM")
+    p.add_argument("--budget-gb", type=float, default=None, help=argparse.SUPPRESS)  # refused: GB is plan's unit
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="loaders: worker counts")
     p.add_argument("--step-time-s", type=float, default=0.05, help="loaders: the consumer's step time (s)")
     p.add_argument("--micro-batches", type=int, default=4,
@@ -317,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="redo every stage, the training run and the sweeps, even "
                                                         "those whose artifacts match the settings")
     p.set_defaults(func=_demo)
-    p = _sub(sub, "verify", "check a shard set's index and every shard's sha256", debug)
+    p = _sub(sub, "verify", "check a shard set's index and the sha256 of every shard and the held-out file", debug)
     p.add_argument("shard_dir")
     p.set_defaults(func=_verify)
     p = _sub(sub, "report", "execute a notebook and export it as self-contained HTML", debug)

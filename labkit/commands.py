@@ -15,6 +15,9 @@ from typing import Any, Iterator
 
 from labkit.config.tomlfile import ClusterConfig, LabConfig
 
+__all__ = ["cluster_client", "export", "load_model_module", "plan", "plan_config", "prepare", "print_plan",
+           "print_plan_model", "resume", "run_world_size", "stage", "sweep", "train"]
+
 
 def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, default=str))
@@ -88,8 +91,11 @@ def stage(cfg: LabConfig) -> int:
 
 
 def _summary(result: dict) -> dict:
-    keys = ("initial_loss", "final_loss", "steps", "max_steps", "tokens", "tokens_per_s", "world_size",
-            "global_batch_size", "resumed_from_step", "wall_s")
+    """The result's main numbers as ``labkit train`` / ``resume`` print them: the training loss
+    at the first and last step and the held-out ``eval_loss`` / ``perplexity`` of the last
+    evaluation (None when the run evaluated nothing), then steps, tokens, speed, world size."""
+    keys = ("initial_loss", "final_loss", "eval_loss", "perplexity", "steps", "max_steps", "tokens", "tokens_per_s",
+            "world_size", "global_batch_size", "resumed_from_step", "wall_s")
     return {k: result.get(k) for k in keys}
 
 
@@ -168,7 +174,7 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
             df = lab.sweep_ranks(client, cfg.train, w, ranks=args.ranks, staged=staged, force=args.force)
         elif kind == "micro-batch":
             index = read_index(cfg.train.data_dir)
-            budget = int(args.budget_gb * 2**30) if args.budget_gb else None
+            budget = int(args.budget_gib * 2**30) if args.budget_gib else None
             df = lab.sweep_micro_batch(client, args.models or [cfg.train.model], seq_len=int(index["seq_len"]),
                                        vocab_size=int(index["vocab_size"]), budget_bytes=budget, workdir=w,
                                        force=args.force)
@@ -275,6 +281,10 @@ def print_plan_model(p: dict[str, Any], *, label: str = "") -> None:
         print(f"  not modelled: {line}")
     if p["fake_refused"]:
         print(f"  CPU tensors because fake tensors could not run the model: {p['fake_refused']}")
+    if p["device"] == "cpu":
+        from labkit.measure import cpu_rss_caveat
+
+        print(cpu_rss_caveat(p["capacity_bytes"]))
 
 
 def plan(args) -> int:

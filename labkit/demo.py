@@ -17,6 +17,8 @@ from typing import Any
 from labkit.io import atomic_write_json
 from labkit.config import DemoConfig, TrainConfig, to_dict
 
+__all__ = ["NOTEBOOKS", "demo_train_config", "notebooks_dir", "run_demo", "run_reports"]
+
 NOTEBOOKS: tuple[str, ...] = ("00_cluster", "01_prepare", "02_stage_and_load", "03_train", "04_scaling",
                               "05_scaling_laws", "06_model_parallel")
 """The notebooks the demo executes and exports, in order."""
@@ -128,12 +130,12 @@ def run_demo(cfg: DemoConfig, *, force: bool = False) -> dict[str, Any]:
              f"{result['tokens_per_s']:,.0f} tokens/s over {result['world_size']} ranks", t0)
 
         _say(f"6/7 scaling sweep: tokens/s at 1..{cfg.engines} ranks; largest micro-batch under "
-             f"{cfg.memory_budget_gb} GiB per rank for {', '.join(cfg.sweep_models)}", t0)
+             f"{cfg.memory_budget_gib} GiB per rank for {', '.join(cfg.sweep_models)}", t0)
         base = dataclasses.replace(tcfg, max_steps=cfg.sweep_steps, warmup_steps=1, timing_warmup_steps=2)
         ranks = lab.sweep_ranks(client, base, str(work), staged=staged, force=force)
         mb = lab.sweep_micro_batch(client, list(cfg.sweep_models), seq_len=cfg.shards.seq_len,
                                    vocab_size=index["vocab_size"],
-                                   budget_bytes=int(cfg.memory_budget_gb * 2**30), workdir=str(work), force=force)
+                                   budget_bytes=int(cfg.memory_budget_gib * 2**30), workdir=str(work), force=force)
         summary["sweep_ranks"] = ranks.to_dicts()
         summary["sweep_micro_batch"] = mb.to_dicts()
         _say_sweeps(ranks, mb, t0)
@@ -208,7 +210,7 @@ def run_reports(cfg: DemoConfig, work: Path, *, t0: float | None = None) -> list
               "elf_paths": list(cfg.corpus.paths), "text_paths": list(cfg.corpus.text_paths),
               "jsonl_paths": list(cfg.corpus.jsonl_paths), "parquet_paths": list(cfg.corpus.parquet_paths),
               "steps": min(cfg.train_steps, 20), "sweep_steps": cfg.sweep_steps,
-              "sweep_models": list(cfg.sweep_models), "memory_budget_gb": cfg.memory_budget_gb}
+              "sweep_models": list(cfg.sweep_models), "memory_budget_gib": cfg.memory_budget_gib}
     for name in NOTEBOOKS:
         src = notebooks_dir() / f"{name}.py"  # the jupytext script is the source
         out = work / "reports" / f"{name}.html"

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import socket
 
+__all__ = ["COMMAND_ENV", "LOCAL_ID_ENVS", "NODE_ENV", "SCRATCH_ENV", "local_id", "node_name"]
+
 NODE_ENV = "LABKIT_NODE_NAME"
 """Engine env var overriding the node name (tests simulate several nodes on one host)."""
 LOCAL_ID_ENVS = ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "LABKIT_LOCAL_ID")

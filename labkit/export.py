@@ -30,6 +30,9 @@ from typing import Any
 from labkit.config import SPECIAL_TOKENS, ModelConfig, TrainConfig, from_dict, to_dict
 from labkit.io import atomic_dir
 
+__all__ = ["KIND_WORDS", "SPECIAL_NAMES", "data_kinds", "export_run", "fill_mask_example", "hf_tokenizer_files",
+           "model_card"]
+
 SPECIAL_NAMES = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
                  "mask_token": "[MASK]"}
 """transformers' special-token attributes -> labkit's tokens (``SPECIAL_TOKENS``)."""

@@ -30,6 +30,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+__all__ = ["atomic_dir", "atomic_write", "atomic_write_bytes", "atomic_write_json", "atomic_write_npy",
+           "atomic_write_text", "copy_and_hash", "fsync_dir", "fsync_tree", "replace", "sha256_bytes", "sha256_file"]
+
 _CHUNK = 1 << 20
 
 

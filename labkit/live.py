@@ -18,6 +18,8 @@ import plotly.graph_objects as go
 import plotly.io as pio
 import polars as pl
 
+__all__ = ["live_html", "LivePlot"]
+
 
 _LIVE_SCRIPT = """<div id="{div_id}" class="plotly-graph-div" style="height:{height}px; width:100%;"></div>
 <script type="text/javascript">

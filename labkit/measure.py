@@ -29,44 +29,82 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported where a CUDA call needs it: engines reading their RSS never load it
     import torch
 
-PEAK_FLOPS: dict[tuple[str, str], float] = {
+__all__ = ["CPU_RSS_OVERHEAD", "DEVICE_ALIASES", "DEVICES", "PEAK_FLOPS", "available_memory", "bubble_fraction",
+           "check_cpu_budget", "comm_exposed_s", "cpu_rss_caveat", "data_wait_fraction", "device_kind", "device_name",
+           "IntervalTimer", "mfu", "packing_efficiency", "peak_flops", "peak_memory_bytes", "peak_rss_bytes",
+           "PeakWindows", "reset_peak_memory", "samples_per_s", "SavedActivationPeak", "scaling_efficiency",
+           "StepTimer", "tokens_per_s"]
+
+_H100_PAGE = "https://www.nvidia.com/en-us/data-center/h100/"
+_H200_PAGE = "https://www.nvidia.com/en-us/data-center/h200/"
+_A100_PAGE = "https://www.nvidia.com/en-us/data-center/a100/"
+
+DEVICES: dict[str, dict[str, Any]] = {
     # Dense tensor-core peaks in FLOP/s per GPU; dense = half of NVIDIA's with-sparsity figure.
-    # Sources (docs/references.md C2): https://www.nvidia.com/en-us/data-center/h100/ ,
-    # https://www.nvidia.com/en-us/data-center/h200/ , https://www.nvidia.com/en-us/data-center/a100/
-    ("H100 SXM", "bf16"): 989e12,
-    ("H100 SXM", "fp16"): 989e12,
-    ("H100 NVL", "bf16"): 835.5e12,
-    ("H100 NVL", "fp16"): 835.5e12,
-    # fp32 on the CUDA cores (no tensor cores: torch's default float32_matmul_precision "highest")
-    # and TF32 on the tensor cores (half of the with-sparsity figure), same page (C2)
-    ("H100 SXM", "fp32"): 67e12,
-    ("H100 SXM", "tf32"): 494.5e12,
-    ("H100 NVL", "fp32"): 60e12,
-    ("H100 NVL", "tf32"): 417.5e12,
-    ("H200", "bf16"): 989e12,  # same tensor-core arithmetic as H100 SXM
-    ("H200", "fp16"): 989e12,
+    # "fp32" on the CUDA cores (no tensor cores: torch's default float32_matmul_precision
+    # "highest") and "tf32" fp32 tensors with TF32 matmuls on the tensor cores (half of the
+    # with-sparsity figure), same pages (docs/references.md C2).
+    "H100 SXM": {"memory_gb": 80, "bandwidth_tb_s": 3.35,
+                 "peak_flops": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "tf32": 494.5e12},
+                 "source": f"{_H100_PAGE} (80 GB HBM3, 3.35 TB/s)"},
+    "H100 NVL": {"memory_gb": 94, "bandwidth_tb_s": 3.9,
+                 "peak_flops": {"bf16": 835.5e12, "fp16": 835.5e12, "fp32": 60e12, "tf32": 417.5e12},
+                 "source": f"{_H100_PAGE} (H100 NVL: 94 GB HBM3, 3.9 TB/s)"},
+    "H200": {"memory_gb": 141, "bandwidth_tb_s": 4.8,
+             "peak_flops": {"bf16": 989e12, "fp16": 989e12},  # same tensor-core arithmetic as H100 SXM
+             "source": f"{_H200_PAGE} (141 GB HBM3e, 4.8 TB/s)"},
     # NVIDIA's H200 page, H200 NVL column: BF16/FP16 Tensor Core 1,671 TFLOPS with sparsity (600 W
     # PCIe card; the H100 NVL's figure too), not the SXM module's 1,979
-    ("H200 NVL", "bf16"): 835.5e12,
-    ("H200 NVL", "fp16"): 835.5e12,
-    ("A100", "bf16"): 312e12,
-    ("A100", "fp16"): 312e12,
+    "H200 NVL": {"memory_gb": 141, "bandwidth_tb_s": 4.8, "peak_flops": {"bf16": 835.5e12, "fp16": 835.5e12},
+                 "source": f"{_H200_PAGE} (H200 NVL: 141 GB HBM3e, 4.8 TB/s)"},
+    "A100 40GB": {"memory_gb": 40, "bandwidth_tb_s": 1.6, "peak_flops": {"bf16": 312e12, "fp16": 312e12},
+                  "source": f"{_A100_PAGE} (40 GB HBM2, 1.6 TB/s)"},
+    "A100 80GB": {"memory_gb": 80, "bandwidth_tb_s": 2.0, "peak_flops": {"bf16": 312e12, "fp16": 312e12},
+                  "source": f"{_A100_PAGE} (80 GB HBM2e, 2.0 TB/s)"},
 }
-"""(device kind, precision) -> dense peak FLOP/s of one GPU. "fp32" is true fp32 on the CUDA
-cores (TF32 off, torch's default), "tf32" fp32 tensors with TF32 matmuls on the tensor cores;
-devices without an fp32 entry give fp32 runs an MFU of None."""
+"""The one device table (``measure`` and the planner, ``labkit.study.plan``): per GPU, memory
+(NVIDIA's nominal GB, taken as 1e9 bytes: the conservative reading), memory bandwidth, dense
+peak FLOP/s by precision and the page they come from. A precision without an entry (fp32 on
+H200, A100) gives an MFU of None."""
+
+DEVICE_ALIASES: dict[str, str] = {"A100": "A100 40GB"}
+"""Older names still accepted: "A100" (``measure``'s name before the table was shared; both A100s
+have the same peaks) is the 40 GB card, the smaller memory."""
+
+PEAK_FLOPS: dict[tuple[str, str], float] = {
+    (name, precision): flops for name, d in DEVICES.items() for precision, flops in d["peak_flops"].items()}
+PEAK_FLOPS |= {(alias, precision): flops for alias, name in DEVICE_ALIASES.items()
+               for (n, precision), flops in list(PEAK_FLOPS.items()) if n == name}
+"""(device name or alias, precision) -> dense peak FLOP/s of one GPU: ``DEVICES``' peaks as pairs."""
+
+
+def device_name(name: str) -> str:
+    """The ``DEVICES`` name of ``name``: a table name, an alias (``DEVICE_ALIASES``) or a CUDA
+    product name (``torch.cuda.get_device_name``, through ``device_kind``). ValueError in one
+    line listing the known names when it is none of these."""
+    if name in DEVICES:
+        return name
+    if name in DEVICE_ALIASES:
+        return DEVICE_ALIASES[name]
+    kind = device_kind(name)
+    if kind is None:
+        raise ValueError(f"device: unknown {name!r}; known devices are {', '.join(DEVICES)} "
+                         f"(aliases {', '.join(DEVICE_ALIASES)})")
+    return kind
 
 
 def device_kind(name: str) -> str | None:
-    """Map a CUDA device name (``torch.cuda.get_device_name``) to a ``PEAK_FLOPS`` device kind,
-    or None when it is not in the table. E.g. "NVIDIA H100 80GB HBM3" -> "H100 SXM",
+    """Map a CUDA device name (``torch.cuda.get_device_name``) to a ``DEVICES`` name, or None
+    when it is not in the table. E.g. "NVIDIA H100 80GB HBM3" -> "H100 SXM",
     "NVIDIA H100 NVL" -> "H100 NVL", "NVIDIA H200" -> "H200", "NVIDIA H200 NVL" -> "H200 NVL",
-    "NVIDIA A100-SXM4-80GB" -> "A100". The H100 PCIe (a lower peak) is deliberately not matched."""
+    "NVIDIA A100-SXM4-80GB" -> "A100 80GB", "NVIDIA A100-PCIE-40GB" -> "A100 40GB" (an A100
+    name without either size: the 40 GB card). The H100 PCIe (a lower peak) is deliberately not
+    matched."""
     upper = name.upper()
     if "H200" in upper:
         return "H200 NVL" if "NVL" in upper else "H200"
@@ -77,17 +115,24 @@ def device_kind(name: str) -> str | None:
             return "H100 SXM"
         return None
     if "A100" in upper:
-        return "A100"
+        return "A100 80GB" if "80GB" in upper.replace(" ", "") else "A100 40GB"
     return None
 
 
-def peak_flops(device: torch.device, precision: str) -> float | None:
-    """Dense peak FLOP/s of one ``device`` for ``precision`` ("bf16"/"fp16"/"fp32"), or None on
-    CPU or for an unlisted device/precision."""
-    if device.type != "cuda":
-        return None
+def peak_flops(device: torch.device | str, precision: str) -> float | None:
+    """Dense peak FLOP/s of one ``device`` for ``precision`` ("bf16"/"fp16"/"fp32"/"tf32"), or
+    None for a precision the table has no peak for. ``device``: a ``torch.device`` (None on CPU
+    or for an unlisted GPU) or a device name (``device_name``: "H100 SXM", "A100", "NVIDIA H200";
+    ValueError for an unknown name; "cpu" and "cuda[:i]" are read as ``torch.device``)."""
     import torch
 
+    if isinstance(device, str):
+        if device == "cpu" or device.split(":")[0] == "cuda":
+            device = torch.device(device)
+        else:
+            return PEAK_FLOPS.get((device_name(device), precision))
+    if device.type != "cuda":
+        return None
     kind = device_kind(torch.cuda.get_device_name(device))
     return PEAK_FLOPS.get((kind, precision)) if kind else None
 
@@ -449,6 +494,24 @@ def available_memory() -> dict:
     free = min([avail] + [max(0, limit - usage) for _, limit, usage in groups])
     return {"bytes": int(free), "machine_available_bytes": int(avail), "machine_total_bytes": int(total),
             "cgroup": None if tight is None else {"path": tight[0], "limit_bytes": tight[1], "usage_bytes": tight[2]}}
+
+
+CPU_RSS_OVERHEAD: tuple[float, float] = (1.19, 1.41)
+"""(least, most) measured ratio of a CPU training process's RSS growth (``VmHWM`` less the RSS
+before the model was built) to the planner's count of its tensor bytes (``plan_model`` on
+"cpu", ``total_at`` at its largest micro-batch under 1 GiB): tiny 1.19, mini 1.41, small 1.22
+(seq 128, fp32, 3 steps of fused AdamW; benchmarks/bench_cpu_rss.py, 2026-12-01, load average
+11-15 on 2 cores). glibc's heap keeps freed blocks and torch's CPU allocator rounds them, so a
+CPU budget in tensor bytes needs this much more of the machine's memory."""
+
+
+def cpu_rss_caveat(budget_bytes: int) -> str:
+    """One line for a plan on device "cpu": the budget counts tensor bytes, and the process's
+    RSS runs ``CPU_RSS_OVERHEAD`` above them (the memory to have free, in GB)."""
+    lo, hi = CPU_RSS_OVERHEAD
+    return (f"CPU: the budget counts tensor bytes; a training process's RSS ran {lo:.2f}-{hi:.2f}x that "
+            f"(allocator heap; benchmarks/bench_cpu_rss.py), so have {budget_bytes * hi / 1e9:.2f} GB free "
+            f"for this {budget_bytes / 1e9:.2f} GB budget")
 
 
 def check_cpu_budget(budget_bytes: int, available: dict, *, key: str = "budget_bytes", model: str | None = None) -> None:

@@ -22,6 +22,11 @@ from plotly.subplots import make_subplots
 
 from labkit.live import LivePlot, live_html  # noqa: F401 (re-exported: notebooks use plots.LivePlot)
 
+__all__ = ["COLORS", "COLORWAY", "FONT", "MEMORY_TERMS", "RENDERER", "drop_reasons_figure", "efficiency_figure",
+           "figure_bundle", "integer_axis", "law_figure", "loader_figure", "log_ticks", "loss_figure", "memory_figure",
+           "microbatch_figure", "nice_step", "parallel_figure", "preparation_figure", "round_axis", "scaling_table",
+           "setup_notebook_plotting", "split_label", "staging_figure", "style", "throughput_figure", "topology_figure"]
+
 COLORS = {"loss": "#1f4e79", "throughput": "#c55a11", "ideal": "#7f7f7f", "bar": "#2e75b6", "busy": "#c00000"}
 """Named colours used across figures (colour-blind safe blue/orange pair, grey reference)."""
 COLORWAY = ("#1f4e79", "#c55a11", "#548235", "#7030a0", "#bf9000", "#2e75b6", "#c00000", "#00a3a3")
@@ -462,7 +467,9 @@ def parallel_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data, tens
     fig.update_yaxes(title_text="idle share of the schedule", tickformat=".0%", rangemode="tozero", row=1, col=2)
     fig.update_yaxes(title_text="MiB per rank", rangemode="tozero", row=1, col=3)
     fig.update_xaxes(tickangle=-30)
-    fig.update_layout(template=style(), title=title, barmode="group", height=480, width=1250,
+    # no fixed width: the figure takes its output's width (a 1,250-px figure was cut off in a
+    # 1,280-px window, where JupyterLab's output area is narrower; tests/test_plots.py draws it)
+    fig.update_layout(template=style(), title=title, barmode="group", height=480,
                       margin={"l": 70, "r": 30, "t": 80, "b": 140})
     return fig
 

@@ -19,8 +19,11 @@ import os
 import pathlib
 from typing import Any
 
-from labkit.config import ModelConfig, TrainConfig
+from labkit.config import ModelConfig, TrainConfig, did_you_mean
 from labkit.config.tomlfile import LabConfig
+
+__all__ = ["ENCODER", "check_device", "check_model", "check_prepare", "check_sweep", "check_train", "has_cuda_device",
+           "model_presets"]
 
 ENCODER = pathlib.Path(__file__).resolve().parent / "model" / "encoder.py"
 
@@ -57,8 +60,8 @@ def check_model(name: str, overrides: dict[str, Any], *, key: str = "train.model
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise ValueError(f"{key.rsplit('.', 1)[0]}.model_overrides: unknown fields {unknown}; ModelConfig has "
-                         f"{', '.join(sorted(fields))}")
+        raise ValueError(f"{key.rsplit('.', 1)[0]}.model_overrides: unknown fields {unknown}; "
+                         + did_you_mean(unknown[0], sorted(fields), f"ModelConfig has {', '.join(sorted(fields))}"))
     shape = {k: v for k, v in presets[name].items() if k != "source"}
     try:
         ModelConfig(**{**shape, "vocab_size": vocab_size, **overrides})
@@ -143,15 +146,18 @@ def check_sweep(kind: str, cfg: LabConfig, args: Any) -> None:
     if kind == "micro-batch":
         for name in args.models or [cfg.train.model]:
             check_model(name, {}, key="--models")
-        if args.budget_gb is not None and args.budget_gb < 0:
-            raise ValueError(f"--budget-gb: must be >= 0 (0: the GPU until out of memory), got {args.budget_gb}")
-        if not args.budget_gb and local and not has_cuda_device():
-            raise ValueError("--budget-gb: 0 searches the GPU until out of memory, but this machine has no NVIDIA "
+        if getattr(args, "budget_gb", None) is not None:
+            raise ValueError("--budget-gb: sweep micro-batch takes --budget-gib (GiB, 2**30 bytes per rank); "
+                             "--budget-gb is labkit plan's, in GB (1e9 bytes)")
+        if args.budget_gib is not None and args.budget_gib < 0:
+            raise ValueError(f"--budget-gib: must be >= 0 (0: the GPU until out of memory), got {args.budget_gib}")
+        if not args.budget_gib and local and not has_cuda_device():
+            raise ValueError("--budget-gib: 0 searches the GPU until out of memory, but this machine has no NVIDIA "
                              "device; give a CPU budget in GiB per rank")
-        if args.budget_gb and local:
+        if args.budget_gib and local:
             from labkit.measure import available_memory, check_cpu_budget
 
-            check_cpu_budget(int(args.budget_gb * 2**30), available_memory(), key="--budget-gb",
+            check_cpu_budget(int(args.budget_gib * 2**30), available_memory(), key="--budget-gib",
                              model=(args.models or [cfg.train.model])[0])
         _index(cfg.train.data_dir, "train.data_dir")
         return

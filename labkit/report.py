@@ -20,6 +20,10 @@ from typing import Any
 
 import nbformat
 
+__all__ = ["INJECTED_TAG", "PARAMETERS_TAG", "UNIX_PATH_MAX", "check_parameters", "check_report",
+           "declared_parameters", "execute_notebook", "inject_parameters", "kernel_over_ipc", "notebook_title",
+           "offline_exporter", "parameter_defaults", "read_notebook"]
+
 INJECTED_TAG = "injected-parameters"
 PARAMETERS_TAG = "parameters"
 
@@ -43,18 +47,71 @@ def declared_parameters(nb: nbformat.NotebookNode | str | os.PathLike) -> list[s
 
     `nb`: a notebook node or the path of a notebook (``read_notebook``). A notebook without such a
     cell declares none. Raises SyntaxError if that cell is not valid Python."""
+    return list(parameter_defaults(nb))
+
+
+_NOT_LITERAL = object()
+
+
+def parameter_defaults(nb: nbformat.NotebookNode | str | os.PathLike) -> dict[str, Any]:
+    """``{name: default}`` of the notebook's cell tagged "parameters", in order: the value of the
+    name's first assignment when it is a Python literal (``ast.literal_eval``), else a private
+    sentinel (an expression: no type to check against). SyntaxError if that cell is not valid Python."""
     import ast
 
     if not isinstance(nb, nbformat.NotebookNode):
         nb = read_notebook(nb)
-    names: list[str] = []
+    defaults: dict[str, Any] = {}
     for cell in nb.cells:
         if cell.cell_type == "code" and PARAMETERS_TAG in cell.get("metadata", {}).get("tags", []):
             for node in ast.parse(cell.source).body:
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
                     if isinstance(node, ast.AnnAssign) else []
-                names += [t.id for t in targets if isinstance(t, ast.Name) and t.id not in names]
-    return names
+                for t in targets:
+                    if isinstance(t, ast.Name) and t.id not in defaults:
+                        try:
+                            defaults[t.id] = ast.literal_eval(node.value) if node.value is not None else _NOT_LITERAL
+                        except (ValueError, SyntaxError, TypeError):
+                            defaults[t.id] = _NOT_LITERAL
+    return defaults
+
+
+def _same_kind(value: Any, default: Any) -> bool:
+    """Whether ``value`` may replace ``default``: the same type, an int for a float, anything for
+    a None or non-literal default; bool and int are told apart, list and tuple are not."""
+    if default is None or default is _NOT_LITERAL:
+        return True
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(default, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    if isinstance(default, (list, tuple)):
+        return isinstance(value, (list, tuple))
+    return isinstance(value, type(default))
+
+
+def check_parameters(nb: nbformat.NotebookNode | str | os.PathLike, parameters: dict[str, Any]) -> None:
+    """Check ``parameters`` against the notebook's "parameters" cell before anything runs:
+    ValueError (one line) naming a key that is not an identifier, a parameter the cell does not
+    declare (a misspelt name would otherwise be ignored silently), a value whose repr is not a
+    Python literal, or a value of another type than the declared default (``steps = 40`` takes an
+    int: ``--param steps=three`` is refused here, not in a cell half-way through the run)."""
+    import ast
+
+    defaults = parameter_defaults(nb)
+    for name, value in parameters.items():
+        if not (isinstance(name, str) and name.isidentifier()):
+            raise ValueError(f"parameter name {name!r} is not a Python identifier")
+        if name not in defaults:
+            raise ValueError(f"parameter {name!r} is not declared in the notebook's parameters cell "
+                             f"(declared: {', '.join(defaults) or 'none'})")
+        try:
+            ast.literal_eval(repr(value))
+        except (ValueError, SyntaxError) as err:
+            raise ValueError(f"parameter {name!r}: value {value!r} is not a Python literal") from err
+        if not _same_kind(value, defaults[name]):
+            raise ValueError(f"parameter {name!r}: expected {type(defaults[name]).__name__} like its default "
+                             f"{defaults[name]!r}, got {value!r}")
 
 
 def inject_parameters(nb: nbformat.NotebookNode, parameters: dict[str, Any]) -> nbformat.NotebookNode:
@@ -64,22 +121,12 @@ def inject_parameters(nb: nbformat.NotebookNode, parameters: dict[str, Any]) -> 
     float, bool, None, and lists/tuples/dicts of those). Raises ValueError naming a key that is
     not an identifier, a parameter the notebook's "parameters" cell does not declare
     (``declared_parameters``; a misspelt name would otherwise be ignored silently), or a value
-    whose repr is not a Python literal.
+    whose repr is not a Python literal, or one of another type than the declared default
+    (``check_parameters``).
     """
-    import ast
-
+    check_parameters(nb, parameters)
     lines = ["# Parameters (injected by labkit.report)"]
-    declared = declared_parameters(nb)
     for name, value in parameters.items():
-        if not (isinstance(name, str) and name.isidentifier()):
-            raise ValueError(f"parameter name {name!r} is not a Python identifier")
-        if name not in declared:
-            raise ValueError(f"parameter {name!r} is not declared in the notebook's parameters cell "
-                             f"(declared: {', '.join(declared) or 'none'})")
-        try:
-            ast.literal_eval(repr(value))
-        except (ValueError, SyntaxError) as err:
-            raise ValueError(f"parameter {name!r}: value {value!r} is not a Python literal") from err
         lines.append(f"{name} = {value!r}")
     nb.cells = [c for c in nb.cells if INJECTED_TAG not in c.get("metadata", {}).get("tags", [])]
     where = next((k + 1 for k, c in enumerate(nb.cells)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import html
 from typing import Any
 
+__all__ = ["GB", "format_value", "show", "Table"]
+
 GB = 1e9
 
 

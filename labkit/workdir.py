@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+__all__ = ["paths"]
+
 
 def paths(workdir: str | os.PathLike) -> dict[str, Path]:
     """The artifact paths of ``workdir`` (nothing is created): corpus, clean (the kept-documents

@@ -30,7 +30,7 @@ model = "mini"
 micro_batch_size = 16
 sweep_steps = 8
 sweep_models = ["mini", "small"]
-memory_budget_gb = 2.0
+memory_budget_gib = 2.0
 loader_workers = [0, 1, 2]
 loader_step_time_s = 0.02  # consumer step in the loader sweep (a planned GPU step)
 study_seq_len = 512  # sequence length assumed for the study's models (not reported)
@@ -77,7 +77,7 @@ ranks.select("ranks", "model", "micro_batch_size", "tokens_per_s", "efficiency",
 
 # %%
 mb = lab.sweep_micro_batch(client, sweep_models, seq_len=index["seq_len"], vocab_size=index["vocab_size"],
-                           budget_bytes=int(memory_budget_gb * 2**30), workdir=workdir)
+                           budget_bytes=int(memory_budget_gib * 2**30), workdir=workdir)
 mb
 
 # %%

@@ -130,6 +130,7 @@ def test_plan_counts_a_model_defined_in_a_users_file(tmp_path, capsys):
                    precision="fp32", budget_bytes=int(0.05e9))
     assert f"max micro-batch: {p['max_micro_batch']} (verified by counting" in out
     assert f"{p['activation_bytes_per_sequence']:,}" in out and "state: adamw state" in out
+    assert "CPU: the budget counts tensor bytes; a training process's RSS ran 1.19-1.41x" in out  # measure.CPU_RSS_OVERHEAD
     assert main(["plan", "--model-module", f"{user}:nope", "--device", "cpu", "--budget-gb", "1"]) == 2
     assert "has no function 'nope'" in capsys.readouterr().err
     assert main(["plan", "--model-module", str(user), "--device", "cpu", "--budget-gb", "1"]) == 2
@@ -299,7 +300,9 @@ def test_values_are_refused_before_any_engine_starts(tmp_path):
         "train.seq_len: 128, but the shards": ["train", c, "--set", "train.seq_len=128"],
         "train.eval_every: 5, but the shards": ["train", c, "--set", "train.eval_every=5"],
         "train.tokenizer_path: /no/tok.json does not exist": ["train", c, "--set", 'train.tokenizer_path="/no/tok.json"'],
-        "train.sharding: 'ddp' does not compose with tp/pp > 1": ["train", c, "--tp", "2"],
+        "train.sharding: 'ddp' does not compose with tp/pp > 1": ["train", c, "--tp", "2", "--set", 'train.sharding="ddp"'],
+        "train.sharding: --tp 2 --pp 1 on 4 engines leaves dp 2 model copies; choose": [
+            "train", c, "--tp", "2", "--engines", "4"],
         "train.tp/pp: world size 2 is not divisible by tp x pp = 4 x 1": [
             "train", c, "--tp", "4", "--set", 'train.sharding="replicate"'],
         "train.pp: 1 layers cannot fill pp x pp_virtual_stages = 2 x 1": [
@@ -307,14 +310,15 @@ def test_values_are_refused_before_any_engine_starts(tmp_path):
             "--set", "train.grad_accum_steps=2", "--set", "train.model_overrides={num_layers=1}"],
         "--ranks: [3] outside 1..2": ["sweep", "ranks", c, "--ranks", "1", "3"],
         "--models: unknown model preset 'bert-9b'": ["sweep", "micro-batch", c, "--models", "tiny", "bert-9b"],
-        "--budget-gb: 100000.0 GiB per rank is more than": ["sweep", "micro-batch", c, "--budget-gb", "100000"],
+        "--budget-gib: 100000.0 GiB per rank is more than": ["sweep", "micro-batch", c, "--budget-gib", "100000"],
+        "--budget-gb: sweep micro-batch takes --budget-gib": ["sweep", "micro-batch", c, "--budget-gb", "2"],
         "--workers: worker counts must be >= 0": ["sweep", "loaders", c, "--workers", "-1"],
         "corpus.paths: '/no/such/dir' does not exist": ["prepare", c, "--set", 'corpus.paths=["/no/such/dir"]'],
         "corpus.text_paths: '/no/notes' does not exist": ["prepare", c, "--set", 'corpus.text_paths=["/no/notes"]'],
     }
     if not has_cuda_device():
         cases["train.device: 'cuda' was asked for"] = ["train", c, "--set", 'train.device="cuda"']
-        cases["--budget-gb: 0 searches the GPU"] = ["sweep", "micro-batch", c, "--budget-gb", "0"]
+        cases["--budget-gib: 0 searches the GPU"] = ["sweep", "micro-batch", c, "--budget-gib", "0"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(__import__("pathlib").Path(__file__).parents[1]),
                                                                    os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, "-c", PREFLIGHT, json.dumps(list(cases.values()))], capture_output=True,
@@ -350,3 +354,53 @@ def test_train_twice_on_a_finished_run_leaves_every_file_as_it_was(tmp_path, cap
         assert json.loads(out)["already_finished"] is True and json.loads(out)["steps"] == 3
         assert "already finished (3 of 3 steps" in err and "starting" not in err
         assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in files} == files
+
+
+def test_train_prints_the_eval_loss_of_the_result(monkeypatch, tmp_path, capsys):
+    import contextlib
+    import json
+
+    from labkit import commands, lab, preflight
+    from labkit.config.tomlfile import load
+
+    result = {"initial_loss": 6.9, "final_loss": 5.1, "eval_loss": 5.37, "perplexity": 214.9, "steps": 20}
+    monkeypatch.setattr(preflight, "check_train", lambda *a, **k: None)
+    monkeypatch.setattr(commands, "cluster_client", lambda cc: contextlib.nullcontext(None))
+    monkeypatch.setattr(lab, "train_on_cluster", lambda client, cfg, staged=None: result)
+    cfg = load(None, [f"workdir={json.dumps(str(tmp_path))}"])
+    assert commands.train(cfg, stage_first=False) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["eval_loss"], out["perplexity"], out["final_loss"]) == (5.37, 214.9, 5.1)
+
+
+def test_tp_alone_chooses_replicate_when_it_is_the_only_layout(tmp_path, capsys):
+    import argparse
+
+    from labkit.cli import _config
+
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text("[cluster]\nengines = 2\n[train]\nmodel = \"tiny\"\n")
+    args = argparse.Namespace(config=str(cfg_file), set=[], tp=2, pp=None, engines=None, profile=None, cluster_id=None)
+    cfg = _config(args)
+    assert (cfg.train.tp, cfg.train.sharding) == (2, "replicate") and "dp 1" in capsys.readouterr().err
+    pp2 = argparse.Namespace(**{**vars(args), "tp": None, "pp": 2, "set": ["train.grad_accum_steps=2"]})
+    assert _config(pp2).train.sharding == "replicate"
+    explicit = argparse.Namespace(**{**vars(args), "set": ['train.sharding="fsdp"']})
+    assert _config(explicit).train.sharding == "fsdp"  # a sharding the user names is kept
+    cfg_file.write_text("[cluster]\nengines = 2\n[train]\nmodel = \"tiny\"\nsharding = \"ddp\"\n")
+    with pytest.raises(ValueError, match="'ddp' does not compose with tp/pp > 1"):
+        _config(args)
+
+
+def test_plan_raises_no_deprecation_warning():
+    """The planner (preset and counted model) under -W error for DeprecationWarning and
+    FutureWarning: torch.distributed.optim's import-time torch.jit.script warnings are filtered
+    where labkit imports it (labkit/train/dist.py, optim.py), and nothing else warns."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    flags = [sys.executable, "-W", "error::DeprecationWarning", "-W", "error::FutureWarning", "-m", "labkit.cli", "plan"]
+    for args in (["configs/walkthrough.toml", "--vocab-size", "1024"],
+                 ["--model-module", "tests/plain_encoder.py:factory", "--seq-len", "32"]):
+        proc = subprocess.run(flags + args, cwd=root, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0 and "Warning" not in proc.stderr, (args, proc.stderr[-2000:])

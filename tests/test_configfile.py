@@ -62,14 +62,16 @@ def test_set_overrides_parse_toml_values_else_strings(cfg_file):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("train.max_step=3", "train.max_step: unknown key; TrainConfig has data_dir"),
+    ("train.max_step=3", "train.max_step: unknown key; did you mean 'max_steps'?"),
+    ("train.zzz=3", "train.zzz: unknown key; TrainConfig has data_dir"),
+    ("trainn.lr=1", "trainn: unknown key; did you mean 'train'?"),
     ("train.max_steps=ten", "train.max_steps: expected int, got 'ten'"),
     ("train.max_steps=0", "train.max_steps: must be positive, got 0"),
     ("train.precision=fp8", "train.precision: expected one of 'fp32', 'bf16', 'fp16', got 'fp8'"),
     ("train.resume=1", "train.resume: expected bool, got 1"),
     ("corpus.paths=[1]", "corpus.paths[0]: expected str, got 1"),
     ("clean.near_dedup.bands=x", "clean.near_dedup.bands: expected int, got 'x'"),
-    ("trainer.lr=1", "trainer: unknown key; known top-level keys are workdir, scaled_down and the sections cluster"),
+    ("xyz.lr=1", "xyz: unknown key; known top-level keys are workdir, scaled_down and the sections cluster"),
     ("cluster.engines=0", "cluster.engines: must be at least 1, got 0"),
     ("train", "--set 'train': expected section.key=value"),
 ])
@@ -132,3 +134,14 @@ def test_every_shipped_config_loads_and_the_study_scales_down():
         load("configs/walkthrough.toml", scaled_down=True)
     with pytest.raises(ValueError, match=r"^plan\.mfu: must be in \(0, 1\]"):
         load("configs/study.toml", ["plan.mfu=2.0"])
+
+
+def test_unknown_fields_suggest_the_closest_one_in_one_line():
+    from labkit.config import ModelConfig, from_dict
+    from labkit.preflight import check_model
+
+    with pytest.raises(ValueError, match=r"^train.model_overrides: unknown fields \['hiden_size'\]; did you mean "
+                                         r"'hidden_size'\?$"):
+        check_model("tiny", {"hiden_size": 8})
+    with pytest.raises(ValueError, match=r"^ModelConfig: unknown fields \['num_layer'\]; did you mean 'num_layers'\?$"):
+        from_dict(ModelConfig, {"num_layer": 2})

@@ -64,7 +64,7 @@ def _config(tmp: Path) -> DemoConfig:
         micro_batch_size=8,
         sweep_steps=4,
         sweep_models=("tiny", "mini"),
-        memory_budget_gb=0.5,
+        memory_budget_gib=0.5,
         reports=True,
     )
 

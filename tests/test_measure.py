@@ -27,10 +27,29 @@ def test_peak_table_and_device_names():
     assert measure.device_kind("NVIDIA H200") == "H200"
     assert measure.device_kind("NVIDIA H200 NVL") == "H200 NVL"  # the 600 W card: its own, lower peak
     assert measure.PEAK_FLOPS[("H200 NVL", "bf16")] == 835.5e12
-    assert measure.device_kind("NVIDIA A100-SXM4-80GB") == "A100"
+    assert measure.device_kind("NVIDIA A100-SXM4-80GB") == "A100 80GB"
+    assert measure.device_kind("NVIDIA A100-PCIE-40GB") == "A100 40GB"
     assert measure.device_kind("NVIDIA H100 PCIe") is None  # a different peak: not guessed
     assert measure.device_kind("NVIDIA GeForce RTX 4090") is None
     assert measure.peak_flops(torch.device("cpu"), "bf16") is None
+
+
+def test_peak_flops_takes_a_device_name_and_one_table_serves_the_planner():
+    from labkit.study.plan import DEVICES, device_info
+
+    assert measure.peak_flops("H100 SXM", "bf16") == 989e12
+    assert measure.peak_flops("H100 NVL", "fp32") == 60e12
+    assert measure.peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12  # a CUDA product name
+    assert measure.peak_flops("A100", "bf16") == measure.peak_flops("A100 80GB", "bf16") == 312e12  # the old name
+    assert measure.peak_flops("A100 40GB", "fp32") is None  # no fp32 peak in the table: MFU None
+    assert measure.peak_flops("cpu", "bf16") is None
+    with pytest.raises(ValueError, match="^device: unknown 'H100 SXN'; known devices are H100 SXM"):
+        measure.peak_flops("H100 SXN", "bf16")
+    assert DEVICES is measure.DEVICES  # one table
+    for name in DEVICES:  # every device the planner knows has measure's peak
+        assert device_info(name)["peak_flops"] == measure.peak_flops(name, "bf16") > 0
+    assert device_info("A100")["device"] == "A100 40GB" and device_info("A100")["memory_bytes"] == 40e9
+    assert {k for k, _ in measure.PEAK_FLOPS} == set(DEVICES) | set(measure.DEVICE_ALIASES)
 
 
 def test_rates_and_data_wait_fraction():

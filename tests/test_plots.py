@@ -230,3 +230,32 @@ def test_parallel_figure_three_panels_measured_beside_planned():
     assert list(fig.data[3].y) == [2.0, 1.0, 3.0]  # MiB
     with pytest.raises(ValueError, match="planned_bubble"):
         plots.parallel_figure(df.drop("planned_bubble"))
+
+
+def test_no_figure_has_a_fixed_width():
+    """A fixed width wider than the output area is cut off (notebook 06's 1,250-px figure in a
+    1,280-px window); every figure takes its output's width instead."""
+    assert {name: fig.layout.width for name, fig in _all_figures().items() if fig.layout.width is not None} == {}
+
+
+def test_figures_fit_a_1280_px_window_in_chromium(tmp_path):
+    """Each figure as a notebook output draws it (plotly.js, its output's width) in a 1,280-px
+    Chromium window, inside margins as wide as JupyterLab's side bar and cell prompt: the drawn
+    figure, its legend and every tick label stay within the window."""
+    from browser import chromium, need_browser
+
+    need_browser()
+    import plotly.io as pio
+
+    for name, fig in _all_figures().items():
+        body = pio.to_html(fig, include_plotlyjs=True, full_html=False, default_width="100%", default_height=525)
+        (tmp_path / f"{name}.html").write_text(
+            f"<html><body style='margin:0'><div style='margin-left:150px;margin-right:40px'>{body}</div></body></html>")
+    with chromium() as browser:
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        for name in _all_figures():
+            page.goto((tmp_path / f"{name}.html").as_uri())
+            page.wait_for_selector(".main-svg")
+            right = page.evaluate("""() => Math.max(...[...document.querySelectorAll(
+                '.main-svg, .legend, g.xtick text, g.ytick text, .gtitle')].map(e => e.getBoundingClientRect().right))""")
+            assert right <= 1280 - 40 + 1, (name, right)

@@ -147,3 +147,22 @@ def test_live_ddp_notebook_keeps_one_final_plot(tmp_path):
     assert nbformat.read(tmp_path / "live.ipynb", as_version=4).cells[1].outputs == []  # source untouched
     info = report.check_report(out)
     assert info["ok"] and info["figures"] == 1
+
+
+def test_parameter_types_are_checked_before_anything_runs(tmp_path, capsys):
+    from labkit.cli import main
+
+    src = _notebook(tmp_path / "t.ipynb")
+    nb = nbformat.read(src, as_version=4)
+    assert report.parameter_defaults(nb) == {"n_points": 3, "title": "default"}
+    with pytest.raises(ValueError, match=r"^parameter 'n_points': expected int like its default 3, got 'three'$"):
+        report.inject_parameters(nb, {"n_points": "three"})
+    for bad in ({"n_points": True}, {"n_points": 2.5}, {"title": 4}):
+        with pytest.raises(ValueError, match="expected"):
+            report.check_parameters(nb, bad)
+    report.check_parameters(nb, {"n_points": 4, "title": "x"})
+    out = tmp_path / "out" / "t.html"
+    assert main(["report", str(src), str(out), "--param", "n_points=three"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "parameter 'n_points': expected int" in err[0], err
+    assert not out.parent.exists(), "refused before the kernel started or anything was written"

@@ -177,3 +177,57 @@ def test_the_loop_has_no_branch_on_the_kind_of_split():
     hits = [f"loop.py:{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
             if SPLIT_BRANCH.search(line)]
     assert hits == []
+
+
+
+ALL_PENDING = {"labkit.lab", "labkit.train.loop", "labkit.study.counting", "labkit.study.memory"}
+"""Modules whose ``__all__`` waits for the branches editing them now (issue 31); empty it after they land."""
+
+
+def _defined_public(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """(public functions and classes defined at top level, every top-level name bound)."""
+    public, bound = set(), set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+            if not node.name.startswith("_"):
+                public.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                bound |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.If, ast.Try)):
+            for sub in ast.walk(node):
+                if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                    bound |= {(a.asname or a.name).split(".")[0] for a in sub.names}
+    return public, bound
+
+
+def test_every_module_lists_its_public_names_in_all():
+    """Each module's ``__all__`` (a literal list) names only what the module binds, and every
+    public function and class it defines; packages and modules that define nothing need none."""
+    problems = []
+    for name, path in _modules().items():
+        if name in ALL_PENDING or path.name == "__main__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        public, bound = _defined_public(tree)
+        listed = next((ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                       and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)), None)
+        if listed is None:
+            if public:
+                problems.append(f"{name}: no __all__ (defines {sorted(public)[:3]}...)")
+            continue
+        if missing := public - set(listed):
+            problems.append(f"{name}: __all__ lacks {sorted(missing)}")
+        if unbound := set(listed) - bound:
+            problems.append(f"{name}: __all__ names {sorted(unbound)}, not bound in the module")
+    assert not problems, problems
+
+
+def test_the_package_has_a_docstring():
+    import labkit
+    import labkit.data
+
+    assert labkit.__doc__ and "labkit.train" in labkit.__doc__ and labkit.data.__doc__

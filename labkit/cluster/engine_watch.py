@@ -29,6 +29,10 @@ from typing import Any
 
 import ipyparallel as ipp
 
+__all__ = ["SLURM_ENDED", "death_cause", "EngineStartError", "exit_status", "forget_engines", "kernel_oom_kill",
+           "oom_kills", "registered", "startup_failure", "track", "unreachable", "wait_for_engines",
+           "wait_unregistered"]
+
 SLURM_ENDED = ("BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
                "PREEMPTED", "TIMEOUT", "SPECIAL_EXIT")
 _SRUN_TASK_EXIT = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): Exited with exit code (\d+)")

@@ -34,6 +34,9 @@ from labkit.cluster.engines import get_client, restart_engines
 from labkit.config import TrainConfig
 from labkit.cluster.topology import assign_ranks, engine_info, tensor_parallel_groups
 
+__all__ = ["LOST_PROBE_S", "DDPError", "failure_line", "labkit_frame", "progress_bar", "run_ddp", "run_ddp_resumable",
+           "train_on_cluster"]
+
 
 class DDPError(RuntimeError):
     """A rank of a `run_ddp` call failed, died or timed out; the message names the rank(s), one

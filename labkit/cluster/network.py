@@ -9,6 +9,8 @@ from __future__ import annotations
 import socket
 import subprocess
 
+__all__ = ["default_controller_ip", "interface_address", "mpi_exports"]
+
 
 def interface_address(name: str) -> str:
     """The IPv4 address of this host's network interface `name`; ValueError listing the

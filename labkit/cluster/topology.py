@@ -16,6 +16,8 @@ import ipyparallel as ipp
 
 from labkit.env import LOCAL_ID_ENVS, NODE_ENV, SCRATCH_ENV, node_name  # noqa: F401 (re-exported)
 
+__all__ = ["assign_ranks", "engine_info", "per_node", "set_local_roots", "set_node_names", "tensor_parallel_groups"]
+
 
 def _engine_facts() -> dict:
     import os

@@ -10,8 +10,8 @@ dataclasses live by stage (``labkit.config.data``, ``.model``, ``.train``), the 
 ``.base`` and the TOML loader in ``.tomlfile``; every name is importable from ``labkit.config``.
 """
 
-from labkit.config.base import (LEGACY_SPECIAL_TOKENS, SPECIAL_TOKENS, _one_of, _require, from_dict,  # noqa: F401
-                                to_dict)  # (_one_of, _require: the TOML loader)
+from labkit.config.base import (LEGACY_SPECIAL_TOKENS, SPECIAL_TOKENS, _one_of, _require, did_you_mean,  # noqa: F401
+                                from_dict, to_dict)  # (_one_of, _require: the TOML loader)
 from labkit.config.data import (DEFAULT_ELF_PATHS, DEFAULT_TEXT_BLOCKLIST, DEFAULT_TEXT_BOILERPLATE, CleanConfig,
                                 CorpusConfig, DedupConfig, ShardConfig, StageConfig, TokenizerConfig)
 from labkit.config.model import ModelConfig
@@ -20,4 +20,4 @@ from labkit.config.train import DemoConfig, TrainConfig, default_workdir
 __all__ = ["DEFAULT_ELF_PATHS", "DEFAULT_TEXT_BLOCKLIST", "DEFAULT_TEXT_BOILERPLATE", "LEGACY_SPECIAL_TOKENS",
            "SPECIAL_TOKENS", "CleanConfig",
            "CorpusConfig", "DedupConfig", "DemoConfig", "ModelConfig", "ShardConfig", "StageConfig", "TokenizerConfig",
-           "TrainConfig", "default_workdir", "from_dict", "to_dict"]
+           "TrainConfig", "default_workdir", "did_you_mean", "from_dict", "to_dict"]

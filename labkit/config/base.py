@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import difflib
+from typing import Any, Iterable
+
+__all__ = ["LEGACY_SPECIAL_TOKENS", "SPECIAL_TOKENS", "did_you_mean", "from_dict", "to_dict"]
 
 
 SPECIAL_TOKENS: tuple[str, ...] = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[NEXT]")
@@ -28,6 +31,14 @@ def _one_of(value: Any, name: str, allowed: tuple) -> None:
     _require(value in allowed, name, f"got {value!r}; allowed values are {', '.join(map(repr, allowed))}")
 
 
+def did_you_mean(key: str, known: Iterable[str], listing: str) -> str:
+    """The end of an unknown-key message: ``"did you mean 'max_steps'?"`` naming the closest
+    known key (``difflib.get_close_matches``, ratio >= 0.6: Ratcliff-Obershelp similarity), else
+    ``listing`` (the caller's list of the known keys) when none is close."""
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}?" if close else listing
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
     """A JSON-serialisable dict of a config dataclass (tuples become lists)."""
     return dataclasses.asdict(cfg)
@@ -37,7 +48,8 @@ def from_dict(cls: type, data: dict[str, Any]) -> Any:
     """Build ``cls`` from ``to_dict`` output; unknown keys raise ``ValueError`` naming them."""
     names = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(names))
-    _require(not unknown, cls.__name__, f"unknown fields {unknown}; known fields are {sorted(names)}")
+    _require(not unknown, cls.__name__, "unknown fields {}; {}".format(
+        unknown, did_you_mean(unknown[0], names, f"known fields are {sorted(names)}") if unknown else ""))
     kwargs = {}
     for key, value in data.items():
         if isinstance(value, list) and "tuple" in str(names[key].type):

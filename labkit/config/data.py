@@ -8,6 +8,9 @@ from typing import Literal
 
 from labkit.config.base import SPECIAL_TOKENS, _one_of, _require, to_dict  # noqa: F401
 
+__all__ = ["DEFAULT_ELF_PATHS", "DEFAULT_TEXT_BLOCKLIST", "DEFAULT_TEXT_BOILERPLATE", "CleanConfig", "CorpusConfig",
+           "DedupConfig", "ShardConfig", "StageConfig", "TokenizerConfig"]
+
 
 DEFAULT_ELF_PATHS: tuple[str, ...] = ("/usr/lib", "/usr/bin", "/usr/sbin", "/usr/libexec", "/lib")
 
@@ -231,6 +234,13 @@ class TokenizerConfig:
     initial_alphabet: str = "".join(chr(c) for c in range(33, 127))
     """Characters always in the vocabulary (WordPiece: also as ``##c`` continuation pieces;
     Unigram: as pieces), so words made of them, such as long hex strings, never become [UNK]."""
+    alphabet_limit: int = 1000
+    """WordPiece and Unigram: the non-ASCII characters of the whole corpus (every document, not
+    only the training sample: a user's "João" or "café" in a few documents) join
+    ``initial_alphabet``, the most frequent first, at most this many, and at most as many as keep
+    the alphabet's pieces (WordPiece: c and ##c) within half of vocab_size
+    (``labkit.data.tokenize.corpus_alphabet``); 0: ``initial_alphabet`` only (ASCII). 1000 is the
+    ``limit_alphabet`` of HF tokenizers' ``BertWordPieceTokenizer``."""
     max_word_chars: int = 100
     """WordPiece: longer runs of word characters are split into pieces of this many before
     WordPiece sees them (a longer word would be one [UNK]); HF's default limit is 100."""
@@ -238,6 +248,7 @@ class TokenizerConfig:
     def __post_init__(self) -> None:
         _require(self.held_out_docs >= 0, "held_out_docs", "must be >= 0")
         _require(self.max_word_chars > 0, "max_word_chars", "must be positive")
+        _require(self.alphabet_limit >= 0, "alphabet_limit", "must be >= 0")
         _one_of(self.kind, "kind", ("wordpiece", "bpe", "unigram", "instruction"))
         _require(self.vocab_size > len(SPECIAL_TOKENS), "vocab_size",
                  f"must exceed the {len(SPECIAL_TOKENS)} special tokens {SPECIAL_TOKENS}")

@@ -7,6 +7,8 @@ from typing import Literal
 
 from labkit.config.base import SPECIAL_TOKENS, _one_of, _require, to_dict  # noqa: F401
 
+__all__ = ["ModelConfig"]
+
 
 @dataclass(kw_only=True)
 class ModelConfig:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from labkit.config.model import ModelConfig
 from labkit.config.train import TrainConfig
 
+__all__ = ["TP_ATTENTION", "check_split", "is_split", "Split", "split_of"]
+
 TP_ATTENTION = ("full", "sliding_window", "linear")
 """Attention kinds checked against one process under tensor parallelism (tests/train/test_parallel.py).
 Linformer is not: its E, F projections are shared by the heads, so their gradient would need a sum over tp."""

@@ -48,7 +48,11 @@ from labkit.config import (
     StageConfig,
     TokenizerConfig,
     TrainConfig,
+    did_you_mean,
 )
+
+__all__ = ["SECTIONS", "TOP_LEVEL", "apply_overrides", "build", "ClusterConfig", "from_mapping", "LabConfig", "load",
+           "parse_override", "PlanConfig", "read_run_config"]
 
 
 @dataclass(kw_only=True)
@@ -222,7 +226,8 @@ def build(cls: type, table: dict[str, Any], prefix: str) -> Any:
     kwargs = {}
     for key, value in table.items():
         if key not in names:
-            raise ValueError(f"{prefix}.{key}: unknown key; {cls.__name__} has {', '.join(names)}")
+            raise ValueError(f"{prefix}.{key}: unknown key; "
+                             + did_you_mean(key, names, f"{cls.__name__} has {', '.join(names)}"))
         kwargs[key] = _convert(f"{prefix}.{key}", value, hints[key])
     try:
         return cls(**kwargs)
@@ -248,8 +253,9 @@ def from_mapping(data: dict[str, Any]) -> LabConfig:
     dataclass defaults. Raises ValueError naming the first bad key."""
     for key in data:
         if key not in SECTIONS and key not in TOP_LEVEL:
-            raise ValueError(f"{key}: unknown key; known top-level keys are {', '.join(TOP_LEVEL)} and the "
-                             f"sections {', '.join(SECTIONS)}")
+            raise ValueError(f"{key}: unknown key; " + did_you_mean(
+                key, [*TOP_LEVEL, *SECTIONS],
+                f"known top-level keys are {', '.join(TOP_LEVEL)} and the sections {', '.join(SECTIONS)}"))
     workdir = _convert("workdir", data.get("workdir", "work/demo"), str)
     scaled = _convert("scaled_down", data.get("scaled_down", []), tuple[str, ...])
     built: dict[str, Any] = {"scaled_down": scaled}

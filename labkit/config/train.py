@@ -10,6 +10,8 @@ from labkit.config.base import SPECIAL_TOKENS, _one_of, _require, to_dict  # noq
 from labkit.config.data import CleanConfig, CorpusConfig, ShardConfig, StageConfig, TokenizerConfig  # noqa: F401
 from labkit.config.model import ModelConfig  # noqa: F401
 
+__all__ = ["default_workdir", "DemoConfig", "TrainConfig"]
+
 
 @dataclass(kw_only=True)
 class TrainConfig:
@@ -40,8 +42,10 @@ class TrainConfig:
     """Final learning rate as a fraction of lr."""
     warmup_steps: int = 10
     """Linear warm-up steps from 0 to lr."""
-    schedule: Literal["linear", "cosine", "wsd"] = "linear"
-    """Decay after warm-up: linear, cosine, or warmup-stable-decay."""
+    schedule: Literal["linear", "cosine", "wsd", "hf_linear"] = "linear"
+    """Decay after warm-up: linear, cosine, or warmup-stable-decay to lr * min_lr_ratio; or "hf_linear",
+    transformers' ``get_linear_schedule_with_warmup`` step for step (warm-up from 0, decay towards 0;
+    min_lr_ratio unused)."""
     weight_decay: float = 0.01
     """AdamW decoupled weight decay (not applied to norms and biases)."""
     beta1: float = 0.9
@@ -160,7 +164,7 @@ class TrainConfig:
         _require(self.lr > 0, "lr", "must be positive")
         _require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
         _require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
-        _one_of(self.schedule, "schedule", ("linear", "cosine", "wsd"))
+        _one_of(self.schedule, "schedule", ("linear", "cosine", "wsd", "hf_linear"))
         _one_of(self.precision, "precision", ("fp32", "bf16", "fp16"))
         _one_of(self.device, "device", ("auto", "cpu", "cuda"))
         _one_of(self.backend, "backend", ("auto", "gloo", "nccl"))
@@ -232,8 +236,8 @@ class DemoConfig:
     sweep_steps: int = 8
     """Steps per point of the rank-scaling sweep (the first two are warm-up)."""
     sweep_models: tuple[str, ...] = ("mini", "small")
-    """Model presets whose largest micro-batch is found under memory_budget_gb."""
-    memory_budget_gb: float = 2.0
+    """Model presets whose largest micro-batch is found under memory_budget_gib."""
+    memory_budget_gib: float = 2.0
     """CPU memory budget per rank for the micro-batch sweep, in GiB (model state plus the
     activations saved for backward)."""
     reports: bool = True
@@ -242,4 +246,4 @@ class DemoConfig:
     def __post_init__(self) -> None:
         _require(self.engines >= 1, "engines", "must be at least 1")
         _require(self.train_steps > 0, "train_steps", "must be positive")
-        _require(self.memory_budget_gb > 0, "memory_budget_gb", "must be positive")
+        _require(self.memory_budget_gib > 0, "memory_budget_gib", "must be positive")

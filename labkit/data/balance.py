@@ -29,6 +29,8 @@ import polars as pl
 
 from labkit.config import ShardConfig
 
+__all__ = ["cap_budgets", "select_documents", "source_groups"]
+
 
 def source_groups(docs: pl.LazyFrame, pattern: str) -> pl.Expr:
     """Expression of each row's group (Utf8): see the module docstring."""

@@ -19,6 +19,8 @@ import polars as pl
 from labkit.io import atomic_write, atomic_write_json
 from labkit.config import CleanConfig
 
+__all__ = ["FILTERS", "clean", "clean_corpus", "describe_filters", "EmptyCorpusError"]
+
 FILTERS: dict[str, str] = {
     "too_short": "fewer than min_chars characters",
     "too_long": "more than max_chars characters",

@@ -63,6 +63,9 @@ from labkit.data.documents import SCHEMA
 from labkit.data.sources import find_source_files, write_source_part
 from labkit.io import atomic_write, atomic_write_json
 
+__all__ = ["build_corpus", "extract_functions", "find_elf_files", "merge_stats", "normalize_instruction", "split_work",
+           "write_corpus_part"]
+
 _ARCHES = {"EM_X86_64": "x86_64", "EM_AARCH64": "aarch64"}
 _SHF_EXECINSTR, _STT_FUNC = 0x4, 2
 _SYM_DTYPE = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"),

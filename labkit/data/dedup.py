@@ -37,6 +37,9 @@ from datasketch import MinHash
 from labkit.config import DedupConfig
 from labkit.io import atomic_write, atomic_write_npy
 
+__all__ = ["band_hashes", "bucket_pairs", "candidate_probability", "components", "near_dedup", "near_dedup_parquet",
+           "near_duplicates", "shingle_hashes", "shingles", "signature_part", "signatures", "similar_pairs"]
+
 _P = 0x9E3779B97F4A7C15
 """Odd 64-bit multiplier of the shingle hash (the golden-ratio constant)."""
 _SCHEME = "affine32"

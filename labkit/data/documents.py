@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import polars as pl
 
+__all__ = ["SCHEMA"]
+
 SCHEMA: dict[str, pl.DataType] = {
     "id": pl.Utf8, "source": pl.Utf8, "name": pl.Utf8, "address": pl.UInt64,
     "arch": pl.Utf8, "n_bytes": pl.UInt32, "text": pl.Utf8,

@@ -25,6 +25,8 @@ import numpy as np
 from labkit.data.pack import PAD_ID, pack_rows, pad_rows, with_seps
 from labkit.io import atomic_write_bytes, sha256_bytes
 
+__all__ = ["HELDOUT_FILE", "RULE", "heldout_documents", "HeldoutError", "read_heldout", "split_keep", "write_heldout"]
+
 HELDOUT_FILE = "heldout-00000.bin"
 RULE = "document row r is held out iff numpy.random.default_rng(seed).random(n_rows)[r] < fraction"
 

@@ -47,6 +47,9 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from labkit.config import SPECIAL_TOKENS, TokenizerConfig
 
+__all__ = ["CONTINUE", "NEXT", "NEXT_ID", "PREFIXES", "assemble", "instruction_pieces", "is_immediate",
+           "is_instruction_tokenizer", "line_table", "pretokenize", "pretokenize_lines", "train_instruction_tokenizer"]
+
 NEXT = "[NEXT]"
 NEXT_ID = SPECIAL_TOKENS.index(NEXT)
 CONTINUE = "__"

@@ -38,6 +38,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from labkit.config import SPECIAL_TOKENS
 from labkit.data.shards import check_shards
 
+__all__ = ["IGNORE_INDEX", "ArrayBatch", "dense_labels", "index_special_ids", "make_loader", "MLMCollator",
+           "MLMLoader", "RankSampler", "ShardDataset"]
+
 IGNORE_INDEX = -100
 """Label of positions without MLM loss."""
 

@@ -29,6 +29,9 @@ import numpy as np
 from labkit.config import SPECIAL_TOKENS
 from labkit.io import atomic_write_bytes, sha256_bytes, sha256_file
 
+__all__ = ["SLICE_DOCS", "doc_stream", "group_rows", "pack_documents", "pack_group", "pack_rows", "pad_rows",
+           "plan_groups", "with_seps"]
+
 PAD_ID, CLS_ID, SEP_ID = (SPECIAL_TOKENS.index(t) for t in ("[PAD]", "[CLS]", "[SEP]"))
 SLICE_DOCS = 4096
 """Documents of a part read and packed at once by ``pack_group`` (bounds its memory)."""

@@ -46,6 +46,9 @@ import polars as pl
 from labkit.config import CleanConfig, DedupConfig
 from labkit.io import atomic_write, atomic_write_npy
 
+__all__ = ["BAND_ENTRY_BYTES", "EXACT_KEY_BYTES", "dedup_corpus", "exact_keys_part", "exact_partition", "n_partitions",
+           "near_bands_part", "near_components", "near_partition", "part_offsets", "write_kept_part"]
+
 EXACT_KEY_BYTES = 200
 """Peak bytes per document of ``exact_partition`` (keys ~60 B: 16-character id, two hashes,
 part and row; polars' group-by, join and is_first_distinct take about three times that)."""

@@ -16,6 +16,8 @@ import polars as pl
 
 from labkit.workdir import paths
 
+__all__ = ["preparation_report"]
+
 
 def preparation_report(workdir: str) -> dict:
     """Numbers of the data preparation, read back from the artifacts, for whatever the corpus

@@ -46,6 +46,11 @@ from labkit.data.pack import (CLS_ID, PAD_ID, SEP_ID, doc_stream, pack_documents
 from labkit.data.tokenize import (encode_flat, line_separable, load_tokenizer, process_line_cache, special_ids,
                                   text_row_count, tokenizer_sha256)
 
+__all__ = ["CROSS_DOCUMENT_ATTENTION", "FORMAT", "INDEX_NAME", "VERSION", "check_entries", "check_shards",
+           "check_tokenizer", "encode_part", "finish_shards", "id_bound", "packing_info", "packing_of",
+           "parts_dir_for", "plan_parts", "plan_shards", "read_index", "rows_per_shard", "SequenceReader",
+           "shard_dtype", "ShardError", "verify_shards", "write_index", "write_rows", "write_shards"]
+
 FORMAT = "labkit-shards"
 VERSION = 1
 INDEX_NAME = "index.json"
@@ -494,15 +499,25 @@ def check_entries(data_dir: str | os.PathLike, index: dict) -> list[Path]:
 
 
 def verify_shards(data_dir: str | os.PathLike, *, tokenizer_path: str | os.PathLike | None = None) -> dict:
-    """``check_entries``, then every shard's sha256 and largest id, compared with ``index.json``;
-    returns the index. ``ShardError`` naming the first shard that differs, holds an id >=
-    ``vocab_size``, or the index when ``tokenizer_path`` is given and is not the tokenizer the
-    set was built with (``check_tokenizer``)."""
+    """``check_entries``, then every shard's sha256 and largest id, compared with ``index.json``,
+    and the same for the held-out file (``labkit.data.heldout``: its size too) when the index
+    records one; returns the index. ``ShardError`` naming the first file (shard or held-out)
+    that is missing, differs, or holds an id >= ``vocab_size``, or the index when
+    ``tokenizer_path`` is given and is not the tokenizer the set was built with
+    (``check_tokenizer``)."""
     index = read_index(data_dir)
     if tokenizer_path is not None:
         check_tokenizer(data_dir, tokenizer_path)
     dtype = np.dtype(index["dtype"]).newbyteorder("<")
-    for shard, path in zip(index["shards"], check_entries(data_dir, index)):
+    files = list(zip(index["shards"], check_entries(data_dir, index)))
+    for held in (index.get("heldout") or {}).get("shards", []):
+        path = Path(data_dir) / held["file"]
+        size = path.stat().st_size if path.is_file() else None
+        if size != held["n_bytes"]:
+            raise ShardError(f"{path}: held-out file " + ("missing" if size is None else f"has {size} bytes")
+                             + f", index says {held['n_bytes']}")
+        files.append((held, path))
+    for shard, path in files:
         tops = [0]
         # blocks of 4 MiB, a multiple of 4 bytes: whole ids
         digest = sha256_file(path, chunk=1 << 22,

@@ -52,6 +52,9 @@ from labkit.io import atomic_write
 from labkit.config import CorpusConfig
 from labkit.data.documents import SCHEMA
 
+__all__ = ["READERS", "SUFFIXES", "doc_id", "find_source_files", "read_jsonl", "read_parquet_source", "read_text_file",
+           "write_source_part"]
+
 Kind = Literal["text", "jsonl", "parquet"]
 SUFFIXES: dict[str, tuple[str, ...]] = {"jsonl": (".jsonl", ".ndjson", ".json"), "parquet": (".parquet",)}
 """File suffixes taken when a JSONL or Parquet path is a directory (text: ``cfg.text_suffixes``)."""

@@ -35,6 +35,8 @@ from labkit.data.shards import INDEX_NAME, ShardError, read_index, verify_shards
 from labkit.env import SCRATCH_ENV
 from labkit.io import copy_and_hash, fsync_tree, replace
 
+__all__ = ["copy_workers", "resolve_local_root", "stage_shards"]
+
 
 def resolve_local_root(local_root: str | None = None) -> Path:
     """Node-local scratch root: ``local_root`` as given, else ``$LABKIT_LOCAL_SCRATCH``, else

@@ -32,6 +32,8 @@ bounded by one slice and the trainer's word counts, never the whole corpus; the 
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import itertools
 import json
 import os
@@ -46,6 +48,10 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from labkit.config import LEGACY_SPECIAL_TOKENS, SPECIAL_TOKENS, TokenizerConfig
 from labkit.data import instructions
 from labkit.io import atomic_write_text, sha256_file
+
+__all__ = ["MAX_CACHED_LINES", "UNK_ID", "corpus_alphabet", "encode_flat", "iter_texts", "line_separable", "LineCache",
+           "load_tokenizer", "process_line_cache", "special_ids", "split_rows", "text_row_count", "tokenizer_sha256",
+           "train_tokenizer", "unk_rate", "unk_report"]
 
 UNK_ID = SPECIAL_TOKENS.index("[UNK]")
 
@@ -100,8 +106,30 @@ def iter_texts(docs_path: str, *, batch_docs: int, rows: np.ndarray | None = Non
         yield col.drop_nulls().to_list()
 
 
+def corpus_alphabet(docs_path: str, cfg: TokenizerConfig) -> str:
+    """The non-ASCII characters of every document's ``text`` in ``docs_path`` (Parquet file or
+    glob; all rows, not only the training sample), most frequent first (ties by code point), at
+    most ``cfg.alphabet_limit`` and at most ``(vocab_size // 2 - 2 * len(initial_alphabet)) // 2``
+    (WordPiece adds each as c and ##c: the alphabet stays within half the vocabulary). Read in
+    slices; polars strips the ASCII first, so an ASCII corpus (disassembly) costs one regex pass.
+    "" for ``alphabet_limit`` 0."""
+    room = (cfg.vocab_size // 2 - 2 * len(cfg.initial_alphabet)) // 2
+    limit = min(cfg.alphabet_limit, max(0, room))
+    if limit == 0:
+        return ""
+    counts: collections.Counter[str] = collections.Counter()
+    for batch in iter_texts(docs_path, batch_docs=65_536):
+        rest = pl.Series(batch, dtype=pl.String).str.replace_all(r"[\x00-\x7f]+", "")
+        for text in rest.filter(rest.str.len_chars() > 0):
+            counts.update(text)
+    known = set(cfg.initial_alphabet)
+    ranked = sorted((c for c in counts if c not in known and not c.isspace()), key=lambda c: (-counts[c], c))
+    return "".join(ranked[:limit])
+
+
 def _untrained(cfg: TokenizerConfig) -> tuple[Tokenizer, trainers.Trainer]:
-    """An untrained tokenizer of ``cfg.kind`` (pipeline as in the module docstring) and its trainer."""
+    """An untrained tokenizer of ``cfg.kind`` (pipeline as in the module docstring) and its trainer
+    (``cfg.initial_alphabet``: the caller's, with ``corpus_alphabet`` added)."""
     specials = list(SPECIAL_TOKENS)
     if cfg.kind == "wordpiece":
         tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
@@ -160,10 +188,11 @@ def train_tokenizer(docs_path: str, cfg: TokenizerConfig, out_path: str) -> str:
     ``tokenizer.json`` at ``out_path`` (atomically, ``labkit.io``). Returns ``out_path``.
 
     The training sample and held-out documents come from ``split_rows`` (read in file order).
-    After saving, the UNK rate on the held-out documents (``unk_report``) and the split sizes are
-    written to ``<out_path stem>.stats.json`` beside it. Raises ``ValueError`` when the sample
-    holds no text, and ``RuntimeError`` if the trained vocabulary does not put SPECIAL_TOKENS at
-    ids 0..5.
+    WordPiece and Unigram start from ``cfg.initial_alphabet`` plus the corpus's own characters
+    (``corpus_alphabet``). After saving, the UNK rate on the held-out documents (``unk_report``),
+    the alphabet's size and the split sizes are written to ``<out_path stem>.stats.json`` beside
+    it. Raises ``ValueError`` when the sample holds no text, and ``RuntimeError`` if the trained
+    vocabulary does not put SPECIAL_TOKENS at ids 0..5.
     """
     n = text_row_count(docs_path)
     rows, held = split_rows(n, cfg)
@@ -179,6 +208,8 @@ def train_tokenizer(docs_path: str, cfg: TokenizerConfig, out_path: str) -> str:
         texts = (t for batch in iter_texts(docs_path, batch_docs=4096, rows=rows_iter) for t in batch)
         tok = instructions.train_instruction_tokenizer(texts, cfg)
     else:
+        extra = corpus_alphabet(docs_path, cfg) if cfg.kind in ("wordpiece", "unigram") else ""
+        cfg = dataclasses.replace(cfg, initial_alphabet=cfg.initial_alphabet + extra)
         tok, trainer = _untrained(cfg)
         tok.train_from_iterator(iter_texts(docs_path, batch_docs=4096, rows=rows_iter), trainer=trainer,
                                 length=n_sample)
@@ -191,7 +222,8 @@ def train_tokenizer(docs_path: str, cfg: TokenizerConfig, out_path: str) -> str:
     out.parent.mkdir(parents=True, exist_ok=True)
     held_texts = [t for batch in iter_texts(docs_path, batch_docs=4096, rows=held) for t in batch] if len(held) else []
     stats = {"kind": cfg.kind, "vocab_size": tok.get_vocab_size(), "documents": n, "train_docs": n_sample,
-             "held_out_docs": len(held_texts), **unk_report(tok, held_texts)}
+             "held_out_docs": len(held_texts), "alphabet": len(cfg.initial_alphabet) if cfg.kind != "bpe" else 256,
+             **unk_report(tok, held_texts)}
     for path, text in ((out, tok.to_str(pretty=True)), (out.with_name(f"{out.stem}.stats.json"),
                                                        json.dumps(stats, indent=1) + "\n")):
         atomic_write_text(path, text)

@@ -14,6 +14,9 @@ import torch.nn.functional as F
 
 from labkit.config import ModelConfig
 
+__all__ = ["apply_rotary", "attention_span", "eager_attention", "full_attention", "instruction_positions",
+           "layer_attention", "linear_attention", "linformer_attention", "rotary_tables", "sliding_window_attention"]
+
 
 def layer_attention(cfg: ModelConfig, index: int) -> str:
     """The attention of layer ``index`` (0-based): cfg.attention, except that with

@@ -8,6 +8,8 @@ from labkit.config import ModelConfig
 from labkit.model.attention import attention_span, layer_attention
 from labkit.model.encoder import _validate
 
+__all__ = ["count_parameters", "flops_per_token"]
+
 
 def count_parameters(cfg_or_model: ModelConfig | nn.Module) -> dict[str, int]:
     """{"total", "non_embedding"} parameter counts (a tied decoder counted once).

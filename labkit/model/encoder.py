@@ -54,7 +54,10 @@ from torch.utils.checkpoint import checkpoint
 from labkit.model.attention import (apply_rotary, eager_attention, full_attention, instruction_positions,
                                     layer_attention, linear_attention, linformer_attention, rotary_tables,
                                     sliding_window_attention)
-from labkit.config import SPECIAL_TOKENS, ModelConfig
+from labkit.config import SPECIAL_TOKENS, ModelConfig, did_you_mean
+
+__all__ = ["IGNORE_INDEX", "MODEL_SIZES", "BertMLM", "Context", "cross_entropy_sum", "FusedLinear", "Layer", "local",
+           "MLMOutput", "model_config"]
 
 IGNORE_INDEX = -100
 """Label of positions that carry no MLM loss (PyTorch's cross_entropy default)."""
@@ -130,7 +133,8 @@ def model_config(name: str, vocab_size: int, **overrides) -> ModelConfig:
     known = set(ModelConfig.__dataclass_fields__)
     unknown = sorted(set(overrides) - known)
     if unknown:
-        raise ValueError(f"model_overrides: unknown fields {unknown}; known fields are {sorted(known)}")
+        raise ValueError(f"model_overrides: unknown fields {unknown}; "
+                         + did_you_mean(unknown[0], sorted(known), f"known fields are {sorted(known)}"))
     return ModelConfig(**{**fields, "vocab_size": vocab_size, **overrides})
 
 

@@ -18,6 +18,8 @@ from labkit.config import ModelConfig
 from labkit.io import atomic_write, atomic_write_text
 from labkit.model.encoder import BertMLM
 
+__all__ = ["BERT_OPTIONS", "export_hf", "hf_config", "load_hf_state_dict", "to_hf_state_dict"]
+
 BERT_OPTIONS = {"norm_position": "post", "norm_type": "layernorm", "position_embedding": "absolute",
                 "activation": "gelu", "bias": True, "attention": "full", "attention_output_dropout": True}
 """Option values under which the model is BERT and maps onto ``BertForMaskedLM``. Also needed:

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+__all__ = ["CUDA_FP32_OPS", "cuda_attention_kernel", "CudaLike"]
+
 CUDA_FP32_OPS = frozenset({
     # AT_FORALL_FP32 and AT_FORALL_FP32_SET_OPT_DTYPE of pytorch/pytorch v2.13
     # aten/src/ATen/autocast_mode.h, by Python name (functions, methods and operators)

@@ -14,6 +14,9 @@ from labkit.config import ModelConfig
 from labkit.model import BertMLM, count_parameters
 from labkit.study.plan import STUDY_VOCAB, largest_fitting, memory_plan
 
+__all__ = ["flops_check", "gpu_memory_check", "hf_bert_mlm", "max_micro_batch_cuda", "measured_step_peak",
+           "plan_model_check"]
+
 
 def gpu_memory_check(models=(("bert-120m", 64), ("bert-350m", 16)), *, seq_len: int = 512,
                      vocab_size: int = STUDY_VOCAB, precision: str = "bf16", tolerance: float = 0.10,

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+__all__ = ["CHINCHILLA", "EPOCH_REFIT", "check_allocation", "compute_optimal", "fit_law", "LawParams", "training_flops"]
+
 
 @dataclass(frozen=True, kw_only=True)
 class LawParams:

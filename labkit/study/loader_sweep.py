@@ -25,6 +25,8 @@ import polars as pl
 from labkit.data.mlm import make_loader
 from labkit.data.shards import read_index
 
+__all__ = ["SCHEMA", "knee", "measure_step_time", "planned_step_time", "sweep_loader", "workers_needed"]
+
 SCHEMA = {"num_workers": pl.Int64, "batches": pl.Int64, "samples": pl.Int64, "tokens": pl.Int64,
           "n_masked": pl.Int64, "seconds": pl.Float64, "samples_per_s": pl.Float64,
           "data_wait_s": pl.Float64, "step_time_s": pl.Float64, "data_wait_fraction": pl.Float64,

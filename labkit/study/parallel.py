@@ -8,6 +8,8 @@ from labkit.model import count_parameters
 from labkit.study.plan import (ATTENTION, STUDY_MICRO_BATCH, STUDY_VOCAB, device_info, memory_plan,
                                planned_max_micro_batch)
 
+__all__ = ["first_fit", "measure_rank_memory", "parallel_plans", "plan_overrides", "planned_rank_memory", "study_table"]
+
 
 def study_table(*, seq_lens=(128, 256, 512, 1024, 2048), precisions=("bf16", "fp32"),
                 attentions=ATTENTION, heads=(True, False), device: str = "H100 NVL",

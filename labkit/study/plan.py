@@ -23,9 +23,14 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from labkit import measure as _measure
 from labkit.config import ModelConfig
 from labkit.model import count_parameters
 from labkit.model.attention import layer_attention
+
+__all__ = ["ATTENTION", "DEVICES", "PRECISIONS", "STUDY_MICRO_BATCH", "STUDY_VOCAB", "activation_terms", "device_info",
+           "largest_fitting", "memory_plan", "pipeline_bubble", "planned_max_micro_batch", "saved_activation_bytes",
+           "zero_state_bytes"]
 
 
 def largest_fitting(fits: Callable[[int], bool], *, limit: int, start: int = 1) -> int:
@@ -67,23 +72,9 @@ def largest_fitting(fits: Callable[[int], bool], *, limit: int, start: int = 1) 
 # The analytic planner: memory per GPU from formulas, for sizes no CPU can measure
 # --------------------------------------------------------------------------------------------
 
-DEVICES: dict[str, dict[str, Any]] = {
-    "H100 SXM": {"memory_gb": 80, "bandwidth_tb_s": 3.35, "peak_kind": "H100 SXM",
-                 "source": "https://www.nvidia.com/en-us/data-center/h100/ (80 GB HBM3, 3.35 TB/s)"},
-    "H100 NVL": {"memory_gb": 94, "bandwidth_tb_s": 3.9, "peak_kind": "H100 NVL",
-                 "source": "https://www.nvidia.com/en-us/data-center/h100/ (H100 NVL: 94 GB HBM3, 3.9 TB/s)"},
-    "H200": {"memory_gb": 141, "bandwidth_tb_s": 4.8, "peak_kind": "H200",
-             "source": "https://www.nvidia.com/en-us/data-center/h200/ (141 GB HBM3e, 4.8 TB/s)"},
-    "H200 NVL": {"memory_gb": 141, "bandwidth_tb_s": 4.8, "peak_kind": "H200 NVL",
-                 "source": "https://www.nvidia.com/en-us/data-center/h200/ (H200 NVL: 141 GB HBM3e, 4.8 TB/s)"},
-    "A100 40GB": {"memory_gb": 40, "bandwidth_tb_s": 1.6, "peak_kind": "A100",
-                  "source": "https://www.nvidia.com/en-us/data-center/a100/ (40 GB HBM2, 1.6 TB/s)"},
-    "A100 80GB": {"memory_gb": 80, "bandwidth_tb_s": 2.0, "peak_kind": "A100",
-                  "source": "https://www.nvidia.com/en-us/data-center/a100/ (80 GB HBM2e, 2.0 TB/s)"},
-}
-"""GPU memory (NVIDIA's nominal GB, taken as 1e9 bytes: the conservative reading) and memory
-bandwidth with the page they come from; dense bf16 peaks are ``labkit.measure.PEAK_FLOPS``
-under ``peak_kind`` (docs/references.md C2)."""
+DEVICES = _measure.DEVICES
+"""``labkit.measure.DEVICES``, the one device table (memory, bandwidth, peaks, sources); its
+aliases (``labkit.measure.DEVICE_ALIASES``: "A100") are accepted by ``device_info`` too."""
 
 STUDY_MICRO_BATCH = {"bert-120m": 184, "bert-350m": 20}
 """Per-GPU micro-batches the study reports on H100 NVL (arXiv:2509.05258; docs/references.md A,
@@ -98,15 +89,16 @@ ATTENTION = ("flash", "eager")
 
 
 def device_info(name: str) -> dict[str, Any]:
-    """``DEVICES[name]`` plus memory_bytes and peak_flops (bf16, from measure.PEAK_FLOPS).
-    Raises ValueError listing the known devices."""
-    from labkit.measure import PEAK_FLOPS
-
-    if name not in DEVICES:
+    """``DEVICES[name]`` (a table name or an alias, ``labkit.measure.device_name``) plus
+    memory_bytes, peak_flops (bf16) and peaks (FLOP/s by precision). Raises ValueError listing
+    the known devices."""
+    if name not in DEVICES and name not in _measure.DEVICE_ALIASES:
         raise ValueError(f"device: unknown {name!r}; known devices are {sorted(DEVICES)}")
+    name = _measure.device_name(name)
     d = DEVICES[name]
-    return {"device": name, **d, "memory_bytes": int(d["memory_gb"] * 1e9),
-            "peak_flops": PEAK_FLOPS.get((d["peak_kind"], "bf16"))}
+    return {"device": name, **{k: v for k, v in d.items() if k != "peak_flops"},
+            "memory_bytes": int(d["memory_gb"] * 1e9), "peak_flops": d["peak_flops"].get("bf16"),
+            "peaks": dict(d["peak_flops"])}
 
 
 def _check_options(precision: str, attention: str) -> None:

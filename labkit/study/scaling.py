@@ -33,6 +33,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+__all__ = ["BUCKET_BYTES", "INTRA_NODE", "NETWORKS", "STUDY_PRECISIONS", "bucketed_allreduce", "calibrate",
+           "compute_time", "efficiency_table", "embedding_bucket_bytes", "exposed_s", "fit_overlap", "network_limit",
+           "one_story", "precision_experiment", "precision_summary", "ring_allreduce_time", "step_time",
+           "study_scaling"]
+
 NETWORKS: dict[str, dict[str, Any]] = {
     "25GbE": {"bandwidth": 25e9 / 8, "latency": 20e-6,
               "source": "25 Gb/s Ethernet per node, the study's network (docs/references.md A, unconfirmed); "
@@ -283,7 +288,7 @@ def one_story(*, target_efficiency: float = 0.9, n_gpus: int = 256, network: str
 
 STUDY_PRECISIONS = ("fp32", "tf32", "bf16")
 """fp32 on the CUDA cores (the study's: Lightning's default 32-bit, torch's matmul precision
-"highest"), TF32 and bf16 on the tensor cores; peaks ``labkit.measure.PEAK_FLOPS``."""
+"highest"), TF32 and bf16 on the tensor cores; peaks ``labkit.measure.DEVICES``."""
 
 
 def precision_experiment(cfg, *, micro_batch: int, seq_len: int, device: str = "H100 NVL", network: str = "25GbE",
@@ -297,18 +302,17 @@ def precision_experiment(cfg, *, micro_batch: int, seq_len: int, device: str = "
     peak on ``device``."""
     import polars as pl
 
-    from labkit.measure import PEAK_FLOPS
     from labkit.model import count_parameters, flops_per_token
     from labkit.study.plan import device_info
 
-    kind = device_info(device)["peak_kind"]
+    peaks = device_info(device)["peaks"]
     fpt = flops_per_token(cfg, seq_len, mlm_probability=mlm_probability)
     grad_bytes = 4 * count_parameters(cfg)["total"]
     frames = []
     for precision in precisions:
-        peak = PEAK_FLOPS.get((kind, precision))
+        peak = peaks.get(precision)
         if peak is None:
-            raise ValueError(f"precision: no {precision!r} peak for {device} in labkit.measure.PEAK_FLOPS")
+            raise ValueError(f"precision: no {precision!r} peak for {device} in labkit.measure.DEVICES")
         compute = compute_time(fpt, seq_len=seq_len, micro_batch=micro_batch, peak_flops=peak, mfu=mfu)
         table = efficiency_table(compute_s=compute, grad_bytes=grad_bytes, tokens_per_step=seq_len * micro_batch,
                                  gpus=gpus, network=network, gpus_per_node=gpus_per_node)

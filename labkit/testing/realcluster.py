@@ -32,6 +32,9 @@ import subprocess
 import time
 from typing import Callable
 
+__all__ = ["APT_PACKAGES", "HOST_ADDRS", "TOOLS", "hosts_text", "kill_pids", "Munge", "NetHosts", "pid_alive", "Slurm",
+           "unavailable", "wait_for", "write_rsh_agent"]
+
 TOOLS = ("slurmctld", "slurmd", "sbatch", "squeue", "scancel", "sinfo", "munged", "munge", "unmunge",
          "mpiexec", "ip", "nsenter", "unshare", "mknod")
 """Programs the real-cluster tests need (Debian: slurmctld slurmd slurm-client munge openmpi-bin)."""

@@ -36,6 +36,9 @@ from labkit.io import atomic_dir, fsync_tree, replace
 from labkit.train import dist
 from labkit.train.rng import TRACKER
 
+__all__ = ["checkpoint_steps", "is_split_checkpoint", "load_checkpoint", "load_split_checkpoint", "read_state",
+           "save_checkpoint", "save_split_checkpoint"]
+
 
 def _rng_state() -> dict[str, Any]:
     """This process's RNG states as tensors/lists/numbers (loadable with weights_only=True)."""

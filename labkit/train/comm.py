@@ -34,6 +34,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from labkit.train.dist import is_fsdp
 
+__all__ = ["CommTimer", "time_gradient_collectives"]
+
 
 class GradientObserver:
     """Per-bucket statistics taken inside the gradient collective (the base class does nothing).

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -42,9 +43,19 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+with warnings.catch_warnings():
+    # torch.distributed.optim's __init__ compiles its functional optimisers with torch.jit.script,
+    # each raising torch 2.13's own DeprecationWarning at import (torch's call, not labkit's)
+    warnings.filterwarnings("ignore", r"`torch\.jit\.(script|interface)` is deprecated", DeprecationWarning)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+__all__ = ["all_gather_object", "all_reduce_smoke_test", "all_reduce_sum", "barrier", "clip_grad_norm", "dist_info",
+           "grad_scaler", "init_distributed", "is_fsdp", "is_main", "load_optimizer_state_dict", "model_state_dict",
+           "no_sync", "optimizer_state_dict", "print0", "resolve_device", "static_graph_valid",
+           "steps_to_param_devices", "teardown", "unwrap", "wrap_model"]
 
 _FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 """Gather the whole (unsharded) state onto rank 0's CPU; other ranks get an empty dict."""

@@ -26,6 +26,8 @@ import torch
 
 from labkit.train import dist
 
+__all__ = ["evaluate", "HeldoutSet"]
+
 
 class HeldoutSet:
     """The fixed masked held-out set of one rank. ``batches``: list of dicts input_ids int64

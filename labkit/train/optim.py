@@ -1,14 +1,23 @@
 """The optimiser and the learning-rate schedule: AdamW with decoupled decay on matrices, and
-``lr_at`` (warm-up then linear, cosine or warmup-stable-decay), a pure function of the step."""
+``lr_at`` (warm-up then linear, cosine, warmup-stable-decay or transformers' linear schedule), a pure
+function of the step."""
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from labkit.config import TrainConfig
+
+with warnings.catch_warnings():
+    # torch.distributed.optim's __init__ compiles its functional optimisers with torch.jit.script,
+    # each raising torch 2.13's own DeprecationWarning at import (torch's call, not labkit's)
+    warnings.filterwarnings("ignore", r"`torch\.jit\.(script|interface)` is deprecated", DeprecationWarning)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+__all__ = ["build_optimizer", "lr_at"]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -20,9 +29,19 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     ``min_lr + (lr - min_lr)(1 - p)``; cosine ``min_lr + (lr - min_lr)(1 + cos(pi p)) / 2``
     (arXiv:1608.03983); wsd: lr until the last ``wsd_decay_fraction * max_steps`` steps, then
     linear to min_lr at the last step (warmup-stable-decay, arXiv:2404.06395).
+
+    ``hf_linear`` is transformers' ``get_linear_schedule_with_warmup(opt, warmup_steps,
+    max_steps)`` with ``scheduler.step()`` after each ``optimizer.step()``, step for step:
+    ``lr * step / warmup_steps`` in warm-up (0 at step 0), then ``lr * (max_steps - step) /
+    (max_steps - warmup_steps)`` (the last step, max_steps - 1, gets lr / (max_steps - warmup)
+    and the schedule reaches 0 only after the run). It ignores min_lr_ratio.
     """
     peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
     last = cfg.max_steps - 1
+    if cfg.schedule == "hf_linear":  # transformers.optimization._get_linear_schedule_with_warmup_lr_lambda
+        if step < cfg.warmup_steps:
+            return peak * step / max(1, cfg.warmup_steps)
+        return peak * max(0.0, (cfg.max_steps - step) / max(1, cfg.max_steps - cfg.warmup_steps))
     if step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "wsd":

@@ -32,6 +32,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from labkit.measure import IntervalTimer
 from labkit.model.encoder import BertMLM, Layer
 
+__all__ = ["FIRST_PARTS", "LAST_PARTS", "SCHEDULES", "build_schedule", "owned_layers", "pipeline_forward",
+           "stage_indices", "stage_layers", "StageModule", "TimedStage"]
+
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 """``TrainConfig.pp_schedule`` -> torch's schedule class."""
 

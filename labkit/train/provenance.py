@@ -21,6 +21,9 @@ import torch
 from labkit import env
 from labkit.train import dist
 
+__all__ = ["COMMAND_ENV", "collect", "command_line", "device_name", "git_commit", "labkit_version", "library_versions",
+           "now_iso"]
+
 COMMAND_ENV = env.COMMAND_ENV  # "LABKIT_COMMAND", defined in labkit.env (the CLI sets it without importing torch)
 """Environment variable the ``labkit`` command sets to its own command line, so engines it
 starts (which inherit its environment) record the command a researcher typed, not ipengine's."""

@@ -25,6 +25,9 @@ import os
 import pathlib
 from typing import Any, Callable, Protocol
 
+__all__ = ["SINKS", "SKIP_KEYS", "TENSORBOARD_DIR", "fan_out", "MetricSink", "open_sinks", "scalars", "tag",
+           "TensorBoardSink"]
+
 TENSORBOARD_DIR = "tensorboard"
 """Folder of the run directory holding the TensorBoard event files."""
 

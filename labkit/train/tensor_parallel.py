@@ -42,6 +42,9 @@ from labkit.measure import IntervalTimer
 from labkit.model.encoder import IGNORE_INDEX, BertMLM, FusedLinear, Layer, local
 from labkit.train.rng import ReplicatedDropout
 
+__all__ = ["apply_tensor_parallel", "ColwiseFused", "ColwiseLinear", "Comm", "RowwiseLinear", "shard_start",
+           "sync_sequence_parallel_grads", "VocabEmbedding", "VocabParallelLoss"]
+
 
 class Comm:
     """The tensor-parallel group of this rank and the timer of its collectives."""

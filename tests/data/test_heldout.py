@@ -69,3 +69,26 @@ def test_staging_copies_the_heldout_file(tmp_path):
     src = write_tiny_shards(tmp_path / "src", heldout_sequences=8)
     staged = stage_shards(str(src), local_root=str(tmp_path / "local"))
     np.testing.assert_array_equal(read_heldout(staged["path"]), read_heldout(src))
+
+
+def test_verify_covers_the_heldout_file_and_prints_one_line(tmp_path, capsys):
+    from labkit.cli import main
+    from labkit.data.shards import ShardError, verify_shards
+    from tests.tiny_shards import write_tiny_shards
+
+    src = write_tiny_shards(tmp_path / "s", heldout_sequences=8)
+    assert main(["verify", str(src)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "2 shards" in out[0] and "held-out 8 sequences" in out[0], out
+    held = src / "heldout-00000.bin"
+    data = bytearray(held.read_bytes())
+    data[37] ^= 0x01  # one flipped bit, same size: only the sha256 can tell
+    held.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match="heldout-00000.bin: sha256"):
+        verify_shards(src)
+    assert main(["verify", str(src)]) == 2
+    err = capsys.readouterr().err
+    assert str(held) in err and "sha256" in err
+    held.unlink()
+    with pytest.raises(ShardError, match="heldout-00000.bin: held-out file missing"):
+        verify_shards(src)

@@ -4,6 +4,7 @@ checked against transformers' PreTrainedTokenizerFast loading the same tokenizer
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import json
 import random
@@ -14,8 +15,8 @@ import polars as pl
 import pytest
 
 from labkit.config import SPECIAL_TOKENS, TokenizerConfig
-from labkit.data.tokenize import (LineCache, encode_flat, iter_texts, load_tokenizer, process_line_cache, split_rows,
-                                  text_row_count, tokenizer_sha256, train_tokenizer, unk_rate, unk_report)
+from labkit.data.tokenize import (LineCache, corpus_alphabet, encode_flat, iter_texts, load_tokenizer, process_line_cache,
+                                  split_rows, text_row_count, tokenizer_sha256, train_tokenizer, unk_rate, unk_report)
 
 KINDS = ("wordpiece", "bpe", "unigram")
 
@@ -215,3 +216,37 @@ def test_real_libc_disassembly(tmp_path):
             assert hf.encode(doc, add_special_tokens=False) == ids
             if kind != "wordpiece":
                 assert tok.decode(ids) == doc
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "unigram"])
+def test_the_alphabet_comes_from_the_whole_corpus(tmp_path, kind):
+    """A user's own text: two documents with "João", "café", "Zürich" among 2,000 of
+    disassembly, both outside the 300-document training sample. With the ASCII alphabet alone
+    (alphabet_limit=0) their letters are [UNK]; with the corpus's alphabet (the default) none is."""
+    docs = disasm_docs(2000, seed=1)
+    cfg = TokenizerConfig(kind=kind, vocab_size=1024, max_train_docs=300, held_out_docs=0)
+    train, _ = split_rows(len(docs), cfg)
+    outside = [i for i in range(len(docs)) if i not in set(train.tolist())][:2]
+    docs[outside[0]], docs[outside[1]] = "João paid the café in São Paulo", "naïve Zürich résumé"
+    pl.DataFrame({"text": docs}).write_parquet(tmp_path / "docs.parquet")
+    probe = ["João café São Zürich naïve résumé"]
+    ascii_cfg = dataclasses.replace(cfg, alphabet_limit=0)
+    ascii_only = load_tokenizer(train_tokenizer(str(tmp_path / "docs.parquet"), ascii_cfg, str(tmp_path / "ascii.json")))
+    assert unk_report(ascii_only, probe)["unk_tokens"] > 0  # the old default
+    path = train_tokenizer(str(tmp_path / "docs.parquet"), cfg, str(tmp_path / "tok.json"))
+    rep = unk_report(load_tokenizer(path), probe)
+    assert rep["unk_tokens"] == 0, rep["unk_examples"]
+    assert sorted(corpus_alphabet(str(tmp_path / "docs.parquet"), cfg)) == sorted("ãéïü")
+    stats = json.loads(Path(path).with_name("tok.stats.json").read_text())
+    assert stats["alphabet"] == len(cfg.initial_alphabet) + 4 and "unk_rate" in stats
+
+
+def test_corpus_alphabet_keeps_within_half_the_vocabulary(tmp_path):
+    pl.DataFrame({"text": ["".join(chr(0x4E00 + i) for i in range(k, k + 50)) for k in range(0, 2000, 50)]}) \
+        .write_parquet(tmp_path / "cjk.parquet")
+    cfg = TokenizerConfig(vocab_size=1024)
+    got = corpus_alphabet(str(tmp_path / "cjk.parquet"), cfg)
+    assert len(got) == (1024 // 2 - 2 * len(cfg.initial_alphabet)) // 2 == 162
+    assert corpus_alphabet(str(tmp_path / "cjk.parquet"), TokenizerConfig(vocab_size=1024, alphabet_limit=10)) == \
+        "".join(chr(0x4E00 + i) for i in range(10))  # equal counts: by code point
+    assert corpus_alphabet(str(tmp_path / "cjk.parquet"), TokenizerConfig(vocab_size=300)) == ""  # no room
