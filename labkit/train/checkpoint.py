@@ -126,7 +126,7 @@ def set_aside(run_dir: str | os.PathLike) -> pathlib.Path | None:
         dest, k = dest.with_name(f"{dest.name.split('~')[0]}~{k}"), k + 1
     dest.mkdir(parents=True)
     for path in present:
-        os.replace(path, dest / path.name)
+        replace(path, dest / path.name)  # labkit.io: rename, then the directory fsynced
     return dest
 
 
@@ -218,7 +218,7 @@ def _replacing(final: pathlib.Path, built: pathlib.Path | None = None) -> Iterat
         yield built
     old = final.parent / f".{final.name}.{os.getpid()}.old"
     if final.exists():
-        os.replace(final, old)
+        replace(final, old)
     replace(built, final)
     shutil.rmtree(old, ignore_errors=True)
 
