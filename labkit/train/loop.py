@@ -51,10 +51,11 @@ from labkit.data.mlm import make_loader
 from labkit.data.shards import packing_of, read_index
 from labkit.io import atomic_write_json, atomic_write_text
 from labkit.model import BertMLM, count_parameters, flops_per_token
-from labkit.train import dist, parallel, provenance, sinks
+from labkit.train import dist, gns, parallel, provenance, sinks
 from labkit.train.checkpoint import (_rng_state, _set_rng_state, checkpoint_steps, load_checkpoint, save_checkpoint,
                                      save_split_checkpoint)
 from labkit.train.comm import time_gradient_collectives
+from labkit.train.gns import NoiseScale
 from labkit.train.optim import build_optimizer, lr_at
 from labkit.train.run_config import check_resume, data_identity, model_config_of, save_run_config
 
@@ -63,7 +64,8 @@ AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def forward_backward(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]], *,
                      world_size: int, precision: str = "fp32",
-                     scaler: torch.amp.GradScaler | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     scaler: torch.amp.GradScaler | None = None,
+                     noise: NoiseScale | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Accumulate the gradients of one optimiser step over ``micro_batches`` (this rank's).
 
     Each batch holds input_ids int64[B,T], labels int64[B,T] (-100 = not masked) and
@@ -74,11 +76,18 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[dict[str, torch
     (DDP) happens on the last micro-batch only (``no_sync`` on the others). Returns
     ``(loss_sum, n_masked_global, n_tokens_global)``: this rank's summed CE (fp32, detached),
     the global masked count and the global real-token count (int64).
+    ``noise`` (``labkit.train.gns.NoiseScale``) is told the masked count; with ``noise.micro`` (one
+    process) each micro-batch's gradient share goes to it (its squared norm before the next is
+    added, the accumulation done here), then their sum.
     """
     counts = torch.stack([torch.stack([(b["labels"] != -100).sum(), b["attention_mask"].sum()])
                           for b in micro_batches]).sum(0).to(torch.int64)
     dist.all_reduce_sum(counts)
     n_masked_global, n_tokens_global = counts[0], counts[1]
+    if noise is not None:
+        noise.count(n_masked_global)
+    micro = noise is not None and noise.micro and len(micro_batches) > 1
+    acc: list[torch.Tensor] = []
     dtype = AUTOCAST_DTYPES[precision]
     device_type = micro_batches[0]["input_ids"].device.type
     loss_sum = torch.zeros((), dtype=torch.float32, device=counts.device)
@@ -90,8 +99,28 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[dict[str, torch
                             max_masked=batch.get("max_masked"))
             loss = out.loss_sum.float() * world_size / n_masked_global.clamp(min=1)
             (scaler.scale(loss) if scaler is not None else loss).backward()
+        if micro:  # one process: micro-batch i's share of the gradient, summed here (gns.py)
+            acc = _accumulate_micro(model, acc, noise, i, last=i == len(micro_batches) - 1)
         loss_sum += out.loss_sum.detach().float()
     return loss_sum, n_masked_global, n_tokens_global
+
+
+def _accumulate_micro(model: torch.nn.Module, acc: list[torch.Tensor], noise: NoiseScale, i: int, *,
+                      last: bool) -> list[torch.Tensor]:
+    """Give ``noise`` the squared norm of the gradient micro-batch ``i`` just added (the .grad
+    fields hold it alone), add it to ``acc`` and clear .grad; on the ``last`` put the sum back."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
+    noise.add_small(torch.stack([gns.squared_norm(g) for g in grads]).sum())
+    if acc:
+        torch._foreach_add_(acc, grads)
+    else:
+        acc = grads
+    for p, a in zip(params, acc):
+        p.grad = a if last else None
+    if last:
+        noise.add_big(torch.stack([gns.squared_norm(a) for a in acc]).sum())
+    return acc
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
@@ -260,11 +289,12 @@ def _restore(state: dict | None, model: torch.nn.Module, optimizer: Any, scaler:
 
 
 def _forward_backward(model: Any, micro_batches: list[dict[str, torch.Tensor]], cfg: TrainConfig, world: int,
-                      scaler: Any, split: parallel.Split | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      scaler: Any, split: parallel.Split | None, noise: NoiseScale | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One step's forwards and backwards: ``forward_backward`` (data parallel), or the split model's
     own (tensor / pipeline parallel, ``labkit.train.parallel``: the schedule, or tp-split stages)."""
     if split is None:
-        return forward_backward(model, micro_batches, world_size=world, precision=cfg.precision, scaler=scaler)
+        return forward_backward(model, micro_batches, world_size=world, precision=cfg.precision, scaler=scaler,
+                                noise=noise)
     return model.forward_backward(micro_batches, dtype=AUTOCAST_DTYPES[cfg.precision])
 
 
@@ -335,7 +365,12 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
 
     stop = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
     peak = measure.peak_flops(device, cfg.precision)
-    timer = measure.StepTimer(device, comm=None if split else time_gradient_collectives(model, device))
+    # the gradient noise scale (labkit.train.gns): in the gradient collective, or one process's micro-batches
+    noise = None if split else NoiseScale.for_run(micro_batch_size=cfg.micro_batch_size,
+                                                  grad_accum_steps=cfg.grad_accum_steps, dp=dp, sharding=sharding)
+    observers = [noise] if noise is not None and not noise.micro else []
+    timer = measure.StepTimer(device, comm=None if split else time_gradient_collectives(model, device,
+                                                                                         observers=observers))
     timings: list[tuple] = []  # (tokens, samples, step time, wait, exposed comm or None) per step
     last_record, skipped = {}, 0
     windows = measure.PeakWindows(device)  # peak memory of the steps, each evaluation, each checkpoint
@@ -359,7 +394,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss_sum, n_masked, n_tokens = _forward_backward(model, micro_batches, cfg, world, scaler, split)
+        loss_sum, n_masked, n_tokens = _forward_backward(model, micro_batches, cfg, world, scaler, split, noise)
         summed = dist.all_reduce_sum(torch.stack([loss_sum.double(), torch.tensor(wait, dtype=torch.float64,
                                                                                     device=loss_sum.device)]))
         loss = summed[0].item() / max(1, n_masked.item())
@@ -373,6 +408,9 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         step_time = timer.stop()
         windows.end_step()
         comm_fields = timer.comm.step_fields() if timer.comm is not None else {}  # every rank: may all-reduce
+        if noise is not None and noise.micro:  # one process: the micro-batches gave both sums
+            comm_fields |= noise.step_fields()
+            noise.reset()
         # 4. measure and record
         n_tokens_i = int(n_tokens.item())
         tokens_seen += n_tokens_i
@@ -535,5 +573,7 @@ def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple], *, fpt:
               "device": str(device), "precision": cfg.precision, "sharding": sharding,
               "activation_checkpointing": mcfg.activation_checkpointing, "wall_s": time.time() - t_start,
               "provenance": prov | {"end_time": provenance.now_iso()}}
+    noisy = [r for r in records if r.get("b_simple") is not None]  # labkit.train.gns: the last EMA
+    result |= {k: noisy[-1][k] if noisy else None for k in ("b_simple", "b_simple_tokens")}
     dp = global_batch // (cfg.micro_batch_size * cfg.grad_accum_steps)
     return result | parallel.result_fields(cfg, dp, records)  # the split, its measured means
