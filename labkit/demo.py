@@ -18,7 +18,7 @@ from labkit.io import atomic_write_json
 from labkit.config import DemoConfig, TrainConfig, to_dict
 
 NOTEBOOKS: tuple[str, ...] = ("00_cluster", "01_prepare", "02_stage_and_load", "03_train", "04_scaling",
-                              "05_scaling_laws", "06_model_parallel")
+                              "05_scaling_laws", "06_model_parallel", "07_critical_batch")
 """The notebooks the demo executes and exports, in order."""
 
 
