@@ -289,8 +289,12 @@ def forecast(args) -> int:
         mbs = [int(x) for x in args.micro_batches.split(",") if x] if args.micro_batches else [lab.train.micro_batch_size]
     except ValueError:
         raise ValueError(f"--gpus / --micro-batches: comma-separated integers, got {args.gpus!r} / {args.micro_batches!r}")
-    out = study_forecast(lab.train.model, gpus=gpus, micro_batches=mbs, seq_len=lab.shards.seq_len,
-                         network=args.network, device=lab.plan.device, mfu=args.mfu, e_min_tokens=args.tokens,
+    from labkit.study.plan import STUDY_VOCAB
+    from labkit.train.run_config import model_config_of
+
+    mcfg = model_config_of(lab.train, lab.plan.vocab_size or STUDY_VOCAB)
+    out = study_forecast(mcfg, gpus=gpus, micro_batches=mbs, seq_len=lab.shards.seq_len, network=args.network,
+                         device=lab.plan.device, mfu=args.mfu, precision=lab.train.precision, e_min_tokens=args.tokens,
                          b_crit_tokens=args.b_crit_tokens, growth=args.growth, target_loss=args.target_loss,
                          gpus_per_node=lab.plan.gpus_per_node)
     if args.json:

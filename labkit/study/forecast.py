@@ -79,13 +79,14 @@ def knee(table: pl.DataFrame, micro_batch: int, *, min_gain: float = 1.5) -> dic
             "critical_batch_loss": crit, "reason": "network" if net > crit else "critical batch"}
 
 
-def study_forecast(model: str, *, gpus: list[int], micro_batches: list[int], seq_len: int, network: str,
-                   device: str = "H100 NVL", mfu: float = 0.4, e_min_tokens: float | None = None,
+def study_forecast(model: Any, *, gpus: list[int], micro_batches: list[int], seq_len: int, network: str,
+                   device: str = "H100 NVL", mfu: float = 0.4, precision: str = "bf16", e_min_tokens: float | None = None,
                    b_crit_tokens: float | None = None, growth: float = 0.0, target_loss: float = 2.0,
                    gpus_per_node: int = 2, min_gain: float = 1.5) -> dict[str, Any]:
-    """The forecast for a named model preset on a cluster: step time from
-    ``labkit.study.scaling.study_scaling`` (compute at ``mfu`` of ``device``'s peak, DDP's
-    all-reduce on ``network``), steps from ``steps_to_target``. ``b_crit_tokens`` None: Kaplan et
+    """The forecast for a model (a ``ModelConfig``, or a preset name at the study's vocabulary) on
+    a cluster: step time from ``labkit.study.scaling.precision_experiment`` (compute at ``mfu`` of
+    ``device``'s dense peak in ``precision``, fp32 gradients all-reduced in DDP's buckets on
+    ``network``), steps from ``steps_to_target``. ``b_crit_tokens`` None: Kaplan et
     al. 2020 (arXiv:2001.08361) B_crit(L) = 2.1e8 tokens / L^(1/0.21) at ``target_loss`` nats (a
     decoder fit on WebText2: an assumption for MLM). ``e_min_tokens`` None: 20 tokens per
     parameter (Hoffmann et al. 2022, arXiv:2203.15556; an assumption). Returns {"table" (rows as
@@ -94,7 +95,9 @@ def study_forecast(model: str, *, gpus: list[int], micro_batches: list[int], seq
     from labkit.study import scaling
     from labkit.study.plan import STUDY_VOCAB
 
-    assumptions = [f"MFU {mfu:.0%} of the {device}'s dense peak (planned, not measured)",
+    cfg = model_config(model, STUDY_VOCAB, max_position_embeddings=max(512, seq_len), sparse_head=False) \
+        if isinstance(model, str) else model
+    assumptions = [f"MFU {mfu:.0%} of the {device}'s dense {precision} peak (planned, not measured)",
                    f"network {network}: {scaling.NETWORKS[network]['source']}",
                    "sequences of seq_len positions count as the tokens of the critical batch and of E_min"]
     if b_crit_tokens is None:
@@ -102,7 +105,7 @@ def study_forecast(model: str, *, gpus: list[int], micro_batches: list[int], seq
         assumptions.append(f"B_crit = 2.1e8 tokens / L^(1/0.21) at L = {target_loss} nats (Kaplan et al. 2020, "
                            "decoder on WebText2; not measured for this MLM)")
     if e_min_tokens is None:
-        params = count_parameters(model_config(model, STUDY_VOCAB))["total"]
+        params = count_parameters(cfg)["total"]
         e_min_tokens = 20.0 * params
         assumptions.append(f"E_min = 20 tokens per parameter = {e_min_tokens:.3g} tokens (Chinchilla's ratio, "
                            "an assumption for the target)")
@@ -112,15 +115,15 @@ def study_forecast(model: str, *, gpus: list[int], micro_batches: list[int], seq
 
     def step_s(n: int, b: int) -> float:
         if b not in cache:
-            cache[b] = scaling.study_scaling(model, micro_batch=b, seq_len=seq_len, device=device, mfu=mfu,
-                                             sparse_head=False, network=network, gpus=tuple(gpus),
-                                             gpus_per_node=gpus_per_node)
+            cache[b] = scaling.precision_experiment(cfg, micro_batch=b, seq_len=seq_len, device=device,
+                                                    network=network, gpus=tuple(gpus), gpus_per_node=gpus_per_node,
+                                                    mfu=mfu, precisions=(precision,))
         return cache[b].filter(pl.col("n_gpus") == n)["step_s"].item()
 
     table = forecast_table(gpus, micro_batches, step_s, e_min=e_min_tokens / seq_len, b_crit=b_crit_tokens / seq_len,
                            growth=growth, tokens_per_example=seq_len)
     return {"table": table.to_dicts(), "knee": {b: knee(table, b, min_gain=min_gain) for b in micro_batches},
-            "inputs": {"model": model, "seq_len": seq_len, "network": network, "device": device, "mfu": mfu,
+            "inputs": {"model": model if isinstance(model, str) else "config", "precision": precision, "seq_len": seq_len, "network": network, "device": device, "mfu": mfu,
                        "b_crit_tokens": b_crit_tokens, "b_crit_sequences": b_crit_tokens / seq_len,
                        "e_min_tokens": e_min_tokens, "growth": growth, "min_gain": min_gain},
             "assumptions": assumptions}
