@@ -99,7 +99,7 @@ def _steps(model, pool, b, k, n_steps, seed):
 
 @pytest.fixture(scope="module")
 def truth():
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    torch.set_num_threads(1)
     model, pool = _model(), _pool()
     per = _per_example_grads(model, pool)
     masked = (pool["labels"] != -100).sum(1).double()
