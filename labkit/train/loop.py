@@ -87,7 +87,7 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[dict[str, torch
     if noise is not None:
         noise.count(n_masked_global)
     micro = noise is not None and noise.micro and len(micro_batches) > 1
-    acc: list[torch.Tensor] = []
+    acc: dict[torch.nn.Parameter, torch.Tensor] = {}
     dtype = AUTOCAST_DTYPES[precision]
     device_type = micro_batches[0]["input_ids"].device.type
     loss_sum = torch.zeros((), dtype=torch.float32, device=counts.device)
@@ -105,21 +105,23 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[dict[str, torch
     return loss_sum, n_masked_global, n_tokens_global
 
 
-def _accumulate_micro(model: torch.nn.Module, acc: list[torch.Tensor], noise: NoiseScale, i: int, *,
-                      last: bool) -> list[torch.Tensor]:
-    """Give ``noise`` the squared norm of the gradient micro-batch ``i`` just added (the .grad
-    fields hold it alone), add it to ``acc`` and clear .grad; on the ``last`` put the sum back."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    grads = [p.grad for p in params]
-    noise.add_small(torch.stack([gns.squared_norm(g) for g in grads]).sum())
-    if acc:
-        torch._foreach_add_(acc, grads)
-    else:
-        acc = grads
-    for p, a in zip(params, acc):
-        p.grad = a if last else None
+def _accumulate_micro(model: torch.nn.Module, acc: dict[torch.nn.Parameter, torch.Tensor], noise: NoiseScale,
+                      i: int, *, last: bool) -> dict[torch.nn.Parameter, torch.Tensor]:
+    """Give ``noise`` the squared norm of micro-batch ``i``'s gradient (the .grad fields hold it
+    alone), add it to ``acc`` (parameter -> running sum) and clear .grad; on the ``last`` put the
+    sums back and give ``noise`` their squared norm."""
+    fresh = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+    noise.add_small(torch.stack([gns.squared_norm(g) for _, g in fresh]).sum())
+    for p, g in fresh:
+        if p in acc:
+            acc[p].add_(g)
+        else:
+            acc[p] = g
+        p.grad = None
     if last:
-        noise.add_big(torch.stack([gns.squared_norm(a) for a in acc]).sum())
+        for p, a in acc.items():
+            p.grad = a
+        noise.add_big(torch.stack([gns.squared_norm(a) for a in acc.values()]).sum())
     return acc
 
 
