@@ -153,8 +153,8 @@ def _hook_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         pool, out = _pool(WORLD * MB * ACCUM, seed=3), {}
         for sharding in ("ddp", "fsdp"):
-            model = dist.wrap_model(_model(), SimpleNamespace(sharding=sharding, fsdp_reshard_after_forward=True),
-                                    device)
+            cfg = SimpleNamespace(sharding=sharding, fsdp_reshard_after_forward=True, grad_accum_steps=ACCUM)
+            model = dist.wrap_model(_model(), cfg, device)
             noise = NoiseScale.for_run(micro_batch_size=MB, grad_accum_steps=ACCUM, dp=world, sharding=sharding)
             timer = time_gradient_collectives(model, device, observers=[noise])
             timer.reset()
