@@ -150,7 +150,7 @@ def _sweep_batch(cfg: LabConfig, args) -> int:
     if cfg.train.eval_every <= 0 and not cfg.train.data_dir:
         raise ValueError("train.data_dir: the batch sweep needs shards with a held-out split")
     df, fit = sweep_batch(cfg.train, cfg.workdir, batch_sizes=args.batches, target=args.target,
-                          lr_rule=args.lr_rule, max_examples=args.examples)
+                          lr_rule=args.lr_rule, max_examples=args.examples, force=args.force)
     _print_table(df.select("batch", "lr", "steps", "examples", "reached", "b_simple", "b_simple_tokens",
                            "final_eval_loss"))
     if "b_crit" in fit:

@@ -122,7 +122,7 @@ def b_simple_at(records: list[dict], step: float, key: str = "b_simple") -> floa
 
 def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int], target: float | None = None,
                 lr_rule: str = "sqrt", max_examples: int | None = None, eval_every: int | None = None,
-                micro_batch_size: int | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+                micro_batch_size: int | None = None, force: bool = False) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Train ``base`` (a TrainConfig; one process) at each global batch in ``batch_sizes``
     (sequences; micro-batch ``micro_batch_size`` or base's, the rest accumulation, at least 2 so
     the in-run noise scale exists) until ``max_examples`` sequences, the learning rate by
@@ -132,7 +132,9 @@ def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int
     Writes <workdir>/sweeps/critical_batch.parquet (one row per batch: batch, lr, steps,
     examples, reached, b_simple, b_simple_tokens at the target, final_eval_loss) and
     critical_batch_curves.parquet (step, examples, eval_loss, b_simple per record) and returns
-    (rows, fit | {"target"}). Raises ValueError with fewer than 3 batch sizes."""
+    (rows, fit | {"target"}). A finished run (result.json) whose config.json equals this one is
+    read back, not rerun, unless ``force``. Raises ValueError with fewer than 3 batch sizes."""
+    from labkit.config import to_dict
     from labkit.train import train
 
     if len(set(batch_sizes)) < 3:
@@ -153,7 +155,10 @@ def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int
                                   grad_accum_steps=batch // m, lr=lr_for_batch(base.lr, base_batch, batch, lr_rule),
                                   max_steps=steps, warmup_steps=min(base.warmup_steps, max(1, steps // 10)),
                                   eval_every=every, log_every=1, resume=False, checkpoints=False, stop_after=None)
-        train(cfg)
+        done = pathlib.Path(cfg.run_dir, "result.json").exists() and \
+            json.loads(pathlib.Path(cfg.run_dir, "config.json").read_text()) == json.loads(json.dumps(to_dict(cfg)))
+        if force or not done:
+            train(cfg)
         runs[batch] = (cfg, [json.loads(x) for x in pathlib.Path(cfg.run_dir, "metrics.jsonl").read_text().splitlines()])
     finals = {b: min(r["eval_loss"] for r in recs if r.get("eval_loss") is not None) for b, (_, recs) in runs.items()}
     target = target if target is not None else max(finals.values())
@@ -168,8 +173,8 @@ def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int
         curves += [{"batch": batch, "step": r["step"], "examples": r["step"] * batch, "loss": r.get("loss"),
                     "eval_loss": r.get("eval_loss"), "b_simple": r.get("b_simple"),
                     "b_simple_tokens": r.get("b_simple_tokens")} for r in recs]
-    df = pl.DataFrame(rows)
-    pl.DataFrame(curves).write_parquet(out / "critical_batch_curves.parquet")
+    df = pl.DataFrame(rows, infer_schema_length=None)
+    pl.DataFrame(curves, infer_schema_length=None).write_parquet(out / "critical_batch_curves.parquet")
     reached = df.filter(pl.col("reached"))
     fit = fit_critical_batch(reached["batch"].to_numpy(), reached["steps"].to_numpy()) if reached.height >= 3 else {}
     fit |= {"target_eval_loss": target, "lr_rule": lr_rule, "reached": int(reached.height)}
