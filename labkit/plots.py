@@ -468,7 +468,8 @@ def steps_examples_figure(points: pl.DataFrame | pl.LazyFrame, fit: dict, *,
 
     df = _frame(points, ["batch", "steps", "examples"], "steps_examples_figure").drop_nulls("steps").sort("batch")
     fig = go.Figure()
-    hs, he = hyperbola(fit["s_min"], fit["e_min"])
+    batches = df["batch"].to_list()
+    hs, he = hyperbola(fit["s_min"], fit["e_min"], batches=(min(batches) / 2, max(batches) * 2))
     fig.add_trace(go.Scatter(x=he.tolist(), y=hs.tolist(), mode="lines", name=f"fit: B_crit = {fit['b_crit']:.1f}",
                              line={"color": COLORS["ideal"]}))
     fig.add_trace(go.Scatter(x=df["examples"].to_list(), y=df["steps"].to_list(), mode="markers+text",
@@ -477,8 +478,10 @@ def steps_examples_figure(points: pl.DataFrame | pl.LazyFrame, fit: dict, *,
     fig.add_hline(y=fit["s_min"], line={"color": COLORS["ideal"], "dash": "dash"}, annotation_text="S_min")
     fig.add_vline(x=fit["e_min"], line={"color": COLORS["ideal"], "dash": "dash"}, annotation_text="E_min")
     fig.update_layout(template=style(), title=title, xaxis_title="examples E (sequences)", yaxis_title="steps S")
-    fig.update_xaxes(type="log")
-    fig.update_yaxes(type="log")
+    xs = he.tolist() + df["examples"].to_list() + [fit["e_min"]]
+    ys = hs.tolist() + df["steps"].to_list() + [fit["s_min"]]
+    fig.update_xaxes(type="log", tickvals=log_ticks(min(xs), max(xs)), tickformat="~s")
+    fig.update_yaxes(type="log", tickvals=log_ticks(min(ys), max(ys)), tickformat="~s")
     return fig
 
 
@@ -497,5 +500,7 @@ def noise_scale_figure(curves: pl.DataFrame | pl.LazyFrame, *, b_crit: float | N
         fig.add_hline(y=b_crit, line={"color": "black", "dash": "dash"}, annotation_text="measured B_crit")
     fig.update_layout(template=style(), title=title, xaxis_title="examples seen (sequences)",
                       yaxis_title="B_simple (sequences)")
-    fig.update_yaxes(type="log")
+    ys = [v for v in df["b_simple"].to_list() if v > 0] + ([b_crit] if b_crit else [])
+    if ys:
+        fig.update_yaxes(type="log", tickvals=log_ticks(min(ys), max(ys)), tickformat="~s")
     return fig

@@ -106,11 +106,13 @@ def fit_critical_batch(batch: list[float] | np.ndarray, steps: list[float] | np.
             "rms_log_residual": float(np.sqrt(np.mean((np.log(s) - np.log(pred)) ** 2)))}
 
 
-def hyperbola(s_min: float, e_min: float, n: int = 100) -> tuple[np.ndarray, np.ndarray]:
-    """Points (S [n], E [n]) on (S/S_min − 1)(E/E_min − 1) = 1 for batch sizes spanning 1e-2..1e2
-    × B_crit (log-spaced): S = S_min(1 + B_crit/B), E = E_min(1 + B/B_crit)."""
+def hyperbola(s_min: float, e_min: float, n: int = 100, *, batches: tuple[float, float] | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Points (S [n], E [n]) on (S/S_min − 1)(E/E_min − 1) = 1 for batch sizes log-spaced over
+    ``batches`` (low, high), default 1e-2..1e2 × B_crit: S = S_min(1 + B_crit/B), E = E_min(1 + B/B_crit)."""
     b_crit = e_min / s_min
-    b = b_crit * np.logspace(-2, 2, n)
+    lo, hi = batches or (b_crit * 1e-2, b_crit * 1e2)
+    b = np.geomspace(lo, hi, n)
     return s_min * (1 + b_crit / b), e_min * (1 + b / b_crit)
 
 
