@@ -30,11 +30,11 @@
 
 # %% tags=["parameters"]
 workdir = "../work/demo"
-model = "tiny"
-micro_batch_size = 8  # the largest micro-batch; smaller batches use half their batch
+batch_model = "tiny"  # its own model (not the demo's): five runs must fit in minutes on a CPU
+batch_micro_batch = 8  # the largest micro-batch; smaller batches use half their batch
 batch_sizes = [4, 8, 16, 32, 64]  # global batches (sequences)
 batch_examples = 4096  # sequences each run trains on
-lr = 2e-3  # at a global batch of micro_batch_size; scaled by sqrt(B / micro_batch_size)
+lr = 2e-3  # at a global batch of batch_micro_batch; scaled by sqrt(B / batch_micro_batch)
 
 # %%
 import os
@@ -63,8 +63,8 @@ if os.path.exists(table):
     fit = fit_critical_batch(runs.filter(pl.col("reached"))["batch"].to_numpy(),
                              runs.filter(pl.col("reached"))["steps"].to_numpy())
 else:
-    base = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/critical-batch", model=model,
-                       micro_batch_size=micro_batch_size, grad_accum_steps=1, lr=lr, warmup_steps=2,
+    base = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/critical-batch", model=batch_model,
+                       micro_batch_size=batch_micro_batch, grad_accum_steps=1, lr=lr, warmup_steps=2,
                        min_lr_ratio=1.0, num_threads=1, resume=False, checkpoints=False, seed=0,
                        eval_sequences=64, eval_batch_size=8)
     runs, fit = sweep_batch(base, workdir, batch_sizes=batch_sizes, max_examples=batch_examples)
