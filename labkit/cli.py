@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import shlex
+from typing import Any
 import sys
 
 EXAMPLES = {
@@ -206,6 +207,39 @@ def _sub(sub, name: str, help_text: str, debug_parent: argparse.ArgumentParser) 
                           epilog=f"example:\n  {EXAMPLES[name]}", formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+def _add_batch_sweep_args(p: argparse.ArgumentParser) -> None:
+    """``labkit sweep batch``'s options (labkit.study.critical_batch)."""
+    p.add_argument("--batches", type=int, nargs="+", default=[4, 8, 16, 32, 64],
+                   help="batch: global batch sizes (sequences), one process each (labkit.study.critical_batch)")
+    p.add_argument("--examples", type=int, default=None,
+                   help="batch: sequences each run trains on (default: train.max_steps x its global batch)")
+    p.add_argument("--target", type=float, default=None,
+                   help="batch: held-out loss to reach (default: the worst run's best, so every run reaches it)")
+    p.add_argument("--lr-rule", choices=("sqrt", "linear", "constant"), default="sqrt",
+                   help="batch: train.lr at train's global batch, scaled to each batch by this rule")
+
+
+def _add_forecast(sub: Any, debug: argparse.ArgumentParser) -> None:
+    """``labkit forecast`` (labkit.study.forecast)."""
+    p = _sub(sub, "forecast", "time and GPU-hours to a target loss per GPU count: the planner's step time "
+                              "joined with the critical batch (labkit.study.forecast)", debug)
+    p.add_argument("config", help="a TOML file: its [train] model and micro_batch_size, [shards] seq_len, [plan] device")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one config key")
+    p.add_argument("--gpus", default="1,2,4,8,16,32,64,128,256", help="comma-separated GPU counts")
+    p.add_argument("--micro-batches", default=None, help="comma-separated sequences per GPU (default: train's)")
+    p.add_argument("--network", default="25GbE", help="a labkit.study.scaling.NETWORKS name")
+    p.add_argument("--mfu", type=float, default=0.4, help="assumed MFU of the compute (default 0.4)")
+    p.add_argument("--b-crit-tokens", type=float, default=None,
+                   help="the critical batch at the target in tokens (default: Kaplan et al.'s B_crit(L), an assumption)")
+    p.add_argument("--target-loss", type=float, default=2.0, help="nats, for the default B_crit(L) (default 2.0)")
+    p.add_argument("--tokens", type=float, default=None,
+                   help="E_min: tokens a small-batch run needs to the target (default 20 per parameter, an assumption)")
+    p.add_argument("--growth", type=float, default=0.0,
+                   help="B_crit grows as progress^GROWTH during the run (default 0: constant)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.set_defaults(func=_command("forecast"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``labkit`` argument parser (every subcommand's ``--help`` ends with an example)."""
     debug = argparse.ArgumentParser(add_help=False)
@@ -246,14 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=int, default=4,
                    help="parallel: micro-batches per step and data-parallel replica (the pipeline's m)")
     p.add_argument("--steps", type=int, default=8, help="parallel: optimiser steps per split")
-    p.add_argument("--batches", type=int, nargs="+", default=[4, 8, 16, 32, 64],
-                   help="batch: global batch sizes (sequences), one process each (labkit.study.critical_batch)")
-    p.add_argument("--examples", type=int, default=None,
-                   help="batch: sequences each run trains on (default: train.max_steps x its global batch)")
-    p.add_argument("--target", type=float, default=None,
-                   help="batch: held-out loss to reach (default: the worst run's best, so every run reaches it)")
-    p.add_argument("--lr-rule", choices=("sqrt", "linear", "constant"), default="sqrt",
-                   help="batch: train.lr at train's global batch, scaled to each batch by this rule")
+    _add_batch_sweep_args(p)
     p.add_argument("--force", action="store_true", help="rerun points already in the sweep's table")
     p.set_defaults(func=_command("sweep"))
     p = _sub(sub, "plan", "the planner's memory per GPU, parallel splits and scaling for a model and cluster", debug)
@@ -286,23 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sharding", default="ddp", choices=("none", "ddp", "zero1", "fsdp"))
     g.add_argument("--dp", type=int, default=1, help="data-parallel ranks the state is sharded over")
     p.set_defaults(func=_command("plan"))
-    p = _sub(sub, "forecast", "time and GPU-hours to a target loss per GPU count: the planner's step time "
-                              "joined with the critical batch (labkit.study.forecast)", debug)
-    p.add_argument("config", help="a TOML file: its [train] model and micro_batch_size, [shards] seq_len, [plan] device")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one config key")
-    p.add_argument("--gpus", default="1,2,4,8,16,32,64,128,256", help="comma-separated GPU counts")
-    p.add_argument("--micro-batches", default=None, help="comma-separated sequences per GPU (default: train's)")
-    p.add_argument("--network", default="25GbE", help="a labkit.study.scaling.NETWORKS name")
-    p.add_argument("--mfu", type=float, default=0.4, help="assumed MFU of the compute (default 0.4)")
-    p.add_argument("--b-crit-tokens", type=float, default=None,
-                   help="the critical batch at the target in tokens (default: Kaplan et al.'s B_crit(L), an assumption)")
-    p.add_argument("--target-loss", type=float, default=2.0, help="nats, for the default B_crit(L) (default 2.0)")
-    p.add_argument("--tokens", type=float, default=None,
-                   help="E_min: tokens a small-batch run needs to the target (default 20 per parameter, an assumption)")
-    p.add_argument("--growth", type=float, default=0.0,
-                   help="B_crit grows as progress^GROWTH during the run (default 0: constant)")
-    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
-    p.set_defaults(func=_command("forecast"))
+    _add_forecast(sub, debug)
     p = _sub(sub, "export", "write a run's model, tokenizer and model card for transformers", debug)
     p.add_argument("run_dir")
     p.add_argument("out")

@@ -367,12 +367,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
 
     stop = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
     peak = measure.peak_flops(device, cfg.precision)
-    # the gradient noise scale (labkit.train.gns): in the gradient collective, or one process's micro-batches
-    noise = None if split else NoiseScale.for_run(micro_batch_size=cfg.micro_batch_size,
-                                                  grad_accum_steps=cfg.grad_accum_steps, dp=dp, sharding=sharding)
-    observers = [noise] if noise is not None and not noise.micro else []
-    timer = measure.StepTimer(device, comm=None if split else time_gradient_collectives(model, device,
-                                                                                         observers=observers))
+    timer, noise = _step_timer(cfg, model, device, dp, sharding, split)
     timings: list[tuple] = []  # (tokens, samples, step time, wait, exposed comm or None) per step
     last_record, skipped = {}, 0
     windows = measure.PeakWindows(device)  # peak memory of the steps, each evaluation, each checkpoint
@@ -409,10 +404,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         step += 1
         step_time = timer.stop()
         windows.end_step()
-        comm_fields = timer.comm.step_fields() if timer.comm is not None else {}  # every rank: may all-reduce
-        if noise is not None and noise.micro:  # one process: the micro-batches gave both sums
-            comm_fields |= noise.step_fields()
-            noise.reset()
+        comm_fields = _step_fields(timer, noise)  # every rank: may all-reduce
         # 4. measure and record
         n_tokens_i = int(n_tokens.item())
         tokens_seen += n_tokens_i
@@ -439,6 +431,29 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     if dist.is_main():
         atomic_write_json(run_dir / "result.json", result)
     return result
+
+
+def _step_timer(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, dp: int, sharding: str,
+                split: parallel.Split | None) -> tuple[measure.StepTimer, NoiseScale | None]:
+    """The step timer with the gradient collectives timed (not for a split model), and the
+    gradient noise scale (``labkit.train.gns.NoiseScale.for_run``): an observer of the collective
+    under data parallelism, fed by ``forward_backward``'s micro-batches in one process; None
+    where there are no two batch sizes (or the model is split)."""
+    noise = None if split else NoiseScale.for_run(micro_batch_size=cfg.micro_batch_size,
+                                                  grad_accum_steps=cfg.grad_accum_steps, dp=dp, sharding=sharding)
+    observers = [noise] if noise is not None and not noise.micro else []
+    comm = None if split else time_gradient_collectives(model, device, observers=observers)
+    return measure.StepTimer(device, comm=comm), noise
+
+
+def _step_fields(timer: measure.StepTimer, noise: NoiseScale | None) -> dict[str, Any]:
+    """The gradient collectives' fields of the step (``CommTimer.step_fields``: comm_bytes and the
+    observers'), or, in one process, the noise scale from the micro-batches (then reset)."""
+    fields = timer.comm.step_fields() if timer.comm is not None else {}
+    if noise is not None and noise.micro:
+        fields |= noise.step_fields()
+        noise.reset()
+    return fields
 
 
 def _parallelize(cfg: TrainConfig, model: torch.nn.Module, device: torch.device) -> tuple[Any, Any, Any, str]:

@@ -71,3 +71,7 @@ def test_sweep_batch_on_tiny_shards_writes_tidy_parquet(tmp_path):
     assert saved.columns[:4] == ["batch", "lr", "lr_rule", "target_eval_loss"]
     curves = pl.read_parquet(tmp_path / "sweeps" / "critical_batch_curves.parquet")
     assert set(curves["batch"].unique().to_list()) == {4, 8, 16} and curves["eval_loss"].drop_nulls().len() >= 3
+    import json
+
+    result = json.loads((tmp_path / "sweeps" / "critical_batch" / "batch-16" / "result.json").read_text())
+    assert result["b_simple"] is not None and result["b_simple_tokens"] > result["b_simple"]  # result.json has both
