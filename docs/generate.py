@@ -13,6 +13,8 @@ blocks read the files the measuring command wrote, kept under docs/data/:
   ``docs/data/loader.jsonl``: ``work/demo/sweeps/loader.parquet`` written by the demo's
   notebook 04 (the loader-worker sweep), as JSON lines. ``python docs/generate.py --import
   work/demo`` copies both from a demo's work directory, then regenerates.
+- ``docs/data/forecast_study.json``: the JSON of ``labkit forecast configs/study.toml --gpus
+  1,2,4,8,16,32,64,128,256 --json``.
 - ``docs/data/plan_counted.jsonl``: the JSON lines ``python docs/count_study.py`` writes
   (``plan_model`` of the study's two models on an H100 NVL).
 - ``docs/data/bench_model.jsonl`` / ``bench_ddp.jsonl`` / ``bench_stage.jsonl`` / ``bench_parallel.jsonl``:
@@ -25,7 +27,7 @@ blocks read the files the measuring command wrote, kept under docs/data/:
   ``benchmarks/project_prep.py``'s.
 
 Blocks: ``demo-summary`` (README.md); ``lesson1-measured``, ``lesson1-planner``, ``parallel-planner``, ``lesson2-measured``,
-``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``,
+``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``, ``lesson4-forecast``,
 ``lesson5-measured``, ``lesson5-planner`` (docs/results.md), and docs/generate_study.py's
 ``tokenizer-study``, ``study-run``, ``study-loaders``, ``study-plan``, ``precision-experiment``,
 ``one-story`` (docs/results.md, from configs/study.toml and the files its scripts write); ``bench-model`` (docs/model.md);
@@ -199,6 +201,26 @@ def lesson4_measured() -> str:
             f"| weak-scaling efficiency, 1 → 2 ranks (CPU, gloo, `{r[1]['model']}`, micro-batch {r[1]['micro_batch_size']}, "
             f"seq {d['train']['seq_len']}; {_load(d)}) | {r[2]['efficiency']:.2f} | \"near-linear\" to 256 GPUs |\n"
             f"| tokens/s at 1 and 2 ranks | {r[1]['tokens_per_s']:,.0f} and {r[2]['tokens_per_s']:,.0f} | not reported |\n")
+
+
+def lesson4_forecast() -> str:
+    """docs/results.md: ``labkit forecast configs/study.toml --gpus 1,2,...,256 --json`` kept as
+    docs/data/forecast_study.json: time and GPU-hours to the target per GPU count, the knee."""
+    d = json.loads((DATA / "forecast_study.json").read_text())
+    rows = [r for r in d["table"] if r["n_gpus"] in (1, 8, 32, 64, 128, 256)]
+    out = ["| GPUs | global batch (sequences) | steps | step (s) | hours | GPU-hours | batch / B_crit |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    out += [f"| {r['n_gpus']} | {r['global_batch']:,} | {r['steps']:,.0f} | {r['step_s']:.2f} | {r['hours']:.2f} | "
+            f"{r['gpu_hours']:.1f} | {r['batch_over_b_crit']:.2f} |" for r in rows]
+    by = {r["n_gpus"]: r for r in d["table"]}
+    (b, k), = d["knee"].items()
+    out.append("")
+    out.append(f"Micro-batch {b}: more GPUs stop paying from {k['n_gpus']} GPUs ({k['reason']}; the next doubling "
+               f"buys {k['gain_next_doubling']:.2f}x). 256 GPUs reach the target in {by[256]['hours']:.2f} h against "
+               f"{by[128]['hours']:.2f} h on 128 and {by[64]['hours']:.2f} h on 64, for {by[256]['gpu_hours']:.0f} "
+               f"GPU-hours against {by[128]['gpu_hours']:.0f} and {by[64]['gpu_hours']:.0f}. Assumptions:")
+    out += [f"- {a}" for a in d["assumptions"]]
+    return "\n".join(out) + "\n"
 
 
 def lesson5_measured() -> str:
@@ -474,6 +496,7 @@ BLOCKS = {("README.md", "demo-summary"): demo_summary,
           ("docs/results.md", "lesson3-planner"): lesson3_planner,
           ("docs/results.md", "lesson4-measured"): lesson4_measured,
           ("docs/results.md", "lesson4-planner"): lesson4_planner,
+          ("docs/results.md", "lesson4-forecast"): lesson4_forecast,
           ("docs/results.md", "lesson5-measured"): lesson5_measured,
           ("docs/results.md", "lesson5-planner"): lesson5_planner,
           ("docs/model.md", "bench-model"): bench_model,

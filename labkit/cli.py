@@ -4,7 +4,7 @@
     labkit stage CONFIG              shards to node-local disk, checksums verified
     labkit train CONFIG              DDP training on the engines
     labkit resume RUN_DIR            continue a run from its newest checkpoint
-    labkit sweep ranks|micro-batch|loaders|parallel CONFIG
+    labkit sweep ranks|micro-batch|loaders|parallel|batch CONFIG
     labkit plan [CONFIG]             the planner's memory and scaling tables (a file's run at full size)
     labkit export RUN_DIR OUT        model + tokenizer + model card for transformers
     labkit demo | verify SHARD_DIR | report NOTEBOOK OUT.html
@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import shlex
+from typing import Any
 import sys
 import textwrap
 
@@ -39,9 +40,11 @@ EXAMPLES = {
     "sweep": "labkit sweep ranks configs/walkthrough.toml --ranks 1 2\n"
              "  labkit sweep micro-batch configs/walkthrough.toml --models mini small --budget-gib 2\n"
              "  labkit sweep loaders configs/walkthrough.toml --workers 0 1 2 --step-time-s 0.05\n"
-             "  labkit sweep parallel configs/walkthrough.toml --micro-batches 4 --steps 8",
+             "  labkit sweep parallel configs/walkthrough.toml --micro-batches 4 --steps 8\n"
+             "  labkit sweep batch configs/walkthrough.toml --batches 4 8 16 32 64 --examples 4096",
     "plan": 'labkit plan --model bert-350m --gpus 256 --micro-batch 16 --seq-len 512 --device "H100 NVL"\n'
             '  labkit plan configs/study.toml --device "H100 NVL"',
+    "forecast": "labkit forecast configs/study.toml --gpus 1,2,4,8,16,32,64,128,256 --network 25GbE",
     "export": "labkit export work/walkthrough/runs/main work/walkthrough/export",
     "demo": "labkit demo --workdir work/demo --engines 2",
     "verify": "labkit verify work/demo/shards",
@@ -218,7 +221,7 @@ def _command(name: str):
 
         if name == "sweep":
             return commands.sweep(args.kind, _config(args), args)
-        if name in ("plan", "export"):
+        if name in ("plan", "export", "forecast"):
             return getattr(commands, name)(args)
         cfg = _config(args)
         if name == "prepare":
@@ -293,6 +296,39 @@ def _add_plan(sub, debug_parent: argparse.ArgumentParser) -> None:
     p.set_defaults(func=_command("plan"))
 
 
+def _add_batch_sweep_args(p: argparse.ArgumentParser) -> None:
+    """``labkit sweep batch``'s options (labkit.study.critical_batch)."""
+    p.add_argument("--batches", type=int, nargs="+", default=[4, 8, 16, 32, 64],
+                   help="batch: global batch sizes (sequences), one process each (labkit.study.critical_batch)")
+    p.add_argument("--examples", type=int, default=None,
+                   help="batch: sequences each run trains on (default: train.max_steps x its global batch)")
+    p.add_argument("--target", type=float, default=None,
+                   help="batch: held-out loss to reach (default: the worst run's best, so every run reaches it)")
+    p.add_argument("--lr-rule", choices=("sqrt", "linear", "constant"), default="sqrt",
+                   help="batch: train.lr at train's global batch, scaled to each batch by this rule")
+
+
+def _add_forecast(sub: Any, debug: argparse.ArgumentParser) -> None:
+    """``labkit forecast`` (labkit.study.forecast)."""
+    p = _sub(sub, "forecast", "time and GPU-hours to a target loss per GPU count: the planner's step time "
+                              "joined with the critical batch (labkit.study.forecast)", debug)
+    p.add_argument("config", help="a TOML file: its [train] model and micro_batch_size, [shards] seq_len, [plan] device")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one config key")
+    p.add_argument("--gpus", default="1,2,4,8,16,32,64,128,256", help="comma-separated GPU counts")
+    p.add_argument("--micro-batches", default=None, help="comma-separated sequences per GPU (default: train's)")
+    p.add_argument("--network", default="25GbE", help="a labkit.study.scaling.NETWORKS name")
+    p.add_argument("--mfu", type=float, default=0.4, help="assumed MFU of the compute (default 0.4)")
+    p.add_argument("--b-crit-tokens", type=float, default=None,
+                   help="the critical batch at the target in tokens (default: Kaplan et al.'s B_crit(L), an assumption)")
+    p.add_argument("--target-loss", type=float, default=2.0, help="nats, for the default B_crit(L) (default 2.0)")
+    p.add_argument("--tokens", type=float, default=None,
+                   help="E_min: tokens a small-batch run needs to the target (default 20 per parameter, an assumption)")
+    p.add_argument("--growth", type=float, default=0.0,
+                   help="B_crit grows as progress^GROWTH during the run (default 0: constant)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.set_defaults(func=_command("forecast"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``labkit`` argument parser (every subcommand's ``--help`` ends with an example)."""
     debug = argparse.ArgumentParser(add_help=False)
@@ -323,8 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, config=False)
     p.set_defaults(func=_resume)
     p = _sub(sub, "sweep", "scaling sweeps: ranks, micro-batch, DataLoader workers (notebook 04), "
-                           "data x tensor x pipeline splits (notebook 06)", debug)
-    p.add_argument("kind", choices=("ranks", "micro-batch", "loaders", "parallel"))
+                           "data x tensor x pipeline splits (notebook 06), the critical batch (notebook 07)", debug)
+    p.add_argument("kind", choices=("ranks", "micro-batch", "loaders", "parallel", "batch"))
     _add_common(p)
     p.add_argument("--ranks", type=int, nargs="+", default=None, help="ranks: the rank counts (default 1..engines)")
     p.add_argument("--models", nargs="+", default=None, help="micro-batch: model presets (default: train.model)")
@@ -336,9 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=int, default=4,
                    help="parallel: micro-batches per step and data-parallel replica (the pipeline's m)")
     p.add_argument("--steps", type=int, default=8, help="parallel: optimiser steps per split")
+    _add_batch_sweep_args(p)
     p.add_argument("--force", action="store_true", help="rerun points already in the sweep's table")
     p.set_defaults(func=_command("sweep"))
     _add_plan(sub, debug)
+    _add_forecast(sub, debug)
     p = _sub(sub, "export", "write a run's model, tokenizer and model card for transformers", debug)
     p.add_argument("run_dir")
     p.add_argument("out")

@@ -156,6 +156,26 @@ def run_world_size(run_dir: str) -> int | None:
     return (json.loads(path.read_text()).get("provenance") or {}).get("world_size")
 
 
+def _sweep_batch(cfg: LabConfig, args) -> int:
+    """``labkit sweep batch``: the critical batch measured directly (labkit.study.critical_batch),
+    printed with the in-run B_simple at the target."""
+    from labkit.study.critical_batch import sweep_batch
+
+    if cfg.train.eval_every <= 0 and not cfg.train.data_dir:
+        raise ValueError("train.data_dir: the batch sweep needs shards with a held-out split")
+    df, fit = sweep_batch(cfg.train, cfg.workdir, batch_sizes=args.batches, target=args.target,
+                          lr_rule=args.lr_rule, max_examples=args.examples, force=args.force)
+    _print_table(df.select("batch", "lr", "steps", "examples", "reached", "b_simple", "b_simple_tokens",
+                           "final_eval_loss"))
+    if "b_crit" in fit:
+        print(f"B_crit = E_min/S_min = {fit['b_crit']:.1f} sequences ({100 * fit['level']:.0f} % bootstrap range "
+              f"{fit['b_crit_low']:.1f}-{fit['b_crit_high']:.1f}) at held-out loss {fit['target_eval_loss']:.3f}, "
+              f"{fit['reached']} batch sizes reached it; sweeps/critical_batch.parquet in {cfg.workdir}")
+    else:
+        print(f"only {fit['reached']} batch sizes reached held-out loss {fit['target_eval_loss']:.3f}: no fit")
+    return 0
+
+
 def sweep(kind: str, cfg: LabConfig, args) -> int:
     """The scaling sweeps of notebook 04: ``ranks`` (tokens/s at 1..N ranks), ``micro-batch``
     (largest micro-batch per model under a memory budget), ``loaders`` (data-wait fraction per
@@ -165,6 +185,8 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
     from labkit import preflight
 
     w = cfg.workdir
+    if kind == "batch":  # one process per batch size, here (labkit.study.critical_batch)
+        return _sweep_batch(cfg, args)
     preflight.check_sweep(kind, cfg, args)
     from labkit import lab
     from labkit.data.shards import read_index
@@ -285,6 +307,45 @@ def print_plan_model(p: dict[str, Any], *, label: str = "") -> None:
         from labkit.measure import cpu_rss_caveat
 
         print(cpu_rss_caveat(p["capacity_bytes"]))
+
+
+def forecast(args) -> int:
+    """``labkit forecast CONFIG``: wall-clock time and GPU-hours to the target per GPU count and
+    micro-batch (``labkit.study.forecast.study_forecast``), the knee and its reason, the
+    assumptions labelled; ``--json``: one JSON object."""
+    import json
+
+    import polars as pl
+
+    from labkit.config.tomlfile import load
+    from labkit.study.forecast import study_forecast
+
+    lab = load(args.config, args.set)
+    try:
+        gpus = [int(x) for x in args.gpus.split(",") if x]
+        mbs = [int(x) for x in args.micro_batches.split(",") if x] if args.micro_batches else [lab.train.micro_batch_size]
+    except ValueError:
+        raise ValueError(f"--gpus / --micro-batches: comma-separated integers, got {args.gpus!r} / {args.micro_batches!r}")
+    from labkit.study.plan import STUDY_VOCAB
+    from labkit.train.run_config import model_config_of
+
+    mcfg = model_config_of(lab.train, lab.plan.vocab_size or STUDY_VOCAB)
+    out = study_forecast(mcfg, gpus=gpus, micro_batches=mbs, seq_len=lab.shards.seq_len, network=args.network,
+                         device=lab.plan.device, mfu=args.mfu, precision=lab.train.precision, e_min_tokens=args.tokens,
+                         b_crit_tokens=args.b_crit_tokens, growth=args.growth, target_loss=args.target_loss,
+                         gpus_per_node=lab.plan.gpus_per_node)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    df = pl.DataFrame(out["table"]).select("n_gpus", "micro_batch", "global_batch", "steps", "step_s", "hours",
+                                           "gpu_hours", "batch_over_b_crit")
+    _print_table(df)
+    for b, k in out["knee"].items():
+        where = f"{k['n_gpus']} GPUs ({k['reason']}: the next doubling buys {k['gain_next_doubling']:.2f}x)" \
+            if k["n_gpus"] else "none within the GPU counts"
+        print(f"micro-batch {b}: more GPUs stop paying from {where}")
+    print("assumptions:\n  " + "\n  ".join(out["assumptions"]))
+    return 0
 
 
 def plan(args) -> int:

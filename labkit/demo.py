@@ -20,7 +20,7 @@ from labkit.config import DemoConfig, TrainConfig, to_dict
 __all__ = ["NOTEBOOKS", "demo_train_config", "notebooks_dir", "run_demo", "run_reports"]
 
 NOTEBOOKS: tuple[str, ...] = ("00_cluster", "01_prepare", "02_stage_and_load", "03_train", "04_scaling",
-                              "05_scaling_laws", "06_model_parallel")
+                              "05_scaling_laws", "06_model_parallel", "07_critical_batch")
 """The notebooks the demo executes and exports, in order."""
 
 

@@ -498,3 +498,52 @@ def preparation_figure(report: dict, *, title: str | None = None) -> go.Figure:
         fig.update_xaxes(tickvals=ticks, tickformat=",~g")
     fig.update_xaxes(type="log")
     return fig
+
+
+def steps_examples_figure(points: pl.DataFrame | pl.LazyFrame, fit: dict, *,
+                          title: str = "Steps against examples to the target held-out loss") -> go.Figure:
+    """S against E (log-log) per global batch, with the fitted (S/S_min − 1)(E/E_min − 1) = 1
+    (``labkit.study.critical_batch.hyperbola``) and dashed lines at S_min and E_min.
+
+    `points`: columns batch, steps, examples (rows that reached the target); `fit`: s_min,
+    e_min, b_crit (``fit_critical_batch``). Raises ValueError naming missing columns."""
+    from labkit.study.critical_batch import hyperbola
+
+    df = _frame(points, ["batch", "steps", "examples"], "steps_examples_figure").drop_nulls("steps").sort("batch")
+    fig = go.Figure()
+    batches = df["batch"].to_list()
+    hs, he = hyperbola(fit["s_min"], fit["e_min"], batches=(min(batches) / 2, max(batches) * 2))
+    fig.add_trace(go.Scatter(x=he.tolist(), y=hs.tolist(), mode="lines", name=f"fit: B_crit = {fit['b_crit']:.1f}",
+                             line={"color": COLORS["ideal"]}))
+    fig.add_trace(go.Scatter(x=df["examples"].to_list(), y=df["steps"].to_list(), mode="markers+text",
+                             text=[f"B={b}" for b in df["batch"].to_list()], textposition="top right",
+                             name="measured", marker={"color": COLORS["loss"], "size": 9}))
+    fig.add_hline(y=fit["s_min"], line={"color": COLORS["ideal"], "dash": "dash"}, annotation_text="S_min")
+    fig.add_vline(x=fit["e_min"], line={"color": COLORS["ideal"], "dash": "dash"}, annotation_text="E_min")
+    fig.update_layout(template=style(), title=title, xaxis_title="examples E (sequences)", yaxis_title="steps S")
+    xs = he.tolist() + df["examples"].to_list() + [fit["e_min"]]
+    ys = hs.tolist() + df["steps"].to_list() + [fit["s_min"]]
+    fig.update_xaxes(type="log", tickvals=log_ticks(min(xs), max(xs)), tickformat="~s")
+    fig.update_yaxes(type="log", tickvals=log_ticks(min(ys), max(ys)), tickformat="~s")
+    return fig
+
+
+def noise_scale_figure(curves: pl.DataFrame | pl.LazyFrame, *, b_crit: float | None = None,
+                       title: str = "Gradient noise scale B_simple along training") -> go.Figure:
+    """In-run B_simple (labkit.train.gns) against examples seen, one line per global batch, with
+    the measured critical batch as a dashed line. `curves`: columns batch, examples, b_simple
+    (nulls skipped). Raises ValueError naming missing columns."""
+    df = _frame(curves, ["batch", "examples", "b_simple"], "noise_scale_figure").drop_nulls("b_simple")
+    fig = go.Figure()
+    for (batch,), part in sorted(df.group_by("batch"), key=lambda kv: kv[0][0]):
+        part = part.sort("examples")
+        fig.add_trace(go.Scatter(x=part["examples"].to_list(), y=part["b_simple"].to_list(), mode="lines",
+                                 name=f"B = {batch}"))
+    if b_crit is not None:
+        fig.add_hline(y=b_crit, line={"color": "black", "dash": "dash"}, annotation_text="measured B_crit")
+    fig.update_layout(template=style(), title=title, xaxis_title="examples seen (sequences)",
+                      yaxis_title="B_simple (sequences)")
+    ys = [v for v in df["b_simple"].to_list() if v > 0] + ([b_crit] if b_crit else [])
+    if ys:
+        fig.update_yaxes(type="log", tickvals=log_ticks(min(ys), max(ys)), tickformat="~s")
+    return fig

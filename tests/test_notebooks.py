@@ -22,12 +22,13 @@ import pytest
 from labkit.config import CleanConfig, CorpusConfig, ShardConfig, TokenizerConfig
 
 NOTEBOOKS = ("00_cluster", "01_prepare", "02_stage_and_load", "03_train", "04_scaling", "05_scaling_laws",
-             "06_model_parallel")
+             "06_model_parallel", "07_critical_batch")
 ROOT = Path(__file__).resolve().parent.parent
 PARAMS = {"engines": 2, "model": "tiny", "micro_batch_size": 8, "max_functions": 3000, "vocab_size": 1024,
           "seq_len": 64, "steps": 6, "sweep_steps": 3, "sweep_models": ["tiny", "mini"], "memory_budget_gib": 0.25,
           "loader_workers": [0, 1], "loader_step_time_s": 0.005, "law_widths": [16, 32, 64], "law_steps": 30,
-          "law_points": 5, "bootstrap": 6, "heldout_fraction": 0.05}
+          "law_points": 5, "bootstrap": 6, "heldout_fraction": 0.05,
+          "batch_sizes": [4, 8, 16, 32, 64], "batch_examples": 1024}
 
 
 @pytest.fixture(scope="module")

@@ -465,5 +465,7 @@ def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple], *, fpt:
               "device": str(device), "precision": cfg.precision, "sharding": sharding,
               "activation_checkpointing": mcfg.activation_checkpointing, "wall_s": time.time() - t_start,
               "provenance": prov | {"end_time": provenance.now_iso()}}
+    noisy = [r for r in records if r.get("b_simple") is not None]  # labkit.train.gns: the last EMA
+    result |= {k: noisy[-1][k] if noisy else None for k in ("b_simple", "b_simple_tokens")}
     dp = global_batch // (cfg.micro_batch_size * cfg.grad_accum_steps)
     return result | parallel.result_fields(cfg, dp, records)  # the split, its measured means

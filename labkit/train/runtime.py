@@ -18,7 +18,8 @@ and ``labkit.train.loop`` calls it the same way whatever the split (torchtitan's
   turns it into ``comm_exposed_s``; a split run without dp > 1 has no such collective (0.0).
 - ``step_measures(step_timer)``: collective, once per step on every rank: ``comm_exposed_s``,
   ``pipeline_bubble`` and ``tp_comm_s`` (None where the run is not split that way), and the comm
-  timer's fields (``comm_bytes``, its observers'). Peak memory is ``labkit.measure.PeakWindows``',
+  timer's fields (``comm_bytes``, its observers': the gradient noise scale, ``labkit.train.gns``,
+  in every data-parallel run, from the micro-batches in one process). Peak memory is ``labkit.measure.PeakWindows``',
   the same in every mode.
 - ``dp``, ``dp_rank``: the data follows the dp rank (sampler, held-out set, global batch).
 """
@@ -31,9 +32,10 @@ import torch
 
 from labkit.config import TrainConfig
 from labkit.measure import StepTimer
-from labkit.train import dist
+from labkit.train import dist, gns
 from labkit.train.clip import clip_grad_norm_, copies_of
 from labkit.train.comm import CommTimer, GradientObserver, time_gradient_collectives, time_reduce_scatters
+from labkit.train.gns import NoiseScale
 from labkit.train.parallel import ParallelModel, split_of
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -41,7 +43,8 @@ AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def forward_backward(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]], *,
                      world_size: int, precision: str = "fp32",
-                     scaler: torch.amp.GradScaler | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     scaler: torch.amp.GradScaler | None = None,
+                     noise: NoiseScale | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Accumulate the gradients of one optimiser step over ``micro_batches`` (this rank's), data
     parallel alone (``Runtime.forward_backward`` of such a run).
 
@@ -53,11 +56,18 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[dict[str, torch
     (DDP) happens on the last micro-batch only (``no_sync`` on the others). Returns
     ``(loss_sum, n_masked_global, n_tokens_global)``: this rank's summed CE (fp32, detached),
     the global masked count and the global real-token count (int64).
+    ``noise`` (``labkit.train.gns.NoiseScale``) is told the masked count; with ``noise.micro`` (one
+    process) each micro-batch's gradient share goes to it (its squared norm before the next is
+    added, the accumulation done here), then their sum.
     """
     counts = torch.stack([torch.stack([(b["labels"] != -100).sum(), b["attention_mask"].sum()])
                           for b in micro_batches]).sum(0).to(torch.int64)
     dist.all_reduce_sum(counts)
     n_masked_global, n_tokens_global = counts[0], counts[1]
+    if noise is not None:
+        noise.count(n_masked_global)
+    micro = noise is not None and noise.micro and len(micro_batches) > 1
+    acc: dict[torch.nn.Parameter, torch.Tensor] = {}
     dtype = AUTOCAST_DTYPES[precision]
     device_type = micro_batches[0]["input_ids"].device.type
     loss_sum = torch.zeros((), dtype=torch.float32, device=counts.device)
@@ -69,8 +79,30 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[dict[str, torch
                             max_masked=batch.get("max_masked"))
             loss = out.loss_sum.float() * world_size / n_masked_global.clamp(min=1)
             (scaler.scale(loss) if scaler is not None else loss).backward()
+        if micro:  # one process: micro-batch i's share of the gradient, summed here (gns.py)
+            acc = _accumulate_micro(model, acc, noise, i, last=i == len(micro_batches) - 1)
         loss_sum += out.loss_sum.detach().float()
     return loss_sum, n_masked_global, n_tokens_global
+
+
+def _accumulate_micro(model: torch.nn.Module, acc: dict[torch.nn.Parameter, torch.Tensor], noise: NoiseScale,
+                      i: int, *, last: bool) -> dict[torch.nn.Parameter, torch.Tensor]:
+    """Give ``noise`` the squared norm of micro-batch ``i``'s gradient (the .grad fields hold it
+    alone), add it to ``acc`` (parameter -> running sum) and clear .grad; on the ``last`` put the
+    sums back and give ``noise`` their squared norm."""
+    fresh = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+    noise.add_small(torch.stack([gns.squared_norm(g) for _, g in fresh]).sum())
+    for p, g in fresh:
+        if p in acc:
+            acc[p].add_(g)
+        else:
+            acc[p] = g
+        p.grad = None
+    if last:
+        for p, a in acc.items():
+            p.grad = a
+        noise.add_big(torch.stack([gns.squared_norm(a) for a in acc.values()]).sum())
+    return acc
 
 
 class Runtime:
@@ -92,7 +124,13 @@ class Runtime:
         self.mesh = split_of(cfg, world, rank)
         self.dp, self.dp_rank = self.mesh.dp, self.mesh.dp_rank
         self._split = model if isinstance(model, ParallelModel) else None
+        self.noise: NoiseScale | None = None  # the gradient noise scale (labkit.train.gns), data parallel alone
         if self._split is None:
+            sharding = cfg.sharding if torch.distributed.is_initialized() else "none"
+            self.noise = NoiseScale.for_run(micro_batch_size=cfg.micro_batch_size, grad_accum_steps=cfg.grad_accum_steps,
+                                            dp=self.dp, sharding=sharding)
+            if self.noise is not None and not self.noise.micro:  # an observer of the collective
+                observers = [*observers, self.noise]
             self.comm = time_gradient_collectives(model, device, reduce=reduce, reduce_state=reduce_state,
                                                   wire_bytes=wire_bytes, observers=observers)
             self._copies = [(p, copies_of(p, world)) for p in model.parameters()]
@@ -121,7 +159,7 @@ class Runtime:
         if self._split is not None:
             return self._split.forward_backward(micro_batches, dtype=AUTOCAST_DTYPES[self.cfg.precision])
         return forward_backward(self.model, micro_batches, world_size=self.world, precision=self.cfg.precision,
-                                scaler=self.scaler)
+                                scaler=self.scaler, noise=self.noise)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Collective: clip every gradient to a global L2 norm of ``max_norm`` (``inf``: measure only)
@@ -136,4 +174,7 @@ class Runtime:
         split = self._split.take_measures() if self._split is not None else {"pipeline_bubble": None,
                                                                               "tp_comm_s": None}
         fields = self.comm.step_fields() if self.comm is not None else {}
+        if self.noise is not None and self.noise.micro:  # one process: the noise scale from the micro-batches
+            fields |= self.noise.step_fields()
+            self.noise.reset()
         return {"comm_exposed_s": timer.comm_exposed_s, **split, **fields}

@@ -1,0 +1,185 @@
+"""The critical batch measured directly: steps and examples to a target held-out loss per batch size.
+
+McCandlish, Kaplan, Amodei et al. 2018 (arXiv:1812.06162), eq. 2.11: training to a fixed loss
+at batch B takes S steps and E = B·S examples with
+
+    (S/S_min − 1)(E/E_min − 1) = 1,
+
+S_min the fewest steps (infinite batch) and E_min the fewest examples (batch → 0). Equivalently
+S(B) = S_min·(1 + B_crit/B) and E(B) = E_min·(1 + B/B_crit) with B_crit = E_min/S_min, the batch
+where both are within a factor 2 of their minima. ``fit_critical_batch`` fits S(B) in log space
+(least squares on log S, which weighs the small and large batches alike) and gives B_crit with
+a bootstrap range (points resampled with replacement).
+
+``steps_to_target`` reads one run's held-out losses (``eval_loss`` of labkit.train's metrics
+records) and interpolates the step at which it first reaches the target (linear in the step
+between the two evaluations that bracket it). ``sweep_batch`` trains one configuration at
+several global batch sizes in this process, the learning rate set per batch by a stated rule,
+and writes tidy Parquet (one row per batch size). Notebook 07 and ``labkit sweep batch`` use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+LR_RULES = ("sqrt", "linear", "constant")
+
+
+def lr_for_batch(base_lr: float, base_batch: int, batch: int, rule: str = "sqrt") -> float:
+    """The learning rate at global ``batch`` (sequences) from ``base_lr`` at ``base_batch``:
+    ``sqrt`` (lr ∝ √B, the rule for Adam: Malladi et al. 2022, arXiv:2205.10287), ``linear``
+    (lr ∝ B, Goyal et al. 2017, arXiv:1706.02677, for SGD) or ``constant``. Raises ValueError on an
+    unknown rule or a non-positive batch."""
+    if rule not in LR_RULES:
+        raise ValueError(f"lr rule: must be one of {LR_RULES}, got {rule!r}")
+    if batch <= 0 or base_batch <= 0:
+        raise ValueError(f"lr_for_batch: batches must be positive, got {base_batch} and {batch}")
+    ratio = batch / base_batch
+    return base_lr * {"sqrt": math.sqrt(ratio), "linear": ratio, "constant": 1.0}[rule]
+
+
+def steps_to_target(records: list[dict], target: float, key: str = "eval_loss") -> float | None:
+    """The (fractional) step at which ``records[i][key]`` first falls to ``target`` or below,
+    linear between the two evaluations around it (from the run's start, step 0, when the first
+    evaluation is already there: that evaluation's step). None if it never does."""
+    evals = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    prev = None
+    for step, loss in evals:
+        if loss <= target:
+            if prev is None or prev[1] == loss:
+                return float(step)
+            (s0, l0) = prev
+            return s0 + (step - s0) * (l0 - target) / (l0 - loss)
+        prev = (step, loss)
+    return None
+
+
+def _fit(batch: np.ndarray, steps: np.ndarray) -> tuple[float, float]:
+    """(S_min, B_crit) minimising Σ (log S_i − log(S_min·(1 + B_crit/B_i)))², both positive."""
+    from scipy.optimize import least_squares
+
+    x = 1.0 / batch
+    slope, icpt = np.polyfit(x, steps, 1)  # S = S_min + S_min·B_crit·(1/B): a linear start
+    s0 = max(icpt, steps.min() * 0.5)
+    b0 = max(slope / s0, batch.min() * 0.1)
+
+    def resid(p):
+        s_min, b_crit = np.exp(p)
+        return np.log(steps) - np.log(s_min * (1.0 + b_crit / batch))
+
+    sol = least_squares(resid, np.log([s0, b0]))
+    s_min, b_crit = np.exp(sol.x)
+    return float(s_min), float(b_crit)
+
+
+def fit_critical_batch(batch: list[float] | np.ndarray, steps: list[float] | np.ndarray, *, n_boot: int = 1000,
+                       level: float = 0.9, seed: int = 0) -> dict[str, Any]:
+    """Fit (S/S_min − 1)(E/E_min − 1) = 1 to steps ``steps`` [n] at global batch ``batch`` [n]
+    (sequences; E = B·S examples). Returns {"b_crit", "s_min", "e_min", "b_crit_low", "b_crit_high"
+    (the central ``level`` bootstrap interval over ``n_boot`` resamples of the points), "level",
+    "n_points", "rms_log_residual"}. Raises ValueError with fewer than 3 distinct batch sizes or a
+    non-positive value."""
+    b, s = np.asarray(batch, dtype=float), np.asarray(steps, dtype=float)
+    if b.shape != s.shape or len(np.unique(b)) < 3:
+        raise ValueError(f"fit_critical_batch: need >= 3 distinct batch sizes with their steps, got {b.tolist()}")
+    if (b <= 0).any() or (s <= 0).any():
+        raise ValueError("fit_critical_batch: batch sizes and steps must be positive")
+    s_min, b_crit = _fit(b, s)
+    rng = np.random.default_rng(seed)
+    boots = []
+    for _ in range(n_boot):
+        idx = rng.integers(0, len(b), len(b))
+        if len(np.unique(b[idx])) < 3:
+            continue
+        boots.append(_fit(b[idx], s[idx])[1])
+    lo, hi = (np.quantile(boots, [(1 - level) / 2, (1 + level) / 2]) if boots else (math.nan, math.nan))
+    pred = s_min * (1 + b_crit / b)
+    return {"b_crit": b_crit, "s_min": s_min, "e_min": s_min * b_crit, "b_crit_low": float(lo),
+            "b_crit_high": float(hi), "level": level, "n_points": int(len(b)), "n_boot": len(boots),
+            "rms_log_residual": float(np.sqrt(np.mean((np.log(s) - np.log(pred)) ** 2)))}
+
+
+def hyperbola(s_min: float, e_min: float, n: int = 100, *, batches: tuple[float, float] | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Points (S [n], E [n]) on (S/S_min − 1)(E/E_min − 1) = 1 for batch sizes log-spaced over
+    ``batches`` (low, high), default 1e-2..1e2 × B_crit: S = S_min(1 + B_crit/B), E = E_min(1 + B/B_crit)."""
+    b_crit = e_min / s_min
+    lo, hi = batches or (b_crit * 1e-2, b_crit * 1e2)
+    b = np.geomspace(lo, hi, n)
+    return s_min * (1 + b_crit / b), e_min * (1 + b / b_crit)
+
+
+def b_simple_at(records: list[dict], step: float, key: str = "b_simple") -> float | None:
+    """The in-run ``key`` (labkit.train.gns) of the record nearest ``step`` that has one."""
+    have = [r for r in records if r.get(key) is not None]
+    return min(have, key=lambda r: abs(r["step"] - step))[key] if have else None
+
+
+def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int], target: float | None = None,
+                lr_rule: str = "sqrt", max_examples: int | None = None, eval_every: int | None = None,
+                micro_batch_size: int | None = None, force: bool = False) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """Train ``base`` (a TrainConfig; one process) at each global batch in ``batch_sizes``
+    (sequences; micro-batch ``micro_batch_size`` or base's, the rest accumulation, at least 2 so
+    the in-run noise scale exists) until ``max_examples`` sequences, the learning rate by
+    ``lr_for_batch(base.lr, base's global batch, B, lr_rule)``, evaluating the held-out loss
+    every ``eval_every`` steps (default: about 12 evaluations). ``target``: the held-out loss to
+    reach (default: the largest final held-out loss over the runs, so that every run reaches it).
+    Writes <workdir>/sweeps/critical_batch.parquet (one row per batch: batch, lr, steps,
+    examples, reached, b_simple, b_simple_tokens at the target, final_eval_loss) and
+    critical_batch_curves.parquet (step, examples, eval_loss, b_simple per record) and returns
+    (rows, fit | {"target"}). A finished run (result.json) whose config.json equals this one is
+    read back, not rerun, unless ``force``. Raises ValueError with fewer than 3 batch sizes."""
+    from labkit.config import to_dict
+    from labkit.train import train
+
+    if len(set(batch_sizes)) < 3:
+        raise ValueError(f"sweep batch: need >= 3 distinct batch sizes, got {batch_sizes}")
+    mb = micro_batch_size or base.micro_batch_size
+    base_batch = base.micro_batch_size * base.grad_accum_steps
+    max_examples = max_examples or base.max_steps * base_batch
+    out = pathlib.Path(workdir) / "sweeps"
+    out.mkdir(parents=True, exist_ok=True)
+    runs = {}
+    for batch in sorted(set(batch_sizes)):
+        m = min(mb, batch // 2)
+        if batch % m:
+            raise ValueError(f"sweep batch: global batch {batch} is not a multiple of the micro-batch {m}")
+        steps = max(2, max_examples // batch)
+        every = eval_every or max(1, steps // 12)
+        cfg = dataclasses.replace(base, run_dir=str(out / "critical_batch" / f"batch-{batch}"), micro_batch_size=m,
+                                  grad_accum_steps=batch // m, lr=lr_for_batch(base.lr, base_batch, batch, lr_rule),
+                                  max_steps=steps, warmup_steps=min(base.warmup_steps, max(1, steps // 10)),
+                                  eval_every=every, log_every=1, resume=False, checkpoints=False, stop_after=None)
+        done = pathlib.Path(cfg.run_dir, "result.json").exists() and \
+            json.loads(pathlib.Path(cfg.run_dir, "config.json").read_text()) == json.loads(json.dumps(to_dict(cfg)))
+        if force or not done:
+            train(cfg)
+        runs[batch] = (cfg, [json.loads(x) for x in pathlib.Path(cfg.run_dir, "metrics.jsonl").read_text().splitlines()])
+    finals = {b: min(r["eval_loss"] for r in recs if r.get("eval_loss") is not None) for b, (_, recs) in runs.items()}
+    target = target if target is not None else max(finals.values())
+    rows, curves = [], []
+    for batch, (cfg, recs) in runs.items():
+        s = steps_to_target(recs, target)
+        rows.append({"batch": batch, "lr": cfg.lr, "lr_rule": lr_rule, "target_eval_loss": target,
+                     "steps": s, "examples": s * batch if s is not None else None, "reached": s is not None,
+                     "b_simple": b_simple_at(recs, s) if s is not None else None,
+                     "b_simple_tokens": b_simple_at(recs, s, "b_simple_tokens") if s is not None else None,
+                     "final_eval_loss": finals[batch]})
+        curves += [{"batch": batch, "step": r["step"], "examples": r["step"] * batch, "loss": r.get("loss"),
+                    "eval_loss": r.get("eval_loss"), "b_simple": r.get("b_simple"),
+                    "b_simple_tokens": r.get("b_simple_tokens")} for r in recs]
+    df = pl.DataFrame(rows, infer_schema_length=None)
+    pl.DataFrame(curves, infer_schema_length=None).write_parquet(out / "critical_batch_curves.parquet")
+    reached = df.filter(pl.col("reached"))
+    fit = fit_critical_batch(reached["batch"].to_numpy(), reached["steps"].to_numpy()) if reached.height >= 3 else {}
+    fit |= {"target_eval_loss": target, "lr_rule": lr_rule, "reached": int(reached.height)}
+    df = df.with_columns(*(pl.lit(fit.get(k)).alias(k) for k in ("b_crit", "b_crit_low", "b_crit_high", "s_min", "e_min")))
+    df.write_parquet(out / "critical_batch.parquet")
+    return df, fit

@@ -1,0 +1,92 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 07 · How far data parallelism helps: the critical batch
+#
+# Tokens per second measure how fast a cluster runs; they do not say whether a bigger global
+# batch buys proportionally more learning. McCandlish et al. 2018 (arXiv:1812.06162): to reach a
+# fixed loss, steps S and examples E trade off as (S/S_min − 1)(E/E_min − 1) = 1, and past the
+# critical batch B_crit = E_min/S_min more data per step mostly wastes examples. Two ways to
+# find it here:
+#
+# 1. directly: train the same model to the same held-out loss at several global batch sizes
+#    (`labkit.study.critical_batch.sweep_batch`, the learning rate scaled by √B from train's lr),
+#    record S and E, fit the hyperbola (bootstrap range);
+# 2. in every run: the gradient noise scale B_simple = tr(Σ)/|G|² (`labkit.train.gns`, from the
+#    micro-batches of each accumulated step here; from the gradient all-reduce under DDP), which
+#    McCandlish et al. show predicts B_crit.
+#
+# Definitions: docs/measurement.md ("Gradient noise scale"). `labkit sweep batch CONFIG` runs the
+# same sweep from the command line.
+
+# %% tags=["parameters"]
+workdir = "../work/demo"
+batch_model = "tiny"  # its own model (not the demo's): five runs must fit in minutes on a CPU
+batch_micro_batch = 8  # the largest micro-batch; smaller batches use half their batch
+batch_sizes = [4, 8, 16, 32, 64]  # global batches (sequences)
+batch_examples = 4096  # sequences each run trains on
+lr = 2e-3  # at a global batch of batch_micro_batch; scaled by sqrt(B / batch_micro_batch)
+
+# %%
+import os
+
+import polars as pl
+import torch
+
+from labkit import lab, plots
+from labkit.config import TrainConfig
+from labkit.study.critical_batch import fit_critical_batch, sweep_batch
+
+index = lab.require_prepared(workdir)  # the shards of notebook 01; stops here, in one line, without them
+plots.setup_notebook_plotting()
+torch.set_num_threads(1)
+
+# %% [markdown]
+# ## 1. The same model to the same held-out loss at each batch size
+# Each run trains on `batch_examples` sequences in one process; the target is the worst run's best
+# held-out loss, so every run reaches it, and S(B) is the (interpolated) step where its held-out
+# loss first does. A finished sweep in `sweeps/critical_batch.parquet` is read back.
+
+# %%
+table = f"{workdir}/sweeps/critical_batch.parquet"
+if os.path.exists(table):
+    runs = pl.read_parquet(table)
+    fit = fit_critical_batch(runs.filter(pl.col("reached"))["batch"].to_numpy(),
+                             runs.filter(pl.col("reached"))["steps"].to_numpy())
+else:
+    base = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/critical-batch", model=batch_model,
+                       micro_batch_size=batch_micro_batch, grad_accum_steps=1, lr=lr, warmup_steps=2,
+                       min_lr_ratio=1.0, num_threads=1, resume=False, checkpoints=False, seed=0,
+                       eval_sequences=64, eval_batch_size=8)
+    runs, fit = sweep_batch(base, workdir, batch_sizes=batch_sizes, max_examples=batch_examples)
+runs.select("batch", "lr", "steps", "examples", "reached", "b_simple", "final_eval_loss")
+
+# %%
+pl.DataFrame({"quantity": ["B_crit (sequences)", "bootstrap low", "bootstrap high", "S_min", "E_min"],
+              "value": [fit["b_crit"], fit["b_crit_low"], fit["b_crit_high"], fit["s_min"], fit["e_min"]]})
+
+# %%
+plots.steps_examples_figure(runs.filter(pl.col("reached")), fit)
+
+# %% [markdown]
+# ## 2. The in-run noise scale against the measured critical batch
+# B_simple of every run against the examples it has seen; the dashed line is B_crit from the fit.
+# McCandlish et al. find B_crit ≈ B_simple to within a small factor; both grow as the loss falls.
+
+# %%
+curves = pl.read_parquet(f"{workdir}/sweeps/critical_batch_curves.parquet")
+plots.noise_scale_figure(curves, b_crit=fit["b_crit"])
+
+# %%
+at_target = runs.filter(pl.col("reached")).select("batch", "b_simple")
+ratio = at_target["b_simple"].median() / fit["b_crit"] if at_target["b_simple"].drop_nulls().len() else None
+print(f"median in-run B_simple at the target / measured B_crit = {ratio:.2f}" if ratio else "no in-run B_simple")
