@@ -23,9 +23,9 @@ import dataclasses
 import json
 import os
 import shlex
-from typing import Any
 import sys
 import textwrap
+from typing import Any
 
 __all__ = ["EXAMPLES", "build_parser", "main"]
 
