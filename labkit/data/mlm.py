@@ -306,7 +306,23 @@ class _Packed:
 
 
 def _as_tensors(batches: Iterator) -> Iterator[dict[str, torch.Tensor]]:
-    for batch in batches:
+    """The batches as dicts of tensors. An error re-raised from a worker (``ShardError`` of a
+    shard that changed, ...) leaves here with the frames it passed through in the DataLoader
+    cleared (``traceback.clear_frames``): torch's ``ExceptionWrapper.reraise`` holds the
+    exception in a local of its own frame, a reference cycle through the traceback that keeps
+    every caller's frame alive until the garbage collector runs -- the trainer's model, and with
+    it the process group, whose connections then stay open, so the other ranks would wait in
+    their next collective until the timeout instead of failing at once when this rank gives up."""
+    import traceback
+
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as err:
+            traceback.clear_frames(err.__traceback__)  # this frame is executing: left as it is
+            raise
         yield batch.tensors() if isinstance(batch, ArrayBatch) else batch
 
 
