@@ -462,7 +462,7 @@ def check_entries(data_dir: str | os.PathLike, index: dict) -> list[Path]:
     """Everything a reader needs of a shard set, without reading its bytes; the shard paths in
     order. ``ShardError`` naming the file (or ``index.json``) when: the dtype cannot hold ids up
     to ``vocab_size - 1``; an entry is not a ``shard-NNNNN.bin`` name, is listed twice, holds no
-    sequence (an empty shard cannot be memory-mapped) or gives n_bytes other than n_sequences *
+    sequence (an empty shard: a set lists only shards with rows) or gives n_bytes other than n_sequences *
     seq_len * itemsize; a shard file is missing, has another size or is not a whole number of
     sequences; a ``shard-NNNNN.bin`` in the directory is not in the index; the entries'
     n_sequences do not sum to ``n_sequences``. ``verify_shards`` and ``SequenceReader`` both call
@@ -567,9 +567,6 @@ def check_shards(data: str | os.PathLike | ShardSet, *, seq_len: int | None = No
     return index
 
 
-_IOV_MAX = 1024  # buffers per preadv call (POSIX IOV_MAX on Linux)
-
-
 def _file_id(st: os.stat_result) -> tuple[int, int, int, int]:
     """What "the same file, unchanged" means to a reader: (size, inode, device, mtime in ns)."""
     return (st.st_size, st.st_ino, st.st_dev, st.st_mtime_ns)
@@ -601,7 +598,7 @@ class ShardSet:
     ``s.rows(ids)`` gathers many (int64 ids -> [len(ids), seq_len]); ``s.heldout_rows(n)`` the
     held-out split. Files are read with ``os.preadv`` on descriptors opened lazily and kept in an
     LRU of at most ``max_open`` (any number of shards reads under a low ``ulimit -n``); rows
-    that are consecutive in a file are read by one call.
+    that are consecutive in a file are read by one call (``rows``).
 
     Data that changes underneath: a descriptor pins the inode it opened (a rename onto the path
     leaves it reading the file it opened). When a descriptor opens, its ``fstat`` must give the
@@ -699,27 +696,6 @@ class ShardSet:
         if not complete:
             raise ShardError(f"{self._path(k)}: short read within its recorded size {self._ids[k][0]} bytes")
 
-    def _read(self, k: int, offsets: np.ndarray, out: np.ndarray, dest: np.ndarray) -> None:
-        """Read the rows at byte ``offsets`` of file k into rows ``dest`` of ``out`` [n, seq_len]
-        (C-contiguous); one ``preadv`` per run of rows consecutive in the file. Checked as
-        ``_check_after``."""
-        fd = self._fd(k)
-        order = np.argsort(offsets, kind="stable")
-        sorted_off = offsets[order]
-        # a run continues while the next row starts where this one ends
-        starts = [0] + (np.flatnonzero(np.diff(sorted_off) != self._row_bytes) + 1).tolist()
-        complete = True
-        for a, b in zip(starts, starts[1:] + [len(order)]):
-            for lo in range(a, b, _IOV_MAX):
-                hi = min(b, lo + _IOV_MAX)
-                bufs = [out[j] for j in dest[order[lo:hi]].tolist()]
-                if os.preadv(fd, bufs, int(sorted_off[lo])) != (hi - lo) * self._row_bytes:
-                    complete = False
-                    break
-            if not complete:
-                break
-        self._check_after(k, fd, complete)
-
     def _read_span(self, k: int, offset: int, out: np.ndarray) -> None:
         """Fill the C-contiguous ``out`` from byte ``offset`` of file k (one read); checked as
         ``_check_after``."""
@@ -776,17 +752,35 @@ class ShardSet:
     def rows(self, ids) -> np.ndarray:
         """Sequences ``ids`` (int, any order, repeats allowed) as [len(ids), seq_len] of the
         index's dtype; IndexError naming the range for an id outside [0, len); ShardError when a
-        shard changed since the set was opened (class docstring)."""
+        shard changed since the set was opened (class docstring). The ids are read in ascending
+        order, one ``preadv`` per run of consecutive rows of a shard, each shard's identity
+        checked after its last read."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         n = len(self)
         if ids.size and (ids.min() < 0 or ids.max() >= n):
             raise IndexError(f"sequence ids must be in [0, {n}) for {self.data_dir}, "
                              f"got range [{ids.min()}, {ids.max()}]")
-        which = np.searchsorted(self._starts, ids, side="right") - 1
-        out = np.empty((len(ids), self.seq_len), dtype=self._dtype)
-        for k in np.unique(which):
-            sel = np.flatnonzero(which == k)
-            self._read(int(k), (ids[sel] - self._starts[k]) * self._row_bytes, out, sel)
+        order = np.argsort(ids, kind="stable")
+        sorted_ids = ids[order]
+        which = np.searchsorted(self._starts, sorted_ids, side="right") - 1  # shards, ascending
+        # a run continues while the next id is the next row of the same shard
+        breaks = np.flatnonzero((np.diff(sorted_ids) != 1) | (np.diff(which) != 0)) + 1
+        starts = [0] + breaks.tolist()
+        offsets = ((sorted_ids - self._starts[which]) * self._row_bytes)[starts].tolist() if ids.size else []
+        shards = which[starts].tolist() if ids.size else []
+        buf = np.empty((len(ids), self.seq_len), dtype=self._dtype)  # rows in ascending id order
+        k, fd = -1, -1
+        for k_run, off, a, b in zip(shards, offsets, starts, starts[1:] + [len(ids)]):
+            if k_run != k:  # runs are grouped by shard: check the last one before leaving it
+                if k >= 0:
+                    self._check_after(k, fd, True)
+                k, fd = k_run, self._fd(k_run)
+            if os.preadv(fd, [buf[a:b]], off) != (b - a) * self._row_bytes:
+                self._check_after(k, fd, False)
+        if k >= 0:
+            self._check_after(k, fd, True)
+        out = np.empty_like(buf)
+        out[order] = buf
         return out
 
     def __getitem__(self, i: int) -> np.ndarray:
