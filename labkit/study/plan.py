@@ -175,16 +175,9 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
       and its statistics.
     - ``logits`` (held by the returned output, not saved): d·nV.
 
-    ``tp`` > 1 divides the width terms by t, not the index and statistics terms, where each rank
-    holds 1/t of them. Tensor parallelism alone (arXiv:2205.05198 section 4.2.1: its
-    sbh(10 + 24/t + 5as/(ht))) splits what runs between a column- and a row-parallel product (the
-    fused Q/K/V, scores, attention output, the FFN's inner tensors) and leaves whole on every rank
-    what runs on the residual stream: the QKV projection's input, the FFN input, the norms' inputs
-    (and RMSNorm's copies) and the dropout masks after the two row-parallel products (in the
-    sparse last layer also its input; with activation checkpointing every layer's input).
-    ``sequence_parallel`` (section 4.2.2, ``TrainConfig.sequence_parallel``) splits those along
-    the sequence too, so every width term is divided by t. Raises ValueError for unknown
-    precision/attention or non-positive sizes.
+    ``tp`` > 1 divides the width terms by t, not indices and statistics, and the residual stream's
+    (``_layer_bytes``; checkpointed layer inputs) only with ``sequence_parallel`` (arXiv:2205.05198
+    4.2.2; 4.2.1 without). Raises ValueError for unknown precision/attention or non-positive sizes.
     """
     _check_options(precision, attention)
     if device not in ("cuda", "cpu"):
@@ -201,14 +194,11 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
            "m": (1 if device == "cuda" else d) if cfg.hidden_dropout > 0 else 0}
     per_layer = [_layer_bytes(cfg, layer_attention(cfg, i), rows=q if sparse and i == L - 1 else s * b, **env)
                  for i in range(L)]
-    whole_tp = tp if sequence_parallel else 1  # what the residual stream's terms are divided by
+    width, score, stats, whole = (sum(col) for col in zip(*per_layer))  # whole: the residual stream's part
     if cfg.activation_checkpointing:
-        layers, scores = L * g * s * b * h // whole_tp + index, 0
+        layers, scores = L * g * s * b * h // (tp if sequence_parallel else 1) + index, 0
     else:
-        whole = sum(x[3] for x in per_layer)  # residual-stream terms: whole on a rank without sequence parallelism
-        layers = ((sum(x[0] for x in per_layer) - whole) // tp + whole // whole_tp
-                  + sum(x[2] for x in per_layer) + index)
-        scores = sum(x[1] for x in per_layer) // tp
+        layers, scores = (width - whole) // tp + whole // (tp if sequence_parallel else 1) + stats + index, score // tp
     n = q if sparse else s * b
     rms = cfg.norm_type == "rmsnorm"  # torch's RMSNorm keeps a normalised copy of its input
     stat = 4 if rms else 8  # per norm row: RMSNorm's rstd, LayerNorm's mean and rstd (fp32)
@@ -231,9 +221,9 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
 def _layer_bytes(cfg: ModelConfig, kind: str, *, rows: int, s: int, b: int, d: int, g: int, m: int,
                  device: str, eager: bool) -> tuple[int, int, int, int]:
     """(bytes that scale with the width, attention-score bytes, statistics bytes, the part of the
-    width bytes on the residual stream: whole on each rank under tensor parallelism without
-    sequence parallelism, ``activation_terms``) one layer of attention ``kind`` keeps, its queries at ``rows`` positions (s·b, or q for the sparse last
-    layer, whose keys and values still come from all s·b). Terms in ``activation_terms``'
+    width bytes on the residual stream) one layer of attention ``kind`` keeps, its queries at
+    ``rows`` positions (s·b, or q for the sparse last layer, whose keys and values still come
+    from all s·b). Terms in ``activation_terms``'
     docstring; the options' own, counted on CPU and under ``labkit.study.cuda_like.CudaLike``:
 
     - rotary: the rotated Q and K, 2·d·sbh (SDPA's math path copies Q and K itself: 0 there, and
@@ -250,6 +240,13 @@ def _layer_bytes(cfg: ModelConfig, kind: str, *, rows: int, s: int, b: int, d: i
     - ``attention_backend`` "eager" (the model's own softmax, the study's): the math path's terms,
       except that on CUDA in 16 bits autocast runs the softmax in fp32, so each score keeps fp32
       probabilities, their 16-bit copy for the product with V (and the dropout mask), 4 + d (+ 1).
+
+    The residual stream's part is what tensor parallelism without sequence parallelism keeps
+    whole on every tp rank (arXiv:2205.05198 section 4.2.1): the QKV projection's input, the FFN
+    input, the norms' inputs (and RMSNorm's copies), the dropout masks after the two row-parallel
+    products, and in the sparse last layer its input; the rest runs between a column- and a
+    row-parallel product (fused Q/K/V, scores, attention output, the FFN's inner tensors) and is
+    split.
     """
     h, f, a, hq = cfg.hidden_size, cfg.ffn_size, cfg.num_heads, cfg.head_dim
     sb, sbh = s * b, s * b * h

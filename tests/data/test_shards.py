@@ -384,16 +384,16 @@ def test_a_shard_truncated_under_an_open_reader_names_the_file_and_sizes(tmp_pat
 def test_a_replaced_or_rewritten_shard_is_refused_when_read(tmp_path):
     """A rename onto the path (a new inode) is seen when a descriptor opens (here: the first
     read; in a worker: its first read); a same-size rewrite in place changes the mtime."""
-    import os
     import time
 
     from labkit.data.shards import open_shards
+    from labkit.io import replace
 
     rows = _rows_set(tmp_path)
     s = open_shards(tmp_path)
     new = tmp_path / "new.bin"
     new.write_bytes((tmp_path / "shard-00002.bin").read_bytes())  # same bytes, another file
-    os.replace(new, tmp_path / "shard-00002.bin")
+    replace(new, tmp_path / "shard-00002.bin")  # a rename onto the path: a new inode
     with pytest.raises(ShardError, match=r"shard-00002\.bin: changed since the shard set was opened: "
                                          r"replaced \(inode \d+ -> \d+\)"):
         s.rows([21])

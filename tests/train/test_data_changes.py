@@ -37,8 +37,9 @@ def _worker(rank: int, world: int, port: int, cfg_json: str, root: str, num_work
 
     torch.set_num_threads(1)
     if os.environ.get("H2_DEBUG"):
-        import faulthandler, sys
-        faulthandler.dump_traceback_later(70, repeat=True, file=open(f"{root}/stack{rank}.txt", "w"))
+        import faulthandler, signal
+        faulthandler.register(signal.SIGUSR1, file=open(f"{root}/stack{rank}.txt", "w"), all_threads=True)
+        pathlib.Path(root, f"pid{rank}").write_text(str(os.getpid()))
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"})
     out = pathlib.Path(root)
