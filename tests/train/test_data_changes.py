@@ -8,9 +8,11 @@ the way ``cp`` of a shorter file onto a live data directory does (same inode, O_
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import pathlib
+import signal
 import shutil
 import socket
 import time
@@ -36,10 +38,8 @@ def _worker(rank: int, world: int, port: int, cfg_json: str, root: str, num_work
     from labkit.train import train
 
     torch.set_num_threads(1)
-    if os.environ.get("H2_DEBUG"):
-        import faulthandler, signal
-        faulthandler.register(signal.SIGUSR1, file=open(f"{root}/stack{rank}.txt", "w"), all_threads=True)
-        pathlib.Path(root, f"pid{rank}").write_text(str(os.getpid()))
+    stacks = open(pathlib.Path(root, f"stack{rank}.txt"), "w")  # SIGUSR1: where a rank that hangs is
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"})
     out = pathlib.Path(root)
@@ -78,10 +78,27 @@ def test_a_shard_truncated_mid_run_stops_every_rank_in_seconds(tmp_path, num_wor
     cfg = TrainConfig(data_dir=str(tmp_path / "shards-0"), run_dir=str(tmp_path / "run"), model="tiny",
                       micro_batch_size=4, grad_accum_steps=1, max_steps=40, warmup_steps=1, num_threads=1,
                       device="cpu", timing_warmup_steps=1, timeout_s=TIMEOUT_S, checkpoints=False)
-    mp.spawn(_worker, args=(2, _free_port(), json.dumps(to_dict(cfg)), str(tmp_path), num_workers),
-             nprocs=2, join=True)
+    ctx = mp.spawn(_worker, args=(2, _free_port(), json.dumps(to_dict(cfg)), str(tmp_path), num_workers),
+                   nprocs=2, join=False)
+    done = [tmp_path / f"rank{r}.json" for r in (0, 1)]
+    deadline = None
+    while not all(p.exists() for p in done):
+        if deadline is None and (tmp_path / "truncated.txt").exists():
+            deadline = time.time() + TIMEOUT_S / 2
+        if deadline is not None and time.time() > deadline or not any(p.is_alive() for p in ctx.processes):
+            hung = [r for r in (0, 1) if not done[r].exists()]
+            for r in hung:  # where each hung rank is, then end it (our own child, by pid)
+                if ctx.processes[r].is_alive():
+                    os.kill(ctx.processes[r].pid, signal.SIGUSR1)
+            time.sleep(2)
+            for proc in ctx.processes:
+                proc.kill()
+            stacks = {r: (tmp_path / f"stack{r}.txt").read_text()[-3000:] for r in hung}
+            pytest.fail(f"ranks {hung} did not stop within {TIMEOUT_S / 2} s of the truncation: {stacks}")
+        time.sleep(0.2)
+    ctx.join()
     t_trunc = float((tmp_path / "truncated.txt").read_text())
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads(p.read_text()) for p in done]
     victim = tmp_path / "shards-1" / "shard-00001.bin"
     assert ranks[1]["outcome"].startswith("ShardError"), ranks[1]
     assert f"{victim}: changed since the shard set was opened: size" in ranks[1]["outcome"]
