@@ -2,8 +2,9 @@
 
 The path of one batch (docs/data_path.md): ``RankSampler`` yields a list of sequence ids ->
 ``ShardDataset.__getitems__`` gathers them from the shards (``labkit.data.shards.ShardSet``: one
-``preadv`` per run of consecutive rows of a shard, each shard's identity checked after the read) -> ``MLMCollator`` masks the [B, T] block with whole-tensor torch ops -> in a
-worker, the arrays cross the pipe as an ``ArrayBatch`` -> ``MLMLoader`` yields dicts of tensors.
+``preadv`` per run of consecutive rows of a shard, each shard's identity checked after the read)
+-> ``MLMCollator`` masks the [B, T] block with whole-tensor torch ops -> in a worker, the arrays
+cross the pipe as an ``ArrayBatch`` -> ``MLMLoader`` yields dicts of tensors.
 ``check_shards`` (called by ``make_loader``) stops a run on a shard set that is not the one the
 run expects, before any model is built.
 

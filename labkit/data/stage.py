@@ -19,8 +19,8 @@ every file of a copy (shards and held-out file) before it keeps it, so a copy to
 crash (short or stale blocks) is found and replaced; forcing the copy to disk was the largest
 cost of staging after the hash (docs/data_path.md, "Staging": the profile and
 ``benchmarks/bench_stage.py``; ``cp -r`` + ``sha256sum`` do not fsync either), and one fsync
-per file grows with the file count. Without ``verify`` a later call checks every file's size only, so the copy is fsynced
-(``labkit.io.fsync_tree``) before it is published. The rename itself is always made durable
+per file grows with the file count. Without ``verify`` a later call checks every file's size
+only, so the copy is fsynced (``labkit.io.fsync_tree``) before it is published. The rename itself is always made durable
 (``labkit.io.replace`` fsyncs the parent directory).
 """
 

@@ -83,9 +83,9 @@ def first_fit(plans) -> dict | None:
 def plan_overrides(row: dict, *, schedule: str = "1f1b") -> dict:
     """``TrainConfig`` fields that run a ``parallel_plans`` row (``first_fit``'s, say): tp, pp,
     sequence_parallel (the row's, so the run splits the activations the way the row planned
-    them; False for a row from before the column), the sharding of its ZeRO stage over dp and, with pp > 1, ``schedule`` over the row's pipeline
-    micro-batches (``grad_accum_steps``; the planner's activation memory assumes 1F1B) and the
-    row's micro-batch. ZeRO 0 -> ddp (dp only) or replicate; 1 -> zero1 (dp only); 2 -> fsdp
+    them; False for a row from before the column), the sharding of its ZeRO stage over dp and,
+    with pp > 1, ``schedule`` over the row's pipeline micro-batches (``grad_accum_steps``; the
+    planner's activation memory assumes 1F1B) and the row's micro-batch. ZeRO 0 -> ddp (dp only) or replicate; 1 -> zero1 (dp only); 2 -> fsdp
     without resharding after forward (ZeRO-2-style); 3 -> fsdp. ZeRO-1 with tp or pp > 1 has no
     labkit run (DDP does not compose with a split model): ValueError naming the row's split."""
     split = row["tp"] * row["pp"] > 1

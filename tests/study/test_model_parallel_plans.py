@@ -78,8 +78,9 @@ def test_planned_rank_memory_reads_sequence_parallel():
     off = parallel.planned_rank_memory(cfg, TrainConfig(**kw), world=2, seq_len=32)
     on = parallel.planned_rank_memory(cfg, TrainConfig(**kw, sequence_parallel=True), world=2, seq_len=32)
     attention = "eager" if cfg.attention_dropout > 0 else "flash"  # CPU's math path with attention dropout
-    terms = {sp: plan.memory_plan(cfg, seq_len=32, micro_batch=16, precision="fp32", attention=attention, zero_stage=0,
-                                  dp=1, tp=2, device="cpu", sequence_parallel=sp)["activations"] for sp in (False, True)}
+    terms = {sp: plan.memory_plan(cfg, seq_len=32, micro_batch=16, precision="fp32", attention=attention,
+                                  zero_stage=0, dp=1, tp=2, device="cpu", sequence_parallel=sp)["activations"]
+             for sp in (False, True)}
     assert (off["activation_bytes"], on["activation_bytes"]) == (terms[False], terms[True])
     assert on["activation_bytes"] < off["activation_bytes"] and on["state_bytes"] == off["state_bytes"]
 
