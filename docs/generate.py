@@ -304,7 +304,7 @@ def parallel_planner() -> str:
 
     big = model_config("bert-1.3b", plan.STUDY_VOCAB, hidden_size=6144, num_heads=48, num_layers=48,
                        intermediate_size=None)
-    splits = parallel.parallel_plans(big, n_gpus=16, seq_len=512, micro_batch=4)
+    splits = parallel.parallel_plans(big, n_gpus=16, seq_len=512, micro_batch=4, sequence_parallel=True)
     ddp = splits.filter((pl.col("dp") == 16) & (pl.col("zero_stage") == 0)).row(0, named=True)
     fit = parallel.first_fit(splits)
     no_zero = parallel.first_fit(splits.filter(pl.col("zero_stage") == 0))
@@ -314,7 +314,7 @@ def parallel_planner() -> str:
             f"- the first split that fits is ZeRO-{fit['zero_stage']} at DP {fit['dp']} x TP {fit['tp']} x PP {fit['pp']} "
             f"({fit['total'] / 1e9:.0f} GB per GPU);\n"
             f"- without ZeRO, the first is DP {no_zero['dp']} × TP {no_zero['tp']} × PP {no_zero['pp']} "
-            f"({no_zero['total'] / 1e9:.0f} GB per GPU, GPipe bubble {no_zero['bubble']:.0%} at 8\n  micro-batches).\n"
+            f"({no_zero['total'] / 1e9:.0f} GB per GPU with sequence parallelism, GPipe bubble {no_zero['bubble']:.0%} at 8\n  micro-batches).\n"
             ).replace("%", " %")
 
 

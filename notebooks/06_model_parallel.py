@@ -91,7 +91,10 @@ lc.stop_cluster(cluster)
 # At the study's scale the planner picks the split (`labkit.study.parallel.parallel_plans`, least
 # model parallelism first, tensor parallelism inside a node): for a 22 B encoder on 16 H100 NVL
 # the first fit is ZeRO-3 data parallelism, and without ZeRO it is a dp x tp x pp split.
-# `plan_overrides` turns a row into the `TrainConfig` fields that run it.
+# The plans assume sequence parallelism wherever tp > 1 (`sequence_parallel=True`: tensor
+# parallelism alone would keep the residual stream's activations whole on every tp rank), and
+# `plan_overrides` turns a row into the `TrainConfig` fields that run it, `sequence_parallel`
+# among them, so the run splits its activations the way its row was planned.
 
 # %%
 from labkit.model import count_parameters, model_config
@@ -99,7 +102,7 @@ from labkit.study import parallel, plan
 
 big = model_config("bert-1.3b", plan.STUDY_VOCAB, hidden_size=6144, num_heads=48, num_layers=48,
                    intermediate_size=None)
-splits = parallel.parallel_plans(big, n_gpus=16, seq_len=study_seq_len, micro_batch=4)
+splits = parallel.parallel_plans(big, n_gpus=16, seq_len=study_seq_len, micro_batch=4, sequence_parallel=True)
 print(f"{count_parameters(big)['total'] / 1e9:.1f} B parameters")
 for what, rows in (("first fit", splits), ("first fit without ZeRO", splits.filter(pl.col("zero_stage") == 0))):
     fit = parallel.first_fit(rows)

@@ -84,11 +84,17 @@ class HeldoutError(ValueError):
     """A shard set has no held-out split, or its file is not as index.json says."""
 
 
-def read_heldout(data_dir: str | os.PathLike, max_sequences: int | None = None) -> np.ndarray:
-    """The held-out sequences of the shard set in ``data_dir``: array [n, seq_len] of the index's
-    dtype, the first ``max_sequences`` rows when given. ``HeldoutError`` (a ValueError) when the
-    index records no held-out split, or its file is missing or of another size than the index
-    says; the index itself is checked by ``labkit.data.shards.read_index`` before training."""
+def read_heldout(data, max_sequences: int | None = None) -> np.ndarray:
+    """The held-out sequences of a shard set: array [n, seq_len] of the index's dtype, the first
+    ``max_sequences`` rows when given. ``data``: the set's directory, or a
+    ``labkit.data.shards.ShardSet`` already opened (``ShardSet.heldout_rows``: its index is not
+    read again, and a file changed since the set was opened raises ``ShardError`` naming it).
+    ``HeldoutError`` (a ValueError) when the index records no held-out split, or its file is
+    missing or of another size than the index says; the index itself is checked by
+    ``labkit.data.shards.read_index`` before training."""
+    if hasattr(data, "heldout_rows"):  # a ShardSet (labkit.data.shards imports this module)
+        return data.heldout_rows(max_sequences)
+    data_dir = data
     index = json.loads((Path(data_dir) / "index.json").read_text())
     entry = index.get("heldout")
     if not entry:

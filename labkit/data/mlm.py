@@ -1,9 +1,10 @@
 """MLM batches from token shards: dataset, rank sampler, BERT masking collator, DataLoader.
 
 The path of one batch (docs/data_path.md): ``RankSampler`` yields a list of sequence ids ->
-``ShardDataset.__getitems__`` gathers them from the memory-mapped shards (one fancy-index read per
-shard touched) -> ``MLMCollator`` masks the [B, T] block with whole-tensor torch ops -> in a
-worker, the arrays cross the pipe as an ``ArrayBatch`` -> ``MLMLoader`` yields dicts of tensors.
+``ShardDataset.__getitems__`` gathers them from the shards (``labkit.data.shards.ShardSet``: one
+``preadv`` per run of consecutive rows of a shard, each shard's identity checked after the read)
+-> ``MLMCollator`` masks the [B, T] block with whole-tensor torch ops -> in a worker, the arrays
+cross the pipe as an ``ArrayBatch`` -> ``MLMLoader`` yields dicts of tensors.
 ``check_shards`` (called by ``make_loader``) stops a run on a shard set that is not the one the
 run expects, before any model is built.
 
@@ -36,7 +37,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from labkit.config import SPECIAL_TOKENS
-from labkit.data.shards import check_shards
+from labkit.data.shards import ShardSet, check_shards
 
 __all__ = ["IGNORE_INDEX", "ArrayBatch", "dense_labels", "index_special_ids", "make_loader", "MLMCollator",
            "MLMLoader", "RankSampler", "ShardDataset"]
@@ -158,19 +159,21 @@ def dense_labels(masked_positions: torch.Tensor, masked_labels: torch.Tensor, sh
 
 
 class ShardDataset(Dataset):
-    """Sequences of a shard set (``labkit.data.shards``), read through memory maps; nothing loads
-    the whole set. ``ds[i]`` -> np.ndarray [seq_len] of the index's dtype (uint16/uint32);
-    ``ds.__getitems__(ids)`` -> np.ndarray [len(ids), seq_len], one fancy-index read per shard
-    touched (the DataLoader calls it once per batch when a batch_sampler is used). Reads through
-    ``labkit.data.shards.SequenceReader``: maps open lazily, at most ``max_open`` at a time (an
-    LRU), and are not pickled, so the dataset is cheap to send to spawn/forkserver workers. Raises ShardError (a ValueError) naming the file if index.json or a
-    shard is missing or malformed, or a shard's size differs from the index."""
+    """Sequences of a shard set (``labkit.data.shards``), read on demand; nothing loads the whole
+    set. ``ds[i]`` -> np.ndarray [seq_len] of the index's dtype (uint16/uint32);
+    ``ds.__getitems__(ids)`` -> np.ndarray [len(ids), seq_len], one ``preadv`` per run of
+    consecutive rows of a shard touched (the DataLoader calls it once per batch when a
+    batch_sampler is used). ``data``: a directory, or a ``labkit.data.shards.ShardSet`` already
+    opened (used as is: its index is not read again). Reads through the ``ShardSet``:
+    descriptors open lazily, at most ``max_open`` at a time (an LRU), and are not pickled, so the
+    dataset is cheap to send to spawn/forkserver workers. Raises ShardError (a ValueError) naming
+    the file if index.json or a shard is missing or malformed, a shard's size differs from the
+    index, or a shard changed since the set was opened (in a worker too: the DataLoader
+    re-raises it in the main process)."""
 
-    def __init__(self, data_dir: str, *, max_open: int = 64) -> None:
-        from labkit.data.shards import SequenceReader
-
-        self.data_dir = str(data_dir)
-        self._reader = SequenceReader(self.data_dir, max_open=max_open)  # checks every entry; maps lazily
+    def __init__(self, data: str | os.PathLike | ShardSet, *, max_open: int = 64) -> None:
+        self._reader = data if isinstance(data, ShardSet) else ShardSet(data, max_open=max_open)  # checks every entry
+        self.data_dir = str(self._reader.data_dir)
         self.seq_len, self.vocab_size = self._reader.seq_len, self._reader.vocab_size
         self.index, self._n = self._reader.index, len(self._reader)
 
@@ -187,6 +190,7 @@ class ShardDataset(Dataset):
 class RankSampler(Sampler[list[int]]):
     """Batches of sample indices for one data-parallel rank (a ``batch_sampler``).
 
+    ``n_samples``: the count of sequences, or the opened ``ShardSet`` (its ``len``).
     Epoch e's order is ``torch.randperm(n_samples)`` from a generator seeded with ``seed + e``.
     With drop_last, the first (n // (world*batch)) * world*batch indices are kept, cut into
     global micro-batches of ``batch_size`` consecutive indices, and rank r takes micro-batches
@@ -206,8 +210,9 @@ class RankSampler(Sampler[list[int]]):
     ``state_at(epoch, batches it consumed)``.
     """
 
-    def __init__(self, n_samples: int, *, rank: int, world_size: int, batch_size: int, seed: int = 0,
+    def __init__(self, n_samples: int | ShardSet, *, rank: int, world_size: int, batch_size: int, seed: int = 0,
                  drop_last: bool = True) -> None:
+        n_samples = len(n_samples) if isinstance(n_samples, ShardSet) else int(n_samples)
         if world_size < 1:
             raise ValueError(f"world_size: must be at least 1, got {world_size}")
         if not 0 <= rank < world_size:
@@ -336,7 +341,23 @@ class _Packed:
 
 
 def _as_tensors(batches: Iterator) -> Iterator[dict[str, torch.Tensor]]:
-    for batch in batches:
+    """The batches as dicts of tensors. An error re-raised from a worker (``ShardError`` of a
+    shard that changed, ...) leaves here with the frames it passed through in the DataLoader
+    cleared (``traceback.clear_frames``): torch's ``ExceptionWrapper.reraise`` holds the
+    exception in a local of its own frame, a reference cycle through the traceback that keeps
+    every caller's frame alive until the garbage collector runs -- the trainer's model, and with
+    it the process group, whose connections then stay open, so the other ranks would wait in
+    their next collective until the timeout instead of failing at once when this rank gives up."""
+    import traceback
+
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as err:
+            traceback.clear_frames(err.__traceback__)  # this frame is executing: left as it is
+            raise
         yield batch.tensors() if isinstance(batch, ArrayBatch) else batch
 
 
@@ -356,7 +377,7 @@ def index_special_ids(index: dict) -> tuple[int, ...]:
     return tuple(sorted(int(i) for i in index["special_ids"].values()))
 
 
-def make_loader(data_dir: str, *, batch_size: int, rank: int, world_size: int, seed: int,
+def make_loader(data: str | os.PathLike | ShardSet, *, batch_size: int, rank: int, world_size: int, seed: int,
                 mlm_probability: float, vocab_size: int, num_workers: int = 0,
                 pin_memory: bool = False, prefetch_factor: int = 2, seq_len: int | None = None,
                 dtype: str | None = None, tokenizer_sha256: str | None = None, verify: bool = False,
@@ -373,18 +394,23 @@ def make_loader(data_dir: str, *, batch_size: int, rank: int, world_size: int, s
     ``ArrayBatch``; the loader yields the collator's dicts of tensors either way. ``pin_memory``
     (for a CUDA trainer) pins them in the DataLoader's pin-memory thread.
 
-    Before anything is built, ``check_shards`` compares the set with the given seq_len, dtype,
-    tokenizer_sha256 and vocab_size (and with ``verify`` the shards' sha256): ShardError naming
-    index.json and what differs. ValueError naming num_workers / prefetch_factor if negative.
+    ``data``: the shard set's directory, or the ``ShardSet`` the run opened (``open_shards``):
+    then its index is not read again, and the dataset reads through it, so a shard that changes
+    after it was opened raises ``ShardError`` naming the file and what changed, here or in a
+    worker (``labkit.data.shards.ShardSet``). Before anything is built, ``check_shards``
+    compares the set with the given seq_len, dtype, tokenizer_sha256 and vocab_size (and with
+    ``verify`` the shards' sha256, once per ``ShardSet``): ShardError naming index.json and what
+    differs. ValueError naming num_workers / prefetch_factor if negative.
     """
-    index = check_shards(data_dir, seq_len=seq_len, dtype=dtype, vocab_size=vocab_size,
+    shards = data if isinstance(data, ShardSet) else ShardSet(data)
+    index = check_shards(shards, seq_len=seq_len, dtype=dtype, vocab_size=vocab_size,
                          tokenizer_sha256=tokenizer_sha256, verify=verify)
     if num_workers < 0:
         raise ValueError(f"num_workers: must be >= 0, got {num_workers}")
     if prefetch_factor < 1:
         raise ValueError(f"prefetch_factor: must be >= 1, got {prefetch_factor}")
-    dataset = ShardDataset(data_dir)
-    sampler = RankSampler(len(dataset), rank=rank, world_size=world_size, batch_size=batch_size, seed=seed)
+    dataset = ShardDataset(shards)
+    sampler = RankSampler(shards, rank=rank, world_size=world_size, batch_size=batch_size, seed=seed)
     collator = MLMCollator(vocab_size=vocab_size, mlm_probability=mlm_probability, seed=seed, compact=compact,
                            special_ids=index_special_ids(index))
     workers = dict(multiprocessing_context=_worker_context(), persistent_workers=True,

@@ -29,6 +29,7 @@ Layout of a shard directory::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -420,23 +421,33 @@ def check_tokenizer(data_dir: str | os.PathLike, tokenizer_path: str | os.PathLi
     """Refuse a tokenizer other than the one the shards in ``data_dir`` were built with:
     ``ShardError`` naming both files and both sha256 when the file hashes differ. Returns the index."""
     index = read_index(data_dir)
-    sha = tokenizer_sha256(tokenizer_path)
-    if sha != index["tokenizer_sha256"]:
-        raise ShardError(f"{tokenizer_path} (sha256 {sha}) is not the tokenizer the shards in {data_dir} were "
-                         f"built with (index.json: tokenizer_sha256 {index['tokenizer_sha256']})")
+    _check_tokenizer_of(index, data_dir, tokenizer_path)
     return index
 
 
 def read_index(data_dir: str | os.PathLike) -> dict:
     """The ``index.json`` of a complete shard set. ``ShardError`` naming the file when it is
     missing, not JSON, of another format or version, or lacks a field."""
+    return load_index(data_dir)[0]
+
+
+def load_index(data_dir: str | os.PathLike) -> tuple[dict, str]:
+    """``(index, sha256)``: the checked ``index.json`` of a complete shard set (as ``read_index``)
+    and the hex SHA-256 of its bytes, read in one ``open``. The hash is the set's identity: the
+    index lists every shard's sha256, size and count, so equal hashes mean equal contents
+    (``labkit.data.stage`` keys staged copies by it). Errors as ``read_index``."""
     path = Path(data_dir) / INDEX_NAME
     if not Path(data_dir).is_dir():
         raise ShardError(f"not a shard set: directory {data_dir} does not exist")
-    if not path.is_file():
-        raise ShardError(f"not a complete shard set: {INDEX_NAME} missing in {data_dir}")
     try:
-        index = json.loads(path.read_text(encoding="utf-8"))
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise ShardError(f"not a complete shard set: {INDEX_NAME} missing in {data_dir}") from None
+    except IsADirectoryError:
+        raise ShardError(f"not a complete shard set: {path} is not a file") from None
+    try:
+        index = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ShardError(f"{path}: malformed JSON ({e})") from e
     if not isinstance(index, dict) or index.get("format") != FORMAT:
@@ -449,14 +460,14 @@ def read_index(data_dir: str | os.PathLike) -> dict:
         raise ShardError(f"{path}: missing fields {missing}")
     if index["dtype"] not in ("uint16", "uint32"):
         raise ShardError(f"{path}: dtype {index['dtype']!r}, expected 'uint16' or 'uint32'")
-    return index
+    return index, sha256_bytes(raw)
 
 
 def check_entries(data_dir: str | os.PathLike, index: dict) -> list[Path]:
     """Everything a reader needs of a shard set, without reading its bytes; the shard paths in
     order. ``ShardError`` naming the file (or ``index.json``) when: the dtype cannot hold ids up
     to ``vocab_size - 1``; an entry is not a ``shard-NNNNN.bin`` name, is listed twice, holds no
-    sequence (an empty shard cannot be memory-mapped) or gives n_bytes other than n_sequences *
+    sequence (an empty shard: a set lists only shards with rows) or gives n_bytes other than n_sequences *
     seq_len * itemsize; a shard file is missing, has another size or is not a whole number of
     sequences; a ``shard-NNNNN.bin`` in the directory is not in the index; the entries'
     n_sequences do not sum to ``n_sequences``. ``verify_shards`` and ``SequenceReader`` both call
@@ -498,6 +509,15 @@ def check_entries(data_dir: str | os.PathLike, index: dict) -> list[Path]:
     return paths
 
 
+def _check_content(path: Path, shard: dict, index: dict, digest: str, top: int) -> None:
+    """ShardError naming ``path`` when its sha256 is not the index entry's or it holds an id
+    >= vocab_size."""
+    if digest != shard["sha256"]:
+        raise ShardError(f"{path}: sha256 {digest} does not match index.json ({shard['sha256']})")
+    if top >= index["vocab_size"]:
+        raise ShardError(f"{path}: holds id {top}, not below the index's vocab_size {index['vocab_size']}")
+
+
 def verify_shards(data_dir: str | os.PathLike, *, tokenizer_path: str | os.PathLike | None = None) -> dict:
     """``check_entries``, then every shard's sha256 and largest id, compared with ``index.json``,
     and the same for the held-out file (``labkit.data.heldout``: its size too) when the index
@@ -507,7 +527,7 @@ def verify_shards(data_dir: str | os.PathLike, *, tokenizer_path: str | os.PathL
     (``check_tokenizer``)."""
     index = read_index(data_dir)
     if tokenizer_path is not None:
-        check_tokenizer(data_dir, tokenizer_path)
+        _check_tokenizer_of(index, data_dir, tokenizer_path)
     dtype = np.dtype(index["dtype"]).newbyteorder("<")
     files = list(zip(index["shards"], check_entries(data_dir, index)))
     for held in (index.get("heldout") or {}).get("shards", []):
@@ -522,26 +542,36 @@ def verify_shards(data_dir: str | os.PathLike, *, tokenizer_path: str | os.PathL
         # blocks of 4 MiB, a multiple of 4 bytes: whole ids
         digest = sha256_file(path, chunk=1 << 22,
                              on_block=lambda b: tops.append(int(np.frombuffer(b, dtype=dtype).max())))
-        top = max(tops)
-        if digest != shard["sha256"]:
-            raise ShardError(f"{path}: sha256 {digest} does not match index.json ({shard['sha256']})")
-        if top >= index["vocab_size"]:
-            raise ShardError(f"{path}: holds id {top}, not below the index's vocab_size {index['vocab_size']}")
+        _check_content(path, shard, index, digest, max(tops))
     return index
 
 
-def check_shards(data_dir: str, *, seq_len: int | None = None, dtype: str | None = None,
+def _check_tokenizer_of(index: dict, data_dir: str | os.PathLike, tokenizer_path: str | os.PathLike) -> None:
+    sha = tokenizer_sha256(tokenizer_path)
+    if sha != index["tokenizer_sha256"]:
+        raise ShardError(f"{tokenizer_path} (sha256 {sha}) is not the tokenizer the shards in {data_dir} were "
+                         f"built with (index.json: tokenizer_sha256 {index['tokenizer_sha256']})")
+
+
+def check_shards(data: str | os.PathLike | ShardSet, *, seq_len: int | None = None, dtype: str | None = None,
                  vocab_size: int | None = None, tokenizer_sha256: str | None = None,
                  verify: bool = False) -> dict:
     """Check a shard set against what a reader expects, before anything trains; returns its index.
     The one compatibility check of a shard set (``labkit.data.mlm.make_loader`` and training call it).
 
-    ``ShardError`` (a ValueError) naming ``<data_dir>/index.json`` and every field that differs
-    (expected vs found) for seq_len, dtype ("uint16"/"uint32"), tokenizer_sha256, and vocab_size
-    (the run's must be at least the shards'); ShardError naming the file for a missing or
-    malformed index or shard; with ``verify`` every shard's sha256 is recomputed too.
+    ``data``: the set's directory, or a ``ShardSet`` already opened (``open_shards``), whose
+    index is then not read again. ``ShardError`` (a ValueError) naming ``<data_dir>/index.json``
+    and every field that differs (expected vs found) for seq_len, dtype ("uint16"/"uint32"),
+    tokenizer_sha256, and vocab_size (the run's must be at least the shards'); ShardError naming
+    the file for a missing or malformed index or shard; with ``verify`` every shard's sha256 is
+    recomputed too (once per opened ``ShardSet``: it remembers that it was verified).
     """
-    index = verify_shards(data_dir) if verify else read_index(data_dir)
+    if isinstance(data, ShardSet):
+        if verify:
+            data.verify()
+        index, data_dir = data.index, data.data_dir
+    else:
+        index, data_dir = (verify_shards(data) if verify else read_index(data)), data
     wanted = {"seq_len": seq_len, "dtype": dtype, "tokenizer_sha256": tokenizer_sha256}
     diffs = [f"{k}: run expects {v!r}, shards have {index.get(k)!r}" for k, v in wanted.items()
              if v is not None and index.get(k) != v]
@@ -552,18 +582,57 @@ def check_shards(data_dir: str, *, seq_len: int | None = None, dtype: str | None
     return index
 
 
-class SequenceReader:
-    """Random access to the sequences of a complete shard set through memory maps, opened
-    lazily and kept in an LRU of at most ``max_open`` (each map holds one file descriptor), so
-    any number of shards reads under a low open-files limit (``ulimit -n``).
+def _file_id(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What "the same file, unchanged" means to a reader: (size, inode, device, mtime in ns)."""
+    return (st.st_size, st.st_ino, st.st_dev, st.st_mtime_ns)
 
-    ``len(r)`` is ``n_sequences``; ``r[i]`` is a copy of sequence i, shape ``[seq_len]``, dtype of
-    the index (uint16/uint32); negative i counts from the end; ``r.rows(ids)`` gathers many
-    (int64 ids -> [len(ids), seq_len], one read per shard touched). Opening runs
-    ``check_entries`` (sizes, names, no empty, missing, extra or duplicated shards: ``ShardError``
-    naming the file); ``verify=True`` also checks sha256 and ids (``verify_shards``);
+
+def _what_changed(path: Path, before: tuple[int, int, int, int], now: tuple[int, int, int, int] | None) -> str:
+    """One-line ShardError message: ``path`` and what differs between two ``_file_id`` s."""
+    if now is None:
+        return f"{path}: removed since the shard set was opened"
+    what = []
+    if now[0] != before[0]:
+        what.append(f"size {before[0]} -> {now[0]} bytes")
+    if now[1:3] != before[1:3]:
+        what.append(f"replaced (inode {before[1]} -> {now[1]})")
+    if now[3] != before[3]:
+        what.append(f"modified (mtime {before[3] / 1e9:.6f} -> {now[3] / 1e9:.6f})")
+    return f"{path}: changed since the shard set was opened: " + ", ".join(what)
+
+
+class ShardSet:
+    """One opened shard set: its checked ``index.json`` (read once), the index's sha256 (the
+    set's identity, ``load_index``), and each file's identity at open -- size, inode, device and
+    mtime (``_file_id``) of every shard and of the held-out file -- against which every read is
+    checked. What a run passes down instead of a path (``open_shards``; ``make_loader``,
+    ``check_shards``, ``HeldoutSet``, ``RankSampler`` take it), so the set is opened once.
+
+    Random access: ``len(s)`` is ``n_sequences``; ``s[i]`` is a copy of sequence i, shape
+    ``[seq_len]``, dtype of the index (uint16/uint32), negative i counting from the end;
+    ``s.rows(ids)`` gathers many (int64 ids -> [len(ids), seq_len]); ``s.heldout_rows(n)`` the
+    held-out split. Files are read with ``os.preadv`` on descriptors opened lazily and kept in an
+    LRU of at most ``max_open`` (any number of shards reads under a low ``ulimit -n``); rows
+    that are consecutive in a file are read by one call (``rows``).
+
+    Data that changes underneath: a descriptor pins the inode it opened (a rename onto the path
+    leaves it reading the file it opened). When a descriptor opens, its ``fstat`` must give the
+    identity recorded at open, and after every read the file's ``fstat`` must still give it, and
+    every read must return the bytes asked for. Otherwise ``ShardError`` names the file and what
+    changed: "size A -> B bytes" (a ``cp`` of another file onto the path truncates the same
+    inode), "replaced (inode ...)" (a rename, seen when a descriptor opens: in a DataLoader
+    worker, or after an LRU eviction), "modified (mtime ...)" (rewritten in place at the same
+    size). Reads never touch a memory map, so a file shrinking under a reader cannot raise
+    SIGBUS (a load from a mapped page past the end of the file does; mmap(2)). The check is on
+    metadata: a change that keeps size, inode and mtime (mtime set back by hand) is not seen;
+    ``verify`` (sha256 of every shard, through the same descriptors) is the content check.
+
+    Opening runs ``check_entries`` (sizes, names, no empty, missing, extra or duplicated shards:
+    ``ShardError`` naming the file); ``verify=True`` also checks sha256 and ids;
     ``tokenizer_path`` refuses (``check_tokenizer``) a tokenizer the shards were not built with.
-    Pickles small (directory + index), so it can go to DataLoader workers under spawn.
+    Pickles small (directory, index, identities; no descriptor), so it can go to DataLoader
+    workers under spawn/forkserver: a worker's copy reopens the files, checked against the
+    identities recorded by the process that opened the set.
     """
 
     def __init__(self, data_dir: str | os.PathLike, *, verify: bool = False,
@@ -571,63 +640,162 @@ class SequenceReader:
         if max_open < 1:
             raise ValueError(f"max_open: must be at least 1, got {max_open}")
         self.data_dir = Path(data_dir)
-        self.index = verify_shards(data_dir) if verify else read_index(data_dir)
+        self.index, self.sha256 = load_index(data_dir)
         if tokenizer_path is not None:
-            check_tokenizer(data_dir, tokenizer_path)
+            _check_tokenizer_of(self.index, data_dir, tokenizer_path)
         self.max_open = max_open
-        self.seq_len: int = self.index["seq_len"]
-        self.vocab_size: int = self.index["vocab_size"]
-        self._open()
+        self._paths = check_entries(self.data_dir, self.index)
+        ids = []
+        for path, shard in zip(self._paths, self.index["shards"]):
+            fid = _file_id(path.stat())
+            if fid[0] != shard["n_bytes"]:  # changed between check_entries and here
+                raise ShardError(f"{path}: {fid[0]} bytes on disk, index says {shard['n_bytes']}")
+            ids.append(fid)
+        held = (self.index.get("heldout") or {}).get("shards") or []
+        self._heldout_path = self.data_dir / held[0]["file"] if held else None
+        try:
+            ids.append(_file_id(self._heldout_path.stat()) if held else None)
+        except FileNotFoundError:
+            ids.append(None)  # refused when read (HeldoutError): a run without evaluation does not need it
+        self._ids = ids  # [n_shards + 1]: the shards', then the held-out file's (or None)
+        self.verified = False
+        self._setup()
+        if verify:
+            self.verify()
 
-    def _open(self) -> None:
+    def _setup(self) -> None:
         from collections import OrderedDict
 
-        self._paths = check_entries(self.data_dir, self.index)
+        self.seq_len: int = self.index["seq_len"]
+        self.vocab_size: int = self.index["vocab_size"]
         self._dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
-        self._maps: OrderedDict[int, np.memmap] = OrderedDict()
+        self._row_bytes = self.seq_len * self._dtype.itemsize
+        self._fds: OrderedDict[int, int] = OrderedDict()  # file number (len(shards) = held-out) -> fd
         self._starts = np.cumsum([0] + [s["n_sequences"] for s in self.index["shards"]])
 
-    def shard(self, k: int) -> np.memmap:
-        """The memory map of shard k, [n_sequences, seq_len]; opens it (closing the least recently
-        used map beyond ``max_open``) when it is not open."""
-        m = self._maps.get(k)
-        if m is not None:
-            self._maps.move_to_end(k)
-            return m
-        while len(self._maps) >= self.max_open:
-            self._maps.popitem(last=False)  # its mmap and descriptor close with the last reference
-        m = np.memmap(self._paths[k], dtype=self._dtype, mode="r",
-                      shape=(self.index["shards"][k]["n_sequences"], self.seq_len))
-        self._maps[k] = m
-        return m
+    @property
+    def paths(self) -> list[Path]:
+        """The shard files, in index order."""
+        return list(self._paths)
+
+    def _path(self, k: int) -> Path:
+        return self._paths[k] if k < len(self._paths) else self._heldout_path
+
+    def _fd(self, k: int) -> int:
+        """An open descriptor of file k (``len(paths)``: the held-out file), its identity checked
+        against the one recorded at open; the least recently used beyond ``max_open`` is closed."""
+        fd = self._fds.get(k)
+        if fd is not None:
+            self._fds.move_to_end(k)
+            return fd
+        while len(self._fds) >= self.max_open:
+            os.close(self._fds.popitem(last=False)[1])
+        path = self._path(k)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise ShardError(_what_changed(path, self._ids[k], None)) from None
+        now = _file_id(os.fstat(fd))
+        if now != self._ids[k]:
+            os.close(fd)
+            raise ShardError(_what_changed(path, self._ids[k], now))
+        self._fds[k] = fd
+        return fd
+
+    def _check_after(self, k: int, fd: int, complete: bool) -> None:
+        """After a read of file k: ShardError (``_what_changed``) when its identity is not the one
+        recorded at open, or the read came back short."""
+        now = _file_id(os.fstat(fd))
+        if now != self._ids[k]:
+            raise ShardError(_what_changed(self._path(k), self._ids[k], now))
+        if not complete:
+            raise ShardError(f"{self._path(k)}: short read within its recorded size {self._ids[k][0]} bytes")
+
+    def _read_span(self, k: int, offset: int, out: np.ndarray) -> None:
+        """Fill the C-contiguous ``out`` from byte ``offset`` of file k (one read); checked as
+        ``_check_after``."""
+        fd = self._fd(k)
+        self._check_after(k, fd, os.preadv(fd, [out], offset) == out.nbytes)
+
+    def verify(self) -> None:
+        """sha256 and largest id of every shard, read through this set's descriptors, against the
+        index (``ShardError`` naming the first that differs, as ``verify_shards``); once."""
+        if self.verified:
+            return
+        block = max(1, (1 << 22) // self._row_bytes)  # ~4 MiB of whole rows
+        for k, (shard, path) in enumerate(zip(self.index["shards"], self._paths)):
+            h, top = hashlib.sha256(), 0
+            for lo in range(0, shard["n_sequences"], block):
+                rows = np.empty((min(block, shard["n_sequences"] - lo), self.seq_len), dtype=self._dtype)
+                self._read_span(k, lo * self._row_bytes, rows)
+                h.update(rows.data)
+                top = max(top, int(rows.max()))
+            _check_content(path, shard, self.index, h.hexdigest(), top)
+        self.verified = True
+
+    def close(self) -> None:
+        """Close every open descriptor (they reopen, checked, on the next read)."""
+        while self._fds:
+            os.close(self._fds.popitem()[1])
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def __getstate__(self) -> dict:
-        """Pickle the directory, index and limit only (a memmap would pickle its data); the copy in
-        a DataLoader worker checks the entries again and opens maps as it reads."""
-        return {"data_dir": self.data_dir, "index": self.index, "max_open": self.max_open}
+        """Pickle the directory, index, its sha256, the identities (int64 [n_files, 4] as bytes)
+        and the limit only (no descriptor, no data); the copy reopens the files as it reads."""
+        ids = np.array([fid if fid is not None else (-1, -1, -1, -1) for fid in self._ids], dtype=np.int64)
+        return {"data_dir": str(self.data_dir), "index": self.index, "sha256": self.sha256,
+                "max_open": self.max_open, "ids": ids.tobytes(), "verified": self.verified}
 
     def __setstate__(self, state: dict) -> None:
-        self.data_dir, self.index = state["data_dir"], state["index"]
-        self.max_open = state.get("max_open", 64)
-        self.seq_len, self.vocab_size = self.index["seq_len"], self.index["vocab_size"]
-        self._open()
+        self.data_dir, self.index, self.sha256 = Path(state["data_dir"]), state["index"], state["sha256"]
+        self.max_open, self.verified = state["max_open"], state["verified"]
+        ids = np.frombuffer(state["ids"], dtype=np.int64).reshape(-1, 4).tolist()
+        self._ids = [tuple(fid) if fid[0] >= 0 else None for fid in ids]
+        self._paths = [self.data_dir / s["file"] for s in self.index["shards"]]
+        held = (self.index.get("heldout") or {}).get("shards") or []
+        self._heldout_path = self.data_dir / held[0]["file"] if held else None
+        self._setup()
 
     def __len__(self) -> int:
         return int(self._starts[-1])
 
     def rows(self, ids) -> np.ndarray:
         """Sequences ``ids`` (int, any order, repeats allowed) as [len(ids), seq_len] of the
-        index's dtype; IndexError naming the range for an id outside [0, len)."""
-        ids = np.asarray(ids, dtype=np.int64)
+        index's dtype; IndexError naming the range for an id outside [0, len); ShardError when a
+        shard changed since the set was opened (class docstring). The ids are read in ascending
+        order, one ``preadv`` per run of consecutive rows of a shard, each shard's identity
+        checked after its last read."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         n = len(self)
         if ids.size and (ids.min() < 0 or ids.max() >= n):
             raise IndexError(f"sequence ids must be in [0, {n}) for {self.data_dir}, "
                              f"got range [{ids.min()}, {ids.max()}]")
-        which = np.searchsorted(self._starts, ids, side="right") - 1
-        out = np.empty((len(ids), self.seq_len), dtype=self._dtype)
-        for k in np.unique(which):
-            sel = which == k
-            out[sel] = self.shard(int(k))[ids[sel] - self._starts[k]]  # one gather per shard
+        order = np.argsort(ids, kind="stable")
+        sorted_ids = ids[order]
+        which = np.searchsorted(self._starts, sorted_ids, side="right") - 1  # shards, ascending
+        # a run continues while the next id is the next row of the same shard
+        breaks = np.flatnonzero((np.diff(sorted_ids) != 1) | (np.diff(which) != 0)) + 1
+        starts = [0] + breaks.tolist()
+        offsets = ((sorted_ids - self._starts[which]) * self._row_bytes)[starts].tolist() if ids.size else []
+        shards = which[starts].tolist() if ids.size else []
+        buf = np.empty((len(ids), self.seq_len), dtype=self._dtype)  # rows in ascending id order
+        k, fd = -1, -1
+        for k_run, off, a, b in zip(shards, offsets, starts, starts[1:] + [len(ids)]):
+            if k_run != k:  # runs are grouped by shard: check the last one before leaving it
+                if k >= 0:
+                    self._check_after(k, fd, True)
+                k, fd = k_run, self._fd(k_run)
+            if os.preadv(fd, [buf[a:b]], off) != (b - a) * self._row_bytes:
+                self._check_after(k, fd, False)
+        if k >= 0:
+            self._check_after(k, fd, True)
+        out = np.empty_like(buf)
+        out[order] = buf
         return out
 
     def __getitem__(self, i: int) -> np.ndarray:
@@ -637,3 +805,41 @@ class SequenceReader:
         if not 0 <= i < n:
             raise IndexError(f"sequence {i} out of range for {n} sequences in {self.data_dir}")
         return self.rows([i])[0]
+
+    def heldout_rows(self, max_sequences: int | None = None) -> np.ndarray:
+        """The held-out sequences (``labkit.data.heldout``), [n, seq_len] of the index's dtype, the
+        first ``max_sequences`` when given, read through the same checks as the shards.
+        ``HeldoutError`` when the index records no held-out split or its file was missing or not
+        of the index's size at open; ShardError when it changed since."""
+        from labkit.data.heldout import HeldoutError
+
+        entry = self.index.get("heldout")
+        if not entry:
+            raise HeldoutError(f"{self.data_dir / INDEX_NAME}: no held-out split (rebuild the shards with "
+                               "ShardConfig.heldout_fraction > 0, or set eval_every=0)")
+        shard, k = entry["shards"][0], len(self._paths)
+        if self._ids[k] is None or self._ids[k][0] != shard["n_bytes"]:
+            raise HeldoutError(f"{self._heldout_path}: held-out file missing or not {shard['n_bytes']} bytes "
+                               "as index.json says")
+        n = shard["n_bytes"] // self._row_bytes
+        n = min(n, max_sequences) if max_sequences else n
+        out = np.empty((n, self.seq_len), dtype=self._dtype)
+        self._read_span(k, 0, out)
+        return out
+
+
+SequenceReader = ShardSet
+"""The earlier name of ``ShardSet`` (random access to a shard set's sequences); same class."""
+
+
+def open_shards(data_dir: str | os.PathLike, *, seq_len: int | None = None, dtype: str | None = None,
+                vocab_size: int | None = None, tokenizer_sha256: str | None = None, verify: bool = False,
+                max_open: int = 64) -> ShardSet:
+    """Open the shard set in ``data_dir`` once for a run: ``ShardSet`` (index read and hashed once,
+    every file's identity recorded), then ``check_shards`` against what the run expects (seq_len,
+    dtype, tokenizer_sha256, vocab_size; ``verify``: every shard's sha256 and ids, read through
+    the set's own descriptors). Errors: ``ShardError`` naming the file and the difference."""
+    shards = ShardSet(data_dir, max_open=max_open)
+    check_shards(shards, seq_len=seq_len, dtype=dtype, vocab_size=vocab_size, tokenizer_sha256=tokenizer_sha256,
+                 verify=verify)
+    return shards

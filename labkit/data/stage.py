@@ -1,22 +1,26 @@
 """Copy a complete shard set to a node's local disk and verify it (lesson 2 of arXiv:2509.05258).
 
-``stage_shards`` runs once per node (one engine per host). The copy goes to a temporary
-directory ``<local_root>/.tmp-<name>-<pid>`` beside the destination, every shard is checked
-against the source ``index.json`` (size, and sha256 when ``verify``: each shard is read once and
-hashed as it is written, ``labkit.io.copy_and_hash``), index.json is copied last,
+``stage_shards`` runs once per node (one engine per host). A copy is keyed by content: its name
+ends in the first 12 hex digits of the sha256 of the source's ``index.json``, which lists every
+file's sha256 (``labkit.data.shards.load_index``). The copy goes to a temporary
+directory ``<local_root>/.tmp-<name>-<pid>`` beside the destination, every shard and the
+held-out file (``labkit.data.heldout``) is checked against the source ``index.json`` (size, and
+sha256 when ``verify``: each file is read once and hashed as it is written,
+``labkit.io.copy_and_hash``), index.json is copied last (and must hash as the source's did),
 and the directory is renamed into place. So the destination either does not exist or holds a
 complete, verified set; an interrupted copy leaves only a ``.tmp-`` directory, which a later
 call removes once its process is gone (so ``local_root`` must be node-local: process ids are
 checked on this node). A verified copy already in place is kept. Pattern:
 mosaicml/streaming ``streaming/base/stream.py`` (temp name + rename, hashes from the index).
 
-Durability: with ``verify`` the shards are not fsynced before the rename. A copy is a cache of
-the source, and every verifying call re-hashes a copy before it keeps it, so a copy torn by a
+Durability, the same for the shards and the held-out file: with ``verify`` they are not
+fsynced before the rename. A copy is a cache of the source, and every verifying call re-hashes
+every file of a copy (shards and held-out file) before it keeps it, so a copy torn by a
 crash (short or stale blocks) is found and replaced; forcing the copy to disk was the largest
 cost of staging after the hash (docs/data_path.md, "Staging": the profile and
 ``benchmarks/bench_stage.py``; ``cp -r`` + ``sha256sum`` do not fsync either), and one fsync
-per file grows with the file count. Without ``verify`` a later call checks sizes only, so the copy is fsynced
-(``labkit.io.fsync_tree``) before it is published. The rename itself is always made durable
+per file grows with the file count. Without ``verify`` a later call checks every file's size
+only, so the copy is fsynced (``labkit.io.fsync_tree``) before it is published. The rename itself is always made durable
 (``labkit.io.replace`` fsyncs the parent directory).
 """
 
@@ -31,9 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from labkit import env
-from labkit.data.shards import INDEX_NAME, ShardError, read_index, verify_shards
+from labkit.data.shards import INDEX_NAME, ShardError, load_index, verify_shards
 from labkit.env import SCRATCH_ENV
-from labkit.io import copy_and_hash, fsync_tree, replace
+from labkit.io import copy_and_hash, fsync_tree, replace, sha256_file
 
 __all__ = ["copy_workers", "resolve_local_root", "stage_shards"]
 
@@ -53,20 +57,31 @@ def resolve_local_root(local_root: str | None = None) -> Path:
 
 
 def _set_bytes(src: Path, index: dict) -> int:
-    return index["n_bytes"] + (src / INDEX_NAME).stat().st_size
+    held = sum(s["n_bytes"] for s in (index.get("heldout") or {}).get("shards", []))
+    return index["n_bytes"] + held + (src / INDEX_NAME).stat().st_size
 
 
-def _copy_is_good(dst: Path, index: dict, verify: bool) -> bool:
-    """True when ``dst`` holds the same index as the source and its shards check out."""
+def _files(index: dict) -> list[dict]:
+    """The index entries of every file a copy holds: the shards, then the held-out file."""
+    return index["shards"] + (index.get("heldout") or {}).get("shards", [])
+
+
+def _copy_is_good(dst: Path, sha256: str, verify: bool) -> bool:
+    """True when ``dst`` holds the source's index (the same bytes: ``sha256``) and its files check
+    out: every shard and the held-out file of the index's size, and with ``verify`` of its
+    sha256 (``verify_shards`` for the shards, ``labkit.io.sha256_file`` for the held-out file)."""
     try:
-        if read_index(dst) != index:
+        index, sha = load_index(dst)
+        if sha != sha256:
             return False
         if verify:
             verify_shards(dst)
-        else:
-            for s in index["shards"]:
-                if (dst / s["file"]).stat().st_size != s["n_bytes"]:
-                    return False
+        for s in _files(index):
+            path = dst / s["file"]
+            if path.stat().st_size != s["n_bytes"]:
+                return False
+            if verify and s not in index["shards"] and sha256_file(path) != s["sha256"]:
+                return False
     except (ShardError, OSError):
         return False
     return True
@@ -143,11 +158,14 @@ def _remove_stale_tmp(root: Path, name: str) -> None:
 
 def stage_shards(src_dir: str, *, local_root: str | None = None, node_name: str | None = None,
                  verify: bool = True) -> dict:
-    """Copy the complete shard set ``src_dir`` to ``<local_root>/<basename(src_dir)>-<sha8>``
-    (sha8 = first 8 hex digits of the tokenizer sha256 in its index) and return
+    """Copy the complete shard set ``src_dir`` to ``<local_root>/<basename(src_dir)>-<sha12>``
+    (sha12 = first 12 hex digits of the sha256 of its ``index.json``: ``labkit.data.shards.load_index``;
+    the index lists every file's sha256, so two sets share a copy only when their contents are
+    equal, and two sets in same-named folders -- a sequence-length sweep with one tokenizer --
+    never evict each other's) and return
     {"node": node_name or $LABKIT_NODE_NAME or hostname, "path": destination (str),
-    "copied": False when a good copy was already there, "bytes": size of the set (shards +
-    index.json), "seconds": wall time of this call, "mb_per_s": bytes / 1e6 / seconds (the copy
+    "copied": False when a good copy was already there, "bytes": size of the set (shards,
+    held-out file and index.json), "seconds": wall time of this call, "mb_per_s": bytes / 1e6 / seconds (the copy
     rate, or the verification rate when nothing was copied)}.
 
     ``local_root`` as in ``resolve_local_root``; ``node_name`` only labels the report (to
@@ -162,10 +180,10 @@ def stage_shards(src_dir: str, *, local_root: str | None = None, node_name: str 
     """
     t0 = time.perf_counter()
     src = Path(src_dir)
-    index = read_index(src)
+    index, index_sha = load_index(src)
     root = resolve_local_root(local_root)
     root.mkdir(parents=True, exist_ok=True)
-    name = f"{src.resolve().name}-{index['tokenizer_sha256'][:8]}"
+    name = f"{src.resolve().name}-{index_sha[:12]}"  # keyed by content: the index lists every file's sha256
     dst = root / name
     n_bytes = _set_bytes(src, index)
     node = node_name or env.node_name()
@@ -176,7 +194,7 @@ def stage_shards(src_dir: str, *, local_root: str | None = None, node_name: str 
                 "mb_per_s": n_bytes / 1e6 / seconds if seconds > 0 else float("inf")}
 
     _remove_stale_tmp(root, name)
-    if dst.exists() and _copy_is_good(dst, index, verify):
+    if dst.exists() and _copy_is_good(dst, index_sha, verify):
         return report(False)
 
     free = shutil.disk_usage(root).free
@@ -187,10 +205,10 @@ def stage_shards(src_dir: str, *, local_root: str | None = None, node_name: str 
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        _copy_shards(src, tmp, index["shards"] + index.get("heldout", {}).get("shards", []),  # held-out split too
+        _copy_shards(src, tmp, _files(index),  # the held-out file too: copied and checked as a shard
                      verify=verify, where=f"{src} into {root}", n_bytes=n_bytes, dst=dst)
         shutil.copyfile(src / INDEX_NAME, tmp / INDEX_NAME)
-        if read_index(tmp) != index:
+        if load_index(tmp)[1] != index_sha:
             raise ShardError(f"{src / INDEX_NAME}: changed while it was being staged")
         if dst.exists():  # a bad copy: move it aside only now that the new one verified
             old = root / f".old-{name}-{os.getpid()}"
@@ -203,7 +221,7 @@ def stage_shards(src_dir: str, *, local_root: str | None = None, node_name: str 
                 _make_durable(tmp, verify)
                 replace(tmp, dst)
             except OSError:  # another process on this node staged the same set meanwhile
-                if not _copy_is_good(dst, index, verify):
+                if not _copy_is_good(dst, index_sha, verify):
                     raise
                 shutil.rmtree(tmp, ignore_errors=True)
                 return report(False)

@@ -40,15 +40,17 @@ def study_table(*, seq_lens=(128, 256, 512, 1024, 2048), precisions=("bf16", "fp
 
 
 def parallel_plans(cfg: ModelConfig, *, n_gpus: int, seq_len: int, micro_batch: int, device: str = "H100 NVL",
-                   gpus_per_node: int = 2, pipeline_microbatches: int = 8, reserve_bytes: int = 2**30, **kw):
+                   gpus_per_node: int = 2, pipeline_microbatches: int = 8, reserve_bytes: int = 2**30,
+                   sequence_parallel: bool = False, **kw):
     """Memory per GPU for every split dp x tp x pp = n_gpus and ZeRO stage 0-3.
 
     polars DataFrame, one row per split, in the order a planner would try them (the least
     model parallelism first, then the lowest ZeRO stage): dp, tp, pp, zero_stage, the
     ``memory_plan`` terms in bytes, total, fits (total <= device memory - reserve),
     tp_within_node (tensor parallelism across nodes is slow), bubble ((p - 1)/(m + p - 1)),
-    micro_batch and pipeline_microbatches (m). ``plan_overrides`` turns a row into ``TrainConfig``
-    fields.
+    micro_batch and pipeline_microbatches (m), sequence_parallel (``sequence_parallel`` for rows
+    with tp > 1, whose activations it plans: ``labkit.study.plan.activation_terms``; False at
+    tp 1). ``plan_overrides`` turns a row into ``TrainConfig`` fields.
     tp must divide the heads and pp at most the layers; other splits are left out."""
     import polars as pl
 
@@ -61,10 +63,12 @@ def parallel_plans(cfg: ModelConfig, *, n_gpus: int, seq_len: int, micro_batch: 
                 if zero and dp == 1:
                     continue
                 plan = memory_plan(cfg, seq_len=seq_len, micro_batch=micro_batch, zero_stage=zero, dp=dp,
-                                   tp=tp, pp=pp, pipeline_microbatches=pipeline_microbatches, **kw)
+                                   tp=tp, pp=pp, pipeline_microbatches=pipeline_microbatches,
+                                   sequence_parallel=sequence_parallel, **kw)
                 rows.append({k: plan[k] for k in ("dp", "tp", "pp", "zero_stage", "params", "grads", "optimizer",
                                                   "autocast_copies", "activations", "logits", "head_backward",
-                                                  "total", "bubble", "micro_batch", "pipeline_microbatches")}
+                                                  "total", "bubble", "micro_batch", "pipeline_microbatches",
+                                                  "sequence_parallel")}
                             | {"fits": plan["total"] <= cap, "tp_within_node": tp <= gpus_per_node})
     return pl.DataFrame(rows).sort(pl.col("tp") * pl.col("pp"), "pp", "zero_stage")
 
@@ -79,10 +83,11 @@ def first_fit(plans) -> dict | None:
 
 
 def plan_overrides(row: dict, *, schedule: str = "1f1b") -> dict:
-    """``TrainConfig`` fields that run a ``parallel_plans`` row (``first_fit``'s, say): tp, pp, the
-    sharding of its ZeRO stage over dp and, with pp > 1, ``schedule`` over the row's pipeline
-    micro-batches (``grad_accum_steps``; the planner's activation memory assumes 1F1B) and the
-    row's micro-batch. ZeRO 0 -> ddp (dp only) or replicate; 1 -> zero1 (dp only); 2 -> fsdp
+    """``TrainConfig`` fields that run a ``parallel_plans`` row (``first_fit``'s, say): tp, pp,
+    sequence_parallel (the row's, so the run splits the activations the way the row planned
+    them; False for a row from before the column), the sharding of its ZeRO stage over dp and,
+    with pp > 1, ``schedule`` over the row's pipeline micro-batches (``grad_accum_steps``; the
+    planner's activation memory assumes 1F1B) and the row's micro-batch. ZeRO 0 -> ddp (dp only) or replicate; 1 -> zero1 (dp only); 2 -> fsdp
     without resharding after forward (ZeRO-2-style); 3 -> fsdp. ZeRO-1 with tp or pp > 1 has no
     labkit run (DDP does not compose with a split model): ValueError naming the row's split."""
     split = row["tp"] * row["pp"] > 1
@@ -91,7 +96,8 @@ def plan_overrides(row: dict, *, schedule: str = "1f1b") -> dict:
         raise ValueError(f"zero_stage: ZeRO-1 with tp {row['tp']} x pp {row['pp']} has no labkit run "
                          "(ZeroRedundancyOptimizer needs DDP); take the row's ZeRO-2 neighbour")
     sharding = {0: "replicate" if split else "ddp", 1: "zero1", 2: "fsdp", 3: "fsdp"}[zero]
-    out = {"tp": row["tp"], "pp": row["pp"], "sharding": sharding}
+    out = {"tp": row["tp"], "pp": row["pp"], "sharding": sharding,
+           "sequence_parallel": bool(row.get("sequence_parallel", False)) and row["tp"] > 1}
     if zero >= 2:
         out["fsdp_reshard_after_forward"] = zero == 3
     if row["pp"] > 1:
@@ -107,14 +113,17 @@ def planned_rank_memory(mcfg: ModelConfig, cfg, *, world: int, seq_len: int, dev
     AdamW moments: ``memory_plan``'s params + grads + optimizer), "activation_bytes" (its
     activations), "total_bytes", "bubble" (GPipe's / 1F1B's (p - 1)/(m + p - 1); interleaved with v
     stages per rank (p - 1)/(v·m + p - 1))}. fp32 on CPU, attention "eager" when attention dropout
-    is on (CPU's math path), else "flash"."""
+    is on (CPU's math path), else "flash"; the activations split as ``cfg.sequence_parallel`` says
+    (``labkit.study.plan.activation_terms``: without it the residual stream's are whole on every
+    tp rank)."""
     dp = world // (cfg.tp * cfg.pp)
     zero = 0 if dp == 1 or cfg.sharding in ("ddp", "replicate") else {"zero1": 1}.get(
         cfg.sharding, 3 if cfg.fsdp_reshard_after_forward else 2)
     attention = "eager" if mcfg.attention_dropout > 0 else "flash"
     p = memory_plan(mcfg, seq_len=seq_len, micro_batch=cfg.micro_batch_size, precision=cfg.precision,
                     attention=attention, zero_stage=zero, dp=dp, tp=cfg.tp, pp=cfg.pp,
-                    pipeline_microbatches=cfg.grad_accum_steps, device=device, pipeline_schedule=cfg.pp_schedule)
+                    pipeline_microbatches=cfg.grad_accum_steps, device=device, pipeline_schedule=cfg.pp_schedule,
+                    sequence_parallel=cfg.sequence_parallel)
     state = p["params"] + p["grads"] + p["optimizer"]
     v = cfg.pp_virtual_stages
     bubble = (cfg.pp - 1) / (v * cfg.grad_accum_steps + cfg.pp - 1)

@@ -110,7 +110,7 @@ def _check_options(precision: str, attention: str) -> None:
 
 def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precision: str = "bf16",
                      attention: str = "flash", device: str = "cuda", tp: int = 1,
-                     mlm_probability: float = 0.15) -> dict[str, int]:
+                     mlm_probability: float = 0.15, sequence_parallel: bool = False) -> dict[str, int]:
     """Bytes kept for backward by ``BertMLM(cfg)`` at one micro-batch, term by term: what
     ``labkit.study.memory.plan_model`` counts, equal to it for every option, both heads, on CPU
     and as CUDA keeps it (``labkit.study.cuda_like.CudaLike``) (tests/study/test_plan.py).
@@ -167,9 +167,9 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
       and its statistics.
     - ``logits`` (held by the returned output, not saved): d·nV.
 
-    ``tp`` > 1 divides the width terms by t (tensor + sequence parallel, arXiv:2205.05198 section
-    4.2.2), not the index and statistics terms. Raises ValueError for unknown precision/attention
-    or non-positive sizes.
+    ``tp`` > 1 divides the width terms by t, not indices and statistics, and the residual stream's
+    (``_layer_bytes``; checkpointed layer inputs) only with ``sequence_parallel`` (arXiv:2205.05198
+    4.2.2; 4.2.1 without). Raises ValueError for unknown precision/attention or non-positive sizes.
     """
     _check_options(precision, attention)
     if device not in ("cuda", "cpu"):
@@ -186,11 +186,11 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
            "m": (1 if device == "cuda" else d) if cfg.hidden_dropout > 0 else 0}
     per_layer = [_layer_bytes(cfg, layer_attention(cfg, i), rows=q if sparse and i == L - 1 else s * b, **env)
                  for i in range(L)]
+    width, score, stats, whole = (sum(col) for col in zip(*per_layer))  # whole: the residual stream's part
     if cfg.activation_checkpointing:
-        layers, scores = L * g * s * b * h // tp + index, 0
+        layers, scores = L * g * s * b * h // (tp if sequence_parallel else 1) + index, 0
     else:
-        layers = sum(x[0] for x in per_layer) // tp + sum(x[2] for x in per_layer) + index
-        scores = sum(x[1] for x in per_layer) // tp
+        layers, scores = (width - whole) // tp + whole // (tp if sequence_parallel else 1) + stats + index, score // tp
     n = q if sparse else s * b
     rms = cfg.norm_type == "rmsnorm"  # torch's RMSNorm keeps a normalised copy of its input
     stat = 4 if rms else 8  # per norm row: RMSNorm's rstd, LayerNorm's mean and rstd (fp32)
@@ -211,10 +211,11 @@ def activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, *, precis
 
 
 def _layer_bytes(cfg: ModelConfig, kind: str, *, rows: int, s: int, b: int, d: int, g: int, m: int,
-                 device: str, eager: bool) -> tuple[int, int, int]:
-    """(bytes that scale with the width, attention-score bytes, statistics bytes) one layer of
-    attention ``kind`` keeps, its queries at ``rows`` positions (s·b, or q for the sparse last
-    layer, whose keys and values still come from all s·b). Terms in ``activation_terms``'
+                 device: str, eager: bool) -> tuple[int, int, int, int]:
+    """(bytes that scale with the width, attention-score bytes, statistics bytes, the part of the
+    width bytes on the residual stream) one layer of attention ``kind`` keeps, its queries at
+    ``rows`` positions (s·b, or q for the sparse last layer, whose keys and values still come
+    from all s·b). Terms in ``activation_terms``'
     docstring; the options' own, counted on CPU and under ``labkit.study.cuda_like.CudaLike``:
 
     - rotary: the rotated Q and K, 2·d·sbh (SDPA's math path copies Q and K itself: 0 there, and
@@ -231,6 +232,13 @@ def _layer_bytes(cfg: ModelConfig, kind: str, *, rows: int, s: int, b: int, d: i
     - ``attention_backend`` "eager" (the model's own softmax, the study's): the math path's terms,
       except that on CUDA in 16 bits autocast runs the softmax in fp32, so each score keeps fp32
       probabilities, their 16-bit copy for the product with V (and the dropout mask), 4 + d (+ 1).
+
+    The residual stream's part is what tensor parallelism without sequence parallelism keeps
+    whole on every tp rank (arXiv:2205.05198 section 4.2.1): the QKV projection's input, the FFN
+    input, the norms' inputs (and RMSNorm's copies), the dropout masks after the two row-parallel
+    products, and in the sparse last layer its input; the rest runs between a column- and a
+    row-parallel product (fused Q/K/V, scores, attention output, the FFN's inner tensors) and is
+    split.
     """
     h, f, a, hq = cfg.hidden_size, cfg.ffn_size, cfg.num_heads, cfg.head_dim
     sb, sbh = s * b, s * b * h
@@ -242,23 +250,27 @@ def _layer_bytes(cfg: ModelConfig, kind: str, *, rows: int, s: int, b: int, d: i
     eager = eager and kind != "linear"
     # the input, the QKV projection's input and the fused Q/K/V (one storage)
     width = (g + (d if pre else cast) + 3 * d) * sbh if last else 4 * d * sbh
+    whole = (g + (d if pre else cast)) * sbh if last else d * sbh  # all but the fused Q/K/V
     # at the query rows: output-projection and FFN inputs, GELU (or gated) tensors, the FFN output's
     # dropout mask and (``attention_output_dropout``) the attention output's
     masks = (1 + cfg.attention_output_dropout) * m
     width += 2 * d * rows * h + 2 * d * rows * f * (2 if cfg.activation != "gelu" else 1) + masks * rows * h
+    whole += d * rows * h + masks * rows * h  # the FFN input and the masks (not the output projection's input)
     if not last:  # both norms' inputs (and RMSNorm's copies) at every position
-        width += 2 * g * sbh * (1 + rms)
+        norms = 2 * g * sbh * (1 + rms)
         stats = 2 * stat * sb
     elif pre:  # the attention norm's input is the layer input (counted above); its copy at every position
-        width += g * rows * h * (1 + rms) + g * sbh * rms
+        norms = g * rows * h * (1 + rms) + g * sbh * rms
         stats = stat * (sb + rows)
     else:
-        width += 2 * g * rows * h * (1 + rms)
+        norms = 2 * g * rows * h * (1 + rms)
         stats = 2 * stat * rows
+    width += norms
+    whole += norms
     rotary = cfg.position_embedding == "rotary"
     if kind == "linear":
         width += 2 * d * sbh + 3 * d * rows * h + d * b * h * hq + d * a * rows + d * b * a * hq
-        return width, 0, stats
+        return width, 0, stats, whole
     if last:  # the gathered Q and the SDPA output (fused); a Q copy and K, V of every position (math path)
         width += (d * rows * h + 2 * d * sbh - d * s * h * math_b1) if eager else 2 * d * rows * h
     else:
@@ -276,12 +288,12 @@ def _layer_bytes(cfg: ModelConfig, kind: str, *, rows: int, s: int, b: int, d: i
             # the model's own softmax under CUDA's autocast: fp32 probabilities (4), their 16-bit
             # copy for the product with V (d), and the dropout mask between (1)
             per_score = 4 + d + (cfg.attention_dropout > 0)
-        return width, a * rows * keys * per_score, stats
+        return width, a * rows * keys * per_score, stats, whole
     # fused kernels keep an fp32 log-sum-exp per query row; CUDA's memory-efficient kernel (the one
     # fp32 gets) rounds each sequence's rows up to a multiple of 32 (cuda_like.cuda_attention_kernel)
     per_seq = rows // b
     lse_rows = 32 * math.ceil(per_seq / 32) if device == "cuda" and d == 4 else per_seq
-    return width, 4 * a * b * lse_rows, stats
+    return width, 4 * a * b * lse_rows, stats, whole
 
 
 def saved_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, **kw) -> int:
@@ -342,7 +354,8 @@ def _params_per_gpu(cfg: ModelConfig, tp: int, pp: int) -> float:
 def memory_plan(cfg: ModelConfig, *, seq_len: int, micro_batch: int, precision: str = "bf16",
                 attention: str = "flash", zero_stage: int = 0, dp: int = 1, tp: int = 1, pp: int = 1,
                 pipeline_microbatches: int = 1, device: str = "cuda", mlm_probability: float = 0.15,
-                layout: tuple[float, float, float] = (4, 4, 8), pipeline_schedule: str = "1f1b") -> dict[str, Any]:
+                layout: tuple[float, float, float] = (4, 4, 8), pipeline_schedule: str = "1f1b",
+                sequence_parallel: bool = False) -> dict[str, Any]:
     """Planned peak memory of one GPU, in bytes, term by term.
 
     params / grads / optimizer: ``zero_state_bytes`` of this GPU's parameters
@@ -360,13 +373,16 @@ def memory_plan(cfg: ModelConfig, *, seq_len: int, micro_batch: int, precision: 
     backward). head_backward: two fp32 [n, V] gradient buffers alive when backward starts. Grads are
     counted as allocated throughout (an upper estimate when they are set to None between steps).
     ``bubble``: GPipe's idle fraction (p - 1) / (m + p - 1) (Huang et al. arXiv:1811.06965).
-    Returns the terms, "total", and the inputs.
+    ``sequence_parallel`` (with tp > 1; ``TrainConfig.sequence_parallel``, off by default as
+    there): whether the residual stream's activations are split over tp too
+    (``activation_terms``). Returns the terms, "total", and the inputs.
     """
     if pipeline_microbatches < 1 or pp < 1:
         raise ValueError(f"pipeline_microbatches/pp: must be >= 1, got {pipeline_microbatches}/{pp}")
     state = zero_state_bytes(_params_per_gpu(cfg, tp, pp), zero_stage=zero_stage, dp=dp, layout=layout)
     t = activation_terms(cfg, seq_len, micro_batch, precision=precision, attention=attention,
-                         device=device, tp=tp, mlm_probability=mlm_probability)
+                         device=device, tp=tp, mlm_probability=mlm_probability,
+                         sequence_parallel=sequence_parallel)
     if pipeline_schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
         raise ValueError(f"pipeline_schedule: got {pipeline_schedule!r}; allowed values are 'gpipe', '1f1b', "
                          "'interleaved_1f1b'")
@@ -375,7 +391,7 @@ def memory_plan(cfg: ModelConfig, *, seq_len: int, micro_batch: int, precision: 
     if cfg.activation_checkpointing:  # backward recomputes one layer at a time: its activations come back
         full = activation_terms(dataclasses.replace(cfg, activation_checkpointing=False), seq_len, micro_batch,
                                 precision=precision, attention=attention, device=device, tp=tp,
-                                mlm_probability=mlm_probability)
+                                mlm_probability=mlm_probability, sequence_parallel=sequence_parallel)
         recompute = (full["layers"] + full["attention_scores"]) / L
     if pp == 1:
         acts = t["layers"] + t["attention_scores"] + recompute + t["embedding"] + t["head"]
@@ -383,7 +399,7 @@ def memory_plan(cfg: ModelConfig, *, seq_len: int, micro_batch: int, precision: 
     else:
         dense = activation_terms(dataclasses.replace(cfg, sparse_head=False), seq_len, micro_batch,
                                  precision=precision, attention=attention, device=device, tp=tp,
-                                 mlm_probability=mlm_probability)
+                                 mlm_probability=mlm_probability, sequence_parallel=sequence_parallel)
         per_layer = (dense["layers"] + dense["attention_scores"]) / L  # a full (not sparse) layer
         n_first, n_last = math.ceil(L / pp), L // pp
         last_layers = t["layers"] + t["attention_scores"] - per_layer * (L - n_last)
@@ -399,7 +415,8 @@ def memory_plan(cfg: ModelConfig, *, seq_len: int, micro_batch: int, precision: 
     out = {k: int(v) for k, v in out.items()}
     out["total"] = sum(out.values())
     out.update(seq_len=seq_len, micro_batch=micro_batch, precision=precision, attention=attention,
-               zero_stage=zero_stage, dp=dp, tp=tp, pp=pp, pipeline_microbatches=pipeline_microbatches,
+               zero_stage=zero_stage, dp=dp, tp=tp, pp=pp, sequence_parallel=sequence_parallel and tp > 1,
+               pipeline_microbatches=pipeline_microbatches,
                bubble=pipeline_bubble(pp, pipeline_microbatches),
                sparse_head=cfg.sparse_head, checkpointing=cfg.activation_checkpointing)
     return out

@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from labkit.data.shards import ShardSet
 from labkit.train import dist
 
 __all__ = ["evaluate", "HeldoutSet"]
@@ -34,19 +35,21 @@ class HeldoutSet:
     [b, T], labels int64 [b, T] (-100 = not masked), attention_mask bool [b, T], on ``device``;
     every rank runs ``n_batches`` forwards (the same number on all ranks; ``filler`` is the batch
     a rank runs and discards once its own are done). ``n_sequences``: sequences of the whole set
-    (all ranks). Raises ``labkit.data.heldout.HeldoutError`` when the shard set has
-    no held-out split."""
+    (all ranks). ``data``: the shard set's directory, or the ``labkit.data.shards.ShardSet`` the
+    run opened (``open_shards``; nothing is read again but the held-out rows). Raises
+    ``labkit.data.heldout.HeldoutError`` when the shard set has no held-out split, ``ShardError``
+    when its file changed since the set was opened."""
 
-    def __init__(self, data_dir: str | os.PathLike, *, rank: int, world_size: int, vocab_size: int,
+    def __init__(self, data: str | os.PathLike | ShardSet, *, rank: int, world_size: int, vocab_size: int,
                  mlm_probability: float, max_sequences: int, batch_size: int,
                  device: torch.device, seed: int = 0) -> None:
         from labkit.data.heldout import read_heldout
         from labkit.data.mlm import MLMCollator, index_special_ids
-        from labkit.data.shards import read_index
 
-        rows = read_heldout(data_dir, max_sequences)
+        shards = data if isinstance(data, ShardSet) else ShardSet(data)  # opened by the run: index read once
+        rows = read_heldout(shards, max_sequences)
         collate = MLMCollator(vocab_size=vocab_size, mlm_probability=mlm_probability, seed=seed,
-                              special_ids=index_special_ids(read_index(data_dir)))
+                              special_ids=index_special_ids(shards.index))
         self.n_sequences = len(rows)
         mine = [collate(rows[i:i + 1]) for i in range(rank, len(rows), world_size)]
         per_rank = math.ceil(len(rows) / world_size)

@@ -338,3 +338,62 @@ def test_iter_draws_torch_rng_when_called_like_a_plain_dataloader(tmp_path):
     torch.manual_seed(123)
     assert not torch.equal(after_ours, torch.rand(3))  # iter() did draw
     assert len(list(it)) == 10
+
+
+@pytest.mark.timeout(120)
+def test_a_shard_truncated_under_loader_workers_raises_shard_error(tmp_path):
+    """num_workers=2: a ``cp``-style truncation of a shard while the workers run reaches the
+    trainer as ShardError naming the file and both sizes (the DataLoader re-raises the worker's
+    exception), not as a worker killed by SIGBUS."""
+    rows = packed_rows(40, 16, seed=8)
+    write_tiny_shards(tmp_path, rows, V, per_shard=20)
+    loader = make_loader(tmp_path, batch_size=4, rank=0, world_size=1, seed=0, mlm_probability=0.15,
+                         vocab_size=V, num_workers=2)
+    batches = iter(loader)
+    first = next(batches)
+    assert first["input_ids"].shape == (4, 16)
+    victim = tmp_path / "shard-00000.bin"
+    with open(victim, "r+b") as f:  # cp of a shorter file onto the path: same inode, truncated
+        f.truncate(0)
+        f.write(rows[:3].tobytes())
+    with pytest.raises(ShardError) as err:
+        for _ in range(3 * len(loader)):  # past the prefetched batches, into the next epochs
+            for _ in batches:
+                pass
+            batches = iter(loader)
+    assert f"{victim}: changed since the shard set was opened: size 640 -> 96 bytes" in str(err.value)
+    assert "DataLoader worker process" in str(err.value)  # raised in a worker, re-raised here
+
+
+def test_loader_and_heldout_from_one_shard_set_read_the_index_once(tmp_path, monkeypatch):
+    """A run opens its data once: ``open_shards`` reads index.json; the loader (its check,
+    dataset and sampler) and the held-out set built from that ShardSet read it no more."""
+    import io
+
+    from labkit.data.shards import open_shards
+    from labkit.train.evaluation import HeldoutSet
+    from tiny_shards import write_tiny_shards as tiny_set  # tests/ is on sys.path
+
+    tiny_set(tmp_path, n_sequences=32, heldout_sequences=6)
+    opened, real = [], io.open
+
+    def counting_open(file, *a, **kw):
+        if str(file).endswith("index.json"):
+            opened.append(str(file))
+        return real(file, *a, **kw)
+
+    monkeypatch.setattr(io, "open", counting_open)
+    monkeypatch.setattr("builtins.open", counting_open)
+    shards = open_shards(tmp_path, seq_len=32, tokenizer_sha256="ab" * 32)
+    loader = make_loader(shards, batch_size=4, rank=0, world_size=1, seed=0, mlm_probability=0.15,
+                         vocab_size=96, seq_len=32, tokenizer_sha256="ab" * 32)
+    heldout = HeldoutSet(shards, rank=0, world_size=1, vocab_size=96, mlm_probability=0.15, max_sequences=4,
+                         batch_size=2, device=torch.device("cpu"))
+    n_batches = sum(1 for _ in loader)
+    assert opened == [str(tmp_path / "index.json")]
+    assert loader.dataset._reader is shards and n_batches == 8 and heldout.n_sequences == 4
+    assert len(RankSampler(shards, rank=0, world_size=2, batch_size=4)) == 4
+    path_heldout = HeldoutSet(tmp_path, rank=0, world_size=1, vocab_size=96, mlm_probability=0.15,
+                              max_sequences=4, batch_size=2, device=torch.device("cpu"))
+    for a, b in zip(heldout.batches, path_heldout.batches):  # the same set as from a path
+        assert all(torch.equal(a[k], b[k]) for k in a)

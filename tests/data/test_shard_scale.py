@@ -52,7 +52,7 @@ def test_5000_shards_read_with_256_open_files(tmp_path):
         order = np.random.default_rng(0).permutation(len(reader))
         got = reader.rows(order)[:, 1]  # every shard touched, in random order
         assert len(reader) == 10_000 and got.tolist() == (order % 60000 + 5).tolist()
-        assert len(reader._maps) == 64 and len(os.listdir("/proc/self/fd")) < 256
+        assert len(reader._fds) == 64 and len(os.listdir("/proc/self/fd")) < 256
         ds = ShardDataset(str(data), max_open=16)
         assert ds.__getitems__([9999, 0, 4321])[:, 1].tolist() == [10004, 5, 4326]
         assert verify_shards(data)["n_sequences"] == 10_000

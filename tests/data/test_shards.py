@@ -127,7 +127,9 @@ def test_sequence_reader(inputs, tmp_path):
     with pytest.raises(IndexError):
         r[len(ref)]
     blob = pickle.dumps(r)
-    assert len(blob) < len(pickle.dumps(r.index)) + 500 < len(pickle.dumps(r.index)) + ref.nbytes  # no data
+    # no data: the index, and each file's identity (size, inode, device, mtime: 32 bytes)
+    n_files = len(r.index["shards"]) + 1
+    assert len(blob) < len(pickle.dumps(r.index)) + 500 + 32 * n_files < len(pickle.dumps(r.index)) + ref.nbytes
     copy = pickle.loads(blob)
     np.testing.assert_array_equal(np.stack([copy[np.int64(i)] for i in range(len(copy))]), ref)
 
@@ -344,3 +346,90 @@ def test_a_different_tokenizer_is_refused(inputs, tmp_path):
     parts = [encode_part(docs_path, tok_path, str(tmp_path / "p"), 0, 0, 150)]
     with pytest.raises(ShardError, match="part-00000.ids: encoded with tokenizer"):
         finish_shards(docs_path, other, str(tmp_path / "x"), ShardConfig(seq_len=16), parts, progress=False)
+
+
+# -- data that changes underneath an opened set ---------------------------------------------
+
+
+def _rows_set(tmp_path, n=30, per_shard=10, seq_len=16):
+    from labkit.data.shards import write_rows
+
+    rows = np.arange(n * seq_len, dtype=np.int64).reshape(n, seq_len) % 90 + 5
+    write_rows(tmp_path, rows, vocab_size=96, tokenizer_sha256="ab" * 32, rows_per_shard=per_shard)
+    return rows.astype(np.uint16)
+
+
+def test_a_shard_truncated_under_an_open_reader_names_the_file_and_sizes(tmp_path):
+    """A ``cp`` of a shorter file onto a shard truncates the same inode: an already-open reader
+    (descriptor open, the shard read before) raises ShardError naming the file and both sizes,
+    where a memory map would have died of SIGBUS or failed with a bare ValueError."""
+    from labkit.data.shards import open_shards
+
+    rows = _rows_set(tmp_path)
+    s = open_shards(tmp_path)
+    np.testing.assert_array_equal(s.rows([12, 3, 25]), rows[[12, 3, 25]])  # every shard open
+    victim = tmp_path / "shard-00001.bin"
+    short = victim.read_bytes()[:5 * 16 * 2]
+    with open(victim, "r+b") as f:  # what cp does to an existing destination: O_TRUNC, then write
+        f.truncate(0)
+        f.write(short)
+    np.testing.assert_array_equal(s.rows([0, 29]), rows[[0, 29]])  # untouched shards still read
+    with pytest.raises(ShardError, match=r"shard-00001\.bin: changed since the shard set was opened: "
+                                         r"size 320 -> 160 bytes"):
+        s.rows([11])  # a row that still exists in the shorter file
+    with pytest.raises(ShardError, match="size 320 -> 160"):
+        s[19]  # a row past the new end: no SIGBUS, no short array
+
+
+def test_a_replaced_or_rewritten_shard_is_refused_when_read(tmp_path):
+    """A rename onto the path (a new inode) is seen when a descriptor opens (here: the first
+    read; in a worker: its first read); a same-size rewrite in place changes the mtime."""
+    import time
+
+    from labkit.data.shards import open_shards
+    from labkit.io import replace
+
+    rows = _rows_set(tmp_path)
+    s = open_shards(tmp_path)
+    new = tmp_path / "new.bin"
+    new.write_bytes((tmp_path / "shard-00002.bin").read_bytes())  # same bytes, another file
+    replace(new, tmp_path / "shard-00002.bin")  # a rename onto the path: a new inode
+    with pytest.raises(ShardError, match=r"shard-00002\.bin: changed since the shard set was opened: "
+                                         r"replaced \(inode \d+ -> \d+\)"):
+        s.rows([21])
+    t = open_shards(tmp_path)
+    np.testing.assert_array_equal(t.rows([5]), rows[[5]])
+    time.sleep(0.01)
+    with open(tmp_path / "shard-00000.bin", "r+b") as f:
+        f.write(b"\x05\x00")  # same size, one id rewritten
+    with pytest.raises(ShardError, match=r"shard-00000\.bin: .*modified \(mtime"):
+        t.rows([5])
+    (tmp_path / "shard-00001.bin").unlink()
+    u = pickle.loads(pickle.dumps(t))  # as a DataLoader worker gets it: reopens by path
+    with pytest.raises(ShardError, match=r"shard-00001\.bin: removed since the shard set was opened"):
+        u.rows([15])
+
+
+def test_open_shards_reads_the_index_once_and_hashes_it(tmp_path, monkeypatch):
+    import hashlib
+    import io
+
+    from labkit.data.shards import load_index, open_shards
+
+    _rows_set(tmp_path)
+    opened = []
+    real = io.open
+
+    def counting_open(file, *a, **kw):
+        if str(file).endswith("index.json"):
+            opened.append(str(file))
+        return real(file, *a, **kw)
+
+    monkeypatch.setattr(io, "open", counting_open)
+    monkeypatch.setattr("builtins.open", counting_open)
+    s = open_shards(tmp_path, seq_len=16, verify=True)
+    assert len(opened) == 1
+    assert s.sha256 == hashlib.sha256((tmp_path / "index.json").read_bytes()).hexdigest() == load_index(tmp_path)[1]
+    assert s.verified and check_shards(s, verify=True) is s.index and len(opened) == 3  # the two reads just above
+    with pytest.raises(ShardError, match="seq_len: run expects 8, shards have 16"):
+        open_shards(tmp_path, seq_len=8)

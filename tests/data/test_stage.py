@@ -34,7 +34,10 @@ def src(tmp_path_factory) -> Path:
 
 
 def expected_dst(src: Path, root: Path) -> Path:
-    return root / f"shards-{read_index(src)['tokenizer_sha256'][:8]}"
+    """Keyed by content: the folder's name and the first 12 hex digits of its index.json's sha256."""
+    import hashlib
+
+    return root / f"shards-{hashlib.sha256((src / 'index.json').read_bytes()).hexdigest()[:12]}"
 
 
 def same_files(a: Path, b: Path) -> bool:
@@ -238,3 +241,57 @@ def test_two_simulated_nodes_on_a_real_cluster(src, tmp_path):
         assert rc[ids].apply_sync(_stage_twice_info)[0][1] is None
     finally:
         C.stop_cluster(cl)
+
+
+def test_same_named_sets_of_one_tokenizer_never_share_a_copy(src, tmp_path):
+    """A sequence-length sweep: two sets in folders both named ``shards``, built with one
+    tokenizer, get distinct copies, and staging one never evicts the other."""
+    docs, tok = src.parent / "docs.parquet", src.parent / "tokenizer.json"
+    sets = {}
+    for seq_len in (16, 32):
+        out = tmp_path / f"sweep-{seq_len}" / "shards"
+        write_shards(str(docs), str(tok), str(out), ShardConfig(seq_len=seq_len, sequences_per_shard=20),
+                     progress=False)
+        sets[seq_len] = out
+    assert read_index(sets[16])["tokenizer_sha256"] == read_index(sets[32])["tokenizer_sha256"]
+    root = tmp_path / "local"
+    first = {n: stage_shards(str(d), local_root=str(root)) for n, d in sets.items()}
+    assert first[16]["path"] != first[32]["path"] and all(r["copied"] for r in first.values())
+    again = {n: stage_shards(str(d), local_root=str(root)) for n, d in sets.items()}
+    assert all(not r["copied"] for r in again.values())
+    for n, d in sets.items():
+        assert again[n]["path"] == str(expected_dst(d, root)) and same_files(d, Path(again[n]["path"]))
+        assert read_index(again[n]["path"])["seq_len"] == n
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_damaged_heldout_copy_is_found_and_replaced(tmp_path, verify):
+    """The held-out file is checked like the shards when a copy is reused: re-hashed with
+    ``verify`` (a flipped byte is found), its size checked without (a torn file is found)."""
+    from tests.tiny_shards import write_tiny_shards
+
+    src = write_tiny_shards(tmp_path / "shards", heldout_sequences=8)
+    root = tmp_path / "local"
+    staged = Path(stage_shards(str(src), local_root=str(root), verify=verify)["path"])
+    held = staged / "heldout-00000.bin"
+    data = held.read_bytes()
+    held.write_bytes((bytes([data[0] ^ 1]) + data[1:]) if verify else data[:-2])
+    again = stage_shards(str(src), local_root=str(root), verify=verify)
+    assert again["copied"] is True and again["path"] == str(staged)
+    assert held.read_bytes() == (src / "heldout-00000.bin").read_bytes() and same_files(src, staged)
+    assert stage_shards(str(src), local_root=str(root), verify=verify)["copied"] is False
+
+
+def test_an_unverified_copy_fsyncs_the_heldout_file(tmp_path, monkeypatch):
+    """Durability as the shards': without ``verify`` every file of the copy, the held-out file
+    among them, is fsynced before the rename publishes it."""
+    from tests.tiny_shards import write_tiny_shards
+
+    from labkit import io
+
+    src = write_tiny_shards(tmp_path / "shards", heldout_sequences=8)
+    synced = []
+    real = io._fsync_file
+    monkeypatch.setattr(io, "_fsync_file", lambda p: (synced.append(Path(p).name), real(p)))
+    stage_shards(str(src), local_root=str(tmp_path / "local"), verify=False)
+    assert {"heldout-00000.bin", "shard-00000.bin", "shard-00001.bin", "index.json"} <= set(synced)

@@ -60,7 +60,22 @@ def test_planner_terms_against_hand_computed_values():
     ckpt = plan.activation_terms(model_config("tiny", 1024, activation_checkpointing=True), 32, 2)
     assert ckpt["layers"] == 2 * 4 * sbh + 8 * 64 and ckpt["attention_scores"] == 0
     # tensor + sequence parallel divides the layer terms (not the statistics and indices)
-    assert plan.activation_terms(dense, 32, 2, tp=2)["layers"] == 2 * (22 * 4096 + 65536) // 2 + 2 * 1024
+    tp_sp = plan.activation_terms(dense, 32, 2, tp=2, sequence_parallel=True)
+    assert tp_sp["layers"] == 2 * (22 * 4096 + 65536) // 2 + 2 * 1024
+    # tensor parallelism alone leaves the residual stream whole: QKV and FFN inputs 2 d, norm inputs
+    # 2 g, masks 2 m = 14 sbh per layer; the fused QKV, output-projection input and GELU are split
+    tp = plan.activation_terms(dense, 32, 2, tp=2)
+    assert tp["layers"] == 2 * 14 * 4096 + 2 * (8 * 4096 + 65536) // 2 + 2 * 1024
+    assert plan.activation_terms(dense, 32, 2, tp=2, sequence_parallel=False) == tp  # the default, as TrainConfig's
+    # Korthikanti et al. (arXiv:2205.05198 eq. 3, tensor parallel alone): sbh (10 + 24/t) + 5 a s^2 b / t,
+    # with this model's fp32 norm inputs (+4 sbh, whole) and norm stats
+    eager_tp = plan.activation_terms(dense, 32, 2, precision="bf16", attention="eager", device="cuda", tp=2)
+    assert eager_tp["layers"] + eager_tp["attention_scores"] == 2 * ((10 + 4 + 24 // 2) * sbh
+                                                                     + 5 * 2 * 32 * 32 * 2 // 2 + 16 * 64)
+    ckpt_tp = dict(tp=2, precision="bf16", device="cuda")  # recompute keeps each layer's input: split only with sp
+    ckpt_dense = model_config("tiny", 1024, activation_checkpointing=True, sparse_head=False)
+    assert plan.activation_terms(ckpt_dense, 32, 2, **ckpt_tp)["layers"] == 2 * 4 * sbh
+    assert plan.activation_terms(ckpt_dense, 32, 2, sequence_parallel=True, **ckpt_tp)["layers"] == 4 * sbh
     with pytest.raises(ValueError, match="precision"):
         plan.activation_terms(cfg, 32, 2, precision="int8")
 
