@@ -53,7 +53,7 @@ import torch
 from labkit import measure
 from labkit.config import TrainConfig, to_dict
 from labkit.data.mlm import make_loader
-from labkit.data.shards import packing_of, read_index
+from labkit.data.shards import ShardSet, open_shards, packing_of
 from labkit.io import atomic_write_json, atomic_write_text
 from labkit.model import BertMLM, count_parameters, flops_per_token
 from labkit.train import dist, parallel, provenance, resume, rng, sinks
@@ -107,14 +107,16 @@ def _find_sampler(loader: torch.utils.data.DataLoader) -> Any:
 
 
 
-def _heldout_set(cfg: TrainConfig, rank: int, world: int, vocab_size: int, device: torch.device) -> Any:
-    """The fixed masked held-out set (``labkit.train.evaluation.HeldoutSet``) of this rank, or None
-    when eval_every is 0 and the shards have no held-out split (then no evaluation runs)."""
+def _heldout_set(cfg: TrainConfig, data: ShardSet, rank: int, world: int, vocab_size: int,
+                 device: torch.device) -> Any:
+    """The fixed masked held-out set (``labkit.train.evaluation.HeldoutSet``) of this rank from the
+    run's opened shard set ``data``, or None when eval_every is 0 and the shards have no held-out
+    split (then no evaluation runs)."""
     from labkit.train.evaluation import HeldoutSet
 
-    if cfg.eval_every == 0 and not read_index(cfg.data_dir).get("heldout"):
+    if cfg.eval_every == 0 and not data.index.get("heldout"):
         return None
-    return HeldoutSet(cfg.data_dir, rank=rank, world_size=world, vocab_size=vocab_size,
+    return HeldoutSet(data, rank=rank, world_size=world, vocab_size=vocab_size,
                       mlm_probability=cfg.mlm_probability, max_sequences=cfg.eval_sequences,
                       batch_size=cfg.eval_batch_size or cfg.micro_batch_size, device=device)
 
@@ -253,8 +255,9 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     run_dir = pathlib.Path(cfg.run_dir)
     plan = agree_on_plan(plan, run_dir)  # collective: rank 0's choice, readable by every rank, or one refusal
     given, cfg = cfg, _keep_global_batch(cfg, plan.get("global_batch_size"), world // (cfg.tp * cfg.pp))
-    index = read_index(cfg.data_dir)
-    seq_len = int(index["seq_len"])
+    data = open_shards(cfg.data_dir, seq_len=cfg.seq_len, tokenizer_sha256=_tokenizer_sha256(cfg.tokenizer_path),
+                       verify=cfg.verify_data)  # the run's one opening: index read once, file identities recorded
+    index, seq_len = data.index, int(data.index["seq_len"])
     mcfg, model, split = _build_model(cfg, index, rank, world, device)
     params = count_parameters(model)
     fpt = flops_per_token(mcfg, seq_len, mlm_probability=cfg.mlm_probability)
@@ -267,13 +270,11 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     model, optimizer, scaler, sharding, state = resume.load_and_wrap(cfg, model, device, split, ckpt, world)
     runtime = Runtime(cfg, model, scaler, device, world=world, rank=rank)  # the step on the (pp, dp, tp) mesh
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * runtime.dp  # data follows the dp rank
-    loader = make_loader(cfg.data_dir, batch_size=cfg.micro_batch_size, rank=runtime.dp_rank, world_size=runtime.dp,
+    loader = make_loader(data, batch_size=cfg.micro_batch_size, rank=runtime.dp_rank, world_size=runtime.dp,
                          seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=mcfg.vocab_size,
-                         num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
-                         seq_len=cfg.seq_len, tokenizer_sha256=_tokenizer_sha256(cfg.tokenizer_path),
-                         verify=cfg.verify_data)  # refuses mismatched shards before any step
+                         num_workers=cfg.num_workers, pin_memory=device.type == "cuda")
     sampler = _find_sampler(loader)
-    heldout = _heldout_set(cfg, runtime.dp_rank, runtime.dp, mcfg.vocab_size, device)  # fixed masked held-out set
+    heldout = _heldout_set(cfg, data, runtime.dp_rank, runtime.dp, mcfg.vocab_size, device)  # fixed masked held-out set
     # position: batches of this epoch consumed
     step, epoch, position, tokens_seen = resume.restore(state, model, optimizer, scaler, sampler, rank=rank, world=world,
                                                   sharding=sharding, where=f"step-{resume_step} in {run_dir}")
@@ -296,16 +297,8 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         timer.start()
         windows.start()
         # 1. fetch this rank's micro-batches, timing the wait (a new epoch reshuffles)
-        micro_batches, wait = [], 0.0
-        for _ in range(cfg.grad_accum_steps):
-            t0 = time.perf_counter()
-            batch = next(batches_iter, None)
-            if batch is None:  # epoch over: reshuffle and start again
-                epoch, position, batches_iter = epoch + 1, 0, _next_epoch(loader, sampler, epoch + 1, cfg, runtime.dp)
-                batch = next(batches_iter)
-            position += 1
-            micro_batches.append(to_device(batch, device))
-            wait += time.perf_counter() - t0
+        micro_batches, wait, epoch, position, batches_iter = _fetch(batches_iter, loader, sampler, epoch, position,
+                                                                    cfg, runtime.dp, device)
         # 2. set the learning rate (the schedule is a pure function of the step), count masked
         #    tokens globally, then forward/backward every micro-batch
         lr = lr_at(step, cfg)
@@ -354,6 +347,25 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     if dist.is_main():  # result.json covers the whole run: every segment (run_config.with_segments)
         atomic_write_json(run_dir / "result.json", result := with_segments(run_dir, result, cfg.timing_warmup_steps))
     return result
+
+
+def _fetch(batches_iter: Any, loader: Any, sampler: Any, epoch: int, position: int, cfg: TrainConfig, dp: int,
+           device: torch.device) -> tuple[list[dict[str, Any]], float, int, int, Any]:
+    """This rank's ``cfg.grad_accum_steps`` micro-batches of the step, on ``device`` (``to_device``),
+    and the seconds spent waiting for them; at the end of an epoch the sampler reshuffles and the
+    next one starts (``_next_epoch``). Returns (micro_batches, wait_s, epoch, position in the epoch,
+    the batch iterator)."""
+    micro_batches, wait = [], 0.0
+    for _ in range(cfg.grad_accum_steps):
+        t0 = time.perf_counter()
+        batch = next(batches_iter, None)
+        if batch is None:  # epoch over: reshuffle and start again
+            epoch, position, batches_iter = epoch + 1, 0, _next_epoch(loader, sampler, epoch + 1, cfg, dp)
+            batch = next(batches_iter)
+        position += 1
+        micro_batches.append(to_device(batch, device))
+        wait += time.perf_counter() - t0
+    return micro_batches, wait, epoch, position, batches_iter
 
 
 def _clip_and_step(cfg: TrainConfig, runtime: Runtime, optimizer: Any, scaler: Any, loss: float,

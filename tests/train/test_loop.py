@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from labkit import train as train_mod
-from labkit.train import loop, runtime
+from labkit.train import loop, resume, runtime
 from labkit.config import TrainConfig, from_dict
 from labkit.model import BertMLM, model_config
 from labkit.train import lr_at, train
@@ -202,7 +202,7 @@ def test_lr_applied_once_per_optimizer_step_across_accumulation_and_resume(shard
         opt.step = step
         return opt
 
-    monkeypatch.setattr(loop, "build_optimizer", recording_build)
+    monkeypatch.setattr(resume, "build_optimizer", recording_build)  # labkit.train.resume.parallelize builds it
     full = tiny_cfg(shards, tmp_path / "full", grad_accum_steps=3, max_steps=7, warmup_steps=2, schedule="cosine")
     train(full)
     part = dataclasses.replace(full, run_dir=str(tmp_path / "part"), stop_after=3)
