@@ -1,6 +1,8 @@
 """labkit.testing.realcluster.NetHosts alone (root, iproute2, util-linux; no Slurm): torch's
 TCPStore across h1 and h2 prints no c10d "hostname of the client socket cannot be retrieved"
-warning, because the hosts file names each host's IPv4-mapped IPv6 address too."""
+warning, because the hosts file names each host's IPv4-mapped IPv6 address too; a shaped link
+(tbf on both ends) carries a TCP transfer at its set rate within 10 %, also after the rate was
+changed while the hosts run."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import pytest
 from labkit.testing import realcluster as R
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not all(shutil.which(t, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")
-                                                              for t in ("ip", "nsenter", "unshare")),
-                                reason="network hosts need root, iproute2 and util-linux (nsenter, unshare)")
+                                                              for t in ("ip", "tc", "nsenter", "unshare")),
+                                reason="network hosts need root, iproute2 (ip, tc) and util-linux (nsenter, unshare)")
 
 SERVER = ("import datetime, time, torch.distributed as d\n"
           "s = d.TCPStore('10.200.0.1', 29561, 2, True, timeout=datetime.timedelta(seconds=60))\n"
@@ -37,3 +39,34 @@ def test_tcpstore_across_the_hosts_without_hostname_warnings(tmp_path):
     assert server.returncode == 0 and "server ok" in out, err[-2000:]
     for text in (err, client.stderr):
         assert "hostname of the client socket" not in text, text[-2000:]
+
+
+def test_shaped_link_carries_its_set_rate(tmp_path, capsys):
+    """A bounded TCP transfer h1 -> h2 (about 2 s of the rate, only the hosts' own addresses):
+    bytes over the receiver's time within 10 % of the tbf rate, at 200 Mbit/s set at start and
+    at 50 Mbit/s and 1 Gbit/s set with ``tc qdisc change`` while the hosts run; unshaped, the
+    veth is far faster (memory speed)."""
+    with R.NetHosts(tmp_path / "net", rate_bits=200e6) as hosts:
+        assert all("tbf" in hosts.qdisc(h) and "rate 200Mbit" in hosts.qdisc(h) for h in hosts.names)
+        seen = {}
+        for rate, shown in ((200e6, "200Mbit"), (50e6, "50Mbit"), (1e9, "1Gbit")):
+            hosts.shape(rate)
+            assert f"rate {shown} " in hosts.qdisc("h2")  # both ends changed in place
+            res = R.measure_throughput(hosts, int(rate / 8 * 2))
+            seen[rate] = res
+            assert abs(res["goodput_bits"] / rate - 1) <= 0.10, (rate, res)
+            assert res["wire_bits"] >= res["goodput_bits"]  # frames carry the payload and headers
+        hosts.shape(None)
+        assert "tbf" not in hosts.qdisc("h1")
+        free = R.measure_throughput(hosts, 500_000_000)
+    with capsys.disabled():
+        print("\n[shaped link] " + "; ".join(f"{r / 1e6:g} Mbit/s set: {v['goodput_bits'] / 1e6:.1f} measured"
+                                            for r, v in seen.items()) + f"; unshaped {free['goodput_bits'] / 1e6:.0f}")
+    assert free["goodput_bits"] > 2e9
+
+
+def test_shape_refuses_bad_settings(tmp_path):
+    with pytest.raises(ValueError, match="rate_bits"):
+        R.NetHosts(tmp_path, rate_bits=0)
+    with pytest.raises(ValueError, match="latency"):
+        R.NetHosts(tmp_path, rate_bits=1e6, latency=0)
