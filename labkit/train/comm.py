@@ -205,3 +205,55 @@ def time_gradient_collectives(model: torch.nn.Module, device: torch.device, *, r
         model.register_comm_hook(HookState(timer, reduce, reduce_state, wire_bytes), _composed_hook)
         return timer
     return None
+
+
+def powersgd_wire_bytes(state: Any, bucket: Any) -> int:
+    """Bytes torch's ``powerSGD_hook`` puts on the wire for ``bucket`` at ``state.iter`` (a
+    ``PowerSGDState``): the whole fp32 bucket during the ``start_powerSGD_iter`` warm-up steps, then
+    the uncompressed tensors (vectors, and matrices whose rank-r factors would not be
+    ``min_compression_rate`` times smaller) plus P (n x r) and Q (m x r) of each compressed n x m
+    matrix, r = min(n, m, rank). The same split as ``powerSGD_hook``
+    (torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py, Step I), so the count follows
+    torch's rule, not a copy of the compression."""
+    buffer = bucket.buffer()
+    if state.iter < state.start_powerSGD_iter:
+        return buffer.numel() * buffer.element_size()
+    elements = 0
+    for tensor in bucket.gradients():
+        n = tensor.shape[0] if tensor.dim() else 1
+        m = tensor.numel() // max(n, 1)
+        r = min(n, m, state.matrix_approximation_rank)
+        elements += (n + m) * r if (n + m) * r * state.min_compression_rate < n * m else n * m
+    return elements * buffer.element_size()
+
+
+def compression_hook(cfg: Any, process_group: Any = None) -> tuple[Any, Any, Any]:
+    """The inner ``reduce`` hook of ``time_gradient_collectives`` for ``cfg.grad_compression``
+    (a ``TrainConfig``): ``(reduce, reduce_state, wire_bytes)``.
+
+    - "none": (None, None, None): torch's default averaging all-reduce of the fp32 bucket;
+    - "bf16": torch's ``default_hooks.bf16_compress_hook`` with ``process_group`` as its state (None:
+      the default group); each bucket is cast to bfloat16, all-reduced, divided by the world size
+      and cast back, so the wire carries 2 bytes per gradient element;
+    - "powersgd": torch's ``powerSGD_hook.powerSGD_hook`` with a ``PowerSGDState(process_group,
+      matrix_approximation_rank=cfg.powersgd_rank, start_powerSGD_iter=cfg.powersgd_start_iter)``
+      (error feedback and warm start on, torch's defaults; Vogels et al. 2019, arXiv:1905.13727),
+      bytes from ``powersgd_wire_bytes``.
+
+    Without a process group (one process) there is nothing to reduce: (None, None, None). Raises
+    ValueError for another value (TrainConfig refuses it first)."""
+    kind = getattr(cfg, "grad_compression", "none")
+    if kind == "none" or not dist.is_initialized():
+        return None, None, None
+    if kind == "bf16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+        return bf16_compress_hook, process_group, lambda bucket: bucket.buffer().numel() * 2
+    if kind == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        state = psgd.PowerSGDState(process_group, matrix_approximation_rank=cfg.powersgd_rank,
+                                   start_powerSGD_iter=cfg.powersgd_start_iter)
+        return psgd.powerSGD_hook, state, lambda bucket: powersgd_wire_bytes(state, bucket)
+    raise ValueError(f"grad_compression: unknown {kind!r}; choose 'none', 'bf16' or 'powersgd'")
+

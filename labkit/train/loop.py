@@ -54,7 +54,7 @@ from labkit.model import BertMLM, count_parameters, flops_per_token
 from labkit.train import dist, parallel, provenance, sinks
 from labkit.train.checkpoint import (_rng_state, _set_rng_state, checkpoint_steps, load_checkpoint, save_checkpoint,
                                      save_split_checkpoint)
-from labkit.train.comm import time_gradient_collectives
+from labkit.train.comm import compression_hook, time_gradient_collectives
 from labkit.train.optim import build_optimizer, lr_at
 from labkit.train.run_config import check_resume, data_identity, model_config_of, save_run_config
 
@@ -335,7 +335,9 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
 
     stop = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
     peak = measure.peak_flops(device, cfg.precision)
-    timer = measure.StepTimer(device, comm=None if split else time_gradient_collectives(model, device))
+    reduce, reduce_state, wire_bytes = compression_hook(cfg) if not split else (None, None, None)
+    timer = measure.StepTimer(device, comm=None if split else time_gradient_collectives(
+        model, device, reduce=reduce, reduce_state=reduce_state, wire_bytes=wire_bytes))
     timings: list[tuple] = []  # (tokens, samples, step time, wait, exposed comm or None) per step
     last_record, skipped = {}, 0
     windows = measure.PeakWindows(device)  # peak memory of the steps, each evaluation, each checkpoint
