@@ -4,7 +4,7 @@
     labkit stage CONFIG              shards to node-local disk, checksums verified
     labkit train CONFIG              DDP training on the engines
     labkit resume RUN_DIR            continue a run from its newest checkpoint
-    labkit sweep ranks|micro-batch|loaders|parallel CONFIG
+    labkit sweep ranks|micro-batch|loaders|parallel|network CONFIG
     labkit plan [CONFIG]             the planner's memory and scaling tables (a file's run at full size)
     labkit export RUN_DIR OUT        model + tokenizer + model card for transformers
     labkit demo | verify SHARD_DIR | report NOTEBOOK OUT.html
@@ -36,7 +36,8 @@ EXAMPLES = {
     "sweep": "labkit sweep ranks configs/walkthrough.toml --ranks 1 2\n"
              "  labkit sweep micro-batch configs/walkthrough.toml --models mini small --budget-gb 2\n"
              "  labkit sweep loaders configs/walkthrough.toml --workers 0 1 2 --step-time-s 0.05\n"
-             "  labkit sweep parallel configs/walkthrough.toml --micro-batches 4 --steps 8",
+             "  labkit sweep parallel configs/walkthrough.toml --micro-batches 4 --steps 8\n"
+             "  labkit sweep network configs/walkthrough.toml --models mini small --rates-mbit 0 1000 200 50",
     "plan": 'labkit plan --model bert-350m --gpus 256 --micro-batch 16 --seq-len 512 --device "H100 NVL"\n'
             '  labkit plan configs/study.toml --device "H100 NVL"',
     "export": "labkit export work/walkthrough/runs/main work/walkthrough/export",
@@ -232,9 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     _add_common(p, config=False)
     p.set_defaults(func=_resume)
-    p = _sub(sub, "sweep", "scaling sweeps: ranks, micro-batch, DataLoader workers (notebook 04), "
+    p = _sub(sub, "sweep", "scaling sweeps: ranks, micro-batch, DataLoader workers, a shaped network (notebook 04), "
                            "data x tensor x pipeline splits (notebook 06)", debug)
-    p.add_argument("kind", choices=("ranks", "micro-batch", "loaders", "parallel"))
+    p.add_argument("kind", choices=("ranks", "micro-batch", "loaders", "parallel", "network"))
     _add_common(p)
     p.add_argument("--ranks", type=int, nargs="+", default=None, help="ranks: the rank counts (default 1..engines)")
     p.add_argument("--models", nargs="+", default=None, help="micro-batch: model presets (default: train.model)")
@@ -243,7 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-time-s", type=float, default=0.05, help="loaders: the consumer's step time (s)")
     p.add_argument("--micro-batches", type=int, default=4,
                    help="parallel: micro-batches per step and data-parallel replica (the pipeline's m)")
-    p.add_argument("--steps", type=int, default=8, help="parallel: optimiser steps per split")
+    p.add_argument("--steps", type=int, default=None, help="parallel: optimiser steps per split (default 8); "
+                                                           "network: per run, the first untimed (default 5)")
+    p.add_argument("--rates-mbit", type=float, nargs="+", default=[0, 1000, 200, 50],
+                   help="network: link settings in Mbit/s between the two hosts, 0 = unshaped (root)")
+    p.add_argument("--compression", nargs="+", default=["none"], choices=("none", "bf16", "powersgd"),
+                   help="network: train.grad_compression values, each at every setting")
     p.add_argument("--force", action="store_true", help="rerun points already in the sweep's table")
     p.set_defaults(func=_command("sweep"))
     p = _sub(sub, "plan", "the planner's memory per GPU, parallel splits and scaling for a model and cluster", debug)

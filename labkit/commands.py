@@ -147,10 +147,14 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
     (largest micro-batch per model under a memory budget), ``loaders`` (data-wait fraction per
     DataLoader worker count), and notebook 06's ``parallel`` (every dp x tp x pp split of the
     engines: throughput, measured bubble, time in TP collectives and per-rank memory beside the
-    planner). Prints the sweep's table (also under <workdir>/sweeps/)."""
+    planner). ``network`` (root; no engines): 2 ranks across two network hosts at each link
+    setting, beside the network model (``labkit.study.network_sweep``). Prints the sweep's table
+    (also under <workdir>/sweeps/)."""
     from labkit import preflight
 
     w = cfg.workdir
+    if kind == "network":
+        return _sweep_network(cfg, args)
     preflight.check_sweep(kind, cfg, args)
     from labkit import lab
     from labkit.data.shards import read_index
@@ -166,7 +170,7 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
                                        force=args.force)
         elif kind == "parallel":
             staged = _stage(client, cfg) if _uses_workdir_shards(cfg) else None
-            df = lab.sweep_parallel(client, cfg.train, w, micro_batches=args.micro_batches, steps=args.steps,
+            df = lab.sweep_parallel(client, cfg.train, w, micro_batches=args.micro_batches, steps=args.steps or 8,
                                     staged=staged, force=args.force)
         else:
             staged = _stage(client, cfg) if _uses_workdir_shards(cfg) else None
@@ -182,6 +186,32 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
                        gb[0].alias("measured_GB_per_rank"), gb[1].alias("planned_GB_per_rank"))
         print(f"sweeps/parallel.parquet in {w} holds every column (load, state and activation bytes)")
     _print_table(df)
+    return 0
+
+
+def _sweep_network(cfg: LabConfig, args) -> int:
+    """``labkit sweep network``: ``labkit.study.network_sweep.run_network_sweep`` on CONFIG's
+    [train] (its --set overrides passed on to every rank) and its shards; prints the table."""
+    from labkit.preflight import check_model as _check
+    from labkit.study.network_sweep import run_network_sweep
+
+    models = args.models or [cfg.train.model]
+    for name in models:
+        _check(name, {}, key="--models")
+    if any(r < 0 for r in args.rates_mbit):
+        raise ValueError(f"--rates-mbit: must be >= 0 (0: unshaped), got {args.rates_mbit}")
+    steps = args.steps or 5
+    if steps < 3:
+        raise ValueError(f"--steps: the network sweep needs at least 3 (1 untimed), got {steps}")
+    if not pathlib.Path(cfg.train.data_dir, "index.json").is_file():
+        raise ValueError(f"train.data_dir: no shards at {cfg.train.data_dir} (run `labkit prepare {args.config}` first)")
+    df = run_network_sweep(args.config, cfg.workdir, models=models, rates_mbit=[r or None for r in args.rates_mbit],
+                           compressions=args.compression, steps=steps, data_dir=cfg.train.data_dir,
+                           overrides=args.set)
+    cols = ("model", "grad_compression", "rate_mbit", "link_mbit", "comm_bytes", "compute_s", "step_s", "efficiency",
+            "comm_exposed_s", "predicted_step_s", "predicted_ratio")
+    print(f"sweeps/network.parquet in {cfg.workdir} holds every column")
+    _print_table(df.select(cols))
     return 0
 
 

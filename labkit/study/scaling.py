@@ -313,3 +313,44 @@ def precision_summary(table, *, mfu: float = 0.4):
                      **limit, "break_even_mfu": mfu * t["compute_s"][0] / (1.5 * last["comm_s"])
                      if last["comm_s"] else None})
     return pl.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------------------------
+# One real link: the shaped network hosts (labkit sweep network, docs/measurement.md)
+# --------------------------------------------------------------------------------------------
+
+
+def link_step_time(*, compute_s: float, bucket_bytes, bandwidth: float, latency: float = 0.0, n: int = 2,
+                   backward_fraction: float = 2 / 3, wire_ratio: float = 1.0) -> dict[str, float]:
+    """Modelled seconds of one DDP step whose gradient buckets share ONE link of ``bandwidth``
+    bytes/s (the shaped h1-h2 link; every rank's NIC at large scale), one after another.
+
+    ``compute_s``: the step's compute, measured at 1 rank under the same CPU load.
+    ``bucket_bytes``: the bytes of each gradient all-reduce in launch order (``comm_bucket_bytes``
+    of a metrics record: DDP's buckets after its first-step rebuild, after any compression); the
+    last one holds the tied word embedding and is ready only when backward ends (docstring of
+    ``embedding_bucket_bytes``). The others become ready evenly over the backward pass
+    (``backward_fraction`` of compute_s, 2/3: backward = 2 x forward). Each all-reduce takes
+    ``ring_allreduce_time`` of its bytes x ``wire_ratio`` (gloo's own bytes on the wire per
+    gradient byte, measured from the veth's counters) and starts when it is ready and the link
+    is free: the link is one queue, so a bucket that cannot finish during backward delays every
+    later one. Exposed = when the link finishes minus when backward ends (>= 0).
+
+    Returns {"compute_s", "comm_s" (sum of the all-reduces), "exposed_s", "step_s" (compute +
+    exposed), "last_bucket_s"}. Raises ValueError for a non-positive compute time or bandwidth.
+    (Bucketed overlap: Li et al. 2020, arXiv:2006.15704 section 3.2; ring: Patarasuk & Yuan 2009.)"""
+    if not compute_s > 0:
+        raise ValueError(f"compute_s: must be positive, got {compute_s}")
+    if not bandwidth > 0:
+        raise ValueError(f"bandwidth: must be positive, got {bandwidth}")
+    sizes = [float(b) * wire_ratio for b in bucket_bytes]
+    backward = compute_s * backward_fraction
+    free, times = 0.0, []
+    for k, size in enumerate(sizes):
+        ready = backward if k == len(sizes) - 1 else backward * (k + 1) / len(sizes)
+        t = ring_allreduce_time(size, n, bandwidth=bandwidth, latency=latency)
+        free = max(ready, free) + t
+        times.append(t)
+    exposed = max(0.0, free - backward) if sizes else 0.0
+    return {"compute_s": compute_s, "comm_s": sum(times), "exposed_s": exposed, "step_s": compute_s + exposed,
+            "last_bucket_s": times[-1] if times else 0.0}

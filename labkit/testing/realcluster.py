@@ -60,6 +60,17 @@ def unavailable() -> str | None:
     return None
 
 
+def unavailable_hosts() -> str | None:
+    """Why the network hosts alone (``NetHosts``, no Slurm) cannot be made here (one line), or None."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, tc)"
+    path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
+    missing = [t for t in ("ip", "tc", "nsenter", "unshare") if shutil.which(t, path=path) is None]
+    if missing:
+        return f"missing {' '.join(missing)} (apt-get install iproute2 util-linux)"
+    return None
+
+
 def wait_for(pred: Callable[[], object], timeout: float, what: str, poll: float = 0.1) -> object:
     """Poll pred() until it returns something true; that value. Raises TimeoutError naming `what`."""
     end = time.monotonic() + timeout

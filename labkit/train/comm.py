@@ -100,9 +100,12 @@ class CommTimer:
         return sum(n for _, _, n in self._records)
 
     def step_fields(self) -> dict[str, Any]:
-        """What the step adds to its metrics record: ``comm_bytes`` (``sent_bytes``) and each
+        """What the step adds to its metrics record: ``comm_bytes`` (``sent_bytes``),
+        ``comm_bucket_bytes`` (each collective's bytes in launch order: DDP's buckets, the last one
+        holding the word embedding; ``labkit.study.scaling.link_step_time`` models them) and each
         observer's ``step_fields()``. Collective when an observer's is: call on every rank."""
-        fields: dict[str, Any] = {"comm_bytes": self.sent_bytes()}
+        fields: dict[str, Any] = {"comm_bytes": self.sent_bytes(),
+                                  "comm_bucket_bytes": [c["bytes"] for c in self.collectives()]}
         for observer in self.observers:
             fields |= observer.step_fields()
         return fields
