@@ -13,6 +13,8 @@ blocks read the files the measuring command wrote, kept under docs/data/:
   ``docs/data/loader.jsonl``: ``work/demo/sweeps/loader.parquet`` written by the demo's
   notebook 04 (the loader-worker sweep), as JSON lines. ``python docs/generate.py --import
   work/demo`` copies both from a demo's work directory, then regenerates.
+- ``docs/data/network.jsonl``: ``<workdir>/sweeps/network.parquet`` written by ``labkit sweep
+  network configs/walkthrough.toml --models mini small`` (root; the shaped-link sweep), as JSON lines.
 - ``docs/data/plan_counted.jsonl``: the JSON lines ``python docs/count_study.py`` writes
   (``plan_model`` of the study's two models on an H100 NVL).
 - ``docs/data/bench_model.jsonl`` / ``bench_ddp.jsonl`` / ``bench_stage.jsonl`` / ``bench_parallel.jsonl``:
@@ -25,7 +27,7 @@ blocks read the files the measuring command wrote, kept under docs/data/:
   ``benchmarks/project_prep.py``'s.
 
 Blocks: ``demo-summary`` (README.md); ``lesson1-measured``, ``lesson1-planner``, ``parallel-planner``, ``lesson2-measured``,
-``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``,
+``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``, ``lesson4-network``,
 ``lesson5-measured``, ``lesson5-planner`` (docs/results.md), and docs/generate_study.py's
 ``tokenizer-study``, ``study-run``, ``study-loaders``, ``study-plan``, ``precision-experiment``,
 ``one-story`` (docs/results.md, from configs/study.toml and the files its scripts write); ``bench-model`` (docs/model.md);
@@ -199,6 +201,50 @@ def lesson4_measured() -> str:
             f"| weak-scaling efficiency, 1 → 2 ranks (CPU, gloo, `{r[1]['model']}`, micro-batch {r[1]['micro_batch_size']}, "
             f"seq {d['train']['seq_len']}; {_load(d)}) | {r[2]['efficiency']:.2f} | \"near-linear\" to 256 GPUs |\n"
             f"| tokens/s at 1 and 2 ranks | {r[1]['tokens_per_s']:,.0f} and {r[2]['tokens_per_s']:,.0f} | not reported |\n")
+
+
+def _network() -> list[dict]:
+    return [json.loads(line) for line in (DATA / "network.jsonl").read_text().splitlines() if line.strip()]
+
+
+def lesson4_network() -> str:
+    """The shaped-link sweep (docs/data/network.jsonl, ``labkit sweep network``'s Parquet as JSON
+    lines): measured efficiency against link time / compute, the model beside it, and where the
+    study's 256-GPU 25 GbE run sits on the same axis per precision, with and without bf16
+    compression (``scaling.precision_experiment``, the planner's compute at 40 % MFU)."""
+    import polars as pl
+
+    from labkit.model import count_parameters, model_config
+    from labkit.study import plan, scaling
+
+    rows = _network()
+    out = ["| model | link (measured) | link time / compute | efficiency | exposed comm. | step: measured / model | 1-min load |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in sorted(rows, key=lambda r: (r["model"], -(r["link_mbit"]))):
+        if r["grad_compression"] != "none":
+            continue
+        link = "unshaped, " + f"{r['link_mbit'] / 1e3:.1f} Gbit/s" if r["rate_mbit"] is None else f"{r['link_mbit']:.0f} Mbit/s"
+        out.append(f"| {r['model']} | {link} | {1 / r['bandwidth_ratio']:.2f} | {r['efficiency']:.2f} | "
+                   f"{r['comm_exposed_s']:.2f} s | {r['predicted_ratio']:.2f} | {r['load_avg_1m']:.1f} |")
+    ratios = [r["predicted_ratio"] for r in rows]
+    cfg = model_config("bert-120m", plan.STUDY_VOCAB)
+    grad = 4 * count_parameters(cfg)["total"]
+    table = scaling.precision_experiment(cfg, micro_batch=plan.STUDY_MICRO_BATCH["bert-120m"], seq_len=SEQ_LEN,
+                                         gpus=(256,))
+    lines = []
+    for r in table.iter_rows(named=True):
+        comm = scaling.ring_allreduce_time(grad, 256, bandwidth=scaling.NETWORKS["25GbE"]["bandwidth"],
+                                           latency=scaling.NETWORKS["25GbE"]["latency"])
+        lines.append(f"{r['precision']}: link time / compute {comm / r['compute_s']:.2f}, efficiency {r['efficiency']:.2f}")
+    bf16 = scaling.precision_experiment(cfg, micro_batch=plan.STUDY_MICRO_BATCH["bert-120m"], seq_len=SEQ_LEN,
+                                        gpus=(1, 256), precisions=("bf16",))
+    _ = pl  # polars tables above
+    return ("\n".join(out) + "\n\n"
+            f"Measured over model step time: {min(ratios):.2f} to {max(ratios):.2f} over {len(rows)} points. "
+            "Link time = the run's gradient bytes per step / the link's measured TCP goodput (at 2 ranks a ring "
+            "sends one copy each way); above 1 the link cannot keep up with compute.\n\n"
+            "The study's bert-120m at 256 GPUs on 25 GbE (ring: 2(n-1)/n copies; 40 % MFU; fp32 gradients): "
+            + "; ".join(lines) + ".\n")
 
 
 def lesson5_measured() -> str:
@@ -474,6 +520,7 @@ BLOCKS = {("README.md", "demo-summary"): demo_summary,
           ("docs/results.md", "lesson3-planner"): lesson3_planner,
           ("docs/results.md", "lesson4-measured"): lesson4_measured,
           ("docs/results.md", "lesson4-planner"): lesson4_planner,
+          ("docs/results.md", "lesson4-network"): lesson4_network,
           ("docs/results.md", "lesson5-measured"): lesson5_measured,
           ("docs/results.md", "lesson5-planner"): lesson5_planner,
           ("docs/model.md", "bench-model"): bench_model,

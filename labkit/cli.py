@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=int, default=4,
                    help="parallel: micro-batches per step and data-parallel replica (the pipeline's m)")
     p.add_argument("--steps", type=int, default=None, help="parallel: optimiser steps per split (default 8); "
-                                                           "network: per run, the first untimed (default 5)")
+                                                           "network: per run, the first 2 untimed (default 6)")
     p.add_argument("--rates-mbit", type=float, nargs="+", default=[0, 1000, 200, 50],
                    help="network: link settings in Mbit/s between the two hosts, 0 = unshaped (root)")
     p.add_argument("--compression", nargs="+", default=["none"], choices=("none", "bf16", "powersgd"),

@@ -200,9 +200,10 @@ def _sweep_network(cfg: LabConfig, args) -> int:
         _check(name, {}, key="--models")
     if any(r < 0 for r in args.rates_mbit):
         raise ValueError(f"--rates-mbit: must be >= 0 (0: unshaped), got {args.rates_mbit}")
-    steps = args.steps or 5
-    if steps < 3:
-        raise ValueError(f"--steps: the network sweep needs at least 3 (1 untimed), got {steps}")
+    steps = args.steps or 6
+    if steps < 4:
+        raise ValueError(f"--steps: the network sweep needs at least 4 (the first 2 untimed: DDP all-reduces the "
+                         f"whole model as one bucket until it rebuilt its buckets), got {steps}")
     if not pathlib.Path(cfg.train.data_dir, "index.json").is_file():
         raise ValueError(f"train.data_dir: no shards at {cfg.train.data_dir} (run `labkit prepare {args.config}` first)")
     df = run_network_sweep(args.config, cfg.workdir, models=models, rates_mbit=[r or None for r in args.rates_mbit],

@@ -75,7 +75,7 @@ def _timed(run_dir: pathlib.Path, warmup: int) -> list[dict]:
 
 
 def run_network_sweep(config: str, workdir: str | os.PathLike, *, models=MODELS, rates_mbit=RATES_MBIT,
-                      compressions=("none",), steps: int = 4, warmup_steps: int = 1, micro_batch: int | None = None,
+                      compressions=("none",), steps: int = 6, warmup_steps: int = 2, micro_batch: int | None = None,
                       data_dir: str | None = None, timeout_s: float = 900.0, net_dir: str | os.PathLike | None = None,
                       overrides=()):
     """Run the sweep (module docstring) and write ``<workdir>/sweeps/network.parquet``; returns
