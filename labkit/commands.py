@@ -423,6 +423,10 @@ def plan_config(args) -> int:
     _print_table(table.pivot(on="precision", index="n_gpus", values="efficiency"))
     table_summary = scaling.precision_summary(table, mfu=pc.mfu)
     _print_table(table_summary)
+    levers = scaling.compression_table(cfg, micro_batch=batch, seq_len=seq_len, device=pc.device, network=pc.network,
+                                       n_gpus=gpus[-1], gpus_per_node=pc.gpus_per_node, mfu=pc.mfu)
+    print(f"gradient compression (train.grad_compression; powersgd at rank 4) at {gpus[-1]} GPUs over {pc.network}:")
+    _print_table(levers)
     rows = list(table_summary.iter_rows(named=True))
     best = fit["max_micro_batch"]
     eff = {r["precision"]: round(r["efficiency"], 3) for r in rows}
@@ -433,7 +437,10 @@ def plan_config(args) -> int:
                "within_10pct": abs(best - batch) <= 0.1 * batch, "efficiency_at_max_gpus": eff,
                "n_gpus": gpus[-1], "network": pc.network,
                "network_limit_from_n": {r["precision"]: r["first_exposed_n"] for r in rows},
-               "break_even_mfu": {r["precision"]: round(r["break_even_mfu"], 3) for r in rows}}
+               "break_even_mfu": {r["precision"]: round(r["break_even_mfu"], 3) for r in rows},
+               "efficiency_compressed": {p: {r["grad_compression"]: round(r["efficiency"], 3)
+                                             for r in levers.iter_rows(named=True) if r["precision"] == p}
+                                         for p in levers["precision"].unique(maintain_order=True)}}
     _print_json(summary)
     if getattr(args, "out", None):
         from labkit.io import atomic_write_json

@@ -354,3 +354,65 @@ def link_step_time(*, compute_s: float, bucket_bytes, bandwidth: float, latency:
     exposed = max(0.0, free - backward) if sizes else 0.0
     return {"compute_s": compute_s, "comm_s": sum(times), "exposed_s": exposed, "step_s": compute_s + exposed,
             "last_bucket_s": times[-1] if times else 0.0}
+
+
+def compressed_grad_bytes(cfg, compression: str, *, powersgd_rank: int = 4, min_compression_rate: float = 2.0) -> int:
+    """Bytes one rank all-reduces per step for labkit's model ``cfg`` under
+    ``TrainConfig.grad_compression``: "none" 4 per parameter (fp32 gradients), "bf16" 2, "powersgd"
+    (after its warm-up) the rank-r factors P (n x r) and Q (m x r) of each n x m gradient matrix
+    worth compressing and every other tensor whole, in fp32, r = min(n, m, ``powersgd_rank``), by
+    torch's rule (``labkit.train.comm.powersgd_wire_bytes``, whose 2-rank runs it matches). The
+    model is built on the meta device (no memory). Raises ValueError for another compression."""
+    import torch
+
+    from labkit.model import BertMLM
+
+    if compression not in ("none", "bf16", "powersgd"):
+        raise ValueError(f"compression: unknown {compression!r}; choose 'none', 'bf16' or 'powersgd'")
+    with torch.device("meta"):
+        params = [p for p in BertMLM(cfg).parameters() if p.requires_grad]
+    total = sum(p.numel() for p in params)
+    if compression != "powersgd":
+        return total * (4 if compression == "none" else 2)
+    elements = 0
+    for p in params:
+        n = p.shape[0] if p.dim() else 1
+        m = p.numel() // max(n, 1)
+        r = min(n, m, powersgd_rank)
+        elements += (n + m) * r if (n + m) * r * min_compression_rate < n * m else n * m
+    return 4 * elements
+
+
+def compression_table(cfg, *, micro_batch: int, seq_len: int, device: str = "H100 NVL", network: str = "25GbE",
+                      n_gpus: int = 256, gpus_per_node: int = 2, mfu: float = 0.4, precisions=STUDY_PRECISIONS,
+                      powersgd_rank: int = 4, mlm_probability: float = 0.15):
+    """The planner's levers against the network: per precision (``precision_experiment``'s compute)
+    and gradient compression ("none", "bf16", "powersgd" at ``powersgd_rank``), the bytes all-reduced
+    per step (``compressed_grad_bytes``) and the efficiency and exposed all-reduce at ``n_gpus``.
+    The compute does not change with the compression (the compression's own CPU/GPU time is not
+    counted: small next to a step on a GPU, measured on the shaped link by bench_network).
+    polars DataFrame: precision, grad_compression, grad_bytes, compute_s, exposed_s, efficiency."""
+    import polars as pl
+
+    from labkit.measure import PEAK_FLOPS
+    from labkit.model import flops_per_token
+    from labkit.study.plan import device_info
+
+    kind = device_info(device)["peak_kind"]
+    fpt = flops_per_token(cfg, seq_len, mlm_probability=mlm_probability)
+    rows = []
+    for precision in precisions:
+        peak = PEAK_FLOPS.get((kind, precision))
+        if peak is None:
+            raise ValueError(f"precision: no {precision!r} peak for {device} in labkit.measure.PEAK_FLOPS")
+        compute = compute_time(fpt, seq_len=seq_len, micro_batch=micro_batch, peak_flops=peak, mfu=mfu)
+        for comp in ("none", "bf16", "powersgd"):
+            grad = compressed_grad_bytes(cfg, comp, powersgd_rank=powersgd_rank)
+            last = embedding_bucket_bytes(cfg, grad_dtype_bytes=4 if comp == "none" else 2) if comp != "powersgd" \
+                else None
+            t1 = step_time(1, compute_s=compute, grad_bytes=grad, network=network, gpus_per_node=gpus_per_node)
+            tn = step_time(n_gpus, compute_s=compute, grad_bytes=grad, network=network, gpus_per_node=gpus_per_node,
+                           last_bucket_bytes=last)
+            rows.append({"precision": precision, "grad_compression": comp, "grad_bytes": grad, "compute_s": compute,
+                         "exposed_s": tn["exposed_s"], "efficiency": t1["step_s"] / tn["step_s"]})
+    return pl.DataFrame(rows)
