@@ -16,6 +16,10 @@ round (PowerSGD's warm-up is 2 steps there and the timed steps are compressed); 
 gain (compressed / none, per round) with its spread, and the loss after ``--loss-steps`` steps
 of each (unshaped: the loss does not depend on the link).
 
+``--bucket-auto``: on the same setting, ``bucket_cap_mb="auto"`` (buckets the size of the
+embedding's gradients, ``labkit.train.dist.auto_bucket_cap_mb``) against torch's 25 MiB, paired
+per round: efficiency and exposed communication, with the buckets each sent.
+
 Random token shards (bench_ddp's) unless ``--data-dir``. The machine's load average is printed
 beside every line. Run as root from the repository root: ``python benchmarks/bench_network.py``
 (about 3 min a round for mini). Last line: one JSON object.
@@ -61,6 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compression", action="store_true", help="bf16 and PowerSGD against none (see docstring)")
     p.add_argument("--compression-rate", type=float, default=50.0)
     p.add_argument("--loss-steps", type=int, default=30)
+    p.add_argument("--bucket-auto", action="store_true", help="bucket_cap_mb auto against 25 (see docstring)")
     args = p.parse_args(argv)
     t0 = time.time()
     out: dict = {}
@@ -74,6 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
         config = _config(tmp, args.model, args.micro_batch, data)
         if args.compression:
             out = _compression(args, tmp, config)
+        elif args.bucket_auto:
+            out = _bucket_auto(args, tmp, config)
         else:
             out = _model_check(args, tmp, config)
     out |= {"model": args.model, "micro_batch": args.micro_batch, "rounds": args.rounds, "steps": args.steps,
@@ -145,6 +152,36 @@ def _compression(args, tmp: pathlib.Path, config: str) -> dict:
             "efficiency": {k: spread(v) for k, v in eff.items()},
             "comm_exposed_s": {k: statistics.median(v) for k, v in exposed.items()},
             "comm_bytes": sent, "efficiency_gain": gains, "loss_after_steps": args.loss_steps, "loss": loss}
+
+
+def _bucket_auto(args, tmp: pathlib.Path, config: str) -> dict:
+    rate = args.compression_rate
+    caps = ("25", '"auto"')
+    eff: dict[str, list[float]] = {c: [] for c in caps}
+    exposed: dict[str, list[float]] = {c: [] for c in caps}
+    buckets: dict[str, list] = {}
+    for rnd in range(args.rounds):
+        for cap in (caps if rnd % 2 == 0 else caps[::-1]):
+            df = run_network_sweep(config, tmp / f"round-{rnd}-{cap.strip(chr(34))}", models=(args.model,),
+                                   rates_mbit=(rate,), steps=args.steps, warmup_steps=args.warmup_steps,
+                                   overrides=[f"train.bucket_cap_mb={cap}"])
+            row = df.row(0, named=True)
+            eff[cap].append(row["efficiency"])
+            exposed[cap].append(row["comm_exposed_s"])
+            run = tmp / f"round-{rnd}-{cap.strip(chr(34))}" / "sweeps" / "network-runs"
+            last = [json.loads(x) for x in next(run.glob("*-none")).joinpath("metrics.jsonl").read_text().splitlines()]
+            buckets[cap] = last[-1]["comm_bucket_bytes"]
+            print(json.dumps({"round": rnd, "bucket_cap_mb": cap.strip(chr(34)), "rate_mbit": rate,
+                              **{c: row[c] for c in ("efficiency", "step_s", "comm_exposed_s", "predicted_step_s",
+                                                     "predicted_ratio", "load_avg_1m")},
+                              "buckets": buckets[cap]}), flush=True)
+    gain = spread([a / b for a, b in zip(eff['"auto"'], eff["25"])])
+    return {"benchmark": "network_bucket_auto", "metric": "efficiency_gain", "value": gain["median"],
+            "baseline": f"bucket_cap_mb 25 at {rate:g} Mbit/s", "baseline_value": 1.0, "ratio": gain["median"],
+            "higher_is_better": True, "rate_mbit": rate, "efficiency_gain_spread": gain,
+            "efficiency": {c.strip(chr(34)): spread(v) for c, v in eff.items()},
+            "comm_exposed_s": {c.strip(chr(34)): spread(v) for c, v in exposed.items()},
+            "buckets": {c.strip(chr(34)): b for c, b in buckets.items()}}
 
 
 if __name__ == "__main__":

@@ -127,9 +127,11 @@ class TrainConfig:
     compile: bool = False
     """``torch.compile`` the model's forward (``nn.Module.compile``, in place, so parameter
     names and checkpoints stay the same) before wrapping it for data parallelism."""
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float | Literal["auto"] = 25.0
     """ddp / zero1: DDP's gradient bucket size in MiB (``DistributedDataParallel(bucket_cap_mb=)``;
-    torch's default 25). Smaller buckets start all-reducing earlier in backward, larger ones
+    torch's default 25); "auto": the size of the embedding's gradients
+    (``labkit.train.dist.auto_bucket_cap_mb``), so the bucket that waits for the end of backward
+    holds little besides them. Smaller buckets start all-reducing earlier in backward, larger ones
     pay the per-collective latency less often; the last bucket's all-reduce is never hidden
     (``comm_exposed_s`` in every metrics record, docs/training.md)."""
     grad_compression: Literal["none", "bf16", "powersgd"] = "none"
@@ -175,7 +177,8 @@ class TrainConfig:
         _require(0.0 < self.mlm_probability < 1.0, "mlm_probability", "must be in (0, 1)")
         _require(self.ckpt_every >= 0, "ckpt_every", "must be >= 0")
         _require(self.timeout_s > 0, "timeout_s", "must be positive")
-        _require(self.bucket_cap_mb > 0, "bucket_cap_mb", f"must be positive, got {self.bucket_cap_mb}")
+        _require(self.bucket_cap_mb == "auto" or (not isinstance(self.bucket_cap_mb, str) and self.bucket_cap_mb > 0),
+                 "bucket_cap_mb", f"must be a positive number of MiB or 'auto', got {self.bucket_cap_mb!r}")
         _one_of(self.grad_compression, "grad_compression", ("none", "bf16", "powersgd"))
         _require(self.grad_compression == "none" or self.sharding in ("ddp", "zero1"), "grad_compression",
                  f"{self.grad_compression!r} is a DDP comm hook: it needs sharding 'ddp' or 'zero1', not {self.sharding!r}")

@@ -92,3 +92,17 @@ def test_config_refusals():
         TrainConfig(data_dir="d", run_dir="r", grad_compression="powersgd", powersgd_start_iter=1)
     with pytest.raises(ValueError, match="powersgd_rank"):
         TrainConfig(data_dir="d", run_dir="r", powersgd_rank=0)
+
+
+def test_auto_bucket_cap_is_the_embedding_size():
+    """bucket_cap_mb="auto": the fp32 gradient bytes of the embedding-side parameters (word,
+    position and token-type tables, embedding norm) in MiB, clipped to [1, 25]."""
+    from labkit.model import BertMLM, model_config
+    from labkit.train.dist import auto_bucket_cap_mb
+
+    cfg = model_config("small", 1024)
+    h = cfg.hidden_size
+    expected = 4 * ((1024 + cfg.max_position_embeddings + cfg.type_vocab_size) * h + 2 * h) / 2**20
+    assert auto_bucket_cap_mb(BertMLM(cfg)) == pytest.approx(expected)
+    assert auto_bucket_cap_mb(BertMLM(model_config("tiny", 96))) == 1.0  # below torch's first bucket
+    assert auto_bucket_cap_mb(torch.nn.Linear(4, 4)) == 25.0  # no embedding: torch's default
