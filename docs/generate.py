@@ -209,42 +209,57 @@ def _network() -> list[dict]:
 
 def lesson4_network() -> str:
     """The shaped-link sweep (docs/data/network.jsonl, ``labkit sweep network``'s Parquet as JSON
-    lines): measured efficiency against link time / compute, the model beside it, and where the
-    study's 256-GPU 25 GbE run sits on the same axis per precision, with and without bf16
-    compression (``scaling.precision_experiment``, the planner's compute at 40 % MFU)."""
-    import polars as pl
-
-    from labkit.model import count_parameters, model_config
+    lines): measured efficiency against link time / compute, the model beside it; where the
+    study's 256-GPU 25 GbE run sits on the same axis per precision and what each compression
+    gives there (``scaling.compression_table``, the planner's compute at 40 % MFU); the loss cost
+    of compression from bench_network --compression (docs/data/bench_network.jsonl) when present."""
+    from labkit.model import model_config
     from labkit.study import plan, scaling
 
     rows = _network()
-    out = ["| model | link (measured) | link time / compute | efficiency | exposed comm. | step: measured / model | 1-min load |",
+    out = ["| model | link (measured TCP) | link time / compute | efficiency | exposed comm. | step: measured / model | 1-min load |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in sorted(rows, key=lambda r: (r["model"], -(r["link_mbit"]))):
+    for r in sorted(rows, key=lambda r: (r["model"], -r["link_mbit"])):
         if r["grad_compression"] != "none":
             continue
-        link = "unshaped, " + f"{r['link_mbit'] / 1e3:.1f} Gbit/s" if r["rate_mbit"] is None else f"{r['link_mbit']:.0f} Mbit/s"
+        link = (f"unshaped ({r['link_mbit'] / 1e3:.1f} Gbit/s)" if r["rate_mbit"] is None
+                else f"{r['rate_mbit']:g} Mbit/s set, {r['link_mbit']:.0f} measured")
         out.append(f"| {r['model']} | {link} | {1 / r['bandwidth_ratio']:.2f} | {r['efficiency']:.2f} | "
                    f"{r['comm_exposed_s']:.2f} s | {r['predicted_ratio']:.2f} | {r['load_avg_1m']:.1f} |")
     ratios = [r["predicted_ratio"] for r in rows]
     cfg = model_config("bert-120m", plan.STUDY_VOCAB)
-    grad = 4 * count_parameters(cfg)["total"]
-    table = scaling.precision_experiment(cfg, micro_batch=plan.STUDY_MICRO_BATCH["bert-120m"], seq_len=SEQ_LEN,
-                                         gpus=(256,))
-    lines = []
-    for r in table.iter_rows(named=True):
-        comm = scaling.ring_allreduce_time(grad, 256, bandwidth=scaling.NETWORKS["25GbE"]["bandwidth"],
-                                           latency=scaling.NETWORKS["25GbE"]["latency"])
-        lines.append(f"{r['precision']}: link time / compute {comm / r['compute_s']:.2f}, efficiency {r['efficiency']:.2f}")
-    bf16 = scaling.precision_experiment(cfg, micro_batch=plan.STUDY_MICRO_BATCH["bert-120m"], seq_len=SEQ_LEN,
-                                        gpus=(1, 256), precisions=("bf16",))
-    _ = pl  # polars tables above
-    return ("\n".join(out) + "\n\n"
-            f"Measured over model step time: {min(ratios):.2f} to {max(ratios):.2f} over {len(rows)} points. "
-            "Link time = the run's gradient bytes per step / the link's measured TCP goodput (at 2 ranks a ring "
-            "sends one copy each way); above 1 the link cannot keep up with compute.\n\n"
-            "The study's bert-120m at 256 GPUs on 25 GbE (ring: 2(n-1)/n copies; 40 % MFU; fp32 gradients): "
-            + "; ".join(lines) + ".\n")
+    levers = scaling.compression_table(cfg, micro_batch=plan.STUDY_MICRO_BATCH["bert-120m"], seq_len=SEQ_LEN)
+    study = []
+    for precision in scaling.STUDY_PRECISIONS:
+        t = {r["grad_compression"]: r for r in levers.iter_rows(named=True) if r["precision"] == precision}
+        link = scaling.ring_allreduce_time(t["none"]["grad_bytes"], 256, **{k: scaling.NETWORKS["25GbE"][k]
+                                                                             for k in ("bandwidth", "latency")})
+        study.append(f"| {precision} | {link / t['none']['compute_s']:.2f} | {t['none']['efficiency']:.2f} | "
+                     f"{t['bf16']['efficiency']:.2f} | {t['powersgd']['efficiency']:.2f} |")
+    text = ("\n".join(out) + "\n\n"
+            f"Measured step time over the model's: {min(ratios):.2f} to {max(ratios):.2f} at all {len(rows)} points. "
+            "Link time = a step's gradient bytes / the link's measured TCP goodput (at 2 ranks a ring sends one copy "
+            "each way); above 1 the link cannot keep up with compute, and no overlap helps.\n\n"
+            "The study's bert-120m (micro-batch 184, seq 512, 40 % MFU) at 256 GPUs on 25 GbE, on the same axis "
+            "(ring: 2(n-1)/n copies), and the planner's efficiency with each gradient compression "
+            "(`labkit plan configs/study.toml`; PowerSGD at rank 4):\n\n"
+            "| precision | link time / compute | efficiency, fp32 gradients | bf16 compression | PowerSGD |\n"
+            "| --- | --- | --- | --- | --- |\n" + "\n".join(study) + "\n")
+    bench = DATA / "bench_network.jsonl"
+    comp = [json.loads(line) for line in bench.read_text().splitlines() if '"network_compression"' in line] \
+        if bench.exists() else []
+    if comp:
+        c = comp[-1]
+        g = c["efficiency_gain"]
+        text += (f"\nMeasured on the shaped link (`{c['model']}`, {c['rate_mbit']:g} Mbit/s, {c['rounds']} paired rounds, "
+                 f"bench_network --compression): efficiency {c['efficiency']['none']['median']:.2f} with fp32 gradients, "
+                 f"{c['efficiency']['bf16']['median']:.2f} with bf16 (x{g['bf16']['median']:.2f}, spread "
+                 f"{g['bf16']['min']:.2f}-{g['bf16']['max']:.2f}), {c['efficiency']['powersgd']['median']:.2f} with "
+                 f"PowerSGD (x{g['powersgd']['median']:.2f}, spread {g['powersgd']['min']:.2f}-{g['powersgd']['max']:.2f}); "
+                 f"bytes per step {c['comm_bytes']['none'] / 1e6:.1f}, {c['comm_bytes']['bf16'] / 1e6:.1f} and "
+                 f"{c['comm_bytes']['powersgd'] / 1e6:.1f} MB. The cost in learning: loss after {c['loss_after_steps']} "
+                 f"steps {c['loss']['none']:.3f} (none), {c['loss']['bf16']:.3f} (bf16), {c['loss']['powersgd']:.3f} (PowerSGD).\n")
+    return text
 
 
 def lesson5_measured() -> str:

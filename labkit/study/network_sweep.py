@@ -6,9 +6,10 @@ with the link shaped by a token-bucket filter to each bandwidth in turn, from un
 speed: compute-bound) to tens of Mbit/s (network-bound). Each rank is a
 ``python -m labkit.train`` process started on its host (rank 0 on h1, ``MASTER_ADDR=h1``).
 
-For every model it first measures the 1-rank compute time: two independent 1-rank runs, one on
-each host at once, so the CPU is shared as it is by the 2-rank run. Then, per bandwidth, it
-measures the link (a bounded TCP transfer, ``measure_throughput``) and the 2-rank run, and puts
+Per model and bandwidth it first measures the 1-rank compute time: two independent 1-rank runs,
+one on each host at once, so the CPU is shared as it is by the 2-rank run, right before the
+2-rank runs (on a shared machine the compute time of a step moves by tens of per cent within
+minutes; one 1-rank measurement per model put the model 40 % off). Then it measures the link (a bounded TCP transfer, ``measure_throughput``) and the 2-rank run, and puts
 the model's prediction beside it (``labkit.study.scaling.link_step_time`` from the measured
 1-rank compute time, the run's own gradient buckets, the measured link bandwidth, and gloo's
 bytes on the wire per gradient byte, measured from h2's veth counters at the unshaped setting).
@@ -112,17 +113,19 @@ def run_network_sweep(config: str, workdir: str | os.PathLike, *, models=MODELS,
     hosts = R.NetHosts(pathlib.Path(net_dir or out_dir / "net"))
     with hosts:
         for model in models:
-            # 1 rank on each host at once: the CPU shared as in the 2-rank runs
-            runs = [out_dir / f"{model}-1rank-{h}" for h in hosts.names]
-            procs = [_launch(hosts, h, config, base + [f'train.model="{model}"', f'train.run_dir="{d}"'], {})
-                     for h, d in zip(hosts.names, runs)]
-            _wait(procs, timeout_s, f"{model} at 1 rank")
-            one = [statistics.median(r["step_time_s"] for r in _timed(d, warmup_steps)) for d in runs]
-            compute_s = statistics.mean(one)
-            result1 = json.loads((runs[0] / "result.json").read_text())
-            tokens_1 = statistics.median(r["tokens_per_s"] for r in _timed(runs[0], warmup_steps))
             wire_ratio = None
             for rate in rates_mbit:
+                # 1 rank on each host at once, just before the 2-rank runs of this setting: the CPU
+                # shared as in them, and within the same minutes of the machine's load
+                runs = [out_dir / f"{model}-1rank-{h}" for h in hosts.names]
+                hosts.shape(None)
+                procs = [_launch(hosts, h, config, base + [f'train.model="{model}"', f'train.run_dir="{d}"'], {})
+                         for h, d in zip(hosts.names, runs)]
+                _wait(procs, timeout_s, f"{model} at 1 rank")
+                compute_s = statistics.mean(statistics.median(r["step_time_s"] for r in _timed(d, warmup_steps))
+                                            for d in runs)
+                result1 = json.loads((runs[0] / "result.json").read_text())
+                tokens_1 = statistics.median(r["tokens_per_s"] for r in _timed(runs[0], warmup_steps))
                 hosts.shape(None if rate is None else rate * 1e6)
                 link = R.measure_throughput(hosts, int((rate or 4000.0) * 1e6 / 8 * 1.5), port=_free_port())
                 for comp in compressions:
