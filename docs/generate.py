@@ -213,8 +213,7 @@ def lesson4_network() -> str:
     study's 256-GPU 25 GbE run sits on the same axis per precision and what each compression
     gives there (``scaling.compression_table``, the planner's compute at 40 % MFU); the loss cost
     of compression from bench_network --compression (docs/data/bench_network.jsonl) when present."""
-    from labkit.model import model_config
-    from labkit.study import plan, scaling
+    from labkit.study import scaling
 
     rows = _network()
     out = ["| model | link (measured TCP) | link time / compute | efficiency | exposed comm. | step: measured / model | 1-min load |",
@@ -227,8 +226,12 @@ def lesson4_network() -> str:
         out.append(f"| {r['model']} | {link} | {1 / r['bandwidth_ratio']:.2f} | {r['efficiency']:.2f} | "
                    f"{r['comm_exposed_s']:.2f} s | {r['predicted_ratio']:.2f} | {r['load_avg_1m']:.1f} |")
     ratios = [r["predicted_ratio"] for r in rows]
-    cfg = model_config("bert-120m", plan.STUDY_VOCAB)
-    levers = scaling.compression_table(cfg, micro_batch=plan.STUDY_MICRO_BATCH["bert-120m"], seq_len=SEQ_LEN)
+    from generate_study import _study
+
+    lab, cfg = _study()  # configs/study.toml: the authors' model, batch, cluster
+    levers = scaling.compression_table(cfg, micro_batch=lab.train.micro_batch_size, seq_len=lab.shards.seq_len,
+                                       device=lab.plan.device, network=lab.plan.network,
+                                       gpus_per_node=lab.plan.gpus_per_node, mfu=lab.plan.mfu)
     study = []
     for precision in scaling.STUDY_PRECISIONS:
         t = {r["grad_compression"]: r for r in levers.iter_rows(named=True) if r["precision"] == precision}
@@ -240,7 +243,9 @@ def lesson4_network() -> str:
             f"Measured step time over the model's: {min(ratios):.2f} to {max(ratios):.2f} at all {len(rows)} points. "
             "Link time = a step's gradient bytes / the link's measured TCP goodput (at 2 ranks a ring sends one copy "
             "each way); above 1 the link cannot keep up with compute, and no overlap helps.\n\n"
-            "The study's bert-120m (micro-batch 184, seq 512, 40 % MFU) at 256 GPUs on 25 GbE, on the same axis "
+            f"The study's run as configs/study.toml states it (micro-batch {lab.train.micro_batch_size}, seq "
+            f"{lab.shards.seq_len}, {lab.plan.mfu:.0%} of each precision's peak) at 256 GPUs on {lab.plan.network}, "
+            "on the same axis "
             "(ring: 2(n-1)/n copies), and the planner's efficiency with each gradient compression "
             "(`labkit plan configs/study.toml`; PowerSGD at rank 4):\n\n"
             "| precision | link time / compute | efficiency, fp32 gradients | bf16 compression | PowerSGD |\n"

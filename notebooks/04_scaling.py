@@ -308,7 +308,7 @@ scaling.precision_summary(precisions, mfu=study.plan.mfu)
 # Everything above ran with the ranks on one machine, where the "network" is a memory copy and
 # never the limit. `labkit sweep network CONFIG` (as root) makes the regime the planner predicts
 # for the study real: it trains this model on 2 ranks across two network hosts (network
-# namespaces joined by a virtual link, `labkit.testing.NetHosts`) with the link shaped by a
+# namespaces joined by a virtual link, `labkit.testing.realcluster.NetHosts`) with the link shaped by a
 # token-bucket filter to each bandwidth in turn, and writes `sweeps/network.parquet`: tokens/s,
 # efficiency against 1 rank, exposed communication and bytes per step, each beside the network
 # model's prediction (`labkit.study.scaling.link_step_time`: the 1-rank compute time, the run's

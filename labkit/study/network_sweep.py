@@ -16,7 +16,8 @@ bytes on the wire per gradient byte, measured from h2's veth counters at the uns
 
 Rows (``sweeps/network.parquet``): model, grad_compression, rate_mbit (None: unshaped),
 link_mbit (measured TCP goodput), params, comm_bytes (per step per rank, after compression),
-buckets, wire_ratio, compute_s (1 rank), step_s (2 ranks, median of the timed steps),
+buckets, wire_ratio, compute_s (1 rank: the slower host's, as a synchronised step waits for
+the slower rank), compute_s_hosts (both hosts'), step_s (2 ranks, median of the timed steps),
 tokens_per_s (2 ranks), tokens_per_s_1rank (per rank), efficiency (compute_s / step_s),
 comm_exposed_s, predicted_step_s, predicted_exposed_s, predicted_ratio (measured / predicted),
 bandwidth_ratio (link bytes/s / (comm_bytes / compute_s): < 1 is network-bound), loss (after
@@ -122,8 +123,8 @@ def run_network_sweep(config: str, workdir: str | os.PathLike, *, models=MODELS,
                 procs = [_launch(hosts, h, config, base + [f'train.model="{model}"', f'train.run_dir="{d}"'], {})
                          for h, d in zip(hosts.names, runs)]
                 _wait(procs, timeout_s, f"{model} at 1 rank")
-                compute_s = statistics.mean(statistics.median(r["step_time_s"] for r in _timed(d, warmup_steps))
-                                            for d in runs)
+                each = [statistics.median(r["step_time_s"] for r in _timed(d, warmup_steps)) for d in runs]
+                compute_s = max(each)  # a synchronised step waits for the slower rank
                 result1 = json.loads((runs[0] / "result.json").read_text())
                 tokens_1 = statistics.median(r["tokens_per_s"] for r in _timed(runs[0], warmup_steps))
                 hosts.shape(None if rate is None else rate * 1e6)
@@ -153,7 +154,7 @@ def run_network_sweep(config: str, workdir: str | os.PathLike, *, models=MODELS,
                         "model": model, "grad_compression": comp, "rate_mbit": rate,
                         "link_mbit": link["goodput_bits"] / 1e6, "params": result1.get("params"),
                         "comm_bytes": comm_bytes, "buckets": len(buckets), "wire_ratio": wire_ratio,
-                        "compute_s": compute_s, "step_s": step_s,
+                        "compute_s": compute_s, "compute_s_hosts": each, "step_s": step_s,
                         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
                         "tokens_per_s_1rank": tokens_1, "efficiency": compute_s / step_s,
                         "comm_exposed_s": statistics.median(r["comm_exposed_s"] for r in timed),
