@@ -79,6 +79,16 @@ def test_powersgd_plain_during_warm_up_then_compressed(runs):
     assert all(0 < r["comm_bytes"] < full / 2 for r in psgd[START:]), [r["comm_bytes"] for r in psgd]
     assert all(0.0 <= r["comm_exposed_s"] <= r["step_time_s"] for r in psgd)
     assert all(r["loss"] == r["loss"] for r in psgd)  # finite: the compressed steps still train
+    # the planner's count (labkit.study.scaling.compressed_grad_bytes, per parameter by torch's rule)
+    # is what the hook sent, bucket by bucket
+    from labkit.model import model_config
+    from labkit.study.scaling import compressed_grad_bytes
+
+    vocab = json.loads((runs / "none" / "result.json").read_text())["vocab_size"]
+    cfg = model_config("tiny", vocab)
+    assert psgd[-1]["comm_bytes"] == compressed_grad_bytes(cfg, "powersgd", powersgd_rank=2)
+    assert none[0]["comm_bytes"] == compressed_grad_bytes(cfg, "none") == 2 * compressed_grad_bytes(cfg, "bf16")
+    assert sum(psgd[-1]["comm_bucket_bytes"]) == psgd[-1]["comm_bytes"]
 
 
 def test_config_refusals():
