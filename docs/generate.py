@@ -15,6 +15,8 @@ blocks read the files the measuring command wrote, kept under docs/data/:
   work/demo`` copies both from a demo's work directory, then regenerates.
 - ``docs/data/forecast_study.json``: the JSON of ``labkit forecast configs/study.toml --gpus
   1,2,4,8,16,32,64,128,256 --json``.
+- ``docs/data/network.jsonl``: ``<workdir>/sweeps/network.parquet`` written by ``labkit sweep
+  network configs/walkthrough.toml --models mini small`` (root; the shaped-link sweep), as JSON lines.
 - ``docs/data/plan_counted.jsonl``: the JSON lines ``python docs/count_study.py`` writes
   (``plan_model`` of the study's two models on an H100 NVL).
 - ``docs/data/bench_model.jsonl`` / ``bench_ddp.jsonl`` / ``bench_stage.jsonl`` / ``bench_parallel.jsonl``:
@@ -27,7 +29,7 @@ blocks read the files the measuring command wrote, kept under docs/data/:
   ``benchmarks/project_prep.py``'s.
 
 Blocks: ``demo-summary`` (README.md); ``lesson1-measured``, ``lesson1-planner``, ``parallel-planner``, ``lesson2-measured``,
-``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``, ``lesson4-forecast``,
+``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``, ``lesson4-forecast``, ``lesson4-network``,
 ``lesson5-measured``, ``lesson5-planner`` (docs/results.md), and docs/generate_study.py's
 ``tokenizer-study``, ``study-run``, ``study-loaders``, ``study-plan``, ``precision-experiment``,
 ``one-story`` (docs/results.md, from configs/study.toml and the files its scripts write); ``bench-model`` (docs/model.md);
@@ -221,6 +223,70 @@ def lesson4_forecast() -> str:
                f"GPU-hours against {by[128]['gpu_hours']:.0f} and {by[64]['gpu_hours']:.0f}. Assumptions:")
     out += [f"- {a}" for a in d["assumptions"]]
     return "\n".join(out) + "\n"
+
+
+def _network() -> list[dict]:
+    return [json.loads(line) for line in (DATA / "network.jsonl").read_text().splitlines() if line.strip()]
+
+
+def lesson4_network() -> str:
+    """The shaped-link sweep (docs/data/network.jsonl, ``labkit sweep network``'s Parquet as JSON
+    lines): measured efficiency against link time / compute, the model beside it; where the
+    study's 256-GPU 25 GbE run sits on the same axis per precision and what each compression
+    gives there (``scaling.compression_table``, the planner's compute at 40 % MFU); the loss cost
+    of compression from bench_network --compression (docs/data/bench_network.jsonl) when present."""
+    from labkit.study import scaling
+
+    rows = _network()
+    out = ["| model | link (measured TCP) | link time / compute | efficiency | exposed comm. | step: measured / model | 1-min load |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in sorted(rows, key=lambda r: (r["model"], -r["link_mbit"])):
+        if r["grad_compression"] != "none":
+            continue
+        link = (f"unshaped ({r['link_mbit'] / 1e3:.1f} Gbit/s)" if r["rate_mbit"] is None
+                else f"{r['rate_mbit']:g} Mbit/s set, {r['link_mbit']:.0f} measured")
+        out.append(f"| {r['model']} | {link} | {1 / r['bandwidth_ratio']:.2f} | {r['efficiency']:.2f} | "
+                   f"{r['comm_exposed_s']:.2f} s | {r['predicted_ratio']:.2f} | {r['load_avg_1m']:.1f} |")
+    ratios = [r["predicted_ratio"] for r in rows]
+    from generate_study import _study
+
+    lab, cfg = _study()  # configs/study.toml: the authors' model, batch, cluster
+    levers = scaling.compression_table(cfg, micro_batch=lab.train.micro_batch_size, seq_len=lab.shards.seq_len,
+                                       device=lab.plan.device, network=lab.plan.network,
+                                       gpus_per_node=lab.plan.gpus_per_node, mfu=lab.plan.mfu)
+    study = []
+    for precision in scaling.STUDY_PRECISIONS:
+        t = {r["grad_compression"]: r for r in levers.iter_rows(named=True) if r["precision"] == precision}
+        link = scaling.ring_allreduce_time(t["none"]["grad_bytes"], 256, **{k: scaling.NETWORKS["25GbE"][k]
+                                                                             for k in ("bandwidth", "latency")})
+        study.append(f"| {precision} | {link / t['none']['compute_s']:.2f} | {t['none']['efficiency']:.2f} | "
+                     f"{t['bf16']['efficiency']:.2f} | {t['powersgd']['efficiency']:.2f} |")
+    text = ("\n".join(out) + "\n\n"
+            f"Measured step time over the model's: {min(ratios):.2f} to {max(ratios):.2f} at all {len(rows)} points. "
+            "Link time = a step's gradient bytes / the link's measured TCP goodput (at 2 ranks a ring sends one copy "
+            "each way); above 1 the link cannot keep up with compute, and no overlap helps.\n\n"
+            f"The study's run as configs/study.toml states it (micro-batch {lab.train.micro_batch_size}, seq "
+            f"{lab.shards.seq_len}, {lab.plan.mfu:.0%} of each precision's peak) at 256 GPUs on {lab.plan.network}, "
+            "on the same axis "
+            "(ring: 2(n-1)/n copies), and the planner's efficiency with each gradient compression "
+            "(`labkit plan configs/study.toml`; PowerSGD at rank 4):\n\n"
+            "| precision | link time / compute | efficiency, fp32 gradients | bf16 compression | PowerSGD |\n"
+            "| --- | --- | --- | --- | --- |\n" + "\n".join(study) + "\n")
+    bench = DATA / "bench_network.jsonl"
+    comp = [json.loads(line) for line in bench.read_text().splitlines() if '"network_compression"' in line] \
+        if bench.exists() else []
+    if comp:
+        c = comp[-1]
+        g = c["efficiency_gain"]
+        text += (f"\nMeasured on the shaped link (`{c['model']}`, {c['rate_mbit']:g} Mbit/s, {c['rounds']} paired rounds, "
+                 f"bench_network --compression): efficiency {c['efficiency']['none']['median']:.2f} with fp32 gradients, "
+                 f"{c['efficiency']['bf16']['median']:.2f} with bf16 (x{g['bf16']['median']:.2f}, spread "
+                 f"{g['bf16']['min']:.2f}-{g['bf16']['max']:.2f}), {c['efficiency']['powersgd']['median']:.2f} with "
+                 f"PowerSGD (x{g['powersgd']['median']:.2f}, spread {g['powersgd']['min']:.2f}-{g['powersgd']['max']:.2f}); "
+                 f"bytes per step {c['comm_bytes']['none'] / 1e6:.1f}, {c['comm_bytes']['bf16'] / 1e6:.1f} and "
+                 f"{c['comm_bytes']['powersgd'] / 1e6:.1f} MB. The cost in learning: loss after {c['loss_after_steps']} "
+                 f"steps {c['loss']['none']:.3f} (none), {c['loss']['bf16']:.3f} (bf16), {c['loss']['powersgd']:.3f} (PowerSGD).\n")
+    return text
 
 
 def lesson5_measured() -> str:
@@ -497,6 +563,7 @@ BLOCKS = {("README.md", "demo-summary"): demo_summary,
           ("docs/results.md", "lesson4-measured"): lesson4_measured,
           ("docs/results.md", "lesson4-planner"): lesson4_planner,
           ("docs/results.md", "lesson4-forecast"): lesson4_forecast,
+          ("docs/results.md", "lesson4-network"): lesson4_network,
           ("docs/results.md", "lesson5-measured"): lesson5_measured,
           ("docs/results.md", "lesson5-planner"): lesson5_planner,
           ("docs/model.md", "bench-model"): bench_model,

@@ -4,7 +4,7 @@
     labkit stage CONFIG              shards to node-local disk, checksums verified
     labkit train CONFIG              DDP training on the engines
     labkit resume RUN_DIR            continue a run from its newest checkpoint
-    labkit sweep ranks|micro-batch|loaders|parallel|batch CONFIG
+    labkit sweep ranks|micro-batch|loaders|network|parallel|batch CONFIG
     labkit plan [CONFIG]             the planner's memory and scaling tables (a file's run at full size)
     labkit export RUN_DIR OUT        model + tokenizer + model card for transformers
     labkit demo | verify SHARD_DIR | report NOTEBOOK OUT.html
@@ -41,6 +41,7 @@ EXAMPLES = {
              "  labkit sweep micro-batch configs/walkthrough.toml --models mini small --budget-gib 2\n"
              "  labkit sweep loaders configs/walkthrough.toml --workers 0 1 2 --step-time-s 0.05\n"
              "  labkit sweep parallel configs/walkthrough.toml --micro-batches 4 --steps 8\n"
+             "  labkit sweep network configs/walkthrough.toml --models mini small --rates-mbit 0 1000 200 50\n"
              "  labkit sweep batch configs/walkthrough.toml --batches 4 8 16 32 64 --examples 4096",
     "plan": 'labkit plan --model bert-350m --gpus 256 --micro-batch 16 --seq-len 512 --device "H100 NVL"\n'
             '  labkit plan configs/study.toml --device "H100 NVL"',
@@ -358,9 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     _add_common(p, config=False)
     p.set_defaults(func=_resume)
-    p = _sub(sub, "sweep", "scaling sweeps: ranks, micro-batch, DataLoader workers (notebook 04), "
+    p = _sub(sub, "sweep", "scaling sweeps: ranks, micro-batch, DataLoader workers, a shaped network (notebook 04), "
                            "data x tensor x pipeline splits (notebook 06), the critical batch (notebook 07)", debug)
-    p.add_argument("kind", choices=("ranks", "micro-batch", "loaders", "parallel", "batch"))
+    p.add_argument("kind", choices=("ranks", "micro-batch", "loaders", "network", "parallel", "batch"))
     _add_common(p)
     p.add_argument("--ranks", type=int, nargs="+", default=None, help="ranks: the rank counts (default 1..engines)")
     p.add_argument("--models", nargs="+", default=None, help="micro-batch: model presets (default: train.model)")
@@ -371,7 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-time-s", type=float, default=0.05, help="loaders: the consumer's step time (s)")
     p.add_argument("--micro-batches", type=int, default=4,
                    help="parallel: micro-batches per step and data-parallel replica (the pipeline's m)")
-    p.add_argument("--steps", type=int, default=8, help="parallel: optimiser steps per split")
+    p.add_argument("--steps", type=int, default=None, help="parallel: optimiser steps per split (default 8); "
+                                                           "network: per run, the first 2 untimed (default 6)")
+    p.add_argument("--rates-mbit", type=float, nargs="+", default=[0, 1000, 200, 50],
+                   help="network: link settings in Mbit/s between the two hosts, 0 = unshaped (root)")
+    p.add_argument("--compression", nargs="+", default=["none"], choices=("none", "bf16", "powersgd"),
+                   help="network: train.grad_compression values, each at every setting")
     _add_batch_sweep_args(p)
     p.add_argument("--force", action="store_true", help="rerun points already in the sweep's table")
     p.set_defaults(func=_command("sweep"))

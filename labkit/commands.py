@@ -181,12 +181,16 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
     (largest micro-batch per model under a memory budget), ``loaders`` (data-wait fraction per
     DataLoader worker count), and notebook 06's ``parallel`` (every dp x tp x pp split of the
     engines: throughput, measured bubble, time in TP collectives and per-rank memory beside the
-    planner). Prints the sweep's table (also under <workdir>/sweeps/)."""
+    planner). ``network`` (root; no engines): 2 ranks across two network hosts at each link
+    setting, beside the network model (``labkit.study.network_sweep``). Prints the sweep's table
+    (also under <workdir>/sweeps/)."""
     from labkit import preflight
 
     w = cfg.workdir
     if kind == "batch":  # one process per batch size, here (labkit.study.critical_batch)
         return _sweep_batch(cfg, args)
+    if kind == "network":
+        return _sweep_network(cfg, args)
     preflight.check_sweep(kind, cfg, args)
     from labkit import lab
     from labkit.data.shards import read_index
@@ -202,7 +206,7 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
                                        force=args.force)
         elif kind == "parallel":
             staged = _stage(client, cfg) if _uses_workdir_shards(cfg) else None
-            df = lab.sweep_parallel(client, cfg.train, w, micro_batches=args.micro_batches, steps=args.steps,
+            df = lab.sweep_parallel(client, cfg.train, w, micro_batches=args.micro_batches, steps=args.steps or 8,
                                     staged=staged, force=args.force)
         else:
             staged = _stage(client, cfg) if _uses_workdir_shards(cfg) else None
@@ -222,6 +226,33 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
     if note:
         print(note)
     _print_table(df)
+    return 0
+
+
+def _sweep_network(cfg: LabConfig, args) -> int:
+    """``labkit sweep network``: ``labkit.study.network_sweep.run_network_sweep`` on CONFIG's
+    [train] (its --set overrides passed on to every rank) and its shards; prints the table."""
+    from labkit.preflight import check_model as _check
+    from labkit.study.network_sweep import run_network_sweep
+
+    models = args.models or [cfg.train.model]
+    for name in models:
+        _check(name, {}, key="--models")
+    if any(r < 0 for r in args.rates_mbit):
+        raise ValueError(f"--rates-mbit: must be >= 0 (0: unshaped), got {args.rates_mbit}")
+    steps = args.steps or 6
+    if steps < 4:
+        raise ValueError(f"--steps: the network sweep needs at least 4 (the first 2 untimed: DDP all-reduces the "
+                         f"whole model as one bucket until it rebuilt its buckets), got {steps}")
+    if not pathlib.Path(cfg.train.data_dir, "index.json").is_file():
+        raise ValueError(f"train.data_dir: no shards at {cfg.train.data_dir} (run `labkit prepare {args.config}` first)")
+    df = run_network_sweep(args.config, cfg.workdir, models=models, rates_mbit=[r or None for r in args.rates_mbit],
+                           compressions=args.compression, steps=steps, data_dir=cfg.train.data_dir,
+                           overrides=args.set)
+    cols = ("model", "grad_compression", "rate_mbit", "link_mbit", "comm_bytes", "compute_s", "step_s", "efficiency",
+            "comm_exposed_s", "predicted_step_s", "predicted_ratio")
+    print(f"sweeps/network.parquet in {cfg.workdir} holds every column")
+    _print_table(df.select(cols))
     return 0
 
 
@@ -552,6 +583,10 @@ def plan_config(args) -> int:
     _print_table(table.pivot(on="precision", index="n_gpus", values="efficiency"))
     table_summary = scaling.precision_summary(table, mfu=pc.mfu)
     _print_table(table_summary)
+    levers = scaling.compression_table(cfg, micro_batch=batch, seq_len=seq_len, device=pc.device, network=pc.network,
+                                       n_gpus=gpus[-1], gpus_per_node=pc.gpus_per_node, mfu=pc.mfu)
+    print(f"gradient compression (train.grad_compression; powersgd at rank 4) at {gpus[-1]} GPUs over {pc.network}:")
+    _print_table(levers)
     rows = list(table_summary.iter_rows(named=True))
     best = fit["max_micro_batch"]
     eff = {r["precision"]: round(r["efficiency"], 3) for r in rows}
@@ -562,7 +597,10 @@ def plan_config(args) -> int:
                "within_10pct": abs(best - batch) <= 0.1 * batch, "efficiency_at_max_gpus": eff,
                "n_gpus": gpus[-1], "network": pc.network,
                "network_limit_from_n": {r["precision"]: r["first_exposed_n"] for r in rows},
-               "break_even_mfu": {r["precision"]: round(r["break_even_mfu"], 3) for r in rows}}
+               "break_even_mfu": {r["precision"]: round(r["break_even_mfu"], 3) for r in rows},
+               "efficiency_compressed": {p: {r["grad_compression"]: round(r["efficiency"], 3)
+                                             for r in levers.iter_rows(named=True) if r["precision"] == p}
+                                         for p in levers["precision"].unique(maintain_order=True)}}
     _print_json(summary)
     if getattr(args, "out", None):
         from labkit.io import atomic_write_json

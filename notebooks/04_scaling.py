@@ -302,3 +302,56 @@ fig
 
 # %%
 scaling.precision_summary(precisions, mfu=study.plan.mfu)
+
+# %% [markdown]
+# ## A network that really limits
+# Everything above ran with the ranks on one machine, where the "network" is a memory copy and
+# never the limit. `labkit sweep network CONFIG` (as root) makes the regime the planner predicts
+# for the study real: it trains this model on 2 ranks across two network hosts (network
+# namespaces joined by a virtual link, `labkit.testing.realcluster.NetHosts`) with the link shaped by a
+# token-bucket filter to each bandwidth in turn, and writes `sweeps/network.parquet`: tokens/s,
+# efficiency against 1 rank, exposed communication and bytes per step, each beside the network
+# model's prediction (`labkit.study.scaling.link_step_time`: the 1-rank compute time, the run's
+# gradient buckets, the link's measured bandwidth). The x-axis is the link time of one step's
+# gradients over the compute time: above 1 the link cannot keep up, whatever the overlap.
+# Without the sweep's file this section shows the model alone for this model, calibrated from
+# the 1-rank step measured above; with bf16 gradient compression (`TrainConfig.grad_compression`)
+# the bytes halve.
+
+# %%
+import plotly.graph_objects as go
+
+grad_bytes = 4 * count_parameters(model_config(model, index["vocab_size"]))["total"]
+bucket = 25 * 2**20  # DDP's default cap: the model's gradients in buckets of at most 25 MiB
+modelled_net = []
+for mbit in (10000, 3000, 1000, 500, 200, 100, 50, 20):
+    for kind, nbytes in (("none", grad_bytes), ("bf16", grad_bytes // 2)):
+        buckets = [min(bucket, nbytes - k) for k in range(0, nbytes, bucket)]
+        p = scaling.link_step_time(compute_s=step[1], bucket_bytes=buckets, bandwidth=mbit * 1e6 / 8)
+        modelled_net.append({"grad_compression": kind, "rate_mbit": mbit, "link_over_compute": nbytes * 8 / (mbit * 1e6) / step[1],
+                             "efficiency": step[1] / p["step_s"], "exposed_s": p["exposed_s"]})
+modelled_net = pl.DataFrame(modelled_net)
+net_file = pathlib.Path(workdir) / "sweeps" / "network.parquet"
+measured_net = pl.read_parquet(net_file) if net_file.exists() else None
+fig = go.Figure()
+for kind, t in modelled_net.group_by("grad_compression", maintain_order=True):
+    fig.add_trace(go.Scatter(x=t["link_over_compute"], y=t["efficiency"], mode="lines",
+                             name=f"{model} model, {kind[0]}"))
+if measured_net is not None:
+    for (m, kind), t in measured_net.group_by("model", "grad_compression", maintain_order=True):
+        fig.add_trace(go.Scatter(x=1 / t["bandwidth_ratio"], y=t["efficiency"], mode="markers",
+                                 name=f"{m} measured, {kind}"))
+        fig.add_trace(go.Scatter(x=1 / t["bandwidth_ratio"], y=t["compute_s"] / t["predicted_step_s"], mode="markers",
+                                 marker_symbol="x", name=f"{m} model at the measured link, {kind}"))
+fig.update_layout(title="Data-parallel efficiency at 2 ranks against the link", xaxis_type="log",
+                  xaxis_title="link time of a step's gradients / compute time", yaxis_title="efficiency",
+                  yaxis_range=[0, 1.1])
+fig
+
+# %%
+if measured_net is not None:
+    shown_net = measured_net.select("model", "grad_compression", "rate_mbit", "link_mbit", "comm_bytes", "efficiency",
+                                    "comm_exposed_s", "step_s", "predicted_step_s", "predicted_ratio", "load_avg_1m")
+else:
+    shown_net = modelled_net
+shown_net

@@ -136,11 +136,25 @@ class TrainConfig:
     compile: bool = False
     """``torch.compile`` the model's forward (``nn.Module.compile``, in place, so parameter
     names and checkpoints stay the same) before wrapping it for data parallelism."""
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float | Literal["auto"] = 25.0
     """ddp / zero1: DDP's gradient bucket size in MiB (``DistributedDataParallel(bucket_cap_mb=)``;
-    torch's default 25). Smaller buckets start all-reducing earlier in backward, larger ones
+    torch's default 25); "auto": the size of the embedding's gradients
+    (``labkit.train.dist.auto_bucket_cap_mb``), so the bucket that waits for the end of backward
+    holds little besides them. Smaller buckets start all-reducing earlier in backward, larger ones
     pay the per-collective latency less often; the last bucket's all-reduce is never hidden
     (``comm_exposed_s`` in every metrics record, docs/training.md)."""
+    grad_compression: Literal["none", "bf16", "powersgd"] = "none"
+    """ddp / zero1: how DDP's gradient buckets travel (``labkit.train.comm.compression_hook``, in the
+    one comm hook with the timing): "none" all-reduces fp32; "bf16" casts each bucket to bfloat16
+    for the all-reduce (torch's ``bf16_compress_hook``: half the bytes); "powersgd" sends a rank-
+    ``powersgd_rank`` factorisation of each matrix gradient (torch's ``powerSGD_hook``, Vogels et
+    al. 2019, arXiv:1905.13727, with error feedback) after ``powersgd_start_iter`` plain steps."""
+    powersgd_rank: int = 4
+    """grad_compression="powersgd": the rank of each gradient matrix's approximation
+    (``PowerSGDState.matrix_approximation_rank``)."""
+    powersgd_start_iter: int = 10
+    """grad_compression="powersgd": optimiser steps all-reduced uncompressed before PowerSGD starts
+    (``PowerSGDState.start_powerSGD_iter``; at least 2, torch's requirement with error feedback)."""
     allow_safe_changes: bool = False
     """Resume even though fields that leave the steps already taken unchanged differ from the
     run directory's saved config (max_steps, log/checkpoint/eval intervals:
@@ -172,7 +186,14 @@ class TrainConfig:
         _require(0.0 < self.mlm_probability < 1.0, "mlm_probability", "must be in (0, 1)")
         _require(self.ckpt_every >= 0, "ckpt_every", "must be >= 0")
         _require(self.timeout_s > 0, "timeout_s", "must be positive")
-        _require(self.bucket_cap_mb > 0, "bucket_cap_mb", f"must be positive, got {self.bucket_cap_mb}")
+        _require(self.bucket_cap_mb == "auto" or (not isinstance(self.bucket_cap_mb, str) and self.bucket_cap_mb > 0),
+                 "bucket_cap_mb", f"must be a positive number of MiB or 'auto', got {self.bucket_cap_mb!r}")
+        _one_of(self.grad_compression, "grad_compression", ("none", "bf16", "powersgd"))
+        _require(self.grad_compression == "none" or self.sharding in ("ddp", "zero1"), "grad_compression",
+                 f"{self.grad_compression!r} is a DDP comm hook: it needs sharding 'ddp' or 'zero1', not {self.sharding!r}")
+        _require(self.powersgd_rank >= 1, "powersgd_rank", f"must be >= 1, got {self.powersgd_rank}")
+        _require(self.powersgd_start_iter >= 2, "powersgd_start_iter",
+                 f"must be >= 2 (torch's PowerSGD with error feedback), got {self.powersgd_start_iter}")
         _require(0.0 < self.wsd_decay_fraction <= 1.0, "wsd_decay_fraction", "must be in (0, 1]")
         _require(self.stop_after is None or self.stop_after > 0, "stop_after", "must be positive or None")
         _require(self.eval_every >= 0, "eval_every", f"must be >= 0, got {self.eval_every}")

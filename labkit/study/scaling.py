@@ -339,3 +339,106 @@ def precision_summary(table, *, mfu: float = 0.4):
                      **limit, "break_even_mfu": mfu * t["compute_s"][0] / (1.5 * last["comm_s"])
                      if last["comm_s"] else None})
     return pl.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------------------------
+# One real link: the shaped network hosts (labkit sweep network, docs/measurement.md)
+# --------------------------------------------------------------------------------------------
+
+
+def link_step_time(*, compute_s: float, bucket_bytes, bandwidth: float, latency: float = 0.0, n: int = 2,
+                   backward_fraction: float = 2 / 3, wire_ratio: float = 1.0) -> dict[str, float]:
+    """Modelled seconds of one DDP step whose gradient buckets share ONE link of ``bandwidth``
+    bytes/s (the shaped h1-h2 link; every rank's NIC at large scale), one after another.
+
+    ``compute_s``: the step's compute, measured at 1 rank under the same CPU load.
+    ``bucket_bytes``: the bytes of each gradient all-reduce in launch order (``comm_bucket_bytes``
+    of a metrics record: DDP's buckets after its first-step rebuild, after any compression); the
+    last one holds the tied word embedding and is ready only when backward ends (docstring of
+    ``embedding_bucket_bytes``). The others become ready evenly over the backward pass
+    (``backward_fraction`` of compute_s, 2/3: backward = 2 x forward). Each all-reduce takes
+    ``ring_allreduce_time`` of its bytes x ``wire_ratio`` (gloo's own bytes on the wire per
+    gradient byte, measured from the veth's counters) and starts when it is ready and the link
+    is free: the link is one queue, so a bucket that cannot finish during backward delays every
+    later one. Exposed = when the link finishes minus when backward ends (>= 0).
+
+    Returns {"compute_s", "comm_s" (sum of the all-reduces), "exposed_s", "step_s" (compute +
+    exposed), "last_bucket_s"}. Raises ValueError for a non-positive compute time or bandwidth.
+    (Bucketed overlap: Li et al. 2020, arXiv:2006.15704 section 3.2; ring: Patarasuk & Yuan 2009.)"""
+    if not compute_s > 0:
+        raise ValueError(f"compute_s: must be positive, got {compute_s}")
+    if not bandwidth > 0:
+        raise ValueError(f"bandwidth: must be positive, got {bandwidth}")
+    sizes = [float(b) * wire_ratio for b in bucket_bytes]
+    backward = compute_s * backward_fraction
+    free, times = 0.0, []
+    for k, size in enumerate(sizes):
+        ready = backward if k == len(sizes) - 1 else backward * (k + 1) / len(sizes)
+        t = ring_allreduce_time(size, n, bandwidth=bandwidth, latency=latency)
+        free = max(ready, free) + t
+        times.append(t)
+    exposed = max(0.0, free - backward) if sizes else 0.0
+    return {"compute_s": compute_s, "comm_s": sum(times), "exposed_s": exposed, "step_s": compute_s + exposed,
+            "last_bucket_s": times[-1] if times else 0.0}
+
+
+def compressed_grad_bytes(cfg, compression: str, *, powersgd_rank: int = 4, min_compression_rate: float = 2.0) -> int:
+    """Bytes one rank all-reduces per step for labkit's model ``cfg`` under
+    ``TrainConfig.grad_compression``: "none" 4 per parameter (fp32 gradients), "bf16" 2, "powersgd"
+    (after its warm-up) the rank-r factors P (n x r) and Q (m x r) of each n x m gradient matrix
+    worth compressing and every other tensor whole, in fp32, r = min(n, m, ``powersgd_rank``), by
+    torch's rule (``labkit.train.comm.powersgd_wire_bytes``, whose 2-rank runs it matches). The
+    model is built on the meta device (no memory). Raises ValueError for another compression."""
+    import torch
+
+    from labkit.model import BertMLM
+
+    if compression not in ("none", "bf16", "powersgd"):
+        raise ValueError(f"compression: unknown {compression!r}; choose 'none', 'bf16' or 'powersgd'")
+    with torch.device("meta"):
+        params = [p for p in BertMLM(cfg).parameters() if p.requires_grad]
+    total = sum(p.numel() for p in params)
+    if compression != "powersgd":
+        return total * (4 if compression == "none" else 2)
+    elements = 0
+    for p in params:
+        n = p.shape[0] if p.dim() else 1
+        m = p.numel() // max(n, 1)
+        r = min(n, m, powersgd_rank)
+        elements += (n + m) * r if (n + m) * r * min_compression_rate < n * m else n * m
+    return 4 * elements
+
+
+def compression_table(cfg, *, micro_batch: int, seq_len: int, device: str = "H100 NVL", network: str = "25GbE",
+                      n_gpus: int = 256, gpus_per_node: int = 2, mfu: float = 0.4, precisions=STUDY_PRECISIONS,
+                      powersgd_rank: int = 4, mlm_probability: float = 0.15):
+    """The planner's levers against the network: per precision (``precision_experiment``'s compute)
+    and gradient compression ("none", "bf16", "powersgd" at ``powersgd_rank``), the bytes all-reduced
+    per step (``compressed_grad_bytes``) and the efficiency and exposed all-reduce at ``n_gpus``.
+    The compute does not change with the compression (the compression's own CPU/GPU time is not
+    counted: small next to a step on a GPU, measured on the shaped link by bench_network).
+    polars DataFrame: precision, grad_compression, grad_bytes, compute_s, exposed_s, efficiency."""
+    import polars as pl
+
+    from labkit.measure import PEAK_FLOPS
+    from labkit.model import flops_per_token
+    from labkit.study.plan import device_info
+
+    kind = device_info(device)["peak_kind"]
+    fpt = flops_per_token(cfg, seq_len, mlm_probability=mlm_probability)
+    rows = []
+    for precision in precisions:
+        peak = PEAK_FLOPS.get((kind, precision))
+        if peak is None:
+            raise ValueError(f"precision: no {precision!r} peak for {device} in labkit.measure.PEAK_FLOPS")
+        compute = compute_time(fpt, seq_len=seq_len, micro_batch=micro_batch, peak_flops=peak, mfu=mfu)
+        for comp in ("none", "bf16", "powersgd"):
+            grad = compressed_grad_bytes(cfg, comp, powersgd_rank=powersgd_rank)
+            last = embedding_bucket_bytes(cfg, grad_dtype_bytes=4 if comp == "none" else 2) if comp != "powersgd" \
+                else None
+            t1 = step_time(1, compute_s=compute, grad_bytes=grad, network=network, gpus_per_node=gpus_per_node)
+            tn = step_time(n_gpus, compute_s=compute, grad_bytes=grad, network=network, gpus_per_node=gpus_per_node,
+                           last_bucket_bytes=last)
+            rows.append({"precision": precision, "grad_compression": comp, "grad_bytes": grad, "compute_s": compute,
+                         "exposed_s": tn["exposed_s"], "efficiency": t1["step_s"] / tn["step_s"]})
+    return pl.DataFrame(rows)

@@ -1,7 +1,9 @@
 """``python -m labkit.testing``: start and stop the one-machine cluster of labkit.testing.realcluster
 by hand (as root), e.g. to try labkit's Slurm and MPI paths (docs/slurm.md, "Try it on one machine").
 
-  python -m labkit.testing up [--dir D] [--hosts] [--gpus-per-node G]   start munge + Slurm (+ h1/h2)
+  python -m labkit.testing up [--dir D] [--hosts [--rate-mbit R]] [--gpus-per-node G]
+                                                                         start munge + Slurm (+ h1/h2)
+  python -m labkit.testing shape --rate-mbit R|none [--dir D]            change the h1-h2 link's rate
   python -m labkit.testing on h1 -- CMD...                               run CMD on network host h1
   python -m labkit.testing down [--dir D]                                 stop everything by pid
 
@@ -29,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--dir", default=DEFAULT_DIR)
     up.add_argument("--hosts", action="store_true", help="n1 on host h1, n2 on host h2 (network namespaces)")
     up.add_argument("--gpus-per-node", type=int, default=2)
+    up.add_argument("--rate-mbit", type=float, default=None,
+                    help="shape the h1-h2 link to this many Mbit/s (tbf on both ends); default unshaped")
+    shape = sub.add_parser("shape", help="change the h1-h2 link's rate while everything runs (tc qdisc change)")
+    shape.add_argument("--rate-mbit", required=True, help="Mbit/s, or 'none' to remove the shaping")
+    shape.add_argument("--dir", default=DEFAULT_DIR)
     down = sub.add_parser("down", help="stop what `up` started (by pid) and delete h1/h2")
     down.add_argument("--dir", default=DEFAULT_DIR)
     on = sub.add_parser("on", help="run a command on network host h1 or h2")
@@ -43,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     d = pathlib.Path(a.dir)
     state = d / "state.json"
     if a.cmd == "up":
-        hosts = R.NetHosts(d / "net").start() if a.hosts else None
+        rate = None if a.rate_mbit is None else a.rate_mbit * 1e6
+        hosts = R.NetHosts(d / "net", rate_bits=rate).start() if a.hosts else None
         try:
             slurm = R.Slurm(d / "slurm", hosts=hosts, gpus_per_node=a.gpus_per_node).start()
         except BaseException:
@@ -61,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     saved = json.loads(state.read_text()) if state.exists() else {"hosts": True}
     hosts = R.NetHosts(d / "net")
+    if a.cmd == "shape":
+        hosts.shape(None if a.rate_mbit == "none" else float(a.rate_mbit) * 1e6)
+        print(hosts.qdisc("h1"))
+        return 0
     if a.cmd == "on":
         cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
         os.execvpe(hosts.wrap(a.host)[0], hosts.wrap(a.host) + (cmd or ["/bin/bash"]),

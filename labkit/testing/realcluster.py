@@ -36,7 +36,7 @@ __all__ = ["APT_PACKAGES", "HOST_ADDRS", "TOOLS", "hosts_text", "kill_pids", "Mu
            "unavailable", "wait_for", "write_rsh_agent"]
 
 TOOLS = ("slurmctld", "slurmd", "sbatch", "squeue", "scancel", "sinfo", "munged", "munge", "unmunge",
-         "mpiexec", "ip", "nsenter", "unshare", "mknod")
+         "mpiexec", "ip", "tc", "nsenter", "unshare", "mknod")
 """Programs the real-cluster tests need (Debian: slurmctld slurmd slurm-client munge openmpi-bin)."""
 APT_PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge", "openmpi-bin", "libopenmpi-dev")
 HOST_ADDRS = {"h1": "10.200.0.1", "h2": "10.200.0.2"}
@@ -60,6 +60,17 @@ def unavailable() -> str | None:
     missing = [t for t in TOOLS if shutil.which(t, path=path) is None]
     if missing:
         return f"missing {' '.join(missing)} (as root, `make test` installs: apt-get install {' '.join(APT_PACKAGES)})"
+    return None
+
+
+def unavailable_hosts() -> str | None:
+    """Why the network hosts alone (``NetHosts``, no Slurm) cannot be made here (one line), or None."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, tc)"
+    path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
+    missing = [t for t in ("ip", "tc", "nsenter", "unshare") if shutil.which(t, path=path) is None]
+    if missing:
+        return f"missing {' '.join(missing)} (apt-get install iproute2 util-linux)"
     return None
 
 
@@ -127,15 +138,43 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 # ---------------------------------------------------------------- network hosts
 
 
+def tbf_burst(rate_bits: float) -> int:
+    """Default token-bucket depth in bytes for a tbf shaping ``rate_bits`` bit/s: 10 ms of the
+    rate, at least 256 KiB. tbf needs a bucket of at least rate/HZ bytes to reach its rate
+    (tc-tbf(8)); the veth sends GSO super-packets of up to 64 KiB, which must fit too. Over a
+    transfer of T seconds the bucket lets through burst/T bytes/s above the rate (< 2 % for
+    transfers of a second or more at 200 Mbit/s)."""
+    return max(256 * 1024, int(rate_bits / 8 * 0.01))
+
+
 class NetHosts:
     """Network hosts h1 and h2 on this machine (see the module docstring). Use as a context
-    manager or call start()/stop(); `workdir` holds the hosts file."""
+    manager or call start()/stop(); `workdir` holds the hosts file.
+
+    ``rate_bits``: shape the link to this many bit/s (None: unshaped, a veth runs at memory
+    speed, ~17 Gbit/s seen) with a token-bucket filter (``tc qdisc ... tbf``, tc-tbf(8)) on both
+    ends, so the link is symmetric; ``burst`` (bytes, default ``tbf_burst(rate_bits)``) and
+    ``latency`` (seconds a packet may wait in the tbf queue before it is dropped, default 0.05)
+    are tbf's. ``shape`` changes the setting while the hosts run (``tc qdisc change``, no
+    restart; open connections carry on at the new rate)."""
 
     names = tuple(HOST_ADDRS)
 
-    def __init__(self, workdir: str | os.PathLike):
+    def __init__(self, workdir: str | os.PathLike, *, rate_bits: float | None = None, burst: int | None = None,
+                 latency: float = 0.05):
         self.dir = pathlib.Path(workdir)
         self.hosts_file = self.dir / "hosts"
+        self._check_shape(rate_bits, burst, latency)
+        self.rate_bits, self.burst, self.latency = rate_bits, burst, latency
+
+    @staticmethod
+    def _check_shape(rate_bits: float | None, burst: int | None, latency: float) -> None:
+        if rate_bits is not None and not rate_bits >= 8000:
+            raise ValueError(f"rate_bits: must be at least 8000 bit/s or None (unshaped), got {rate_bits}")
+        if burst is not None and not burst >= 2048:
+            raise ValueError(f"burst: must be at least 2048 bytes or None (tbf_burst), got {burst}")
+        if not latency > 0:
+            raise ValueError(f"latency: must be positive seconds, got {latency}")
 
     def start(self) -> "NetHosts":
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -149,7 +188,44 @@ class NetHosts:
             _run(["ip", "-n", h, "addr", "add", f"{addr}/24", "dev", f"veth-{h}"])
             _run(["ip", "-n", h, "link", "set", "lo", "up"])
             _run(["ip", "-n", h, "link", "set", f"veth-{h}", "up"])
+        self.shape(self.rate_bits, burst=self.burst, latency=self.latency)
         return self
+
+    def shape(self, rate_bits: float | None, *, burst: int | None = None, latency: float = 0.05) -> None:
+        """Shape both ends of the running link to ``rate_bits`` bit/s (a tbf root qdisc on veth-h1
+        and veth-h2: ``tc qdisc add`` the first time, ``tc qdisc change`` after, so it also works
+        from another process on hosts started elsewhere), or remove the shaping (None). ``burst`` in bytes (None: ``tbf_burst``), ``latency`` in seconds. Raises
+        ValueError for a bad setting, RuntimeError when tc fails."""
+        self._check_shape(rate_bits, burst, latency)
+        for h in self.names:
+            dev, shaped = f"veth-{h}", "qdisc tbf" in self.qdisc(h)
+            if rate_bits is None:
+                if shaped:
+                    _run(["tc", "-n", h, "qdisc", "del", "dev", dev, "root"])
+                continue
+            _run(["tc", "-n", h, "qdisc", "change" if shaped else "add", "dev", dev, "root", "tbf", "rate",
+                  f"{int(rate_bits)}bit", "burst", str(burst or tbf_burst(rate_bits)), "latency", f"{latency * 1e3:g}ms"])
+        self.rate_bits, self.burst, self.latency = rate_bits, burst, latency
+
+    def qdisc(self, host: str) -> str:
+        """``tc qdisc show`` of `host`'s end of the link (one line per qdisc)."""
+        if host not in HOST_ADDRS:
+            raise ValueError(f"host must be one of {self.names}, got {host!r}")
+        return _run(["tc", "-n", host, "qdisc", "show", "dev", f"veth-{host}"]).stdout.strip()
+
+    def link_bytes(self, host: str) -> dict[str, int]:
+        """Bytes and packets `host`'s veth has sent and received since it was made ({"tx_bytes",
+        "rx_bytes", "tx_packets", "rx_packets"}): the kernel's counters, read with ``ip -s -j link``
+        in the host's namespace (/sys/class/net outside it shows the machine's own devices).
+        Ethernet frames: they count the IP and TCP headers and gloo's protocol bytes."""
+        import json
+
+        if host not in HOST_ADDRS:
+            raise ValueError(f"host must be one of {self.names}, got {host!r}")
+        link = json.loads(_run(["ip", "-s", "-j", "-n", host, "link", "show", "dev", f"veth-{host}"]).stdout)[0]
+        stats = link["stats64"]
+        return {"tx_bytes": stats["tx"]["bytes"], "rx_bytes": stats["rx"]["bytes"],
+                "tx_packets": stats["tx"]["packets"], "rx_packets": stats["rx"]["packets"]}
 
     def wrap(self, host: str) -> list[str]:
         """Command prefix running the rest of a command line on `host` (h1 or h2)."""
@@ -182,6 +258,69 @@ class NetHosts:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+_RECEIVER = """\
+import json, socket, sys, time
+srv = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("listening", flush=True)
+conn, _ = srv.accept()
+buf, got, first = bytearray(1 << 20), 0, None
+while True:
+    n = conn.recv_into(buf)
+    if not n:
+        break
+    now = time.perf_counter()
+    first = first or now
+    got += n
+print(json.dumps({"bytes": got, "seconds": now - first}), flush=True)
+"""
+_SENDER = """\
+import socket, sys
+total, chunk = int(sys.argv[3]), bytes(1 << 20)
+with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60) as s:
+    while total > 0:
+        s.sendall(chunk[:min(total, len(chunk))])
+        total -= len(chunk)
+"""
+
+
+def measure_throughput(hosts: NetHosts, nbytes: int, *, src: str = "h1", dst: str = "h2", port: int = 29571,
+                       timeout: float = 120) -> dict[str, float]:
+    """Send ``nbytes`` over one TCP connection from `src` to `dst` (only the hosts' own addresses)
+    and time it at the receiver, from its first byte to its last. Returns {"bytes", "seconds",
+    "goodput_bits" (payload bit/s), "wire_bits" (bit/s of Ethernet frames leaving `src`'s veth over
+    the same seconds, from ``link_bytes``)}. The first byte arrives after TCP's handshake, so the
+    time is the transfer's; tbf's bucket lets ``burst`` bytes through at once, so send several
+    seconds' worth. Raises RuntimeError when either side fails."""
+    import json
+    import sys
+
+    if nbytes <= 0:
+        raise ValueError(f"nbytes: must be positive, got {nbytes}")
+    recv = subprocess.Popen(hosts.wrap(dst) + [sys.executable, "-c", _RECEIVER, HOST_ADDRS[dst], str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = recv.stdout.readline()
+        if line.strip() != "listening":
+            raise RuntimeError(f"throughput receiver on {dst} did not start: {recv.stderr.read()[-2000:]}")
+        before = hosts.link_bytes(src)["tx_bytes"]
+        send = subprocess.run(hosts.wrap(src) + [sys.executable, "-c", _SENDER, HOST_ADDRS[dst], str(port),
+                                                 str(nbytes)], capture_output=True, text=True, timeout=timeout)
+        if send.returncode:
+            raise RuntimeError(f"throughput sender on {src} failed: {send.stderr[-2000:]}")
+        out, err = recv.communicate(timeout=timeout)
+        wire = hosts.link_bytes(src)["tx_bytes"] - before
+    finally:
+        if recv.poll() is None:
+            recv.kill()
+            recv.wait()
+    if recv.returncode:
+        raise RuntimeError(f"throughput receiver on {dst} failed: {err[-2000:]}")
+    res = json.loads(out.strip().splitlines()[-1])
+    seconds = res["seconds"]
+    return {"bytes": res["bytes"], "seconds": seconds, "goodput_bits": 8 * res["bytes"] / seconds,
+            "wire_bits": 8 * wire / seconds}
 
 
 def write_rsh_agent(path: str | os.PathLike, hosts: NetHosts) -> str:

@@ -104,9 +104,12 @@ class CommTimer:
         return sum(n for _, _, n in self._records)
 
     def step_fields(self) -> dict[str, Any]:
-        """What the step adds to its metrics record: ``comm_bytes`` (``sent_bytes``) and each
+        """What the step adds to its metrics record: ``comm_bytes`` (``sent_bytes``),
+        ``comm_bucket_bytes`` (each collective's bytes in launch order: DDP's buckets, the last one
+        holding the word embedding; ``labkit.study.scaling.link_step_time`` models them) and each
         observer's ``step_fields()``. Collective when an observer's is: call on every rank."""
-        fields: dict[str, Any] = {"comm_bytes": self.sent_bytes()}
+        fields: dict[str, Any] = {"comm_bytes": self.sent_bytes(),
+                                  "comm_bucket_bytes": [c["bytes"] for c in self.collectives()]}
         for observer in self.observers:
             fields |= observer.step_fields()
         return fields
@@ -239,3 +242,55 @@ def timed_all_reduce(timer: CommTimer | None, flat: torch.Tensor, group: Any, di
     for observer in observers:
         observer.after(0, flat)
     return flat
+
+
+def powersgd_wire_bytes(state: Any, bucket: Any) -> int:
+    """Bytes torch's ``powerSGD_hook`` puts on the wire for ``bucket`` at ``state.iter`` (a
+    ``PowerSGDState``): the whole fp32 bucket during the ``start_powerSGD_iter`` warm-up steps, then
+    the uncompressed tensors (vectors, and matrices whose rank-r factors would not be
+    ``min_compression_rate`` times smaller) plus P (n x r) and Q (m x r) of each compressed n x m
+    matrix, r = min(n, m, rank). The same split as ``powerSGD_hook``
+    (torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py, Step I), so the count follows
+    torch's rule, not a copy of the compression."""
+    buffer = bucket.buffer()
+    if state.iter < state.start_powerSGD_iter:
+        return buffer.numel() * buffer.element_size()
+    elements = 0
+    for tensor in bucket.gradients():
+        n = tensor.shape[0] if tensor.dim() else 1
+        m = tensor.numel() // max(n, 1)
+        r = min(n, m, state.matrix_approximation_rank)
+        elements += (n + m) * r if (n + m) * r * state.min_compression_rate < n * m else n * m
+    return elements * buffer.element_size()
+
+
+def compression_hook(cfg: Any, process_group: Any = None) -> tuple[Any, Any, Any]:
+    """The inner ``reduce`` hook of ``time_gradient_collectives`` for ``cfg.grad_compression``
+    (a ``TrainConfig``): ``(reduce, reduce_state, wire_bytes)``.
+
+    - "none": (None, None, None): torch's default averaging all-reduce of the fp32 bucket;
+    - "bf16": torch's ``default_hooks.bf16_compress_hook`` with ``process_group`` as its state (None:
+      the default group); each bucket is cast to bfloat16, all-reduced, divided by the world size
+      and cast back, so the wire carries 2 bytes per gradient element;
+    - "powersgd": torch's ``powerSGD_hook.powerSGD_hook`` with a ``PowerSGDState(process_group,
+      matrix_approximation_rank=cfg.powersgd_rank, start_powerSGD_iter=cfg.powersgd_start_iter)``
+      (error feedback and warm start on, torch's defaults; Vogels et al. 2019, arXiv:1905.13727),
+      bytes from ``powersgd_wire_bytes``.
+
+    Without a process group (one process) there is nothing to reduce: (None, None, None). Raises
+    ValueError for another value (TrainConfig refuses it first)."""
+    kind = getattr(cfg, "grad_compression", "none")
+    if kind == "none" or not dist.is_initialized():
+        return None, None, None
+    if kind == "bf16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+        return bf16_compress_hook, process_group, lambda bucket: bucket.buffer().numel() * 2
+    if kind == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        state = psgd.PowerSGDState(process_group, matrix_approximation_rank=cfg.powersgd_rank,
+                                   start_powerSGD_iter=cfg.powersgd_start_iter)
+        return psgd.powerSGD_hook, state, lambda bucket: powersgd_wire_bytes(state, bucket)
+    raise ValueError(f"grad_compression: unknown {kind!r}; choose 'none', 'bf16' or 'powersgd'")
+

@@ -34,7 +34,8 @@ from labkit.config import TrainConfig
 from labkit.measure import StepTimer
 from labkit.train import dist, gns
 from labkit.train.clip import clip_grad_norm_, copies_of
-from labkit.train.comm import CommTimer, GradientObserver, time_gradient_collectives, time_reduce_scatters
+from labkit.train.comm import (CommTimer, GradientObserver, compression_hook, time_gradient_collectives,
+                               time_reduce_scatters)
 from labkit.train.gns import NoiseScale
 from labkit.train.parallel import ParallelModel, split_of
 
@@ -113,7 +114,8 @@ class Runtime:
     this process's place (``split_of(cfg, world, rank)``: ValueError when tp x pp does not divide
     the world). ``observers``: ``labkit.train.comm.GradientObserver``\\ s inside the dp gradient
     collectives (every mode); ``reduce``, ``reduce_state``, ``wire_bytes``: DDP's inner comm hook
-    (a compression; ``labkit.train.comm.time_gradient_collectives``), for data parallelism alone
+    (a compression; ``labkit.train.comm.time_gradient_collectives``; None: ``cfg.grad_compression``'s,
+    ``labkit.train.comm.compression_hook``), for data parallelism alone
     (ValueError for a split run, whose dp reduction is FSDP2's or the replicas' all-reduce). Build it
     once, after wrapping and before the first step."""
 
@@ -131,11 +133,13 @@ class Runtime:
                                             dp=self.dp, sharding=sharding)
             if self.noise is not None and not self.noise.micro:  # an observer of the collective
                 observers = [*observers, self.noise]
+            if reduce is None:  # cfg.grad_compression's hook (torch's bf16 / PowerSGD; None: the plain all-reduce)
+                reduce, reduce_state, wire_bytes = compression_hook(cfg)
             self.comm = time_gradient_collectives(model, device, reduce=reduce, reduce_state=reduce_state,
                                                   wire_bytes=wire_bytes, observers=observers)
             self._copies = [(p, copies_of(p, world)) for p in model.parameters()]
         else:
-            if reduce is not None:
+            if reduce is not None or getattr(cfg, "grad_compression", "none") != "none":
                 raise ValueError("grad_compression: a compression hook applies to DDP (ddp, zero1), not to a "
                                  f"split run (tp {cfg.tp}, pp {cfg.pp})")
             self.comm = self._time_split(observers) if torch.distributed.is_initialized() else None

@@ -1,0 +1,167 @@
+"""Lesson 4 on a network that really limits: ``labkit sweep network CONFIG``.
+
+The same model trains on 2 ranks across the two network hosts h1 and h2
+(``labkit.testing.realcluster.NetHosts``: network namespaces joined by a veth pair, root only),
+with the link shaped by a token-bucket filter to each bandwidth in turn, from unshaped (memory
+speed: compute-bound) to tens of Mbit/s (network-bound). Each rank is a
+``python -m labkit.train`` process started on its host (rank 0 on h1, ``MASTER_ADDR=h1``).
+
+Per model and bandwidth it first measures the 1-rank compute time: two independent 1-rank runs,
+one on each host at once, so the CPU is shared as it is by the 2-rank run, right before the
+2-rank runs (on a shared machine the compute time of a step moves by tens of per cent within
+minutes; one 1-rank measurement per model put the model 40 % off). Then it measures the link (a bounded TCP transfer, ``measure_throughput``) and the 2-rank run, and puts
+the model's prediction beside it (``labkit.study.scaling.link_step_time`` from the measured
+1-rank compute time, the run's own gradient buckets, the measured link bandwidth, and gloo's
+bytes on the wire per gradient byte, measured from h2's veth counters at the unshaped setting).
+
+Rows (``sweeps/network.parquet``): model, grad_compression, rate_mbit (None: unshaped),
+link_mbit (measured TCP goodput), params, comm_bytes (per step per rank, after compression),
+buckets, wire_ratio, compute_s (1 rank: the slower host's, as a synchronised step waits for
+the slower rank), compute_s_hosts (both hosts'), step_s (2 ranks, median of the timed steps),
+tokens_per_s (2 ranks), tokens_per_s_1rank (per rank), efficiency (compute_s / step_s),
+comm_exposed_s, predicted_step_s, predicted_exposed_s, predicted_ratio (measured / predicted),
+bandwidth_ratio (link bytes/s / (comm_bytes / compute_s): < 1 is network-bound), loss (after
+the run's steps), steps, load_avg_1m.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+RATES_MBIT = (None, 1000.0, 200.0, 50.0)
+"""The default link settings: unshaped, 1 Gbit/s, 200 Mbit/s, 50 Mbit/s."""
+MODELS = ("mini", "small")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(hosts, host: str, config: str, sets: list[str], env: dict[str, str]) -> subprocess.Popen:
+    cmd = hosts.wrap(host) + [sys.executable, "-m", "labkit.train", config]
+    for s in sets:
+        cmd += ["--set", s]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **env})
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    errors = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=max(1.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"network sweep: {what} did not finish within {timeout:.0f} s")
+        if p.returncode:
+            errors.append(err.strip().splitlines()[-1] if err.strip() else f"exit {p.returncode}")
+    if errors:
+        raise RuntimeError(f"network sweep: {what} failed: {errors[0]}")
+
+
+def _timed(run_dir: pathlib.Path, warmup: int) -> list[dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return records[warmup:] or records
+
+
+def run_network_sweep(config: str, workdir: str | os.PathLike, *, models=MODELS, rates_mbit=RATES_MBIT,
+                      compressions=("none",), steps: int = 6, warmup_steps: int = 2, micro_batch: int | None = None,
+                      data_dir: str | None = None, timeout_s: float = 900.0, net_dir: str | os.PathLike | None = None,
+                      overrides=()):
+    """Run the sweep (module docstring) and write ``<workdir>/sweeps/network.parquet``; returns
+    it as a polars DataFrame. ``config``: the TOML file whose ``[train]`` is the run (its
+    ``data_dir`` unless ``data_dir`` is given); ``steps`` optimiser steps per run, the first
+    ``warmup_steps`` untimed; ``micro_batch`` overrides ``micro_batch_size``; ``compressions``
+    are ``TrainConfig.grad_compression`` values, each measured at every bandwidth; ``overrides``
+    are ``--set SECTION.KEY=VALUE`` strings given to every run before the sweep's own. Needs root,
+    iproute2 and util-linux (RuntimeError naming what is missing); h1/h2 are created and deleted."""
+    import polars as pl
+
+    from labkit.study.scaling import link_step_time
+    from labkit.testing import realcluster as R
+
+    why = R.unavailable_hosts()
+    if why:
+        raise RuntimeError(f"network sweep: cannot run here: {why}")
+    if steps <= warmup_steps:
+        raise ValueError(f"steps: must exceed warmup_steps ({warmup_steps}), got {steps}")
+    if not rates_mbit:
+        raise ValueError("rates_mbit: give at least one link setting")
+    workdir = pathlib.Path(workdir).resolve()
+    out_dir = workdir / "sweeps" / "network-runs"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = str(pathlib.Path(config).resolve())
+    base = [*overrides, f"train.max_steps={steps}", f"train.timing_warmup_steps={warmup_steps}", "train.checkpoints=false",
+            "train.eval_every=0", "train.eval_sequences=4", "train.num_threads=1", 'train.device="cpu"',
+            'train.backend="gloo"', "train.trackers=[]", "train.timeout_s=600"]
+    if micro_batch:
+        base.append(f"train.micro_batch_size={micro_batch}")
+    if data_dir:
+        base.append(f'train.data_dir="{pathlib.Path(data_dir).resolve()}"')
+    rows: list[dict[str, Any]] = []
+    hosts = R.NetHosts(pathlib.Path(net_dir or out_dir / "net"))
+    with hosts:
+        for model in models:
+            wire_ratio = None
+            for rate in rates_mbit:
+                # 1 rank on each host at once, just before the 2-rank runs of this setting: the CPU
+                # shared as in them, and within the same minutes of the machine's load
+                runs = [out_dir / f"{model}-1rank-{h}" for h in hosts.names]
+                hosts.shape(None)
+                procs = [_launch(hosts, h, config, base + [f'train.model="{model}"', f'train.run_dir="{d}"'], {})
+                         for h, d in zip(hosts.names, runs)]
+                _wait(procs, timeout_s, f"{model} at 1 rank")
+                each = [statistics.median(r["step_time_s"] for r in _timed(d, warmup_steps)) for d in runs]
+                compute_s = max(each)  # a synchronised step waits for the slower rank
+                result1 = json.loads((runs[0] / "result.json").read_text())
+                tokens_1 = statistics.median(r["tokens_per_s"] for r in _timed(runs[0], warmup_steps))
+                hosts.shape(None if rate is None else rate * 1e6)
+                link = R.measure_throughput(hosts, int((rate or 4000.0) * 1e6 / 8 * 1.5), port=_free_port())
+                for comp in compressions:
+                    name = f"{model}-{'unshaped' if rate is None else f'{rate:g}mbit'}-{comp}"
+                    run_dir = out_dir / name
+                    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "h1", "MASTER_PORT": str(_free_port())}
+                    sets = base + [f'train.model="{model}"', f'train.run_dir="{run_dir}"',
+                                   f'train.grad_compression="{comp}"']
+                    before = hosts.link_bytes("h2")["tx_bytes"]
+                    procs = [_launch(hosts, h, config, sets, {**env, "RANK": str(k), "LOCAL_RANK": "0"})
+                             for k, h in enumerate(hosts.names)]
+                    _wait(procs, timeout_s, f"{name} at 2 ranks")
+                    sent = hosts.link_bytes("h2")["tx_bytes"] - before
+                    timed = _timed(run_dir, warmup_steps)
+                    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+                    comm_bytes = statistics.median(r["comm_bytes"] for r in timed)
+                    if wire_ratio is None or (rate is None and comp == "none"):
+                        # gloo's bytes per gradient byte: rank 1 sends only its all-reduce shares
+                        wire_ratio = sent / max(1.0, sum(r["comm_bytes"] for r in records))
+                    buckets = timed[-1]["comm_bucket_bytes"]
+                    step_s = statistics.median(r["step_time_s"] for r in timed)
+                    pred = link_step_time(compute_s=compute_s, bucket_bytes=buckets, bandwidth=link["goodput_bits"] / 8,
+                                          wire_ratio=wire_ratio)
+                    rows.append({
+                        "model": model, "grad_compression": comp, "rate_mbit": rate,
+                        "link_mbit": link["goodput_bits"] / 1e6, "params": result1.get("params"),
+                        "comm_bytes": comm_bytes, "buckets": len(buckets), "wire_ratio": wire_ratio,
+                        "compute_s": compute_s, "compute_s_hosts": each, "step_s": step_s,
+                        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+                        "tokens_per_s_1rank": tokens_1, "efficiency": compute_s / step_s,
+                        "comm_exposed_s": statistics.median(r["comm_exposed_s"] for r in timed),
+                        "predicted_step_s": pred["step_s"], "predicted_exposed_s": pred["exposed_s"],
+                        "predicted_ratio": step_s / pred["step_s"],
+                        "bandwidth_ratio": (link["goodput_bits"] / 8) / (comm_bytes / compute_s),
+                        "loss": records[-1]["loss"], "steps": steps, "load_avg_1m": os.getloadavg()[0]})
+    df = pl.DataFrame(rows, infer_schema_length=None)
+    df.write_parquet(workdir / "sweeps" / "network.parquet")
+    return df
