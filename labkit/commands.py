@@ -15,8 +15,10 @@ from typing import Any, Iterator
 
 from labkit.config.tomlfile import ClusterConfig, LabConfig
 
-__all__ = ["cluster_client", "export", "load_model_module", "plan", "plan_config", "prepare", "print_plan",
-           "print_plan_model", "resume", "run_world_size", "stage", "sweep", "train"]
+__all__ = [
+    "cluster_client", "export", "load_model_module", "plan", "plan_config", "prepare", "print_plan",
+    "print_plan_model", "resume", "run_world_size", "stage", "sweep", "train", "forecast", "plan_model_module"
+]
 
 
 def _print_json(obj: Any) -> None:

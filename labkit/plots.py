@@ -22,10 +22,13 @@ from plotly.subplots import make_subplots
 
 from labkit.live import LivePlot, live_html  # noqa: F401 (re-exported: notebooks use plots.LivePlot)
 
-__all__ = ["COLORS", "COLORWAY", "FONT", "MEMORY_TERMS", "RENDERER", "drop_reasons_figure", "efficiency_figure",
-           "figure_bundle", "integer_axis", "law_figure", "loader_figure", "log_ticks", "loss_figure", "memory_figure",
-           "microbatch_figure", "nice_step", "parallel_figure", "preparation_figure", "round_axis", "scaling_table",
-           "setup_notebook_plotting", "split_label", "staging_figure", "style", "throughput_figure", "topology_figure"]
+__all__ = [
+    "COLORS", "COLORWAY", "FONT", "MEMORY_TERMS", "RENDERER", "drop_reasons_figure", "efficiency_figure",
+    "figure_bundle", "integer_axis", "law_figure", "loader_figure", "log_ticks", "loss_figure", "memory_figure",
+    "microbatch_figure", "nice_step", "parallel_figure", "preparation_figure", "round_axis", "scaling_table",
+    "setup_notebook_plotting", "split_label", "staging_figure", "style", "throughput_figure", "topology_figure",
+    "busy_marks", "noise_scale_figure", "steps_examples_figure"
+]
 
 COLORS = {"loss": "#1f4e79", "throughput": "#c55a11", "ideal": "#7f7f7f", "bar": "#2e75b6", "busy": "#c00000"}
 """Named colours used across figures (colour-blind safe blue/orange pair, grey reference)."""

@@ -35,8 +35,11 @@ from labkit.cluster.engine_watch import (EngineStartError, forget_engines, regis
 from labkit.cluster.network import default_controller_ip, mpi_exports
 from labkit.io import atomic_write_json
 
-__all__ = ["ENGINE_KINDS", "STALE_ENGINE_WAIT_S", "connect_cluster", "engine_logs", "get_client", "list_clusters",
-           "restart_engines", "secure_connection_files", "slurm_batch_template", "start_cluster", "stop_cluster"]
+__all__ = [
+    "ENGINE_KINDS", "STALE_ENGINE_WAIT_S", "connect_cluster", "engine_logs", "get_client", "list_clusters",
+    "restart_engines", "secure_connection_files", "slurm_batch_template", "start_cluster", "stop_cluster", "call",
+    "interrupt_tasks", "wait_results"
+]
 
 ENGINE_KINDS = ("local", "slurm", "mpi")
 STALE_ENGINE_WAIT_S = 10.0

@@ -32,6 +32,8 @@ from typing import Any, Iterable
 
 from labkit.io import sha256_file
 
+__all__ = ["changes", "describe", "file_identity", "files_identity", "plain", "read_record", "record", "reuse", "say"]
+
 
 def _now_iso() -> str:
     import datetime

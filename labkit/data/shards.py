@@ -47,10 +47,12 @@ from labkit.data.pack import (CLS_ID, PAD_ID, SEP_ID, doc_stream, pack_documents
 from labkit.data.tokenize import (encode_flat, line_separable, load_tokenizer, process_line_cache, special_ids,
                                   text_row_count, tokenizer_sha256)
 
-__all__ = ["CROSS_DOCUMENT_ATTENTION", "FORMAT", "INDEX_NAME", "VERSION", "check_entries", "check_shards",
-           "check_tokenizer", "encode_part", "finish_shards", "id_bound", "packing_info", "packing_of",
-           "parts_dir_for", "plan_parts", "plan_shards", "read_index", "rows_per_shard", "SequenceReader",
-           "shard_dtype", "ShardError", "verify_shards", "write_index", "write_rows", "write_shards"]
+__all__ = [
+    "CROSS_DOCUMENT_ATTENTION", "FORMAT", "INDEX_NAME", "VERSION", "check_entries", "check_shards",
+    "check_tokenizer", "encode_part", "finish_shards", "id_bound", "packing_info", "packing_of", "parts_dir_for",
+    "plan_parts", "plan_shards", "read_index", "rows_per_shard", "SequenceReader", "shard_dtype", "ShardError",
+    "verify_shards", "write_index", "write_rows", "write_shards", "ShardSet", "load_index", "open_shards"
+]
 
 FORMAT = "labkit-shards"
 VERSION = 1

@@ -44,6 +44,8 @@ from torch.utils._pytree import tree_leaves
 
 from labkit.study.cuda_like import CudaLike
 
+__all__ = ["count_steps", "loss_of", "parameter_table"]
+
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 _FAKE_REFUSALS = (torch._subclasses.fake_tensor.DataDependentOutputException,

@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+__all__ = ["b_simple_at", "fit_critical_batch", "hyperbola", "lr_for_batch", "steps_to_target", "sweep_batch"]
+
 LR_RULES = ("sqrt", "linear", "constant")
 
 

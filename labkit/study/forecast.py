@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 import polars as pl
 
+__all__ = ["forecast_table", "knee", "steps_to_target", "study_forecast"]
+
 
 def steps_to_target(batch: float, *, e_min: float, b_crit: float, growth: float = 0.0, segments: int = 64) -> float:
     """Optimiser steps to the target at global ``batch`` (examples per step) for a run that needs

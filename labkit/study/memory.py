@@ -45,6 +45,11 @@ import torch
 from labkit.study.counting import count_steps
 from labkit.study.plan import device_info, largest_fitting
 
+__all__ = [
+    "activation_bytes", "gathered_bytes", "labkit_model", "max_micro_batch", "model_state_bytes", "optimizer_impl",
+    "optimizer_step_bytes", "params_before_blocks", "plan_model", "state_bytes", "total_at", "zero1_partition"
+]
+
 SHARDINGS = ("none", "ddp", "zero1", "fsdp")
 STAGE_OF = {"none": 0, "ddp": 0, "zero1": 1, "fsdp": 3}
 OPTIMIZERS = {"adamw": 8, "sgd": 0}

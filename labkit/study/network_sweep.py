@@ -36,6 +36,8 @@ import sys
 import time
 from typing import Any
 
+__all__ = ["run_network_sweep"]
+
 RATES_MBIT = (None, 1000.0, 200.0, 50.0)
 """The default link settings: unshaped, 1 Gbit/s, 200 Mbit/s, 50 Mbit/s."""
 MODELS = ("mini", "small")

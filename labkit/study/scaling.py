@@ -33,10 +33,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["BUCKET_BYTES", "INTRA_NODE", "NETWORKS", "STUDY_PRECISIONS", "bucketed_allreduce", "calibrate",
-           "compute_time", "efficiency_table", "embedding_bucket_bytes", "exposed_s", "fit_overlap", "network_limit",
-           "one_story", "precision_experiment", "precision_summary", "ring_allreduce_time", "step_time",
-           "study_scaling"]
+__all__ = [
+    "BUCKET_BYTES", "INTRA_NODE", "NETWORKS", "STUDY_PRECISIONS", "bucketed_allreduce", "calibrate", "compute_time",
+    "efficiency_table", "embedding_bucket_bytes", "exposed_s", "fit_overlap", "network_limit", "one_story",
+    "precision_experiment", "precision_summary", "ring_allreduce_time", "step_time", "study_scaling",
+    "compressed_grad_bytes", "compression_table", "link_step_time", "model_scaling"
+]
 
 NETWORKS: dict[str, dict[str, Any]] = {
     "25GbE": {"bandwidth": 25e9 / 8, "latency": 20e-6,

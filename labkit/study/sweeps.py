@@ -33,8 +33,10 @@ from labkit.study import gpu, memory
 from labkit.study.loader_sweep import sweep_loader
 from labkit.workdir import paths
 
-__all__ = ["BUSY_LOAD_PER_CPU", "machine_load", "parallel_grid", "sweep_loader_workers", "sweep_micro_batch",
-           "sweep_model_size", "sweep_parallel", "sweep_ranks"]
+__all__ = [
+    "BUSY_LOAD_PER_CPU", "machine_load", "parallel_grid", "sweep_loader_workers", "sweep_micro_batch",
+    "sweep_model_size", "sweep_parallel", "sweep_ranks", "reused_note", "run_settings"
+]
 
 BUSY_LOAD_PER_CPU = 1.0
 """A sweep point counts as measured on a busy machine when the engine host's 1-minute load

@@ -32,8 +32,10 @@ import subprocess
 import time
 from typing import Callable
 
-__all__ = ["APT_PACKAGES", "HOST_ADDRS", "TOOLS", "hosts_text", "kill_pids", "Munge", "NetHosts", "pid_alive", "Slurm",
-           "unavailable", "wait_for", "write_rsh_agent"]
+__all__ = [
+    "APT_PACKAGES", "HOST_ADDRS", "TOOLS", "hosts_text", "kill_pids", "Munge", "NetHosts", "pid_alive", "Slurm",
+    "unavailable", "wait_for", "write_rsh_agent", "measure_throughput", "tbf_burst", "unavailable_hosts"
+]
 
 TOOLS = ("slurmctld", "slurmd", "sbatch", "squeue", "scancel", "sinfo", "munged", "munge", "unmunge",
          "mpiexec", "ip", "tc", "nsenter", "unshare", "mknod")

@@ -36,8 +36,11 @@ from labkit.io import atomic_dir, fsync_tree, replace
 from labkit.train import dist
 from labkit.train.rng import TRACKER
 
-__all__ = ["checkpoint_steps", "is_split_checkpoint", "load_checkpoint", "load_split_checkpoint", "read_state",
-           "save_checkpoint", "save_split_checkpoint"]
+__all__ = [
+    "checkpoint_steps", "load_checkpoint", "load_split_checkpoint", "read_state", "save_checkpoint", "Checkpointer",
+    "agree_on_plan", "checkpoint_run_id", "is_complete", "is_legacy", "is_used", "load", "load_weights",
+    "new_run_id", "plan_run", "saved_run_id", "set_aside", "state_dicts"
+]
 
 
 def _rng_state() -> dict[str, Any]:

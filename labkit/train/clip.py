@@ -24,6 +24,8 @@ from torch.distributed.tensor import DTensor
 
 from labkit.model.encoder import local
 
+__all__ = ["clip_grad_norm_", "copies_of"]
+
 
 def copies_of(p: torch.Tensor, holders: int) -> float:
     """How many ranks hold the same values as this rank's part of parameter ``p``, when ``holders``

@@ -34,7 +34,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from labkit.train.dist import is_fsdp
 
-__all__ = ["CommTimer", "time_gradient_collectives"]
+__all__ = [
+    "CommTimer", "time_gradient_collectives", "GradientObserver", "HookState", "compression_hook",
+    "powersgd_wire_bytes", "time_reduce_scatters", "timed_all_reduce"
+]
 
 
 class GradientObserver:

@@ -52,10 +52,12 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", r"`torch\.jit\.(script|interface)` is deprecated", DeprecationWarning)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-__all__ = ["all_gather_object", "all_reduce_smoke_test", "all_reduce_sum", "barrier", "clip_grad_norm", "dist_info",
-           "grad_scaler", "init_distributed", "is_fsdp", "is_main", "load_optimizer_state_dict", "model_state_dict",
-           "no_sync", "optimizer_state_dict", "print0", "resolve_device", "static_graph_valid",
-           "steps_to_param_devices", "teardown", "unwrap", "wrap_model"]
+__all__ = [
+    "all_gather_object", "all_reduce_smoke_test", "all_reduce_sum", "barrier", "clip_grad_norm", "dist_info",
+    "grad_scaler", "init_distributed", "is_fsdp", "is_main", "load_optimizer_state_dict", "model_state_dict",
+    "no_sync", "optimizer_state_dict", "print0", "resolve_device", "static_graph_valid", "steps_to_param_devices",
+    "teardown", "unwrap", "wrap_model", "auto_bucket_cap_mb"
+]
 
 _FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 """Gather the whole (unsharded) state onto rank 0's CPU; other ranks get an empty dict."""

@@ -47,6 +47,8 @@ import torch.distributed as dist
 
 from labkit.train.comm import GradientObserver
 
+__all__ = ["BiasCorrectedEMA", "NoiseScale", "squared_norm", "two_batch_estimates"]
+
 EMA_BETA = 0.95  # each estimate's EMA: ~20 steps of memory, bias-corrected (Adam's correction)
 
 

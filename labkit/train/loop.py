@@ -63,6 +63,8 @@ from labkit.train.run_config import (check_resume, data_identity, finished_run, 
                                      with_segments)
 from labkit.train.runtime import AUTOCAST_DTYPES, Runtime, forward_backward  # noqa: F401 (re-exported)
 
+__all__ = ["to_device", "train"]
+
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
     """A collated CPU batch on ``device`` (non-blocking copies), plus two facts read on the host
     first, so that the forward syncs with the device for neither: ``all_real`` (bool: no [PAD],

@@ -43,8 +43,9 @@ from labkit.train.comm import CommTimer, timed_all_reduce
 from labkit.train.optim import build_optimizer
 from labkit.train.tensor_parallel import apply_tensor_parallel, sync_sequence_parallel_grads
 
-__all__ = ["build", "checkpoint_rank", "measures", "ParallelModel", "rank_entry", "refuse_checkpoint", "result_fields",
-           "split_record"]
+__all__ = [
+    "build", "checkpoint_rank", "ParallelModel", "rank_entry", "refuse_checkpoint", "result_fields", "split_record"
+]
 
 class ParallelModel(nn.Module):
     """This rank's part of a ``BertMLM`` split over (pp, dp, tp): the modules it holds registered

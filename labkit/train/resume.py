@@ -22,6 +22,8 @@ from labkit.train import dist, parallel, rng
 from labkit.train.checkpoint import _set_rng_state, is_legacy, load, load_checkpoint
 from labkit.train.optim import build_optimizer
 
+__all__ = ["load_and_wrap", "parallelize", "restore", "resume_rng"]
+
 
 def parallelize(cfg: TrainConfig, model: torch.nn.Module, device: torch.device) -> tuple[Any, Any, Any, str]:
     """Applied from outside the model, in this order: move to ``device``, ``torch.compile``

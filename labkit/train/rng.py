@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 
+__all__ = ["RNGTracker", "ReplicatedDropout", "seed_streams"]
+
 
 class RNGTracker:
     """Named RNG streams of the device's default generator (CPU, or the current CUDA device's),

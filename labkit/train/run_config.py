@@ -31,8 +31,10 @@ from typing import Any
 
 from labkit.io import sha256_bytes
 
-__all__ = ["FREE_FIELDS", "SAFE_FIELDS", "check_resume", "config_drift", "data_identity", "model_config_of",
-           "save_run_config"]
+__all__ = [
+    "FREE_FIELDS", "SAFE_FIELDS", "check_resume", "config_drift", "data_identity", "model_config_of",
+    "save_run_config", "finished_run", "trained_seconds", "with_segments"
+]
 
 FREE_FIELDS = frozenset({"run_dir", "data_dir", "tokenizer_path", "num_workers", "num_threads", "backend",
                          "timeout_s", "verify_data", "resume", "allow_safe_changes", "stop_after", "trackers",

@@ -39,6 +39,8 @@ from labkit.train.comm import (CommTimer, GradientObserver, compression_hook, ti
 from labkit.train.gns import NoiseScale
 from labkit.train.parallel import ParallelModel, split_of
 
+__all__ = ["Runtime", "forward_backward"]
+
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -66,9 +66,12 @@ def test_a_new_run_in_a_used_run_dir_never_restores_the_old_run(shards, tmp_path
     assert [r["step"] for r in read_metrics(old / "metrics.jsonl")] == list(range(1, 9))
     assert json.loads((old / "config.json").read_text())["run_id"] == id_a
     assert json.loads((old / "result.json").read_text())["steps"] == 8
-    again = train(dataclasses.replace(b_cfg, resume=True))
-    assert again["run_id"] == id_b and again["steps"] == 6 and again["resumed_from_step"] == 6
-    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, 7))
+    result_b = (run / "result.json").read_bytes()
+    again = train(dataclasses.replace(b_cfg, resume=True))  # B is finished: B's result, nothing of A restored
+    assert again["run_id"] == id_b and again["steps"] == 6 and (run / "result.json").read_bytes() == result_b
+    more = train(dataclasses.replace(b_cfg, resume=True, max_steps=8, allow_safe_changes=True))
+    assert more["run_id"] == id_b and more["steps"] == 8 and more["resumed_from_step"] == 6
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, 9))
     assert checkpoint_steps(old) == [4, 8]  # still there
 
 
