@@ -422,17 +422,16 @@ def compression_table(cfg, *, micro_batch: int, seq_len: int, device: str = "H10
     polars DataFrame: precision, grad_compression, grad_bytes, compute_s, exposed_s, efficiency."""
     import polars as pl
 
-    from labkit.measure import PEAK_FLOPS
     from labkit.model import flops_per_token
     from labkit.study.plan import device_info
 
-    kind = device_info(device)["peak_kind"]
+    peaks = device_info(device)["peaks"]  # labkit.measure.DEVICES: the one device table
     fpt = flops_per_token(cfg, seq_len, mlm_probability=mlm_probability)
     rows = []
     for precision in precisions:
-        peak = PEAK_FLOPS.get((kind, precision))
+        peak = peaks.get(precision)
         if peak is None:
-            raise ValueError(f"precision: no {precision!r} peak for {device} in labkit.measure.PEAK_FLOPS")
+            raise ValueError(f"precision: no {precision!r} peak for {device} in labkit.measure.DEVICES")
         compute = compute_time(fpt, seq_len=seq_len, micro_batch=micro_batch, peak_flops=peak, mfu=mfu)
         for comp in ("none", "bf16", "powersgd"):
             grad = compressed_grad_bytes(cfg, comp, powersgd_rank=powersgd_rank)

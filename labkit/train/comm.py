@@ -70,7 +70,7 @@ class CommTimer:
     ``labkit.measure.comm_exposed_s``. ``time_gradient_collectives`` installs it.
 
     On CPU the clock is ``time.perf_counter`` read when a collective is launched and in its
-    completion callback. On CUDA it is ``torch.cuda.Event``\ s recorded on the launching stream
+    completion callback. On CUDA it is ``torch.cuda.Event`` objects recorded on the launching stream
     (after the gradient kernels) and on the stream the completion runs on, read after the step
     synchronised (``StepTimer.stop``). ``blocking``: the collectives run on the backward thread
     and stall it (FSDP2 on CPU)."""

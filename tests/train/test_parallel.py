@@ -446,7 +446,7 @@ def test_config_refusals(fields, field, words):
 
 @pytest.mark.parametrize("fields, overrides, world, field, words", [
     ({"tp": 3}, {}, 3, "tp", "num_heads 4 is not divisible by tp 3"),
-    ({"tp": 2}, {"intermediate_size": 255}, 2, "tp", "the FFN width 255 \(intermediate_size\) is not divisible by tp 2"),
+    ({"tp": 2}, {"intermediate_size": 255}, 2, "tp", r"the FFN width 255 \(intermediate_size\) is not divisible by tp 2"),
     ({"tp": 2, "sequence_parallel": True}, {}, 2, "sequence_parallel", "sequence length 15 is not divisible"),
     ({"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 4, "grad_accum_steps": 4}, {}, 2, "pp",
      "4 layers cannot fill pp x pp_virtual_stages = 2 x 4"),
