@@ -343,9 +343,11 @@ if measured_net is not None:
                                  name=f"{m} measured, {kind}"))
         fig.add_trace(go.Scatter(x=1 / t["bandwidth_ratio"], y=t["compute_s"] / t["predicted_step_s"], mode="markers",
                                  marker_symbol="x", name=f"{m} model at the measured link, {kind}"))
-fig.update_layout(title="Data-parallel efficiency at 2 ranks against the link", xaxis_type="log",
+xs = [x for tr in fig.data for x in tr.x if x and x > 0]
+fig.update_layout(title="Data-parallel efficiency at 2 ranks against the link",
                   xaxis_title="link time of a step's gradients / compute time", yaxis_title="efficiency",
                   yaxis_range=[0, 1.1])
+fig.update_xaxes(type="log", tickvals=plots.log_ticks(min(xs), max(xs)), tickformat="~g")  # 1-2-5: no repeated labels
 fig
 
 # %%

@@ -229,8 +229,11 @@ def exit_status(pid: int) -> int | None:
                 waiter = getattr(launcher, "_wait_thread", None)
                 if waiter is not None and waiter.is_alive():  # ipyparallel's thread reaps it: let it, then
                     try:  # read what it read (psutil keeps the status); two waiters would race for it
-                        if proc.status() != psutil.STATUS_ZOMBIE:
-                            return None
+                        deadline = time.monotonic() + 2.0  # a process just killed takes a moment to exit
+                        while proc.status() != psutil.STATUS_ZOMBIE and waiter.is_alive():
+                            if time.monotonic() > deadline:
+                                return None
+                            time.sleep(0.05)
                     except psutil.NoSuchProcess:
                         pass
                     waiter.join(timeout=5)
