@@ -293,6 +293,26 @@ STUDY_PRECISIONS = ("fp32", "tf32", "bf16")
 "highest"), TF32 and bf16 on the tensor cores; peaks ``labkit.measure.DEVICES``."""
 
 
+def _precision_compute(cfg: Any, device: str, precisions: Any, *, seq_len: int, micro_batch: int, mfu: float,
+                       mlm_probability: float) -> list[tuple[str, float, float]]:
+    """[(precision, dense peak FLOP/s of ``device`` at it, one micro-batch's compute seconds at ``mfu``)]
+    per precision (``compute_time`` of ``model.flops_per_token``; peaks from labkit.measure.DEVICES,
+    the one device table). ValueError for a precision without a peak on ``device``."""
+    from labkit.model import flops_per_token
+    from labkit.study.plan import device_info
+
+    peaks = device_info(device)["peaks"]
+    fpt = flops_per_token(cfg, seq_len, mlm_probability=mlm_probability)
+    out = []
+    for precision in precisions:
+        peak = peaks.get(precision)
+        if peak is None:
+            raise ValueError(f"precision: no {precision!r} peak for {device} in labkit.measure.DEVICES")
+        out.append((precision, peak, compute_time(fpt, seq_len=seq_len, micro_batch=micro_batch, peak_flops=peak,
+                                                  mfu=mfu)))
+    return out
+
+
 def precision_experiment(cfg, *, micro_batch: int, seq_len: int, device: str = "H100 NVL", network: str = "25GbE",
                          gpus=(1, 2, 4, 8, 16, 32, 64, 128, 256), gpus_per_node: int = 2, mfu: float = 0.4,
                          precisions=STUDY_PRECISIONS, mlm_probability: float = 0.15):
@@ -304,18 +324,12 @@ def precision_experiment(cfg, *, micro_batch: int, seq_len: int, device: str = "
     peak on ``device``."""
     import polars as pl
 
-    from labkit.model import count_parameters, flops_per_token
-    from labkit.study.plan import device_info
+    from labkit.model import count_parameters
 
-    peaks = device_info(device)["peaks"]
-    fpt = flops_per_token(cfg, seq_len, mlm_probability=mlm_probability)
     grad_bytes = 4 * count_parameters(cfg)["total"]
     frames = []
-    for precision in precisions:
-        peak = peaks.get(precision)
-        if peak is None:
-            raise ValueError(f"precision: no {precision!r} peak for {device} in labkit.measure.DEVICES")
-        compute = compute_time(fpt, seq_len=seq_len, micro_batch=micro_batch, peak_flops=peak, mfu=mfu)
+    for precision, peak, compute in _precision_compute(cfg, device, precisions, seq_len=seq_len, micro_batch=micro_batch,
+                                                       mfu=mfu, mlm_probability=mlm_probability):
         table = efficiency_table(compute_s=compute, grad_bytes=grad_bytes, tokens_per_step=seq_len * micro_batch,
                                  gpus=gpus, network=network, gpus_per_node=gpus_per_node)
         frames.append(table.select(pl.lit(precision).alias("precision"), pl.lit(peak).alias("peak_flops"),
@@ -422,17 +436,9 @@ def compression_table(cfg, *, micro_batch: int, seq_len: int, device: str = "H10
     polars DataFrame: precision, grad_compression, grad_bytes, compute_s, exposed_s, efficiency."""
     import polars as pl
 
-    from labkit.model import flops_per_token
-    from labkit.study.plan import device_info
-
-    peaks = device_info(device)["peaks"]  # labkit.measure.DEVICES: the one device table
-    fpt = flops_per_token(cfg, seq_len, mlm_probability=mlm_probability)
     rows = []
-    for precision in precisions:
-        peak = peaks.get(precision)
-        if peak is None:
-            raise ValueError(f"precision: no {precision!r} peak for {device} in labkit.measure.DEVICES")
-        compute = compute_time(fpt, seq_len=seq_len, micro_batch=micro_batch, peak_flops=peak, mfu=mfu)
+    for precision, _, compute in _precision_compute(cfg, device, precisions, seq_len=seq_len, micro_batch=micro_batch,
+                                                    mfu=mfu, mlm_probability=mlm_probability):
         for comp in ("none", "bf16", "powersgd"):
             grad = compressed_grad_bytes(cfg, comp, powersgd_rank=powersgd_rank)
             last = embedding_bucket_bytes(cfg, grad_dtype_bytes=4 if comp == "none" else 2) if comp != "powersgd" \
