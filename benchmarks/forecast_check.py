@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
                        "steps_ratio": m["steps"] / f["steps"] if m["steps"] is not None else None,
                        "forecast_step_s": f["step_s"], "measured_mean_step_s": m["mean_step_s"],
                        "step_s_ratio": m["mean_step_s"] / f["step_s"] if m["mean_step_s"] else None,
-                       "global_batch": n * b, "lr": m["lr"]}
+                       "global_batch": n * b, "lr": m["lr"], "max_steps": m["max_steps"]}
     ratios = [rows_out[n]["ratio"] for n in (1, 2)]
     worst = max(ratios, key=lambda r: abs(math.log(r))) if None not in ratios else None
     out = {"benchmark": "forecast_check", "metric": "measured_over_forecast_time_to_target", "value": worst,
