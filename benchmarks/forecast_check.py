@@ -11,7 +11,7 @@ machine's own short measurements, and the answer is then checked by training to 
    token, on the steep part of this data's curve, from ln 1024 = 6.9 at the start to about 4.2
    where it flattens; 0: the sweep's default, its largest best held-out loss) and fits S(B) =
    S_min(1 + B_crit/B): E_min = S_min·B_crit and B_crit;
-2. the step time at 1 and 2 ranks (gloo on CPU, one thread per rank, rank r pinned to core r
+2. the step time at n = 1 and 2 ranks (gloo on CPU, one thread per rank, rank r pinned to core r
    as in bench_ddp.py): rank 0's mean ``step_time_s`` (the mean, as a sum of steps is what is
    forecast) over the timed steps of a ``--timing-steps`` run (the first ``--timing-warmup``
    steps dropped) in the configuration the check trains with: ``--micro-batch`` sequences per
@@ -26,13 +26,15 @@ machine's own short measurements, and the answer is then checked by training to 
    steps up to the crossing (the last one prorated). Evaluation is outside the step time, in
    the forecast's inputs and in the measured time alike, and so is process start-up.
 
-The data: labkit's packer over synthetic documents of Zipf-distributed motifs with a separately
+Steps 2-4 run for n = 1, then for n = 2, each right after the other, so that a shared
+machine's load drifts as little as possible between a forecast's step time and its check (the
+forecast at n never uses the check's numbers). The data: labkit's packer over synthetic documents of Zipf-distributed motifs with a separately
 drawn held-out split (tests/tiny_shards.py, the shards of the training tests). Goal: measured /
 forecast within 0.75..1.25 at both rank counts. The machine's load averages are printed with
 the result; steps and step time are reported separately, so a miss names the input that was off.
 
-Run: ``python benchmarks/forecast_check.py`` from the repository root (about 1-3 minutes on an
-idle 2-core machine). JSON lines; the last line is one JSON object.
+Run: ``python benchmarks/forecast_check.py`` from the repository root (about 2 minutes on a
+2-core machine). JSON lines; the last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -139,8 +141,9 @@ def main(argv: list[str] | None = None) -> dict:
         if "b_crit" not in fit:
             raise SystemExit(f"the sweep reached the target {target:.3f} at {fit['reached']} batch sizes: no fit")
         print(json.dumps({"phase": "fit", **fit, "sweep_s": round(sweep_s, 1)}), flush=True)
-        # 2. the step time at 1 and 2 ranks, batch b per rank
-        step_s = {}
+        # per rank count, right after one another so that the machine's load drifts least between
+        # them: 2. the step time at batch b per rank, 3. the forecast, 4. reality (train to the target)
+        step_s, fc, measured = {}, {}, {}
         for n in (1, 2):
             cfg = dataclasses.replace(base, run_dir=f"{tmp}/timing-{n}", max_steps=args.timing_steps,
                                       timing_warmup_steps=args.timing_warmup,
@@ -152,15 +155,10 @@ def main(argv: list[str] | None = None) -> dict:
                               "median_step_time_s": statistics.median(timed),
                               "first_steps_s": [r["step_time_s"] for r in recs[:args.timing_warmup]],
                               "load_avg_1m": os.getloadavg()[0]}), flush=True)
-        # 3. the forecast
-        table = forecast_table([1, 2], [b], lambda n, _b: step_s[n], e_min=fit["e_min"], b_crit=fit["b_crit"])
-        fc = {r["n_gpus"]: r for r in table.to_dicts()}
-        for n in (1, 2):
+            (fc[n],) = forecast_table([n], [b], lambda n, _b: step_s[n], e_min=fit["e_min"],
+                                      b_crit=fit["b_crit"]).to_dicts()
             print(json.dumps({"phase": "forecast", "ranks": n, "global_batch": n * b, "steps": fc[n]["steps"],
                               "step_s": fc[n]["step_s"], "seconds": fc[n]["hours"] * 3600}), flush=True)
-        # 4. reality: train to the target at 1 and 2 ranks
-        measured = {}
-        for n in (1, 2):
             cfg = dataclasses.replace(base, run_dir=f"{tmp}/check-{n}", lr=lr_for_batch(args.lr, b, n * b),
                                       max_steps=max(4, math.ceil(args.margin * fc[n]["steps"])), eval_every=1)
             tr = time.time()
@@ -169,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
             secs = time_to_step(recs, s) if s is not None else None
             measured[n] = {"ranks": n, "global_batch": n * b, "lr": cfg.lr, "steps": s, "seconds": secs,
                            "mean_step_s": secs / s if s else None, "max_steps": cfg.max_steps,
+                           "median_step_s": statistics.median(r["step_time_s"] for r in recs),
+                           "first_steps_s": [r["step_time_s"] for r in recs[:args.timing_warmup]],
                            "best_eval_loss": min(r["eval_loss"] for r in recs if r.get("eval_loss") is not None),
                            "process_wall_s": round(time.time() - tr, 1), "load_avg_1m": os.getloadavg()[0]}
             print(json.dumps({"phase": "measured", **measured[n]}), flush=True)
