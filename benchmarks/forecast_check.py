@@ -33,8 +33,8 @@ drawn held-out split (tests/tiny_shards.py, the shards of the training tests). G
 forecast within 0.75..1.25 at both rank counts. The machine's load averages are printed with
 the result; steps and step time are reported separately, so a miss names the input that was off.
 
-Run: ``python benchmarks/forecast_check.py`` from the repository root (about 2 minutes on a
-2-core machine). JSON lines; the last line is one JSON object.
+Run: ``python benchmarks/forecast_check.py`` from the repository root (about 3.5 minutes on a
+loaded 2-core machine). JSON lines; the last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -104,10 +104,10 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per rank in the check (no accumulation)")
     p.add_argument("--sweep-batches", default="4,6,12,24,32", help="global batch sizes of the critical-batch sweep")
-    p.add_argument("--sweep-examples", type=int, default=2048, help="sequences each sweep run trains on")
+    p.add_argument("--sweep-examples", type=int, default=4096, help="sequences each sweep run trains on")
     p.add_argument("--target", type=float, default=4.4,
                    help="held-out loss target, nats per masked token (0: the sweep's default, its largest best loss)")
-    p.add_argument("--lr", type=float, default=5e-4, help="learning rate at the micro-batch; others by sqrt(B)")
+    p.add_argument("--lr", type=float, default=2.5e-4, help="learning rate at the micro-batch; others by sqrt(B)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--sequences", type=int, default=4096, help="training sequences in the shards")

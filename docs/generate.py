@@ -42,6 +42,7 @@ Blocks: ``demo-summary`` (README.md); ``lesson1-measured``, ``lesson1-planner``,
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import re
 import sys
@@ -247,6 +248,9 @@ def lesson4_forecast_check() -> str:
         out.append(f"| {n} | {r['global_batch']} | {r['forecast_steps']:.1f} × {r['forecast_step_s'] * 1e3:.1f} ms = "
                    f"{r['forecast_s']:.2f} | {meas} | {ratios} |")
     verdict = "within" if d["within_goal"] else "outside"
+    worst = max(d["ranks"].values(), key=lambda r: abs(math.log(r["ratio"])) if r["ratio"] else math.inf)
+    off = ("the steps" if abs(math.log(worst["steps_ratio"])) > abs(math.log(worst["step_s_ratio"]))
+           else "the step time") if worst["ratio"] else "the steps (the target was not reached)"
     out.append("")
     out.append(f"Target: held-out loss {d['target_eval_loss']} nats per masked token, `{d['model']}` model, seq "
                f"{d['seq_len']}, {d['micro_batch_per_rank']} sequences per rank (global batch 1× and 2× that), lr "
@@ -256,7 +260,8 @@ def lesson4_forecast_check() -> str:
                f"{', '.join(map(str, d['sweep_batches']))} (not the checked ones; fit rms log residual "
                f"{d['fit_rms_log_residual']:.3f}), and the mean step time of a {d['timing_steps']}-step run at each rank "
                f"count (gloo, CPU, one core per rank). The measured times are {verdict} the goal of ±25 % "
-               f"(worst {d['value']:.2f}). Load average (1 min) {d['load_avg_start'][0]:.1f} at the start, "
+               f"(worst {d['value']:.2f}, at {worst['global_batch'] // d['micro_batch_per_rank']} rank(s), where "
+               f"the input further off was {off}). Load average (1 min) {d['load_avg_start'][0]:.1f} at the start, "
                f"{d['load_avg'][0]:.1f} at the end, on {d['cpu_count']} cores; whole run {d['wall_s']:.0f} s.")
     return "\n".join(out) + "\n"
 
