@@ -15,6 +15,8 @@ blocks read the files the measuring command wrote, kept under docs/data/:
   work/demo`` copies both from a demo's work directory, then regenerates.
 - ``docs/data/forecast_study.json``: the JSON of ``labkit forecast configs/study.toml --gpus
   1,2,4,8,16,32,64,128,256 --json``.
+- ``docs/data/forecast_check.jsonl``: the JSON lines printed by ``python benchmarks/forecast_check.py``
+  (the forecast of time to a target held-out loss at 1 and 2 ranks against training to it).
 - ``docs/data/network.jsonl``: ``<workdir>/sweeps/network.parquet`` written by ``labkit sweep
   network configs/walkthrough.toml --models mini small`` (root; the shaped-link sweep), as JSON lines.
 - ``docs/data/plan_counted.jsonl``: the JSON lines ``python docs/count_study.py`` writes
@@ -29,7 +31,8 @@ blocks read the files the measuring command wrote, kept under docs/data/:
   ``benchmarks/project_prep.py``'s.
 
 Blocks: ``demo-summary`` (README.md); ``lesson1-measured``, ``lesson1-planner``, ``parallel-planner``, ``lesson2-measured``,
-``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``, ``lesson4-forecast``, ``lesson4-network``,
+``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``, ``lesson4-forecast``, ``lesson4-forecast-check``,
+``lesson4-network``,
 ``lesson5-measured``, ``lesson5-planner`` (docs/results.md), and docs/generate_study.py's
 ``tokenizer-study``, ``study-run``, ``study-loaders``, ``study-plan``, ``precision-experiment``,
 ``one-story`` (docs/results.md, from configs/study.toml and the files its scripts write); ``bench-model`` (docs/model.md);
@@ -39,6 +42,7 @@ Blocks: ``demo-summary`` (README.md); ``lesson1-measured``, ``lesson1-planner``,
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import re
 import sys
@@ -222,6 +226,43 @@ def lesson4_forecast() -> str:
                f"{by[128]['hours']:.2f} h on 128 and {by[64]['hours']:.2f} h on 64, for {by[256]['gpu_hours']:.0f} "
                f"GPU-hours against {by[128]['gpu_hours']:.0f} and {by[64]['gpu_hours']:.0f}. Assumptions:")
     out += [f"- {a}" for a in d["assumptions"]]
+    return "\n".join(out) + "\n"
+
+
+def lesson4_forecast_check() -> str:
+    """docs/results.md: ``python benchmarks/forecast_check.py`` kept as docs/data/forecast_check.jsonl
+    (its JSON lines): the forecast of time to a target held-out loss at 1 and 2 ranks from this
+    machine's short measurements, beside the time measured by training to that target."""
+    recs = _records("forecast_check.jsonl")
+    if not recs:
+        return "No record yet (`docs/data/forecast_check.jsonl` is missing).\n"
+    d = recs[-1]
+    out = ["| ranks | global batch | forecast: steps × step = seconds | measured: steps × mean step = seconds | "
+           "measured / forecast: steps, step, time |", "| --- | --- | --- | --- | --- |"]
+    for n in ("1", "2"):
+        r = d["ranks"][n]
+        meas = (f"{r['measured_steps']:.1f} × {r['measured_mean_step_s'] * 1e3:.1f} ms = {r['measured_s']:.2f}"
+                if r["measured_s"] is not None else f"not reached in {r['max_steps']} steps")
+        ratios = (f"{r['steps_ratio']:.2f}, {r['step_s_ratio']:.2f}, **{r['ratio']:.2f}**"
+                  if r["ratio"] is not None else "-")
+        out.append(f"| {n} | {r['global_batch']} | {r['forecast_steps']:.1f} × {r['forecast_step_s'] * 1e3:.1f} ms = "
+                   f"{r['forecast_s']:.2f} | {meas} | {ratios} |")
+    verdict = "within" if d["within_goal"] else "outside"
+    worst = max(d["ranks"].values(), key=lambda r: abs(math.log(r["ratio"])) if r["ratio"] else math.inf)
+    off = ("the steps" if abs(math.log(worst["steps_ratio"])) > abs(math.log(worst["step_s_ratio"]))
+           else "the step time") if worst["ratio"] else "the steps (the target was not reached)"
+    out.append("")
+    out.append(f"Target: held-out loss {d['target_eval_loss']} nats per masked token, `{d['model']}` model, seq "
+               f"{d['seq_len']}, {d['micro_batch_per_rank']} sequences per rank (global batch 1× and 2× that), lr "
+               f"{d['lr_at_micro_batch']:g} at {d['micro_batch_per_rank']} scaled by √B. Inputs measured here first: "
+               f"B_crit = {d['b_crit']:.1f} sequences ({d['b_crit_low']:.1f}..{d['b_crit_high']:.1f}, 90 % bootstrap) "
+               f"and S_min = {d['s_min']:.1f} steps from a sweep at batches "
+               f"{', '.join(map(str, d['sweep_batches']))} (not the checked ones; fit rms log residual "
+               f"{d['fit_rms_log_residual']:.3f}), and the mean step time of a {d['timing_steps']}-step run at each rank "
+               f"count (gloo, CPU, one core per rank). The measured times are {verdict} the goal of ±25 % "
+               f"(worst {d['value']:.2f}, at {worst['global_batch'] // d['micro_batch_per_rank']} rank(s), where "
+               f"the input further off was {off}). Load average (1 min) {d['load_avg_start'][0]:.1f} at the start, "
+               f"{d['load_avg'][0]:.1f} at the end, on {d['cpu_count']} cores; whole run {d['wall_s']:.0f} s.")
     return "\n".join(out) + "\n"
 
 
@@ -563,6 +604,7 @@ BLOCKS = {("README.md", "demo-summary"): demo_summary,
           ("docs/results.md", "lesson4-measured"): lesson4_measured,
           ("docs/results.md", "lesson4-planner"): lesson4_planner,
           ("docs/results.md", "lesson4-forecast"): lesson4_forecast,
+          ("docs/results.md", "lesson4-forecast-check"): lesson4_forecast_check,
           ("docs/results.md", "lesson4-network"): lesson4_network,
           ("docs/results.md", "lesson5-measured"): lesson5_measured,
           ("docs/results.md", "lesson5-planner"): lesson5_planner,
