@@ -250,24 +250,35 @@ def _stage_main(src: str, local_root: str, kill_after: int) -> None:
     stage.stage_shards(src, local_root=local_root, verify=True)
 
 
-def test_a_killed_staging_copy_is_redone_and_trains_exactly(reference, capsys):
-    """SIGKILL inside a staging copy: no copy is published; the next staging removes the dead
-    process's partial copy and ends with a verified complete one (byte-equal to the source); a
-    2-rank run reading it is the uninterrupted run, bitwise."""
+@pytest.mark.parametrize("torn_copy_in_place", [False, True])
+def test_a_killed_staging_copy_is_redone_and_trains_exactly(reference, torn_copy_in_place, capsys):
+    """SIGKILL inside a staging copy: no copy is published (a torn copy already in place, one
+    shard cut to half, is left as it was: it is replaced only by a verified one); the next staging
+    removes the dead process's partial copy and ends with a verified complete copy (byte-equal to
+    the source), and a 2-rank run reading it is the uninterrupted run, bitwise."""
+    import shutil
+
     from labkit.data.shards import load_index
     from labkit.data.stage import stage_shards
 
     root, whole = reference
-    src, local = pathlib.Path(whole.data_dir), root / "local"
+    src, local = pathlib.Path(whole.data_dir), root / f"local-{torn_copy_in_place}"
     index, sha = load_index(src)
     files = [s["file"] for s in index["shards"] + (index.get("heldout") or {}).get("shards", [])]
     total = sum((src / f).stat().st_size for f in files)
-    kill_after = total // 2 + 100  # past the first 512-byte blocks of every file, inside one of them
+    dst = local / f"{src.resolve().name}-{sha[:12]}"
+    if torn_copy_in_place:  # a copy torn under a reader after publication, say
+        shutil.copytree(src, dst)
+        torn = dst / files[0]
+        torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])
+    kill_after = total // 2 + 100  # not a multiple of the 512-byte blocks: the kill falls inside a file
     child = subprocess.run([sys.executable, __file__, "stage", str(src), str(local), str(kill_after)],
                            capture_output=True, text=True, timeout=START_S)
     assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
-    dst = local / f"{src.resolve().name}-{sha[:12]}"
-    assert not dst.exists()  # nothing published
+    if torn_copy_in_place:  # untouched: the new copy never verified
+        assert (dst / files[0]).stat().st_size == (src / files[0]).stat().st_size // 2
+    else:
+        assert not dst.exists()  # nothing published
     (tmp,) = local.glob(f".tmp-{dst.name}-*")  # the dead process's partial copy
     partial = {f: (tmp / f).stat().st_size for f in files if (tmp / f).exists()}
     assert sum(partial.values()) == kill_after and not (tmp / "index.json").exists()
@@ -283,6 +294,8 @@ def test_a_killed_staging_copy_is_redone_and_trains_exactly(reference, capsys):
         print(f"\n[recovery] staging killed after {kill_after} of {total} bytes "
               f"({', '.join(f'{f}: {n}' for f, n in sorted(partial.items()))}); restaged {report['bytes']} bytes "
               f"in {report['seconds']:.3f} s")
+    if torn_copy_in_place:
+        return  # the copy is byte-equal to the one trained on below
 
     cfg = dataclasses.replace(whole, data_dir=str(dst), run_dir=str(root / "staged"))
     codes, _, errs = _launch(cfg)
