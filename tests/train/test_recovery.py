@@ -1,13 +1,17 @@
 """Recovery: SIGKILL one of 2 gloo ranks at a chosen point of a run; the other rank must stop by
-itself (never hang past the collective timeout + 10 s), and the rerun with resume=True must end
-exactly where an uninterrupted run ends (losses and weights bitwise equal), or stop with a
-one-line error.
+itself within the collective timeout + 10 s of the kill (measured from the moment the first rank
+ended, so process start-up is not counted), and the rerun with resume=True must end exactly
+where an uninterrupted run ends (losses and weights bitwise equal), or stop with a one-line error.
 
 Each rank is its own process running this file as a script (``_rank_main``); a fault is planted
 in the doomed rank by patching the function it dies in (the kill is ``os.kill(getpid(), SIGKILL)``:
-no cleanup, no exception handler runs). Points covered so far: mid-forward, inside the gradient
+no cleanup, no exception handler runs). Points covered: mid-forward, inside the gradient
 all-reduce (DDP's comm hook), inside the rank's own checkpoint write (DCP's write), inside the
-metrics append (a torn line), inside evaluation.
+metrics append (a torn line), inside evaluation, inside a staging copy (``labkit.data.stage``, the
+function ``lab.stage`` runs on each node's engine: a child process dies after a set number of
+bytes written by the real copy), and the loss of a whole node: the rank process on one of the
+network hosts h1/h2 (``labkit.testing.realcluster.NetHosts``, root only) SIGKILLed from outside
+while the other rank trains on the other host.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -24,7 +29,12 @@ import time
 
 import pytest
 
+from labkit.testing import realcluster as R
+
 TIMEOUT_S = 20.0  # the runs' collective timeout
+STOP_S = TIMEOUT_S + 10  # the issue's bound: a survivor stops within this after the first rank ended
+NODE_TIMEOUT_S = 10.0  # the node-loss runs' shorter collective timeout (bound: NODE_TIMEOUT_S + 10)
+START_S = 240.0  # the most a run may take before any rank ends (imports and steps on a loaded machine)
 
 
 def _free_port() -> int:
@@ -75,6 +85,18 @@ def _plant(fault: str) -> None:
             return real(record, metrics_file, sink)
 
         loop._log = log
+    elif fault == "pause":  # node loss: stop in step 5's first forward, say so, wait to be killed from outside
+        from labkit.model import BertMLM
+
+        real = BertMLM.forward
+
+        def pause(self, *a, **k):
+            if self.training and nth(9):  # training forwards only: evaluation's come after step 4's
+                pathlib.Path(os.environ["RECOVERY_PAUSED"]).write_text(str(os.getpid()))
+                time.sleep(3600)
+            return real(self, *a, **k)
+
+        BertMLM.forward = pause
     elif fault == "evaluation":
         from labkit.train import evaluation
 
@@ -84,39 +106,77 @@ def _plant(fault: str) -> None:
         raise ValueError(f"fault: {fault!r}")
 
 
-def _rank_main(rank: int, port: int, cfg_json: str, fault: str, doomed: int) -> None:
+def _rank_main(rank: int, port: int, cfg_json: str, fault: str, doomed: int, master: str = "127.0.0.1") -> None:
     import torch
 
     from labkit.config import TrainConfig, from_dict
     from labkit.train import train
 
     torch.set_num_threads(1)
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"})
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank) if master == "127.0.0.1" else "0",
+                       "WORLD_SIZE": "2", "MASTER_ADDR": master, "MASTER_PORT": str(port)})
+    if master == "127.0.0.1":
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    else:  # on a network host gloo finds its interface from the host name (h1 -> veth-h1)
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
     if fault != "none" and rank == doomed:
         _plant(fault)
     train(from_dict(TrainConfig, json.loads(cfg_json)))
 
 
-def _launch(cfg, fault: str = "none", doomed: int = 1) -> tuple[list[int], float, list[str]]:
-    """Both ranks as processes; returns their exit codes, the seconds until the last exited, stderr tails."""
+def _start(cfg, fault: str = "none", doomed: int = 1, hosts=None, env: dict | None = None):
+    """Both ranks as processes (on hosts h1/h2 when ``hosts``, a ``NetHosts``, with rank 0 on h1
+    as the master); stderr goes to files beside the run_dir. Returns (processes, stderr paths)."""
     from labkit.config import to_dict
 
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), json.dumps(to_dict(cfg)), fault,
-                               str(doomed)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              cwd=pathlib.Path(__file__).resolve().parents[2]) for r in range(2)]
+    run_dir = pathlib.Path(cfg.run_dir)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    procs, logs = [], []
+    for r in range(2):
+        log = run_dir.parent / f"{run_dir.name}-{fault}-rank{r}-{time.monotonic_ns()}.err"
+        prefix = hosts.wrap(hosts.names[r]) if hosts is not None else []
+        with open(log, "w") as err:
+            procs.append(subprocess.Popen(
+                prefix + [sys.executable, __file__, str(r), str(port), json.dumps(to_dict(cfg)), fault, str(doomed),
+                          "h1" if hosts is not None else "127.0.0.1"],
+                stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **(env or {})},
+                cwd=pathlib.Path(__file__).resolve().parents[2]))
+        logs.append(log)
+    return procs, logs
+
+
+def _wait(procs, logs, what: str, since: float | None = None,
+          stop_s: float = STOP_S) -> tuple[list[int], float, list[str]]:
+    """Wait for both ranks; returns their exit codes, the seconds from the first rank's end (or
+    from ``since``, a ``time.monotonic()`` such as the moment of a kill from outside) to the
+    last rank's end, and the stderr tails. Fails when no rank ends within START_S of the start,
+    or the other rank has not ended ``stop_s`` after that (the processes are then killed)."""
     t0 = time.monotonic()
-    errs = []
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=TIMEOUT_S + 10 + 60)  # + start-up (imports) on a loaded machine
-        except subprocess.TimeoutExpired:
+    first = since
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if first is None and any(p.poll() is not None for p in procs):
+            first = now
+        if now > (t0 + START_S if first is None else first + stop_s):
             for q in procs:
                 q.kill()
-            raise AssertionError(f"a rank hung past the collective timeout after fault {fault!r}")
-        errs.append(err[-3000:])
-    return [p.returncode for p in procs], time.monotonic() - t0, errs
+            for q in procs:
+                q.wait()
+            errs = [log.read_text()[-2000:] for log in logs]
+            raise AssertionError(f"{what}: {'no rank ended within START_S' if first is None else 'a rank did not stop'}"
+                                 f" ({START_S if first is None else stop_s:.0f} s): {errs}")
+        time.sleep(0.02)
+    end = time.monotonic()
+    return [p.returncode for p in procs], end - (first if first is not None else end), \
+        [log.read_text()[-3000:] for log in logs]
+
+
+def _launch(cfg, fault: str = "none", doomed: int = 1) -> tuple[list[int], float, list[str]]:
+    """Both ranks as processes on this host; returns their exit codes, the seconds from the first
+    rank's end to the last's (the survivor's stop, after a kill), and the stderr tails."""
+    procs, logs = _start(cfg, fault, doomed)
+    return _wait(procs, logs, f"fault {fault!r} in rank {doomed}")
 
 
 @pytest.fixture(scope="module")
@@ -142,23 +202,162 @@ def _records(run_dir: pathlib.Path) -> list[dict]:
 
 @pytest.mark.parametrize("fault,doomed", [("forward", 1), ("allreduce", 1), ("checkpoint", 1), ("checkpoint", 0),
                                           ("metrics", 0), ("evaluation", 1)])
-def test_a_killed_rank_ends_in_an_exact_resume(reference, fault, doomed):
-    from labkit.train.checkpoint import load_weights
-
+def test_a_killed_rank_ends_in_an_exact_resume(reference, fault, doomed, capsys):
     root, whole = reference
     cfg = dataclasses.replace(whole, run_dir=str(root / f"{fault}-{doomed}"))
-    codes, seconds, errs = _launch(cfg, fault, doomed)
+    codes, stop_s, errs = _launch(cfg, fault, doomed)
     assert codes[doomed] == -signal.SIGKILL, (codes, errs)
     assert codes[1 - doomed] != 0, errs  # the survivor stopped by itself, with an error
+    assert stop_s < STOP_S  # (_wait enforces it too)
+    with capsys.disabled():
+        print(f"\n[recovery] fault {fault} in rank {doomed}: the survivor stopped {stop_s:.2f} s after the kill "
+              f"(collective timeout {TIMEOUT_S:.0f} s, load {os.getloadavg()[0]:.1f})")
     codes, _, errs = _launch(cfg)  # the rerun resumes
     assert codes == [0, 0], errs
+    _assert_exact(root, pathlib.Path(cfg.run_dir))
+
+
+def _assert_exact(root: pathlib.Path, run_dir: pathlib.Path) -> None:
+    """``run_dir`` ended as the uninterrupted run ``root/whole``: the same records and bitwise the same weights."""
+    from labkit.train.checkpoint import load_weights
+
     keys = ("step", "loss", "grad_norm", "lr", "tokens", "epoch", "eval_loss")
     want = [tuple(r.get(k) for k in keys) for r in _records(root / "whole")]
-    assert [tuple(r.get(k) for k in keys) for r in _records(pathlib.Path(cfg.run_dir))] == want
-    ref, got = load_weights(root / "whole" / "checkpoints" / "step-8"), load_weights(pathlib.Path(cfg.run_dir) /
-                                                                                    "checkpoints" / "step-8")
-    assert all(got[k].equal(v) for k, v in ref.items())
+    assert [tuple(r.get(k) for k in keys) for r in _records(run_dir)] == want
+    ref, got = load_weights(root / "whole" / "checkpoints" / "step-8"), load_weights(run_dir / "checkpoints" / "step-8")
+    assert ref.keys() == got.keys() and all(got[k].equal(v) for k, v in ref.items())
+
+
+def _stage_main(src: str, local_root: str, kill_after: int) -> None:
+    """Stage ``src`` as ``lab.stage``'s engine does (``stage_shards``), through the real copy
+    (``labkit.io.copy_and_hash``) in 512-byte blocks, and SIGKILL this process once ``kill_after``
+    bytes of shard data are written: the block that crosses it is written only up to it, so the
+    kill always falls inside a file's copy."""
+    from labkit.data import stage
+
+    import threading
+
+    real_copy, real_write, written, lock = stage.copy_and_hash, os.write, [0], threading.Lock()
+
+    def write(fd, data):
+        with lock:  # the copy threads write one at a time, so the count is exact
+            n = min(len(data), kill_after - written[0])
+            if n > 0:
+                n = real_write(fd, bytes(data[:n]))
+                written[0] += n
+            if written[0] >= kill_after:
+                os.fsync(fd)
+                _die()
+            return n
+
+    stage.copy_and_hash = lambda src, dst, **kw: real_copy(src, dst, **{**kw, "chunk": 512})
+    os.write = write
+    stage.stage_shards(src, local_root=local_root, verify=True)
+
+
+@pytest.mark.parametrize("torn_copy_in_place", [False, True])
+def test_a_killed_staging_copy_is_redone_and_trains_exactly(reference, torn_copy_in_place, capsys):
+    """SIGKILL inside a staging copy: no copy is published (a torn copy already in place, one
+    shard cut to half, is left as it was: it is replaced only by a verified one); the next staging
+    removes the dead process's partial copy and ends with a verified complete copy (byte-equal to
+    the source), and a 2-rank run reading it is the uninterrupted run, bitwise."""
+    import shutil
+
+    from labkit.data.shards import load_index
+    from labkit.data.stage import stage_shards
+
+    root, whole = reference
+    src, local = pathlib.Path(whole.data_dir), root / f"local-{torn_copy_in_place}"
+    index, sha = load_index(src)
+    files = [s["file"] for s in index["shards"] + (index.get("heldout") or {}).get("shards", [])]
+    total = sum((src / f).stat().st_size for f in files)
+    dst = local / f"{src.resolve().name}-{sha[:12]}"
+    if torn_copy_in_place:  # a copy torn under a reader after publication, say
+        shutil.copytree(src, dst)
+        torn = dst / files[0]
+        torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])
+    kill_after = total // 2 + 100  # not a multiple of the 512-byte blocks: the kill falls inside a file
+    child = subprocess.run([sys.executable, __file__, "stage", str(src), str(local), str(kill_after)],
+                           capture_output=True, text=True, timeout=START_S)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+    if torn_copy_in_place:  # untouched: the new copy never verified
+        assert (dst / files[0]).stat().st_size == (src / files[0]).stat().st_size // 2
+    else:
+        assert not dst.exists()  # nothing published
+    (tmp,) = local.glob(f".tmp-{dst.name}-*")  # the dead process's partial copy
+    partial = {f: (tmp / f).stat().st_size for f in files if (tmp / f).exists()}
+    assert sum(partial.values()) == kill_after and not (tmp / "index.json").exists()
+    assert any(partial[f] != (src / f).stat().st_size for f in partial)  # killed inside a file's copy
+
+    report = stage_shards(str(src), local_root=str(local))  # the rerun, as on the next lab.stage
+    assert report["copied"] is True and report["path"] == str(dst)
+    assert not list(local.glob(".tmp-*")) and not list(local.glob(".old-*"))
+    for f in files + ["index.json"]:
+        assert (dst / f).read_bytes() == (src / f).read_bytes(), f
+    assert stage_shards(str(src), local_root=str(local))["copied"] is False  # verified and kept
+    with capsys.disabled():
+        print(f"\n[recovery] staging killed after {kill_after} of {total} bytes "
+              f"({', '.join(f'{f}: {n}' for f, n in sorted(partial.items()))}); restaged {report['bytes']} bytes "
+              f"in {report['seconds']:.3f} s")
+    if torn_copy_in_place:
+        return  # the copy is byte-equal to the one trained on below
+
+    cfg = dataclasses.replace(whole, data_dir=str(dst), run_dir=str(root / "staged"))
+    codes, _, errs = _launch(cfg)
+    assert codes == [0, 0], errs
+    _assert_exact(root, pathlib.Path(cfg.run_dir))
+
+
+@pytest.mark.skipif(R.unavailable_hosts() is not None, reason=f"network hosts: {R.unavailable_hosts()}")
+@pytest.mark.parametrize("lost", ["h2", "h1"])
+def test_node_loss_across_hosts_ends_in_an_exact_resume(reference, tmp_path, lost, capsys):
+    """Node loss: 2 gloo ranks, rank 0 on network host h1 (the master), rank 1 on h2. The rank on
+    ``lost`` stops in step 5's first forward (after the step-4 checkpoint) and everything running
+    on that host is SIGKILLed from outside; the rank on the other host must stop with an error
+    within the collective timeout (NODE_TIMEOUT_S, shorter than the others') + 10 s of the kill. Rerunning both ranks on their hosts resumes
+    from step 4 and ends bitwise equal to the uninterrupted run (on one host: gloo's 2-rank
+    all-reduce sums in the same order over loopback and over the veth link)."""
+    root, whole = reference
+    cfg = dataclasses.replace(whole, run_dir=str(root / f"node-loss-{lost}"), timeout_s=NODE_TIMEOUT_S)
+    doomed = R.NetHosts.names.index(lost)
+    paused = tmp_path / "paused"
+    with R.NetHosts(tmp_path / "net") as hosts:
+        procs, logs = _start(cfg, "pause", doomed, hosts=hosts, env={"RECOVERY_PAUSED": str(paused)})
+        try:
+            R.wait_for(lambda: paused.exists() or any(p.poll() is not None for p in procs), START_S,
+                       f"rank {doomed} reaching step 5 on {lost}")
+            assert paused.exists(), [log.read_text()[-2000:] for log in logs]
+            victims = hosts.pids(lost)
+            assert int(paused.read_text()) in victims
+            for pid in victims:  # the node is gone: every process on it, at once
+                os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            codes, stop_s, errs = _wait(procs, logs, f"node loss of {lost}", since=killed,
+                                        stop_s=NODE_TIMEOUT_S + 10)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        assert codes[doomed] == -signal.SIGKILL, (codes, errs)
+        assert codes[1 - doomed] != 0, errs  # the survivor stopped by itself, with an error
+        assert stop_s < NODE_TIMEOUT_S + 10
+        survivor_error = next((line for line in reversed(errs[1 - doomed].splitlines())
+                               if re.match(r"(\[rank\d\]: )?[\w.]+(Error|Exception): ", line)), "")
+        assert survivor_error, errs[1 - doomed]
+        with capsys.disabled():
+            print(f"\n[recovery] node {lost} lost (SIGKILL of {len(victims)} processes) in step 5: the rank on the "
+                  f"other host stopped {stop_s:.2f} s later (collective timeout {NODE_TIMEOUT_S:.0f} s, load "
+                  f"{os.getloadavg()[0]:.1f}): ...{survivor_error[-220:]}")
+        steps = sorted(p.name for p in (pathlib.Path(cfg.run_dir) / "checkpoints").glob("step-*"))
+        assert "step-4" in steps and "step-6" not in steps, steps  # the rerun has step 4 to resume from
+        procs, logs = _start(cfg, hosts=hosts)  # both hosts again: resume
+        codes, _, errs = _wait(procs, logs, "the resumed run across hosts")
+    assert codes == [0, 0], errs
+    _assert_exact(root, pathlib.Path(cfg.run_dir))
 
 
 if __name__ == "__main__":
-    _rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    if sys.argv[1] == "stage":
+        _stage_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    else:
+        _rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), *sys.argv[6:])
