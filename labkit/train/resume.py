@@ -42,7 +42,7 @@ def parallelize(cfg: TrainConfig, model: torch.nn.Module, device: torch.device) 
 
 def load_and_wrap(cfg: TrainConfig, model: BertMLM, device: torch.device, split: parallel.Split | None,
                    ckpt: pathlib.Path | None, world: int) -> tuple[Any, Any, Any, str, dict | None]:
-    """The model wrapped for this run (``_parallelize``, or ``parallel.build`` for a split), then
+    """The model wrapped for this run (``parallelize``, or ``parallel.build`` for a split), then
     the checkpoint ``ckpt`` (None: a fresh run) loaded into it through torch.distributed.checkpoint
     (``checkpoint.load``: each rank reads what it holds, at any world size, sharding or split).
     Returns (model, optimizer, scaler, sharding, state.pt or None). A format-1 checkpoint
