@@ -328,8 +328,9 @@ def precision_experiment(cfg, *, micro_batch: int, seq_len: int, device: str = "
 
     grad_bytes = 4 * count_parameters(cfg)["total"]
     frames = []
-    for precision, peak, compute in _precision_compute(cfg, device, precisions, seq_len=seq_len, micro_batch=micro_batch,
-                                                       mfu=mfu, mlm_probability=mlm_probability):
+    for precision, peak, compute in _precision_compute(cfg, device, precisions, seq_len=seq_len,
+                                                       micro_batch=micro_batch, mfu=mfu,
+                                                       mlm_probability=mlm_probability):
         table = efficiency_table(compute_s=compute, grad_bytes=grad_bytes, tokens_per_step=seq_len * micro_batch,
                                  gpus=gpus, network=network, gpus_per_node=gpus_per_node)
         frames.append(table.select(pl.lit(precision).alias("precision"), pl.lit(peak).alias("peak_flops"),

@@ -487,7 +487,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module) -> dict[str
 
 def load_split_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
                           optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Collective: load a split run's torch.distributed.checkpoint directory (format 1, or any ``Checkpointer`` step) into a split model and its optimiser
-    (any split: each rank reads the shards of the names and slices it holds) and return state.pt.
+    """Collective: load a split run's torch.distributed.checkpoint directory (format 1, or any
+    ``Checkpointer`` step) into a split model and its optimiser (any split: each rank reads the shards of the names and slices it holds) and return state.pt.
     The optimiser's state is created first with a zero step (lr 0), as torch's ``get_optimizer_state_dict`` does."""
     return load(path, model, optimizer)

@@ -276,10 +276,11 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                          seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=mcfg.vocab_size,
                          num_workers=cfg.num_workers, pin_memory=device.type == "cuda")
     sampler = _find_sampler(loader)
-    heldout = _heldout_set(cfg, data, runtime.dp_rank, runtime.dp, mcfg.vocab_size, device)  # fixed masked held-out set
+    heldout = _heldout_set(cfg, data, runtime.dp_rank, runtime.dp, mcfg.vocab_size, device)  # fixed, masked
     # position: batches of this epoch consumed
-    step, epoch, position, tokens_seen = resume.restore(state, model, optimizer, scaler, sampler, rank=rank, world=world,
-                                                  sharding=sharding, where=f"step-{resume_step} in {run_dir}")
+    step, epoch, position, tokens_seen = resume.restore(state, model, optimizer, scaler, sampler, rank=rank,
+                                                        world=world, sharding=sharding,
+                                                        where=f"step-{resume_step} in {run_dir}")
     prov = provenance.collect(device, start_time=provenance.now_iso())  # collective: every rank's host, device
     # rank 0 appends to metrics_file per record: no handle to leak
     metrics_file = _start_files(run_dir, given, identity, prov, resumed=state is not None, step=step, run_id=run_id)
