@@ -39,12 +39,14 @@ global batch = micro_batch_size * grad_accum_steps * dp.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import json
 import math
 import os
 import pathlib
 import time
+import traceback
 import warnings
 from typing import Any, Callable
 
@@ -178,11 +180,15 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
     try:
         dist.init_distributed(cfg.backend, cfg.timeout_s, device)
         return _run(cfg, sinks.fan_out(sink, trackers), rank, world, device, t_start, plan)
+    except BaseException as err:  # the failed run's frames hold the model and its process group: clear them, so
+        traceback.clear_frames(err.__traceback__)  # the group's sockets close at teardown and the other ranks'
+        raise  # collectives fail at once instead of at the collective timeout (an engine lives on after the error)
     finally:
         for tracker in trackers:
             tracker.close()
         if owns_group:
             dist.teardown()
+            gc.collect()  # what still held the group (reference cycles) goes now, with its connections
 
 
 def _build_model(cfg: TrainConfig, index: dict, rank: int, world: int,
