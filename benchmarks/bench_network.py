@@ -97,6 +97,7 @@ def _model_check(args, tmp: pathlib.Path, config: str) -> dict:
                                steps=args.steps, warmup_steps=args.warmup_steps)
         for row in df.iter_rows(named=True):
             line = {"round": rnd, **{k: row[k] for k in ("rate_mbit", "link_mbit", "comm_bytes", "buckets", "wire_ratio",
+                                                            "collective_mbyte_s",
                                                             "compute_s", "step_s", "predicted_step_s",
                                                             "predicted_ratio", "efficiency", "comm_exposed_s",
                                                             "predicted_exposed_s", "bandwidth_ratio", "load_avg_1m")}}

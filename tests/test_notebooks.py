@@ -285,7 +285,7 @@ def test_live_figures_grow_in_jupyterlab_in_a_users_notebook_and_in_03(workdir, 
     need_browser()
     root = tmp_path / "lab"
     root.mkdir()
-    steps, fed, steps_03 = 200, 20, 100
+    steps, fed, steps_03 = 400, 20, 100  # 200 steps took ~5 s on CI, 4 redraws at 1 per s
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
     nb.cells = [nbformat.v4.new_code_cell(c.format(workdir=str(workdir), steps=steps, fed=fed)) for c in USER_NOTEBOOK]

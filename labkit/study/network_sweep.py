@@ -12,11 +12,13 @@ one on each host at once, so the CPU is shared as it is by the 2-rank run, right
 minutes; one 1-rank measurement per model put the model 40 % off). Then it measures the link (a bounded TCP transfer, ``measure_throughput``) and the 2-rank run, and puts
 the model's prediction beside it (``labkit.study.scaling.link_step_time`` from the measured
 1-rank compute time, the run's own gradient buckets, the measured link bandwidth, and gloo's
-bytes on the wire per gradient byte, measured from h2's veth counters at the unshaped setting).
+bytes on the wire per gradient byte, measured from h2's veth counters at the unshaped setting,
+and the CPU's rate of gloo's all-reduce on one host, ``measure_collective_rate``).
 
 Rows (``sweeps/network.parquet``): model, grad_compression, rate_mbit (None: unshaped),
 link_mbit (measured TCP goodput), params, comm_bytes (per step per rank, after compression),
-buckets, wire_ratio, compute_s (1 rank: the slower host's, as a synchronised step waits for
+buckets, wire_ratio, collective_mbyte_s (gloo's all-reduce rate on one host: its CPU cost,
+``measure_collective_rate``, MB/s), compute_s (1 rank: the slower host's, as a synchronised step waits for
 the slower rank), compute_s_hosts (both hosts'), step_s (2 ranks, median of the timed steps),
 tokens_per_s (2 ranks), tokens_per_s_1rank (per rank), efficiency (compute_s / step_s),
 comm_exposed_s, predicted_step_s, predicted_exposed_s, predicted_ratio (measured / predicted),
@@ -36,7 +38,7 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["run_network_sweep"]
+__all__ = ["measure_collective_rate", "run_network_sweep"]
 
 RATES_MBIT = (None, 1000.0, 200.0, 50.0)
 """The default link settings: unshaped, 1 Gbit/s, 200 Mbit/s, 50 Mbit/s."""
@@ -55,6 +57,53 @@ def _launch(hosts, host: str, config: str, sets: list[str], env: dict[str, str])
         cmd += ["--set", s]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **env})
+
+
+_PROBE = """
+import json, os, statistics, sys, time
+import torch, torch.distributed as dist
+torch.set_num_threads(1)
+nbytes, reps = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo")
+x = torch.ones(nbytes // 4)
+times = []
+for i in range(reps + 1):
+    dist.barrier()
+    t0 = time.perf_counter()
+    dist.all_reduce(x)
+    times.append(time.perf_counter() - t0)
+if dist.get_rank() == 0:
+    print(json.dumps({"seconds": statistics.median(times[1:])}))
+dist.destroy_process_group()
+"""
+
+
+def measure_collective_rate(hosts, nbytes: int, *, host: str = "h1", reps: int = 5, timeout_s: float = 120.0) -> float:
+    """Bytes per second of gloo's all-reduce of ``nbytes`` (fp32) between two processes on ONE host
+    (``host``, over its loopback: no link in the way, one thread each, as the sweep's ranks run):
+    the CPU cost of the collective (copying, summing, the kernel's TCP path), which the link's
+    TCP goodput does not show. Median of ``reps`` timed all-reduces after one untimed. Raises
+    RuntimeError when a process fails or does not finish within ``timeout_s`` seconds.
+    Used by ``labkit.study.scaling.link_step_time`` (``collective_rate``)."""
+    if nbytes < 4:
+        raise ValueError(f"nbytes: must be at least 4, got {nbytes}")
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    procs = [subprocess.Popen(hosts.wrap(host) + [sys.executable, "-c", _PROBE, str(nbytes), str(reps)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, **env, "RANK": str(k)}) for k in range(2)]
+    outs = []
+    end = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"collective probe: no result within {timeout_s:.0f} s")
+        if p.returncode:
+            raise RuntimeError(f"collective probe failed: {err.strip()[-500:]}")
+        outs.append(out)
+    return nbytes / json.loads(outs[0].strip().splitlines()[-1])["seconds"]
 
 
 def _wait(procs: list[subprocess.Popen], timeout: float, what: str) -> None:
@@ -113,6 +162,7 @@ def run_network_sweep(config: str, workdir: str | os.PathLike, *, models=MODELS,
     if data_dir:
         base.append(f'train.data_dir="{pathlib.Path(data_dir).resolve()}"')
     rows: list[dict[str, Any]] = []
+    collective_rate: dict[str, float] = {}
     hosts = R.NetHosts(pathlib.Path(net_dir or out_dir / "net"))
     with hosts:
         for model in models:
@@ -149,13 +199,16 @@ def run_network_sweep(config: str, workdir: str | os.PathLike, *, models=MODELS,
                         # gloo's bytes per gradient byte: rank 1 sends only its all-reduce shares
                         wire_ratio = sent / max(1.0, sum(r["comm_bytes"] for r in records))
                     buckets = timed[-1]["comm_bucket_bytes"]
+                    if model not in collective_rate:  # the CPU's rate of the collective, once per model
+                        collective_rate[model] = measure_collective_rate(hosts, int(max(buckets)))
                     step_s = statistics.median(r["step_time_s"] for r in timed)
                     pred = link_step_time(compute_s=compute_s, bucket_bytes=buckets, bandwidth=link["goodput_bits"] / 8,
-                                          wire_ratio=wire_ratio)
+                                          wire_ratio=wire_ratio, collective_rate=collective_rate.get(model))
                     rows.append({
                         "model": model, "grad_compression": comp, "rate_mbit": rate,
                         "link_mbit": link["goodput_bits"] / 1e6, "params": result1.get("params"),
                         "comm_bytes": comm_bytes, "buckets": len(buckets), "wire_ratio": wire_ratio,
+                        "collective_mbyte_s": collective_rate[model] / 1e6 if model in collective_rate else None,
                         "compute_s": compute_s, "compute_s_hosts": each, "step_s": step_s,
                         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
                         "tokens_per_s_1rank": tokens_1, "efficiency": compute_s / step_s,

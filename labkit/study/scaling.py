@@ -364,7 +364,8 @@ def precision_summary(table, *, mfu: float = 0.4):
 
 
 def link_step_time(*, compute_s: float, bucket_bytes, bandwidth: float, latency: float = 0.0, n: int = 2,
-                   backward_fraction: float = 2 / 3, wire_ratio: float = 1.0) -> dict[str, float]:
+                   backward_fraction: float = 2 / 3, wire_ratio: float = 1.0,
+                   collective_rate: float | None = None) -> dict[str, float]:
     """Modelled seconds of one DDP step whose gradient buckets share ONE link of ``bandwidth``
     bytes/s (the shaped h1-h2 link; every rank's NIC at large scale), one after another.
 
@@ -378,6 +379,11 @@ def link_step_time(*, compute_s: float, bucket_bytes, bandwidth: float, latency:
     gradient byte, measured from the veth's counters) and starts when it is ready and the link
     is free: the link is one queue, so a bucket that cannot finish during backward delays every
     later one. Exposed = when the link finishes minus when backward ends (>= 0).
+    ``collective_rate`` (bytes/s; None: not modelled): gloo's all-reduce rate between two
+    processes on one host, its CPU cost (``labkit.study.network_sweep.measure_collective_rate``);
+    an all-reduce then takes the longer of its wire time and bytes / collective_rate (the CPU
+    copies and sums while the link carries, so the slower of the two sets the pace). On a fast
+    link that CPU time is what remains (docs/measurement.md, "A network that really limits").
 
     Returns {"compute_s", "comm_s" (sum of the all-reduces), "exposed_s", "step_s" (compute +
     exposed), "last_bucket_s"}. Raises ValueError for a non-positive compute time or bandwidth.
@@ -386,12 +392,16 @@ def link_step_time(*, compute_s: float, bucket_bytes, bandwidth: float, latency:
         raise ValueError(f"compute_s: must be positive, got {compute_s}")
     if not bandwidth > 0:
         raise ValueError(f"bandwidth: must be positive, got {bandwidth}")
+    if collective_rate is not None and not collective_rate > 0:
+        raise ValueError(f"collective_rate: must be positive or None, got {collective_rate}")
     sizes = [float(b) * wire_ratio for b in bucket_bytes]
     backward = compute_s * backward_fraction
     free, times = 0.0, []
     for k, size in enumerate(sizes):
         ready = backward if k == len(sizes) - 1 else backward * (k + 1) / len(sizes)
         t = ring_allreduce_time(size, n, bandwidth=bandwidth, latency=latency)
+        if collective_rate is not None:
+            t = max(t, float(bucket_bytes[k]) / collective_rate)
         free = max(ready, free) + t
         times.append(t)
     exposed = max(0.0, free - backward) if sizes else 0.0

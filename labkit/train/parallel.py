@@ -41,7 +41,7 @@ from labkit.train.checkpoint import load_split_checkpoint, read_state
 from labkit.train.clip import clip_grad_norm_, copies_of
 from labkit.train.comm import CommTimer, timed_all_reduce
 from labkit.train.optim import build_optimizer
-from labkit.train.tensor_parallel import apply_tensor_parallel, sync_sequence_parallel_grads
+from labkit.train.tensor_parallel import apply_tensor_parallel, replicate_all, sync_sequence_parallel_grads
 
 __all__ = [
     "build", "checkpoint_rank", "ParallelModel", "rank_entry", "refuse_checkpoint", "result_fields", "split_record"
@@ -77,6 +77,8 @@ class ParallelModel(nn.Module):
                 self.comm, names = apply_tensor_parallel(chunk, self.mesh["tp"], timer=self.tp_timer,
                                                          sequence_parallel=cfg.sequence_parallel)
                 self.sp_names += names
+            else:  # pp or dp only: every parameter a Replicate() DTensor on the (size 1) tp mesh all the same
+                replicate_all(chunk, self.mesh["tp"])
             if split.dp > 1 and cfg.sharding == "fsdp":
                 for layer in pipeline.owned_layers(chunk):
                     fully_shard(layer, mesh=self.mesh["dp"], reshard_after_forward=cfg.fsdp_reshard_after_forward)

@@ -42,8 +42,8 @@ from labkit.measure import IntervalTimer
 from labkit.model.encoder import IGNORE_INDEX, BertMLM, FusedLinear, Layer, local
 from labkit.train.rng import ReplicatedDropout
 
-__all__ = ["apply_tensor_parallel", "ColwiseFused", "ColwiseLinear", "Comm", "RowwiseLinear", "shard_start",
-           "sync_sequence_parallel_grads", "VocabEmbedding", "VocabParallelLoss"]
+__all__ = ["apply_tensor_parallel", "ColwiseFused", "ColwiseLinear", "Comm", "replicate_all", "RowwiseLinear",
+           "shard_start", "sync_sequence_parallel_grads", "VocabEmbedding", "VocabParallelLoss"]
 
 
 class Comm:
@@ -293,11 +293,13 @@ def _no_parallel(module: nn.Module, mesh: DeviceMesh) -> None:
     module.register_forward_hook(leave, prepend=True)
 
 
-def _replicate_the_rest(model: nn.Module, mesh: DeviceMesh) -> None:
+def replicate_all(model: nn.Module, mesh: DeviceMesh) -> None:
     """Every parameter of ``model`` not yet a DTensor becomes a ``Replicate()`` DTensor on ``mesh``:
     the tensor-parallel modules' own (a row-parallel bias; they compute on ``local``) in place, every
     other module's through ``_no_parallel``; so all of a tp run's parameters live on one mesh (and on
-    the (dp, tp) mesh under FSDP2), where torch's clip, FSDP2 and fused AdamW take them together."""
+    the (dp, tp) mesh under FSDP2), where torch's clip, FSDP2 and fused AdamW take them together.
+    A split run without tp (pp or dp only) calls it on its size-1 tp mesh: every parameter of every
+    split run is a DTensor (a plain module's through ``_no_parallel``)."""
     for module in model.modules():
         plain = [n for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
         if not plain:
@@ -376,7 +378,7 @@ def apply_tensor_parallel(model: BertMLM, mesh: DeviceMesh, *, sequence_parallel
             head = model.final_norm if model.final_norm is not None else model.head_dense
             if head is not None:
                 head.register_forward_pre_hook(lambda m, args: (_Gather.apply(args[0], comm, True),))
-    _replicate_the_rest(model, mesh)  # after the hooks above: the sequence-parallel ones run outside
+    replicate_all(model, mesh)  # after the hooks above: the sequence-parallel ones run outside
     return comm, sp_params
 
 

@@ -97,3 +97,5 @@ def test_network_sweep_writes_the_parquet_beside_the_model(tmp_path):
     assert abs(shaped["link_mbit"] / 20 - 1) < 0.1
     assert shaped["step_s"] > free["step_s"] and shaped["comm_exposed_s"] > free["comm_exposed_s"]
     assert shaped["predicted_step_s"] > free["predicted_step_s"]
+    # gloo's CPU rate of the all-reduce, measured once per model on one host, in both rows
+    assert free["collective_mbyte_s"] > 0 and free["collective_mbyte_s"] == shaped["collective_mbyte_s"]

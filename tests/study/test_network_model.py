@@ -31,6 +31,25 @@ def test_slow_link_queues_the_buckets():
         == pytest.approx(1.01 * 79e6 / b)
 
 
+def test_the_cpu_cost_of_the_collective_sets_the_pace_on_a_fast_link_only():
+    """With gloo's one-host all-reduce rate R: an all-reduce takes max(S/B, S/R). On a 21 Gbit/s
+    link at R = 0.7 GB/s (the unshaped veth and the CPU measured in docs/measurement.md) mini's one
+    14.5 MB bucket takes S/R, B/R = 3.75 x its wire time; at 50 Mbit/s the wire time, unchanged."""
+    fast, rate = 21e9 / 8, 0.7e9
+    p = link_step_time(compute_s=0.1, bucket_bytes=[14.5e6], bandwidth=fast, collective_rate=rate)
+    assert p["exposed_s"] == pytest.approx(14.5e6 / rate)
+    assert p["exposed_s"] == pytest.approx(3.75 * link_step_time(compute_s=0.1, bucket_bytes=[14.5e6],
+                                                                 bandwidth=fast)["exposed_s"], rel=1e-2)
+    slow = 50e6 / 8
+    assert link_step_time(compute_s=1.0, bucket_bytes=[14.5e6], bandwidth=slow, collective_rate=rate) \
+        == link_step_time(compute_s=1.0, bucket_bytes=[14.5e6], bandwidth=slow)
+    # the CPU rate applies to the gradient bytes, not gloo's wire bytes
+    q = link_step_time(compute_s=0.1, bucket_bytes=[14.5e6], bandwidth=fast, wire_ratio=1.5, collective_rate=rate)
+    assert q["comm_s"] == pytest.approx(14.5e6 / rate)
+    with pytest.raises(ValueError, match="collective_rate"):
+        link_step_time(compute_s=1, bucket_bytes=[1], bandwidth=1, collective_rate=0)
+
+
 def test_refusals():
     with pytest.raises(ValueError, match="compute_s"):
         link_step_time(compute_s=0, bucket_bytes=[1], bandwidth=1)
