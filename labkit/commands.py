@@ -354,11 +354,15 @@ def forecast(args) -> int:
     from labkit.study.forecast import study_forecast
 
     lab = load(args.config, args.set)
-    try:
-        gpus = [int(x) for x in args.gpus.split(",") if x]
-        mbs = [int(x) for x in args.micro_batches.split(",") if x] if args.micro_batches else [lab.train.micro_batch_size]
-    except ValueError:
-        raise ValueError(f"--gpus / --micro-batches: comma-separated integers, got {args.gpus!r} / {args.micro_batches!r}")
+
+    def ints(flag: str, text: str) -> list[int]:
+        try:
+            return [int(x) for x in text.split(",") if x]
+        except ValueError:
+            raise ValueError(f"{flag}: comma-separated integers, got {text!r}") from None
+
+    gpus = ints("--gpus", args.gpus)
+    mbs = ints("--micro-batches", args.micro_batches) if args.micro_batches else [lab.train.micro_batch_size]
     from labkit.study.plan import STUDY_VOCAB
     from labkit.train.run_config import model_config_of
 

@@ -97,6 +97,8 @@ def study_forecast(model: Any, *, gpus: list[int], micro_batches: list[int], seq
     from labkit.study import scaling
     from labkit.study.plan import STUDY_VOCAB
 
+    if network not in scaling.NETWORKS:
+        raise ValueError(f"network: unknown {network!r}; known networks are {sorted(scaling.NETWORKS)}")
     cfg = model_config(model, STUDY_VOCAB, max_position_embeddings=max(512, seq_len), sparse_head=False) \
         if isinstance(model, str) else model
     assumptions = [f"MFU {mfu:.0%} of the {device}'s dense {precision} peak (planned, not measured)",

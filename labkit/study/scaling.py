@@ -319,9 +319,10 @@ def precision_experiment(cfg, *, micro_batch: int, seq_len: int, device: str = "
     """Planned step time and data-parallel efficiency of one model (a ``ModelConfig``) at each
     precision: the same micro-batch, network and assumed MFU, compute = tokens x FLOPs per token
     / (``mfu`` x the precision's dense peak on ``device``), fp32 gradients all-reduced in DDP's
-    buckets (autocast keeps them fp32 in every precision). polars DataFrame: precision,
-    peak_flops, the ``efficiency_table`` columns. Raises ValueError for a precision without a
-    peak on ``device``."""
+    buckets (autocast keeps them fp32 in every precision), the bucket holding the word embedding
+    reduced last (``embedding_bucket_bytes``, as ``study_scaling`` and ``compression_table``).
+    polars DataFrame: precision, peak_flops, the ``efficiency_table`` columns. Raises ValueError
+    for a precision without a peak on ``device``."""
     import polars as pl
 
     from labkit.model import count_parameters
@@ -332,7 +333,8 @@ def precision_experiment(cfg, *, micro_batch: int, seq_len: int, device: str = "
                                                        micro_batch=micro_batch, mfu=mfu,
                                                        mlm_probability=mlm_probability):
         table = efficiency_table(compute_s=compute, grad_bytes=grad_bytes, tokens_per_step=seq_len * micro_batch,
-                                 gpus=gpus, network=network, gpus_per_node=gpus_per_node)
+                                 gpus=gpus, network=network, gpus_per_node=gpus_per_node,
+                                 last_bucket_bytes=embedding_bucket_bytes(cfg, grad_dtype_bytes=4))
         frames.append(table.select(pl.lit(precision).alias("precision"), pl.lit(peak).alias("peak_flops"),
                                    pl.all()))
     return pl.concat(frames)

@@ -49,3 +49,16 @@ def test_labkit_forecast_on_the_study_config(capsys):
     assert out["knee"]["184"]["n_gpus"] in GPUS and any("assumption" in a for a in out["assumptions"])
     assert main(["forecast", "configs/study.toml"]) == 0
     assert "stop paying" in capsys.readouterr().out
+
+
+def test_labkit_forecast_refuses_bad_input_in_one_line(capsys):
+    """An unknown network is refused naming the known ones (it was a KeyError traceback), and a
+    malformed --gpus names that flag alone."""
+    from labkit.cli import main
+
+    assert main(["forecast", "configs/study.toml", "--network", "25gbe"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "network: unknown '25gbe'" in err and "25GbE" in err, err
+    assert main(["forecast", "configs/study.toml", "--gpus", "1,two"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--gpus: comma-separated integers, got '1,two'" in err and "None" not in err, err
