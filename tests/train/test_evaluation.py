@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -67,6 +68,12 @@ def _eval_worker(rank: int, world: int, port: int, shards: str, out: str) -> Non
         fsdp = evaluate(sharded, _heldout(pathlib.Path(shards), rank, world, n=9))
         if rank == 0:
             pathlib.Path(out).write_text(json.dumps({**result, "fsdp": fsdp}))
+        # both ranks past every collective, and the FSDP module (which holds the group) freed,
+        # before either destroys the group: a clean-clone run once saw rank 1 abort at exit
+        # ("terminate called without an active exception") while rank 0 had already left
+        del sharded
+        gc.collect()
+        torch.distributed.barrier()
     finally:
         dist.teardown()
 
