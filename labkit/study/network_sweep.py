@@ -60,7 +60,7 @@ def _launch(hosts, host: str, config: str, sets: list[str], env: dict[str, str])
 
 
 _PROBE = """
-import json, os, statistics, sys, time
+import json, statistics, sys, time
 import torch, torch.distributed as dist
 torch.set_num_threads(1)
 nbytes, reps = int(sys.argv[1]), int(sys.argv[2])
@@ -91,35 +91,28 @@ def measure_collective_rate(hosts, nbytes: int, *, host: str = "h1", reps: int =
     procs = [subprocess.Popen(hosts.wrap(host) + [sys.executable, "-c", _PROBE, str(nbytes), str(reps)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, **env, "RANK": str(k)}) for k in range(2)]
-    outs = []
-    end = time.monotonic() + timeout_s
+    out = _wait(procs, timeout_s, "the collective probe")[0]
+    return nbytes / json.loads(out.strip().splitlines()[-1])["seconds"]
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float, what: str) -> list[str]:
+    """Each process's standard output, once all have exited; RuntimeError naming ``what`` (and the
+    first failure's last line of stderr) when one fails or they run past ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    errors, outs = [], []
     for p in procs:
         try:
             out, err = p.communicate(timeout=max(1.0, end - time.monotonic()))
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            raise RuntimeError(f"collective probe: no result within {timeout_s:.0f} s")
-        if p.returncode:
-            raise RuntimeError(f"collective probe failed: {err.strip()[-500:]}")
-        outs.append(out)
-    return nbytes / json.loads(outs[0].strip().splitlines()[-1])["seconds"]
-
-
-def _wait(procs: list[subprocess.Popen], timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    errors = []
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=max(1.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
             raise RuntimeError(f"network sweep: {what} did not finish within {timeout:.0f} s")
         if p.returncode:
             errors.append(err.strip().splitlines()[-1] if err.strip() else f"exit {p.returncode}")
+        outs.append(out or "")
     if errors:
         raise RuntimeError(f"network sweep: {what} failed: {errors[0]}")
+    return outs
 
 
 def _timed(run_dir: pathlib.Path, warmup: int) -> list[dict]:
