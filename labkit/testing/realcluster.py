@@ -19,10 +19,17 @@ Everything is started with a pid file and stopped by pid; `Slurm.stop` first can
 and ends the processes of this cluster's jobs (found by its SLURM_CONF in their environment),
 `NetHosts.stop` ends what still runs in the namespaces and deletes them. Both are safe to call
 twice and after a failed start. Command line: ``python -m labkit.testing.realcluster --help``.
+
+The hosts' names, addresses and Slurm's ports are fixed, so only one cluster can run on a machine
+at a time: ``NetHosts.start`` and ``Slurm.start`` take ``MACHINE_LOCK`` (an ``flock`` on
+``/run/lock/labkit-realcluster.lock``, reentrant within a process) and ``stop`` gives it back. A
+second test process (another checkout's suite, a benchmark) waits for it instead of tearing down
+the first one's hosts.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pathlib
 import shutil
@@ -33,7 +40,8 @@ import time
 from typing import Callable
 
 __all__ = [
-    "APT_PACKAGES", "HOST_ADDRS", "TOOLS", "hosts_text", "kill_pids", "Munge", "NetHosts", "pid_alive", "Slurm",
+    "MACHINE_LOCK", "MachineLock", "APT_PACKAGES", "HOST_ADDRS", "TOOLS", "hosts_text", "kill_pids", "Munge",
+    "NetHosts", "pid_alive", "Slurm",
     "unavailable", "wait_for", "write_rsh_agent", "measure_throughput", "tbf_burst", "unavailable_hosts"
 ]
 
@@ -137,6 +145,56 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return out
 
 
+# ---------------------------------------------------------------- one cluster per machine
+
+
+class MachineLock:
+    """An exclusive ``flock`` on ``path`` held while a real cluster runs, counted so that one
+    process may take it several times (hosts, then Slurm on them). ``acquire`` waits up to
+    ``timeout`` seconds (TimeoutError naming the holder's pid); the kernel drops the lock when the
+    holding process dies, so a crashed run never leaves it held."""
+
+    def __init__(self, path: str | os.PathLike = "/run/lock/labkit-realcluster.lock"):
+        self.path = pathlib.Path(path)
+        self._fd: int | None = None
+        self._count = 0
+
+    def acquire(self, timeout: float = 3600.0) -> None:
+        if self._count:
+            self._count += 1
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                    os.close(fd)
+                    raise TimeoutError(f"another real cluster runs on this machine (pid {holder}, "
+                                       f"{self.path}); waited {timeout:.0f} s") from None
+                time.sleep(0.5)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd, self._count = fd, 1
+
+    def release(self) -> None:
+        if not self._count:
+            return
+        self._count -= 1
+        if not self._count and self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+MACHINE_LOCK = MachineLock()
+"""This process's hold on the machine's one real cluster (module docstring)."""
+
+
 # ---------------------------------------------------------------- network hosts
 
 
@@ -179,9 +237,12 @@ class NetHosts:
             raise ValueError(f"latency: must be positive seconds, got {latency}")
 
     def start(self) -> "NetHosts":
+        if not getattr(self, "_locked", False):
+            MACHINE_LOCK.acquire()
+            self._locked = True
         self.dir.mkdir(parents=True, exist_ok=True)
         self.hosts_file.write_text(hosts_text())
-        self.stop()  # leftovers of a run that was killed
+        self._teardown()  # leftovers of a run that was killed
         for h in self.names:
             _run(["ip", "netns", "add", h])
         _run(["ip", "link", "add", "veth-h1", "type", "veth", "peer", "name", "veth-h2"])
@@ -247,7 +308,14 @@ class NetHosts:
         return [int(p) for p in out.stdout.split()] if out.returncode == 0 else []
 
     def stop(self) -> None:
-        """End every process on h1/h2 and delete the namespaces (the veth pair goes with them)."""
+        """End every process on h1/h2 and delete the namespaces (the veth pair goes with them);
+        give back ``MACHINE_LOCK``."""
+        self._teardown()
+        if getattr(self, "_locked", False):
+            self._locked = False
+            MACHINE_LOCK.release()
+
+    def _teardown(self) -> None:
         present = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
         for h in self.names:
             if h in present:
@@ -396,6 +464,7 @@ class Slurm:
         self.slurmd_timeout, self.ctld_port, self.node_port = slurmd_timeout, ctld_port, node_port
         self.conf = self.dir / "slurm.conf"
         self.munge = Munge()
+        self._locked = False
         self.node_names = [f"n{k}" for k in range(1, nodes + 1)]
 
     @property
@@ -463,6 +532,9 @@ class Slurm:
     def start(self, timeout: float = 60) -> "Slurm":
         """Start munged (if needed), slurmctld and the slurmds; wait until every node is idle.
         Raises RuntimeError / TimeoutError with the daemon's log tail; stops what it started."""
+        if not self._locked:
+            MACHINE_LOCK.acquire()
+            self._locked = True
         try:
             self._write_files()
             self.munge.start()
@@ -527,6 +599,9 @@ class Slurm:
         (self.dir / "slurmctld.pid").unlink(missing_ok=True)
         kill_pids(self.job_pids(), timeout=5)  # slurmstepd left by a slurmd that died first
         self.munge.stop()
+        if self._locked:
+            self._locked = False
+            MACHINE_LOCK.release()
 
     def reregister(self, node: str) -> None:
         """Make `node`'s slurmd register with slurmctld now (SIGHUP: reconfigure), as a rebooted

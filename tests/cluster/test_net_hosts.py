@@ -99,3 +99,23 @@ def test_network_sweep_writes_the_parquet_beside_the_model(tmp_path):
     assert shaped["predicted_step_s"] > free["predicted_step_s"]
     # gloo's CPU rate of the all-reduce, measured once per model on one host, in both rows
     assert free["collective_mbyte_s"] > 0 and free["collective_mbyte_s"] == shaped["collective_mbyte_s"]
+
+
+def test_the_machine_lock_makes_a_second_process_wait_and_names_the_holder(tmp_path):
+    """Two checkouts' suites on one machine: the second cluster waits for the first, and after a
+    timeout says which pid holds the machine (not a teardown of the first one's hosts)."""
+    lock = R.MachineLock(tmp_path / "cluster.lock")
+    lock.acquire()
+    lock.acquire()  # reentrant in one process
+    code = ("import sys, labkit.testing.realcluster as R\n"
+            "try:\n    R.MachineLock(sys.argv[1]).acquire(timeout=1)\n"
+            "except TimeoutError as e:\n    print(e)\n    sys.exit(3)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "cluster.lock")], capture_output=True, text=True)
+    assert out.returncode == 3, out.stderr
+    assert f"pid {os.getpid()}" in out.stdout
+    lock.release()
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "cluster.lock")], capture_output=True, text=True)
+    assert out.returncode == 3  # still held once
+    lock.release()
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "cluster.lock")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
