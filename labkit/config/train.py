@@ -134,8 +134,9 @@ class TrainConfig:
     """Recompute every shard's sha256 against index.json before training (a staged copy was
     already verified when it was made)."""
     compile: bool = False
-    """``torch.compile`` the model's forward (``nn.Module.compile``, in place, so parameter
-    names and checkpoints stay the same) before wrapping it for data parallelism."""
+    """``torch.compile`` each pipeline stage's forward (the whole model at pp = 1; ``nn.Module.compile``,
+    in place, so parameter names and checkpoints stay the same) after tensor parallelism and before
+    the data-parallel wrapping (``labkit.train.parallel.build``)."""
     bucket_cap_mb: float | Literal["auto"] = 25.0
     """ddp / zero1: DDP's gradient bucket size in MiB (``DistributedDataParallel(bucket_cap_mb=)``;
     torch's default 25); "auto": the size of the embedding's gradients
@@ -144,9 +145,10 @@ class TrainConfig:
     pay the per-collective latency less often; the last bucket's all-reduce is never hidden
     (``comm_exposed_s`` in every metrics record, docs/training.md)."""
     grad_compression: Literal["none", "bf16", "powersgd"] = "none"
-    """ddp / zero1: how DDP's gradient buckets travel (``labkit.train.comm.compression_hook``, in the
-    one comm hook with the timing): "none" all-reduces fp32; "bf16" casts each bucket to bfloat16
-    for the all-reduce (torch's ``bf16_compress_hook``: half the bytes); "powersgd" sends a rank-
+    """How the data-parallel gradient reduction travels: "none" in fp32; "bf16" in bfloat16, half the
+    bytes (ddp / zero1: torch's ``bf16_compress_hook`` in DDP's one comm hook with the timing,
+    ``labkit.train.comm.compression_hook``; fsdp: FSDP2's ``MixedPrecisionPolicy(reduce_dtype=bf16)``;
+    replicate: the replicas' all-reduce in bf16); "powersgd" (ddp / zero1 only) sends a rank-
     ``powersgd_rank`` factorisation of each matrix gradient (torch's ``powerSGD_hook``, Vogels et
     al. 2019, arXiv:1905.13727, with error feedback) after ``powersgd_start_iter`` plain steps."""
     powersgd_rank: int = 4
@@ -189,8 +191,10 @@ class TrainConfig:
         _require(self.bucket_cap_mb == "auto" or (not isinstance(self.bucket_cap_mb, str) and self.bucket_cap_mb > 0),
                  "bucket_cap_mb", f"must be a positive number of MiB or 'auto', got {self.bucket_cap_mb!r}")
         _one_of(self.grad_compression, "grad_compression", ("none", "bf16", "powersgd"))
-        _require(self.grad_compression == "none" or self.sharding in ("ddp", "zero1"), "grad_compression",
-                 f"{self.grad_compression!r} is a DDP comm hook: it needs sharding 'ddp' or 'zero1', not {self.sharding!r}")
+        _require(self.grad_compression != "powersgd" or self.sharding in ("ddp", "zero1"), "grad_compression",
+                 "'powersgd' is torch's DDP comm hook (it all-reduces low-rank factors of whole gradient matrices, "
+                 f"which FSDP2's shards and tensor-parallel slices are not): it needs sharding 'ddp' or 'zero1', "
+                 f"not {self.sharding!r}")
         _require(self.powersgd_rank >= 1, "powersgd_rank", f"must be >= 1, got {self.powersgd_rank}")
         _require(self.powersgd_start_iter >= 2, "powersgd_start_iter",
                  f"must be >= 2 (torch's PowerSGD with error feedback), got {self.powersgd_start_iter}")
@@ -225,9 +229,6 @@ class TrainConfig:
         rounds = max(1, m // self.pp)
         _require(self.pp == 1 or not interleaved or m % rounds == 0, "grad_accum_steps",
                  f"interleaved_1f1b needs a multiple of {rounds} micro-batches (rounds of pp {self.pp}), got {m}")
-        _require(not split or self.precision != "fp16", "precision",
-                 "fp16 is not checked with tp/pp > 1 (its loss scaler would see split gradients); use bf16 or fp32")
-        _require(not split or not self.compile, "compile", "torch.compile is not checked with tp/pp > 1")
 
 
 def default_workdir() -> str:

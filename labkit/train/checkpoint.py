@@ -37,7 +37,7 @@ from labkit.train import dist
 from labkit.train.rng import TRACKER
 
 __all__ = [
-    "checkpoint_steps", "load_checkpoint", "load_split_checkpoint", "read_state", "save_checkpoint", "Checkpointer",
+    "checkpoint_steps", "load_checkpoint", "read_state", "save_checkpoint", "Checkpointer",
     "agree_on_plan", "checkpoint_run_id", "is_complete", "is_legacy", "is_used", "load", "load_weights",
     "new_run_id", "plan_run", "saved_run_id", "set_aside", "state_dicts"
 ]
@@ -422,8 +422,9 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
 
 
 _KERNEL_CHOICES = ("fused", "foreach", "capturable", "differentiable")
-"""AdamW param-group settings that choose the implementation, not the update: a checkpoint of a
-fused data-parallel run must not make a tensor-parallel run's AdamW fused (its kernel refuses DTensors)."""
+"""AdamW param-group settings that choose the implementation, not the update: a checkpoint keeps
+the run's own (``labkit.train.optim.optimizer_kind``: a fused run's checkpoint must not make an fp16
+run under ShardedGradScaler fused, whose found-inf flag the fused step refuses)."""
 
 
 def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -474,20 +475,8 @@ def load_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module) -> dict[str, Any]:
-    """Load model.safetensors into ``model`` (unwrapped, strict) and return state.pt, read with
-    ``torch.load(weights_only=True)`` on CPU."""
+    """Load a format-1 model.safetensors into ``model`` (a ``BertMLM`` before it is split or sharded,
+    strict) and return state.pt, read with ``torch.load(weights_only=True)`` on CPU."""
     path = pathlib.Path(path)
-    load_model(dist.unwrap(model), str(path / "model.safetensors"), strict=True)
+    load_model(model, str(path / "model.safetensors"), strict=True)
     return torch.load(path / "state.pt", map_location="cpu", weights_only=True)
-
-
-# ------------------------------------------------------------------------------------------
-# Split models (tensor / pipeline parallel): torch.distributed.checkpoint
-# ------------------------------------------------------------------------------------------
-
-def load_split_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
-                          optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Collective: load a split run's torch.distributed.checkpoint directory (format 1, or any
-    ``Checkpointer`` step) into a split model and its optimiser (any split: each rank reads the shards of the names and slices it holds) and return state.pt.
-    The optimiser's state is created first with a zero step (lr 0), as torch's ``get_optimizer_state_dict`` does."""
-    return load(path, model, optimizer)

@@ -67,9 +67,11 @@ class HeldoutSet:
 def evaluate(model: torch.nn.Module, heldout: HeldoutSet, *, precision: str = "fp32") -> dict[str, float]:
     """Collective (every rank calls): {"eval_loss" (nats per masked token), "perplexity",
     "eval_masked" (global masked positions), "eval_sequences"} of ``model`` on ``heldout``.
-    ``model`` may be DDP-wrapped (its module is called, so no DDP collective runs per forward)
-    or FSDP-sharded. ``precision``: "fp32", "bf16" or "fp16" autocast, as in training."""
-    module = dist.unwrap(model)
+    ``model``: the run's ``labkit.train.parallel.ModelParts`` (its forward calls the stages without
+    DDP, so no gradient collective runs per forward, and returns the loss on one rank per replica),
+    or a plain or FSDP-sharded ``BertMLM``. ``precision``: "fp32", "bf16" or "fp16" autocast, as in
+    training."""
+    module = model
     was_training = module.training
     module.eval()
     dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]  # as the training step

@@ -19,12 +19,22 @@ Where the two batches come from (``NoiseScale.for_run``):
   of R·b·k. ``|G_small|²`` is the mean over ranks of the local squared norm. (k-diffusion's
   ``k_diffusion/gns.py``, ``DDPGradientStatsHook``, takes the same two sums in a hook.)
 - FSDP2: each micro-batch's reduce-scatter; its input is this rank's gradient of b sequences,
-  its output a shard of the average over ranks (R·b); shard squared norms add up over ranks.
-- One rank: the micro-batches of an accumulated step (``grad_accum_steps >= 2``), each a batch of
-  b, against their sum (b·k). ``forward_backward`` feeds them (``micro=True``).
+  its output a shard of the average over ranks (R·b); shard squared norms add up over ranks. Under
+  pp FSDP2 reduces once per step, at the end of the pipeline schedule: b·k against R·b·k.
+- ``sharding="replicate"`` (split runs): the replicas' all-reduce after the backward, b·k against R·b·k.
+- dp = 1: the micro-batches of an accumulated step (``grad_accum_steps >= 2``), each a batch of
+  b, against their sum (b·k). ``Runtime.forward_backward`` feeds them (``micro=True``).
+
+Split runs: every rank's squared norms are summed over the world (``step_fields``), so each
+replica's norm is that of its tp slices and pipeline stages together; a parameter a tp group holds
+whole on each rank (a replicated norm or bias) is weighted 1/tp (``labkit.train.runtime``). What
+backward leaves as partial sums on several ranks (the sequence-parallel norms' and biases' gradients
+over tp, the tied embedding's two pipeline stages) is reduced over dp before those sums are taken,
+so its pieces count separately: |G_small|² and |G_big|² then lack the pieces' cross terms (exact
+without sequence parallelism and, under pp, with untied embeddings).
 
 What an example is, for MLM: a sequence. labkit's loss is the mean CE over the masked tokens of
-the global batch (``labkit.train.loop``: each rank's loss is scaled by world_size /
+the global batch (``labkit.train.runtime``: each micro-batch's loss is scaled by dp /
 n_masked_global), so every gradient the observer sees is (sum of the per-sequence loss-sum
 gradients s_i of its batch) / (its number of sequences × m̂), with m̂ = n_masked_global / (global
 batch) the step's masked tokens per sequence, the same for both batches. The per-example
@@ -52,9 +62,12 @@ __all__ = ["BiasCorrectedEMA", "NoiseScale", "squared_norm", "two_batch_estimate
 EMA_BETA = 0.95  # each estimate's EMA: ~20 steps of memory, bias-corrected (Adam's correction)
 
 
-def squared_norm(t: torch.Tensor) -> torch.Tensor:
-    """Σ t² of a tensor as a 0-d fp32 tensor on its device (one reduction, no host sync)."""
-    return torch.linalg.vector_norm(t, dtype=torch.float32).square()
+def squared_norm(t: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ t² of a tensor as a 0-d fp32 tensor on its device (one reduction, no host sync); with
+    ``weights`` (fp32, a length dividing t's) Σ w t² over ``t.view(-1, len(weights))``'s rows."""
+    if weights is None:
+        return torch.linalg.vector_norm(t, dtype=torch.float32).square()
+    return (t.reshape(-1, weights.numel()).float().square() * weights).sum()
 
 
 def two_batch_estimates(sq_small: float, sq_big: float, b_small: float, b_big: float) -> tuple[float, float]:
@@ -117,17 +130,25 @@ class NoiseScale(GradientObserver):
         self.reset()
 
     @classmethod
-    def for_run(cls, *, micro_batch_size: int, grad_accum_steps: int, dp: int, sharding: str) -> "NoiseScale | None":
-        """The observer for a data-parallel run of ``dp`` ranks (``sharding`` ddp, zero1 or fsdp)
-        or one process (dp 1: the micro-batches, needs ``grad_accum_steps >= 2``); None where no
-        two batch sizes exist (one process without accumulation)."""
+    def for_run(cls, *, micro_batch_size: int, grad_accum_steps: int, dp: int, sharding: str,
+                pp: int = 1) -> "NoiseScale | None":
+        """The observer of a run of ``dp`` data-parallel replicas (``sharding``: "ddp", "zero1",
+        "fsdp", "replicate"; "none" without a process group) and ``pp`` pipeline stages, or None where
+        no two batch sizes exist:
+
+        - FSDP2 at pp = 1 reduce-scatters every micro-batch: b against dp·b, k per step;
+        - every other dp > 1 reduces once per step (DDP's hook, the replicas' all-reduce, FSDP2 at
+          the end of a pipeline step): b·k against dp·b·k;
+        - dp = 1 at pp = 1 with ``grad_accum_steps >= 2`` and no DDP (which keeps the gradients in
+          its buckets): the micro-batches, b against b·k (``micro=True``);
+        - otherwise (one micro-batch, or a pipeline's micro-batches inside its schedule): None."""
         b, k = micro_batch_size, grad_accum_steps
-        if dp > 1 and sharding == "fsdp":  # one reduce-scatter per micro-batch: b against dp·b, k per step
+        if dp > 1 and sharding == "fsdp" and pp == 1:  # one reduce-scatter per micro-batch
             return cls(b, dp * b, n_sequences=dp * b * k, ranks=dp, sharded=True, scale_small=k, scale_big=k)
         if dp > 1:
-            return cls(b * k, dp * b * k, ranks=dp)
-        if k >= 2:  # micro-batch j's share d_j of the step's gradient: G_small = k·d_j, G_big = Σ d_j
-            return cls(b, b * k, n_sequences=b * k, scale_small=k, micro=True)
+            return cls(b * k, dp * b * k, ranks=dp, sharded=sharding == "fsdp")
+        if k >= 2 and pp == 1 and sharding not in ("ddp", "zero1"):  # G_small = k·d_j, G_big = Σ d_j
+            return cls(b, b * k, n_sequences=b * k, scale_small=k, sharded=True, micro=True)
         return None
 
     def reset(self) -> None:
@@ -136,13 +157,14 @@ class NoiseScale(GradientObserver):
         self._big: Any = 0.0
         self._masked: Any = None
 
-    def before(self, bucket_index: int, local: torch.Tensor) -> None:
-        """Add the squared norm of this rank's local gradient bucket (before the reduction)."""
-        self.add_small(squared_norm(local))
+    def before(self, bucket_index: int, local: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """Add the (weighted: ``GradientObserver``) squared norm of this rank's local gradient bucket
+        (before the reduction)."""
+        self.add_small(squared_norm(local, weights))
 
-    def after(self, bucket_index: int, reduced: torch.Tensor) -> None:
-        """Add the squared norm of the reduced bucket (DDP: the average) or shard (FSDP2)."""
-        self.add_big(squared_norm(reduced))
+    def after(self, bucket_index: int, reduced: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """Add the (weighted) squared norm of the reduced bucket (the average) or shard (FSDP2)."""
+        self.add_big(squared_norm(reduced, weights))
 
     def add_small(self, sq: torch.Tensor | float) -> None:
         """Add a squared norm (0-d tensor or float) to the step's local (small-batch) sum."""
@@ -161,10 +183,10 @@ class NoiseScale(GradientObserver):
         the record fields (class docstring). A step with a non-finite norm is not folded in."""
         sums = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in (self._small, self._big)]
         both = torch.stack([v.to(device=sums[0].device, dtype=torch.float64) for v in sums])
-        if self.ranks > 1 and dist.is_initialized():
+        if dist.is_initialized() and dist.get_world_size() > 1:  # every rank's piece: tp slices, pp stages too
             dist.all_reduce(both, op=dist.ReduceOp.SUM)
             both[0] /= self.ranks
-            if not self.sharded:  # every rank holds the whole average: its norm counted R times
+            if not self.sharded:  # every replica holds the whole average: its norm counted R times
                 both[1] /= self.ranks
         both = both.cpu()
         sq_small, sq_big = float(both[0]) * self.scale_small, float(both[1]) * self.scale_big

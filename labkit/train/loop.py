@@ -1,14 +1,13 @@
 """MLM pretraining: ``train(cfg)`` runs one run in this process, as one rank of many or alone.
 
 The optimiser step reads top to bottom in ``train`` (as nanoGPT's main loop does); the
-micro-batch part (count, forwards, backwards) is ``forward_backward`` (``labkit.train.runtime``,
-re-exported here) so the 2-rank
-gradient test exercises exactly the code ``train`` runs.
+micro-batch part (count, forwards, backwards) is ``Runtime.forward_backward``
+(``labkit.train.runtime``), so the multi-rank gradient tests exercise exactly the code ``train`` runs.
 
 Loss normalisation (``pytorch/torchtitan: torchtitan/trainer.py``):
-the number of masked tokens over every micro-batch of the step on every rank is all-reduced
-once, before the forwards; each micro-batch's loss is ``loss_sum * world_size / n_masked_global``
-so that DDP's gradient average over ranks gives the gradient of (sum of CE over all masked
+the number of masked tokens over every micro-batch of the step on every dp rank is all-reduced
+once, before the forwards; each micro-batch's loss is ``loss_sum * dp / n_masked_global``
+so that the gradient average over dp gives the gradient of (sum of CE over all masked
 tokens of the global batch) / (their count), the same as one process on the whole batch.
 
 Run directory (rank 0 writes): config.json (with the run's ``run_id``), metrics.jsonl (one record
@@ -26,12 +25,11 @@ is a pure function of the step (``lr_at``), so the step is the whole scheduler s
 needs a config and data that match the run directory's config.json / data.json
 (``labkit.train.run_config``: one-line refusal naming each field).
 
-Every run is a (pp, dp, tp) mesh, data parallelism alone being pp = tp = 1, and the step goes
-through one ``labkit.train.runtime.Runtime`` whatever the split: its ``forward_backward``,
-``clip_grad_norm`` (every mesh dimension and pipeline stage), its timer of the dp gradient
-collectives and its per-step measures (``comm_exposed_s``, ``pipeline_bubble``, ``tp_comm_s``:
-the last two None when not split that way). With tp or pp > 1 the model is split
-(``labkit.train.parallel``: pipeline stages, tensor parallelism, FSDP2 or replicas over dp).
+Every run is a (pp, dp, tp) mesh, data parallelism alone being pp = tp = 1, built by one builder
+(``labkit.train.parallel.build``) and stepped through one ``labkit.train.runtime.Runtime``
+whatever the split: its ``forward_backward``, ``clip_grad_norm`` (every mesh dimension and
+pipeline stage), its timer of the dp gradient collectives and its per-step measures
+(``comm_exposed_s``, ``pipeline_bubble``, ``tp_comm_s``: the last two 0.0 when not split that way).
 Data (sampler, masked-token count, held-out set) follows the dp rank;
 global batch = micro_batch_size * grad_accum_steps * dp.
 """
@@ -63,7 +61,7 @@ from labkit.train.checkpoint import Checkpointer, _rng_state, agree_on_plan, pla
 from labkit.train.optim import lr_at
 from labkit.train.run_config import (check_resume, data_identity, finished_run, model_config_of, save_run_config,
                                      with_segments)
-from labkit.train.runtime import AUTOCAST_DTYPES, Runtime, forward_backward  # noqa: F401 (re-exported)
+from labkit.train.runtime import Runtime
 
 __all__ = ["to_device", "train"]
 
@@ -192,12 +190,11 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
 
 
 def _build_model(cfg: TrainConfig, index: dict, rank: int, world: int,
-                 device: torch.device) -> tuple[Any, BertMLM, parallel.Split | None]:
-    """The model config for the shards' vocabulary, the tensor/pipeline split (None without one;
-    ``parallel.check_split`` refuses one that cannot work) and ``BertMLM`` built from ``cfg.seed``
-    (the same init on every rank), then each rank's dropout streams seeded on ``device``
-    (``labkit.train.rng.seed_streams``). ValueError when the
-    shards' sequence length exceeds the model's positions."""
+                 device: torch.device) -> tuple[Any, BertMLM]:
+    """The model config for the shards' vocabulary (``parallel.check_split`` refuses a split that
+    cannot work) and ``BertMLM`` built from ``cfg.seed`` (the same init on every rank), then each
+    rank's dropout streams seeded on ``device`` (``labkit.train.rng.seed_streams``). ValueError when
+    the shards' sequence length exceeds the model's positions."""
     seq_len, vocab_size = int(index["seq_len"]), int(index["vocab_size"])
     mcfg = model_config_of(cfg, vocab_size)
     if seq_len > mcfg.max_position_embeddings:
@@ -206,11 +203,11 @@ def _build_model(cfg: TrainConfig, index: dict, rank: int, world: int,
     if mcfg.position_embedding == "instruction" and "[NEXT]" not in index["special_ids"]:
         raise ValueError(f"model_overrides: position_embedding 'instruction' counts [NEXT] tokens, but the shards in "
                          f"{cfg.data_dir} come from a tokenizer without [NEXT] (special_ids {index['special_ids']})")
-    split = parallel.check_split(cfg, mcfg, world, seq_len, rank) if parallel.is_split(cfg) else None
+    parallel.check_split(cfg, mcfg, world, seq_len, rank)
     torch.manual_seed(cfg.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
     model = BertMLM(mcfg)
     rng.seed_streams(cfg.seed, rank, world, cfg.tp, device)  # dropout: one stream per rank, and with tp a
-    return mcfg, model, split  # shared one for the replicated regions of the tp group (labkit.train.rng)
+    return mcfg, model  # shared one for the replicated regions of the tp group (labkit.train.rng)
 
 
 def _keep_global_batch(cfg: TrainConfig, saved: int | None, dp: int) -> TrainConfig:
@@ -266,7 +263,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     data = open_shards(cfg.data_dir, seq_len=cfg.seq_len, tokenizer_sha256=_tokenizer_sha256(cfg.tokenizer_path),
                        verify=cfg.verify_data)  # the run's one opening: index read once, file identities recorded
     index, seq_len = data.index, int(data.index["seq_len"])
-    mcfg, model, split = _build_model(cfg, index, rank, world, device)
+    mcfg, model = _build_model(cfg, index, rank, world, device)
     params = count_parameters(model)
     fpt = flops_per_token(mcfg, seq_len, mlm_probability=cfg.mlm_probability)
 
@@ -275,8 +272,9 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     if resume_step:  # refuse to continue a run under another configuration (labkit.train.run_config)
         check_resume(run_dir, to_dict(given), identity, allow_safe_changes=cfg.allow_safe_changes)
     ckpt = run_dir / "checkpoints" / f"step-{resume_step}" if resume_step else None
-    model, optimizer, scaler, sharding, state = resume.load_and_wrap(cfg, model, device, split, ckpt, world)
-    runtime = Runtime(cfg, model, scaler, device, world=world, rank=rank)  # the step on the (pp, dp, tp) mesh
+    runtime, state = resume.load_and_wrap(cfg, model, device, ckpt, world)  # the step on the (pp, dp, tp) mesh
+    model, optimizer, scaler = runtime.parts, runtime.optimizer, runtime.scaler
+    sharding = cfg.sharding if runtime.dp > 1 else "none"  # one data-parallel rank: nothing to shard
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * runtime.dp  # data follows the dp rank
     loader = make_loader(data, batch_size=cfg.micro_batch_size, rank=runtime.dp_rank, world_size=runtime.dp,
                          seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=mcfg.vocab_size,
@@ -284,15 +282,14 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     sampler = _find_sampler(loader)
     heldout = _heldout_set(cfg, data, runtime.dp_rank, runtime.dp, mcfg.vocab_size, device)  # fixed, masked
     # position: batches of this epoch consumed
-    step, epoch, position, tokens_seen = resume.restore(state, model, optimizer, scaler, sampler, rank=rank,
-                                                        world=world, sharding=sharding,
+    step, epoch, position, tokens_seen = resume.restore(state, runtime, sampler, world=world, sharding=sharding,
                                                         where=f"step-{resume_step} in {run_dir}")
     prov = provenance.collect(device, start_time=provenance.now_iso())  # collective: every rank's host, device
     # rank 0 appends to metrics_file per record: no handle to leak
     metrics_file = _start_files(run_dir, given, identity, prov, resumed=state is not None, step=step, run_id=run_id)
     batches_iter = _iterate(loader)
     if state is not None:
-        resume.resume_rng(state, rank, world, split, cfg, device)  # last, so nothing above consumes randomness
+        resume.resume_rng(state, runtime.mesh, cfg, device)  # last, so nothing above consumes randomness
     checkpointer = Checkpointer(run_dir, keep=cfg.keep_checkpoints, asynchronous=cfg.async_checkpoint)  # collective
 
     stop = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
@@ -344,7 +341,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         if cfg.checkpoints and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == stop):
             windows.around("checkpoint", _save, cfg, checkpointer, model, optimizer, scaler, sampler, step=step,
                            epoch=epoch, position=position, tokens=tokens_seen, world=world, sharding=sharding,
-                           run_id=run_id, split=split)
+                           run_id=run_id)
     checkpointer.close()  # the last asynchronous save written and published
 
     records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()] \
@@ -415,17 +412,18 @@ def _log(record: dict, metrics_file: pathlib.Path | None, sink: Callable[[dict],
 
 def _save(cfg: TrainConfig, checkpointer: Checkpointer, model: torch.nn.Module, optimizer: Any, scaler: Any,
           sampler: Any, *, step: int, epoch: int, position: int, tokens: int, world: int, sharding: str,
-          run_id: str, split: parallel.Split | None) -> float:
+          run_id: str) -> float:
     """Collective: checkpoint step-N (``checkpoint.Checkpointer.save``: every rank writes its part
     of the weights and optimiser state) with state.pt = the run's ``run_id``, step, epoch, tokens,
-    lr, scaler, world size, sharding, the split (None: data parallel only), the global batch and
+    lr, scaler, world size, sharding, the split, the global batch and
     the global sampler state after the batches the trainer consumed (with workers the sampler
     itself runs ahead of the trainer, so ``position`` is the trainer's: ``RankSampler.state_at``),
     and per rank its RNG states. Returns the seconds training stalled."""
     dp = world // (cfg.tp * cfg.pp)
     state = {"run_id": run_id, "step": step, "epoch": epoch, "tokens": tokens, "lr": lr_at(step, cfg),
              "scaler": scaler.state_dict(), "world_size": world, "sharding": sharding,
-             "split": parallel.split_record(split, cfg),
+             "split": {"dp": dp, "tp": cfg.tp, "pp": cfg.pp, "pp_schedule": cfg.pp_schedule,
+                       "pp_virtual_stages": cfg.pp_virtual_stages, "sequence_parallel": cfg.sequence_parallel},
              "global_batch_size": cfg.micro_batch_size * cfg.grad_accum_steps * dp,
              "sampler": sampler.state_at(epoch, position)}
     return checkpointer.save(step, model, optimizer, state, {"rng": _rng_state()})

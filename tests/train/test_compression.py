@@ -2,7 +2,8 @@
 time_gradient_collectives): 2 gloo ranks train the tiny model with grad_compression "none",
 "bf16" and "powersgd" in one spawn. bf16 puts exactly half of none's bytes on the wire (2 bytes
 per gradient element instead of 4; none's bytes are 4 x the model's parameters, each all-reduced
-once), keeps comm_exposed_s in every record and trains to none's losses within bf16's rounding;
+once), keeps comm_exposed_s in every record and trains to none's losses within bf16's rounding,
+under DDP and under FSDP2 (its reduce-scatters in bf16, ``MixedPrecisionPolicy(reduce_dtype)``);
 PowerSGD all-reduces fp32 during its warm-up steps, then less than half the bytes."""
 
 from __future__ import annotations
@@ -47,10 +48,13 @@ def runs(tmp_path_factory) -> pathlib.Path:
 
     root = tmp_path_factory.mktemp("compression")
     shards = write_tiny_shards(root / "shards", n_sequences=48)
-    cfgs = [TrainConfig(data_dir=str(shards), run_dir=str(root / kind), model="tiny", micro_batch_size=4,
+    cfgs = [TrainConfig(data_dir=str(shards), run_dir=str(root / name), model="tiny", micro_batch_size=4,
                         max_steps=STEPS, lr=3e-3, warmup_steps=1, num_threads=1, device="cpu", timing_warmup_steps=1,
-                        timeout_s=60, grad_compression=kind, powersgd_rank=2, powersgd_start_iter=START)
-            for kind in ("none", "bf16", "powersgd")]
+                        timeout_s=60, grad_compression=kind, powersgd_rank=2, powersgd_start_iter=START,
+                        sharding=sharding, checkpoints=sharding == "ddp")
+            for name, kind, sharding in (("none", "none", "ddp"), ("bf16", "bf16", "ddp"),
+                                         ("powersgd", "powersgd", "ddp"), ("fsdp-none", "none", "fsdp"),
+                                         ("fsdp-bf16", "bf16", "fsdp"))]
     mp.spawn(_worker, args=(2, _free_port(), json.dumps([to_dict(c) for c in cfgs])), nprocs=2, join=True)
     return root
 
@@ -70,6 +74,10 @@ def test_bf16_sends_half_the_bytes_and_records_exposed_communication(runs):
     # bf16 rounds each averaged gradient to 8 bits of mantissa: the same training, to ~1e-2
     assert [r["loss"] for r in bf16] == pytest.approx([r["loss"] for r in none], rel=2e-2)
     assert bf16[0]["loss"] == none[0]["loss"]  # the first forward precedes any reduction
+    fsdp, fsdp_bf16 = _metrics(runs / "fsdp-none"), _metrics(runs / "fsdp-bf16")  # FSDP2's reduce_dtype
+    assert all(b["comm_bytes"] * 2 == a["comm_bytes"] > 0 for a, b in zip(fsdp, fsdp_bf16))
+    assert [r["loss"] for r in fsdp_bf16] == pytest.approx([r["loss"] for r in fsdp], rel=2e-2)
+    assert fsdp_bf16[0]["loss"] == fsdp[0]["loss"]
 
 
 def test_powersgd_plain_during_warm_up_then_compressed(runs):
@@ -94,8 +102,10 @@ def test_powersgd_plain_during_warm_up_then_compressed(runs):
 def test_config_refusals():
     from labkit.config import TrainConfig
 
-    with pytest.raises(ValueError, match="grad_compression.*sharding 'ddp' or 'zero1', not 'fsdp'"):
-        TrainConfig(data_dir="d", run_dir="r", sharding="fsdp", grad_compression="bf16")
+    with pytest.raises(ValueError, match="^grad_compression: 'powersgd' is torch's DDP comm hook .*sharding 'ddp' or "
+                                         "'zero1', not 'fsdp'$"):
+        TrainConfig(data_dir="d", run_dir="r", sharding="fsdp", grad_compression="powersgd")
+    assert TrainConfig(data_dir="d", run_dir="r", sharding="fsdp", grad_compression="bf16").grad_compression == "bf16"
     with pytest.raises(ValueError, match="grad_compression"):
         TrainConfig(data_dir="d", run_dir="r", grad_compression="fp8")
     with pytest.raises(ValueError, match="powersgd_start_iter"):

@@ -63,8 +63,11 @@ def _eval_worker(rank: int, world: int, port: int, shards: str, out: str) -> Non
         result = evaluate(_model(), _heldout(pathlib.Path(shards), rank, world))
         # FSDP-sharded weights, 9 sequences: rank 1 holds one batch and repeats it (discarded) so
         # that both ranks run the same number of forwards (each all-gathers the layers)
-        sharded = dist.wrap_model(_model(), TrainConfig(data_dir="-", run_dir="-", sharding="fsdp"),
-                                  torch.device("cpu"))
+        from labkit.train import build_runtime
+
+        sharded = build_runtime(TrainConfig(data_dir="-", run_dir="-", sharding="fsdp"), _model(),
+                                torch.device("cpu")).parts  # the training builder: FSDP2 over dp 2
+        assert dist.is_fsdp(sharded.chunks[0])
         fsdp = evaluate(sharded, _heldout(pathlib.Path(shards), rank, world, n=9))
         if rank == 0:
             pathlib.Path(out).write_text(json.dumps({**result, "fsdp": fsdp}))

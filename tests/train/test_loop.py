@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from labkit import train as train_mod
-from labkit.train import loop, resume, runtime
+from labkit.train import loop, parallel, runtime
 from labkit.config import TrainConfig, from_dict
 from labkit.model import BertMLM, model_config
 from labkit.train import lr_at, train
@@ -141,13 +141,13 @@ def test_resume_reproduces_uninterrupted_run(shards, tmp_path):
 
 
 def test_nonfinite_loss_raises_or_skips(shards, tmp_path, monkeypatch):
-    real = train_mod.forward_backward
+    real = runtime.Runtime.forward_backward
 
     def poisoned(*args, **kwargs):
         loss_sum, n_masked, n_tokens = real(*args, **kwargs)
         return loss_sum * float("nan"), n_masked, n_tokens
 
-    monkeypatch.setattr(runtime, "forward_backward", poisoned)  # what Runtime.forward_backward runs
+    monkeypatch.setattr(runtime.Runtime, "forward_backward", poisoned)  # the step train runs
     with pytest.raises(FloatingPointError, match="step 1: non-finite loss"):
         train(tiny_cfg(shards, tmp_path / "raise", max_steps=2))
     run = tmp_path / "skip"
@@ -191,8 +191,8 @@ def test_lr_applied_once_per_optimizer_step_across_accumulation_and_resume(shard
     seen: list[tuple[str, list[float]]] = []
     real_build = train_mod.build_optimizer
 
-    def recording_build(model, cfg):
-        opt = real_build(model, cfg)
+    def recording_build(model, cfg, **kw):
+        opt = real_build(model, cfg, **kw)
         real_step = opt.step
 
         def step(*args, **kwargs):
@@ -202,7 +202,7 @@ def test_lr_applied_once_per_optimizer_step_across_accumulation_and_resume(shard
         opt.step = step
         return opt
 
-    monkeypatch.setattr(resume, "build_optimizer", recording_build)  # labkit.train.resume.parallelize builds it
+    monkeypatch.setattr(parallel, "build_optimizer", recording_build)  # labkit.train.parallel.build builds it
     full = tiny_cfg(shards, tmp_path / "full", grad_accum_steps=3, max_steps=7, warmup_steps=2, schedule="cosine")
     train(full)
     part = dataclasses.replace(full, run_dir=str(tmp_path / "part"), stop_after=3)
@@ -330,6 +330,10 @@ def test_compiled_model_trains_to_the_same_losses(shards, tmp_path, sparse_head)
     assert names == set(BertMLM(model_config("tiny", VOCAB)).state_dict())
 
 
+def _cfg() -> TrainConfig:
+    return TrainConfig(data_dir="-", run_dir="-")
+
+
 def test_host_facts_leave_the_step_unchanged(shards):
     """``to_device``'s host facts (no mask when nothing is padded, the sparse head's gather size)
     give the same loss and gradients as the model finding them itself, for a padded and an
@@ -352,7 +356,8 @@ def test_host_facts_leave_the_step_unchanged(shards):
                       {"max_masked": SEQ_LEN}):
             torch.manual_seed(1)
             model = BertMLM(model_config("tiny", VOCAB, hidden_dropout=0.0, attention_dropout=0.0))
-            loss, n, _ = loop.forward_backward(model, [{**batch, **facts}], world_size=1)
+            rt = train_mod.build_runtime(_cfg(), model, torch.device("cpu"))
+            loss, n, _ = rt.forward_backward([{**batch, **facts}])
             runs.append((loss, {k: p.grad.clone() for k, p in model.named_parameters()}))
         for loss, grads in runs[1:]:
             assert torch.allclose(loss, runs[0][0], rtol=1e-6)
@@ -374,9 +379,10 @@ def test_step_makes_no_host_sync_on_cuda(shards):
     model = BertMLM(model_config("tiny", VOCAB, sparse_head=False)).to(dev)
     moved = loop.to_device(batch, dev)
     torch.cuda.synchronize()
+    rt = train_mod.build_runtime(_cfg(), model, dev)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loop.forward_backward(model, [moved], world_size=1)
+        rt.forward_backward([moved])
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -405,7 +411,7 @@ def test_peak_memory_windows_keep_evaluation_and_checkpoints_apart(tmp_path, mon
     mem = FakeAllocator()
     monkeypatch.setattr(loop.measure, "reset_peak_memory", mem.reset)
     monkeypatch.setattr(loop.measure, "peak_memory_bytes", mem.read)
-    monkeypatch.setattr(runtime, "forward_backward", mem.around(runtime.forward_backward, 300))
+    monkeypatch.setattr(runtime.Runtime, "forward_backward", mem.around(runtime.Runtime.forward_backward, 300))
     from labkit.train import evaluation
 
     monkeypatch.setattr(evaluation, "evaluate", mem.around(evaluation.evaluate, 5000))
