@@ -416,7 +416,8 @@ def link_step_time(*, compute_s: float, bucket_bytes, bandwidth: float, latency:
     ``ring_allreduce_time`` of its bytes x ``wire_ratio`` (gloo's own bytes on the wire per
     gradient byte, measured from the veth's counters) and starts when it is ready and the link
     is free: the link is one queue, so a bucket that cannot finish during backward delays every
-    later one. Exposed = when the link finishes minus when backward ends (>= 0).
+    later one (``labkit.train.buckets.queue_exposed_s``, the queue ``bucket_cap_mb="auto"`` sizes
+    by). Exposed = when the link finishes minus when backward ends (>= 0).
     ``collective_rate`` (bytes/s; None: not modelled): gloo's all-reduce rate between two
     processes on one host, its CPU cost (``labkit.study.network_sweep.measure_collective_rate``);
     an all-reduce then takes the longer of its wire time and bytes / collective_rate (the CPU
@@ -432,17 +433,15 @@ def link_step_time(*, compute_s: float, bucket_bytes, bandwidth: float, latency:
         raise ValueError(f"bandwidth: must be positive, got {bandwidth}")
     if collective_rate is not None and not collective_rate > 0:
         raise ValueError(f"collective_rate: must be positive or None, got {collective_rate}")
+    from labkit.train.buckets import queue_exposed_s
+
     sizes = [float(b) * wire_ratio for b in bucket_bytes]
     backward = compute_s * backward_fraction
-    free, times = 0.0, []
-    for k, size in enumerate(sizes):
-        ready = backward if k == len(sizes) - 1 else backward * (k + 1) / len(sizes)
-        t = ring_allreduce_time(size, n, bandwidth=bandwidth, latency=latency)
-        if collective_rate is not None:
-            t = max(t, float(bucket_bytes[k]) / collective_rate)
-        free = max(ready, free) + t
-        times.append(t)
-    exposed = max(0.0, free - backward) if sizes else 0.0
+    times = [ring_allreduce_time(size, n, bandwidth=bandwidth, latency=latency) for size in sizes]
+    if collective_rate is not None:
+        times = [max(t, float(b) / collective_rate) for t, b in zip(times, bucket_bytes)]
+    ready = [backward if k == len(sizes) - 1 else backward * (k + 1) / len(sizes) for k in range(len(sizes))]
+    exposed = queue_exposed_s(times, ready, backward)
     return {"compute_s": compute_s, "comm_s": sum(times), "exposed_s": exposed, "step_s": compute_s + exposed,
             "last_bucket_s": times[-1] if times else 0.0}
 
