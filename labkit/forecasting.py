@@ -1,7 +1,8 @@
 """What ``labkit forecast CONFIG`` does: time and GPU-hours to a target loss per GPU count.
 
-The config's own model at its own vocabulary ([plan] vocab_size, else its shards': the model
-``labkit train CONFIG`` builds), the step time planned from the device's peak at the config's
+The config's own model at its own vocabulary and sequence length ([plan] vocab_size, else its
+shards'; [train] seq_len, else the shards', else [shards] seq_len: the model ``labkit train
+CONFIG`` builds), the step time planned from the device's peak at the config's
 precision, or on ``--device cpu`` measured here, in this process, with the machine's load
 recorded and shown (``labkit.study.forecast.measure_step_time``), or given (``--step-time-s``).
 The critical batch is Kaplan et al.'s assumption unless ``--critical-batch`` reads a
@@ -96,7 +97,8 @@ def forecast(args) -> int:
         peak_of(device, lab.train.precision)  # ValueError: no such peak on this device
     vocab, vocab_from = config_vocab(lab, lab.plan.vocab_size, args.config)
     mcfg = model_config_of(lab.train, vocab)
-    seq_len = lab.train.seq_len or lab.shards.seq_len
+    index = pathlib.Path(lab.workdir, "shards", "index.json")
+    seq_len = lab.train.seq_len or (json.loads(index.read_text())["seq_len"] if index.is_file() else lab.shards.seq_len)
     crit = read_critical_batch(args.critical_batch, seq_len) if args.critical_batch else None
     gpus_per_node = 1 if device == "cpu" else lab.plan.gpus_per_node
     compute_s, source, measured = None, None, {}
