@@ -129,7 +129,7 @@ def _compression(args, tmp: pathlib.Path, config: str) -> dict:
     for rnd in range(args.rounds):
         df = run_network_sweep(config, tmp / f"round-{rnd}", models=(args.model,), rates_mbit=(rate,),
                                compressions=kinds, steps=max(args.steps, 5), warmup_steps=2,
-                               overrides=["train.powersgd_start_iter=2"])
+                               overrides=["train.parallel.powersgd_start_iter=2"])
         for row in df.iter_rows(named=True):
             k = row["grad_compression"]
             eff[k].append(row["efficiency"])
@@ -165,7 +165,7 @@ def _bucket_auto(args, tmp: pathlib.Path, config: str) -> dict:
         for cap in (caps if rnd % 2 == 0 else caps[::-1]):
             df = run_network_sweep(config, tmp / f"round-{rnd}-{cap.strip(chr(34))}", models=(args.model,),
                                    rates_mbit=(rate,), steps=args.steps, warmup_steps=args.warmup_steps,
-                                   overrides=[f"train.bucket_cap_mb={cap}"])
+                                   overrides=[f"train.parallel.bucket_cap_mb={cap}"])
             row = df.row(0, named=True)
             eff[cap].append(row["efficiency"])
             exposed[cap].append(row["comm_exposed_s"])

@@ -163,7 +163,7 @@ def _sweep_batch(cfg: LabConfig, args) -> int:
     printed with the in-run B_simple at the target."""
     from labkit.study.critical_batch import sweep_batch
 
-    if cfg.train.eval_every <= 0 and not cfg.train.data_dir:
+    if cfg.train.eval.every <= 0 and not cfg.train.data_dir:
         raise ValueError("train.data_dir: the batch sweep needs shards with a held-out split")
     df, fit = sweep_batch(cfg.train, cfg.workdir, batch_sizes=args.batches, target=args.target,
                           lr_rule=args.lr_rule, max_examples=args.examples, force=args.force)
@@ -212,7 +212,7 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
                                     staged=staged, force=args.force)
         else:
             staged = _stage(client, cfg) if _uses_workdir_shards(cfg) else None
-            df = lab.sweep_loader_workers(client, w, batch_size=cfg.train.micro_batch_size,
+            df = lab.sweep_loader_workers(client, w, batch_size=cfg.train.batch.micro_batch_size,
                                           step_time_s=args.step_time_s, workers=args.workers, staged=staged,
                                           force=args.force)
     if kind == "parallel":  # 26 columns: the ones to read, memory in GB; the rest stay in the Parquet file
@@ -362,7 +362,7 @@ def forecast(args) -> int:
             raise ValueError(f"{flag}: comma-separated integers, got {text!r}") from None
 
     gpus = ints("--gpus", args.gpus)
-    mbs = ints("--micro-batches", args.micro_batches) if args.micro_batches else [lab.train.micro_batch_size]
+    mbs = ints("--micro-batches", args.micro_batches) if args.micro_batches else [lab.train.batch.micro_batch_size]
     from labkit.study.plan import STUDY_VOCAB
     from labkit.train.run_config import model_config_of
 
@@ -559,7 +559,7 @@ def plan_config(args) -> int:
                                                             ("vocab_size", args.vocab_size)) if v is not None})
     vocab = pc.vocab_size or int(read_index(pathlib.Path(lab.workdir) / "shards")["vocab_size"])
     cfg = model_config_of(lab.train, vocab)
-    seq_len, batch = args.seq_len or lab.shards.seq_len, args.micro_batch or lab.train.micro_batch_size
+    seq_len, batch = args.seq_len or lab.shards.seq_len, args.micro_batch or lab.train.batch.micro_batch_size
     precision = args.precision or lab.train.precision
     attention = "eager" if cfg.attention_backend == "eager" else "flash"
     mem = lp.memory_plan(cfg, seq_len=seq_len, micro_batch=batch, precision=precision, attention=attention,
@@ -567,7 +567,7 @@ def plan_config(args) -> int:
     if getattr(args, "count", False):  # count what the step keeps (any model; about a minute on a CPU)
         from labkit.study import memory
 
-        make_model, make_batch = memory.labkit_model(cfg, seq_len, mlm_probability=lab.train.mlm_probability)
+        make_model, make_batch = memory.labkit_model(cfg, seq_len, mlm_probability=lab.train.data.mlm_probability)
         fit = memory.plan_model(make_model, make_batch, device=pc.device, precision=precision, sharding="ddp",
                                 dp=pc.gpus)
         method = "counted (study.memory.plan_model)"
@@ -591,7 +591,7 @@ def plan_config(args) -> int:
     _print_table(table_summary)
     levers = scaling.compression_table(cfg, micro_batch=batch, seq_len=seq_len, device=pc.device, network=pc.network,
                                        n_gpus=gpus[-1], gpus_per_node=pc.gpus_per_node, mfu=pc.mfu)
-    print(f"gradient compression (train.grad_compression; powersgd at rank 4) at {gpus[-1]} GPUs over {pc.network}:")
+    print(f"gradient compression (train.parallel.grad_compression; powersgd at rank 4) at {gpus[-1]} GPUs over {pc.network}:")
     _print_table(levers)
     rows = list(table_summary.iter_rows(named=True))
     best = fit["max_micro_batch"]
