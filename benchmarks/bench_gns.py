@@ -97,9 +97,10 @@ def main(argv: list[str] | None = None) -> dict:
         for rnd in range(args.rounds + 1):  # round 0: warm-up
             for on in ((True, False) if rnd % 2 == 0 else (False, True)):
                 cfg = TrainConfig(data_dir=str(data), run_dir=f"{tmp}/run-{rnd}-{int(on)}", model=args.model,
-                                  micro_batch_size=args.micro_batch, max_steps=args.steps, warmup_steps=1,
-                                  timing_warmup_steps=args.warmup_steps, num_threads=1, device="cpu",
-                                  timeout_s=600, resume=False, checkpoints=False, trackers=())
+                                  max_steps=args.steps, num_threads=1, device="cpu", timeout_s=600, resume=False,
+                                  batch={"micro_batch_size": args.micro_batch}, schedule={"warmup_steps": 1},
+                                  measure={"timing_warmup_steps": args.warmup_steps, "trackers": ()},
+                                  checkpoint={"enabled": False})
                 runs.append({"round": rnd, "gns": on, "cfg": to_dict(cfg)})
         mp.spawn(_worker, args=(2, _free_port(), json.dumps(runs)), nprocs=2, join=True)
         step = {True: [], False: []}

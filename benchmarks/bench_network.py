@@ -171,7 +171,7 @@ def _bucket_auto(args, tmp: pathlib.Path, config: str) -> dict:
             name = cap.strip(chr(34))
             df = run_network_sweep(config, tmp / f"round-{rnd}-{name}", models=(args.model,), rates_mbit=rates,
                                    steps=args.steps, warmup_steps=args.warmup_steps,
-                                   overrides=[f"train.bucket_cap_mb={cap}"])
+                                   overrides=[f"train.parallel.bucket_cap_mb={cap}"])
             for row in df.iter_rows(named=True):
                 rate = row["rate_mbit"]
                 eff[cap, rate].append(row["efficiency"])

@@ -298,7 +298,7 @@ def lesson4_network() -> str:
     from generate_study import _study
 
     lab, cfg = _study()  # configs/study.toml: the authors' model, batch, cluster
-    levers = scaling.compression_table(cfg, micro_batch=lab.train.micro_batch_size, seq_len=lab.shards.seq_len,
+    levers = scaling.compression_table(cfg, micro_batch=lab.train.batch.micro_batch_size, seq_len=lab.shards.seq_len,
                                        device=lab.plan.device, network=lab.plan.network,
                                        gpus_per_node=lab.plan.gpus_per_node, mfu=lab.plan.mfu)
     study = []
@@ -312,7 +312,7 @@ def lesson4_network() -> str:
             f"Measured step time over the model's: {min(ratios):.2f} to {max(ratios):.2f} at all {len(rows)} points. "
             "Link time = a step's gradient bytes / the link's measured TCP goodput (at 2 ranks a ring sends one copy "
             "each way); above 1 the link cannot keep up with compute, and no overlap helps.\n\n"
-            f"The study's run as configs/study.toml states it (micro-batch {lab.train.micro_batch_size}, seq "
+            f"The study's run as configs/study.toml states it (micro-batch {lab.train.batch.micro_batch_size}, seq "
             f"{lab.shards.seq_len}, {lab.plan.mfu:.0%} of each precision's peak) at 256 GPUs on {lab.plan.network}, "
             "on the same axis "
             "(ring: 2(n-1)/n copies), and the planner's efficiency with each gradient compression "

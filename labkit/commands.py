@@ -162,7 +162,7 @@ def _sweep_batch(cfg: LabConfig, args) -> int:
     printed with the in-run B_simple at the target."""
     from labkit.study.critical_batch import sweep_batch
 
-    if cfg.train.eval_every <= 0 and not cfg.train.data_dir:
+    if cfg.train.eval.every <= 0 and not cfg.train.data_dir:
         raise ValueError("train.data_dir: the batch sweep needs shards with a held-out split")
     df, fit = sweep_batch(cfg.train, cfg.workdir, batch_sizes=args.batches, target=args.target,
                           lr_rule=args.lr_rule, max_examples=args.examples, force=args.force)
@@ -211,7 +211,7 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
                                     staged=staged, force=args.force)
         else:
             staged = _stage(client, cfg) if _uses_workdir_shards(cfg) else None
-            df = lab.sweep_loader_workers(client, w, batch_size=cfg.train.micro_batch_size,
+            df = lab.sweep_loader_workers(client, w, batch_size=cfg.train.batch.micro_batch_size,
                                           step_time_s=args.step_time_s, workers=args.workers, staged=staged,
                                           force=args.force)
     if kind == "parallel":  # 26 columns: the ones to read, memory in GB; the rest stay in the Parquet file

@@ -38,7 +38,6 @@ global batch = micro_batch_size * grad_accum_steps * dp.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 import json
@@ -225,7 +224,7 @@ def _keep_global_batch(cfg: TrainConfig, saved: int | None, dp: int) -> TrainCon
         raise ValueError(f"grad_accum_steps: the checkpoint's global batch {saved} is not micro_batch_size "
                          f"{cfg.micro_batch_size} x dp {dp} x a whole number of accumulation steps (resume at a dp "
                          f"dividing {saved} / micro_batch_size)")
-    return dataclasses.replace(cfg, grad_accum_steps=accum)
+    return cfg.replace(batch={"grad_accum_steps": accum})
 
 
 def _start_files(run_dir: pathlib.Path, cfg: TrainConfig, identity: dict, prov: dict, *, resumed: bool,
