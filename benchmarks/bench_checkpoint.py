@@ -99,7 +99,7 @@ def _worker(rank: int, world: int, port: int, args_json: str, out: str) -> None:
                         target = run_dir / "torch" / "state.pt"
                         if rank == 0:
                             target.parent.mkdir(parents=True, exist_ok=True)
-                            torch.save({"model": dist.unwrap(model).state_dict(), "optim": optimizer.state_dict()},
+                            torch.save({"model": model.module.state_dict(), "optim": optimizer.state_dict()},
                                        target)
                             os.sync()
                         dist.barrier()

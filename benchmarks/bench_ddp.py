@@ -131,7 +131,7 @@ def run(cfg: TrainConfig, world: int) -> dict:
     result = json.loads((run_dir / "result.json").read_text())
     result["cpu_s"] = sum(json.loads((run_dir / f"cpu-{r}.json").read_text()) for r in range(world))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    timed = records[cfg.timing_warmup_steps:] or records
+    timed = records[cfg.measure.timing_warmup_steps:] or records
     for key in ("step_time_s", "comm_exposed_s", "cpu_s", "thread_cpu_s"):
         result[f"median_{key}"] = statistics.median(r[key] for r in timed)
     return result
@@ -142,14 +142,18 @@ import json, os, socket, sys
 import torch.multiprocessing as mp
 
 
-def _worker(rank, world, port, fields):
+def _worker(rank, world, port, forms):
     cpus = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    from labkit.config import TrainConfig
+    from labkit.config import TrainConfig, from_dict
     from labkit.train import train
-    train(TrainConfig(**fields))
+    try:  # a TrainConfig in sections; an older labkit takes the flat fields
+        cfg = from_dict(TrainConfig, forms["nested"])
+    except (TypeError, ValueError):
+        cfg = TrainConfig(**forms["flat"])
+    train(cfg)
 
 
 if __name__ == "__main__":
@@ -159,8 +163,9 @@ if __name__ == "__main__":
         port = s.getsockname()[1]
     mp.spawn(_worker, args=(world, port, fields), nprocs=world, join=True)
 """
-"""One run of ``TrainConfig(**fields)`` on ``world`` spawned ranks, importing labkit from PYTHONPATH
-(``--baseline-commit``: the same script for both codes)."""
+"""One run of a config on ``world`` spawned ranks, importing labkit from PYTHONPATH (``--baseline-commit``:
+the same script for both codes): {"nested": ``to_dict`` of the TrainConfig, "flat": the same fields by
+their names before TrainConfig had sections}."""
 
 
 def baseline_rounds(args: argparse.Namespace, data: pathlib.Path, tmp: str) -> dict:
@@ -177,13 +182,10 @@ def baseline_rounds(args: argparse.Namespace, data: pathlib.Path, tmp: str) -> d
         for rnd in range(args.rounds + 1):  # round 0: warm-up
             for code in (("this", "baseline") if rnd % 2 == 0 else ("baseline", "this")):
                 run_dir = pathlib.Path(tmp) / f"{code}-{rnd}"
-                fields = {"data_dir": str(data), "run_dir": str(run_dir), "model": args.model,
-                          "micro_batch_size": args.micro_batch, "max_steps": args.steps, "warmup_steps": 1,
-                          "timing_warmup_steps": args.warmup_steps, "num_threads": 1, "device": "cpu",
-                          "sharding": args.sharding, "timeout_s": 600, "resume": False, "checkpoints": False,
-                          "bucket_cap_mb": args.bucket_cap_mb, "trackers": []}
+                cfg = config(args, data, str(run_dir), args.bucket_cap_mb)
+                forms = {"nested": to_dict(cfg), "flat": _flat(to_dict(cfg))}
                 env = os.environ | {"PYTHONPATH": str(root if code == "this" else tree)}
-                subprocess.run([sys.executable, str(driver), json.dumps(fields), "2"], check=True, env=env)
+                subprocess.run([sys.executable, str(driver), json.dumps(forms), "2"], check=True, env=env)
                 records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
                 med = statistics.median(r["step_time_s"] for r in records[args.warmup_steps:])
                 print(json.dumps({"round": rnd, "code": code, "step_time_s": med,
@@ -202,12 +204,26 @@ def baseline_rounds(args: argparse.Namespace, data: pathlib.Path, tmp: str) -> d
             "rounds": args.rounds, "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}
 
 
+def _flat(nested: dict) -> dict:
+    """``to_dict`` of a TrainConfig with its sections' fields under their names before the sections
+    (``labkit.config.FLAT_KEYS``)."""
+    from labkit.config.train import FLAT_KEYS, TRAIN_SECTIONS
+
+    back = {dotted: flat for flat, dotted in FLAT_KEYS.items()}
+    out = {k: v for k, v in nested.items() if k not in TRAIN_SECTIONS}
+    for section in TRAIN_SECTIONS:
+        out |= {back[f"{section}.{k}"]: v for k, v in nested.get(section, {}).items() if f"{section}.{k}" in back}
+    return out
+
+
 def config(args: argparse.Namespace, data: pathlib.Path, run_dir: str, bucket_cap_mb: float) -> TrainConfig:
     """The benchmark's run: ``args.model`` at ``args.micro_batch`` per rank, one thread, no checkpoints."""
-    return TrainConfig(data_dir=str(data), run_dir=run_dir, model=args.model, micro_batch_size=args.micro_batch,
-                       max_steps=args.steps, warmup_steps=1, timing_warmup_steps=args.warmup_steps, num_threads=1,
-                       device="cpu", sharding=args.sharding, timeout_s=600, resume=False, checkpoints=False,
-                       bucket_cap_mb=bucket_cap_mb, trackers=())
+    return TrainConfig(data_dir=str(data), run_dir=run_dir, model=args.model, max_steps=args.steps, num_threads=1,
+                       device="cpu", timeout_s=600, resume=False, batch={"micro_batch_size": args.micro_batch},
+                       schedule={"warmup_steps": 1},
+                       measure={"timing_warmup_steps": args.warmup_steps, "trackers": ()},
+                       parallel={"sharding": args.sharding, "bucket_cap_mb": bucket_cap_mb},
+                       checkpoint={"enabled": False})
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -50,7 +50,7 @@ with warnings.catch_warnings():
 __all__ = [
     "all_gather_object", "all_reduce_smoke_test", "all_reduce_sum", "barrier", "dist_info", "init_distributed",
     "is_fsdp", "is_main", "load_optimizer_state_dict", "no_sync", "print0", "resolve_device", "static_graph_valid",
-    "steps_to_param_devices", "teardown", "auto_bucket_cap_mb"
+    "steps_to_param_devices", "teardown"
 ]
 
 
@@ -135,40 +135,13 @@ def init_distributed(backend: str, timeout_s: float, device: torch.device) -> bo
     return True
 
 
-EMBEDDING_MODULES = ("word", "position", "token_type", "embed_norm")
-"""labkit's BertMLM modules whose gradients are complete only when backward reaches the embedding
-lookup (the tied word embedding among them), i.e. at the very end of backward."""
-
-
-def auto_bucket_cap_mb(model: torch.nn.Module, *, low: float = 1.0, high: float = 25.0) -> float:
-    """``TrainConfig.bucket_cap_mb="auto"``: DDP's bucket cap in MiB equal to the gradient bytes of
-    the embedding-side parameters (``EMBEDDING_MODULES``, fp32), clipped to [``low``, ``high``]
-    (torch's first-bucket 1 MiB and default 25 MiB).
-
-    DDP fills buckets in the order gradients become ready (after its first-step rebuild) and
-    closes one when it reaches the cap, so the last bucket holds the embedding's gradients plus
-    at most one cap of others. The embedding's gradient (with tied weights also the decoder's
-    share) is ready only when backward ends, so that bucket's all-reduce is always exposed; with
-    25 MiB caps on a model of tens of MB it carries a third of every gradient or more (the
-    shaped-link sweep: [26, 29, 24] MB for ``small``, one 14.5 MB bucket for ``mini``). Caps the
-    size of the embedding leave the last bucket about twice the embedding and let every other
-    bucket start on the link while backward still runs. A model without those modules gets
-    ``high``."""
-    children = dict(model.named_children())
-    nbytes = sum(4 * p.numel() for name in EMBEDDING_MODULES if name in children
-                 for p in children[name].parameters() if p.requires_grad)
-    if not nbytes:
-        return high
-    return float(min(high, max(low, nbytes / 2**20)))
-
-
 def static_graph_valid(cfg: Any) -> bool:
     """Whether DDP may be told the graph is static (``static_graph=True``): every model labkit
     builds uses the same parameters in the same order at every step, but DDP's static-graph
     reducer asserts (``expect_autograd_hooks_``, torch 2.13) when the first step accumulates
-    under ``no_sync``, so only without gradient accumulation (``cfg.grad_accum_steps == 1``);
+    under ``no_sync``, so only without gradient accumulation (``cfg.batch.grad_accum_steps == 1``);
     ``cfg`` None (tests, benchmarks) means no."""
-    return cfg is not None and getattr(cfg, "grad_accum_steps", 1) == 1
+    return cfg is not None and cfg.batch.grad_accum_steps == 1
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:

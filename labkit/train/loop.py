@@ -36,7 +36,6 @@ global batch = micro_batch_size * grad_accum_steps * dp.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 import json
@@ -58,6 +57,7 @@ from labkit.io import atomic_write_json, atomic_write_text
 from labkit.model import BertMLM, count_parameters, flops_per_token
 from labkit.train import dist, parallel, provenance, resume, rng, sinks
 from labkit.train.checkpoint import Checkpointer, _rng_state, agree_on_plan, plan_run
+from labkit.train.comm import all_reduce_with_sideband
 from labkit.train.optim import lr_at
 from labkit.train.run_config import (check_resume, data_identity, finished_run, model_config_of, save_run_config,
                                      with_segments)
@@ -116,11 +116,11 @@ def _heldout_set(cfg: TrainConfig, data: ShardSet, rank: int, world: int, vocab_
     split (then no evaluation runs)."""
     from labkit.train.evaluation import HeldoutSet
 
-    if cfg.eval_every == 0 and not data.index.get("heldout"):
+    if cfg.eval.every == 0 and not data.index.get("heldout"):
         return None
     return HeldoutSet(data, rank=rank, world_size=world, vocab_size=vocab_size,
-                      mlm_probability=cfg.mlm_probability, max_sequences=cfg.eval_sequences,
-                      batch_size=cfg.eval_batch_size or cfg.micro_batch_size, device=device)
+                      mlm_probability=cfg.data.mlm_probability, max_sequences=cfg.eval.sequences,
+                      batch_size=cfg.eval.batch_size or cfg.batch.micro_batch_size, device=device)
 
 
 def _maybe_evaluate(model: torch.nn.Module, heldout: Any, cfg: TrainConfig, step: int, stop: int,
@@ -130,7 +130,7 @@ def _maybe_evaluate(model: torch.nn.Module, heldout: Any, cfg: TrainConfig, step
     eval_every, and the last), else {}."""
     from labkit.train.evaluation import evaluate
 
-    if heldout is None or not ((cfg.eval_every and step % cfg.eval_every == 0) or step == stop):
+    if heldout is None or not ((cfg.eval.every and step % cfg.eval.every == 0) or step == stop):
         return {}
     if windows is None:
         return evaluate(model, heldout, precision=cfg.precision)
@@ -159,7 +159,7 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
     ``cfg.resume``. Raises ``FloatingPointError`` on a non-finite loss when on_nonfinite="raise",
     ``ValueError`` naming the field for inconsistent settings; shard errors come from
     ``labkit.data.shards``. A process group this call creates is destroyed before it returns.
-    Rank 0 also sends each record to the sinks named in ``cfg.trackers`` (``labkit.train.sinks``:
+    Rank 0 also sends each record to the sinks named in ``cfg.measure.trackers`` (``labkit.train.sinks``:
     TensorBoard event files under run_dir/tensorboard by default); config.json and result.json
     carry the run's ``provenance`` (``labkit.train.provenance.collect``).
     """
@@ -174,7 +174,7 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
     owns_group = not torch.distributed.is_initialized()
     # rank 0: resume step and run id; a new run first moves a used run_dir's files aside (before the sinks open there)
     plan = plan_run(cfg.run_dir, cfg.resume) if rank == 0 else None
-    trackers = sinks.open_sinks(cfg.trackers, cfg.run_dir, main=rank == 0)  # rank 0 writes
+    trackers = sinks.open_sinks(cfg.measure.trackers, cfg.run_dir, main=rank == 0)  # rank 0 writes
     try:
         dist.init_distributed(cfg.backend, cfg.timeout_s, device)
         return _run(cfg, sinks.fan_out(sink, trackers), rank, world, device, t_start, plan)
@@ -206,7 +206,7 @@ def _build_model(cfg: TrainConfig, index: dict, rank: int, world: int,
     parallel.check_split(cfg, mcfg, world, seq_len, rank)
     torch.manual_seed(cfg.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
     model = BertMLM(mcfg)
-    rng.seed_streams(cfg.seed, rank, world, cfg.tp, device)  # dropout: one stream per rank, and with tp a
+    rng.seed_streams(cfg.seed, rank, world, cfg.parallel.tp, device)  # dropout: one stream per rank, and with tp a
     return mcfg, model  # shared one for the replicated regions of the tp group (labkit.train.rng)
 
 
@@ -215,14 +215,15 @@ def _keep_global_batch(cfg: TrainConfig, saved: int | None, dp: int) -> TrainCon
     checkpoint's global batch ``saved`` (None: a fresh run or a format-1 checkpoint: ``cfg`` as it
     is): fewer data-parallel ranks accumulate more micro-batches. ValueError (one line) when
     ``saved`` is not a multiple of micro_batch_size x dp."""
-    if not saved or saved == cfg.micro_batch_size * cfg.grad_accum_steps * dp:
+    if not saved or saved == cfg.batch.micro_batch_size * cfg.batch.grad_accum_steps * dp:
         return cfg
-    accum, rest = divmod(saved, cfg.micro_batch_size * dp)
+    accum, rest = divmod(saved, cfg.batch.micro_batch_size * dp)
     if rest or accum < 1:
         raise ValueError(f"grad_accum_steps: the checkpoint's global batch {saved} is not micro_batch_size "
-                         f"{cfg.micro_batch_size} x dp {dp} x a whole number of accumulation steps (resume at a dp "
+                         f"{cfg.batch.micro_batch_size} x dp {dp} x a whole number of accumulation steps (resume at "
+                         "a dp "
                          f"dividing {saved} / micro_batch_size)")
-    return dataclasses.replace(cfg, grad_accum_steps=accum)
+    return cfg.replace(batch={"grad_accum_steps": accum})
 
 
 def _start_files(run_dir: pathlib.Path, cfg: TrainConfig, identity: dict, prov: dict, *, resumed: bool,
@@ -259,14 +260,14 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     rank 0's ``plan_run`` (None on the other ranks)."""
     run_dir = pathlib.Path(cfg.run_dir)
     plan = agree_on_plan(plan, run_dir)  # collective: rank 0's choice, readable by every rank, or one refusal
-    given, cfg = cfg, _keep_global_batch(cfg, plan.get("global_batch_size"), world // (cfg.tp * cfg.pp))
-    data = open_shards(cfg.data_dir, seq_len=cfg.seq_len, tokenizer_sha256=_tokenizer_sha256(cfg.tokenizer_path),
-                       verify=cfg.verify_data)  # the run's one opening: index read once, file identities recorded
+    given, cfg = cfg, _keep_global_batch(cfg, plan.get("global_batch_size"),
+                                         world // (cfg.parallel.tp * cfg.parallel.pp))
+    data = open_shards(cfg.data_dir, seq_len=cfg.data.seq_len, verify=cfg.data.verify_data,  # the run's one opening:
+                       tokenizer_sha256=_tokenizer_sha256(cfg.data.tokenizer_path))  # index read once, ids recorded
     index, seq_len = data.index, int(data.index["seq_len"])
     mcfg, model = _build_model(cfg, index, rank, world, device)
     params = count_parameters(model)
-    fpt = flops_per_token(mcfg, seq_len, mlm_probability=cfg.mlm_probability)
-
+    fpt = flops_per_token(mcfg, seq_len, mlm_probability=cfg.data.mlm_probability)
     resume_step, run_id = plan["step"], plan["run_id"]
     identity = data_identity(index)
     if resume_step:  # refuse to continue a run under another configuration (labkit.train.run_config)
@@ -274,23 +275,22 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     ckpt = run_dir / "checkpoints" / f"step-{resume_step}" if resume_step else None
     runtime, state = resume.load_and_wrap(cfg, model, device, ckpt, world)  # the step on the (pp, dp, tp) mesh
     model, optimizer, scaler = runtime.parts, runtime.optimizer, runtime.scaler
-    sharding = cfg.sharding if runtime.dp > 1 else "none"  # one data-parallel rank: nothing to shard
-    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * runtime.dp  # data follows the dp rank
-    loader = make_loader(data, batch_size=cfg.micro_batch_size, rank=runtime.dp_rank, world_size=runtime.dp,
-                         seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=mcfg.vocab_size,
-                         num_workers=cfg.num_workers, pin_memory=device.type == "cuda")
+    sharding = cfg.parallel.sharding if runtime.dp > 1 else "none"  # one data-parallel rank: nothing to shard
+    global_batch = cfg.batch.micro_batch_size * cfg.batch.grad_accum_steps * runtime.dp  # data follows the dp rank
+    loader = make_loader(data, batch_size=cfg.batch.micro_batch_size, rank=runtime.dp_rank, world_size=runtime.dp,
+                         seed=cfg.seed, mlm_probability=cfg.data.mlm_probability, vocab_size=mcfg.vocab_size,
+                         num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda")
     sampler = _find_sampler(loader)
     heldout = _heldout_set(cfg, data, runtime.dp_rank, runtime.dp, mcfg.vocab_size, device)  # fixed, masked
-    # position: batches of this epoch consumed
     step, epoch, position, tokens_seen = resume.restore(state, runtime, sampler, world=world, sharding=sharding,
                                                         where=f"step-{resume_step} in {run_dir}")
     prov = provenance.collect(device, start_time=provenance.now_iso())  # collective: every rank's host, device
-    # rank 0 appends to metrics_file per record: no handle to leak
     metrics_file = _start_files(run_dir, given, identity, prov, resumed=state is not None, step=step, run_id=run_id)
     batches_iter = _iterate(loader)
     if state is not None:
         resume.resume_rng(state, runtime.mesh, cfg, device)  # last, so nothing above consumes randomness
-    checkpointer = Checkpointer(run_dir, keep=cfg.keep_checkpoints, asynchronous=cfg.async_checkpoint)  # collective
+    checkpointer = Checkpointer(run_dir, keep=cfg.checkpoint.keep,  # collective
+                                asynchronous=cfg.checkpoint.asynchronous)
 
     stop = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
     peak = measure.peak_flops(device, cfg.precision)
@@ -311,8 +311,8 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum, n_masked, n_tokens = runtime.forward_backward(micro_batches)
-        summed = dist.all_reduce_sum(torch.stack([loss_sum.double(), torch.tensor(wait, dtype=torch.float64,
-                                                                                    device=loss_sum.device)]))
+        summed = all_reduce_with_sideband(torch.stack([loss_sum.double(), torch.tensor(  # + the observers' sums (gns)
+            wait, dtype=torch.float64, device=loss_sum.device)]), runtime.comm)
         loss = summed[0].item() / max(1, n_masked.item())
         wait_mean = summed[1].item() / world
         # 3. unscale (fp16), clip the global grad norm, step; a non-finite loss (or, fp32/bf16,
@@ -328,7 +328,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         tokens_seen += n_tokens_i
         timings.append((n_tokens_i, global_batch, step_time, wait_mean, measures["comm_exposed_s"]))
         evaluated = _maybe_evaluate(model, heldout, cfg, step, stop, windows)  # held-out loss, outside the step time
-        if step % cfg.log_every == 0 or step == stop or evaluated:
+        if step % cfg.measure.log_every == 0 or step == stop or evaluated:
             tps = measure.tokens_per_s(n_tokens_i, step_time)
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
                       "step_tokens": n_tokens_i, "n_masked": int(n_masked.item()), "tokens_per_s": tps,
@@ -338,7 +338,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                       "global_batch_size": global_batch, "epoch": epoch, "skipped": not finite, **evaluated,
                       **checkpointer.take(), "time": time.time()}
             last_record = _log(record, metrics_file, sink)
-        if cfg.checkpoints and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == stop):
+        if cfg.checkpoint.enabled and ((cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == stop):
             windows.around("checkpoint", _save, cfg, checkpointer, model, optimizer, scaler, sampler, step=step,
                            epoch=epoch, position=position, tokens=tokens_seen, world=world, sharding=sharding,
                            run_id=run_id)
@@ -351,18 +351,19 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                      index=index, device=device, sharding=sharding, t_start=t_start, prov=prov) | windows.maxima
     result |= {"run_id": run_id, "checkpoint_stall_s": checkpointer.stalls, "checkpoint_save_s": checkpointer.saved_s}
     if dist.is_main():  # result.json covers the whole run: every segment (run_config.with_segments)
-        atomic_write_json(run_dir / "result.json", result := with_segments(run_dir, result, cfg.timing_warmup_steps))
+        result = with_segments(run_dir, result, cfg.measure.timing_warmup_steps)
+        atomic_write_json(run_dir / "result.json", result)
     return result
 
 
 def _fetch(batches_iter: Any, loader: Any, sampler: Any, epoch: int, position: int, cfg: TrainConfig, dp: int,
            device: torch.device) -> tuple[list[dict[str, Any]], float, int, int, Any]:
-    """This rank's ``cfg.grad_accum_steps`` micro-batches of the step, on ``device`` (``to_device``),
+    """This rank's ``cfg.batch.grad_accum_steps`` micro-batches of the step, on ``device`` (``to_device``),
     and the seconds spent waiting for them; at the end of an epoch the sampler reshuffles and the
     next one starts (``_next_epoch``). Returns (micro_batches, wait_s, epoch, position in the epoch,
     the batch iterator)."""
     micro_batches, wait = [], 0.0
-    for _ in range(cfg.grad_accum_steps):
+    for _ in range(cfg.batch.grad_accum_steps):
         t0 = time.perf_counter()
         batch = next(batches_iter, None)
         if batch is None:  # epoch over: reshuffle and start again
@@ -386,7 +387,7 @@ def _clip_and_step(cfg: TrainConfig, runtime: Runtime, optimizer: Any, scaler: A
     grad_norm = float("nan")
     if finite or fp16:
         scaler.unscale_(optimizer)
-        grad_norm = runtime.clip_grad_norm(cfg.grad_clip or float("inf"))  # global norm, any split
+        grad_norm = runtime.clip_grad_norm(cfg.optim.grad_clip or float("inf"))  # global norm, any split
         finite = finite and (fp16 or math.isfinite(grad_norm))
     if not finite and cfg.on_nonfinite == "raise":
         raise FloatingPointError(f"step {step + 1}: non-finite loss {loss} / grad norm {grad_norm} "
@@ -419,12 +420,13 @@ def _save(cfg: TrainConfig, checkpointer: Checkpointer, model: torch.nn.Module, 
     the global sampler state after the batches the trainer consumed (with workers the sampler
     itself runs ahead of the trainer, so ``position`` is the trainer's: ``RankSampler.state_at``),
     and per rank its RNG states. Returns the seconds training stalled."""
-    dp = world // (cfg.tp * cfg.pp)
+    dp = world // (cfg.parallel.tp * cfg.parallel.pp)
     state = {"run_id": run_id, "step": step, "epoch": epoch, "tokens": tokens, "lr": lr_at(step, cfg),
              "scaler": scaler.state_dict(), "world_size": world, "sharding": sharding,
-             "split": {"dp": dp, "tp": cfg.tp, "pp": cfg.pp, "pp_schedule": cfg.pp_schedule,
-                       "pp_virtual_stages": cfg.pp_virtual_stages, "sequence_parallel": cfg.sequence_parallel},
-             "global_batch_size": cfg.micro_batch_size * cfg.grad_accum_steps * dp,
+             "split": {"dp": dp, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp,
+                       "pp_schedule": cfg.parallel.pp_schedule, "pp_virtual_stages": cfg.parallel.pp_virtual_stages,
+                       "sequence_parallel": cfg.parallel.sequence_parallel},
+             "global_batch_size": cfg.batch.micro_batch_size * cfg.batch.grad_accum_steps * dp,
              "sampler": sampler.state_at(epoch, position)}
     return checkpointer.save(step, model, optimizer, state, {"rng": _rng_state()})
 
@@ -437,7 +439,7 @@ def _next_epoch(loader: Any, sampler: Any, epoch: int, cfg: TrainConfig, world: 
     first = next(batches, None)
     if first is None:
         raise ValueError(f"data_dir: {cfg.data_dir} holds too few sequences for "
-                         f"micro_batch_size {cfg.micro_batch_size} x {world} ranks")
+                         f"micro_batch_size {cfg.batch.micro_batch_size} x {world} ranks")
     return itertools.chain([first], batches)
 
 
@@ -455,9 +457,9 @@ def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple], *, fpt:
             resume_step: int, skipped: int, mcfg: Any, index: dict, device: torch.device, sharding: str,
             t_start: float, prov: dict) -> dict[str, Any]:
     """result.json: losses, the last held-out evaluation, throughput over the timed steps (after
-    ``cfg.timing_warmup_steps``), sizes and settings, and the provenance with the end time."""
+    ``cfg.measure.timing_warmup_steps``), sizes and settings, and the provenance with the end time."""
     seq_len, vocab_size = int(index["seq_len"]), int(index["vocab_size"])
-    timed = timings[cfg.timing_warmup_steps:] or timings  # too short a run: time every step
+    timed = timings[cfg.measure.timing_warmup_steps:] or timings  # too short a run: time every step
     tok, samples, seconds, wait_s = (sum(t[i] for t in timed) for i in range(4))
     exposed = [t[4] for t in timed if t[4] is not None]
     exposed_s = sum(exposed) if exposed else None
@@ -485,6 +487,7 @@ def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple], *, fpt:
               "activation_checkpointing": mcfg.activation_checkpointing, "wall_s": time.time() - t_start,
               "provenance": prov | {"end_time": provenance.now_iso()}}
     noisy = [r for r in records if r.get("b_simple") is not None]  # labkit.train.gns: the last EMA
-    result |= {k: noisy[-1][k] if noisy else None for k in ("b_simple", "b_simple_tokens")}
-    dp = global_batch // (cfg.micro_batch_size * cfg.grad_accum_steps)
+    result |= {k: noisy[-1][k] if noisy else None for k in ("b_simple", "b_simple_low", "b_simple_high",
+                                                            "b_simple_tokens")}
+    dp = global_batch // (cfg.batch.micro_batch_size * cfg.batch.grad_accum_steps)
     return result | parallel.result_fields(cfg, dp, records)  # the split, its measured means

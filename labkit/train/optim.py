@@ -22,7 +22,7 @@ __all__ = ["build_optimizer", "lr_at", "optimizer_kind"]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate of optimiser step ``step`` (0-based) under ``cfg.schedule``.
+    """Learning rate of optimiser step ``step`` (0-based) under ``cfg.schedule.kind``.
 
     Warm-up: ``lr * (step + 1) / warmup_steps`` for step < warmup_steps (linear, never 0).
     Then, with progress p = (step - warmup) / (last - warmup) in [0, 1], last = max_steps - 1
@@ -37,20 +37,21 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     (max_steps - warmup_steps)`` (the last step, max_steps - 1, gets lr / (max_steps - warmup)
     and the schedule reaches 0 only after the run). It ignores min_lr_ratio.
     """
-    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    peak, floor = cfg.optim.lr, cfg.optim.lr * cfg.schedule.min_lr_ratio
     last = cfg.max_steps - 1
-    if cfg.schedule == "hf_linear":  # transformers.optimization._get_linear_schedule_with_warmup_lr_lambda
-        if step < cfg.warmup_steps:
-            return peak * step / max(1, cfg.warmup_steps)
-        return peak * max(0.0, (cfg.max_steps - step) / max(1, cfg.max_steps - cfg.warmup_steps))
-    if step < cfg.warmup_steps:
-        return peak * (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "wsd":
-        decay_start = max(cfg.warmup_steps, cfg.max_steps - round(cfg.wsd_decay_fraction * cfg.max_steps))
+    if cfg.schedule.kind == "hf_linear":  # transformers.optimization._get_linear_schedule_with_warmup_lr_lambda
+        if step < cfg.schedule.warmup_steps:
+            return peak * step / max(1, cfg.schedule.warmup_steps)
+        return peak * max(0.0, (cfg.max_steps - step) / max(1, cfg.max_steps - cfg.schedule.warmup_steps))
+    if step < cfg.schedule.warmup_steps:
+        return peak * (step + 1) / cfg.schedule.warmup_steps
+    if cfg.schedule.kind == "wsd":
+        decay = round(cfg.schedule.wsd_decay_fraction * cfg.max_steps)
+        decay_start = max(cfg.schedule.warmup_steps, cfg.max_steps - decay)
         p = min(1.0, (step - decay_start) / max(1, last - decay_start)) if step >= decay_start else 0.0
         return floor + (peak - floor) * (1.0 - p)
-    p = min(1.0, (step - cfg.warmup_steps) / max(1, last - cfg.warmup_steps))
-    if cfg.schedule == "cosine":
+    p = min(1.0, (step - cfg.schedule.warmup_steps) / max(1, last - cfg.schedule.warmup_steps))
+    if cfg.schedule.kind == "cosine":
         return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * p))
     return floor + (peak - floor) * (1.0 - p)
 
@@ -58,7 +59,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, *, group: Any = None,
                     sharded_scaler: bool = False) -> torch.optim.Optimizer:
     """AdamW (arXiv:1711.05101) with weight decay on matrices only: biases (of any shape) and
-    parameters with ndim < 2 (norm weights) get none. Tied parameters appear once. With ``cfg.sharding ==
+    parameters with ndim < 2 (norm weights) get none. Tied parameters appear once. With ``cfg.parallel.sharding ==
     "zero1"`` and a process group, the same two groups go to ``ZeroRedundancyOptimizer`` over
     ``group`` (the dp group; None: the world): ZeRO stage 1, each rank holds and steps the AdamW state
     of its partition of the parameters, then broadcasts them; its ``param_groups`` are the whole
@@ -77,14 +78,14 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, *, group: Any = No
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     decay = [_decays(n, p) for n, p in named]  # a fused bias ([3, H]: labkit.model.encoder.FusedLinear) is 2-D
-    groups = [{"params": [p for p, d in zip(params, decay) if d], "weight_decay": cfg.weight_decay},
+    groups = [{"params": [p for p, d in zip(params, decay) if d], "weight_decay": cfg.optim.weight_decay},
               {"params": [p for p, d in zip(params, decay) if not d], "weight_decay": 0.0}]
     fused = {"fused": True} if optimizer_kind(params, sharded_scaler=sharded_scaler and cfg.precision == "fp16") \
         == "fused" else {}
-    if cfg.sharding == "zero1" and torch.distributed.is_initialized():
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=cfg.lr, process_group=group,
-                                       betas=(cfg.beta1, cfg.beta2), **fused)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **fused)
+    if cfg.parallel.sharding == "zero1" and torch.distributed.is_initialized():
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=cfg.optim.lr, process_group=group,
+                                       betas=(cfg.optim.beta1, cfg.optim.beta2), **fused)
+    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), **fused)
 
 
 def optimizer_kind(params: list[torch.Tensor], *, sharded_scaler: bool = False) -> str:

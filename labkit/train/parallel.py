@@ -45,8 +45,8 @@ from labkit.config import TrainConfig
 from labkit.config.split import TP_ATTENTION, check_split, split_of  # noqa: F401 (re-exported)
 from labkit.measure import IntervalTimer
 from labkit.model.encoder import BertMLM, MLMOutput
-from labkit.train import pipeline
-from labkit.train.dist import auto_bucket_cap_mb, static_graph_valid
+from labkit.train import buckets, pipeline
+from labkit.train.dist import static_graph_valid
 from labkit.train.optim import build_optimizer
 from labkit.train.tensor_parallel import apply_tensor_parallel
 
@@ -108,13 +108,13 @@ class ModelParts(nn.Module):
     def __init__(self, cfg: TrainConfig, model: BertMLM, device: torch.device, mesh: Mesh) -> None:
         super().__init__()
         self.cfg, self.mcfg, self.mesh, self.device = cfg, model.cfg, mesh, device
-        n_stages = mesh.pp * cfg.pp_virtual_stages
+        n_stages = mesh.pp * cfg.parallel.pp_virtual_stages
         if mesh.pp == 1:
             chunks: list[nn.Module] = [model]
         else:
             layers = pipeline.stage_layers(model.cfg.num_layers, n_stages)
             chunks = [pipeline.StageModule(model, s, n_stages, layers[s])
-                      for s in pipeline.stage_indices(mesh.pp_rank, mesh.pp, cfg.pp_virtual_stages)]
+                      for s in pipeline.stage_indices(mesh.pp_rank, mesh.pp, cfg.parallel.pp_virtual_stages)]
         self.chunks = [c.to(device) for c in chunks]  # plain lists: not registered, no chunk prefix in names
         self.stages: list[nn.Module] = list(self.chunks)
         self.n_stages = n_stages
@@ -190,7 +190,7 @@ def build(cfg: TrainConfig, model: BertMLM, device: torch.device, mesh: Mesh) ->
     for chunk in parts.chunks:
         if mesh.tp > 1:
             parts.tp_comm, names = apply_tensor_parallel(chunk, mesh["tp"], timer=parts.timers["tp"],
-                                                         sequence_parallel=cfg.sequence_parallel)
+                                                         sequence_parallel=cfg.parallel.sequence_parallel)
             parts.sp_names += names
         if cfg.compile:
             chunk.compile()  # in place: state-dict keys unchanged (no _orig_mod prefix)
@@ -206,25 +206,27 @@ def build(cfg: TrainConfig, model: BertMLM, device: torch.device, mesh: Mesh) ->
 def _data_parallel(parts: ModelParts, cfg: TrainConfig, mesh: Mesh, device: torch.device) -> None:
     """The dp strategy, last, where dp > 1 (a dp group of one rank has nothing to reduce or shard):
     FSDP2 ``fully_shard`` on each chunk's layers then the chunk
-    (``reshard_after_forward=cfg.fsdp_reshard_after_forward``; ``MixedPrecisionPolicy``: bf16
+    (``reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward``; ``MixedPrecisionPolicy``: bf16
     parameters under bf16 autocast, as torchtitan's ``parallelize.py``; gradients reduced in fp32, or
     in bf16 with ``grad_compression="bf16"``), DDP on the dp group (``ddp``, ``zero1``: pp = tp = 1),
     or the dp group the step averages the replicas' gradients over (``replicate``)."""
     if mesh.dp == 1:
         return
-    if cfg.sharding == "fsdp":
+    if cfg.parallel.sharding == "fsdp":
         bf16 = torch.bfloat16
         policy = MixedPrecisionPolicy(param_dtype=bf16 if cfg.precision == "bf16" else None,
-                                      reduce_dtype=bf16 if cfg.grad_compression == "bf16" else torch.float32)
-        kw = {"mesh": mesh["dp"], "reshard_after_forward": cfg.fsdp_reshard_after_forward, "mp_policy": policy}
+                                      reduce_dtype=bf16 if cfg.parallel.grad_compression == "bf16" else torch.float32)
+        kw = {"mesh": mesh["dp"], "reshard_after_forward": cfg.parallel.fsdp_reshard_after_forward, "mp_policy": policy}
         for chunk in parts.chunks:
             for layer in pipeline.owned_layers(chunk):
                 fully_shard(layer, **kw)
             fully_shard(chunk, **kw)
-    elif cfg.sharding == "replicate":
+    elif cfg.parallel.sharding == "replicate":
         parts.replicas = mesh.group("dp")
     else:
-        cap = auto_bucket_cap_mb(parts.chunks[0]) if cfg.bucket_cap_mb == "auto" else cfg.bucket_cap_mb
+        cap = cfg.parallel.bucket_cap_mb
+        if cap == "auto":  # from the backward and the link measured now (labkit.train.buckets)
+            cap = buckets.auto_bucket_cap_mb(parts.chunks[0], cfg, device)
         # gradients as views of DDP's buckets: no second copy (20 -> 16 B per parameter with AdamW)
         parts.stages = [DDP(parts.chunks[0], process_group=mesh.group("dp"), gradient_as_bucket_view=True,
                             device_ids=[device.index] if device.type == "cuda" else None,
@@ -261,12 +263,13 @@ def result_fields(cfg: TrainConfig, dp: int, records: list[dict[str, Any]]) -> d
     """result.json's split (dp, tp, pp, schedule) and the means over the records after
     ``timing_warmup_steps`` of the measured pipeline bubble and the seconds in tensor-parallel
     collectives (0.0 where the run is not split that way)."""
-    timed = records[cfg.timing_warmup_steps:] or records
+    timed = records[cfg.measure.timing_warmup_steps:] or records
 
     def mean(key: str) -> float | None:
         values = [r[key] for r in timed if r.get(key) is not None]
         return sum(values) / len(values) if values else None
 
-    return {"dp": dp, "tp": cfg.tp, "pp": cfg.pp, "pp_schedule": cfg.pp_schedule if cfg.pp > 1 else None,
-            "pp_virtual_stages": cfg.pp_virtual_stages, "sequence_parallel": cfg.sequence_parallel,
+    par = cfg.parallel
+    return {"dp": dp, "tp": par.tp, "pp": par.pp, "pp_schedule": par.pp_schedule if par.pp > 1 else None,
+            "pp_virtual_stages": par.pp_virtual_stages, "sequence_parallel": par.sequence_parallel,
             "pipeline_bubble": mean("pipeline_bubble"), "tp_comm_s": mean("tp_comm_s")}

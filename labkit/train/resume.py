@@ -54,8 +54,8 @@ def _refuse_format_1(path: Any, cfg: TrainConfig, world: int) -> None:
     run: a split one loads at any split with the same dp, a data-parallel-only one only into such a run."""
     state = read_state(path)
     saved = state.get("split")
-    split = cfg.tp * cfg.pp > 1
-    now = {"dp": world // (cfg.tp * cfg.pp), "tp": cfg.tp, "pp": cfg.pp} if split else None
+    par = cfg.parallel
+    now = {"dp": world // (par.tp * par.pp), "tp": par.tp, "pp": par.pp} if par.tp * par.pp > 1 else None
     if (saved is None) != (now is None) or (saved is not None and saved["dp"] != now["dp"]):
         raise ValueError(f"resume: checkpoint {path} was written at {_describe(saved, state.get('world_size'))}; "
                          f"this run is {_describe(now, world)}: a checkpoint loads at another split with the same "
@@ -115,4 +115,4 @@ def resume_rng(state: dict, mesh: Mesh, cfg: TrainConfig, device: torch.device) 
                                else _split_rank(state, mesh)]
         _set_rng_state(entry["rng"])
     else:
-        rng.seed_streams((cfg.seed + 1) * 1_000_003 + state["step"], mesh.rank, mesh.world, cfg.tp, device)
+        rng.seed_streams((cfg.seed + 1) * 1_000_003 + state["step"], mesh.rank, mesh.world, cfg.parallel.tp, device)

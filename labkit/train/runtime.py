@@ -15,7 +15,7 @@ torchtitan/trainer.py``, ``train_step`` and ``forward_backward_step``, which bra
 - ``clip_grad_norm(max_norm)``: ``labkit.train.clip.clip_grad_norm_`` (torchtitan's) over every
   parameter, the pipeline stages summed, the tied copy counted once.
 - ``comm``: the ``labkit.train.comm.CommTimer`` of the gradient collectives over dp: DDP's comm hook
-  (with ``cfg.grad_compression``'s inner hook), FSDP2's timed reduce-scatters, or the replicas'
+  (with ``cfg.parallel.grad_compression``'s inner hook), FSDP2's timed reduce-scatters, or the replicas'
   all-reduce. ``StepTimer(comm=...)`` turns it into ``comm_exposed_s``.
 - ``noise``: the gradient noise scale (``labkit.train.gns.NoiseScale.for_run``) for every dp > 1,
   an observer inside those collectives, and at dp = 1 and pp = 1 from the micro-batches.
@@ -73,11 +73,15 @@ class Runtime:
         self.mesh, self.device = parts.mesh, parts.device
         self.dp, self.dp_rank = self.mesh.dp, self.mesh.dp_rank
         self.autocast = AUTOCAST_DTYPES[cfg.precision]
-        sharding = cfg.sharding if self.dp > 1 else "none"
-        self.noise = NoiseScale.for_run(micro_batch_size=cfg.micro_batch_size, grad_accum_steps=cfg.grad_accum_steps,
-                                        dp=self.dp, sharding=sharding, pp=self.mesh.pp)
+        sharding = cfg.parallel.sharding if self.dp > 1 else "none"
+        self.noise = NoiseScale.for_run(micro_batch_size=cfg.batch.micro_batch_size,
+                                        grad_accum_steps=cfg.batch.grad_accum_steps, dp=self.dp, sharding=sharding,
+                                        dp_rank=self.dp_rank, compression=cfg.parallel.grad_compression,
+                                        pp=self.mesh.pp)
         self.weights = _piece_weights(parts)  # None: every parameter's gradient counts whole on its rank
-        observers = [*observers, self.noise] if self.noise is not None and not self.noise.micro else list(observers)
+        # the noise scale observes the collectives, or (micro) is fed by the step; either way its sums ride the
+        # loop's step all-reduce as the comm timer's sideband (labkit.train.comm.all_reduce_with_sideband)
+        observers = [*observers, self.noise] if self.noise is not None else list(observers)
         self.hook_state = None  # DDP's composed comm hook (labkit.train.comm.HookState)
         self.comm = self._time_collectives(observers)
         self.schedule = self._schedule() if self.mesh.pp > 1 else None
@@ -197,7 +201,7 @@ class Runtime:
             flat = torch.cat([g.reshape(-1) for _, g in pairs])
             w = None if self.weights is None else torch.cat(
                 [torch.full((g.numel(),), self.weights.get(p, 1.0), device=g.device) for p, g in pairs])
-            dtype = torch.bfloat16 if self.cfg.grad_compression == "bf16" else None
+            dtype = torch.bfloat16 if self.cfg.parallel.grad_compression == "bf16" else None
             timed_all_reduce(self.comm, flat, parts.replicas, self.dp, weights=w, dtype=dtype)
             for (_, g), part in zip(pairs, flat.split([g.numel() for _, g in pairs])):
                 g.copy_(part.view_as(g))
@@ -220,10 +224,10 @@ class Runtime:
         (``labkit.measure.bubble_fraction`` of every rank's stage compute against world x the longest
         rank's schedule time; 0.0 at pp = 1), "tp_comm_s" (mean over ranks of the seconds in
         tensor-parallel collectives; 0.0 at tp = 1), "comm_bytes", "comm_bucket_bytes" and the
-        observers' fields (``CommTimer.step_fields``; absent without a process group), and the
-        micro-batch noise scale's (``gns.NoiseScale.step_fields``)}."""
+        observers' fields (``CommTimer.step_fields``: the noise scale's among them; without a process
+        group the micro-batch noise scale's, ``gns.NoiseScale.step_fields``)}."""
         fields = self.comm.step_fields() if self.comm is not None else {}
-        if self.noise is not None and self.noise.micro:  # dp = 1: the noise scale from the micro-batches
+        if self.comm is None and self.noise is not None:  # one process: the noise scale from the micro-batches
             fields |= self.noise.step_fields()
             self.noise.reset()
         return {"comm_exposed_s": timer.comm_exposed_s, **self._split_measures(), **fields}
@@ -245,7 +249,7 @@ class Runtime:
 
     def _time_collectives(self, observers: list[GradientObserver]) -> CommTimer | None:
         """The ``CommTimer`` of the dp gradient collectives with ``observers`` inside (None without a
-        process group): DDP's one comm hook around ``cfg.grad_compression``'s inner hook
+        process group): DDP's one comm hook around ``cfg.parallel.grad_compression``'s inner hook
         (``labkit.train.comm.compression_hook``), or FSDP2's timed reduce-scatters and the replicas'
         all-reduce, which block the backward thread on CPU (and the replicas' everywhere)."""
         if self.mesh.device_mesh is None:
@@ -255,7 +259,7 @@ class Runtime:
             timer = CommTimer(self.device, observers=observers)
             self.hook_state = install_ddp_hook(stage, timer, *compression_hook(self.cfg, self.mesh.group("dp")))
             return timer
-        blocking = self.device.type != "cuda" or self.cfg.sharding == "replicate"
+        blocking = self.device.type != "cuda" or self.cfg.parallel.sharding == "replicate"
         timer = CommTimer(self.device, blocking=blocking, observers=observers)
         time_reduce_scatters([m for chunk in self.parts.chunks for m in chunk.modules()], timer, self.weights)
         return timer
@@ -266,7 +270,8 @@ class Runtime:
         parts = self.parts
         stages = [pipeline.TimedStage(c, c.index, parts.n_stages, self.device, group=self.mesh.group("pp"),
                                       busy=parts.timers["busy"], reduce=parts.timers["reduce"]) for c in parts.chunks]
-        return pipeline.build_schedule(stages, self.cfg.grad_accum_steps, self.cfg.pp_schedule, self.loss)
+        return pipeline.build_schedule(stages, self.cfg.batch.grad_accum_steps, self.cfg.parallel.pp_schedule,
+                                       self.loss)
 
 
 def _piece_weights(parts: ModelParts) -> dict[torch.nn.Parameter, float] | None:

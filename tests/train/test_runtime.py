@@ -65,7 +65,7 @@ def test_the_tied_copy_is_counted_once_and_a_nonfinite_gradient_left_alone():
 def test_runtime_of_one_process():
     """No process group: pp = tp = 1, dp = 1, no DeviceMesh and no collective to time
     (comm_exposed_s 0.0), bubble and tp time 0.0; the loss and counts of the step."""
-    cfg = TrainConfig(data_dir="-", run_dir="-", grad_clip=1.0)
+    cfg = TrainConfig(data_dir="-", run_dir="-", optim={"grad_clip": 1.0})
     model = _model_with_grads()
     model.zero_grad()
     rt = build_runtime(cfg, model, torch.device("cpu"))

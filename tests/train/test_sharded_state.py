@@ -67,7 +67,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, train_cfg: str) -> N
         make_batch = labkit_model(model_config("tiny", VOCAB), SEQ)[1]
         held = {}
         for name, (sharding, precision) in CASES.items():
-            cfg = TrainConfig(data_dir="-", run_dir="-", sharding=sharding, precision=precision, lr=1e-3)
+            cfg = TrainConfig(data_dir="-", run_dir="-", precision=precision, parallel={"sharding": sharding},
+                              optim={"lr": 1e-3})
             rt = build_runtime(cfg, _model(), torch.device("cpu"))
             opt = rt.optimizer
             for _ in range(2):  # the second step runs on DDP's rebuilt buckets
@@ -90,9 +91,9 @@ def two_ranks(tmp_path_factory) -> pathlib.Path:
 
     root = tmp_path_factory.mktemp("sharded_state")
     shards = write_tiny_shards(root / "shards", n_sequences=32, heldout_sequences=1)
-    cfg = TrainConfig(data_dir=str(shards), run_dir=str(root / "fsdp-eval"), model="tiny", micro_batch_size=4,
-                      max_steps=2, warmup_steps=1, num_threads=1, device="cpu", timeout_s=30, sharding="fsdp",
-                      eval_every=1, eval_sequences=8, checkpoints=False)
+    cfg = TrainConfig(data_dir=str(shards), run_dir=str(root / "fsdp-eval"), model="tiny", max_steps=2, num_threads=1,
+                      device="cpu", timeout_s=30, batch={"micro_batch_size": 4}, schedule={"warmup_steps": 1},
+                      parallel={"sharding": "fsdp"}, eval={"every": 1, "sequences": 8}, checkpoint={"enabled": False})
     mp.spawn(_worker, args=(2, _free_port(), str(root), json.dumps(to_dict(cfg))), nprocs=2, join=True)
     return root
 
