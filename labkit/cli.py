@@ -49,6 +49,7 @@ EXAMPLES = {
     "forecast": "labkit forecast configs/study.toml --gpus 1,2,4,8,16,32,64,128,256 --network 25GbE\n"
                 "  labkit forecast configs/walkthrough.toml --device cpu --gpus 1,2,4,8",
     "export": "labkit export work/walkthrough/runs/main work/walkthrough/export",
+    "checkpoint": "labkit checkpoint upgrade work/walkthrough/runs/main",
     "demo": "labkit demo --workdir work/demo --engines 2",
     "verify": "labkit verify work/demo/shards",
     "report": "labkit report notebooks/03_train.py work/demo/reports/03_train.html --param steps=20",
@@ -180,6 +181,17 @@ def _demo(args: argparse.Namespace) -> int:
                      train_steps=args.steps if args.steps is not None else DemoConfig().train_steps,
                      reports=not args.no_reports)
     run_demo(cfg, force=args.force)
+    return 0
+
+
+def _checkpoint(args: argparse.Namespace) -> int:
+    from labkit.train.upgrade import upgrade
+
+    done = upgrade(args.run_dir)
+    for d in done:
+        print(f"upgraded {d['path']} ({d['kind']} run, step {d['step']}) to format 2")
+    if not done:
+        print(f"{args.run_dir}: no format-1 checkpoint, nothing to upgrade")
     return 0
 
 
@@ -418,6 +430,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     p.set_defaults(func=_command("export"))
+    p = _sub(sub, "checkpoint", "rewrite a run's format-1 checkpoints (before torch.distributed.checkpoint) once, "
+                                "so it resumes", debug)
+    p.add_argument("action", choices=("upgrade",))
+    p.add_argument("run_dir")
+    p.set_defaults(func=_checkpoint)
 
     p = _sub(sub, "demo", "the end-to-end lab on local engines, CPU, real ELF binaries", debug)
     p.add_argument("--workdir", default="work/demo", help="where every artifact goes (default: work/demo)")

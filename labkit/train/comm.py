@@ -179,14 +179,31 @@ class CommTimer:
 
 class HookState:
     """The composed DDP comm hook's state: the ``timer``, the inner ``reduce`` hook and its own
-    ``reduce_state`` (e.g. a ``PowerSGDState``; None for the default all-reduce), and
-    ``wire_bytes(bucket) -> int`` (bytes the inner hook sends for the bucket)."""
+    ``reduce_state`` (e.g. a ``PowerSGDState``; None for the default all-reduce),
+    ``wire_bytes(bucket) -> int`` (bytes the inner hook sends for the bucket) and, for PowerSGD with
+    ``names`` (parameter -> name), ``named``: its state by parameter name
+    (``labkit.train.powersgd.NamedPowerSGD``, what a checkpoint keeps; None otherwise)."""
 
-    def __init__(self, timer: CommTimer, reduce: Any = None, reduce_state: Any = None, wire_bytes: Any = None) -> None:
+    def __init__(self, timer: CommTimer, reduce: Any = None, reduce_state: Any = None, wire_bytes: Any = None,
+                 names: dict[torch.nn.Parameter, str] | None = None) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+        from labkit.train.powersgd import NamedPowerSGD
 
         self.timer, self.reduce, self.reduce_state = timer, reduce or allreduce_hook, reduce_state
         self.wire_bytes = wire_bytes or (lambda bucket: bucket.buffer().numel() * bucket.buffer().element_size())
+        self.named = NamedPowerSGD(reduce_state, names) if isinstance(reduce_state, PowerSGDState) and names else None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """This rank's hook state to checkpoint (``NamedPowerSGD.state_dict``), None without one."""
+        return self.named.state_dict() if self.named is not None else None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state_dict()``'s output (ValueError when this hook keeps no state)."""
+        if self.named is None:
+            raise ValueError("grad_compression: the checkpoint holds PowerSGD's state, this run's hook keeps none")
+        self.named.load_state_dict(state)
 
 
 def all_reduce_with_sideband(values: torch.Tensor, timer: CommTimer | None) -> torch.Tensor:
@@ -210,6 +227,8 @@ def _composed_hook(state, bucket):  # no annotations: DDP checks them against di
     compression hook was chosen) with its launch and completion timed, then the observers see the
     averaged bucket."""
     timer, index = state.timer, bucket.index()
+    if state.named is not None:  # PowerSGD's state follows the bucket's parameters (labkit.train.powersgd)
+        state.named.prepare(bucket)
     for observer in timer.observers:
         observer.before(index, bucket.buffer())
     start, nbytes = timer.now(), state.wire_bytes(bucket)
@@ -298,11 +317,11 @@ def time_gradient_collectives(model: torch.nn.Module, device: torch.device, *, r
 
 
 def install_ddp_hook(model: DDP, timer: CommTimer, reduce: Any = None, reduce_state: Any = None,
-                     wire_bytes: Any = None) -> HookState:
+                     wire_bytes: Any = None, names: dict[torch.nn.Parameter, str] | None = None) -> HookState:
     """Register DDP's one comm hook on ``model``: ``_composed_hook`` with ``timer`` (its observers)
     around the inner ``reduce`` hook (``compression_hook``'s triple; None: torch's averaging
-    all-reduce). Returns the hook's state."""
-    state = HookState(timer, reduce, reduce_state, wire_bytes)
+    all-reduce); ``names`` (parameter -> name) keeps PowerSGD's state by name. Returns the hook's state."""
+    state = HookState(timer, reduce, reduce_state, wire_bytes, names)
     model.register_comm_hook(state, _composed_hook)
     return state
 

@@ -15,15 +15,15 @@ per log step, appended and flushed), checkpoints/step-N/, result.json (atomic). 
 decides where the run starts (``checkpoint.plan_run``) and every rank checks it can read that
 checkpoint (``checkpoint.agree_on_plan``): the newest checkpoint when resuming, and it must carry
 config.json's run id; a new run in a used run_dir first moves the old run's files to
-run_dir/previous/<UTC time>-<old run id>/. Checkpoints are torch.distributed.checkpoint
-directories in every mode (``checkpoint.Checkpointer``: each rank writes its own part, a marker
-last, optionally asynchronously) with state.pt = {format, run_id, step, epoch, tokens, lr,
-scaler, world_size, sharding, split, global_batch_size, sampler (global), ranks: [{rng} per
-rank]}. They load at another world size, sharding or split: the global batch is kept by
-accumulation (``_keep_global_batch``) and the sampler continues the global sample order. The LR
-is a pure function of the step (``lr_at``), so the step is the whole scheduler state. Resume
-needs a config and data that match the run directory's config.json / data.json
-(``labkit.train.run_config``: one-line refusal naming each field).
+run_dir/previous/<UTC time>-<old run id>/. A checkpoint holds the run's state
+(``labkit.train.resume.RunState``: weights, optimiser, step, data position, scaler, the comm hook's
+and the noise scale's state, RNG), saved and loaded as one by ``checkpoint.Checkpointer``
+(torch.distributed.checkpoint, each rank its own part, a marker last, optionally asynchronously).
+It loads at another world size, sharding or split: the global batch is kept by accumulation
+(``_keep_global_batch``) and the sampler continues the global sample order. The LR is a pure
+function of the step (``lr_at``), so the step is the whole scheduler state. Resume needs a config
+and data that match the run directory's config.json / data.json (``labkit.train.run_config``:
+one-line refusal naming each field).
 
 Every run is a (pp, dp, tp) mesh, data parallelism alone being pp = tp = 1, built by one builder
 (``labkit.train.parallel.build``) and stepped through one ``labkit.train.runtime.Runtime``
@@ -55,13 +55,14 @@ from labkit.data.mlm import make_loader
 from labkit.data.shards import ShardSet, open_shards, packing_of
 from labkit.io import atomic_write_json, atomic_write_text
 from labkit.model import BertMLM, count_parameters, flops_per_token
-from labkit.train import dist, parallel, provenance, resume, rng, sinks
-from labkit.train.checkpoint import Checkpointer, _rng_state, agree_on_plan, plan_run
+from labkit.train import dist, parallel, provenance, rng, sinks
+from labkit.train.checkpoint import Checkpointer, agree_on_plan, plan_run
 from labkit.train.comm import all_reduce_with_sideband
 from labkit.train.optim import lr_at
 from labkit.train.run_config import (check_resume, data_identity, finished_run, model_config_of, save_run_config,
                                      with_segments)
-from labkit.train.runtime import Runtime
+from labkit.train.resume import RunState
+from labkit.train.runtime import Runtime, build_runtime
 
 __all__ = ["to_device", "train"]
 
@@ -212,7 +213,7 @@ def _build_model(cfg: TrainConfig, index: dict, rank: int, world: int,
 
 def _keep_global_batch(cfg: TrainConfig, saved: int | None, dp: int) -> TrainConfig:
     """``cfg`` with grad_accum_steps such that micro_batch_size x grad_accum_steps x dp is the
-    checkpoint's global batch ``saved`` (None: a fresh run or a format-1 checkpoint: ``cfg`` as it
+    checkpoint's global batch ``saved`` (None: a fresh run, or a checkpoint without one: ``cfg`` as it
     is): fewer data-parallel ranks accumulate more micro-batches. ValueError (one line) when
     ``saved`` is not a multiple of micro_batch_size x dp."""
     if not saved or saved == cfg.batch.micro_batch_size * cfg.batch.grad_accum_steps * dp:
@@ -272,8 +273,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     identity = data_identity(index)
     if resume_step:  # refuse to continue a run under another configuration (labkit.train.run_config)
         check_resume(run_dir, to_dict(given), identity, allow_safe_changes=cfg.allow_safe_changes)
-    ckpt = run_dir / "checkpoints" / f"step-{resume_step}" if resume_step else None
-    runtime, state = resume.load_and_wrap(cfg, model, device, ckpt, world)  # the step on the (pp, dp, tp) mesh
+    runtime = build_runtime(cfg, model, device)  # the one builder; the step on the (pp, dp, tp) mesh
     model, optimizer, scaler = runtime.parts, runtime.optimizer, runtime.scaler
     sharding = cfg.parallel.sharding if runtime.dp > 1 else "none"  # one data-parallel rank: nothing to shard
     global_batch = cfg.batch.micro_batch_size * cfg.batch.grad_accum_steps * runtime.dp  # data follows the dp rank
@@ -282,15 +282,15 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                          num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda")
     sampler = _find_sampler(loader)
     heldout = _heldout_set(cfg, data, runtime.dp_rank, runtime.dp, mcfg.vocab_size, device)  # fixed, masked
-    step, epoch, position, tokens_seen = resume.restore(state, runtime, sampler, world=world, sharding=sharding,
-                                                        where=f"step-{resume_step} in {run_dir}")
-    prov = provenance.collect(device, start_time=provenance.now_iso())  # collective: every rank's host, device
-    metrics_file = _start_files(run_dir, given, identity, prov, resumed=state is not None, step=step, run_id=run_id)
-    batches_iter = _iterate(loader)
-    if state is not None:
-        resume.resume_rng(state, runtime.mesh, cfg, device)  # last, so nothing above consumes randomness
+    state = RunState(cfg, runtime, sampler, run_id)  # everything that shapes the next step
     checkpointer = Checkpointer(run_dir, keep=cfg.checkpoint.keep,  # collective
                                 asynchronous=cfg.checkpoint.asynchronous)
+    if resume_step:  # weights, optimiser, counters, sampler, scaler, hook, noise scale; RNG last
+        checkpointer.load(run_dir / "checkpoints" / f"step-{resume_step}", state)
+    prov = provenance.collect(device, start_time=provenance.now_iso())  # collective: every rank's host, device
+    metrics_file = _start_files(run_dir, given, identity, prov, resumed=bool(resume_step), step=state.step,
+                                run_id=run_id)
+    batches_iter = _iterate(loader)  # fork_rng: draws nothing from the restored streams
 
     stop = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
     peak = measure.peak_flops(device, cfg.precision)
@@ -299,15 +299,14 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     last_record, skipped = {}, 0
     windows = measure.PeakWindows(device)  # peak memory of the steps, each evaluation, each checkpoint
     model.train()
-    while step < stop:
+    while state.step < stop:
         timer.start()
         windows.start()
         # 1. fetch this rank's micro-batches, timing the wait (a new epoch reshuffles)
-        micro_batches, wait, epoch, position, batches_iter = _fetch(batches_iter, loader, sampler, epoch, position,
-                                                                    cfg, runtime.dp, device)
+        micro_batches, wait, batches_iter = _fetch(batches_iter, loader, state, cfg, runtime.dp, device)
         # 2. set the learning rate (the schedule is a pure function of the step), count masked
         #    tokens globally, then forward/backward every micro-batch
-        lr = lr_at(step, cfg)
+        lr = lr_at(state.step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum, n_masked, n_tokens = runtime.forward_backward(micro_batches)
@@ -317,37 +316,37 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         wait_mean = summed[1].item() / world
         # 3. unscale (fp16), clip the global grad norm, step; a non-finite loss (or, fp32/bf16,
         #    grad norm) skips the step or raises
-        grad_norm, finite = _clip_and_step(cfg, runtime, optimizer, scaler, loss, step)
+        grad_norm, finite = _clip_and_step(cfg, runtime, optimizer, scaler, loss, state.step)
         skipped += not finite
         optimizer.zero_grad(set_to_none=True)
-        step += 1
+        state.step += 1
+        step = state.step
         step_time = timer.stop()
         windows.end_step()
         measures = runtime.step_measures(timer)  # 4. measure (collective: every rank, every step) and record
         n_tokens_i = int(n_tokens.item())
-        tokens_seen += n_tokens_i
+        state.tokens += n_tokens_i
         timings.append((n_tokens_i, global_batch, step_time, wait_mean, measures["comm_exposed_s"]))
         evaluated = _maybe_evaluate(model, heldout, cfg, step, stop, windows)  # held-out loss, outside the step time
         if step % cfg.measure.log_every == 0 or step == stop or evaluated:
             tps = measure.tokens_per_s(n_tokens_i, step_time)
-            record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
+            record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": state.tokens,
                       "step_tokens": n_tokens_i, "n_masked": int(n_masked.item()), "tokens_per_s": tps,
                       "packing_efficiency": measure.packing_efficiency(n_tokens_i, global_batch, seq_len),
                       **_rates(global_batch, timer, step_time, wait_mean), **measures,
                       "mfu": measure.mfu(tps, fpt, world, peak), **windows.take(), "world_size": world,
-                      "global_batch_size": global_batch, "epoch": epoch, "skipped": not finite, **evaluated,
+                      "global_batch_size": global_batch, "epoch": state.epoch, "skipped": not finite, **evaluated,
                       **checkpointer.take(), "time": time.time()}
             last_record = _log(record, metrics_file, sink)
         if cfg.checkpoint.enabled and ((cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == stop):
-            windows.around("checkpoint", _save, cfg, checkpointer, model, optimizer, scaler, sampler, step=step,
-                           epoch=epoch, position=position, tokens=tokens_seen, world=world, sharding=sharding,
-                           run_id=run_id)
+            windows.around("checkpoint", checkpointer.save, step, state)  # every rank its part, in DCP
     checkpointer.close()  # the last asynchronous save written and published
 
     records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()] \
         if metrics_file is not None and metrics_file.exists() else [last_record]
-    result = _result(cfg, records, timings, fpt=fpt, peak=peak, world=world, global_batch=global_batch, step=step,
-                     params=params, tokens_seen=tokens_seen, resume_step=resume_step, skipped=skipped, mcfg=mcfg,
+    result = _result(cfg, records, timings, fpt=fpt, peak=peak, world=world, global_batch=global_batch,
+                     step=state.step, params=params, tokens_seen=state.tokens, resume_step=resume_step,
+                     skipped=skipped, mcfg=mcfg,
                      index=index, device=device, sharding=sharding, t_start=t_start, prov=prov) | windows.maxima
     result |= {"run_id": run_id, "checkpoint_stall_s": checkpointer.stalls, "checkpoint_save_s": checkpointer.saved_s}
     if dist.is_main():  # result.json covers the whole run: every segment (run_config.with_segments)
@@ -356,23 +355,24 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     return result
 
 
-def _fetch(batches_iter: Any, loader: Any, sampler: Any, epoch: int, position: int, cfg: TrainConfig, dp: int,
-           device: torch.device) -> tuple[list[dict[str, Any]], float, int, int, Any]:
+def _fetch(batches_iter: Any, loader: Any, state: RunState, cfg: TrainConfig, dp: int,
+           device: torch.device) -> tuple[list[dict[str, Any]], float, Any]:
     """This rank's ``cfg.batch.grad_accum_steps`` micro-batches of the step, on ``device`` (``to_device``),
-    and the seconds spent waiting for them; at the end of an epoch the sampler reshuffles and the
-    next one starts (``_next_epoch``). Returns (micro_batches, wait_s, epoch, position in the epoch,
-    the batch iterator)."""
+    and the seconds spent waiting for them; advances ``state``'s epoch and position (batches of the
+    epoch consumed); at the end of an epoch the sampler reshuffles and the next one starts
+    (``_next_epoch``). Returns (micro_batches, wait_s, the batch iterator)."""
     micro_batches, wait = [], 0.0
     for _ in range(cfg.batch.grad_accum_steps):
         t0 = time.perf_counter()
         batch = next(batches_iter, None)
         if batch is None:  # epoch over: reshuffle and start again
-            epoch, position, batches_iter = epoch + 1, 0, _next_epoch(loader, sampler, epoch + 1, cfg, dp)
+            state.epoch, state.position = state.epoch + 1, 0
+            batches_iter = _next_epoch(loader, state.sampler, state.epoch, cfg, dp)
             batch = next(batches_iter)
-        position += 1
+        state.position += 1
         micro_batches.append(to_device(batch, device))
         wait += time.perf_counter() - t0
-    return micro_batches, wait, epoch, position, batches_iter
+    return micro_batches, wait, batches_iter
 
 
 def _clip_and_step(cfg: TrainConfig, runtime: Runtime, optimizer: Any, scaler: Any, loss: float,
@@ -409,26 +409,6 @@ def _log(record: dict, metrics_file: pathlib.Path | None, sink: Callable[[dict],
         if sink is not None:
             sink(record)
     return record
-
-
-def _save(cfg: TrainConfig, checkpointer: Checkpointer, model: torch.nn.Module, optimizer: Any, scaler: Any,
-          sampler: Any, *, step: int, epoch: int, position: int, tokens: int, world: int, sharding: str,
-          run_id: str) -> float:
-    """Collective: checkpoint step-N (``checkpoint.Checkpointer.save``: every rank writes its part
-    of the weights and optimiser state) with state.pt = the run's ``run_id``, step, epoch, tokens,
-    lr, scaler, world size, sharding, the split, the global batch and
-    the global sampler state after the batches the trainer consumed (with workers the sampler
-    itself runs ahead of the trainer, so ``position`` is the trainer's: ``RankSampler.state_at``),
-    and per rank its RNG states. Returns the seconds training stalled."""
-    dp = world // (cfg.parallel.tp * cfg.parallel.pp)
-    state = {"run_id": run_id, "step": step, "epoch": epoch, "tokens": tokens, "lr": lr_at(step, cfg),
-             "scaler": scaler.state_dict(), "world_size": world, "sharding": sharding,
-             "split": {"dp": dp, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp,
-                       "pp_schedule": cfg.parallel.pp_schedule, "pp_virtual_stages": cfg.parallel.pp_virtual_stages,
-                       "sequence_parallel": cfg.parallel.sequence_parallel},
-             "global_batch_size": cfg.batch.micro_batch_size * cfg.batch.grad_accum_steps * dp,
-             "sampler": sampler.state_at(epoch, position)}
-    return checkpointer.save(step, model, optimizer, state, {"rng": _rng_state()})
 
 
 def _next_epoch(loader: Any, sampler: Any, epoch: int, cfg: TrainConfig, world: int) -> Any:

@@ -257,7 +257,9 @@ class Runtime:
         stage = self.parts.stages[0]
         if isinstance(stage, torch.nn.parallel.DistributedDataParallel):
             timer = CommTimer(self.device, observers=observers)
-            self.hook_state = install_ddp_hook(stage, timer, *compression_hook(self.cfg, self.mesh.group("dp")))
+            names = {p: n for n, p in self.parts.named_parameters()}
+            self.hook_state = install_ddp_hook(stage, timer, *compression_hook(self.cfg, self.mesh.group("dp")),
+                                               names=names)
             return timer
         blocking = self.device.type != "cuda" or self.cfg.parallel.sharding == "replicate"
         timer = CommTimer(self.device, blocking=blocking, observers=observers)

@@ -4,7 +4,10 @@ time_gradient_collectives): 2 gloo ranks train the tiny model with grad_compress
 per gradient element instead of 4; none's bytes are 4 x the model's parameters, each all-reduced
 once), keeps comm_exposed_s in every record and trains to none's losses within bf16's rounding,
 under DDP and under FSDP2 (its reduce-scatters in bf16, ``MixedPrecisionPolicy(reduce_dtype)``);
-PowerSGD all-reduces fp32 during its warm-up steps, then less than half the bytes."""
+PowerSGD all-reduces fp32 during its warm-up steps, then less than half the bytes. A run stopped
+after step 3 and resumed continues exactly: under PowerSGD bit for bit (its error feedback and Q
+memories by parameter name, its step counter: compressed from the first resumed step on, on DDP's
+unbuilt buckets), and the noise scale's averages where they were."""
 
 from __future__ import annotations
 
@@ -58,6 +61,11 @@ def runs(tmp_path_factory) -> pathlib.Path:
                                          ("powersgd", "powersgd", "ddp"), ("fsdp-none", "none", "fsdp"),
                                          ("fsdp-bf16", "bf16", "fsdp"))]
     cfgs.append(cfgs[0].replace(run_dir=str(root / "auto"), parallel={"bucket_cap_mb": "auto"}))
+    for kind in ("powersgd", "none"):  # RESUMED: uninterrupted, and stopped after step 3 then resumed
+        whole = cfgs[2 if kind == "powersgd" else 0].replace(run_dir=str(root / f"{kind}-whole"), max_steps=6,
+                                                             checkpoint={"every": 3})
+        part = whole.replace(run_dir=str(root / f"{kind}-part"), stop_after=3)
+        cfgs += [whole, part, part.replace(stop_after=None)]
     mp.spawn(_worker, args=(2, _free_port(), json.dumps([to_dict(c) for c in cfgs])), nprocs=2, join=True)
     return root
 
@@ -142,3 +150,24 @@ def test_auto_bucket_cap_measures_the_link_and_trains_as_the_default(runs):
     rebuilt = auto[-1]["comm_bucket_bytes"]
     assert sum(rebuilt) == none[-1]["comm_bytes"] and len(rebuilt) == max(1, math.ceil(sum(rebuilt) / cap)) or \
         all(b <= cap + record["embedding_bytes"] for b in rebuilt), (rebuilt, cap)
+
+
+def test_a_resumed_run_continues_powersgd_and_the_noise_scale(runs):
+    """Stopped after step 3 (PowerSGD compressing since step 3) and resumed: the uninterrupted run's
+    losses and grad norms bit for bit under PowerSGD, its compressed bytes from the first resumed step
+    (no second warm-up), and the noise scale's averages continued (plain all-reduce: the squared
+    norms to rounding, not restarted)."""
+    whole, part = _metrics(runs / "powersgd-whole"), _metrics(runs / "powersgd-part")
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in part] == [(r["step"], r["loss"], r["grad_norm"])
+                                                                      for r in whole]
+    assert [r["comm_bytes"] for r in part] == [r["comm_bytes"] for r in whole]
+    assert all(r["comm_bytes"] < whole[0]["comm_bytes"] / 2 for r in part[START:])
+    from labkit.train.gns import two_batch_estimates
+
+    plain, resumed = _metrics(runs / "none-whole"), _metrics(runs / "none-part")
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in plain]
+    for key in ("gns_grad_sq", "gns_trace_cov", "b_simple"):  # the averages over steps 1-6 (the buckets' order
+        # differs on the first resumed step, so the squared norms add up in another order: 1e-3, not bitwise)
+        assert [r[key] for r in resumed] == pytest.approx([r[key] for r in plain], rel=1e-3), key
+    fresh = two_batch_estimates(*(resumed[3][k] for k in ("gns_sq_small", "gns_sq_big", "gns_b_small", "gns_b_big")))
+    assert abs(fresh[0] / resumed[3]["gns_grad_sq"] - 1) > 1e-2  # restarted averages would be step 4's own

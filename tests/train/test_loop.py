@@ -252,15 +252,23 @@ def test_train_bf16_on_cuda(shards, tmp_path):
 def _to_format_1(path: pathlib.Path, cfg: TrainConfig) -> None:
     """Rewrite checkpoint directory ``path`` as labkit wrote it before torch.distributed.checkpoint
     for data-parallel runs (format 1): model.safetensors + state.pt with the whole optimiser state
-    and per-rank sampler positions, no run id, no marker."""
+    (by parameter index) and per-rank sampler positions, no run id, no marker."""
+    import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_model
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
 
-    from labkit.train.checkpoint import load
+    from labkit.train.checkpoint import read_state
     from labkit.train.run_config import model_config_of
 
+    state = read_state(path)
     model = BertMLM(model_config_of(cfg, VOCAB))
+    model.load_state_dict(load_weights(path))
     optimizer = train_mod.build_optimizer(model, cfg)
-    state = load(path, model, optimizer)
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    sd = {"optim": get_optimizer_state_dict(model, optimizer, options=flat)}
+    dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    set_optimizer_state_dict(model, optimizer, sd["optim"], options=flat)
     for f in path.iterdir():
         f.unlink()
     save_model(model, str(path / "model.safetensors"))
@@ -272,26 +280,33 @@ def _to_format_1(path: pathlib.Path, cfg: TrainConfig) -> None:
                path / "state.pt")
 
 
-def test_format_1_checkpoints_still_resume_exactly_and_refuse_another_sharding(shards, tmp_path):
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_format_1_checkpoint_is_refused_then_upgraded_once_and_resumes_exactly(shards, tmp_path, capsys):
     """A checkpoint in the format before torch.distributed.checkpoint (model.safetensors + whole
-    optimiser in state.pt) resumes to exactly the uninterrupted run's losses; its sharding must
-    still match: a mismatch is a ValueError naming the field, not a silent mis-load."""
+    optimiser in state.pt) is refused in one line naming the upgrade; ``labkit checkpoint upgrade``
+    rewrites it (once: a second call finds nothing), and the run resumes to exactly the
+    uninterrupted run's losses."""
+    from labkit.cli import main
+    from labkit.train.checkpoint import MARKER
+
     full = tiny_cfg(shards, tmp_path / "full", max_steps=6)
     train(full)
-    part = dataclasses.replace(full, run_dir=str(tmp_path / "part"), stop_after=3)
+    part = full.replace(run_dir=str(tmp_path / "part"), stop_after=3)
     train(part)
-    _to_format_1(tmp_path / "part" / "checkpoints" / "step-3", part)
-    other = tmp_path / "other"
-    import shutil
-
-    shutil.copytree(tmp_path / "part", other)
-    assert train(dataclasses.replace(part, stop_after=None))["resumed_from_step"] == 3
+    step3 = tmp_path / "part" / "checkpoints" / "step-3"
+    _to_format_1(step3, part)
+    with pytest.raises(ValueError, match=r"^resume: .*step-3 is a format-1 checkpoint .*labkit checkpoint upgrade ") \
+            as err:
+        train(part.replace(stop_after=None))
+    assert "\n" not in str(err.value)
+    assert main(["checkpoint", "upgrade", str(tmp_path / "part")]) == 0
+    assert capsys.readouterr().out.startswith(f"upgraded {step3} (data parallel run, step 3) to format 2")
+    assert (step3 / MARKER).is_file() and not (step3 / "model.safetensors").exists()
+    assert main(["checkpoint", "upgrade", str(tmp_path / "part")]) == 0
+    assert "nothing to upgrade" in capsys.readouterr().out
+    assert train(part.replace(stop_after=None))["resumed_from_step"] == 3
     want = [(r["step"], r["loss"], r["grad_norm"], r["tokens"]) for r in read_metrics(tmp_path / "full")]
     assert [(r["step"], r["loss"], r["grad_norm"], r["tokens"]) for r in read_metrics(tmp_path / "part")] == want
-    path = other / "checkpoints" / "step-3" / "state.pt"
-    torch.save({**torch.load(path, weights_only=True), "sharding": "fsdp"}, path)
-    with pytest.raises(ValueError, match="sharding: checkpoint step-3 .* 'fsdp', this run uses 'none'"):
-        train(dataclasses.replace(part, run_dir=str(other), stop_after=None))
 
 
 def test_mismatched_shards_are_refused_before_training(shards, tmp_path):
@@ -416,7 +431,7 @@ def test_peak_memory_windows_keep_evaluation_and_checkpoints_apart(tmp_path, mon
     from labkit.train import evaluation
 
     monkeypatch.setattr(evaluation, "evaluate", mem.around(evaluation.evaluate, 5000))
-    monkeypatch.setattr(loop, "_save", mem.around(loop._save, 7000))
+    monkeypatch.setattr(loop.Checkpointer, "save", mem.around(loop.Checkpointer.save, 7000))
     cfg = tiny_cfg(shards, tmp_path / "run", max_steps=4, eval={"every": 2, "sequences": 4}, checkpoint={"every": 2})
     result = train(cfg)
     records = read_metrics(tmp_path / "run")

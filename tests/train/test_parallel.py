@@ -389,6 +389,31 @@ def test_a_checkpoint_loads_at_another_split_or_dp(world2):
     assert not world2["errors"]
 
 
+def test_a_format_1_split_checkpoint_is_upgraded_to_the_state_it_had(world2, tmp_path):
+    """The tp 2 run's last checkpoint rewritten as format 1 wrote a split run's (the same DCP files,
+    no marker, per-rank sampler positions): ``labkit.train.upgrade.upgrade`` gives back the state.pt
+    format 2 wrote (split, global sampler state, step, every rank's RNG) and the marker, and finds
+    nothing to do the second time (step-5, format 2 already, is left alone)."""
+    from labkit.train.checkpoint import MARKER, read_state
+    from labkit.train.upgrade import upgrade
+
+    run = tmp_path / "tp2-format1"
+    shutil.copytree(world2["tmp"] / "tp2", run)
+    step = run / "checkpoints" / "step-10"
+    state = read_state(step)
+    (step / MARKER).unlink()
+    position = {"epoch": state["sampler"]["epoch"], "position": state["sampler"]["position"]}
+    torch.save({**{k: v for k, v in state.items() if k not in ("sampler", "noise", "hook")}, "format": 1,
+                "ranks": [{"rng": r["rng"], "sampler": position} for r in state["ranks"]]}, step / "state.pt")
+    assert [(d["step"], d["kind"]) for d in upgrade(run)] == [(10, "split")]
+    new = read_state(step)
+    assert (step / MARKER).is_file() and new["format"] == 2
+    for key in ("sampler", "split", "step", "epoch", "tokens", "global_batch_size", "world_size", "run_id"):
+        assert new[key] == state[key], key
+    assert all(torch.equal(a["rng"]["torch"], b["rng"]["torch"]) for a, b in zip(new["ranks"], state["ranks"]))
+    assert upgrade(run) == []
+
+
 def test_planner_bubble_and_rank_memory_against_measured_runs(world2):
     """The planner's per-rank memory (``planned_rank_memory``: ``memory_plan``'s state and activations)
     within 10 % of the measured (tensors' bytes, peak of the bytes saved for backward) at tp 2 with

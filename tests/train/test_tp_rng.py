@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
+import shutil
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -97,7 +100,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str, trains: list[str]) -
         from labkit.train import train
 
         for entry in trains:
-            train(from_dict(TrainConfig, json.loads(entry)))
+            if entry.startswith("copy "):  # rank 0 copies a run directory
+                if rank == 0:
+                    shutil.copytree(*entry.split(" ")[1:])
+            else:
+                train(from_dict(TrainConfig, json.loads(entry)))
             tdist.barrier()
         torch.save(out, pathlib.Path(out_dir) / f"rank{rank}.pt")
     finally:
@@ -129,6 +136,10 @@ def spawned(tmp_path_factory):
         whole = _run_cfg(shards, tmp / f"whole-sp{sp}", parallel={"sequence_parallel": sp})
         part = dataclasses.replace(whole, run_dir=str(tmp / f"part-sp{sp}"), stop_after=3)
         trains += [json.dumps(to_dict(c)) for c in (whole, part, dataclasses.replace(part, stop_after=None))]
+    pp2 = _run_cfg(shards, tmp / "pp2", stop_after=3, parallel={"tp": 1, "pp": 2})  # moved to tp 2 at step 3
+    moved = pp2.replace(run_dir=str(tmp / "pp2-tp2"), stop_after=None, allow_safe_changes=True,
+                        parallel={"tp": 2, "pp": 1})
+    trains += [json.dumps(to_dict(pp2)), f"copy {tmp / 'pp2'} {tmp / 'pp2-tp2'}", json.dumps(to_dict(moved))]
     mp.spawn(_worker, args=(2, _port(), str(tmp), trains), nprocs=2, join=True)
     return {"ranks": [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)], "tmp": tmp}
 
@@ -163,3 +174,57 @@ def test_a_resumed_tp_run_continues_the_same_streams(spawned, sp):
     tmp = spawned["tmp"]
     whole, part = _losses(tmp / f"whole-sp{sp}"), _losses(tmp / f"part-sp{sp}")
     assert len(whole) == 6 and part == whole  # bitwise: every dropout stream continued
+
+
+def test_a_run_moved_from_pp2_to_tp2_keeps_the_rule(spawned):
+    """pp 2 with dropout, stopped at step 3, continued at tp 2: it trains on (finite losses), and at
+    its next checkpoint the two tp ranks' own streams (attention dropout) differ while their replicated
+    stream is one (``labkit.train.rng.continue_streams``)."""
+    from labkit.train.checkpoint import read_state
+
+    tmp = spawned["tmp"]
+    assert len(_losses(tmp / "pp2-tp2")) == 6 and all(math.isfinite(x) for x in _losses(tmp / "pp2-tp2"))
+    a, b = (r["rng"] for r in read_state(tmp / "pp2-tp2" / "checkpoints" / "step-6")["ranks"])
+    assert not torch.equal(a["torch"], b["torch"])
+    assert torch.equal(a["streams"]["replicated"], b["streams"]["replicated"])
+
+
+def _mesh(pp: int, dp: int, tp: int, rank: int) -> SimpleNamespace:
+    world = pp * dp * tp
+    return SimpleNamespace(pp=pp, dp=dp, tp=tp, rank=rank, world=world, pp_rank=rank // (dp * tp),
+                           dp_rank=rank // tp % dp, tp_rank=rank % tp)
+
+
+def _streams_after(ranks: list[dict], saved: tuple[int, int, int], mesh: SimpleNamespace) -> dict:
+    """This process's streams after ``continue_streams`` placed it at ``mesh``: {"own": the default
+    generator's next draws, "replicated": the replicated stream's (the default one at tp 1)}."""
+    rng.continue_streams(ranks, saved, mesh, CPU)
+    own = torch.rand(16)
+    if mesh.tp == 1:
+        return {"own": own, "replicated": own}
+    with rng.TRACKER.fork("replicated"):
+        return {"own": own, "replicated": torch.rand(16)}
+
+
+def test_continue_streams_follows_one_rule_at_every_layout():
+    """In one process, rank by rank: the saved streams of a pp 2 run (2 ranks) continued at tp 2 give
+    the two tp ranks different own streams, one replicated stream, neither the fresh run's (nothing
+    restarts from the seed); at dp 2 (tp 1) the two replicas differ; at the same layout each rank gets
+    back exactly its saved state."""
+    saved = []
+    for r in range(2):  # a pp 2 run's ranks after some draws
+        rng.seed_streams(7, r, 2, 1, CPU)
+        torch.rand(100)
+        saved.append(rng.rng_state())
+    tp2 = [_streams_after(saved, (2, 1, 1), _mesh(1, 1, 2, r)) for r in range(2)]
+    assert not torch.equal(tp2[0]["own"], tp2[1]["own"])
+    assert torch.equal(tp2[0]["replicated"], tp2[1]["replicated"])
+    fresh = []
+    for r in range(2):
+        rng.seed_streams(7, r, 2, 2, CPU)
+        fresh.append(torch.rand(16))
+    assert not any(torch.equal(t["own"], f) for t in tp2 for f in fresh)
+    dp2 = [_streams_after(saved, (2, 1, 1), _mesh(1, 2, 1, r)) for r in range(2)]
+    assert not torch.equal(dp2[0]["replicated"], dp2[1]["replicated"])
+    rng.continue_streams(saved, (2, 1, 1), _mesh(2, 1, 1, 1), CPU)  # the same layout: rank 1's own state
+    assert torch.equal(torch.get_rng_state(), saved[1]["torch"]) and rng.TRACKER.states == {}
