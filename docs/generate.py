@@ -206,7 +206,23 @@ def lesson4_measured() -> str:
     return ("| quantity | labkit here | study |\n| --- | --- | --- |\n"
             f"| weak-scaling efficiency, 1 → 2 ranks (CPU, gloo, `{r[1]['model']}`, micro-batch {r[1]['micro_batch_size']}, "
             f"seq {d['train']['seq_len']}; {_load(d)}) | {r[2]['efficiency']:.2f} | \"near-linear\" to 256 GPUs |\n"
-            f"| tokens/s at 1 and 2 ranks | {r[1]['tokens_per_s']:,.0f} and {r[2]['tokens_per_s']:,.0f} | not reported |\n")
+            f"| tokens/s at 1 and 2 ranks | {r[1]['tokens_per_s']:,.0f} and {r[2]['tokens_per_s']:,.0f} | not reported |\n"
+            + _goodput_row(r))
+
+
+def _goodput_row(r: dict) -> str:
+    """Lesson 4's "2x the GPUs" row from the rank sweep's statistical goodput columns
+    (``labkit.study.goodput``), or a line saying this demo.json predates them."""
+    if r[2].get("goodput_tokens_per_s") is None or r[1].get("goodput_tokens_per_s") is None:
+        return ("| 2x the ranks: throughput and learning per second (statistical goodput) | not in this demo.json "
+                "(its rank sweep predates the goodput column: `make demo` again, then `python docs/generate.py "
+                "--import work/demo`) | not reported |\n")
+    a = r[2]["tokens_per_s"] / r[1]["tokens_per_s"]
+    b = r[2]["goodput_tokens_per_s"] / r[1]["goodput_tokens_per_s"]
+    return (f"| 2x the ranks (global batch {r[1]['global_batch_size']} → {r[2]['global_batch_size']}): throughput and "
+            f"learning per second (statistical goodput = throughput x E(B); B_noise = {r[2]['b_noise']:.1f} "
+            f"sequences, the {r[2]['b_noise_source']}) | throughput x{a:.2f}, learning per second x{b:.2f} "
+            f"(E(B) = {r[2]['statistical_efficiency']:.2f}) | not reported |\n")
 
 
 def lesson4_forecast() -> str:

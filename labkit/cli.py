@@ -407,6 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compression", nargs="+", default=["none"], choices=("none", "bf16", "powersgd"),
                    help="network: train.parallel.grad_compression values, each at every setting")
     _add_batch_sweep_args(p)
+    p.add_argument("--critical-batch", default=None, metavar="PARQUET",
+                   help="ranks: B_noise of the statistical goodput column from a `labkit sweep batch` table "
+                        "(<workdir>/sweeps/critical_batch.parquet: its B_crit); default: the in-run B_simple of the "
+                        "run with the most ranks")
     p.add_argument("--force", action="store_true", help="rerun points already in the sweep's table")
     p.set_defaults(func=_command("sweep"))
     _add_plan(sub, debug)

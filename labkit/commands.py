@@ -167,11 +167,13 @@ def _sweep_batch(cfg: LabConfig, args) -> int:
     df, fit = sweep_batch(cfg.train, cfg.workdir, batch_sizes=args.batches, target=args.target,
                           lr_rule=args.lr_rule, max_examples=args.examples, force=args.force)
     _print_table(df.select("batch", "lr", "steps", "examples", "reached", "b_simple", "b_simple_tokens",
-                           "final_eval_loss"))
+                           "final_eval_loss", "samples_per_s", "statistical_efficiency", "goodput_samples_per_s"))
     if "b_crit" in fit:
         print(f"B_crit = E_min/S_min = {fit['b_crit']:.1f} sequences ({100 * fit['level']:.0f} % bootstrap range "
               f"{fit['b_crit_low']:.1f}-{fit['b_crit_high']:.1f}) at held-out loss {fit['target_eval_loss']:.3f}, "
               f"{fit['reached']} batch sizes reached it; sweeps/critical_batch.parquet in {cfg.workdir}")
+        print("statistical goodput = samples/s x E(B), E(B) = (B_crit + B0)/(B_crit + B), B0 the smallest batch "
+              "(labkit.measure.statistical_goodput); one process accumulating micro-batches, so a larger batch buys few samples/s here")
     else:
         print(f"only {fit['reached']} batch sizes reached held-out loss {fit['target_eval_loss']:.3f}: no fit")
     return 0
@@ -193,12 +195,19 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
     if kind == "network":
         return _sweep_network(cfg, args)
     preflight.check_sweep(kind, cfg, args)
+    noise = {}
+    if kind == "ranks" and getattr(args, "critical_batch", None):  # read before any engine starts
+        from labkit.forecasting import read_critical_batch
+
+        crit = read_critical_batch(args.critical_batch, 1)  # seq_len 1: B_crit in sequences
+        noise = {"b_noise": crit["b_crit_tokens"],
+                 "b_noise_source": f"B_crit of {crit['source']} (at held-out loss {crit['target_eval_loss']:.3f})"}
     from labkit import lab
     from labkit.data.shards import read_index
     with cluster_client(cfg.cluster) as client:
         if kind == "ranks":
             staged = _stage(client, cfg) if _uses_workdir_shards(cfg) else None
-            df = lab.sweep_ranks(client, cfg.train, w, ranks=args.ranks, staged=staged, force=args.force)
+            df = lab.sweep_ranks(client, cfg.train, w, ranks=args.ranks, staged=staged, force=args.force, **noise)
         elif kind == "micro-batch":
             index = read_index(cfg.train.data_dir)
             budget = int(args.budget_gib * 2**30) if args.budget_gib else None
