@@ -66,8 +66,8 @@ _NOT_SETTINGS = frozenset({"run_dir", "data_dir", "data.tokenizer_path", "resume
                            "optim.lr", "optim.weight_decay", "optim.beta1", "optim.beta2", "optim.grad_clip",
                            "schedule.kind", "schedule.warmup_steps", "schedule.min_lr_ratio",
                            "schedule.wsd_decay_fraction", "measure.log_every", "checkpoint.every", "checkpoint.keep",
-                           "checkpoint.enabled", "checkpoint.asynchronous", "eval.every", "eval.sequences",
-                           "eval.batch_size"})
+                           "checkpoint.enabled", "checkpoint.asynchronous", "checkpoint.init_from", "eval.every",
+                           "eval.sequences", "eval.batch_size", "batch.lr_rule"})
 """TrainConfig fields (dotted, ``labkit.config.dotted``) that do not shape a sweep point's measurement of time and memory: where it
 is written and read (the data are identified by their index.json instead), the values of the
 optimisation (learning rate and its schedule, decay, clipping threshold, seed: the same work per
