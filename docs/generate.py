@@ -288,6 +288,50 @@ def lesson4_forecast_check() -> str:
     return "\n".join(out) + "\n"
 
 
+def _range(r: dict, key: str) -> str:
+    """"12.3 (8.1-20.4)", "at least 128 (...)" when censored, "-" when missing."""
+    if r.get(key) is None:
+        return "-"
+    low, high = r.get(f"{key}_low"), r.get(f"{key}_high")
+    text = ("at least " if r.get(f"{key}_censored") else "") + f"{r[key]:.1f}"
+    return text + (f" ({low:.1f}-{high:.1f})" if low is not None and high is not None else "")
+
+
+def lesson4_branching() -> str:
+    """docs/results.md: ``labkit sweep branch`` on the walkthrough, its
+    <workdir>/sweeps/branch.parquet and branch_runs.parquet kept as docs/data/branch.jsonl and
+    branch_runs.jsonl (JSON lines): per branch point the local critical batch, the noise scale the
+    branches imply, the run's in-run B_simple and the batch sweep's B_crit, which agree."""
+    points, runs = _records("branch.jsonl"), _records("branch_runs.jsonl")
+    if not points:
+        return "No record yet (`docs/data/branch.jsonl` is missing).\n"
+    p0 = points[0]
+    out = ["| step | tokens seen | efficiency at " + ", ".join(f"{k}x" for k in p0["factors"][1:])
+           + f" | local critical batch (keeps pace within {p0['tolerance']:.0%}) | B_noise implied by the branches "
+           "| in-run B_simple | batch sweep's B_crit |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for p in points:
+        eff = []
+        for k in p["factors"][1:]:
+            e = [r["efficiency"] for r in runs if r["step"] == p["step"] and r["factor"] == k and r["repeat"] == 0]
+            eff.append(f"{e[0]:.2f}" if e and e[0] is not None else "-")
+        out.append(f"| {p['step']} | {p['tokens']:,} | {', '.join(eff)} | {_range(p, 'b_keep_pace')} | "
+                   f"{_range(p, 'b_noise')} | {_range(p, 'b_simple')} | {_range(p, 'b_crit_sweep')} |")
+    agree = {key: sum(1 for p in points if p.get(f"{key}_agrees")) for key in ("b_simple", "b_crit_sweep")}
+    out.append("")
+    out.append(f"Base run: `configs/walkthrough.toml`'s model at global batch {p0['batch']} (one process, "
+               f"{p0['lr_rule']} lr rule), branches at {', '.join(str(k) for k in p0['factors'])} x that batch over "
+               f"{p0['window']:,} examples each, {p0['repeats']} window(s) per point; the efficiency column is the "
+               f"first window's. Ranges: {100 * p0['level']:.0f} % bootstrap over the held-out sequences and the "
+               "windows. The batch sweep's B_crit: "
+               + (f"at held-out loss {p0['b_crit_sweep_target']:.3f}" if p0.get("b_crit_sweep") is not None
+                  else "none in the work directory")
+               + f". With the noise scale the branches imply, the in-run B_simple agrees at "
+               f"{agree['b_simple']} of {len(points)} points and the batch sweep's B_crit at "
+               f"{agree['b_crit_sweep']} of {len(points)}:")
+    out += [f"- {p['agreement']}" for p in points]
+    return "\n".join(out) + "\n"
+
+
 def _network() -> list[dict]:
     return [json.loads(line) for line in (DATA / "network.jsonl").read_text().splitlines() if line.strip()]
 
@@ -628,6 +672,7 @@ BLOCKS = {("README.md", "demo-summary"): demo_summary,
           ("docs/results.md", "lesson4-forecast"): lesson4_forecast,
           ("docs/results.md", "lesson4-forecast-check"): lesson4_forecast_check,
           ("docs/results.md", "lesson4-network"): lesson4_network,
+          ("docs/results.md", "lesson4-branching"): lesson4_branching,
           ("docs/results.md", "lesson5-measured"): lesson5_measured,
           ("docs/results.md", "lesson5-planner"): lesson5_planner,
           ("docs/model.md", "bench-model"): bench_model,

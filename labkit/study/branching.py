@@ -215,7 +215,9 @@ def sweep_branch(train_cfg: TrainConfig, workdir: str | pathlib.Path, *, at: lis
     loss_start, b_keep_pace (the local critical batch) with _low, _high, _censored, b_noise (the
     branches' noise scale) with _low, _high, _censored, level, b_simple (the base's in-run B_simple
     at the step, with b_simple_low/high when the run records them), b_crit_sweep with _low, _high,
-    _target, and agreement (one sentence). ValueError on bad factors, window or repeats."""
+    _target, b_simple_agrees and b_crit_sweep_agrees (``branch_stats.overlap`` with b_noise's range;
+    None where either is missing), and agreement (one sentence). ValueError on bad factors,
+    window or repeats."""
     from labkit.train import train
     from labkit.train.optim import lr_at
 
@@ -256,6 +258,9 @@ def sweep_branch(train_cfg: TrainConfig, workdir: str | pathlib.Path, *, at: lis
                "window": window, "factors": factors, "repeats": repeats, "tolerance": tolerance, "lr_rule": rule,
                "lr_base": lr_at(step, base), **{k: v for k, v in est.items() if k not in ("loss_end", "efficiency")},
                **{k: _at(records, step, k) for k in ("b_simple", "b_simple_low", "b_simple_high")}, **crit}
+        br = (row["b_noise"], row["b_noise_low"], row["b_noise_high"])
+        row |= {f"{key}_agrees": overlap(br, (row.get(key), row.get(f"{key}_low"), row.get(f"{key}_high")))
+                for key in ("b_simple", "b_crit_sweep")}
         points.append(row | {"agreement": agreement(row)})
     out = pathlib.Path(workdir) / "sweeps"
     points_df, runs_df = (pl.DataFrame(x, infer_schema_length=None) for x in (points, runs))
