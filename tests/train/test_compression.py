@@ -92,6 +92,9 @@ def test_powersgd_plain_during_warm_up_then_compressed(runs):
     assert psgd[-1]["comm_bytes"] == compressed_grad_bytes(cfg, "powersgd", powersgd_rank=2)
     assert none[0]["comm_bytes"] == compressed_grad_bytes(cfg, "none") == 2 * compressed_grad_bytes(cfg, "bf16")
     assert sum(psgd[-1]["comm_bucket_bytes"]) == psgd[-1]["comm_bytes"]
+    # the noise scale rides the loop's loss all-reduce; under PowerSGD from sketches of the local buckets
+    assert all(r["gns_sketch_bins"] for r in psgd) and not any(r["gns_sketch_bins"] for r in none)
+    assert [r["gns_sq_small"] for r in psgd[:START]] == pytest.approx([r["gns_sq_small"] for r in none[:START]], rel=0.1)
 
 
 def test_config_refusals():
