@@ -183,14 +183,13 @@ def _sweep_batch(cfg: LabConfig, args) -> int:
 def _sweep_branch(cfg: LabConfig, args) -> int:
     """``labkit sweep branch``: the local critical batch by branching from the run's checkpoints
     (labkit.study.branching), one process, printed per branch point with what agrees."""
-    import polars as pl
-
-    from labkit.study.branching import sweep_branch
-
     if not args.at:
         raise ValueError("--at: give the steps of the run to branch from (e.g. --at 25 100 300)")
     if not pathlib.Path(cfg.train.data_dir, "index.json").is_file():
         raise ValueError(f"train.data_dir: no shards at {cfg.train.data_dir} (run `labkit prepare {args.config}` first)")
+    import polars as pl
+
+    from labkit.study.branching import sweep_branch
     points, runs = sweep_branch(cfg.train, cfg.workdir, at=args.at, factors=args.factors, window=args.window,
                                 repeats=args.repeats, tolerance=args.tolerance, engines=cfg.cluster.engines,
                                 lr_rule=args.lr_rule, critical_batch=args.critical_batch, force=args.force)

@@ -218,9 +218,6 @@ def sweep_branch(train_cfg: TrainConfig, workdir: str | pathlib.Path, *, at: lis
     _target, b_simple_agrees and b_crit_sweep_agrees (``branch_stats.overlap`` with b_noise's range;
     None where either is missing), and agreement (one sentence). ValueError on bad factors,
     window or repeats."""
-    from labkit.train import train
-    from labkit.train.optim import lr_at
-
     factors = sorted(set(factors) | {1})
     if factors[0] < 1 or len(factors) < 2 or repeats < 1 or not 0 < tolerance < 1:
         raise ValueError(f"sweep branch: need factors >= 1 (two or more), repeats >= 1 and 0 < tolerance < 1, got "
@@ -232,7 +229,14 @@ def sweep_branch(train_cfg: TrainConfig, workdir: str | pathlib.Path, *, at: lis
     if bad:
         raise ValueError(f"--window: {window} examples is not a multiple of the branch batch of factor(s) {bad} "
                          f"(x the run's global batch {batch})")
+    outside = [s for s in at if not 1 <= s <= base.max_steps]
+    if outside:
+        raise ValueError(f"--at: branch points {outside} outside 1..train.max_steps {base.max_steps} "
+                         "(--set train.max_steps=... to train the base run further)")
     crit = _sweep_b_crit(critical_batch, workdir)
+    from labkit.train import train  # after the checks: torch takes seconds to import
+    from labkit.train.optim import lr_at
+
     records, trained = train_base(base, at, force=force)
     points, runs = [], []
     for step in sorted(set(at)):

@@ -86,7 +86,9 @@ def test_sweep_branch_on_tiny_shards_continues_the_base_run(tmp_path):
     assert all(a.startswith(f"step {s}: ") for s, a in zip((3, 6), points["agreement"]))
     assert points["b_crit_sweep_agrees"].null_count() == 2  # no batch sweep in this work directory
     assert points["b_simple_agrees"].to_list() == [overlap((r["b_noise"], r["b_noise_low"], r["b_noise_high"]),
-                                                           (r["b_simple"], None, None)) for r in points.iter_rows(named=True)]
+                                                           (r["b_simple"], r["b_simple_low"], r["b_simple_high"]))
+                                                   for r in points.iter_rows(named=True)]
+    assert points["b_simple_low"].to_list() == [base[2]["b_simple_low"], base[5]["b_simple_low"]]  # its interval
     saved = pl.read_parquet(tmp_path / "sweeps" / "branch.parquet")
     assert saved.drop("agreement").equals(points.drop("agreement"))
     made = (tmp_path / "sweeps" / "branch" / "step-6" / "r0-x4" / "result.json").stat().st_mtime_ns
