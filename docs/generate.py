@@ -22,6 +22,11 @@ blocks read the files the measuring command wrote, kept under docs/data/:
 - ``docs/data/compression_learning.jsonl``: the file ``python benchmarks/compression_learning.py
   configs/walkthrough.toml --out docs/data/compression_learning.jsonl`` writes (steps to a held-out
   loss with each gradient compression, on the walkthrough's shards).
+- ``docs/data/branch.jsonl`` / ``branch_runs.jsonl``: ``<workdir>/sweeps/branch.parquet`` and
+  ``branch_runs.parquet`` (without run_dir) written by ``labkit sweep branch configs/walkthrough.toml
+  --at 25 100 300 --repeats 3 --window 2048 --set train.max_steps=400``, as JSON lines
+  (``polars.read_parquet(...).write_ndjson(...)``); ``critical_batch_branching.jsonl`` the same work
+  directory's ``labkit sweep batch`` table that run read.
 - ``docs/data/plan_counted.jsonl``: the JSON lines ``python docs/count_study.py`` writes
   (``plan_model`` of the study's two models on an H100 NVL).
 - ``docs/data/bench_model.jsonl`` / ``bench_ddp.jsonl`` / ``bench_stage.jsonl`` / ``bench_parallel.jsonl``:
@@ -309,25 +314,33 @@ def lesson4_branching() -> str:
     if not points:
         return "No record yet (`docs/data/branch.jsonl` is missing).\n"
     p0 = points[0]
-    out = ["| step | tokens seen | efficiency at " + ", ".join(f"{k}x" for k in p0["factors"][1:])
-           + f" | local critical batch (keeps pace within {p0['tolerance']:.0%}) | B_noise implied by the branches "
-           "| in-run B_simple | batch sweep's B_crit |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| step | tokens seen | held-out loss | efficiency at " + ", ".join(f"{k}x" for k in p0["factors"][1:])
+           + f" | local critical batch (keeps pace within {100 * p0['tolerance']:.0f} %) | B_noise implied by the "
+           "branches | in-run B_simple | batch sweep's B_crit |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for p in points:
         eff = []
         for k in p["factors"][1:]:
-            e = [r["efficiency"] for r in runs if r["step"] == p["step"] and r["factor"] == k and r["repeat"] == 0]
+            e = [r["efficiency"] for r in runs if r["step"] == p["step"] and r["factor"] == k]
             eff.append(f"{e[0]:.2f}" if e and e[0] is not None else "-")
-        out.append(f"| {p['step']} | {p['tokens']:,} | {', '.join(eff)} | {_range(p, 'b_keep_pace')} | "
+        out.append(f"| {p['step']} | {p['tokens']:,} | {p['loss_start']:.3f} | {', '.join(eff)} | "
+                   f"{_range(p, 'b_keep_pace')} | "
                    f"{_range(p, 'b_noise')} | {_range(p, 'b_simple')} | {_range(p, 'b_crit_sweep')} |")
     agree = {key: sum(1 for p in points if p.get(f"{key}_agrees")) for key in ("b_simple", "b_crit_sweep")}
+    first, last = points[0], points[-1]
+    grows = all(a["b_keep_pace"] < b["b_keep_pace"] for a, b in zip(points, points[1:]))
+    trend = (f"The local critical batch {'grows at every point' if grows else 'moves'}, from "
+             f"{first['b_keep_pace']:.1f} at {first['tokens']:,} tokens to {last['b_keep_pace']:.1f} at "
+             f"{last['tokens']:,}. ")
     out.append("")
-    out.append(f"Base run: `configs/walkthrough.toml`'s model at global batch {p0['batch']} (one process, "
+    out.append(trend + f"Base run: `configs/walkthrough.toml`'s model at global batch {p0['batch']} (one process, "
                f"{p0['lr_rule']} lr rule), branches at {', '.join(str(k) for k in p0['factors'])} x that batch over "
-               f"{p0['window']:,} examples each, {p0['repeats']} window(s) per point; the efficiency column is the "
-               f"first window's. Ranges: {100 * p0['level']:.0f} % bootstrap over the held-out sequences and the "
+               f"{p0['window']:,} examples each, {p0['repeats']} window(s) per point (the efficiencies pooled over "
+               f"them). Ranges: {100 * p0['level']:.0f} % bootstrap over the held-out sequences and the "
                "windows. The batch sweep's B_crit: "
                + (f"at held-out loss {p0['b_crit_sweep_target']:.3f}" if p0.get("b_crit_sweep") is not None
                   else "none in the work directory")
+               + (f" (`labkit sweep batch`: the whole run's, from runs at several batch sizes to that loss)"
+                  if p0.get("b_crit_sweep") is not None else "")
                + f". With the noise scale the branches imply, the in-run B_simple agrees at "
                f"{agree['b_simple']} of {len(points)} points and the batch sweep's B_crit at "
                f"{agree['b_crit_sweep']} of {len(points)}:")
