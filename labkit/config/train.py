@@ -72,6 +72,9 @@ class TrainConfig:
     """Write one metrics record every this many optimiser steps."""
     timing_warmup_steps: int = 2
     """Steps excluded from throughput averages in result.json."""
+    timeline: bool = True
+    """Record every rank's step timeline in run_dir/timeline (``labkit.train.timeline``): the
+    culprit and goodput in result.json come from it."""
     ckpt_every: int = 0
     """Checkpoint every this many steps (0: only at the end)."""
     keep_checkpoints: int = 2
