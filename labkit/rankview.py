@@ -43,13 +43,15 @@ _BADPUT_COLORS = {"startup": "#404040", "restart": "#7f6000", "redone": "#ff9999
 def timeline_frame(rows: pl.DataFrame | list[dict]) -> pl.DataFrame:
     """A timeline frame (``labkit.train.timeline.SCHEMA``'s columns and dtypes) from rows as
     published by the ranks (a list of dicts) or a frame. ValueError naming missing columns."""
-    frame = pl.from_dicts(rows, infer_schema_length=None) if isinstance(rows, list) else rows
-    if frame.height == 0:
-        return pl.DataFrame(schema=SCHEMA)
-    missing = [c for c in SCHEMA if c not in frame.columns]
-    if missing:
+    if isinstance(rows, list):
+        missing = sorted(set(SCHEMA) - set(rows[0])) if rows else []
+        if missing:
+            raise ValueError(f"not a timeline: missing columns {missing}")
+        return pl.from_dicts(rows, schema=SCHEMA) if rows else pl.DataFrame(schema=SCHEMA)
+    missing = [c for c in SCHEMA if c not in rows.columns]
+    if missing and rows.height:
         raise ValueError(f"not a timeline: missing columns {missing}")
-    return frame.select(list(SCHEMA)).cast(SCHEMA)
+    return rows.select(list(SCHEMA)).cast(SCHEMA) if rows.height else pl.DataFrame(schema=SCHEMA)
 
 
 def _newest(frame: pl.DataFrame, last_steps: int | None) -> pl.DataFrame:
@@ -197,6 +199,9 @@ class RankView(LivePlot):
         super().__init__(lambda frame: rank_view_figure(frame, last_steps=last_steps, window=window),
                          min_interval=min_interval, height=height or 760)
         self.latencies: list[float] = []
+
+    def frame(self, records: list[dict]) -> pl.DataFrame:  # noqa: D102 (LivePlot's; the timeline's schema)
+        return timeline_frame(records)
 
     def _draw(self, *, final: bool) -> None:
         super()._draw(final=final)

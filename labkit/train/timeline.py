@@ -110,7 +110,7 @@ class Timeline:
     def __init__(self, run_dir: str | os.PathLike, *, rank: int, world_size: int, resumed_from: int = 0,
                  segment_start: float | None = None, host: str | None = None, enabled: bool = True,
                  comm: Any = None, publish: Callable[[list[dict]], None] | None = None,
-                 publish_every_s: float = 1.0, history: int = 32) -> None:
+                 publish_every_s: float = 0.5, history: int = 32) -> None:
         self.enabled, self.rank = enabled, rank
         self.path = timeline_dir(run_dir) / f"rank-{rank:05d}.jsonl"
         self.clock = BucketClock()
