@@ -122,14 +122,15 @@ def main(argv: list[str] | None = None) -> dict:
         data = pathlib.Path(tmp) / "shards"
         write_shards(data, n_sequences=2 * args.micro_batch * max(args.steps, args.live_steps) + 8,
                      seq_len=args.seq_len, vocab_size=args.vocab)
-        base = TrainConfig(data_dir=str(data), run_dir="", model=args.model, micro_batch_size=args.micro_batch,
-                           max_steps=args.steps, warmup_steps=1, timing_warmup_steps=args.warmup_steps, num_threads=1,
-                           device="cpu", timeout_s=600, resume=False, checkpoints=False, trackers=())
+        base = TrainConfig(data_dir=str(data), run_dir="", model=args.model, max_steps=args.steps, num_threads=1,
+                           device="cpu", timeout_s=600, resume=False, batch={"micro_batch_size": args.micro_batch},
+                           schedule={"warmup_steps": 1}, checkpoint={"enabled": False},
+                           measure={"timing_warmup_steps": args.warmup_steps, "trackers": ()})
         runs = []
         for rnd in range(args.rounds + 1):  # round 0: warm-up
             for on in ((True, False) if rnd % 2 == 0 else (False, True)):
-                runs.append({"round": rnd, "timeline": on,
-                             "cfg": to_dict(base) | {"run_dir": f"{tmp}/run-{rnd}-{int(on)}", "timeline": on}})
+                cfg = base.replace(run_dir=f"{tmp}/run-{rnd}-{int(on)}", measure={"timeline": on})
+                runs.append({"round": rnd, "timeline": on, "cfg": to_dict(cfg)})
         mp.spawn(_worker, args=(2, _free_port(), json.dumps([r["cfg"] for r in runs])), nprocs=2, join=True)
         step = {True: [], False: []}
         for item in runs:
@@ -143,8 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
                 step[item["timeline"]].append(med)
         live = None
         if not args.no_live:
-            live_cfg = to_dict(base) | {"run_dir": f"{tmp}/live", "max_steps": args.live_steps}
-            live = live_latency(from_dict(TrainConfig, live_cfg))
+            live = live_latency(base.replace(run_dir=f"{tmp}/live", max_steps=args.live_steps))
             print(json.dumps({"live_latencies_s": live["latencies"]}), flush=True)
     on, off = statistics.median(step[True]), statistics.median(step[False])
     rec_s = recorder_seconds()

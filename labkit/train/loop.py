@@ -38,7 +38,6 @@ global batch = micro_batch_size * grad_accum_steps * dp.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 import json
@@ -60,6 +59,7 @@ from labkit.io import atomic_write_json, atomic_write_text
 from labkit.model import BertMLM, count_parameters, flops_per_token
 from labkit.train import dist, parallel, provenance, resume, rng, sinks
 from labkit.train.checkpoint import Checkpointer, _rng_state, agree_on_plan, plan_run
+from labkit.train.comm import all_reduce_with_sideband
 from labkit.train.optim import lr_at
 from labkit.train.straggler import culprit
 from labkit.train.timeline import Timeline, read_timeline
@@ -176,7 +176,7 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None,
     Rank 0 also sends each record to the sinks named in ``cfg.trackers`` (``labkit.train.sinks``:
     TensorBoard event files under run_dir/tensorboard by default); config.json and result.json
     carry the run's ``provenance`` (``labkit.train.provenance.collect``). Every rank records its step
-    timeline (``labkit.train.timeline``; ``cfg.timeline``) in run_dir/timeline and hands its recent
+    timeline (``labkit.train.timeline``; ``cfg.measure.timeline``) in run_dir/timeline and hands its recent
     rows to ``timeline_sink`` (the engines' live view); result.json then carries the run's
     ``culprit`` (``labkit.train.straggler.culprit``, None when no rank holds the others up) and
     its wall-clock ``goodput`` and ``badput_*`` (``labkit.measure.goodput``).
@@ -241,7 +241,7 @@ def _keep_global_batch(cfg: TrainConfig, saved: int | None, dp: int) -> TrainCon
         raise ValueError(f"grad_accum_steps: the checkpoint's global batch {saved} is not micro_batch_size "
                          f"{cfg.micro_batch_size} x dp {dp} x a whole number of accumulation steps (resume at a dp "
                          f"dividing {saved} / micro_batch_size)")
-    return dataclasses.replace(cfg, grad_accum_steps=accum)
+    return cfg.replace(batch={"grad_accum_steps": accum})
 
 
 def _start_files(run_dir: pathlib.Path, cfg: TrainConfig, identity: dict, prov: dict, *, resumed: bool,
@@ -292,8 +292,8 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     ckpt = run_dir / "checkpoints" / f"step-{resume_step}" if resume_step else None
     model, optimizer, scaler, sharding, state = resume.load_and_wrap(cfg, model, device, split, ckpt, world)
     runtime = Runtime(cfg, model, scaler, device, world=world, rank=rank)  # the step on the (pp, dp, tp) mesh
-    timeline = Timeline(run_dir, rank=rank, world_size=world, resumed_from=resume_step, enabled=cfg.timeline,
-                        segment_start=plan["segment_start"], comm=runtime.comm, publish=timeline_sink)  # no collective
+    timeline = Timeline(run_dir, rank=rank, world_size=world, resumed_from=resume_step, comm=runtime.comm,
+                        enabled=cfg.measure.timeline, segment_start=plan["segment_start"], publish=timeline_sink)
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * runtime.dp  # data follows the dp rank
     loader, sampler, heldout = _rank_data(cfg, data, runtime, mcfg.vocab_size, device)  # held out: fixed, masked
     # position: batches of this epoch consumed
@@ -328,8 +328,8 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum, n_masked, n_tokens = runtime.forward_backward(micro_batches, mark=timeline.mark)
-        summed = dist.all_reduce_sum(torch.stack([loss_sum.double(), torch.tensor(wait, dtype=torch.float64,
-                                                                                    device=loss_sum.device)]))
+        summed = all_reduce_with_sideband(torch.stack([loss_sum.double(), torch.tensor(  # + the observers' sums (gns)
+            wait, dtype=torch.float64, device=loss_sum.device)]), runtime.comm)
         loss = summed[0].item() / max(1, n_masked.item())
         wait_mean = summed[1].item() / world
         timeline.mark("sync")
@@ -382,7 +382,7 @@ def _timeline_fields(cfg: TrainConfig, run_dir: pathlib.Path, timeline: Timeline
     (``labkit.measure.goodput``), from every rank's timeline in run_dir (a file system the ranks
     share, as checkpoints need). {} without a timeline; other ranks get {}."""
     timeline.close()
-    if not cfg.timeline:
+    if not cfg.measure.timeline:
         return {}
     dist.barrier()
     if not dist.is_main():
@@ -390,7 +390,7 @@ def _timeline_fields(cfg: TrainConfig, run_dir: pathlib.Path, timeline: Timeline
     frame = read_timeline(run_dir)
     if frame.height == 0:
         return {}
-    found = culprit(frame, window=frame["step"].n_unique(), skip=cfg.timing_warmup_steps)
+    found = culprit(frame, window=frame["step"].n_unique(), skip=cfg.measure.timing_warmup_steps)
     return {"culprit": found, **measure.goodput(frame, end=time.time())}
 
 
@@ -523,6 +523,7 @@ def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple], *, fpt:
               "activation_checkpointing": mcfg.activation_checkpointing, "wall_s": time.time() - t_start,
               "provenance": prov | {"end_time": provenance.now_iso()}}
     noisy = [r for r in records if r.get("b_simple") is not None]  # labkit.train.gns: the last EMA
-    result |= {k: noisy[-1][k] if noisy else None for k in ("b_simple", "b_simple_tokens")}
+    result |= {k: noisy[-1][k] if noisy else None for k in ("b_simple", "b_simple_low", "b_simple_high",
+                                                            "b_simple_tokens")}
     dp = global_batch // (cfg.micro_batch_size * cfg.grad_accum_steps)
     return result | parallel.result_fields(cfg, dp, records)  # the split, its measured means

@@ -105,11 +105,12 @@ def runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("stragglers")
     shards = write_tiny_shards(root / "shards", n_sequences=256)
-    base = TrainConfig(data_dir=str(shards), run_dir="", model="tiny", micro_batch_size=8, max_steps=20,
-                       lr=1e-3, warmup_steps=2, num_threads=1, device="cpu", timing_warmup_steps=2, timeout_s=120,
-                       checkpoints=False, eval_every=0, trackers=(), seed=0)
-    cfgs = {case: dict(to_dict(base), run_dir=str(root / case), max_steps=200 if case == "even" else 20,
-                       num_workers=1 if case == "data" else 0) for case in CASES}
+    base = TrainConfig(data_dir=str(shards), run_dir="", model="tiny", max_steps=20, num_threads=1, device="cpu",
+                       timeout_s=120, seed=0, batch={"micro_batch_size": 8}, optim={"lr": 1e-3},
+                       schedule={"warmup_steps": 2}, measure={"timing_warmup_steps": 2, "trackers": ()},
+                       checkpoint={"enabled": False}, eval={"every": 0})
+    cfgs = {case: to_dict(base.replace(run_dir=str(root / case), max_steps=200 if case == "even" else 20,
+                                       data={"num_workers": 1 if case == "data" else 0})) for case in CASES}
     gate = root / "gate"
     gate.mkdir()
     plan = {"gate": str(gate), "ports": [_free_port() for _ in CASES], "cfgs": [cfgs[c] for c in CASES]}
