@@ -103,7 +103,7 @@ def step_verdicts(timeline: pl.DataFrame, *, rel: float = 0.2, min_s: float = 0.
 
 
 def culprit(timeline: pl.DataFrame, *, window: int = 20, skip: int = 2, cost: float = 0.1, share: float = 0.5,
-            min_steps: int = 3, **thresholds: float) -> dict[str, Any] | None:
+            min_steps: int = 3, min_window: int = 8, **thresholds: float) -> dict[str, Any] | None:
     """The rank that holds the others up over the last ``window`` steps of the newest run
     segment (after its first ``skip`` steps: warm-up), or None.
 
@@ -113,7 +113,8 @@ def culprit(timeline: pl.DataFrame, *, window: int = 20, skip: int = 2, cost: fl
     least ``share`` of all the seconds any rank held the others up (one rank dominates: on an
     even run the verdicts scatter over ranks), and it was named in at least ``min_steps`` steps
     (not one odd pause). Time, not a count of steps: a reader that stalls every third step
-    for a whole second is a culprit.
+    for a whole second is a culprit. Fewer than ``min_window`` steps to look at: None (too few
+    to tell a culprit from a loaded machine's noise).
 
     Returns {"rank", "host", "cause" (``CAUSES``), "held_s" (seconds a step the others waited
     for it, averaged over the window), "fraction" (held_s / the window's mean step time),
@@ -124,6 +125,8 @@ def culprit(timeline: pl.DataFrame, *, window: int = 20, skip: int = 2, cost: fl
     newest = timeline.filter(pl.col("segment_start") == pl.col("segment_start").max())
     first = newest["step"].min() + skip
     steps = sorted(s for s in newest["step"].unique().to_list() if s >= first)[-window:]
+    if len(steps) < min_window:
+        return None
     verdicts = step_verdicts(newest.filter(pl.col("step").is_in(steps)), **thresholds)
     named = verdicts.drop_nulls("rank")
     if named.height == 0:
@@ -157,8 +160,8 @@ def culprit_line(found: dict[str, Any] | None) -> str:
     share = f" ({100 * found['fraction']:.0f} % of the step)" if found.get("fraction") is not None else ""
     return (f"culprit: rank {found['rank']} ({found['host']}) holds the others up by {found['held_s'] * 1e3:.0f} ms "
             f"a step{share} (named in {found['steps']} of steps {found['first_step']}-{found['last_step']}): "
-            f"{found['cause']} ({_WHY[found['cause']]}); rank{'s' if len(found['waiting']) > 1 else ''} "
-            f"{waiting} wait for it")
+            f"{found['cause']} ({_WHY[found['cause']]}); "
+            + (f"ranks {waiting} wait for it" if len(found["waiting"]) > 1 else f"rank {waiting} waits for it"))
 
 
 def rank_breakdown(timeline: pl.DataFrame) -> pl.DataFrame:

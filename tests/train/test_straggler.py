@@ -73,6 +73,9 @@ def test_culprit_looks_at_the_newest_segment_and_skips_its_warm_up():
     assert culprit(frame(slow_start)) is None  # steps 1-2 are warm-up
     assert culprit(frame(slow_start), skip=0) is None  # two slow steps are a pause, not a culprit
     assert culprit(frame(slow_start), skip=0, min_steps=2)["rank"] == 0
+    short = frame(simulate(9, data=[0.002, 0.3], compute=[0.05] * 2))
+    assert culprit(short) is None  # 7 steps after the warm-up: too few to tell
+    assert culprit(short, min_window=7)["line"].endswith("rank 0 waits for it")
 
 
 def test_rank_breakdown_splits_the_victims_wait_from_the_communication():
