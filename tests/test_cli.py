@@ -181,6 +181,10 @@ def test_values_are_refused_before_any_engine_starts(tmp_path):
         "--budget-gib: 100000.0 GiB per rank is more than": ["sweep", "micro-batch", c, "--budget-gib", "100000"],
         "--budget-gb: sweep micro-batch takes --budget-gib": ["sweep", "micro-batch", c, "--budget-gb", "2"],
         "--workers: worker counts must be >= 0": ["sweep", "loaders", c, "--workers", "-1"],
+        "--at: give the steps of the run to branch from": ["sweep", "branch", c],
+        "--window: 12 examples is not a multiple of the branch batch of factor(s) [1, 2]": [
+            "sweep", "branch", c, "--at", "5", "--factors", "2", "--window", "12"],
+        "--at: branch points [500] outside 1..train.max_steps 100": ["sweep", "branch", c, "--at", "500"],
         "corpus.paths: '/no/such/dir' does not exist": ["prepare", c, "--set", 'corpus.paths=["/no/such/dir"]'],
         "corpus.text_paths: '/no/notes' does not exist": ["prepare", c, "--set", 'corpus.text_paths=["/no/notes"]'],
     }
@@ -231,14 +235,18 @@ def test_train_prints_the_eval_loss_of_the_result(monkeypatch, tmp_path, capsys)
     from labkit import commands, lab, preflight
     from labkit.config.tomlfile import load
 
-    result = {"initial_loss": 6.9, "final_loss": 5.1, "eval_loss": 5.37, "perplexity": 214.9, "steps": 20}
+    result = {"initial_loss": 6.9, "final_loss": 5.1, "eval_loss": 5.37, "perplexity": 214.9, "steps": 20,
+              "goodput": 0.7, "culprit": {"rank": 1, "line": "culprit: rank 1 (n1) holds the others up"}}
     monkeypatch.setattr(preflight, "check_train", lambda *a, **k: None)
     monkeypatch.setattr(commands, "cluster_client", lambda cc: contextlib.nullcontext(None))
-    monkeypatch.setattr(lab, "train_on_cluster", lambda client, cfg, staged=None: result)
+    lives = []
+    monkeypatch.setattr(lab, "train_on_cluster", lambda client, cfg, staged=None, live=None: lives.append(live) or result)
     cfg = load(None, [f"workdir={json.dumps(str(tmp_path))}"])
     assert commands.train(cfg, stage_first=False) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["eval_loss"], out["perplexity"], out["final_loss"]) == (5.37, 214.9, 5.1)
+    assert (out["goodput"], out["culprit"]) == (0.7, "culprit: rank 1 (n1) holds the others up")
+    assert [getattr(live, "wants", None) for live in lives] == ["timeline"]  # the live culprit line
 
 
 def test_tp_alone_chooses_replicate_when_it_is_the_only_layout(tmp_path, capsys):

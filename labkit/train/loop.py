@@ -59,6 +59,8 @@ from labkit.train import dist, parallel, provenance, rng, sinks
 from labkit.train.checkpoint import Checkpointer, agree_on_plan, plan_run
 from labkit.train.comm import all_reduce_with_sideband
 from labkit.train.optim import lr_at
+from labkit.train.straggler import culprit
+from labkit.train.timeline import Timeline, read_timeline
 from labkit.train.run_config import (check_resume, data_identity, finished_run, model_config_of, save_run_config,
                                      with_segments)
 from labkit.train.resume import RunState
@@ -110,6 +112,15 @@ def _find_sampler(loader: torch.utils.data.DataLoader) -> Any:
 
 
 
+def _rank_data(cfg: TrainConfig, data: ShardSet, runtime: Runtime, vocab_size: int, device: torch.device) -> tuple:
+    """This rank's data, which follows its dp rank: (the MLM ``DataLoader``, its ``RankSampler``,
+    the fixed masked held-out set or None; ``_heldout_set``)."""
+    loader = make_loader(data, batch_size=cfg.batch.micro_batch_size, rank=runtime.dp_rank, world_size=runtime.dp,
+                         seed=cfg.seed, mlm_probability=cfg.data.mlm_probability, vocab_size=vocab_size,
+                         num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda")
+    return loader, _find_sampler(loader), _heldout_set(cfg, data, runtime.dp_rank, runtime.dp, vocab_size, device)
+
+
 def _heldout_set(cfg: TrainConfig, data: ShardSet, rank: int, world: int, vocab_size: int,
                  device: torch.device) -> Any:
     """The fixed masked held-out set (``labkit.train.evaluation.HeldoutSet``) of this rank from the
@@ -144,7 +155,8 @@ def _maybe_evaluate(model: torch.nn.Module, heldout: Any, cfg: TrainConfig, step
 # ------------------------------------------------------------------------------------------
 
 
-def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> dict[str, Any]:
+def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None,
+          timeline_sink: Callable[[list[dict]], None] | None = None) -> dict[str, Any]:
     """Run MLM pretraining per ``cfg`` as this process's rank (RANK/WORLD_SIZE/LOCAL_RANK/
     MASTER_ADDR/MASTER_PORT from the environment; absent = one process, no process group).
 
@@ -162,7 +174,11 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
     ``labkit.data.shards``. A process group this call creates is destroyed before it returns.
     Rank 0 also sends each record to the sinks named in ``cfg.measure.trackers`` (``labkit.train.sinks``:
     TensorBoard event files under run_dir/tensorboard by default); config.json and result.json
-    carry the run's ``provenance`` (``labkit.train.provenance.collect``).
+    carry the run's ``provenance`` (``labkit.train.provenance.collect``). Every rank records its step
+    timeline (``labkit.train.timeline``; ``cfg.measure.timeline``) in run_dir/timeline and hands its recent
+    rows to ``timeline_sink`` (the engines' live view); result.json then carries the run's
+    ``culprit`` (``labkit.train.straggler.culprit``, None when no rank holds the others up) and
+    its wall-clock ``goodput`` and ``badput_*`` (``labkit.measure.goodput``).
     """
     done = finished_run(cfg)  # a finished run of this config: its result as saved, no file opened or written
     if done is not None:
@@ -174,11 +190,11 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
         torch.set_num_threads(cfg.num_threads)
     owns_group = not torch.distributed.is_initialized()
     # rank 0: resume step and run id; a new run first moves a used run_dir's files aside (before the sinks open there)
-    plan = plan_run(cfg.run_dir, cfg.resume) if rank == 0 else None
+    plan = plan_run(cfg.run_dir, cfg.resume) | {"segment_start": t_start} if rank == 0 else None
     trackers = sinks.open_sinks(cfg.measure.trackers, cfg.run_dir, main=rank == 0)  # rank 0 writes
     try:
         dist.init_distributed(cfg.backend, cfg.timeout_s, device)
-        return _run(cfg, sinks.fan_out(sink, trackers), rank, world, device, t_start, plan)
+        return _run(cfg, sinks.fan_out(sink, trackers), rank, world, device, t_start, plan, timeline_sink)
     except BaseException as err:  # the failed run's frames hold the model and its process group: clear them, so
         traceback.clear_frames(err.__traceback__)  # the group's sockets close at teardown and the other ranks'
         raise  # collectives fail at once instead of at the collective timeout (an engine lives on after the error)
@@ -227,6 +243,19 @@ def _keep_global_batch(cfg: TrainConfig, saved: int | None, dp: int) -> TrainCon
     return cfg.replace(batch={"grad_accum_steps": accum})
 
 
+def _branch_point(cfg: TrainConfig) -> pathlib.Path | None:
+    """``cfg.checkpoint.init_from`` (another run's checkpoint a new run starts from: a branch), or
+    None. FileNotFoundError (one line) when it is not a complete checkpoint."""
+    from labkit.train.checkpoint import is_complete
+
+    if cfg.checkpoint.init_from is None:
+        return None
+    path = pathlib.Path(cfg.checkpoint.init_from)
+    if not is_complete(path):
+        raise FileNotFoundError(f"checkpoint.init_from: {path} is not a complete checkpoint directory")
+    return path
+
+
 def _start_files(run_dir: pathlib.Path, cfg: TrainConfig, identity: dict, prov: dict, *, resumed: bool,
                  step: int, run_id: str) -> pathlib.Path | None:
     """Rank 0: config.json with the run's ``run_id`` (earlier configs kept in configs/; provenance
@@ -255,8 +284,8 @@ def _start_files(run_dir: pathlib.Path, cfg: TrainConfig, identity: dict, prov: 
     return metrics_path
 
 
-def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world: int,
-         device: torch.device, t_start: float, plan: dict | None) -> dict[str, Any]:
+def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world: int, device: torch.device,
+         t_start: float, plan: dict | None, timeline_sink: Callable[[list[dict]], None] | None) -> dict[str, Any]:
     """The run: build, resume, then the optimiser step, top to bottom, until ``stop``. ``plan``:
     rank 0's ``plan_run`` (None on the other ranks)."""
     run_dir = pathlib.Path(cfg.run_dir)
@@ -273,22 +302,21 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     identity = data_identity(index)
     if resume_step:  # refuse to continue a run under another configuration (labkit.train.run_config)
         check_resume(run_dir, to_dict(given), identity, allow_safe_changes=cfg.allow_safe_changes)
+    ckpt = run_dir / "checkpoints" / f"step-{resume_step}" if resume_step else _branch_point(cfg)
     runtime = build_runtime(cfg, model, device)  # the one builder; the step on the (pp, dp, tp) mesh
     model, optimizer, scaler = runtime.parts, runtime.optimizer, runtime.scaler
+    timeline = Timeline(run_dir, rank=rank, world_size=world, resumed_from=resume_step, comm=runtime.comm,
+                        enabled=cfg.measure.timeline, segment_start=plan["segment_start"], publish=timeline_sink)
     sharding = cfg.parallel.sharding if runtime.dp > 1 else "none"  # one data-parallel rank: nothing to shard
     global_batch = cfg.batch.micro_batch_size * cfg.batch.grad_accum_steps * runtime.dp  # data follows the dp rank
-    loader = make_loader(data, batch_size=cfg.batch.micro_batch_size, rank=runtime.dp_rank, world_size=runtime.dp,
-                         seed=cfg.seed, mlm_probability=cfg.data.mlm_probability, vocab_size=mcfg.vocab_size,
-                         num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda")
-    sampler = _find_sampler(loader)
-    heldout = _heldout_set(cfg, data, runtime.dp_rank, runtime.dp, mcfg.vocab_size, device)  # fixed, masked
+    loader, sampler, heldout = _rank_data(cfg, data, runtime, mcfg.vocab_size, device)  # held out: fixed, masked
     state = RunState(cfg, runtime, sampler, run_id)  # everything that shapes the next step
     checkpointer = Checkpointer(run_dir, keep=cfg.checkpoint.keep,  # collective
                                 asynchronous=cfg.checkpoint.asynchronous)
-    if resume_step:  # weights, optimiser, counters, sampler, scaler, hook, noise scale; RNG last
-        checkpointer.load(run_dir / "checkpoints" / f"step-{resume_step}", state)
+    if ckpt is not None:  # weights, optimiser, counters, sampler, scaler, hook, noise scale; RNG last
+        checkpointer.load(ckpt, state)
     prov = provenance.collect(device, start_time=provenance.now_iso())  # collective: every rank's host, device
-    metrics_file = _start_files(run_dir, given, identity, prov, resumed=bool(resume_step), step=state.step,
+    metrics_file = _start_files(run_dir, given, identity, prov, resumed=ckpt is not None, step=state.step,
                                 run_id=run_id)
     batches_iter = _iterate(loader)  # fork_rng: draws nothing from the restored streams
 
@@ -302,21 +330,25 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     while state.step < stop:
         timer.start()
         windows.start()
+        timeline.start(state.step + 1)
         # 1. fetch this rank's micro-batches, timing the wait (a new epoch reshuffles)
-        micro_batches, wait, batches_iter = _fetch(batches_iter, loader, state, cfg, runtime.dp, device)
+        micro_batches, wait, batches_iter = timeline.around("data", _fetch, batches_iter, loader, state, cfg,
+                                                            runtime.dp, device)
         # 2. set the learning rate (the schedule is a pure function of the step), count masked
         #    tokens globally, then forward/backward every micro-batch
         lr = lr_at(state.step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss_sum, n_masked, n_tokens = runtime.forward_backward(micro_batches)
+        loss_sum, n_masked, n_tokens = runtime.forward_backward(micro_batches, mark=timeline.mark)
         summed = all_reduce_with_sideband(torch.stack([loss_sum.double(), torch.tensor(  # + the observers' sums (gns)
             wait, dtype=torch.float64, device=loss_sum.device)]), runtime.comm)
         loss = summed[0].item() / max(1, n_masked.item())
         wait_mean = summed[1].item() / world
+        timeline.mark("sync")
         # 3. unscale (fp16), clip the global grad norm, step; a non-finite loss (or, fp32/bf16,
         #    grad norm) skips the step or raises
-        grad_norm, finite = _clip_and_step(cfg, runtime, optimizer, scaler, loss, state.step)
+        grad_norm, finite = timeline.around("optimizer", _clip_and_step, cfg, runtime, optimizer, scaler, loss,
+                                            state.step)
         skipped += not finite
         optimizer.zero_grad(set_to_none=True)
         state.step += 1
@@ -327,7 +359,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         n_tokens_i = int(n_tokens.item())
         state.tokens += n_tokens_i
         timings.append((n_tokens_i, global_batch, step_time, wait_mean, measures["comm_exposed_s"]))
-        evaluated = _maybe_evaluate(model, heldout, cfg, step, stop, windows)  # held-out loss, outside the step time
+        evaluated = timeline.around("eval", _maybe_evaluate, model, heldout, cfg, step, stop, windows)  # held out
         if step % cfg.measure.log_every == 0 or step == stop or evaluated:
             tps = measure.tokens_per_s(n_tokens_i, step_time)
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": state.tokens,
@@ -339,20 +371,41 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                       **checkpointer.take(), "time": time.time()}
             last_record = _log(record, metrics_file, sink)
         if cfg.checkpoint.enabled and ((cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == stop):
-            windows.around("checkpoint", checkpointer.save, step, state)  # every rank its part, in DCP
+            timeline.around("checkpoint", windows.around, "checkpoint", checkpointer.save, step, state)  # in DCP
+        timeline.end(step_s=step_time, comm_exposed_s=measures["comm_exposed_s"])
     checkpointer.close()  # the last asynchronous save written and published
-
     records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()] \
         if metrics_file is not None and metrics_file.exists() else [last_record]
     result = _result(cfg, records, timings, fpt=fpt, peak=peak, world=world, global_batch=global_batch,
                      step=state.step, params=params, tokens_seen=state.tokens, resume_step=resume_step,
                      skipped=skipped, mcfg=mcfg,
                      index=index, device=device, sharding=sharding, t_start=t_start, prov=prov) | windows.maxima
-    result |= {"run_id": run_id, "checkpoint_stall_s": checkpointer.stalls, "checkpoint_save_s": checkpointer.saved_s}
+    result |= {"run_id": run_id, "checkpoint_stall_s": checkpointer.stalls, "checkpoint_save_s": checkpointer.saved_s,
+               **_timeline_fields(cfg, run_dir, timeline)}  # every rank's timeline closed: culprit, goodput
     if dist.is_main():  # result.json covers the whole run: every segment (run_config.with_segments)
         result = with_segments(run_dir, result, cfg.measure.timing_warmup_steps)
         atomic_write_json(run_dir / "result.json", result)
     return result
+
+
+def _timeline_fields(cfg: TrainConfig, run_dir: pathlib.Path, timeline: Timeline) -> dict[str, Any]:
+    """Close this rank's ``timeline`` (its rows into run_dir/timeline/rank-NNNNN.parquet), then,
+    collective (a barrier: every rank has closed its own), on rank 0: the run's
+    ``culprit`` over its last timed steps (``labkit.train.straggler.culprit``; None when no rank
+    holds the others up) and its wall-clock ``goodput`` with each ``badput_*`` cause, up to now
+    (``labkit.measure.goodput``), from every rank's timeline in run_dir (a file system the ranks
+    share, as checkpoints need). {} without a timeline; other ranks get {}."""
+    timeline.close()
+    if not cfg.measure.timeline:
+        return {}
+    dist.barrier()
+    if not dist.is_main():
+        return {}
+    frame = read_timeline(run_dir)
+    if frame.height == 0:
+        return {}
+    found = culprit(frame, window=frame["step"].n_unique(), skip=cfg.measure.timing_warmup_steps)
+    return {"culprit": found, **measure.goodput(frame, end=time.time())}
 
 
 def _fetch(batches_iter: Any, loader: Any, state: RunState, cfg: TrainConfig, dp: int,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as tdist
@@ -90,7 +90,8 @@ class Runtime:
 
     # -- one optimiser step's forwards and backwards ---------------------------------------------
 
-    def forward_backward(self, micro_batches: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward_backward(self, micro_batches: list[dict[str, Any]], mark: Callable[[str], None] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One optimiser step's forwards and backwards over this rank's ``micro_batches`` (those of
         its dp rank, the same on its tp and pp ranks): each holds input_ids int64[B,T], labels
         int64[B,T] (-100 = not masked), attention_mask bool[B,T] on the device, and may hold what the
@@ -98,20 +99,25 @@ class Runtime:
         model gets no mask; ``max_masked``, the sparse head's gather size), so a pp = 1 forward needs
         no host sync. Returns (loss_sum: this rank's summed CE, fp32, detached, nonzero on one rank
         per replica, so the sum over all ranks is the global batch's; n_masked_global;
-        n_tokens_global: int64, summed over the dp group before the forwards)."""
+        n_tokens_global: int64, summed over the dp group before the forwards). ``mark(phase)``
+        (``labkit.train.timeline.Timeline.mark``) is told when the count's all-reduce ("sync"), each
+        forward and each backward end (a pipeline's schedule: one "backward")."""
         counts = torch.stack([torch.stack([(b["labels"] != -100).sum(), b["attention_mask"].sum()])
                               for b in micro_batches]).sum(0).to(torch.int64)
         if self.mesh.device_mesh is not None:
             tdist.all_reduce(counts, group=self.mesh.group("dp"))
+        mark = mark or _no_mark
+        mark("sync")
         n_masked, n_tokens = counts[0], counts[1]
         self._denominator = n_masked.clamp(min=1)
         if self.noise is not None:
             self.noise.count(n_masked)
         t0 = time.perf_counter()
         if self.schedule is None:
-            loss_sum = self._micro_batches(micro_batches)
+            loss_sum = self._micro_batches(micro_batches, mark)
         else:
             loss_sum = self._pipeline(micro_batches, n_masked)
+            mark("backward")
         span = time.perf_counter() - t0
         self._after_backward()
         timers = self.parts.timers
@@ -126,7 +132,7 @@ class Runtime:
         loss_fn on the last stage too (``target`` unused: the labels reach the stage as an argument)."""
         return self.scaler.scale(loss_sum.float() * self.dp / self._denominator)
 
-    def _micro_batches(self, micro_batches: list[dict[str, Any]]) -> torch.Tensor:
+    def _micro_batches(self, micro_batches: list[dict[str, Any]], mark: Callable[[str], None]) -> torch.Tensor:
         """pp = 1: each micro-batch forward and backward through the one stage (DDP's gradient
         all-reduce on the last only, ``no_sync`` on the others; FSDP2 reduce-scatters each); with the
         micro-batch noise scale each one's gradient goes to it first. Returns the summed CE."""
@@ -140,7 +146,9 @@ class Runtime:
                     mask = None if batch.get("all_real") else batch["attention_mask"]  # host facts: no sync
                     out = stage(batch["input_ids"], attention_mask=mask, labels=batch["labels"],
                                 max_masked=batch.get("max_masked"))
+                mark("forward")
                 self.loss(out.loss_sum).backward()
+                mark("backward")
             if micro:
                 acc = self._accumulate_micro(acc, last=i == last)
             loss_sum += out.loss_sum.detach().float()
@@ -274,6 +282,10 @@ class Runtime:
                                       busy=parts.timers["busy"], reduce=parts.timers["reduce"]) for c in parts.chunks]
         return pipeline.build_schedule(stages, self.cfg.batch.grad_accum_steps, self.cfg.parallel.pp_schedule,
                                        self.loss)
+
+
+def _no_mark(phase: str) -> None:
+    return None
 
 
 def _piece_weights(parts: ModelParts) -> dict[torch.nn.Parameter, float] | None:
