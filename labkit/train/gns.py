@@ -204,12 +204,14 @@ class NoiseScale(GradientObserver):
     """The simple gradient noise scale B_simple of a run, from the gradient collective.
 
     ``b_small`` and ``b_big``: the two batch sizes in sequences (``for_run`` derives them);
-    ``ranks`` the data-parallel ranks, ``rank`` this one's place among them. Per step, ``before``
-    sums the squared norm of every local bucket (``scale_small`` × the mean over ranks of the sum is
-    |G_small|²); ``after`` that of this rank's share of every reduced bucket (its 1/R slice of DDP's
-    average, or, with ``sharded``, its FSDP2 shard; ``scale_big`` × the sum over ranks is
-    |G_big|²). With ``sketch_bins`` (PowerSGD: the reduced bucket is the compressed one) ``before``
-    keeps a ``CountSketch`` of each local bucket instead and ``after`` is ignored (module docstring).
+    ``ranks`` the data-parallel ranks, ``rank`` this one's place among them; ``kind`` where the two
+    batches come from (``KINDS``). Per step, ``before`` sums the squared norm of every local bucket
+    (``scale_small`` × the mean over ranks of the sum is |G_small|²); ``after`` that of this rank's
+    share of every reduced bucket (kind "average": its 1/R slice of the replicas' average; "shard":
+    its FSDP2 shard; ``scale_big`` × the sum over ranks is |G_big|²). Kind "sketch" (PowerSGD: the
+    reduced bucket is the compressed one): ``before`` keeps a ``CountSketch`` of ``SKETCH_BINS``
+    bins of each local bucket instead and ``after`` is ignored (module docstring). Kind "micro":
+    the caller adds the micro-batches' norms itself (``add_small``, ``add_big``).
     ``count(n_masked_global)`` gives the step's masked tokens (``n_sequences`` per step) for the
     token unit. ``sideband``/``receive`` carry the step's sums through the caller's all-reduce.
     ``step_fields()`` returns the record fields:
@@ -225,20 +227,25 @@ class NoiseScale(GradientObserver):
     ``state_dict()``/``load_state_dict()``: the averages and the sketch's step count (a resumed run
     continues both)."""
 
+    KINDS = ("average", "shard", "sketch", "micro")
+    """Where the two batches come from: the replicas' reduced average (DDP, the replicas' all-reduce),
+    FSDP2's reduce-scatter shard, a count sketch of the local buckets (PowerSGD), the micro-batches."""
+
     def __init__(self, b_small: int, b_big: int, *, n_sequences: int | None = None, ranks: int = 1, rank: int = 0,
-                 sharded: bool = False, scale_small: float = 1.0, scale_big: float = 1.0, micro: bool = False,
-                 sketch_bins: int | None = None, beta: float = EMA_BETA) -> None:
+                 kind: str = "average", scale_small: float = 1.0, scale_big: float = 1.0) -> None:
         if not 0 < b_small < b_big:
             raise ValueError(f"NoiseScale: need 0 < b_small < b_big sequences, got {b_small} and {b_big}")
         if not 0 <= rank < ranks:
             raise ValueError(f"NoiseScale: rank must be in [0, ranks), got {rank} of {ranks}")
+        if kind not in self.KINDS:
+            raise ValueError(f"NoiseScale: kind must be one of {self.KINDS}, got {kind!r}")
         self.b_small, self.b_big, self.ranks, self.rank = b_small, b_big, ranks, rank
-        self.sharded, self.micro = sharded, micro
+        self.sharded, self.micro = kind == "shard", kind == "micro"
         self.scale_small, self.scale_big = scale_small, scale_big
         self.n_sequences = n_sequences or b_big
-        self.sketch = CountSketch(sketch_bins) if sketch_bins else None
-        self.means = {k: BiasCorrectedEMA(beta) for k in ("g", "s", "gg", "ss", "gs")}  # per-step (|G|², tr Σ) moments
-        self.masked = BiasCorrectedEMA(beta)
+        self.sketch = CountSketch(SKETCH_BINS) if kind == "sketch" else None
+        self.means = {k: BiasCorrectedEMA(EMA_BETA) for k in ("g", "s", "gg", "ss", "gs")}  # per-step moments
+        self.masked = BiasCorrectedEMA(EMA_BETA)
         self.steps = 0  # reset() calls: the sketch's offset, the same on every rank
         self.reset()
 
@@ -262,13 +269,13 @@ class NoiseScale(GradientObserver):
         b, k = micro_batch_size, grad_accum_steps
         rank = dp_rank if dp_rank is not None else (dist.get_rank() % dp if dist.is_initialized() and dp > 1 else 0)
         if dp > 1 and sharding == "fsdp" and pp == 1:  # one reduce-scatter per micro-batch: b against dp·b, k per step
-            return cls(b, dp * b, n_sequences=dp * b * k, ranks=dp, rank=rank, sharded=True, scale_small=k,
+            return cls(b, dp * b, n_sequences=dp * b * k, ranks=dp, rank=rank, kind="shard", scale_small=k,
                        scale_big=k)
         if dp > 1:
-            return cls(b * k, dp * b * k, ranks=dp, rank=rank, sharded=sharding == "fsdp",
-                       sketch_bins=SKETCH_BINS if compression == "powersgd" else None)
+            kind = "shard" if sharding == "fsdp" else "sketch" if compression == "powersgd" else "average"
+            return cls(b * k, dp * b * k, ranks=dp, rank=rank, kind=kind)
         if k >= 2 and pp == 1 and sharding not in ("ddp", "zero1"):  # G_small = k·d_j, G_big = Σ d_j
-            return cls(b, b * k, n_sequences=b * k, scale_small=k, micro=True)
+            return cls(b, b * k, n_sequences=b * k, scale_small=k, kind="micro")
         return None
 
     def reset(self) -> None:

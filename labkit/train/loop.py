@@ -36,6 +36,7 @@ global batch = micro_batch_size * grad_accum_steps * dp.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import json
@@ -66,7 +67,7 @@ from labkit.train.run_config import (check_resume, data_identity, finished_run, 
 from labkit.train.resume import RunState
 from labkit.train.runtime import Runtime, build_runtime
 
-__all__ = ["to_device", "train"]
+__all__ = ["Run", "to_device", "train"]
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
     """A collated CPU batch on ``device`` (non-blocking copies), plus two facts read on the host
@@ -118,11 +119,10 @@ def _rank_data(cfg: TrainConfig, data: ShardSet, runtime: Runtime, vocab_size: i
     loader = make_loader(data, batch_size=cfg.batch.micro_batch_size, rank=runtime.dp_rank, world_size=runtime.dp,
                          seed=cfg.seed, mlm_probability=cfg.data.mlm_probability, vocab_size=vocab_size,
                          num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda")
-    return loader, _find_sampler(loader), _heldout_set(cfg, data, runtime.dp_rank, runtime.dp, vocab_size, device)
+    return loader, _find_sampler(loader), _heldout_set(cfg, data, runtime.dp_rank, runtime.dp, device)
 
 
-def _heldout_set(cfg: TrainConfig, data: ShardSet, rank: int, world: int, vocab_size: int,
-                 device: torch.device) -> Any:
+def _heldout_set(cfg: TrainConfig, data: ShardSet, rank: int, world: int, device: torch.device) -> Any:
     """The fixed masked held-out set (``labkit.train.evaluation.HeldoutSet``) of this rank from the
     run's opened shard set ``data``, or None when eval_every is 0 and the shards have no held-out
     split (then no evaluation runs)."""
@@ -130,7 +130,7 @@ def _heldout_set(cfg: TrainConfig, data: ShardSet, rank: int, world: int, vocab_
 
     if cfg.eval.every == 0 and not data.index.get("heldout"):
         return None
-    return HeldoutSet(data, rank=rank, world_size=world, vocab_size=vocab_size,
+    return HeldoutSet(data, rank=rank, world_size=world,
                       mlm_probability=cfg.data.mlm_probability, max_sequences=cfg.eval.sequences,
                       batch_size=cfg.eval.batch_size or cfg.batch.micro_batch_size, device=device)
 
@@ -284,107 +284,179 @@ def _start_files(run_dir: pathlib.Path, cfg: TrainConfig, identity: dict, prov: 
     return metrics_path
 
 
+@dataclasses.dataclass
+class Run:
+    """One invocation of a run on this rank (``_start`` builds it; the loop in ``_run`` reads and
+    advances it): the config as run (``cfg``: the accumulation that keeps a checkpoint's global
+    batch) and as given (``given``: config.json's), where it sits (``rank``, ``world``, ``device``),
+    what it is (``run_id``, ``resume_step``: the checkpoint it continued, 0 for a fresh run; the
+    opened shard set ``data``, the model config ``mcfg``, its ``params`` counts and FLOPs per token
+    ``fpt``), its ``runtime`` (the builder's model, optimiser, scaler and the step),
+    ``state`` (``RunState``: everything that shapes the next step), the ``loader`` and held-out set,
+    the ``checkpointer`` and ``timeline``, the run files (``prov``, ``metrics_file``: rank 0's), and
+    the measures (``timer``, peak memory ``windows``, ``timings`` per step, ``skipped`` steps)."""
+
+    cfg: TrainConfig
+    given: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    t_start: float
+    run_id: str
+    resume_step: int
+    data: ShardSet
+    mcfg: Any
+    params: dict
+    fpt: float
+    runtime: Runtime
+    state: RunState
+    loader: Any
+    heldout: Any
+    checkpointer: Checkpointer
+    timeline: Timeline
+    prov: dict = dataclasses.field(default_factory=dict)
+    metrics_file: pathlib.Path | None = None
+    timer: Any = None
+    windows: Any = None
+    timings: list = dataclasses.field(default_factory=list)  # (tokens, samples, step s, wait s, exposed s) per step
+    skipped: int = 0
+    last_record: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def run_dir(self) -> pathlib.Path:
+        return pathlib.Path(self.cfg.run_dir)
+
+    @property
+    def stop(self) -> int:
+        """The step this invocation ends after (``stop_after``, a simulated interruption, or max_steps)."""
+        return min(self.cfg.max_steps, self.cfg.stop_after or self.cfg.max_steps)
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimiser step: micro_batch_size x grad_accum_steps x dp (data follows the dp rank)."""
+        return self.cfg.batch.micro_batch_size * self.cfg.batch.grad_accum_steps * self.runtime.dp
+
+    @property
+    def sharding(self) -> str:
+        return self.state.sharding
+
+
 def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world: int, device: torch.device,
          t_start: float, plan: dict | None, timeline_sink: Callable[[list[dict]], None] | None) -> dict[str, Any]:
-    """The run: build, resume, then the optimiser step, top to bottom, until ``stop``. ``plan``:
-    rank 0's ``plan_run`` (None on the other ranks)."""
+    """The run: build and resume (``_start``), then the optimiser step, top to bottom, until
+    ``Run.stop``. ``plan``: rank 0's ``plan_run`` (None on the other ranks)."""
+    run = _start(cfg, plan, rank, world, device, t_start, timeline_sink)
+    cfg, rt, state, tl = run.cfg, run.runtime, run.state, run.timeline
+    batches = _iterate(run.loader)  # fork_rng: draws nothing from the restored streams
+    rt.parts.train()
+    while state.step < run.stop:
+        run.timer.start()
+        run.windows.start()
+        tl.start(state.step + 1)
+        # 1. fetch this rank's micro-batches, timing the wait (a new epoch reshuffles)
+        micro_batches, wait, batches = tl.around("data", _fetch, batches, run.loader, state, cfg, rt.dp, device)
+        # 2. set the learning rate (the schedule is a pure function of the step), count masked
+        #    tokens globally, then forward/backward every micro-batch
+        lr = lr_at(state.step, cfg)
+        for group in rt.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum, n_masked, n_tokens = rt.forward_backward(micro_batches, mark=tl.mark)
+        summed = all_reduce_with_sideband(torch.stack([loss_sum.double(), torch.tensor(  # + the observers' sums (gns)
+            wait, dtype=torch.float64, device=loss_sum.device)]), rt.comm)
+        loss, wait_mean = summed[0].item() / max(1, n_masked.item()), summed[1].item() / world
+        tl.mark("sync")
+        # 3. unscale (fp16), clip the global grad norm, step; a non-finite loss (or, fp32/bf16,
+        #    grad norm) skips the step or raises
+        grad_norm, finite = tl.around("optimizer", _clip_and_step, cfg, rt, loss, state.step)
+        run.skipped += not finite
+        rt.optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        step_time = run.timer.stop()
+        run.windows.end_step()
+        # 4. measure (collective: every rank, every step), evaluate, record, checkpoint
+        measures = rt.step_measures(run.timer)
+        n_tokens_i = int(n_tokens.item())
+        state.tokens += n_tokens_i
+        run.timings.append((n_tokens_i, run.global_batch, step_time, wait_mean, measures["comm_exposed_s"]))
+        evaluated = tl.around("eval", _maybe_evaluate, rt.parts, run.heldout, cfg, state.step, run.stop, run.windows)
+        if state.step % cfg.measure.log_every == 0 or state.step == run.stop or evaluated:
+            values = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_tokens": n_tokens_i,
+                      "n_masked": int(n_masked.item()), "skipped": not finite, **measures, **evaluated}
+            run.last_record = _log(_record(run, values, step_time, wait_mean), run.metrics_file, sink)
+        if cfg.checkpoint.enabled and ((cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0)
+                                       or state.step == run.stop):
+            tl.around("checkpoint", run.windows.around, "checkpoint", run.checkpointer.save, state.step, state)
+        tl.end(step_s=step_time, comm_exposed_s=measures["comm_exposed_s"])
+    run.checkpointer.close()  # the last asynchronous save written and published
+    return _finish(run)
+
+
+def _start(cfg: TrainConfig, plan: dict | None, rank: int, world: int, device: torch.device, t_start: float,
+           timeline_sink: Callable[[list[dict]], None] | None) -> Run:
+    """Everything before the first step: rank 0's plan agreed by every rank, the shards opened once,
+    the model built from the seed and by the one builder (``build_runtime``), this rank's data, the
+    run state continued from the plan's checkpoint or ``checkpoint.init_from`` (``Checkpointer.load``:
+    weights, optimiser, counters, sampler, scaler, hook, noise scale, RNG last), the run files."""
     run_dir = pathlib.Path(cfg.run_dir)
     plan = agree_on_plan(plan, run_dir)  # collective: rank 0's choice, readable by every rank, or one refusal
     given, cfg = cfg, _keep_global_batch(cfg, plan.get("global_batch_size"),
                                          world // (cfg.parallel.tp * cfg.parallel.pp))
     data = open_shards(cfg.data_dir, seq_len=cfg.data.seq_len, verify=cfg.data.verify_data,  # the run's one opening:
                        tokenizer_sha256=_tokenizer_sha256(cfg.data.tokenizer_path))  # index read once, ids recorded
-    index, seq_len = data.index, int(data.index["seq_len"])
-    mcfg, model = _build_model(cfg, index, rank, world, device)
-    params = count_parameters(model)
-    fpt = flops_per_token(mcfg, seq_len, mlm_probability=cfg.data.mlm_probability)
-    resume_step, run_id = plan["step"], plan["run_id"]
-    identity = data_identity(index)
+    mcfg, model = _build_model(cfg, data.index, rank, world, device)
+    resume_step, identity = plan["step"], data_identity(data.index)
     if resume_step:  # refuse to continue a run under another configuration (labkit.train.run_config)
         check_resume(run_dir, to_dict(given), identity, allow_safe_changes=cfg.allow_safe_changes)
     ckpt = run_dir / "checkpoints" / f"step-{resume_step}" if resume_step else _branch_point(cfg)
+    params = count_parameters(model)
     runtime = build_runtime(cfg, model, device)  # the one builder; the step on the (pp, dp, tp) mesh
-    model, optimizer, scaler = runtime.parts, runtime.optimizer, runtime.scaler
-    timeline = Timeline(run_dir, rank=rank, world_size=world, resumed_from=resume_step, comm=runtime.comm,
-                        enabled=cfg.measure.timeline, segment_start=plan["segment_start"], publish=timeline_sink)
-    sharding = cfg.parallel.sharding if runtime.dp > 1 else "none"  # one data-parallel rank: nothing to shard
-    global_batch = cfg.batch.micro_batch_size * cfg.batch.grad_accum_steps * runtime.dp  # data follows the dp rank
     loader, sampler, heldout = _rank_data(cfg, data, runtime, mcfg.vocab_size, device)  # held out: fixed, masked
-    state = RunState(cfg, runtime, sampler, run_id)  # everything that shapes the next step
-    checkpointer = Checkpointer(run_dir, keep=cfg.checkpoint.keep,  # collective
-                                asynchronous=cfg.checkpoint.asynchronous)
+    run = Run(cfg=cfg, given=given, rank=rank, world=world, device=device, t_start=t_start, run_id=plan["run_id"],
+              resume_step=resume_step, data=data, mcfg=mcfg, params=params, runtime=runtime,
+              fpt=flops_per_token(mcfg, int(data.index["seq_len"]), mlm_probability=cfg.data.mlm_probability),
+              state=RunState(cfg, runtime, sampler, plan["run_id"]), loader=loader, heldout=heldout,
+              checkpointer=Checkpointer(run_dir, keep=cfg.checkpoint.keep, asynchronous=cfg.checkpoint.asynchronous),
+              timeline=Timeline(run_dir, rank=rank, world_size=world, resumed_from=resume_step, comm=runtime.comm,
+                                enabled=cfg.measure.timeline, segment_start=plan["segment_start"],
+                                publish=timeline_sink))
     if ckpt is not None:  # weights, optimiser, counters, sampler, scaler, hook, noise scale; RNG last
-        checkpointer.load(ckpt, state)
-    prov = provenance.collect(device, start_time=provenance.now_iso())  # collective: every rank's host, device
-    metrics_file = _start_files(run_dir, given, identity, prov, resumed=ckpt is not None, step=state.step,
-                                run_id=run_id)
-    batches_iter = _iterate(loader)  # fork_rng: draws nothing from the restored streams
+        run.checkpointer.load(ckpt, run.state)
+    run.prov = provenance.collect(device, start_time=provenance.now_iso())  # collective: every rank's host, device
+    run.metrics_file = _start_files(run_dir, given, identity, run.prov, resumed=ckpt is not None,
+                                    step=run.state.step, run_id=run.run_id)
+    run.timer = measure.StepTimer(device, comm=runtime.comm)  # the dp gradient collectives, every mode
+    run.windows = measure.PeakWindows(device)  # peak memory of the steps, each evaluation, each checkpoint
+    return run
 
-    stop = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
-    peak = measure.peak_flops(device, cfg.precision)
-    timer = measure.StepTimer(device, comm=runtime.comm)  # the dp gradient collectives, every mode
-    timings: list[tuple] = []  # (tokens, samples, step time, wait, exposed comm or None) per step
-    last_record, skipped = {}, 0
-    windows = measure.PeakWindows(device)  # peak memory of the steps, each evaluation, each checkpoint
-    model.train()
-    while state.step < stop:
-        timer.start()
-        windows.start()
-        timeline.start(state.step + 1)
-        # 1. fetch this rank's micro-batches, timing the wait (a new epoch reshuffles)
-        micro_batches, wait, batches_iter = timeline.around("data", _fetch, batches_iter, loader, state, cfg,
-                                                            runtime.dp, device)
-        # 2. set the learning rate (the schedule is a pure function of the step), count masked
-        #    tokens globally, then forward/backward every micro-batch
-        lr = lr_at(state.step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum, n_masked, n_tokens = runtime.forward_backward(micro_batches, mark=timeline.mark)
-        summed = all_reduce_with_sideband(torch.stack([loss_sum.double(), torch.tensor(  # + the observers' sums (gns)
-            wait, dtype=torch.float64, device=loss_sum.device)]), runtime.comm)
-        loss = summed[0].item() / max(1, n_masked.item())
-        wait_mean = summed[1].item() / world
-        timeline.mark("sync")
-        # 3. unscale (fp16), clip the global grad norm, step; a non-finite loss (or, fp32/bf16,
-        #    grad norm) skips the step or raises
-        grad_norm, finite = timeline.around("optimizer", _clip_and_step, cfg, runtime, optimizer, scaler, loss,
-                                            state.step)
-        skipped += not finite
-        optimizer.zero_grad(set_to_none=True)
-        state.step += 1
-        step = state.step
-        step_time = timer.stop()
-        windows.end_step()
-        measures = runtime.step_measures(timer)  # 4. measure (collective: every rank, every step) and record
-        n_tokens_i = int(n_tokens.item())
-        state.tokens += n_tokens_i
-        timings.append((n_tokens_i, global_batch, step_time, wait_mean, measures["comm_exposed_s"]))
-        evaluated = timeline.around("eval", _maybe_evaluate, model, heldout, cfg, step, stop, windows)  # held out
-        if step % cfg.measure.log_every == 0 or step == stop or evaluated:
-            tps = measure.tokens_per_s(n_tokens_i, step_time)
-            record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": state.tokens,
-                      "step_tokens": n_tokens_i, "n_masked": int(n_masked.item()), "tokens_per_s": tps,
-                      "packing_efficiency": measure.packing_efficiency(n_tokens_i, global_batch, seq_len),
-                      **_rates(global_batch, timer, step_time, wait_mean), **measures,
-                      "mfu": measure.mfu(tps, fpt, world, peak), **windows.take(), "world_size": world,
-                      "global_batch_size": global_batch, "epoch": state.epoch, "skipped": not finite, **evaluated,
-                      **checkpointer.take(), "time": time.time()}
-            last_record = _log(record, metrics_file, sink)
-        if cfg.checkpoint.enabled and ((cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == stop):
-            timeline.around("checkpoint", windows.around, "checkpoint", checkpointer.save, step, state)  # in DCP
-        timeline.end(step_s=step_time, comm_exposed_s=measures["comm_exposed_s"])
-    checkpointer.close()  # the last asynchronous save written and published
-    records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()] \
-        if metrics_file is not None and metrics_file.exists() else [last_record]
-    result = _result(cfg, records, timings, fpt=fpt, peak=peak, world=world, global_batch=global_batch,
-                     step=state.step, params=params, tokens_seen=state.tokens, resume_step=resume_step,
-                     skipped=skipped, mcfg=mcfg,
-                     index=index, device=device, sharding=sharding, t_start=t_start, prov=prov) | windows.maxima
-    result |= {"run_id": run_id, "checkpoint_stall_s": checkpointer.stalls, "checkpoint_save_s": checkpointer.saved_s,
-               **_timeline_fields(cfg, run_dir, timeline)}  # every rank's timeline closed: culprit, goodput
+
+def _record(run: Run, values: dict[str, Any], step_time: float, wait_mean: float) -> dict[str, Any]:
+    """One metrics record of the step just taken: ``values`` (loss, lr, grad norm, the step's tokens
+    and masked count, skipped, the runtime's measures, the evaluation) with the run's rates and
+    counters (docs/training.md, Metrics)."""
+    state, tokens = run.state, values["step_tokens"]
+    tps = measure.tokens_per_s(tokens, step_time)
+    return {"step": state.step, **values, "tokens": state.tokens, "tokens_per_s": tps,
+            "packing_efficiency": measure.packing_efficiency(tokens, run.global_batch, int(run.data.index["seq_len"])),
+            **_rates(run.global_batch, run.timer, step_time, wait_mean),
+            "mfu": measure.mfu(tps, run.fpt, run.world, measure.peak_flops(run.device, run.cfg.precision)),
+            **run.windows.take(), "world_size": run.world, "global_batch_size": run.global_batch,
+            "epoch": state.epoch, **run.checkpointer.take(), "time": time.time()}
+
+
+def _finish(run: Run) -> dict[str, Any]:
+    """After the last step: result.json from every record of this invocation (rank 0's metrics.jsonl),
+    the measures, the run's ids and checkpoint times and the timeline's culprit and goodput
+    (collective); rank 0 writes it covering the whole run (``run_config.with_segments``)."""
+    path = run.metrics_file
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] \
+        if path is not None and path.exists() else [run.last_record]
+    result = _result(run, records) | run.windows.maxima
+    result |= {"run_id": run.run_id, "checkpoint_stall_s": run.checkpointer.stalls,
+               "checkpoint_save_s": run.checkpointer.saved_s,
+               **_timeline_fields(run.cfg, run.run_dir, run.timeline)}  # every rank's timeline closed
     if dist.is_main():  # result.json covers the whole run: every segment (run_config.with_segments)
-        result = with_segments(run_dir, result, cfg.measure.timing_warmup_steps)
-        atomic_write_json(run_dir / "result.json", result)
+        result = with_segments(run.run_dir, result, run.cfg.measure.timing_warmup_steps)
+        atomic_write_json(run.run_dir / "result.json", result)
     return result
 
 
@@ -428,14 +500,13 @@ def _fetch(batches_iter: Any, loader: Any, state: RunState, cfg: TrainConfig, dp
     return micro_batches, wait, batches_iter
 
 
-def _clip_and_step(cfg: TrainConfig, runtime: Runtime, optimizer: Any, scaler: Any, loss: float,
-                   step: int) -> tuple[float, bool]:
+def _clip_and_step(cfg: TrainConfig, runtime: Runtime, loss: float, step: int) -> tuple[float, bool]:
     """Unscale (fp16), clip the global grad norm (``Runtime.clip_grad_norm``: every mesh dimension
-    and pipeline stage), step. Returns
+    and pipeline stage), step the runtime's optimiser through its scaler. Returns
     (grad_norm, finite). A non-finite loss (or, in fp32/bf16, grad norm) skips the step, or raises
     FloatingPointError with ``on_nonfinite="raise"``; an fp16 overflow in the grads alone is the
     scaler's business: it skips that step and lowers the scale (finite is then False)."""
-    fp16 = cfg.precision == "fp16"
+    fp16, optimizer, scaler = cfg.precision == "fp16", runtime.optimizer, runtime.scaler
     finite = math.isfinite(loss)
     grad_norm = float("nan")
     if finite or fp16:
@@ -485,12 +556,10 @@ def _rates(global_batch: int, timer: measure.StepTimer, step_time: float, wait_m
             "data_wait_fraction": measure.data_wait_fraction(wait_mean, step_time)}
 
 
-def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple], *, fpt: float,
-            peak: float | None, world: int, global_batch: int, step: int, params: dict, tokens_seen: int,
-            resume_step: int, skipped: int, mcfg: Any, index: dict, device: torch.device, sharding: str,
-            t_start: float, prov: dict) -> dict[str, Any]:
+def _result(run: Run, records: list[dict]) -> dict[str, Any]:
     """result.json: losses, the last held-out evaluation, throughput over the timed steps (after
-    ``cfg.measure.timing_warmup_steps``), sizes and settings, and the provenance with the end time."""
+    ``measure.timing_warmup_steps``), sizes and settings, and the provenance with the end time."""
+    cfg, index, timings = run.cfg, run.data.index, run.timings
     seq_len, vocab_size = int(index["seq_len"]), int(index["vocab_size"])
     timed = timings[cfg.measure.timing_warmup_steps:] or timings  # too short a run: time every step
     tok, samples, seconds, wait_s = (sum(t[i] for t in timed) for i in range(4))
@@ -498,6 +567,7 @@ def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple], *, fpt:
     exposed_s = sum(exposed) if exposed else None
     tps = measure.tokens_per_s(tok, seconds) if timed else None
     evals = [r for r in records if r.get("eval_loss") is not None]
+    peak = measure.peak_flops(run.device, cfg.precision)
     result = {"initial_loss": records[0].get("loss") if records else None,
               "final_loss": records[-1].get("loss") if records else None,
               "eval_loss": evals[-1]["eval_loss"] if evals else None,
@@ -509,18 +579,18 @@ def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple], *, fpt:
               "comm_exposed_fraction": exposed_s / seconds if exposed else None,
               "packing_efficiency": measure.packing_efficiency(tok, samples, seq_len) if timed else None,
               "packing": packing_of(index),
-              "mfu": measure.mfu(tps, fpt, world, peak) if tps else None,
-              "world_size": world, "global_batch_size": global_batch, "steps": step,
-              "max_steps": cfg.max_steps, "params": params["total"],
-              "non_embedding_params": params["non_embedding"], "flops_per_token": fpt, "tokens": tokens_seen,
+              "mfu": measure.mfu(tps, run.fpt, run.world, peak) if tps else None,
+              "world_size": run.world, "global_batch_size": run.global_batch, "steps": run.state.step,
+              "max_steps": cfg.max_steps, "params": run.params["total"],
+              "non_embedding_params": run.params["non_embedding"], "flops_per_token": run.fpt,
+              "tokens": run.state.tokens,
               "peak_mem_bytes": max((r.get("peak_mem_bytes") or 0) for r in records) if records else None,
-              "resumed_from_step": resume_step or None, "skipped_steps": skipped, "model": cfg.model,
-              "model_config": to_dict(mcfg), "seq_len": seq_len, "vocab_size": vocab_size,
-              "device": str(device), "precision": cfg.precision, "sharding": sharding,
-              "activation_checkpointing": mcfg.activation_checkpointing, "wall_s": time.time() - t_start,
-              "provenance": prov | {"end_time": provenance.now_iso()}}
+              "resumed_from_step": run.resume_step or None, "skipped_steps": run.skipped, "model": cfg.model,
+              "model_config": to_dict(run.mcfg), "seq_len": seq_len, "vocab_size": vocab_size,
+              "device": str(run.device), "precision": cfg.precision, "sharding": run.sharding,
+              "activation_checkpointing": run.mcfg.activation_checkpointing, "wall_s": time.time() - run.t_start,
+              "provenance": run.prov | {"end_time": provenance.now_iso()}}
     noisy = [r for r in records if r.get("b_simple") is not None]  # labkit.train.gns: the last EMA
     result |= {k: noisy[-1][k] if noisy else None for k in ("b_simple", "b_simple_low", "b_simple_high",
                                                             "b_simple_tokens")}
-    dp = global_batch // (cfg.batch.micro_batch_size * cfg.batch.grad_accum_steps)
-    return result | parallel.result_fields(cfg, dp, records)  # the split, its measured means
+    return result | parallel.result_fields(cfg, run.runtime.dp, records)  # the split, its measured means

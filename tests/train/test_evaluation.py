@@ -28,7 +28,7 @@ def _model(dropout: float = 0.1) -> BertMLM:
 
 
 def _heldout(shards: pathlib.Path, rank: int = 0, world: int = 1, n: int = 13) -> HeldoutSet:
-    return HeldoutSet(shards, rank=rank, world_size=world, vocab_size=VOCAB, mlm_probability=0.15,
+    return HeldoutSet(shards, rank=rank, world_size=world, mlm_probability=0.15,
                       max_sequences=n, batch_size=4, device=torch.device("cpu"))
 
 

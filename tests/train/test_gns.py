@@ -174,7 +174,7 @@ def _window_fields(gram, masked, b, k, windows, steps, seed):
     big = sub.sum((-1, -2)) * c2
     out = []
     for w in range(windows):
-        noise = NoiseScale(b, kb, n_sequences=kb, scale_small=k, micro=True)
+        noise = NoiseScale(b, kb, n_sequences=kb, scale_small=k, kind="micro")
         for s in range(steps):
             noise.reset()
             noise.add_small(float(small[w, s]))
