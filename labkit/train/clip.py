@@ -7,7 +7,7 @@ the pp group, and ``torch.nn.utils.clip_grads_with_norm_`` scales every gradient
 ``min(1, max_norm / (norm + 1e-6))``. Every parameter of a labkit run sits on one mesh: plain tensors
 under DDP, ZeRO-1 and one process (every rank holds the whole averaged gradient), DTensors on the dp
 mesh under FSDP2, on the tp mesh with tensor parallelism and on the (dp, tp) mesh with both
-(tests/train/test_runtime.py checks it for every layout of the resume matrix). Under pp with tied
+(tests/train/test_parallel.py checks it for every split case). Under pp with tied
 embeddings the last stage holds a copy of the word embedding whose gradient equals the first
 stage's after the step's sum (``labkit.train.runtime``): it is left out of the norm, so the tied
 weight is counted once, and clipped with the rest.

@@ -97,6 +97,20 @@ def _functions() -> list[tuple[str, ast.FunctionDef]]:
     return out
 
 
+def test_fused_adamw_over_plain_tensors_and_not_under_a_sharded_scaler():
+    """``labkit.train.optim``'s claims: fused AdamW over one process's plain tensors (and, in
+    test_parallel.py, over every split's DTensors); torch's default with an fp16 ShardedGradScaler
+    or a mix of Tensor and DTensor."""
+    from labkit.train.optim import build_optimizer, optimizer_kind
+
+    model = _model_with_grads()
+    cfg = TrainConfig(data_dir="-", run_dir="-", model="tiny")
+    assert all(g["fused"] for g in build_optimizer(model, cfg).param_groups)
+    params = list(model.parameters())
+    assert optimizer_kind(params) == "fused" and optimizer_kind(params, sharded_scaler=True) == "default"
+    assert optimizer_kind([]) == "default"
+
+
 def test_no_branch_on_the_kind_of_split():
     """Every run is built by one builder and stepped by one runtime (issue 34): no ``ParallelModel``,
     no ``is_split`` anywhere in labkit/train."""
