@@ -350,6 +350,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     batches = _iterate(run.loader)  # fork_rng: draws nothing from the restored streams
     rt.parts.train()
     while state.step < run.stop:
+        cfg = _ramp(run)  # the global batch from this step on (labkit.train.ramp: fixed, a ramp, or critical)
         run.timer.start()
         run.windows.start()
         tl.start(state.step + 1)
@@ -357,7 +358,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         micro_batches, wait, batches = tl.around("data", _fetch, batches, run.loader, state, cfg, rt.dp, device)
         # 2. set the learning rate (the schedule is a pure function of the step), count masked
         #    tokens globally, then forward/backward every micro-batch
-        lr = lr_at(state.step, cfg)
+        lr = lr_at(state.step, cfg) * state.ramp.lr_factor  # batch.lr_rule at the ramp's batch (1 when fixed)
         for group in rt.optimizer.param_groups:
             group["lr"] = lr
         loss_sum, n_masked, n_tokens = rt.forward_backward(micro_batches, mark=tl.mark)
@@ -383,6 +384,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
             values = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_tokens": n_tokens_i,
                       "n_masked": int(n_masked.item()), "skipped": not finite, **measures, **evaluated}
             run.last_record = _log(_record(run, values, step_time, wait_mean), run.metrics_file, sink)
+        state.ramp.decide(state.step, measures)  # critical: the noise scale may double the next step's batch
         if cfg.checkpoint.enabled and ((cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0)
                                        or state.step == run.stop):
             tl.around("checkpoint", run.windows.around, "checkpoint", run.checkpointer.save, state.step, state)
@@ -419,14 +421,30 @@ def _start(cfg: TrainConfig, plan: dict | None, rank: int, world: int, device: t
               timeline=Timeline(run_dir, rank=rank, world_size=world, resumed_from=resume_step, comm=runtime.comm,
                                 enabled=cfg.measure.timeline, segment_start=plan["segment_start"],
                                 publish=timeline_sink))
-    if ckpt is not None:  # weights, optimiser, counters, sampler, scaler, hook, noise scale; RNG last
+    if ckpt is not None:  # weights, optimiser, counters, sampler, scaler, hook, noise scale, ramp; RNG last
         run.checkpointer.load(ckpt, run.state)
+    run.state.ramp.start(cfg, run.state.step, measured=runtime.noise is not None)  # or one refusal, nothing written
     run.prov = provenance.collect(device, start_time=provenance.now_iso())  # collective: every rank's host, device
     run.metrics_file = _start_files(run_dir, given, identity, run.prov, resumed=ckpt is not None,
                                     step=run.state.step, run_id=run.run_id)
+    if dist.is_main():
+        run.state.ramp.write(run_dir)  # batch_changes.jsonl (a resumed run's: cut back to its checkpoint)
     run.timer = measure.StepTimer(device, comm=runtime.comm)  # the dp gradient collectives, every mode
     run.windows = measure.PeakWindows(device)  # peak memory of the steps, each evaluation, each checkpoint
     return run
+
+
+def _ramp(run: Run) -> TrainConfig:
+    """The config the next step trains at: ``run.cfg``, with the global batch the ramp makes due
+    now (``labkit.train.ramp.BatchRamp.due``) through accumulation (``RunState.set_batch``); rank 0
+    rewrites batch_changes.jsonl with the change."""
+    due = run.state.ramp.due(run.state.step)
+    if due is not None:
+        run.state.set_batch(*due)
+        run.cfg = run.cfg.replace(batch={"grad_accum_steps": run.state.ramp.grad_accum_steps})
+        if dist.is_main():
+            run.state.ramp.write(run.run_dir)
+    return run.cfg
 
 
 def _record(run: Run, values: dict[str, Any], step_time: float, wait_mean: float) -> dict[str, Any]:
@@ -440,6 +458,7 @@ def _record(run: Run, values: dict[str, Any], step_time: float, wait_mean: float
             **_rates(run.global_batch, run.timer, step_time, wait_mean),
             "mfu": measure.mfu(tps, run.fpt, run.world, measure.peak_flops(run.device, run.cfg.precision)),
             **run.windows.take(), "world_size": run.world, "global_batch_size": run.global_batch,
+            "grad_accum_steps": run.cfg.batch.grad_accum_steps,
             "epoch": state.epoch, **run.checkpointer.take(), "time": time.time()}
 
 
@@ -586,6 +605,8 @@ def _result(run: Run, records: list[dict]) -> dict[str, Any]:
               "tokens": run.state.tokens,
               "peak_mem_bytes": max((r.get("peak_mem_bytes") or 0) for r in records) if records else None,
               "resumed_from_step": run.resume_step or None, "skipped_steps": run.skipped, "model": cfg.model,
+              "batch_schedule": cfg.batch.schedule,
+              "batch_changes": run.state.ramp.changes if cfg.batch.schedule != "fixed" else None,
               "model_config": to_dict(run.mcfg), "seq_len": seq_len, "vocab_size": vocab_size,
               "device": str(run.device), "precision": cfg.precision, "sharding": run.sharding,
               "activation_checkpointing": run.mcfg.activation_checkpointing, "wall_s": time.time() - run.t_start,

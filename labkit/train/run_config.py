@@ -66,7 +66,7 @@ def config_drift(saved: dict, new: dict, saved_data: dict | None, new_data: dict
     ``allow_safe_changes``. ``saved``/``new``: ``to_dict`` of the configs (a saved one may have the
     flat names of before the sections); ``saved_data`` None (a run directory from before
     data.json) skips the data comparison."""
-    saved, new = dotted(saved), dotted(new)
+    saved, new = (dotted(json.loads(json.dumps(c))) for c in (saved, new))  # as config.json holds them: lists
     out = []
     for key in sorted(set(saved) | set(new)):
         if key in FREE_FIELDS or (allow_safe_changes and key in SAFE_FIELDS) or key not in saved:
