@@ -22,8 +22,11 @@ __all__ = ["preparation_report"]
 def preparation_report(workdir: str) -> dict:
     """Numbers of the data preparation, read back from the artifacts, for whatever the corpus
     held (ELF functions, text documents, or both): documents left after each stage, tokens,
-    token share per source group before and after balancing, the UNK rate on held-out
-    documents, and the sizes behind lesson 1 (docs/results.md defines them):
+    token share per source group before and after balancing, the UNK rate, and the sizes
+    behind lesson 1 (docs/results.md defines them). One name for one thing: "held-out" is the
+    evaluation split the shards keep apart (``heldout_documents``, never trained on); the
+    tokenizer's UNK rate is measured on documents left out of its own training
+    (``unk_rate``: [UNK] tokens per token, ``unk_rate_documents``: how many, ``unk_examples``):
 
     - kinds: the source kinds read (elf, text, jsonl, parquet); sources: per kind, files_read,
       raw_bytes (whole input files read), documents (read) and kept (after cleaning and dedup);
@@ -68,8 +71,8 @@ def preparation_report(workdir: str) -> dict:
         "skipped_inputs": corpus["skipped"],
         "near_dedup_docs_per_s": near.get("docs_per_s"),
         "vocab_size": index["vocab_size"],
-        "unk_rate_held_out": tok.get("unk_rate"),
-        "held_out_docs": tok.get("held_out_docs"),
+        "unk_rate": tok.get("unk_rate"),
+        "unk_rate_documents": tok.get("held_out_docs"),
         "unk_examples": tok.get("unk_examples"),
         "tokens": index["n_tokens"],
         "sequences": index["n_sequences"],
