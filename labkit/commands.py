@@ -250,8 +250,10 @@ def run_world_size(run_dir: str) -> int | None:
 def _show_sweep(out, kind: str, df, path: pathlib.Path, *, extra: dict | None = None, note_line: str | None = None,
                 columns: list | None = None) -> None:
     """A sweep's result: the reused note and the table (``columns``: the ones to read; the Parquet
-    file holds all), or with --json {"sweep", "table" (the Parquet path), "rows" (every column),
-    **extra}."""
+    file holds all), its floats rounded to 4 significant figures, or with --json {"sweep", "table"
+    (the Parquet path), "rows" (every column, raw values), **extra}."""
+    import polars as pl
+
     from labkit import lab
 
     if out.as_json:
@@ -259,7 +261,8 @@ def _show_sweep(out, kind: str, df, path: pathlib.Path, *, extra: dict | None = 
         return
     for line in filter(None, (note_line, lab.reused_note(df) if "reused" in df.columns else None)):
         print(line)
-    _print_table(df.select(columns) if columns else df)
+    shown = df.select(columns) if columns else df
+    _print_table(shown.with_columns(pl.col(pl.Float64, pl.Float32).round_sig_figs(4)))
 
 
 def _sweep_batch(cfg: LabConfig, args, out) -> int:

@@ -295,6 +295,8 @@ def test_values_are_refused_before_any_engine_starts(tmp_path):
     c = str(cfg)
     cases = {
         "train.model: unknown model preset 'huge'": ["train", c, "--set", "train.model=huge"],
+        # --tp 2 on 2 engines chooses replicate and says so, but only after the checks: the refusal is the one line
+        "train.model: unknown model preset 'giant'": ["train", c, "--tp", "2", "--set", "train.model=giant"],
         "train.model_overrides: unknown fields ['hiden']": ["train", c, "--set", "train.model_overrides={hiden=1}"],
         "train.model_overrides: hidden_size: must be positive": ["train", c, "--set", "train.model_overrides={hidden_size=-8}"],
         "train.seq_len: 128, but the shards": ["train", c, "--set", "train.seq_len=128"],
@@ -452,8 +454,12 @@ def test_tp_alone_chooses_replicate_when_it_is_the_only_layout(tmp_path, capsys)
     cfg_file = tmp_path / "c.toml"
     cfg_file.write_text("[cluster]\nengines = 2\n[train]\nmodel = \"tiny\"\n")
     args = argparse.Namespace(config=str(cfg_file), set=[], tp=2, pp=None, engines=None, profile=None, cluster_id=None)
-    cfg = _config(args)
-    assert (cfg.train.tp, cfg.train.sharding) == (2, "replicate") and "dp 1" in capsys.readouterr().err
+    from labkit import commands
+
+    cfg = _config(args)  # the choice is said once the command's checks passed (queued, not printed yet)
+    assert (cfg.train.tp, cfg.train.sharding) == (2, "replicate") and "dp 1" in commands._NOTES[-1]
+    assert capsys.readouterr().err == ""
+    commands._NOTES.clear()
     pp2 = argparse.Namespace(**{**vars(args), "tp": None, "pp": 2, "set": ["train.grad_accum_steps=2"]})
     assert _config(pp2).train.sharding == "replicate"
     explicit = argparse.Namespace(**{**vars(args), "set": ['train.sharding="fsdp"']})
