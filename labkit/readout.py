@@ -16,13 +16,18 @@ import shlex
 import sys
 from typing import Any
 
-__all__ = ["Output", "continue_command", "export_lines", "mb", "prepare_lines", "stage_lines", "train_lines",
+__all__ = ["Output", "continue_command", "count", "export_lines", "mb", "prepare_lines", "stage_lines", "train_lines",
            "verify_line"]
 
 
 def mb(n: float | None) -> str:
     """Bytes as MB (1e6 bytes), one decimal: ``"23.6 MB"``."""
     return "n/a" if n is None else f"{n / 1e6:,.1f} MB"
+
+
+def count(n: float | None) -> str:
+    """A count for a reader: ``"6,144"`` below a million, ``"11.68 M"`` from there."""
+    return "n/a" if n is None else f"{n:,.0f}" if n < 1e6 else f"{n / 1e6:,.2f} M"
 
 
 class Output:
@@ -67,7 +72,7 @@ def prepare_lines(report: dict, workdir: str) -> list[str]:
         f"{mb(report['raw_bytes'])}",
         f"  kept {report['documents_kept']:,} after cleaning and dedup (dropped: {dropped})",
         f"  tokenizer: vocabulary {report['vocab_size']:,}; {unk_text}",
-        f"  shards: {report['tokens'] / 1e6:,.2f} M tokens in {report['sequences']:,} sequences of "
+        f"  shards: {count(report['tokens'])} tokens in {report['sequences']:,} sequences of "
         f"{report['seq_len']} tokens ({mb(report['shard_bytes'])}); held-out split (never trained on): "
         f"{report.get('heldout_documents', 0):,} documents",
         f"  training data {mb(report['training_data_bytes'])} = "
@@ -117,10 +122,10 @@ def train_lines(summary: dict) -> list[str]:
     head += f", loss {num('initial_loss', '.3f')} -> {num('final_loss', '.3f')}"
     if summary.get("eval_loss") is not None:
         head += f", held-out loss {summary['eval_loss']:.3f} (perplexity {summary['perplexity']:.1f})"
-    tokens = summary.get("tokens")
-    lines = [head, f"  {tokens / 1e6:,.2f} M tokens" if tokens is not None else "  tokens n/a"]
-    lines[1] += (f" at {num('tokens_per_s', ',.0f')} tokens/s on {summary.get('world_size')} ranks, global batch "
-                 f"{summary.get('global_batch_size')} sequences, {num('wall_s', '.1f')} s")
+    ranks = summary.get("world_size")
+    lines = [head, f"  {count(summary.get('tokens'))} tokens at {num('tokens_per_s', ',.0f')} tokens/s on {ranks} "
+                   f"rank{'' if ranks == 1 else 's'}, global batch {summary.get('global_batch_size')} sequences, "
+                   f"{num('wall_s', '.1f')} s"]
     if summary.get("stopped_early"):
         where = (f"last checkpoint {summary['last_checkpoint']}" if summary.get("last_checkpoint")
                  else "no checkpoint written (train.checkpoints = false)")

@@ -116,7 +116,6 @@ class StepProgress:
     def close(self) -> None:
         """End the bar at its last value (idempotent)."""
         if self._bar is not None and not self._closed:
-            self._bar.refresh()
             self._bar.close()
         self._closed = True
 
