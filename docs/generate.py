@@ -221,20 +221,26 @@ def lesson4_measured() -> str:
 
 def lesson4_forecast() -> str:
     """docs/results.md: ``labkit forecast configs/study.toml --gpus 1,2,...,256 --json`` kept as
-    docs/data/forecast_study.json: time and GPU-hours to the target per GPU count, the knee."""
+    docs/data/forecast_study.json: time and GPU-hours to the target per GPU count, the knee's rule
+    and its sentence (``labkit.study.forecast.knee_sentence``), whether the micro-batch fits."""
+    from labkit.study.forecast import knee_sentence
+
     d = json.loads((DATA / "forecast_study.json").read_text())
     rows = [r for r in d["table"] if r["n_gpus"] in (1, 8, 32, 64, 128, 256)]
-    out = ["| GPUs | global batch (sequences) | steps | step (s) | hours | GPU-hours | batch / B_crit |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| GPUs | global batch (sequences) | steps | step (s) | hours | GPU-hours | batch / B_crit | E(B) |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     out += [f"| {r['n_gpus']} | {r['global_batch']:,} | {r['steps']:,.0f} | {r['step_s']:.2f} | {r['hours']:.2f} | "
-            f"{r['gpu_hours']:.1f} | {r['batch_over_b_crit']:.2f} |" for r in rows]
+            f"{r['gpu_hours']:.1f} | {r['batch_over_b_crit']:.2f} | {r['statistical_efficiency']:.2f} |" for r in rows]
     by = {r["n_gpus"]: r for r in d["table"]}
     (b, k), = d["knee"].items()
+    fits = "" if by[1]["fits"] else (f" Micro-batch {b} is over the planner's largest on the {d['inputs']['device']}, "
+                                     f"{d['max_micro_batch']} (`labkit plan configs/study.toml`): the forecast marks "
+                                     "it, the study ran it.")
     out.append("")
-    out.append(f"Micro-batch {b}: more GPUs stop paying from {k['n_gpus']} GPUs ({k['reason']}; the next doubling "
-               f"buys {k['gain_next_doubling']:.2f}x). 256 GPUs reach the target in {by[256]['hours']:.2f} h against "
+    out.append(f"The rule: {d['rule'].removeprefix('the knee: ')}. {knee_sentence(k, int(b))[0].upper()}"
+               f"{knee_sentence(k, int(b))[1:]}. 256 GPUs reach the target in {by[256]['hours']:.2f} h against "
                f"{by[128]['hours']:.2f} h on 128 and {by[64]['hours']:.2f} h on 64, for {by[256]['gpu_hours']:.0f} "
-               f"GPU-hours against {by[128]['gpu_hours']:.0f} and {by[64]['gpu_hours']:.0f}. Assumptions:")
+               f"GPU-hours against {by[128]['gpu_hours']:.0f} and {by[64]['gpu_hours']:.0f}.{fits} Assumptions:")
     out += [f"- {a}" for a in d["assumptions"]]
     return "\n".join(out) + "\n"
 

@@ -119,7 +119,8 @@ def precision_experiment() -> str:
     for r in s.iter_rows(named=True):
         limit = (f"the all-reduce shows from {r['first_exposed_n']} GPUs" if r["first_exposed_n"]
                  else "the all-reduce stays hidden at every size")
-        even = (f"hidden only below {r['break_even_mfu']:.0%} MFU" if r["break_even_mfu"] < 1
+        even = ("never hidden (its last bucket is most of it)" if r["break_even_mfu"] is None
+                else f"hidden only below {r['break_even_mfu']:.0%} MFU" if r["break_even_mfu"] < 1
                 else f"hidden at any MFU (break-even {r['break_even_mfu']:.0%})")
         lines.append(f"- {r['precision']} (peak {r['peak_flops'] / 1e12:g} TFLOP/s): step {r['compute_s']:.2f} s on one "
                      f"GPU; at {r['n_gpus']} GPUs the all-reduce takes {r['comm_s']:.2f} s, {limit}; at "

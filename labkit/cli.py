@@ -6,7 +6,7 @@
     labkit resume RUN_DIR            continue a run from its newest checkpoint
     labkit sweep ranks|micro-batch|loaders|network|parallel|batch CONFIG
     labkit plan [CONFIG]             the planner's memory and scaling tables (a file's run at full size)
-    labkit forecast CONFIG           time and GPU-hours to a target loss per GPU count
+    labkit forecast CONFIG           time and GPU-hours to a target loss per GPU count, and the knee
     labkit export RUN_DIR OUT        model + tokenizer + model card for transformers
     labkit demo | verify SHARD_DIR | report NOTEBOOK OUT.html
 
@@ -47,7 +47,8 @@ EXAMPLES = {
              "  labkit sweep batch configs/walkthrough.toml --batches 4 8 16 32 64 --examples 4096",
     "plan": 'labkit plan --model bert-350m --gpus 256 --micro-batch 16 --seq-len 512 --device "H100 NVL"\n'
             '  labkit plan configs/study.toml --device "H100 NVL"',
-    "forecast": "labkit forecast configs/study.toml --gpus 1,2,4,8,16,32,64,128,256 --network 25GbE",
+    "forecast": "labkit forecast configs/study.toml --gpus 1,2,4,8,16,32,64,128,256 --network 25GbE\n"
+                "  labkit forecast configs/walkthrough.toml --device cpu --gpus 1,2,4,8",
     "export": "labkit export work/walkthrough/runs/main work/walkthrough/export",
     "demo": "labkit demo --workdir work/demo --engines 2",
     "verify": "labkit verify work/demo/shards",
@@ -243,8 +244,20 @@ def _command(name: str):
 
         if name == "sweep":
             return commands.sweep(args.kind, _config(args), args)
-        if name in ("plan", "export", "forecast"):
-            return getattr(commands, name)(args)
+        if name == "plan":
+            from labkit import planning
+
+            if getattr(args, "model_module", None) and not args.config:  # your own model, counted
+                from labkit.model_module import plan_model_module
+
+                return plan_model_module(args, planning.preset_defaults(args))
+            return planning.plan(args)
+        if name == "forecast":
+            from labkit.forecasting import forecast
+
+            return forecast(args)
+        if name == "export":
+            return commands.export(args)
         cfg = _config(args)
         if name == "prepare":
             return commands.prepare(cfg, force=args.force, as_json=args.json)
@@ -303,7 +316,8 @@ def _add_plan(sub, debug_parent: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None,
                    help="a labkit.study.plan.DEVICES name, or cpu (with --model-module and --budget-gb); default H100 NVL")
     p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32"),
-                   help="default bf16, or CONFIG's [train] precision")
+                   help="default bf16, or CONFIG's [train] precision; the scaling table's compute runs at this "
+                        "precision's peak (fp32: the CUDA cores')")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="default: the study's vocabulary (with --model-module: FACTORY's vocab_size, if it takes one)")
     p.add_argument("--network", default=None, help="a labkit.study.scaling.NETWORKS name (default 25GbE)")
@@ -312,7 +326,7 @@ def _add_plan(sub, debug_parent: argparse.ArgumentParser) -> None:
                         "instead of the formula planner")
     p.add_argument("--out", default=None, help="with CONFIG: also write the JSON summary to this file")
     p.add_argument("--top", type=int, default=None, help="splits shown (default 8)")
-    p.add_argument("--json", action="store_true", help="one JSON object with the raw values (bytes) instead of tables")
+    p.add_argument("--json", action="store_true", help="one JSON object with the raw values (bytes) instead of lines")
     g = p.add_argument_group(
         "your own model (labkit.study.memory.plan_model: counted, not estimated)", textwrap.fill(
         "--model-module FILE.py:FACTORY counts your model and predicts its data-parallel scaling (--gpus, "
@@ -341,15 +355,25 @@ def _add_batch_sweep_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_forecast(sub: Any, debug: argparse.ArgumentParser) -> None:
-    """``labkit forecast`` (labkit.study.forecast)."""
-    p = _sub(sub, "forecast", "time and GPU-hours to a target loss per GPU count: the planner's step time "
-                              "joined with the critical batch (labkit.study.forecast)", debug)
-    p.add_argument("config", help="a TOML file: its [train] model and micro_batch_size, [shards] seq_len, [plan] device")
+    """``labkit forecast`` (labkit.forecasting, labkit.study.forecast)."""
+    p = _sub(sub, "forecast", "time and GPU-hours to a target loss per GPU count: the planner's (or a measured) step "
+                              "time joined with the critical batch, the knee by statistical goodput "
+                              "(labkit.study.forecast)", debug)
+    p.add_argument("config", help="a TOML file: its [train] model, micro_batch_size and precision, [shards] seq_len, "
+                                  "[plan] device, network, gpus_per_node, mfu and vocab_size (else the shards')")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one config key")
     p.add_argument("--gpus", default="1,2,4,8,16,32,64,128,256", help="comma-separated GPU counts")
-    p.add_argument("--micro-batches", default=None, help="comma-separated sequences per GPU (default: train's)")
-    p.add_argument("--network", default="25GbE", help="a labkit.study.scaling.NETWORKS name")
-    p.add_argument("--mfu", type=float, default=0.4, help="assumed MFU of the compute (default 0.4)")
+    p.add_argument("--micro-batches", default=None, help="comma-separated sequences per GPU (default: train's); "
+                                                         "those that do not fit the device are marked")
+    p.add_argument("--device", default=None, help="a labkit.study.plan.DEVICES name (default: [plan] device), or cpu: "
+                                                  "the step time is measured here, in this process, its load shown")
+    p.add_argument("--network", default=None, help="a labkit.study.scaling.NETWORKS name (default: [plan] network)")
+    p.add_argument("--mfu", type=float, default=None, help="assumed MFU of the compute (default: [plan] mfu, 0.4)")
+    p.add_argument("--step-time-s", type=float, default=None,
+                   help="a measured one-rank step time in seconds (one micro-batch) instead of the planned one")
+    p.add_argument("--critical-batch", default=None, metavar="PARQUET",
+                   help="B_crit, its bootstrap range and E_min from a `labkit sweep batch` table "
+                        "(<workdir>/sweeps/critical_batch.parquet): the time then has a range")
     p.add_argument("--b-crit-tokens", type=float, default=None,
                    help="the critical batch at the target in tokens (default: Kaplan et al.'s B_crit(L), an assumption)")
     p.add_argument("--target-loss", type=float, default=2.0, help="nats, for the default B_crit(L) (default 2.0)")
@@ -357,7 +381,7 @@ def _add_forecast(sub: Any, debug: argparse.ArgumentParser) -> None:
                    help="E_min: tokens a small-batch run needs to the target (default 20 per parameter, an assumption)")
     p.add_argument("--growth", type=float, default=0.0,
                    help="B_crit grows as progress^GROWTH during the run (default 0: constant)")
-    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     p.set_defaults(func=_command("forecast"))
 
 

@@ -62,9 +62,11 @@ def prepare_lines(report: dict, workdir: str) -> list[str]:
     stages = report.get("documents_per_stage", {})
     kinds = ", ".join(f"{k} {v['documents']:,}" for k, v in report.get("sources", {}).items())
     dropped = ", ".join(f"{k} {v:,}" for k, v in (report.get("dropped") or {}).items() if v) or "none"
-    unk = report.get("unk_rate")
+    unk, scripts = report.get("unk_rate_held_out"), report.get("unk_rate_by_script") or {}
     unk_text = (f"UNK rate {100 * unk:.3f} % on {report.get('unk_rate_documents') or 0:,} documents left out of its "
                 "training" if unk is not None else "UNK rate not measured")
+    if len(scripts) > 1:
+        unk_text += " (" + ", ".join(f"{k} {100 * v:.3f} %" for k, v in scripts.items()) + ")"
     ratio = report.get("training_to_dataset_ratio")
     return [
         f"prepared {workdir}:",

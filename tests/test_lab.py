@@ -153,7 +153,7 @@ def test_preparation_report(prepared):
                                           "after_near_dedup": s["kept"], "in_shards": index["n_documents"]}
     assert rep["tokens"] == index["n_tokens"] and rep["dropped"] == s["dropped"]
     assert sum(rep["source_share_before"].values()) == pytest.approx(1.0, abs=1e-5)
-    assert 0.0 <= rep["unk_rate"] < 0.01 and rep["unk_rate_documents"] > 0
+    assert 0.0 <= rep["unk_rate_held_out"] < 0.01 and rep["unk_rate_documents"] > 0
     assert rep["near_dedup_docs_per_s"] > 0
 
 

@@ -80,7 +80,8 @@ class ClusterConfig:
 @dataclass(kw_only=True)
 class PlanConfig:
     """What ``labkit plan CONFIG`` plans for the file's [train] model at full size
-    (``labkit.commands.plan``); each field has a ``labkit plan`` option that overrides it."""
+    (``labkit.planning.plan_config``; ``labkit forecast CONFIG`` reads it too); each field has a
+    ``labkit plan`` option that overrides it."""
 
     device: str = "H100 NVL"
     """A ``labkit.study.plan.DEVICES`` name."""

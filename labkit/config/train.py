@@ -138,11 +138,12 @@ class TrainConfig:
     names and checkpoints stay the same) before wrapping it for data parallelism."""
     bucket_cap_mb: float | Literal["auto"] = 25.0
     """ddp / zero1: DDP's gradient bucket size in MiB (``DistributedDataParallel(bucket_cap_mb=)``;
-    torch's default 25); "auto": the size of the embedding's gradients
-    (``labkit.train.dist.auto_bucket_cap_mb``), so the bucket that waits for the end of backward
-    holds little besides them. Smaller buckets start all-reducing earlier in backward, larger ones
-    pay the per-collective latency less often; the last bucket's all-reduce is never hidden
-    (``comm_exposed_s`` in every metrics record, docs/training.md)."""
+    torch's default 25); "auto": sized at start-up from a backward and two all-reduces measured on
+    this process group, the bucket that hides the link's latency and bandwidth behind backward
+    best (``labkit.train.buckets``; rank 0 writes the choice to ``<run_dir>/bucket_auto.json``).
+    Smaller buckets start all-reducing earlier in backward, larger ones pay the per-collective
+    latency less often; the last bucket's all-reduce is never hidden (``comm_exposed_s`` in every
+    metrics record, docs/training.md)."""
     grad_compression: Literal["none", "bf16", "powersgd"] = "none"
     """ddp / zero1: how DDP's gradient buckets travel (``labkit.train.comm.compression_hook``, in the
     one comm hook with the timing): "none" all-reduces fp32; "bf16" casts each bucket to bfloat16

@@ -22,11 +22,15 @@ __all__ = ["preparation_report"]
 def preparation_report(workdir: str) -> dict:
     """Numbers of the data preparation, read back from the artifacts, for whatever the corpus
     held (ELF functions, text documents, or both): documents left after each stage, tokens,
-    token share per source group before and after balancing, the UNK rate, and the sizes
-    behind lesson 1 (docs/results.md defines them). One name for one thing: "held-out" is the
-    evaluation split the shards keep apart (``heldout_documents``, never trained on); the
-    tokenizer's UNK rate is measured on documents left out of its own training
-    (``unk_rate``: [UNK] tokens per token, ``unk_rate_documents``: how many, ``unk_examples``):
+    token share per source group before and after balancing, the UNK rate on held-out
+    documents, and the sizes behind lesson 1 (docs/results.md defines them):
+
+    - unk_rate_held_out: the share of [UNK] among the tokens of the tokenizer's held-out
+      documents (``unk_rate_documents`` of them, text the tokenizer never saw, its alphabet
+      included; ``labkit.data.tokenize.train_tokenizer``), unk_rate_by_script: the same per
+      script ({script: rate}, ``labkit.data.tokenize.script_of``), unk_examples: what became
+      [UNK]. ``heldout_documents`` is another set: the documents the shards hold out for the
+      held-out loss;
 
     - kinds: the source kinds read (elf, text, jsonl, parquet); sources: per kind, files_read,
       raw_bytes (whole input files read), documents (read) and kept (after cleaning and dedup);
@@ -71,7 +75,8 @@ def preparation_report(workdir: str) -> dict:
         "skipped_inputs": corpus["skipped"],
         "near_dedup_docs_per_s": near.get("docs_per_s"),
         "vocab_size": index["vocab_size"],
-        "unk_rate": tok.get("unk_rate"),
+        "unk_rate_held_out": tok.get("unk_rate"),
+        "unk_rate_by_script": {k: v["unk_rate"] for k, v in tok["by_script"].items()} if "by_script" in tok else None,
         "unk_rate_documents": tok.get("held_out_docs"),
         "unk_examples": tok.get("unk_examples"),
         "tokens": index["n_tokens"],

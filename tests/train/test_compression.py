@@ -7,6 +7,7 @@ PowerSGD all-reduces fp32 during its warm-up steps, then less than half the byte
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -51,6 +52,7 @@ def runs(tmp_path_factory) -> pathlib.Path:
                         max_steps=STEPS, lr=3e-3, warmup_steps=1, num_threads=1, device="cpu", timing_warmup_steps=1,
                         timeout_s=60, grad_compression=kind, powersgd_rank=2, powersgd_start_iter=START)
             for kind in ("none", "bf16", "powersgd")]
+    cfgs.append(dataclasses.replace(cfgs[0], run_dir=str(root / "auto"), bucket_cap_mb="auto"))
     mp.spawn(_worker, args=(2, _free_port(), json.dumps([to_dict(c) for c in cfgs])), nprocs=2, join=True)
     return root
 
@@ -104,15 +106,24 @@ def test_config_refusals():
         TrainConfig(data_dir="d", run_dir="r", powersgd_rank=0)
 
 
-def test_auto_bucket_cap_is_the_embedding_size():
-    """bucket_cap_mb="auto": the fp32 gradient bytes of the embedding-side parameters (word,
-    position and token-type tables, embedding norm) in MiB, clipped to [1, 25]."""
-    from labkit.model import BertMLM, model_config
-    from labkit.train.dist import auto_bucket_cap_mb
+def test_auto_bucket_cap_measures_the_link_and_trains_as_the_default(runs):
+    """bucket_cap_mb="auto" on 2 gloo ranks: rank 0 records the backward and the link it measured
+    and the cap it chose (labkit/train/buckets.py), DDP's buckets follow that cap, and the losses
+    equal the 25 MiB run's bit for bit (the probe's forward, backward and random draws leave
+    nothing behind; a 2-rank sum is the same in any bucketing)."""
+    import math
 
-    cfg = model_config("small", 1024)
-    h = cfg.hidden_size
-    expected = 4 * ((1024 + cfg.max_position_embeddings + cfg.type_vocab_size) * h + 2 * h) / 2**20
-    assert auto_bucket_cap_mb(BertMLM(cfg)) == pytest.approx(expected)
-    assert auto_bucket_cap_mb(BertMLM(model_config("tiny", 96))) == 1.0  # below torch's first bucket
-    assert auto_bucket_cap_mb(torch.nn.Linear(4, 4)) == 25.0  # no embedding: torch's default
+    from labkit.train import buckets
+
+    record = json.loads((runs / "auto" / "bucket_auto.json").read_text())
+    assert record["backward_s"] > 0 and record["s_per_byte"] > 0 and record["world_size"] == 2
+    again = buckets.bucket_bytes(grad_bytes=record["grad_bytes"], last_bytes=record["embedding_bytes"],
+                                 backward_s=record["backward_s"], latency_s=record["latency_s"],
+                                 s_per_byte=record["s_per_byte"])
+    assert record["bucket_cap_mb"] == again["bytes"] / 2**20
+    auto, none = _metrics(runs / "auto"), _metrics(runs / "none")
+    assert [r["loss"] for r in auto] == [r["loss"] for r in none]
+    cap = record["bucket_cap_mb"] * 2**20
+    rebuilt = auto[-1]["comm_bucket_bytes"]
+    assert sum(rebuilt) == none[-1]["comm_bytes"] and len(rebuilt) == max(1, math.ceil(sum(rebuilt) / cap)) or \
+        all(b <= cap + record["embedding_bytes"] for b in rebuilt), (rebuilt, cap)
