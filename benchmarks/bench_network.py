@@ -13,8 +13,9 @@ per bandwidth the spread of the ratio over rounds (min, quartiles, max). The rou
 ``--compression``: on the setting ``--compression-rate`` (Mbit/s; default 50, where fp32 mini
 is well below 0.6 efficient), ``grad_compression`` "bf16" and "powersgd" against "none" in each
 round (PowerSGD's warm-up is 2 steps there and the timed steps are compressed); the efficiency
-gain (compressed / none, per round) with its spread, and the loss after ``--loss-steps`` steps
-of each (unshaped: the loss does not depend on the link).
+gain (compressed / none, per round) with its spread. What each costs in learning is not measured
+here (on random tokens every run sits at the uniform floor): benchmarks/compression_learning.py
+measures it on real data.
 
 ``--bucket-auto``: at every ``--rates-mbit`` setting, ``bucket_cap_mb="auto"`` (the bucket sized
 at start-up from a measured backward and two measured all-reduces on the run's own process group,
@@ -66,7 +67,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--data-dir", default=None, help="shards to train on (default: random tokens)")
     p.add_argument("--compression", action="store_true", help="bf16 and PowerSGD against none (see docstring)")
     p.add_argument("--compression-rate", type=float, default=50.0)
-    p.add_argument("--loss-steps", type=int, default=30)
     p.add_argument("--bucket-auto", action="store_true", help="bucket_cap_mb auto against 25 (see docstring)")
     args = p.parse_args(argv)
     t0 = time.time()
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
         data = args.data_dir
         if data is None:
             data = str(tmp / "shards")
-            write_shards(pathlib.Path(data), n_sequences=2 * args.micro_batch * max(args.steps, args.loss_steps) + 8,
+            write_shards(pathlib.Path(data), n_sequences=2 * args.micro_batch * args.steps + 8,
                          seq_len=args.seq_len, vocab_size=args.vocab)
         config = _config(tmp, args.model, args.micro_batch, data)
         if args.compression:
@@ -141,20 +141,15 @@ def _compression(args, tmp: pathlib.Path, config: str) -> dict:
                               **{c: row[c] for c in ("efficiency", "step_s", "comm_exposed_s", "comm_bytes",
                                                      "predicted_step_s", "predicted_ratio", "load_avg_1m")}}),
                   flush=True)
-    # the cost in learning: the loss after --loss-steps steps, unshaped (it does not depend on the link)
-    loss_df = run_network_sweep(config, tmp / "loss", models=(args.model,), rates_mbit=(None,), compressions=kinds,
-                                steps=args.loss_steps, warmup_steps=2)
-    loss = {r["grad_compression"]: r["loss"] for r in loss_df.iter_rows(named=True)}
     gains = {k: spread([c / n for c, n in zip(eff[k], eff["none"])]) for k in kinds if k != "none"}
     for k, g in gains.items():
-        print(json.dumps({"grad_compression": k, "efficiency_gain_spread": g, "loss": loss[k], "loss_none": loss["none"]}),
-              flush=True)
+        print(json.dumps({"grad_compression": k, "efficiency_gain_spread": g}), flush=True)
     return {"benchmark": "network_compression", "metric": "efficiency_gain_bf16", "value": gains["bf16"]["median"],
             "baseline": f"grad_compression none at {rate:g} Mbit/s", "baseline_value": 1.0,
             "ratio": gains["bf16"]["median"], "higher_is_better": True, "rate_mbit": rate,
             "efficiency": {k: spread(v) for k, v in eff.items()},
             "comm_exposed_s": {k: statistics.median(v) for k, v in exposed.items()},
-            "comm_bytes": sent, "efficiency_gain": gains, "loss_after_steps": args.loss_steps, "loss": loss}
+            "comm_bytes": sent, "efficiency_gain": gains}
 
 
 def _bucket_auto(args, tmp: pathlib.Path, config: str) -> dict:
@@ -171,7 +166,7 @@ def _bucket_auto(args, tmp: pathlib.Path, config: str) -> dict:
             name = cap.strip(chr(34))
             df = run_network_sweep(config, tmp / f"round-{rnd}-{name}", models=(args.model,), rates_mbit=rates,
                                    steps=args.steps, warmup_steps=args.warmup_steps,
-                                   overrides=[f"train.bucket_cap_mb={cap}"])
+                                   overrides=[f"train.parallel.bucket_cap_mb={cap}"])
             for row in df.iter_rows(named=True):
                 rate = row["rate_mbit"]
                 eff[cap, rate].append(row["efficiency"])

@@ -124,7 +124,7 @@ def _config(args: argparse.Namespace):
     overrides = list(args.set)
     for flag in ("tp", "pp"):  # labkit train --tp / --pp: the model-parallel split
         if getattr(args, flag, None) is not None:
-            overrides.append(f"train.{flag}={getattr(args, flag)}")
+            overrides.append(f"train.parallel.{flag}={getattr(args, flag)}")
     for flag, key in (("engines", "engines"), ("profile", "profile"), ("cluster_id", "cluster_id")):
         value = getattr(args, flag, None)
         if value is not None:
@@ -133,13 +133,14 @@ def _config(args: argparse.Namespace):
         overrides.append('cluster.kind="slurm"')
     scaled = getattr(args, "scaled_down", False)
     if (getattr(args, "tp", None) or 1) * (getattr(args, "pp", None) or 1) > 1 and not _sets_sharding(args, scaled):
-        return _split_sharding(load(args.config, [*overrides, 'train.sharding="replicate"'], scaled_down=scaled))
+        return _split_sharding(load(args.config, [*overrides, 'train.parallel.sharding="replicate"'], scaled_down=scaled))
     return load(args.config, overrides, scaled_down=scaled)
 
 
 def _sets_sharding(args: argparse.Namespace, scaled: bool) -> bool:
     """Whether CONFIG (its [train] table, or its scaled_down overrides when used) or --set names
-    train.sharding: then --tp / --pp leave it as given."""
+    train.parallel.sharding (or its flat name of before the sections, train.sharding): then --tp /
+    --pp leave it as given."""
     import pathlib
     import tomllib
 
@@ -148,24 +149,26 @@ def _sets_sharding(args: argparse.Namespace, scaled: bool) -> bool:
     data = tomllib.loads(path.read_text(encoding="utf-8")) if path and path.is_file() else {}
     if scaled:
         sets += [o.split("=", 1)[0].strip() for o in data.get("scaled_down", [])]
-    return "train.sharding" in sets or "sharding" in data.get("train", {})
+    train = data.get("train", {})
+    return bool({"train.sharding", "train.parallel.sharding"} & set(sets)) or "sharding" in train or \
+        "sharding" in train.get("parallel", {})
 
 
 def _split_sharding(cfg):
     """--tp / --pp without a sharding: "replicate" when the engines hold one model copy
     (dp = engines / (tp x pp) = 1), where it is the only layout (fsdp over one copy shards nothing);
     with dp > 1 fsdp and replicate both apply, so the choice is asked for in one line."""
-    t = cfg.train
+    t = cfg.train.parallel
     dp, rest = divmod(cfg.cluster.engines, t.tp * t.pp)
     if dp > 1 and not rest:
-        raise ValueError(f"train.sharding: --tp {t.tp} --pp {t.pp} on {cfg.cluster.engines} engines leaves dp {dp} "
-                         "model copies; choose how they hold the model: --set train.sharding=\"fsdp\" (sharded) or "
+        raise ValueError(f"train.parallel.sharding: --tp {t.tp} --pp {t.pp} on {cfg.cluster.engines} engines leaves dp {dp} "
+                         "model copies; choose how they hold the model: --set train.parallel.sharding=\"fsdp\" (sharded) or "
                          "\"replicate\" (whole copies)")
     if not rest:
         from labkit.commands import note  # printed once the command's checks passed
 
         note(f"--tp {t.tp} --pp {t.pp} on {cfg.cluster.engines} engines: one model copy (dp 1), so "
-             "train.sharding=\"replicate\"")
+             "train.parallel.sharding=\"replicate\"")
     return cfg
 
 
@@ -351,7 +354,7 @@ def _add_batch_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=float, default=None,
                    help="batch: held-out loss to reach (default: the worst run's best, so every run reaches it)")
     p.add_argument("--lr-rule", choices=("sqrt", "linear", "constant"), default="sqrt",
-                   help="batch: train.lr at train's global batch, scaled to each batch by this rule")
+                   help="batch: train.optim.lr at train's global batch, scaled to each batch by this rule")
 
 
 def _add_forecast(sub: Any, debug: argparse.ArgumentParser) -> None:
@@ -407,10 +410,10 @@ def build_parser() -> argparse.ArgumentParser:
              debug)
     _add_common(p)
     p.add_argument("--no-stage", action="store_true", help="read data_dir directly instead of staged copies")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (train.tp; sharding fsdp or "
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (train.parallel.tp; sharding fsdp or "
                    "replicate: replicate when unset and the engines hold one copy)")
-    p.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree (train.pp; micro-batches: "
-                                                        "train.grad_accum_steps)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree (train.parallel.pp; micro-batches: "
+                                                        "train.batch.grad_accum_steps)")
     p.set_defaults(func=_command("train"))
     p = _sub(sub, "resume", "continue a run from its newest checkpoint with its saved config, on as many engines as "
                             "it ran on", debug)
@@ -436,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rates-mbit", type=float, nargs="+", default=[0, 1000, 200, 50],
                    help="network: link settings in Mbit/s between the two hosts, 0 = unshaped (root)")
     p.add_argument("--compression", nargs="+", default=["none"], choices=("none", "bf16", "powersgd"),
-                   help="network: train.grad_compression values, each at every setting")
+                   help="network: train.parallel.grad_compression values, each at every setting")
     _add_batch_sweep_args(p)
     p.add_argument("--force", action="store_true", help="rerun points already in the sweep's table")
     p.set_defaults(func=_command("sweep"))

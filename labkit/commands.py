@@ -177,9 +177,10 @@ def _training(run_dir: str, cluster: ClusterConfig, tcfg) -> Iterator[Any]:
                               f"(step {steps[-1]} of {tcfg.max_steps}); to continue from it: "
                               f"{continue_command(run_dir, cluster)}") from None
         again = os.environ.get(COMMAND_ENV) or continue_command(run_dir, cluster)
-        raise Interrupted(f"No checkpoint of {run_dir} was written yet (train.ckpt_every = {tcfg.ckpt_every}: "
-                          f"{'every ' + str(tcfg.ckpt_every) + ' steps' if tcfg.ckpt_every else 'only at its last step'}"
-                          f"); to start it again: {again}") from None
+        every = tcfg.checkpoint.every
+        raise Interrupted(f"No checkpoint of {run_dir} was written yet (train.checkpoint.every = {every}: "
+                          f"{f'every {every} steps' if every else 'only at its last step'}); to start it again: "
+                          f"{again}") from None
 
 
 def train(cfg: LabConfig, *, stage_first: bool = True, as_json: bool = False) -> int:
@@ -322,7 +323,7 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
                 df = lab.sweep_parallel(client, cfg.train, w, micro_batches=args.micro_batches, steps=args.steps or 8,
                                         staged=staged, force=args.force, progress=True)
             else:
-                df = lab.sweep_loader_workers(client, w, batch_size=cfg.train.micro_batch_size,
+                df = lab.sweep_loader_workers(client, w, batch_size=cfg.train.batch.micro_batch_size,
                                               step_time_s=args.step_time_s, workers=args.workers, staged=staged,
                                               force=args.force)
         name = {"ranks": "ranks", "micro-batch": "microbatch", "parallel": "parallel", "loaders": "loader"}[kind]

@@ -83,7 +83,7 @@ def forecast(args) -> int:
 
     lab = load(args.config, args.set)
     gpus = _ints("--gpus", args.gpus)
-    mbs = _ints("--micro-batches", args.micro_batches) if args.micro_batches else [lab.train.micro_batch_size]
+    mbs = _ints("--micro-batches", args.micro_batches) if args.micro_batches else [lab.train.batch.micro_batch_size]
     device = args.device or lab.plan.device
     network = args.network or lab.plan.network
     mfu = args.mfu if args.mfu is not None else lab.plan.mfu
@@ -98,7 +98,7 @@ def forecast(args) -> int:
     vocab, vocab_from = config_vocab(lab, lab.plan.vocab_size, args.config)
     mcfg = model_config_of(lab.train, vocab)
     index = pathlib.Path(lab.workdir, "shards", "index.json")
-    seq_len = lab.train.seq_len or (json.loads(index.read_text())["seq_len"] if index.is_file() else lab.shards.seq_len)
+    seq_len = lab.train.data.seq_len or (json.loads(index.read_text())["seq_len"] if index.is_file() else lab.shards.seq_len)
     crit = read_critical_batch(args.critical_batch, seq_len) if args.critical_batch else None
     gpus_per_node = 1 if device == "cpu" else lab.plan.gpus_per_node
     compute_s, source, measured = None, None, {}

@@ -189,7 +189,7 @@ def plan_config(args) -> int:
     precisions = tuple(p for p in scaling.STUDY_PRECISIONS if p in peaks)
     vocab, vocab_from = config_vocab(lab, pc.vocab_size, args.config)
     cfg = model_config_of(lab.train, vocab)
-    seq_len, batch = args.seq_len or lab.shards.seq_len, args.micro_batch or lab.train.micro_batch_size
+    seq_len, batch = args.seq_len or lab.shards.seq_len, args.micro_batch or lab.train.batch.micro_batch_size
     precision = args.precision or lab.train.precision
     attention = "eager" if cfg.attention_backend == "eager" else "flash"
     mem = lp.memory_plan(cfg, seq_len=seq_len, micro_batch=batch, precision=precision, attention=attention,

@@ -135,7 +135,7 @@ def _index(data_dir: str, key: str) -> dict:
 def check_train(cfg: TrainConfig, *, engines: int, local: bool, key: str = "train", run_dir: bool = True) -> None:
     """Everything of a training run that needs no engine: the run directory can be written
     (``check_writable_dir``), the shard set exists and matches the run (sequence length, tokenizer
-    file, a held-out split when ``eval_every`` asks for one), the model preset and overrides, the
+    file, a held-out split when ``eval.every`` asks for one), the model preset and overrides, the
     device, and a tensor/pipeline split against the preset and the ``engines``
     (``labkit.config.split.check_split``). ``run_dir=False`` leaves the run directory out (a
     sweep's points write under its work directory instead)."""
@@ -144,17 +144,18 @@ def check_train(cfg: TrainConfig, *, engines: int, local: bool, key: str = "trai
     if run_dir:
         check_writable_dir(cfg.run_dir, f"{key}.run_dir")
     index = _index(cfg.data_dir, f"{key}.data_dir")
-    if cfg.seq_len is not None and cfg.seq_len != index.get("seq_len"):
-        raise ValueError(f"{key}.seq_len: {cfg.seq_len}, but the shards in {cfg.data_dir} hold sequences of "
+    data = cfg.data
+    if data.seq_len is not None and data.seq_len != index.get("seq_len"):
+        raise ValueError(f"{key}.data.seq_len: {data.seq_len}, but the shards in {cfg.data_dir} hold sequences of "
                          f"{index.get('seq_len')} tokens")
-    if cfg.tokenizer_path is not None and not os.path.isfile(cfg.tokenizer_path):
-        raise FileNotFoundError(f"{key}.tokenizer_path: {cfg.tokenizer_path} does not exist")
-    if cfg.eval_every > 0 and not index.get("heldout"):
-        raise ValueError(f"{key}.eval_every: {cfg.eval_every}, but the shards in {cfg.data_dir} have no held-out "
-                         "split (set shards.heldout_fraction > 0 and prepare again, or eval_every = 0)")
+    if data.tokenizer_path is not None and not os.path.isfile(data.tokenizer_path):
+        raise FileNotFoundError(f"{key}.data.tokenizer_path: {data.tokenizer_path} does not exist")
+    if cfg.eval.every > 0 and not index.get("heldout"):
+        raise ValueError(f"{key}.eval.every: {cfg.eval.every}, but the shards in {cfg.data_dir} have no held-out "
+                         "split (set shards.heldout_fraction > 0 and prepare again, or eval.every = 0)")
     if engines < 1:
         raise ValueError(f"cluster.engines: must be at least 1, got {engines}")
-    if cfg.tp * cfg.pp > 1:  # the model-parallel split against the preset and the engines
+    if cfg.parallel.is_split:  # the model-parallel split against the preset and the engines
         from labkit.config.split import check_split
 
         shape = {k: v for k, v in model_presets()[cfg.model].items() if k != "source"}
@@ -262,10 +263,10 @@ def _check_batch(cfg: LabConfig, args: Any) -> None:
     if len(set(args.batches)) < 3 or min(args.batches) < 2:
         raise ValueError(f"--batches: need at least 3 distinct global batch sizes of 2 or more, got {args.batches}")
     for batch in args.batches:
-        m = min(cfg.train.micro_batch_size, batch // 2)
+        m = min(cfg.train.batch.micro_batch_size, batch // 2)
         if batch % m:
             raise ValueError(f"--batches: {batch} is not a multiple of its micro-batch {m} "
-                             f"(min(train.micro_batch_size, batch / 2))")
+                             f"(min(train.batch.micro_batch_size, batch / 2))")
     if args.examples is not None and args.examples < 1:
         raise ValueError(f"--examples: must be positive, got {args.examples}")
     if not _index(cfg.train.data_dir, "train.data_dir").get("heldout"):

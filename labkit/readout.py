@@ -130,7 +130,7 @@ def train_lines(summary: dict) -> list[str]:
                    f"{num('wall_s', '.1f')} s"]
     if summary.get("stopped_early"):
         where = (f"last checkpoint {summary['last_checkpoint']}" if summary.get("last_checkpoint")
-                 else "no checkpoint written (train.checkpoints = false)")
+                 else "no checkpoint written (train.checkpoint.enabled = false)")
         lines.append(f"stopped after step {steps} of {total} (train.stop_after); {where}; to continue: "
                      f"{summary['continue_command']}")
     return lines

@@ -75,8 +75,12 @@ def test_a_bad_config_key_is_one_line_and_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("labkit train: error: train.max_step: unknown key"), err
     cfg.write_text("[train]\nmax_steps = 3\n")
-    assert main(["prepare", str(cfg), "--set", "train.lr=fast"]) == 2
-    assert "train.lr: expected float, got 'fast'" in capsys.readouterr().err
+    assert main(["prepare", str(cfg), "--set", "train.optim.lr=fast"]) == 2
+    assert "train.optim.lr: expected float, got 'fast'" in capsys.readouterr().err
+    assert main(["prepare", str(cfg), "--set", "train.lr=fast"]) == 2  # the flat name of before the sections
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["--set train.lr=fast: 'train.lr' is now 'train.optim.lr' (the flat name is read in this release only)",
+                   "labkit prepare: error: train.optim.lr: expected float, got 'fast'"]
     cfg.write_text("[train]\nmax_step = 3\n")
     with pytest.raises(ValueError, match="train.max_step: unknown key"):
         main(["train", str(cfg), "--debug"])
@@ -161,17 +165,19 @@ def test_values_are_refused_before_any_engine_starts(tmp_path):
         "train.model: unknown model preset 'giant'": ["train", c, "--tp", "2", "--set", "train.model=giant"],
         "train.model_overrides: unknown fields ['hiden']": ["train", c, "--set", "train.model_overrides={hiden=1}"],
         "train.model_overrides: hidden_size: must be positive": ["train", c, "--set", "train.model_overrides={hidden_size=-8}"],
-        "train.seq_len: 128, but the shards": ["train", c, "--set", "train.seq_len=128"],
-        "train.eval_every: 5, but the shards": ["train", c, "--set", "train.eval_every=5"],
-        "train.tokenizer_path: /no/tok.json does not exist": ["train", c, "--set", 'train.tokenizer_path="/no/tok.json"'],
-        "train.sharding: 'ddp' does not compose with tp/pp > 1": ["train", c, "--tp", "2", "--set", 'train.sharding="ddp"'],
-        "train.sharding: --tp 2 --pp 1 on 4 engines leaves dp 2 model copies; choose": [
+        "train.data.seq_len: 128, but the shards": ["train", c, "--set", "train.data.seq_len=128"],
+        "train.eval.every: 5, but the shards": ["train", c, "--set", "train.eval.every=5"],
+        "train.data.tokenizer_path: /no/tok.json does not exist": [
+            "train", c, "--set", 'train.data.tokenizer_path="/no/tok.json"'],
+        "train.parallel.sharding: 'ddp' does not compose with tp/pp > 1": [
+            "train", c, "--tp", "2", "--set", 'train.parallel.sharding="ddp"'],
+        "train.parallel.sharding: --tp 2 --pp 1 on 4 engines leaves dp 2 model copies; choose": [
             "train", c, "--tp", "2", "--engines", "4"],
-        "train.tp/pp: world size 2 is not divisible by tp x pp = 4 x 1": [
-            "train", c, "--tp", "4", "--set", 'train.sharding="replicate"'],
-        "train.pp: 1 layers cannot fill pp x pp_virtual_stages = 2 x 1": [
-            "sweep", "parallel", c, "--set", "train.pp=2", "--set", 'train.sharding="replicate"',
-            "--set", "train.grad_accum_steps=2", "--set", "train.model_overrides={num_layers=1}"],
+        "train.parallel.tp: world size 2 is not divisible by tp x pp = 4 x 1": [
+            "train", c, "--tp", "4", "--set", 'train.parallel.sharding="replicate"'],
+        "train.parallel.pp: 1 layers cannot fill pp x pp_virtual_stages = 2 x 1": [
+            "sweep", "parallel", c, "--set", "train.parallel.pp=2", "--set", 'train.parallel.sharding="replicate"',
+            "--set", "train.batch.grad_accum_steps=2", "--set", "train.model_overrides={num_layers=1}"],
         "--ranks: [3] outside 1..2": ["sweep", "ranks", c, "--ranks", "1", "3"],
         "--models: unknown model preset 'bert-9b'": ["sweep", "micro-batch", c, "--models", "tiny", "bert-9b"],
         "--budget-gib: 100000.0 GiB per rank is more than": ["sweep", "micro-batch", c, "--budget-gib", "100000"],
@@ -195,7 +201,7 @@ def test_values_are_refused_before_any_engine_starts(tmp_path):
         f"--workdir: {afile} is a file": ["demo", "--workdir", str(afile)],
         "--batches: need at least 3 distinct global batch sizes": ["sweep", "batch", c, "--batches", "4", "8"],
         "--batches: 10 is not a multiple of its micro-batch 4": ["sweep", "batch", c, "--batches", "4", "10", "16",
-                                                                 "--set", "train.micro_batch_size=4"],
+                                                                 "--set", "train.batch.micro_batch_size=4"],
         "train.data_dir: the batch sweep reads the held-out loss": ["sweep", "batch", c, "--batches", "4", "8", "16"],
     }
     if os.statvfs("/proc/sys").f_flag & os.ST_RDONLY:  # a read-only file system, where the container has one
@@ -302,10 +308,10 @@ def test_train_prints_lines_or_json_and_where_a_stopped_run_continues(monkeypatc
     import shutil
 
     shutil.rmtree(run / "checkpoints")
-    assert main(["train", str(cfg), "--no-stage", "--set", "train.ckpt_every=5"]) == 130
+    assert main(["train", str(cfg), "--no-stage", "--set", "train.checkpoint.every=5"]) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"labkit train: interrupted; engines were stopped. No checkpoint of {run} was written yet (train.ckpt_every "
-        f"= 5: every 5 steps); to start it again: labkit train {cfg} --no-stage --set train.ckpt_every=5")
+        f"labkit train: interrupted; engines were stopped. No checkpoint of {run} was written yet (train.checkpoint.every "
+        f"= 5: every 5 steps); to start it again: labkit train {cfg} --no-stage --set train.checkpoint.every=5")
 
 
 def test_tp_alone_chooses_replicate_when_it_is_the_only_layout(tmp_path, capsys):
@@ -319,16 +325,18 @@ def test_tp_alone_chooses_replicate_when_it_is_the_only_layout(tmp_path, capsys)
     from labkit import commands
 
     cfg = _config(args)  # the choice is said once the command's checks passed (queued, not printed yet)
-    assert (cfg.train.tp, cfg.train.sharding) == (2, "replicate") and "dp 1" in commands._NOTES[-1]
+    assert (cfg.train.parallel.tp, cfg.train.parallel.sharding) == (2, "replicate") and "dp 1" in commands._NOTES[-1]
     assert capsys.readouterr().err == ""
     commands._NOTES.clear()
-    pp2 = argparse.Namespace(**{**vars(args), "tp": None, "pp": 2, "set": ["train.grad_accum_steps=2"]})
-    assert _config(pp2).train.sharding == "replicate"
-    explicit = argparse.Namespace(**{**vars(args), "set": ['train.sharding="fsdp"']})
-    assert _config(explicit).train.sharding == "fsdp"  # a sharding the user names is kept
-    cfg_file.write_text("[cluster]\nengines = 2\n[train]\nmodel = \"tiny\"\nsharding = \"ddp\"\n")
-    with pytest.raises(ValueError, match="'ddp' does not compose with tp/pp > 1"):
-        _config(args)
+    pp2 = argparse.Namespace(**{**vars(args), "tp": None, "pp": 2, "set": ["train.batch.grad_accum_steps=2"]})
+    assert _config(pp2).train.parallel.sharding == "replicate"
+    for key in ("train.parallel.sharding", "train.sharding"):  # the flat name of before the sections too
+        explicit = argparse.Namespace(**{**vars(args), "set": [f'{key}="fsdp"']})
+        assert _config(explicit).train.parallel.sharding == "fsdp"  # a sharding the user names is kept
+    for table in ('[train.parallel]\nsharding = "ddp"\n', '[train]\nsharding = "ddp"\n'):
+        cfg_file.write_text(f"[cluster]\nengines = 2\n{table}")
+        with pytest.raises(ValueError, match="'ddp' does not compose with tp/pp > 1"):
+            _config(args)
 
 
 def _subparsers():

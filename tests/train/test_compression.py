@@ -48,9 +48,10 @@ def runs(tmp_path_factory) -> pathlib.Path:
 
     root = tmp_path_factory.mktemp("compression")
     shards = write_tiny_shards(root / "shards", n_sequences=48)
-    cfgs = [TrainConfig(data_dir=str(shards), run_dir=str(root / kind), model="tiny", micro_batch_size=4,
-                        max_steps=STEPS, lr=3e-3, warmup_steps=1, num_threads=1, device="cpu", timing_warmup_steps=1,
-                        timeout_s=60, grad_compression=kind, powersgd_rank=2, powersgd_start_iter=START)
+    cfgs = [TrainConfig(data_dir=str(shards), run_dir=str(root / kind), model="tiny", max_steps=STEPS, num_threads=1,
+                        device="cpu", timeout_s=60, batch={"micro_batch_size": 4}, optim={"lr": 3e-3},
+                        schedule={"warmup_steps": 1}, measure={"timing_warmup_steps": 1},
+                        parallel={"grad_compression": kind, "powersgd_rank": 2, "powersgd_start_iter": START})
             for kind in ("none", "bf16", "powersgd")]
     cfgs.append(dataclasses.replace(cfgs[0], run_dir=str(root / "auto"), bucket_cap_mb="auto"))
     mp.spawn(_worker, args=(2, _free_port(), json.dumps([to_dict(c) for c in cfgs])), nprocs=2, join=True)
@@ -91,19 +92,22 @@ def test_powersgd_plain_during_warm_up_then_compressed(runs):
     assert psgd[-1]["comm_bytes"] == compressed_grad_bytes(cfg, "powersgd", powersgd_rank=2)
     assert none[0]["comm_bytes"] == compressed_grad_bytes(cfg, "none") == 2 * compressed_grad_bytes(cfg, "bf16")
     assert sum(psgd[-1]["comm_bucket_bytes"]) == psgd[-1]["comm_bytes"]
+    # the noise scale rides the loop's loss all-reduce; under PowerSGD from sketches of the local buckets
+    assert all(r["gns_sketch_bins"] for r in psgd) and not any(r["gns_sketch_bins"] for r in none)
+    assert [r["gns_sq_small"] for r in psgd[:START]] == pytest.approx([r["gns_sq_small"] for r in none[:START]], rel=0.1)
 
 
 def test_config_refusals():
     from labkit.config import TrainConfig
 
     with pytest.raises(ValueError, match="grad_compression.*sharding 'ddp' or 'zero1', not 'fsdp'"):
-        TrainConfig(data_dir="d", run_dir="r", sharding="fsdp", grad_compression="bf16")
+        TrainConfig(data_dir="d", run_dir="r", parallel={"sharding": "fsdp", "grad_compression": "bf16"})
     with pytest.raises(ValueError, match="grad_compression"):
-        TrainConfig(data_dir="d", run_dir="r", grad_compression="fp8")
+        TrainConfig(data_dir="d", run_dir="r", parallel={"grad_compression": "fp8"})
     with pytest.raises(ValueError, match="powersgd_start_iter"):
-        TrainConfig(data_dir="d", run_dir="r", grad_compression="powersgd", powersgd_start_iter=1)
+        TrainConfig(data_dir="d", run_dir="r", parallel={"grad_compression": "powersgd", "powersgd_start_iter": 1})
     with pytest.raises(ValueError, match="powersgd_rank"):
-        TrainConfig(data_dir="d", run_dir="r", powersgd_rank=0)
+        TrainConfig(data_dir="d", run_dir="r", parallel={"powersgd_rank": 0})
 
 
 def test_auto_bucket_cap_measures_the_link_and_trains_as_the_default(runs):
