@@ -133,18 +133,20 @@ def stage(cfg: LabConfig, *, as_json: bool = False) -> int:
 def _summary(result: dict, run_dir: str, cluster: ClusterConfig, *, already_finished: bool = False) -> dict:
     """The result's main numbers as ``labkit train`` / ``resume`` print them: the training loss
     at the first and last step and the held-out ``eval_loss`` / ``perplexity`` of the last
-    evaluation (None when the run evaluated nothing), then steps, tokens, speed, world size; and
-    where the run stands: run_dir, already_finished, stopped_early (fewer steps than max_steps:
+    evaluation (None when the run evaluated nothing), then steps, tokens, speed, world size, the
+    run's wall-clock goodput (fraction of its elapsed time) and its culprit's line (None when no
+    rank held the others up); and where the run stands: run_dir, already_finished, stopped_early (fewer steps than max_steps:
     ``train.stop_after``), last_checkpoint (its path, None without one) and continue_command
     (``readout.continue_command``)."""
     from labkit.readout import continue_command
     from labkit.train.checkpoint import checkpoint_steps
 
     keys = ("initial_loss", "final_loss", "eval_loss", "perplexity", "steps", "max_steps", "tokens", "tokens_per_s",
-            "world_size", "global_batch_size", "resumed_from_step", "wall_s")
+            "world_size", "global_batch_size", "resumed_from_step", "wall_s", "goodput")
     steps = checkpoint_steps(run_dir)
     return {k: result.get(k) for k in keys} | {
-        "run_dir": str(run_dir), "already_finished": already_finished,
+        "culprit": (result.get("culprit") or {}).get("line"), "run_dir": str(run_dir),
+        "already_finished": already_finished,
         "stopped_early": (result.get("steps") or 0) < (result.get("max_steps") or 0),
         "last_checkpoint": str(pathlib.Path(run_dir) / "checkpoints" / f"step-{steps[-1]}") if steps else None,
         "continue_command": continue_command(run_dir, cluster)}
@@ -156,8 +158,9 @@ def _uses_workdir_shards(cfg: LabConfig) -> bool:
 
 @contextlib.contextmanager
 def _training(run_dir: str, cluster: ClusterConfig, tcfg) -> Iterator[Any]:
-    """Around a run on the engines: a progress bar over its steps (``StepProgress``, from the
-    newest checkpoint's step when it resumes) given to ``train_on_cluster`` as ``live``; Ctrl-C
+    """Around a run on the engines: the ``live`` callbacks for ``train_on_cluster``, a progress bar
+    over its steps (``StepProgress``, from the newest checkpoint's step when it resumes) and the
+    culprit line (``labkit.rankview.CulpritLine``, printed above the bar when it changes); Ctrl-C
     becomes ``Interrupted`` naming the run's last checkpoint and the command that continues it
     (or, without a checkpoint, the command that starts it again)."""
     from labkit.cluster.progress import StepProgress
@@ -165,11 +168,13 @@ def _training(run_dir: str, cluster: ClusterConfig, tcfg) -> Iterator[Any]:
     from labkit.readout import continue_command
     from labkit.train.checkpoint import checkpoint_steps
 
+    from labkit.rankview import CulpritLine
+
     have = checkpoint_steps(run_dir) if tcfg.resume else []
     total = min(tcfg.max_steps, tcfg.stop_after or tcfg.max_steps)
     try:
         with StepProgress(total, label="train", initial=have[-1] if have else 0) as bar:
-            yield bar
+            yield [bar, CulpritLine(stream=bar.stream)]
     except KeyboardInterrupt:
         steps = checkpoint_steps(run_dir)
         if steps:
@@ -185,7 +190,8 @@ def _training(run_dir: str, cluster: ClusterConfig, tcfg) -> Iterator[Any]:
 
 def train(cfg: LabConfig, *, stage_first: bool = True, as_json: bool = False) -> int:
     """DDP training on the engines (notebook 03); each rank reads its node's staged copy when
-    the run's data_dir is the work directory's shards. Shows a progress bar while it trains, then
+    the run's data_dir is the work directory's shards. Shows a progress bar while it trains (and
+    above it, when it changes, the line naming the rank that holds the others up), then
     prints the result's main numbers (``readout.train_lines``; ``_summary`` with ``as_json``)."""
     from labkit import preflight, readout
 
@@ -204,8 +210,8 @@ def train(cfg: LabConfig, *, stage_first: bool = True, as_json: bool = False) ->
             from labkit import lab
             with cluster_client(cfg.cluster) as client:
                 staged = _stage(client, cfg) if staging else None
-                with _training(cfg.train.run_dir, cfg.cluster, cfg.train) as bar:
-                    result = lab.train_on_cluster(client, cfg.train, staged=staged, live=bar)
+                with _training(cfg.train.run_dir, cfg.cluster, cfg.train) as lives:
+                    result = lab.train_on_cluster(client, cfg.train, staged=staged, live=lives)
             summary = _summary(result, cfg.train.run_dir, cfg.cluster)
         out.show(summary, readout.train_lines(summary))
     return 0
@@ -232,8 +238,8 @@ def resume(run_dir: str, cluster: ClusterConfig, overrides: list[str], *, as_jso
             summary = _summary(done, run_dir, cluster, already_finished=True)
         else:
             from labkit import lab
-            with cluster_client(cluster) as client, _training(run_dir, cluster, cfg) as bar:
-                result = lab.train_on_cluster(client, cfg, live=bar)
+            with cluster_client(cluster) as client, _training(run_dir, cluster, cfg) as lives:
+                result = lab.train_on_cluster(client, cfg, live=lives)
             summary = _summary(result, run_dir, cluster)
         out.show(summary, readout.train_lines(summary))
     return 0

@@ -109,9 +109,9 @@ def continue_command(run_dir: str, cluster: Any = None) -> str:
 
 
 def train_lines(summary: dict) -> list[str]:
-    """``labkit train`` / ``labkit resume``: the result's main numbers, then where it stopped
-    (``summary``: ``labkit.commands._summary`` plus run_dir, already_finished, stopped_early,
-    last_checkpoint and continue_command)."""
+    """``labkit train`` / ``labkit resume``: the result's main numbers, the wall-clock goodput and
+    the culprit's line when there is one, then where it stopped (``summary``:
+    ``labkit.commands._summary``)."""
     def num(key: str, fmt: str) -> str:
         value = summary.get(key)
         return "n/a" if value is None else format(value, fmt)
@@ -128,6 +128,10 @@ def train_lines(summary: dict) -> list[str]:
     lines = [head, f"  {count(summary.get('tokens'))} tokens at {num('tokens_per_s', ',.0f')} tokens/s on {ranks} "
                    f"rank{'' if ranks == 1 else 's'}, global batch {summary.get('global_batch_size')} sequences, "
                    f"{num('wall_s', '.1f')} s"]
+    if summary.get("goodput") is not None:
+        lines[1] += f", wall-clock goodput {100 * summary['goodput']:.0f} %"
+    if summary.get("culprit"):
+        lines.append(f"  {summary['culprit']}")
     if summary.get("stopped_early"):
         where = (f"last checkpoint {summary['last_checkpoint']}" if summary.get("last_checkpoint")
                  else "no checkpoint written (train.checkpoint.enabled = false)")

@@ -268,16 +268,19 @@ def test_train_prints_lines_or_json_and_where_a_stopped_run_continues(monkeypatc
     """The result for a reader (rounded, with units), the same numbers under stable keys with
     --json; a run stopped by train.stop_after names its last checkpoint and the command that
     continues it, and on Ctrl-C the same (exit 130), or without a checkpoint the command that
-    starts it again."""
+    starts it again. The run's wall-clock goodput and culprit line are printed too, and the live
+    culprit line (every rank's timeline) runs beside the bar."""
     run = tmp_path / "runs" / "main"
     result = {"initial_loss": 6.91234, "final_loss": 5.1049, "eval_loss": 5.37123, "perplexity": 214.93, "steps": 10,
               "max_steps": 20, "tokens": 1_234_567, "tokens_per_s": 41100.001607, "world_size": 2,
-              "global_batch_size": 16, "resumed_from_step": None, "wall_s": 30.04}
+              "global_batch_size": 16, "resumed_from_step": None, "wall_s": 30.04, "goodput": 0.7}
+    culprit = {"rank": 1, "line": "culprit: rank 1 (n1) holds the others up"}
 
     def trained(client, cfg, staged=None, live=None):
         (run / "checkpoints" / "step-10").mkdir(parents=True)
-        live([{"step": 10, "loss": 5.1, "tokens_per_s": 41100.0}])
-        return result
+        assert sorted(getattr(cb, "wants", "records") for cb in live) == ["records", "timeline"]
+        next(cb for cb in live if not hasattr(cb, "wants"))([{"step": 10, "loss": 5.1, "tokens_per_s": 41100.0}])
+        return result | {"culprit": culprit}
 
     _no_engines(monkeypatch, trained)
     cfg = tmp_path / "c.toml"
@@ -286,14 +289,15 @@ def test_train_prints_lines_or_json_and_where_a_stopped_run_continues(monkeypatc
     out, err = capsys.readouterr()
     assert out.splitlines() == [
         f"{run}: step 10 of 20, loss 6.912 -> 5.105, held-out loss 5.371 (perplexity 214.9)",
-        "  1.23 M tokens at 41,100 tokens/s on 2 ranks, global batch 16 sequences, 30.0 s",
+        "  1.23 M tokens at 41,100 tokens/s on 2 ranks, global batch 16 sequences, 30.0 s, wall-clock goodput 70 %",
+        "  culprit: rank 1 (n1) holds the others up",
         f"stopped after step 10 of 20 (train.stop_after); last checkpoint {run}/checkpoints/step-10; to continue: "
         f"labkit resume {run}"], out
     assert "10/10" in err and "loss=5.100" in err and "tokens/s=41,100" in err, err  # the bar, on stderr
     (run / "checkpoints" / "step-10").rmdir()
     assert main(["train", str(cfg), "--no-stage", "--json", "--set", "cluster.profile=\"lab\""]) == 0
     raw = json.loads(capsys.readouterr().out)
-    assert {k: raw[k] for k in result} == result
+    assert {k: raw[k] for k in result} == result and raw["culprit"] == culprit["line"]
     assert raw["stopped_early"] and raw["last_checkpoint"] == f"{run}/checkpoints/step-10"
     assert raw["continue_command"] == f"labkit resume {run} --profile lab" and not raw["already_finished"]
 

@@ -63,6 +63,12 @@ class StepProgress:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    @property
+    def stream(self) -> "_AboveBar":
+        """A text stream (``write``, ``flush``) whose lines appear above the bar (tqdm's ``write``)
+        instead of breaking it: for other live callbacks that print while the bar is drawn."""
+        return _AboveBar(self)
+
     def __call__(self, records: list[dict]) -> None:
         """``live`` callback: draw the newest of ``records`` (rank 0's recent history)."""
         if records:
@@ -118,6 +124,30 @@ class StepProgress:
         if self._bar is not None and not self._closed:
             self._bar.close()
         self._closed = True
+
+
+class _AboveBar:
+    """``StepProgress.stream``: whole lines (``print`` writes a line's text and its newline in two
+    calls; they are joined here) written above the bar while it is drawn, else to its file."""
+
+    def __init__(self, progress: StepProgress) -> None:
+        self.progress, self._pending = progress, ""
+
+    def write(self, text: str) -> int:
+        from tqdm.std import tqdm
+
+        self._pending += text
+        file = self.progress.file or sys.stderr
+        while "\n" in self._pending:
+            line, self._pending = self._pending.split("\n", 1)
+            if self.progress._bar is not None and not self.progress._closed:
+                tqdm.write(line, file=file)
+            else:
+                print(line, file=file)
+        return len(text)
+
+    def flush(self) -> None:
+        (self.progress.file or sys.stderr).flush()
 
 
 def progress_bar(total: int, *, key: str = "step", label: str = "training", initial: int = 0) -> StepProgress:
