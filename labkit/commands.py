@@ -273,52 +273,96 @@ def _show_sweep(out, kind: str, df, path: pathlib.Path, *, extra: dict | None = 
 
 def _sweep_batch(cfg: LabConfig, args, out) -> int:
     """``labkit sweep batch``: the critical batch measured directly (labkit.study.critical_batch),
-    printed with the in-run B_simple at the target."""
+    printed with the in-run B_simple at the target and the statistical goodput."""
     from labkit.study.critical_batch import sweep_batch
 
     df, fit = sweep_batch(cfg.train, cfg.workdir, batch_sizes=args.batches, target=args.target,
-                          lr_rule=args.lr_rule, max_examples=args.examples, force=args.force, progress=True)
+                          lr_rule=args.lr_rule or cfg.train.batch.lr_rule, max_examples=args.examples,
+                          force=args.force, progress=True)
     path = pathlib.Path(cfg.workdir) / "sweeps" / "critical_batch.parquet"
     if "b_crit" in fit:
-        line = (f"B_crit = E_min/S_min = {fit['b_crit']:.1f} sequences ({100 * fit['level']:.0f} % bootstrap range "
-                f"{fit['b_crit_low']:.1f}-{fit['b_crit_high']:.1f}) at held-out loss {fit['target_eval_loss']:.3f}, "
-                f"{fit['reached']} batch sizes reached it; {path}")
+        lines = [f"B_crit = E_min/S_min = {fit['b_crit']:.1f} sequences ({100 * fit['level']:.0f} % bootstrap range "
+                 f"{fit['b_crit_low']:.1f}-{fit['b_crit_high']:.1f}) at held-out loss {fit['target_eval_loss']:.3f}, "
+                 f"{fit['reached']} batch sizes reached it; {path}",
+                 "statistical goodput = samples/s x E(B), E(B) = (B_crit + B0)/(B_crit + B), B0 the smallest batch "
+                 "(labkit.measure.statistical_goodput); one process accumulating micro-batches, so a larger batch "
+                 "buys few samples/s here"]
     else:
-        line = f"only {fit['reached']} batch sizes reached held-out loss {fit['target_eval_loss']:.3f}: no fit"
+        lines = [f"only {fit['reached']} batch sizes reached held-out loss {fit['target_eval_loss']:.3f}: no fit"]
     _show_sweep(out, "batch", df, path, extra={"fit": fit},
-                columns=["batch", "lr", "steps", "examples", "reached", "b_simple", "b_simple_tokens", "final_eval_loss"])
+                columns=["batch", "lr", "steps", "examples", "reached", "b_simple", "b_simple_tokens", "final_eval_loss",
+                         "samples_per_s", "statistical_efficiency", "goodput_samples_per_s"])
     if not out.as_json:
+        print("\n".join(lines))
+    return 0
+
+
+def _sweep_branch(cfg: LabConfig, args, out) -> int:
+    """``labkit sweep branch``: the local critical batch by branching from the run's checkpoints
+    (labkit.study.branching), one process, printed per branch point with what agrees (with
+    --json: {"sweep", "table", "rows" (the points), "runs" (the branches)})."""
+    import polars as pl
+
+    from labkit.study.branching import sweep_branch
+
+    points, runs = sweep_branch(cfg.train, cfg.workdir, at=args.at, factors=args.factors, window=args.window,
+                                repeats=args.repeats, tolerance=args.tolerance, engines=cfg.cluster.engines,
+                                lr_rule=args.lr_rule, critical_batch=args.critical_batch, force=args.force,
+                                progress=True)
+    path = pathlib.Path(cfg.workdir) / "sweeps" / "branch.parquet"
+    if out.as_json:
+        out.show({"sweep": "branch", "table": str(path), "rows": points.to_dicts(), "runs": runs.to_dicts()}, [])
+        return 0
+    _show_sweep(out, "branch", runs.group_by("step", "factor", maintain_order=True).agg(  # one row per branch
+        pl.col("batch", "lr", "steps", "loss_start", "efficiency").first(), pl.col("loss_end").mean()), path,
+        columns=["step", "factor", "batch", "lr", "steps", "loss_start", "loss_end", "efficiency"])
+    _show_sweep(out, "branch", points, path,
+                columns=["step", "tokens", "batch", "b_keep_pace", "b_keep_pace_low", "b_keep_pace_high", "b_noise",
+                         "b_noise_low", "b_noise_high", "b_simple", *[c for c in ("b_crit_sweep",) if c in points.columns]])
+    row = points.row(0, named=True)
+    print(f"local critical batch: the largest batch whose held-out progress per example keeps within "
+          f"{row['tolerance']:.0%} of batch {row['batch']}'s over {row['window']} examples ({100 * row['level']:.0f} % "
+          f"bootstrap ranges over held-out sequences and {row['repeats']} window(s)); sweeps/branch.parquet and "
+          f"branch_runs.parquet in {cfg.workdir}")
+    for line in points["agreement"]:
         print(line)
     return 0
 
 
 def sweep(kind: str, cfg: LabConfig, args) -> int:
-    """The scaling sweeps of notebook 04: ``ranks`` (tokens/s at 1..N ranks), ``micro-batch``
+    """The scaling sweeps of notebook 04: ``ranks`` (tokens/s at 1..N ranks; with
+    ``--critical-batch`` the statistical goodput against a batch sweep's B_crit), ``micro-batch``
     (largest micro-batch per model under a memory budget), ``loaders`` (data-wait fraction per
     DataLoader worker count), and notebook 06's ``parallel`` (every dp x tp x pp split of the
     engines: throughput, measured bubble, time in TP collectives and per-rank memory beside the
     planner). ``network`` (root; no engines): 2 ranks across two network hosts at each link
-    setting, beside the network model (``labkit.study.network_sweep``); ``batch`` (no engines):
-    the critical batch (``labkit.study.critical_batch``). Each training point shows a progress
-    bar over its steps. Prints the sweep's table (also under <workdir>/sweeps/), or its rows as
-    JSON with ``args.json``."""
+    setting, beside the network model (``labkit.study.network_sweep``); ``batch`` and ``branch``
+    (no engines): the critical batch (``labkit.study.critical_batch``) and the local critical batch
+    by branching (``labkit.study.branching``). Each training point shows a progress bar over its
+    steps. Prints the sweep's table (also under <workdir>/sweeps/), or its rows as JSON with
+    ``args.json``."""
     from labkit import preflight, readout
 
     w = cfg.workdir
     preflight.check_sweep(kind, cfg, args)
+    noise = {}
+    if kind == "ranks" and getattr(args, "critical_batch", None):  # read before any engine starts
+        from labkit.forecasting import read_critical_batch
+
+        crit = read_critical_batch(args.critical_batch, 1)  # seq_len 1: B_crit in sequences
+        noise = {"b_noise": crit["b_crit_tokens"],
+                 "b_noise_source": f"B_crit of {crit['source']} (at held-out loss {crit['target_eval_loss']:.3f})"}
     _checked()
     with readout.Output(getattr(args, "json", False)) as out:
-        if kind == "batch":  # one process per batch size, here (labkit.study.critical_batch)
-            return _sweep_batch(cfg, args, out)
-        if kind == "network":
-            return _sweep_network(cfg, args, out)
+        if kind in ("batch", "branch", "network"):  # no engines: in this process, or on the network hosts
+            return {"batch": _sweep_batch, "branch": _sweep_branch, "network": _sweep_network}[kind](cfg, args, out)
         from labkit import lab
         from labkit.data.shards import read_index
         with cluster_client(cfg.cluster) as client:
             staged = _stage(client, cfg) if kind != "micro-batch" and _uses_workdir_shards(cfg) else None
             if kind == "ranks":
                 df = lab.sweep_ranks(client, cfg.train, w, ranks=args.ranks, staged=staged, force=args.force,
-                                     progress=True)
+                                     progress=True, **noise)
             elif kind == "micro-batch":
                 index = read_index(cfg.train.data_dir)
                 budget = int(args.budget_gib * 2**30) if args.budget_gib else None

@@ -195,7 +195,8 @@ def check_sweep(kind: str, cfg: LabConfig, args: Any) -> None:
     """A sweep's flags against the config and this machine: the work directory its table and runs
     go to, ranks within 1..engines, model presets, a memory budget this machine can give (local
     engines; ``check_cpu_budget``), worker counts and the consumer's step time, the batch sweep's
-    batch sizes, the network sweep's rates and steps and the network hosts it needs; then the
+    batch sizes, the branch sweep's steps, a --critical-batch table, the network sweep's rates and
+    steps and the network hosts it needs; then the
     training run the sweep's points are made of, and the staged copies when it stages."""
     local = cfg.cluster.kind == "local" and not cfg.cluster.cluster_id
     engines = cfg.cluster.engines
@@ -235,8 +236,13 @@ def check_sweep(kind: str, cfg: LabConfig, args: Any) -> None:
         _check_network(cfg, args)
     if kind == "batch":
         _check_batch(cfg, args)
+    if kind == "branch" and not args.at:
+        raise ValueError("--at: give the steps of the run to branch from (e.g. --at 25 100 300)")
+    if getattr(args, "critical_batch", None) and not os.path.isfile(args.critical_batch):
+        raise FileNotFoundError(f"--critical-batch: {args.critical_batch} does not exist (labkit sweep batch writes "
+                                "<workdir>/sweeps/critical_batch.parquet)")
     # the points' runs go under <workdir> (runs/, sweeps/), not to train.run_dir
-    check_train(cfg.train, engines=2 if kind == "network" else 1 if kind == "batch" else engines,
+    check_train(cfg.train, engines=2 if kind == "network" else 1 if kind in ("batch", "branch") else engines,
                 local=local, run_dir=False)
 
 

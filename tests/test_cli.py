@@ -183,6 +183,10 @@ def test_values_are_refused_before_any_engine_starts(tmp_path):
         "--budget-gib: 100000.0 GiB per rank is more than": ["sweep", "micro-batch", c, "--budget-gib", "100000"],
         "--budget-gb: sweep micro-batch takes --budget-gib": ["sweep", "micro-batch", c, "--budget-gb", "2"],
         "--workers: worker counts must be >= 0": ["sweep", "loaders", c, "--workers", "-1"],
+        "--at: give the steps of the run to branch from": ["sweep", "branch", c],
+        "--window: 12 examples is not a multiple of the branch batch of factor(s) [1, 2]": [
+            "sweep", "branch", c, "--at", "5", "--factors", "2", "--window", "12"],
+        "--at: branch points [500] outside 1..train.max_steps 100": ["sweep", "branch", c, "--at", "500"],
         "corpus.paths: '/no/such/dir' does not exist": ["prepare", c, "--set", 'corpus.paths=["/no/such/dir"]'],
         "corpus.text_paths: '/no/notes' does not exist": ["prepare", c, "--set", 'corpus.text_paths=["/no/notes"]'],
     }
@@ -203,6 +207,8 @@ def test_values_are_refused_before_any_engine_starts(tmp_path):
         "--batches: 10 is not a multiple of its micro-batch 4": ["sweep", "batch", c, "--batches", "4", "10", "16",
                                                                  "--set", "train.batch.micro_batch_size=4"],
         "train.data_dir: the batch sweep reads the held-out loss": ["sweep", "batch", c, "--batches", "4", "8", "16"],
+        "--at: give the steps of the run to branch from": ["sweep", "branch", c],
+        "--critical-batch: /no/cb.parquet does not exist": ["sweep", "ranks", c, "--critical-batch", "/no/cb.parquet"],
     }
     if os.statvfs("/proc/sys").f_flag & os.ST_RDONLY:  # a read-only file system, where the container has one
         cases["train.run_dir: /proc/sys/labkit-run cannot be written: /proc/sys is on a read-only file system"] = [
