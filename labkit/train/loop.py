@@ -170,8 +170,9 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None,
     not hidden behind backward, rank 0; ``labkit.measure.comm_exposed_s``) and comm_exposed_fraction
     (of the step time), mfu, world_size, global_batch_size, steps, params, ... ``sink(record)``
     is called on rank 0 with each metrics record. Resumes from the newest checkpoint when
-    ``cfg.resume``. Raises ``FloatingPointError`` on a non-finite loss when on_nonfinite="raise",
-    ``ValueError`` naming the field for inconsistent settings; shard errors come from
+    ``cfg.resume`` (rank 0 says so on stderr, one line with the step: ``resume.restore``).
+    Raises ``FloatingPointError`` on a non-finite loss when on_nonfinite="raise", ``ValueError``
+    naming the field for inconsistent settings; shard errors come from
     ``labkit.data.shards``. A process group this call creates is destroyed before it returns.
     Rank 0 also sends each record to the sinks named in ``cfg.trackers`` (``labkit.train.sinks``:
     TensorBoard event files under run_dir/tensorboard by default); config.json and result.json

@@ -12,6 +12,7 @@ state.pt, or a split run's DCP at the same dp) load as before or are refused nam
 from __future__ import annotations
 
 import pathlib
+import sys
 from typing import Any
 
 import torch
@@ -71,10 +72,12 @@ def restore(state: dict | None, model: torch.nn.Module, optimizer: Any, scaler: 
     continues the same global sample order at any world size (``RankSampler.load_state_dict``:
     ValueError, one line, where it cannot). A format-1 checkpoint (``where`` names it): the
     whole optimiser state is loaded here, and another world size or sharding is a ValueError; a
-    split model's rank entry is ``parallel.rank_entry``'s."""
+    split model's rank entry is ``parallel.rank_entry``'s. Rank 0 says on stderr that the run
+    resumes, and from which checkpoint and step (one line)."""
     if state is None:
         sampler.set_epoch(0)
         return 0, 0, 0, 0
+    dist.print0(f"train: resuming from step {state['step']} (checkpoint {where})", file=sys.stderr)  # one line
     if state.get("format", 1) >= 2:
         scaler.load_state_dict(state["scaler"])
         sampler.set_epoch(state["epoch"])
