@@ -112,7 +112,8 @@ def train(cfg: LabConfig, *, stage_first: bool = True) -> int:
     preflight.check_train(cfg.train, engines=cfg.cluster.engines, local=_local(cfg.cluster))
     from labkit.train.run_config import finished_run
 
-    done = finished_run(cfg.train)  # a finished run of this config: said so, no engine started, no file touched
+    # a finished run of this config, resumed: said so, no engine started, no file touched (resume=False: a new run)
+    done = finished_run(cfg.train) if cfg.train.resume else None
     if done is not None:
         _print_json(_summary(done) | {"run_dir": cfg.train.run_dir, "already_finished": True})
         return 0
