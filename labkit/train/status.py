@@ -39,8 +39,8 @@ from typing import Any
 
 from labkit.io import atomic_write_text
 
-__all__ = ["STALE_BEATS", "RankStatus", "current", "explain", "failure_line", "finish", "in_collective", "interval_for", "read_all", "unanswering",
-           "update"]
+__all__ = ["STALE_BEATS", "RankStatus", "current", "explain", "failure_line", "finish", "in_collective", "interval_for",
+           "read_all", "unanswering", "update"]
 
 STALE_BEATS = 3
 """Intervals without a write after which a rank counts as not answering."""
@@ -69,6 +69,7 @@ class RankStatus:
         self._thread: threading.Thread | None = None
 
     def start(self) -> RankStatus:
+        """Write the file, start the thread and make this the process's status (``update``)."""
         global _current
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.write()
