@@ -203,7 +203,8 @@ def train(cfg: LabConfig, *, stage_first: bool = True, as_json: bool = False) ->
     from labkit.train.run_config import finished_run
 
     with readout.Output(as_json) as out:
-        done = finished_run(cfg.train)  # a finished run of this config: said so, no engine started, no file touched
+        # a finished run of this config, resumed: said so, no engine started, no file touched (resume=False: a new run)
+        done = finished_run(cfg.train) if cfg.train.resume else None
         if done is not None:
             summary = _summary(done, cfg.train.run_dir, cfg.cluster, already_finished=True)
         else:

@@ -80,15 +80,13 @@ def restore(state: dict | None, model: torch.nn.Module, optimizer: Any, scaler: 
     dist.print0(f"train: resuming from step {state['step']} (checkpoint {where})", file=sys.stderr)  # one line
     if state.get("format", 1) >= 2:
         scaler.load_state_dict(state["scaler"])
-        sampler.set_epoch(state["epoch"])
-        sampler.load_state_dict(state["sampler"])
-        return state["step"], state["epoch"], sampler.position, state["tokens"]
+        sampler.load_state_dict(state["sampler"])  # the global sample position: any world size
+        return state["step"], sampler.epoch, sampler.position, state["tokens"]
     if isinstance(model, parallel.ParallelModel):
         mine = parallel.rank_entry(state, rank, model.split)
         scaler.load_state_dict(state["scaler"])
-        sampler.set_epoch(state["epoch"])
-        sampler.load_state_dict(mine["sampler"])
-        return state["step"], state["epoch"], mine["sampler"]["position"], state["tokens"]
+        sampler.load_state_dict(mine["sampler"] | {"epoch": state["epoch"]})
+        return state["step"], sampler.epoch, sampler.position, state["tokens"]
     if len(state["ranks"]) != world:
         raise ValueError(f"resume: checkpoint {where} was written by "
                          f"{len(state['ranks'])} ranks; this run has {world} (set resume=False)")
@@ -98,9 +96,8 @@ def restore(state: dict | None, model: torch.nn.Module, optimizer: Any, scaler: 
     dist.load_optimizer_state_dict(model, optimizer, state["optimizer"])
     scaler.load_state_dict(state["scaler"])
     mine = state["ranks"][rank]
-    sampler.set_epoch(state["epoch"])
-    sampler.load_state_dict(mine["sampler"])
-    return state["step"], state["epoch"], mine["sampler"]["position"], state["tokens"]
+    sampler.load_state_dict(mine["sampler"] | {"epoch": state["epoch"]})
+    return state["step"], sampler.epoch, sampler.position, state["tokens"]
 
 
 def resume_rng(state: dict, rank: int, world: int, split: parallel.Split | None, cfg: TrainConfig,
@@ -110,7 +107,9 @@ def resume_rng(state: dict, rank: int, world: int, split: parallel.Split | None,
     At another layout no saved stream is this rank's: the dropout streams restart from
     ``cfg.seed`` and the step (``rng.seed_streams``: per tp rank and shared), so they never repeat step 0's."""
     saved_split = state.get("split")
-    if saved_split is not None and split is not None:
+    same = split is not None and saved_split is not None and len(state["ranks"]) == world and \
+        (saved_split["dp"], saved_split["tp"], saved_split["pp"]) == (split.dp, split.tp, split.pp)
+    if same:  # the same split: each rank its own streams (another one has no saved stream of this rank)
         _set_rng_state(parallel.rank_entry(state, rank, split)["rng"])
     elif saved_split is None and split is None and len(state["ranks"]) == world:
         _set_rng_state(state["ranks"][rank]["rng"])
