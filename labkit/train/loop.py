@@ -43,6 +43,7 @@ import json
 import math
 import os
 import pathlib
+import sys
 import time
 import traceback
 import warnings
@@ -56,7 +57,7 @@ from labkit.data.mlm import make_loader
 from labkit.data.shards import ShardSet, open_shards, packing_of
 from labkit.io import atomic_write_json, atomic_write_text
 from labkit.model import BertMLM, count_parameters, flops_per_token
-from labkit.train import dist, parallel, provenance, rng, sinks
+from labkit.train import dist, parallel, provenance, rng, sinks, status
 from labkit.train.checkpoint import Checkpointer, agree_on_plan, plan_run
 from labkit.train.comm import all_reduce_with_sideband
 from labkit.train.optim import lr_at
@@ -65,6 +66,7 @@ from labkit.train.timeline import Timeline, read_timeline
 from labkit.train.run_config import (check_resume, data_identity, finished_run, model_config_of, save_run_config,
                                      with_segments)
 from labkit.train.resume import RunState
+from labkit.train.runlock import RunLock, RunLocked
 from labkit.train.runtime import Runtime, build_runtime
 
 __all__ = ["Run", "to_device", "train"]
@@ -144,6 +146,7 @@ def _maybe_evaluate(model: torch.nn.Module, heldout: Any, cfg: TrainConfig, step
 
     if heldout is None or not ((cfg.eval.every and step % cfg.eval.every == 0) or step == stop):
         return {}
+    status.update(phase="evaluate")
     if windows is None:
         return evaluate(model, heldout, precision=cfg.precision)
     out, peak = windows.around("eval", evaluate, model, heldout, precision=cfg.precision)
@@ -169,8 +172,14 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None,
     not hidden behind backward, rank 0; ``labkit.measure.comm_exposed_s``) and comm_exposed_fraction
     (of the step time), mfu, world_size, global_batch_size, steps, params, ... ``sink(record)``
     is called on rank 0 with each metrics record. Resumes from the newest checkpoint when
-    ``cfg.resume``. Raises ``FloatingPointError`` on a non-finite loss when on_nonfinite="raise",
-    ``ValueError`` naming the field for inconsistent settings; shard errors come from
+    ``cfg.resume`` (rank 0 says so on stderr, one line with the step; a finished
+    run of the same config is returned as saved); ``resume=False`` starts a new run, the files of an
+    earlier one moved to run_dir/previous/. Rank 0 holds run_dir/lock.json while it runs
+    (``labkit.train.runlock``: a second job is refused in one line naming the holder); with a process
+    group each rank keeps run_dir/ranks/rank-<r>.json fresh and a failed collective ends in one line
+    naming the rank that stopped answering (``labkit.train.status``). Raises ``FloatingPointError`` on
+    a non-finite loss when on_nonfinite="raise", ``ValueError`` naming the field for inconsistent
+    settings; shard errors come from
     ``labkit.data.shards``. A process group this call creates is destroyed before it returns.
     Rank 0 also sends each record to the sinks named in ``cfg.measure.trackers`` (``labkit.train.sinks``:
     TensorBoard event files under run_dir/tensorboard by default); config.json and result.json
@@ -180,7 +189,8 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None,
     ``culprit`` (``labkit.train.straggler.culprit``, None when no rank holds the others up) and
     its wall-clock ``goodput`` and ``badput_*`` (``labkit.measure.goodput``).
     """
-    done = finished_run(cfg)  # a finished run of this config: its result as saved, no file opened or written
+    # a finished run of this config, resumed: its result as saved, no file opened or written (resume=False: a new run)
+    done = finished_run(cfg) if cfg.resume else None
     if done is not None:
         return done
     t_start = time.time()
@@ -189,21 +199,45 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None,
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     owns_group = not torch.distributed.is_initialized()
-    # rank 0: resume step and run id; a new run first moves a used run_dir's files aside (before the sinks open there)
-    plan = plan_run(cfg.run_dir, cfg.resume) | {"segment_start": t_start} if rank == 0 else None
-    trackers = sinks.open_sinks(cfg.measure.trackers, cfg.run_dir, main=rank == 0)  # rank 0 writes
+    # rank 0: the run_dir's lock (one job at a time), then the resume step and run id; a new run first moves a used
+    # run_dir's files aside (before the sinks open there). A refusal reaches every rank through agree_on_plan.
+    lock, plan = _lock_and_plan(cfg, t_start) if rank == 0 else (None, None)
+    trackers = sinks.open_sinks(cfg.measure.trackers, cfg.run_dir, main=rank == 0 and lock is not None)  # rank 0 writes
     try:
         dist.init_distributed(cfg.backend, cfg.timeout_s, device)
-        return _run(cfg, sinks.fan_out(sink, trackers), rank, world, device, t_start, plan, timeline_sink)
+        result = _run(cfg, sinks.fan_out(sink, trackers), rank, world, device, t_start, plan, timeline_sink)
+        status.finish("done")
+        return result
     except BaseException as err:  # the failed run's frames hold the model and its process group: clear them, so
         traceback.clear_frames(err.__traceback__)  # the group's sockets close at teardown and the other ranks'
-        raise  # collectives fail at once instead of at the collective timeout (an engine lives on after the error)
+        # collectives fail at once instead of at the collective timeout (an engine lives on after the error);
+        # a failed collective ends in one line naming the rank that stopped answering (labkit.train.status)
+        line = status.explain(err, cfg.run_dir, world, rank, cfg.timeout_s)
+        status.finish("failed")
+        if line is not None:
+            raise RuntimeError(line) from err
+        raise
     finally:
         for tracker in trackers:
             tracker.close()
         if owns_group:
             dist.teardown()
             gc.collect()  # what still held the group (reference cycles) goes now, with its connections
+        if lock is not None:
+            lock.release()
+
+
+def _lock_and_plan(cfg: TrainConfig, t_start: float) -> tuple[RunLock | None, dict]:
+    """Rank 0: take run_dir's lock (``labkit.train.runlock``), then ``plan_run`` (with this
+    invocation's ``segment_start``). When a live job holds it: (None, a plan carrying the one-line
+    refusal naming the holder)."""
+    try:
+        lock = RunLock(cfg.run_dir).acquire()
+    except (RunLocked, OSError) as err:
+        message = str(err) if isinstance(err, RunLocked) else f"run_dir: cannot take the lock of {cfg.run_dir}: {err}"
+        return None, {"step": 0, "run_id": None, "set_aside": None, "error": message, "global_batch_size": None,
+                      "segment_start": t_start}
+    return lock, plan_run(cfg.run_dir, cfg.resume) | {"segment_start": t_start}
 
 
 def _build_model(cfg: TrainConfig, index: dict, rank: int, world: int,
@@ -225,6 +259,24 @@ def _build_model(cfg: TrainConfig, index: dict, rank: int, world: int,
     model = BertMLM(mcfg)
     rng.seed_streams(cfg.seed, rank, world, cfg.parallel.tp, device)  # dropout: one stream per rank, and with tp a
     return mcfg, model  # shared one for the replicated regions of the tp group (labkit.train.rng)
+
+
+def _agree(plan: dict | None, run_dir: pathlib.Path, cfg: TrainConfig, rank: int, world: int) -> dict:
+    """Collective: rank 0's plan on every rank (``checkpoint.agree_on_plan``: its refusal raised on
+    every rank), then, with 2 or more ranks, this rank's status file run_dir/ranks/rank-<r>.json
+    kept fresh from here on (``labkit.train.status``: heartbeat, step, phase)."""
+    plan = agree_on_plan(plan, run_dir)
+    if world > 1:
+        status.RankStatus(run_dir, rank, world, interval_s=status.interval_for(cfg.timeout_s),
+                          run_id=plan["run_id"]).start()
+    return plan
+
+
+def _keeps_global_batch(given: TrainConfig, plan: dict, world: int) -> bool:
+    """Whether ``given`` (as the user set it) makes the checkpoint's global batch at this world size:
+    then a grad_accum_steps that differs from the saved config's is the same step split otherwise."""
+    dp = world // (given.parallel.tp * given.parallel.pp)
+    return plan.get("global_batch_size") == given.batch.micro_batch_size * given.batch.grad_accum_steps * dp
 
 
 def _keep_global_batch(cfg: TrainConfig, saved: int | None, dp: int) -> TrainConfig:
@@ -350,6 +402,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     batches = _iterate(run.loader)  # fork_rng: draws nothing from the restored streams
     rt.parts.train()
     while state.step < run.stop:
+        status.update(step=state.step + 1, phase="train")  # run_dir/ranks/rank-<r>.json (labkit.train.status)
         cfg = _ramp(run)  # the global batch from this step on (labkit.train.ramp: fixed, a ramp, or critical)
         run.timer.start()
         run.windows.start()
@@ -398,9 +451,9 @@ def _start(cfg: TrainConfig, plan: dict | None, rank: int, world: int, device: t
     """Everything before the first step: rank 0's plan agreed by every rank, the shards opened once,
     the model built from the seed and by the one builder (``build_runtime``), this rank's data, the
     run state continued from the plan's checkpoint or ``checkpoint.init_from`` (``Checkpointer.load``:
-    weights, optimiser, counters, sampler, scaler, hook, noise scale, RNG last), the run files."""
+    weights, optimiser, counters, sampler, scaler, hook, noise scale, batch ramp, RNG last), the run files."""
     run_dir = pathlib.Path(cfg.run_dir)
-    plan = agree_on_plan(plan, run_dir)  # collective: rank 0's choice, readable by every rank, or one refusal
+    plan = _agree(plan, run_dir, cfg, rank, world)  # collective: rank 0's plan on every rank, or one refusal
     given, cfg = cfg, _keep_global_batch(cfg, plan.get("global_batch_size"),
                                          world // (cfg.parallel.tp * cfg.parallel.pp))
     data = open_shards(cfg.data_dir, seq_len=cfg.data.seq_len, verify=cfg.data.verify_data,  # the run's one opening:
@@ -408,7 +461,8 @@ def _start(cfg: TrainConfig, plan: dict | None, rank: int, world: int, device: t
     mcfg, model = _build_model(cfg, data.index, rank, world, device)
     resume_step, identity = plan["step"], data_identity(data.index)
     if resume_step:  # refuse to continue a run under another configuration (labkit.train.run_config)
-        check_resume(run_dir, to_dict(given), identity, allow_safe_changes=cfg.allow_safe_changes)
+        check_resume(run_dir, to_dict(given), identity, allow_safe_changes=cfg.allow_safe_changes,
+                     same_global_batch=_keeps_global_batch(given, plan, world))  # grad_accum_steps set by hand
     ckpt = run_dir / "checkpoints" / f"step-{resume_step}" if resume_step else _branch_point(cfg)
     params = count_parameters(model)
     runtime = build_runtime(cfg, model, device)  # the one builder; the step on the (pp, dp, tp) mesh
@@ -424,6 +478,8 @@ def _start(cfg: TrainConfig, plan: dict | None, rank: int, world: int, device: t
     if ckpt is not None:  # weights, optimiser, counters, sampler, scaler, hook, noise scale, ramp; RNG last
         run.checkpointer.load(ckpt, run.state)
     run.state.ramp.start(cfg, run.state.step, measured=runtime.noise is not None)  # or one refusal, nothing written
+    if resume_step:  # one line from rank 0 on stderr
+        dist.print0(f"train: resuming from step {run.state.step} (checkpoint {ckpt.name} in {run_dir})", file=sys.stderr)
     run.prov = provenance.collect(device, start_time=provenance.now_iso())  # collective: every rank's host, device
     run.metrics_file = _start_files(run_dir, given, identity, run.prov, resumed=ckpt is not None,
                                     step=run.state.step, run_id=run.run_id)

@@ -46,7 +46,7 @@ from labkit.config.split import TP_ATTENTION, check_split, split_of  # noqa: F40
 from labkit.measure import IntervalTimer
 from labkit.model.encoder import BertMLM, MLMOutput
 from labkit.train import buckets, pipeline
-from labkit.train.dist import static_graph_valid
+from labkit.train.dist import new_group, set_group_timeouts, static_graph_valid
 from labkit.train.optim import build_optimizer
 from labkit.train.tensor_parallel import apply_tensor_parallel
 
@@ -68,8 +68,9 @@ class Mesh:
         if tdist.is_initialized():
             self.device_mesh = init_device_mesh(device.type, (self.pp, self.dp, self.tp),
                                                 mesh_dim_names=("pp", "dp", "tp"))
+            set_group_timeouts(self.device_mesh)  # the run's timeout, not torch's 30 min
             if self.dp > 1 and self.tp > 1:  # one all-reduce, not one per dimension, for a norm over (dp, tp)
-                self.device_mesh["dp", "tp"]._flatten("dp_tp")  # (torchtitan flattens its meshes alike)
+                set_group_timeouts(self.device_mesh["dp", "tp"]._flatten("dp_tp"))  # (torchtitan flattens alike)
 
     def __getitem__(self, dim: str) -> DeviceMesh:
         """The 1-D sub-mesh of ``dim`` ("pp", "dp" or "tp") holding this rank (KeyError without a process group)."""
@@ -253,7 +254,7 @@ def _embedding_group(mesh: Mesh) -> tdist.ProcessGroup | None:
     for d in range(mesh.dp):
         for t in range(mesh.tp):
             ranks = [(p * mesh.dp + d) * mesh.tp + t for p in (0, mesh.pp - 1)]
-            group = tdist.new_group(ranks)
+            group = new_group(ranks)  # with the run's timeout
             if mesh.rank in ranks:
                 mine = group
     return mine

@@ -155,10 +155,9 @@ class RunState:
             group.update(own)
         if local is not rt.optimizer:  # ZeRO-1 (pytorch/pytorch#124133)
             dist.steps_to_param_devices(local)
-        self.step, self.epoch, self.tokens = run["step"], run["epoch"], run["tokens"]
-        self.sampler.set_epoch(run["epoch"])
-        self.sampler.load_state_dict(run["sampler"])
-        self.position = self.sampler.position
+        self.step, self.tokens = run["step"], run["tokens"]
+        self.sampler.load_state_dict(run["sampler"])  # the global sample position: at any dp
+        self.epoch, self.position = self.sampler.epoch, self.sampler.position  # this rank's next micro-batch's epoch
         rt.scaler.load_state_dict(run["scaler"])
         if rt.noise is not None and run.get("noise") is not None:
             rt.noise.load_state_dict(run["noise"])

@@ -98,7 +98,7 @@ def _whole_run_tensors(path: pathlib.Path, saved: dict[str, Any], state: dict[st
 def _state(saved: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
     """state.pt of format 2 from format 1's: the split (data parallel: (1, world, 1)), the global batch,
     the global sampler state of data-parallel rank 0 (every rank of a run consumed as many
-    batches), the ranks' RNG states."""
+    batches: the same place in the same epoch, ``RankSampler.load_state_dict``), the ranks' RNG states."""
     from labkit.data.mlm import RankSampler
     from labkit.data.shards import read_index
 
@@ -112,8 +112,8 @@ def _state(saved: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
     except Exception as err:  # noqa: BLE001 (any unreadable index: one line naming it)
         raise ValueError(f"data_dir: upgrade reads the run's shard index to place the sampler, and {data_dir} "
                          f"gives {type(err).__name__}: {err}".splitlines()[0]) from None
-    position = state["ranks"][0]["sampler"]["position"]
-    sampler = RankSampler(n, rank=0, world_size=split["dp"], batch_size=micro).state_at(state["epoch"], position)
+    sampler = RankSampler(n, rank=0, world_size=split["dp"], batch_size=micro)
+    sampler.load_state_dict({"epoch": state["epoch"], "position": state["ranks"][0]["sampler"]["position"]})
     sharding = state.get("sharding") or flat.get("parallel.sharding", "ddp")
     return {"format": FORMAT, "run_id": saved.get("run_id"), "step": state["step"], "epoch": state["epoch"],
             "tokens": state["tokens"], "lr": state.get("lr"), "world_size": len(state["ranks"]),
@@ -121,7 +121,7 @@ def _state(saved: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
             "split": {"pp_schedule": flat.get("parallel.pp_schedule", "1f1b"),
                       "pp_virtual_stages": flat.get("parallel.pp_virtual_stages", 1),
                       "sequence_parallel": flat.get("parallel.sequence_parallel", False), **split},
-            "sampler": sampler, "scaler": state["scaler"], "noise": None, "hook": None,
+            "sampler": sampler.state_dict(), "scaler": state["scaler"], "noise": None, "hook": None,
             "ranks": [{"rng": r["rng"]} for r in state["ranks"]]}
 
 
