@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
                "model": base.model, "ranks": RANKS, "micro_batch_per_rank": base.batch.micro_batch_size,
                "start_batch": b0, "lr": base.optim.lr, "lr_rule": base.batch.lr_rule, "schedule": base.schedule.kind,
                "warmup_steps": base.schedule.warmup_steps, "examples": args.examples, "batches": sorted(set(args.batches)),
-               "eval_examples": args.eval_examples, "seq_len": int(index["seq_len"]),
+               "eval_examples": args.eval_examples, "stop_factor": args.stop_factor, "seq_len": int(index["seq_len"]),
                "vocab_size": int(index["vocab_size"]), "sequences": int(index["n_sequences"]),
                "tokenizer_sha256": index["tokenizer_sha256"],
                "fit": {k: fit.get(k) for k in ("b_crit", "b_crit_low", "b_crit_high", "s_min", "e_min")} if fit else None,

@@ -485,18 +485,19 @@ def lesson4_bench_ramp() -> str:
     runs, d = [r for r in recs if r.get("record") == "run"], recs[-1]
     t = d["target_eval_loss"]
     out = [f"| run | global batch | steps to held-out loss {t:.3f} | examples to it | steps saved at the same "
-           "examples | best held-out loss |", "| --- | --- | --- | --- | --- | --- |"]
+           "examples | best held-out loss (steps run) |", "| --- | --- | --- | --- | --- | --- |"]
     for r in runs:
         s, e = r["steps_to_target"], r["examples_to_target"]
         batch = str(r["start_batch"]) if r["schedule"] == "fixed" else " → ".join(
             str(c["global_batch_size"]) + (f" (after {c['step']})" if c["step"] else "") for c in r["changes"])
         saved = "-"
         if r.get("steps_saved") is not None:
-            against = (f"fixed {r['matched_fixed_batch']}" if r["compared_with"] == "measured" else
+            against = (f"fixed {r['matched_fixed_batch']}: {r['matched_fixed_steps']:.1f} steps, "
+                       f"{r['matched_fixed_examples']:,.0f} examples" if r["compared_with"] == "measured" else
                        f"the fit's batch {r['fit_batch_same_examples']:.1f}: {r['fit_steps_same_examples']:.1f} steps")
             saved = f"{100 * r['steps_saved']:.0f} % (against {against})"
         out.append(f"| {r['name']} | {batch} | " + (f"{s:.1f} | {e:,.0f}" if s is not None else "not reached | -")
-                   + f" | {saved} | {r['best_eval_loss']:.3f} |")
+                   + f" | {saved} | {r['best_eval_loss']:.3f} ({r['curve'][-1][0]}) |")
     fit = d.get("fit") or {}
     met = [r["name"] for r in runs if r.get("goal_met")]
     out.append("")
@@ -504,8 +505,9 @@ def lesson4_bench_ramp() -> str:
                f"tokens), {d['ranks']} gloo ranks × micro-batch {d['micro_batch_per_rank']}; the fixed runs as `labkit "
                f"sweep batch` makes them ({d['examples']:,} examples each, lr {d['lr']:g} at batch {d['start_batch']} "
                f"scaled by the {d['lr_rule']} rule); the ramp runs start at {d['start_batch']} on that batch's "
-               f"{d['schedule']} schedule, lr by the same rule at each change; held-out loss every "
-               f"{d['eval_examples']} examples. Target: the worst run's best held-out loss"
+               f"{d['schedule']} schedule ({d['examples'] // d['start_batch']} steps), lr by the same rule at each "
+               f"change, and stop after {d['stop_factor']:g} x the steps the fixed {d['start_batch']} run took to the target; held-out "
+               f"loss every {d['eval_examples']} examples. Target: the worst fixed run's best held-out loss"
                f"{'' if d['target_rule'] != 'given' else ' (given)'}. "
                + (f"The fixed runs fit B_crit = {fit['b_crit']:.1f}, S_min = {fit['s_min']:.1f}, E_min = "
                   f"{fit['e_min']:.0f} (S(B) = S_min(1 + B_crit/B)), which gives the fixed batch with a ramp's "

@@ -647,7 +647,7 @@ def _result(run: Run, records: list[dict]) -> dict[str, Any]:
               "final_loss": records[-1].get("loss") if records else None,
               "eval_loss": evals[-1]["eval_loss"] if evals else None,
               "perplexity": evals[-1]["perplexity"] if evals else None,
-              "tokens_per_s": tps,
+              "tokens_per_s": tps, "timed_seconds": seconds if timed else None,
               "samples_per_s": measure.samples_per_s(samples, seconds) if timed else None,
               "data_wait_fraction": measure.data_wait_fraction(wait_s, seconds) if timed else None,
               "comm_exposed_s": exposed_s / len(exposed) if exposed else None,  # mean per timed step, rank 0

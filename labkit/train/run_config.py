@@ -193,13 +193,14 @@ SEGMENT_FIELDS = ("start_step", "end_step", "start_time", "end_time", "command",
 def _segment(result: dict, timing_warmup_steps: int) -> dict:
     """One invocation's segment from the result.json it wrote (its own means and times): the
     timed steps are its steps after ``timing_warmup_steps`` (all when it had no more), the timed
-    seconds ``timed_steps * global_batch_size / samples_per_s``."""
+    seconds its ``timed_seconds`` (``timed_steps * global_batch_size / samples_per_s`` for a result
+    written before that field: a batch ramp's global batch is its last one)."""
     prov = result.get("provenance") or {}
     start = result.get("resumed_from_step") or 0
     n = result["steps"] - start
     timed = n - timing_warmup_steps if n > timing_warmup_steps else n
     sps = result.get("samples_per_s")
-    seconds = timed * result["global_batch_size"] / sps if sps else 0.0
+    seconds = result.get("timed_seconds") or (timed * result["global_batch_size"] / sps if sps else 0.0)
     return {"start_step": start, "end_step": result["steps"], "start_time": prov.get("start_time"),
             "end_time": prov.get("end_time"), "command": prov.get("command"), "wall_s": result.get("wall_s"),
             "world_size": result.get("world_size"), "timed_steps": timed if sps else 0, "timed_seconds": seconds,
