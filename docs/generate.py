@@ -493,7 +493,8 @@ def lesson4_bench_ramp() -> str:
         saved = "-"
         if r.get("steps_saved") is not None:
             against = (f"fixed {r['matched_fixed_batch']}: {r['matched_fixed_steps']:.1f} steps, "
-                       f"{r['matched_fixed_examples']:,.0f} examples" if r["compared_with"] == "measured" else
+                       f"{r['matched_fixed_examples']:,.0f} examples, x{e / r['matched_fixed_examples']:.2f} of them"
+                       if r["compared_with"] == "measured" else
                        f"the fit's batch {r['fit_batch_same_examples']:.1f}: {r['fit_steps_same_examples']:.1f} steps")
             saved = f"{100 * r['steps_saved']:.0f} % (against {against})"
         out.append(f"| {r['name']} | {batch} | " + (f"{s:.1f} | {e:,.0f}" if s is not None else "not reached | -")
