@@ -51,6 +51,7 @@ EXAMPLES = {
     "forecast": "labkit forecast configs/study.toml --gpus 1,2,4,8,16,32,64,128,256 --network 25GbE\n"
                 "  labkit forecast configs/walkthrough.toml --device cpu --gpus 1,2,4,8",
     "export": "labkit export work/walkthrough/runs/main work/walkthrough/export",
+    "checkpoint": "labkit checkpoint upgrade work/walkthrough/runs/main",
     "demo": "labkit demo --workdir work/demo --engines 2",
     "verify": "labkit verify work/demo/shards",
     "report": "labkit report notebooks/03_train.py work/demo/reports/03_train.html --param steps=20",
@@ -194,6 +195,18 @@ def _demo(args: argparse.Namespace) -> int:
         summary = run_demo(cfg, force=args.force)
         if args.json:
             out.show(summary, [])
+    return 0
+
+
+def _checkpoint(args: argparse.Namespace) -> int:
+    from labkit.readout import Output
+    from labkit.train.upgrade import upgrade
+
+    with Output(args.json) as out:
+        done = upgrade(args.run_dir)
+        lines = [f"upgraded {d['path']} ({d['kind']} run, step {d['step']}) to format 2" for d in done]
+        out.show({"run_dir": args.run_dir, "upgraded": done},
+                 lines or [f"{args.run_dir}: no format-1 checkpoint, nothing to upgrade"])
     return 0
 
 
@@ -470,6 +483,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     _add_json(p)
     p.set_defaults(func=_command("export"))
+    p = _sub(sub, "checkpoint", "rewrite a run's format-1 checkpoints (before torch.distributed.checkpoint) once, "
+                                "so it resumes", debug)
+    p.add_argument("action", choices=("upgrade",))
+    p.add_argument("run_dir")
+    _add_json(p)
+    p.set_defaults(func=_checkpoint)
 
     p = _sub(sub, "demo", "the end-to-end lab on local engines, CPU, real ELF binaries", debug)
     p.add_argument("--workdir", default="work/demo", help="where every artifact goes (default: work/demo)")

@@ -140,9 +140,10 @@ class ParallelConfig:
     latency less often; the last bucket's all-reduce is never hidden (``comm_exposed_s`` in every
     metrics record, docs/training.md)."""
     grad_compression: Literal["none", "bf16", "powersgd"] = "none"
-    """ddp / zero1: how DDP's gradient buckets travel (``labkit.train.comm.compression_hook``, in the
-    one comm hook with the timing): "none" all-reduces fp32; "bf16" casts each bucket to bfloat16
-    for the all-reduce (torch's ``bf16_compress_hook``: half the bytes); "powersgd" sends a rank-
+    """How the data-parallel gradient reduction travels: "none" in fp32; "bf16" in bfloat16, half the
+    bytes (ddp / zero1: torch's ``bf16_compress_hook`` in DDP's one comm hook with the timing,
+    ``labkit.train.comm.compression_hook``; fsdp: FSDP2's ``MixedPrecisionPolicy(reduce_dtype=bf16)``;
+    replicate: the replicas' all-reduce in bf16); "powersgd" (ddp / zero1 only) sends a rank-
     ``powersgd_rank`` factorisation of each matrix gradient (torch's ``powerSGD_hook``, Vogels et
     al. 2019, arXiv:1905.13727, with error feedback) after ``powersgd_start_iter`` plain steps."""
     powersgd_rank: int = 4
@@ -175,8 +176,9 @@ class ParallelConfig:
         _require(self.bucket_cap_mb == "auto" or (not isinstance(self.bucket_cap_mb, str) and self.bucket_cap_mb > 0),
                  "parallel.bucket_cap_mb", f"must be a positive number of MiB or 'auto', got {self.bucket_cap_mb!r}")
         _one_of(self.grad_compression, "parallel.grad_compression", ("none", "bf16", "powersgd"))
-        _require(self.grad_compression == "none" or self.sharding in ("ddp", "zero1"), "parallel.grad_compression",
-                 f"{self.grad_compression!r} is a DDP comm hook: it needs sharding 'ddp' or 'zero1', "
+        _require(self.grad_compression != "powersgd" or self.sharding in ("ddp", "zero1"), "parallel.grad_compression",
+                 "'powersgd' is torch's DDP comm hook (it all-reduces low-rank factors of whole gradient matrices, "
+                 f"which FSDP2's shards and tensor-parallel slices are not): it needs sharding 'ddp' or 'zero1', "
                  f"not {self.sharding!r}")
         _require(self.powersgd_rank >= 1, "parallel.powersgd_rank", f"must be >= 1, got {self.powersgd_rank}")
         _require(self.powersgd_start_iter >= 2, "parallel.powersgd_start_iter",

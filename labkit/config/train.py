@@ -100,8 +100,9 @@ class TrainConfig:
     num_threads: int | None = field(default=None, metadata=FREE)
     """torch intra-op threads per rank (CPU); None leaves torch's default."""
     compile: bool = False
-    """``torch.compile`` the model's forward (``nn.Module.compile``, in place, so parameter
-    names and checkpoints stay the same) before wrapping it for data parallelism."""
+    """``torch.compile`` each pipeline stage's forward (the whole model at pp = 1; ``nn.Module.compile``,
+    in place, so parameter names and checkpoints stay the same) after tensor parallelism and before
+    the data-parallel wrapping (``labkit.train.parallel.build``)."""
     activation_checkpointing: bool = False
     """Recompute each encoder layer's activations in backward (sets ModelConfig's field; the
     same as model_overrides={"activation_checkpointing": True})."""
@@ -164,9 +165,6 @@ class TrainConfig:
         _require(par.pp == 1 or par.pp_schedule != "interleaved_1f1b" or m % rounds == 0, "batch.grad_accum_steps",
                  f"interleaved_1f1b needs a multiple of {rounds} micro-batches (rounds of parallel.pp {par.pp}), "
                  f"got {m}")
-        _require(not par.is_split or self.precision != "fp16", "precision",
-                 "fp16 is not checked with tp/pp > 1 (its loss scaler would see split gradients); use bf16 or fp32")
-        _require(not par.is_split or not self.compile, "compile", "torch.compile is not checked with tp/pp > 1")
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with ``changes``: a top-level field by name, a section by a dict of the fields that

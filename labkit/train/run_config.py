@@ -47,8 +47,7 @@ SAFE_FIELDS = frozenset(k for k, v in resume_policy().items() if v == "safe")
 """TrainConfig fields (dotted) that may change on resume with ``allow_safe_changes=True``. The
 model-parallel split and the data-parallel sharding change how a step is computed, not what (the
 same loss to rounding: a checkpoint loads at another split, sharding or world size, with the
-global batch kept, ``labkit.train.checkpoint.load``; a format-1 checkpoint only at its own,
-``parallel.refuse_checkpoint``)."""
+global batch kept, ``labkit.train.checkpoint.Checkpointer.load``)."""
 
 
 def data_identity(index: dict) -> dict[str, Any]:
