@@ -199,13 +199,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
+    from labkit.readout import Output
     from labkit.train.upgrade import upgrade
 
-    done = upgrade(args.run_dir)
-    for d in done:
-        print(f"upgraded {d['path']} ({d['kind']} run, step {d['step']}) to format 2")
-    if not done:
-        print(f"{args.run_dir}: no format-1 checkpoint, nothing to upgrade")
+    with Output(args.json) as out:
+        done = upgrade(args.run_dir)
+        lines = [f"upgraded {d['path']} ({d['kind']} run, step {d['step']}) to format 2" for d in done]
+        out.show({"run_dir": args.run_dir, "upgraded": done},
+                 lines or [f"{args.run_dir}: no format-1 checkpoint, nothing to upgrade"])
     return 0
 
 
@@ -486,6 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "so it resumes", debug)
     p.add_argument("action", choices=("upgrade",))
     p.add_argument("run_dir")
+    _add_json(p)
     p.set_defaults(func=_checkpoint)
 
     p = _sub(sub, "demo", "the end-to-end lab on local engines, CPU, real ELF binaries", debug)

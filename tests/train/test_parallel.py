@@ -402,7 +402,10 @@ def test_a_format_1_split_checkpoint_is_upgraded_to_the_state_it_had(world2, tmp
     step = run / "checkpoints" / "step-10"
     state = read_state(step)
     (step / MARKER).unlink()
-    position = {"epoch": state["sampler"]["epoch"], "position": state["sampler"]["position"]}
+    g = state["sampler"]  # format 1: per rank, the micro-batches of its epoch consumed (dp x b samples each)
+    within, rest = divmod(g["samples"] - g["epoch"] * g["n_samples"], g["world_size"] * g["batch_size"])
+    assert rest == 0, g
+    position = {"epoch": g["epoch"], "position": within}
     torch.save({**{k: v for k, v in state.items() if k not in ("sampler", "noise", "hook")}, "format": 1,
                 "ranks": [{"rng": r["rng"], "sampler": position} for r in state["ranks"]]}, step / "state.pt")
     assert [(d["step"], d["kind"]) for d in upgrade(run)] == [(10, "split")]
