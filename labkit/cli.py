@@ -413,6 +413,37 @@ def _add_forecast(sub: Any, debug: argparse.ArgumentParser) -> None:
     p.set_defaults(func=_command("forecast"))
 
 
+def _add_sweep(sub, debug: argparse.ArgumentParser) -> None:
+    """``labkit sweep KIND``: its options (each says which kinds read it)."""
+    p = _sub(sub, "sweep", "scaling sweeps: ranks, micro-batch, DataLoader workers, a shaped network (notebook 04), "
+                           "data x tensor x pipeline splits (notebook 06), the critical batch by whole runs (batch) "
+                           "and by branching from a run's checkpoints (branch; notebook 07)", debug)
+    p.add_argument("kind", choices=("ranks", "micro-batch", "loaders", "network", "parallel", "batch", "branch"))
+    _add_common(p)
+    p.add_argument("--ranks", type=int, nargs="+", default=None, help="ranks: the rank counts (default 1..engines)")
+    p.add_argument("--models", nargs="+", default=None, help="micro-batch: model presets (default: train.model)")
+    p.add_argument("--budget-gib", type=float, default=2.0,
+                   help="micro-batch: GiB (2**30 bytes) per rank; 0 = the GPU until OOM")
+    p.add_argument("--budget-gb", type=float, default=None, help=argparse.SUPPRESS)  # refused: GB is plan's unit
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="loaders: worker counts")
+    p.add_argument("--step-time-s", type=float, default=0.05, help="loaders: the consumer's step time (s)")
+    p.add_argument("--micro-batches", type=int, default=4,
+                   help="parallel: micro-batches per step and data-parallel replica (the pipeline's m)")
+    p.add_argument("--steps", type=int, default=None, help="parallel: optimiser steps per split (default 8); "
+                                                           "network: per run, the first 2 untimed (default 6)")
+    p.add_argument("--rates-mbit", type=float, nargs="+", default=[0, 1000, 200, 50],
+                   help="network: link settings in Mbit/s between the two hosts, 0 = unshaped (root)")
+    p.add_argument("--compression", nargs="+", default=["none"], choices=("none", "bf16", "powersgd"),
+                   help="network: train.parallel.grad_compression values, each at every setting")
+    _add_batch_sweep_args(p)
+    p.add_argument("--critical-batch", default=None, metavar="PARQUET",
+                   help="ranks: B_noise of the statistical goodput column from a `labkit sweep batch` table "
+                        "(<workdir>/sweeps/critical_batch.parquet: its B_crit); default: the in-run B_simple of the "
+                        "run with the most ranks. branch: the B_crit shown beside (default: that file, if any)")
+    p.add_argument("--force", action="store_true", help="rerun points already in the sweep's table")
+    p.set_defaults(func=_command("sweep"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``labkit`` argument parser (every subcommand's ``--help`` ends with an example)."""
     debug = argparse.ArgumentParser(add_help=False)
@@ -446,33 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, config=False, engines_help="number of engines (default: as many as the run ran on, its "
                                               "config.json's world size; [cluster] engines when it has none)")
     p.set_defaults(func=_resume)
-    p = _sub(sub, "sweep", "scaling sweeps: ranks, micro-batch, DataLoader workers, a shaped network (notebook 04), "
-                           "data x tensor x pipeline splits (notebook 06), the critical batch by whole runs (batch) "
-                           "and by branching from a run's checkpoints (branch; notebook 07)", debug)
-    p.add_argument("kind", choices=("ranks", "micro-batch", "loaders", "network", "parallel", "batch", "branch"))
-    _add_common(p)
-    p.add_argument("--ranks", type=int, nargs="+", default=None, help="ranks: the rank counts (default 1..engines)")
-    p.add_argument("--models", nargs="+", default=None, help="micro-batch: model presets (default: train.model)")
-    p.add_argument("--budget-gib", type=float, default=2.0,
-                   help="micro-batch: GiB (2**30 bytes) per rank; 0 = the GPU until OOM")
-    p.add_argument("--budget-gb", type=float, default=None, help=argparse.SUPPRESS)  # refused: GB is plan's unit
-    p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="loaders: worker counts")
-    p.add_argument("--step-time-s", type=float, default=0.05, help="loaders: the consumer's step time (s)")
-    p.add_argument("--micro-batches", type=int, default=4,
-                   help="parallel: micro-batches per step and data-parallel replica (the pipeline's m)")
-    p.add_argument("--steps", type=int, default=None, help="parallel: optimiser steps per split (default 8); "
-                                                           "network: per run, the first 2 untimed (default 6)")
-    p.add_argument("--rates-mbit", type=float, nargs="+", default=[0, 1000, 200, 50],
-                   help="network: link settings in Mbit/s between the two hosts, 0 = unshaped (root)")
-    p.add_argument("--compression", nargs="+", default=["none"], choices=("none", "bf16", "powersgd"),
-                   help="network: train.parallel.grad_compression values, each at every setting")
-    _add_batch_sweep_args(p)
-    p.add_argument("--critical-batch", default=None, metavar="PARQUET",
-                   help="ranks: B_noise of the statistical goodput column from a `labkit sweep batch` table "
-                        "(<workdir>/sweeps/critical_batch.parquet: its B_crit); default: the in-run B_simple of the "
-                        "run with the most ranks. branch: the B_crit shown beside (default: that file, if any)")
-    p.add_argument("--force", action="store_true", help="rerun points already in the sweep's table")
-    p.set_defaults(func=_command("sweep"))
+    _add_sweep(sub, debug)
     _add_plan(sub, debug)
     _add_forecast(sub, debug)
     p = _sub(sub, "export", "write a run's model, tokenizer and model card for transformers", debug)
