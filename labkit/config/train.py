@@ -123,7 +123,7 @@ class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """The learning-rate schedule."""
     batch: BatchConfig = field(default_factory=BatchConfig)
-    """Micro-batch size and gradient accumulation."""
+    """Micro-batch size, gradient accumulation and the global batch over the run."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """The (pp, dp, tp) split and the data-parallel strategy."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -161,6 +161,9 @@ class TrainConfig:
         par, m = self.parallel, self.batch.grad_accum_steps
         _require(par.pp == 1 or par.pp_schedule == "gpipe" or m >= par.pp, "batch.grad_accum_steps",
                  f"{par.pp_schedule} needs at least as many micro-batches as stages: {m} < parallel.pp {par.pp}")
+        _require(par.pp == 1 or self.batch.schedule == "fixed", "batch.schedule",
+                 f"{self.batch.schedule!r} changes the micro-batches per step, which a pipeline schedule fixes when it "
+                 "is built: with parallel.pp > 1 use 'fixed'")
         rounds = max(1, m // par.pp)
         _require(par.pp == 1 or par.pp_schedule != "interleaved_1f1b" or m % rounds == 0, "batch.grad_accum_steps",
                  f"interleaved_1f1b needs a multiple of {rounds} micro-batches (rounds of parallel.pp {par.pp}), "

@@ -57,6 +57,10 @@ class GradientObserver:
     share of the element's value this rank counts when the other ranks of its tp group hold the same
     value (1/tp for a tensor-parallel run's replicated parameters; ``labkit.train.runtime``). Both run
     on the communication path: keep them to a few device ops (no host sync on CUDA).
+    ``pieces``: None, or (names, sizes) of the parameters whose gradients the bucket holds, in its
+    order (DDP's buckets, which DDP lays out anew after the first step: an observer that sums per
+    parameter in a fixed order gets the same sums whatever the layout, e.g. on a resumed run's
+    first step).
     ``step_fields()`` is called once per optimiser step on every rank, after the step, and returns
     the fields it adds to the metrics record; ``reset()`` is called before each step.
     ``sideband(device)``: a 1-D float64 tensor on ``device`` (or None) that the caller sums over every
@@ -66,11 +70,12 @@ class GradientObserver:
 
     sharded = False
 
-    def before(self, bucket_index: int, local: torch.Tensor, weights: torch.Tensor | None = None) -> None:  # noqa: D102
+    def before(self, bucket_index: int, local: torch.Tensor, weights: torch.Tensor | None = None,  # noqa: D102
+               pieces: tuple[list[str], list[int]] | None = None) -> None:
         return None
 
     def after(self, bucket_index: int, reduced: torch.Tensor,  # noqa: D102
-              weights: torch.Tensor | None = None) -> None:
+              weights: torch.Tensor | None = None, pieces: tuple[list[str], list[int]] | None = None) -> None:
         return None
 
     def reset(self) -> None:  # noqa: D102
@@ -180,9 +185,9 @@ class CommTimer:
 class HookState:
     """The composed DDP comm hook's state: the ``timer``, the inner ``reduce`` hook and its own
     ``reduce_state`` (e.g. a ``PowerSGDState``; None for the default all-reduce),
-    ``wire_bytes(bucket) -> int`` (bytes the inner hook sends for the bucket) and, for PowerSGD with
-    ``names`` (parameter -> name), ``named``: its state by parameter name
-    (``labkit.train.powersgd.NamedPowerSGD``, what a checkpoint keeps; None otherwise)."""
+    ``wire_bytes(bucket) -> int`` (bytes the inner hook sends for the bucket), ``names`` (parameter ->
+    name: the observers' ``pieces``) and, for PowerSGD with names, ``named``: its state by parameter
+    name (``labkit.train.powersgd.NamedPowerSGD``, what a checkpoint keeps; None otherwise)."""
 
     def __init__(self, timer: CommTimer, reduce: Any = None, reduce_state: Any = None, wire_bytes: Any = None,
                  names: dict[torch.nn.Parameter, str] | None = None) -> None:
@@ -191,7 +196,7 @@ class HookState:
 
         from labkit.train.powersgd import NamedPowerSGD
 
-        self.timer, self.reduce, self.reduce_state = timer, reduce or allreduce_hook, reduce_state
+        self.timer, self.reduce, self.reduce_state, self.names = timer, reduce or allreduce_hook, reduce_state, names
         self.wire_bytes = wire_bytes or (lambda bucket: bucket.buffer().numel() * bucket.buffer().element_size())
         self.named = NamedPowerSGD(reduce_state, names) if isinstance(reduce_state, PowerSGDState) and names else None
 
@@ -225,19 +230,23 @@ def _composed_hook(state, bucket):  # no annotations: DDP checks them against di
     local bucket, then the inner ``reduce`` hook runs (torch's default averaging all-reduce,
     ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook``, unless a
     compression hook was chosen) with its launch and completion timed, then the observers see the
-    averaged bucket."""
+    averaged bucket; both with the bucket's ``pieces`` when the hook knows the parameters' names."""
     timer, index = state.timer, bucket.index()
     if state.named is not None:  # PowerSGD's state follows the bucket's parameters (labkit.train.powersgd)
         state.named.prepare(bucket)
+    pieces = None
+    if state.names is not None and timer.observers:
+        params = bucket.parameters()
+        pieces = ([state.names[p] for p in params], [p.numel() for p in params])
     for observer in timer.observers:
-        observer.before(index, bucket.buffer())
+        observer.before(index, bucket.buffer(), pieces=pieces)
     start, nbytes = timer.now(), state.wire_bytes(bucket)
 
     def done(fut: torch.futures.Future) -> torch.Tensor:
         timer.add(start, timer.now(), nbytes)
         reduced = fut.value()
         for observer in timer.observers:
-            observer.after(index, reduced)
+            observer.after(index, reduced, pieces=pieces)
         return reduced
 
     return state.reduce(state.reduce_state, bucket).then(done)

@@ -173,9 +173,10 @@ def static_graph_valid(cfg: Any) -> bool:
     """Whether DDP may be told the graph is static (``static_graph=True``): every model labkit
     builds uses the same parameters in the same order at every step, but DDP's static-graph
     reducer asserts (``expect_autograd_hooks_``, torch 2.13) when the first step accumulates
-    under ``no_sync``, so only without gradient accumulation (``cfg.batch.grad_accum_steps == 1``);
-    ``cfg`` None (tests, benchmarks) means no."""
-    return cfg is not None and cfg.batch.grad_accum_steps == 1
+    under ``no_sync``, so only without gradient accumulation (``cfg.batch.grad_accum_steps == 1``)
+    now or later (``cfg.batch.schedule == "fixed"``: a ramp's first step after a resume may
+    accumulate); ``cfg`` None (tests, benchmarks) means no."""
+    return cfg is not None and cfg.batch.grad_accum_steps == 1 and cfg.batch.schedule == "fixed"
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:

@@ -26,7 +26,11 @@ Where the two batches come from (``NoiseScale.for_run``):
   of R·b·k. ``|G_small|²`` is the mean over ranks of the local squared norm. (k-diffusion's
   ``k_diffusion/gns.py``, ``DDPGradientStatsHook``, takes the same two sums in a hook.) Every rank
   holds the same average, so each takes the squared norm of its 1/R slice of it (the sum over
-  ranks is the whole).
+  ranks is the whole). Both per parameter (the hook's ``pieces``), summed in the order of the
+  parameters' names: DDP lays its buckets out anew after a run's first step (one bucket, then
+  buckets in the order gradients became ready), and per-parameter sums in a fixed order are the same
+  bits whatever the layout, so a resumed run's noise scale (and a ``critical`` batch ramp's
+  decisions, ``labkit.train.ramp``) is the uninterrupted run's on CPU.
 - DDP under PowerSGD: the averaged bucket is the compressed one, so both norms come from a count
   sketch (``CountSketch``) of each local bucket before compression, m bins each; the sketches
   are linear, so their sum over ranks is the sketch of the uncompressed mean: |G_small|² =
@@ -134,6 +138,13 @@ def fieller_interval(num: float, den: float, v_num: float, v_den: float, cov: fl
         return 0.0, None
     r1, r2 = sorted(((-b - math.sqrt(disc)) / (2 * a), (-b + math.sqrt(disc)) / (2 * a)))
     return (max(r2, 0.0) if r1 <= 0 else 0.0), None  # (-inf, r1] ∪ [r2, inf), positive part's hull
+
+
+def _by_name(views: list[torch.Tensor] | tuple[torch.Tensor, ...], names: list[str]) -> dict[str, torch.Tensor]:
+    """{name: the squared norm of its view} (0-d, the views' dtype, on their device), all of a bucket
+    in one ``torch._foreach_norm`` (as ``torch.nn.utils.get_total_norm`` takes them: one kernel on
+    CUDA; each tensor alone on CPU, the same bits as ``squared_norm``)."""
+    return {name: n.square() for name, n in zip(names, torch._foreach_norm(list(views)))} if views else {}
 
 
 class BiasCorrectedEMA:
@@ -284,23 +295,36 @@ class NoiseScale(GradientObserver):
         self._big: Any = 0.0
         self._masked: Any = None
         self._sketches: dict[int, torch.Tensor] = {}
+        self._parts: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})  # by parameter name
         self._received: torch.Tensor | None = None
         self.steps += 1
 
-    def before(self, bucket_index: int, local: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+    def before(self, bucket_index: int, local: torch.Tensor, weights: torch.Tensor | None = None,
+               pieces: tuple[list[str], list[int]] | None = None) -> None:
         """Add the (weighted: ``GradientObserver``) squared norm of this rank's local gradient bucket
-        (before the reduction), or, sketching, keep the bucket's sketch."""
+        (before the reduction), or, sketching, keep the bucket's sketch. With ``pieces`` (DDP: the
+        bucket's parameter names and sizes) the squared norm of each parameter's gradient, summed at
+        the step's end in the order of the names (``_by_name``): the same sums whatever DDP's layout."""
         if self.sketch is not None:
             s = self.sketch(local, offset=self.steps * 2654435761 + 977 * bucket_index)  # fresh per step and bucket
             self._sketches[bucket_index] = s
             self.add_small(squared_norm(s))
+        elif pieces is not None and weights is None:
+            self._parts[0].update(_by_name(local.reshape(-1).split(pieces[1]), pieces[0]))
         else:
             self.add_small(squared_norm(local, weights))
 
-    def after(self, bucket_index: int, reduced: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+    def after(self, bucket_index: int, reduced: torch.Tensor, weights: torch.Tensor | None = None,
+              pieces: tuple[list[str], list[int]] | None = None) -> None:
         """Add the (weighted) squared norm of this rank's share of the reduced bucket: the FSDP2 shard,
-        or its 1/R slice of the replicas' average (nothing when sketching)."""
+        or its 1/R slice of the replicas' average (nothing when sketching); with ``pieces``, its 1/R
+        slice of each parameter's averaged gradient, by name (``before``)."""
         if self.sketch is not None:
+            return
+        if pieces is not None and weights is None and not self.sharded:
+            views = reduced.reshape(-1).split(pieces[1])
+            r, n = self.rank, self.ranks
+            self._parts[1].update(_by_name([v[r * v.numel() // n:(r + 1) * v.numel() // n] for v in views], pieces[0]))
             return
         if not self.sharded and self.ranks > 1:
             n = reduced.numel()
@@ -324,8 +348,9 @@ class NoiseScale(GradientObserver):
     def sideband(self, device: torch.device) -> torch.Tensor:
         """The step's sums to add up over the ranks, float64 on ``device``: [Σ local squared norms,
         Σ this rank's share of the reduced squared norms, *the buckets' sketches in bucket order]."""
-        sums = [v.reshape(1) if isinstance(v, torch.Tensor) else torch.tensor([float(v)])
-                for v in (self._small, self._big)]
+        small, big = (total + torch.stack([parts[k] for k in sorted(parts)]).sum() if parts else total
+                      for total, parts in ((self._small, self._parts[0]), (self._big, self._parts[1])))
+        sums = [v.reshape(1) if isinstance(v, torch.Tensor) else torch.tensor([float(v)]) for v in (small, big)]
         sketches = [self._sketches[i] for i in sorted(self._sketches)]
         return torch.cat([v.to(device=device, dtype=torch.float64) for v in [*sums, *sketches]])
 
@@ -380,7 +405,7 @@ class NoiseScale(GradientObserver):
         return fieller_interval(m["s"], m["g"], v_s, v_g, cov, q)
 
     def _device(self) -> torch.device:
-        for v in (self._small, self._big):
+        for v in (self._small, self._big, *self._parts[0].values(), *self._parts[1].values()):
             if isinstance(v, torch.Tensor):
                 return v.device
         return torch.device("cpu")

@@ -403,6 +403,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     rt.parts.train()
     while state.step < run.stop:
         status.update(step=state.step + 1, phase="train")  # run_dir/ranks/rank-<r>.json (labkit.train.status)
+        cfg = _ramp(run)  # the global batch from this step on (labkit.train.ramp: fixed, a ramp, or critical)
         run.timer.start()
         run.windows.start()
         tl.start(state.step + 1)
@@ -410,7 +411,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         micro_batches, wait, batches = tl.around("data", _fetch, batches, run.loader, state, cfg, rt.dp, device)
         # 2. set the learning rate (the schedule is a pure function of the step), count masked
         #    tokens globally, then forward/backward every micro-batch
-        lr = lr_at(state.step, cfg)
+        lr = lr_at(state.step, cfg) * state.ramp.lr_factor  # batch.lr_rule at the ramp's batch (1 when fixed)
         for group in rt.optimizer.param_groups:
             group["lr"] = lr
         loss_sum, n_masked, n_tokens = rt.forward_backward(micro_batches, mark=tl.mark)
@@ -436,6 +437,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
             values = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_tokens": n_tokens_i,
                       "n_masked": int(n_masked.item()), "skipped": not finite, **measures, **evaluated}
             run.last_record = _log(_record(run, values, step_time, wait_mean), run.metrics_file, sink)
+        state.ramp.decide(state.step, measures)  # critical: the noise scale may double the next step's batch
         if cfg.checkpoint.enabled and ((cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0)
                                        or state.step == run.stop):
             tl.around("checkpoint", run.windows.around, "checkpoint", run.checkpointer.save, state.step, state)
@@ -449,7 +451,7 @@ def _start(cfg: TrainConfig, plan: dict | None, rank: int, world: int, device: t
     """Everything before the first step: rank 0's plan agreed by every rank, the shards opened once,
     the model built from the seed and by the one builder (``build_runtime``), this rank's data, the
     run state continued from the plan's checkpoint or ``checkpoint.init_from`` (``Checkpointer.load``:
-    weights, optimiser, counters, sampler, scaler, hook, noise scale, RNG last), the run files."""
+    weights, optimiser, counters, sampler, scaler, hook, noise scale, batch ramp, RNG last), the run files."""
     run_dir = pathlib.Path(cfg.run_dir)
     plan = _agree(plan, run_dir, cfg, rank, world)  # collective: rank 0's plan on every rank, or one refusal
     given, cfg = cfg, _keep_global_batch(cfg, plan.get("global_batch_size"),
@@ -473,16 +475,32 @@ def _start(cfg: TrainConfig, plan: dict | None, rank: int, world: int, device: t
               timeline=Timeline(run_dir, rank=rank, world_size=world, resumed_from=resume_step, comm=runtime.comm,
                                 enabled=cfg.measure.timeline, segment_start=plan["segment_start"],
                                 publish=timeline_sink))
-    if ckpt is not None:  # weights, optimiser, counters, sampler, scaler, hook, noise scale; RNG last
+    if ckpt is not None:  # weights, optimiser, counters, sampler, scaler, hook, noise scale, ramp; RNG last
         run.checkpointer.load(ckpt, run.state)
+    run.state.ramp.start(cfg, run.state.step, measured=runtime.noise is not None)  # or one refusal, nothing written
     if resume_step:  # one line from rank 0 on stderr
         dist.print0(f"train: resuming from step {run.state.step} (checkpoint {ckpt.name} in {run_dir})", file=sys.stderr)
     run.prov = provenance.collect(device, start_time=provenance.now_iso())  # collective: every rank's host, device
     run.metrics_file = _start_files(run_dir, given, identity, run.prov, resumed=ckpt is not None,
                                     step=run.state.step, run_id=run.run_id)
+    if dist.is_main():
+        run.state.ramp.write(run_dir)  # batch_changes.jsonl (a resumed run's: cut back to its checkpoint)
     run.timer = measure.StepTimer(device, comm=runtime.comm)  # the dp gradient collectives, every mode
     run.windows = measure.PeakWindows(device)  # peak memory of the steps, each evaluation, each checkpoint
     return run
+
+
+def _ramp(run: Run) -> TrainConfig:
+    """The config the next step trains at: ``run.cfg``, with the global batch the ramp makes due
+    now (``labkit.train.ramp.BatchRamp.due``) through accumulation (``RunState.set_batch``); rank 0
+    rewrites batch_changes.jsonl with the change."""
+    due = run.state.ramp.due(run.state.step)
+    if due is not None:
+        run.state.set_batch(*due)
+        run.cfg = run.cfg.replace(batch={"grad_accum_steps": run.state.ramp.grad_accum_steps})
+        if dist.is_main():
+            run.state.ramp.write(run.run_dir)
+    return run.cfg
 
 
 def _record(run: Run, values: dict[str, Any], step_time: float, wait_mean: float) -> dict[str, Any]:
@@ -496,6 +514,7 @@ def _record(run: Run, values: dict[str, Any], step_time: float, wait_mean: float
             **_rates(run.global_batch, run.timer, step_time, wait_mean),
             "mfu": measure.mfu(tps, run.fpt, run.world, measure.peak_flops(run.device, run.cfg.precision)),
             **run.windows.take(), "world_size": run.world, "global_batch_size": run.global_batch,
+            "grad_accum_steps": run.cfg.batch.grad_accum_steps,
             "epoch": state.epoch, **run.checkpointer.take(), "time": time.time()}
 
 
@@ -628,7 +647,7 @@ def _result(run: Run, records: list[dict]) -> dict[str, Any]:
               "final_loss": records[-1].get("loss") if records else None,
               "eval_loss": evals[-1]["eval_loss"] if evals else None,
               "perplexity": evals[-1]["perplexity"] if evals else None,
-              "tokens_per_s": tps,
+              "tokens_per_s": tps, "timed_seconds": seconds if timed else None,
               "samples_per_s": measure.samples_per_s(samples, seconds) if timed else None,
               "data_wait_fraction": measure.data_wait_fraction(wait_s, seconds) if timed else None,
               "comm_exposed_s": exposed_s / len(exposed) if exposed else None,  # mean per timed step, rank 0
@@ -642,6 +661,8 @@ def _result(run: Run, records: list[dict]) -> dict[str, Any]:
               "tokens": run.state.tokens,
               "peak_mem_bytes": max((r.get("peak_mem_bytes") or 0) for r in records) if records else None,
               "resumed_from_step": run.resume_step or None, "skipped_steps": run.skipped, "model": cfg.model,
+              "batch_schedule": cfg.batch.schedule,
+              "batch_changes": run.state.ramp.changes if cfg.batch.schedule != "fixed" else None,
               "model_config": to_dict(run.mcfg), "seq_len": seq_len, "vocab_size": vocab_size,
               "device": str(run.device), "precision": cfg.precision, "sharding": run.sharding,
               "activation_checkpointing": run.mcfg.activation_checkpointing, "wall_s": time.time() - run.t_start,

@@ -18,7 +18,10 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", r"`torch\.jit\.(script|interface)` is deprecated", DeprecationWarning)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-__all__ = ["build_optimizer", "lr_at", "optimizer_kind"]
+__all__ = ["LR_RULES", "build_optimizer", "lr_at", "lr_for_batch", "optimizer_kind"]
+
+LR_RULES = ("sqrt", "linear", "constant")
+"""The rules ``lr_for_batch`` knows (``TrainConfig.batch.lr_rule``)."""
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -54,6 +57,19 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     if cfg.schedule.kind == "cosine":
         return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * p))
     return floor + (peak - floor) * (1.0 - p)
+
+
+def lr_for_batch(base_lr: float, base_batch: int, batch: int, rule: str = "sqrt") -> float:
+    """The learning rate at global ``batch`` (sequences) from ``base_lr`` at ``base_batch``:
+    ``sqrt`` (lr ∝ √B, the rule for Adam: Malladi et al. 2022, arXiv:2205.10287), ``linear``
+    (lr ∝ B, Goyal et al. 2017, arXiv:1706.02677, for SGD) or ``constant``. Raises ValueError on an
+    unknown rule or a non-positive batch."""
+    if rule not in LR_RULES:
+        raise ValueError(f"lr rule: must be one of {LR_RULES}, got {rule!r}")
+    if batch <= 0 or base_batch <= 0:
+        raise ValueError(f"lr_for_batch: batches must be positive, got {base_batch} and {batch}")
+    ratio = batch / base_batch
+    return base_lr * {"sqrt": math.sqrt(ratio), "linear": ratio, "constant": 1.0}[rule]
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, *, group: Any = None,

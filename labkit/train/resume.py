@@ -14,6 +14,9 @@ torch.distributed.checkpoint with each rank its own part, state.pt from rank 0):
   memories by parameter name (``labkit.train.powersgd``; loaded at the same layout only: another
   rank's error is no one's);
 - the gradient noise scale's moving averages (``labkit.train.gns.NoiseScale.state_dict``);
+- the batch ramp (``labkit.train.ramp.BatchRamp``: the starting and current global batch, the
+  decision pending for the next step, the changes so far), continued only by the run that saved it
+  (a branch, ``checkpoint.init_from``, starts its own at its config's batch);
 - RNG: every rank's streams, continued by the rule of ``labkit.train.rng`` (the same layout: each
   rank its own; another: derived from the old layout's replicated streams).
 
@@ -33,6 +36,7 @@ import torch
 from labkit.config import TrainConfig
 from labkit.train import dist, rng
 from labkit.train.optim import lr_at
+from labkit.train.ramp import BatchRamp
 from labkit.train.runtime import Runtime
 
 __all__ = ["RunState"]
@@ -63,11 +67,21 @@ class RunState:
     """Everything that shapes the next step of a run (module docstring): ``cfg``, its ``runtime``
     (the model parts, optimiser, scaler, comm hook and noise scale), the loader's ``sampler`` and the
     run's ``run_id``; the counters ``step``, ``epoch``, ``position`` (batches of the epoch consumed)
-    and ``tokens`` (real tokens seen), all 0 for a fresh run."""
+    and ``tokens`` (real tokens seen), all 0 for a fresh run; the batch ``ramp``. ``set_batch``
+    changes the global batch (and ``cfg``'s accumulation) for the steps to come."""
 
     def __init__(self, cfg: TrainConfig, runtime: Runtime, sampler: Any, run_id: str) -> None:
         self.cfg, self.runtime, self.sampler, self.run_id = cfg, runtime, sampler, run_id
         self.step = self.epoch = self.position = self.tokens = 0
+        self.ramp = BatchRamp(cfg, runtime.dp)
+
+    def set_batch(self, batch: int, why: str) -> dict[str, Any]:
+        """Train the next steps at global ``batch`` (sequences), through accumulation at this dp
+        (``Runtime.set_grad_accum_steps``); returns the change's record (``BatchRamp.apply``)."""
+        record = self.ramp.apply(self.step, batch, why, self.cfg)
+        self.cfg = self.cfg.replace(batch={"grad_accum_steps": self.ramp.grad_accum_steps})
+        self.runtime.set_grad_accum_steps(self.ramp.grad_accum_steps)
+        return record
 
     # -- what a checkpoint holds ------------------------------------------------------------------
 
@@ -92,7 +106,8 @@ class RunState:
             tensors["hook"] = {f"r{rt.mesh.rank}.{k}": v for k, v in hook["tensors"].items()}
         batch = cfg.batch.micro_batch_size * cfg.batch.grad_accum_steps * rt.dp
         run = {"run_id": self.run_id, "step": self.step, "epoch": self.epoch, "tokens": self.tokens,
-               "lr": lr_at(self.step, cfg), "world_size": rt.mesh.world, "global_batch_size": batch,
+               "lr": lr_at(self.step, cfg) * self.ramp.lr_factor, "world_size": rt.mesh.world,
+               "global_batch_size": batch, "ramp": self.ramp.state_dict(),
                "sharding": self.sharding, "split": self.layout(),
                "sampler": self.sampler.state_at(self.epoch, self.position), "scaler": rt.scaler.state_dict(),
                "noise": rt.noise.state_dict() if rt.noise is not None else None,
@@ -146,6 +161,8 @@ class RunState:
         rt.scaler.load_state_dict(run["scaler"])
         if rt.noise is not None and run.get("noise") is not None:
             rt.noise.load_state_dict(run["noise"])
+        if run.get("ramp") is not None and run.get("run_id") == self.run_id:  # this run's own, not a branch's origin
+            self.ramp.load_state_dict(run["ramp"])
         if rt.hook_state is not None and rt.hook_state.named is not None and run.get("hook") is not None:
             hook = state["tensors"].get("hook", {})
             prefix = f"r{rt.mesh.rank}."

@@ -73,11 +73,7 @@ class Runtime:
         self.mesh, self.device = parts.mesh, parts.device
         self.dp, self.dp_rank = self.mesh.dp, self.mesh.dp_rank
         self.autocast = AUTOCAST_DTYPES[cfg.precision]
-        sharding = cfg.parallel.sharding if self.dp > 1 else "none"
-        self.noise = NoiseScale.for_run(micro_batch_size=cfg.batch.micro_batch_size,
-                                        grad_accum_steps=cfg.batch.grad_accum_steps, dp=self.dp, sharding=sharding,
-                                        dp_rank=self.dp_rank, compression=cfg.parallel.grad_compression,
-                                        pp=self.mesh.pp)
+        self.noise = self._noise_scale()
         self.weights = _piece_weights(parts)  # None: every parameter's gradient counts whole on its rank
         # the noise scale observes the collectives, or (micro) is fed by the step; either way its sums ride the
         # loop's step all-reduce as the comm timer's sideband (labkit.train.comm.all_reduce_with_sideband)
@@ -217,6 +213,33 @@ class Runtime:
             sync_sequence_parallel_grads([parts.get_parameter(n) for n in parts.sp_names], parts.tp_comm)
         if parts.embedding_group is not None and parts.word is not None and parts.word.weight.grad is not None:
             tdist.all_reduce(local(parts.word.weight.grad), group=parts.embedding_group)
+
+    def set_grad_accum_steps(self, k: int) -> None:
+        """Accumulate ``k`` micro-batches per step from the next one on (a batch ramp,
+        ``labkit.train.ramp``): ``cfg`` and the noise scale's two batch sizes follow, its averages kept
+        (unbiased at any batch: ``labkit.train.gns``), so the runtime is the one ``build_runtime`` gives
+        at ``k``. ValueError at pp > 1 (the pipeline schedule fixes its micro-batches)."""
+        if self.mesh.pp > 1:
+            raise ValueError("batch.grad_accum_steps: a pipeline schedule fixes its micro-batches when built; "
+                             "it cannot change during a run at parallel.pp > 1")
+        self.cfg = self.cfg.replace(batch={"grad_accum_steps": k})
+        old, new = self.noise, self._noise_scale()
+        if old is not None and new is not None:
+            new.load_state_dict(old.state_dict())
+        observers = self.comm.observers if self.comm is not None else []
+        if old in observers:
+            observers.remove(old)
+        if new is not None and self.comm is not None:
+            observers.append(new)
+        self.noise = new
+
+    def _noise_scale(self) -> NoiseScale | None:
+        """The noise scale of this run at ``cfg``'s accumulation (``NoiseScale.for_run``), or None."""
+        cfg = self.cfg
+        return NoiseScale.for_run(micro_batch_size=cfg.batch.micro_batch_size,
+                                  grad_accum_steps=cfg.batch.grad_accum_steps, dp=self.dp,
+                                  sharding=cfg.parallel.sharding if self.dp > 1 else "none", dp_rank=self.dp_rank,
+                                  compression=cfg.parallel.grad_compression, pp=self.mesh.pp)
 
     # -- the clip and the measures -----------------------------------------------------------------
 
