@@ -20,9 +20,9 @@ threads, on the rank's own core). ``step_loss_s`` = step(2) - step(1) splits int
 ``compute_s`` (the thread's extra CPU), ``exposed_s`` and ``rest_s`` (waiting for a core or the
 other rank).
 
-``--bucket-caps 1,5,25,100`` also runs 2-rank runs at each ``TrainConfig.bucket_cap_mb`` and
+``--bucket-caps 1,5,25,100`` also runs 2-rank runs at each ``TrainConfig.parallel.bucket_cap_mb`` and
 prints one line per size (tokens/s, exposed communication): the measurement that chooses the
-default (TrainConfig.bucket_cap_mb).
+default (TrainConfig.parallel.bucket_cap_mb).
 ``--baseline-commit REF`` instead compares this checkout's 2-rank data-parallel step with the step
 of commit REF (a ``git worktree`` of it in a temporary directory): every round runs the same 2-rank
 run once on each code (the order flips every round), each from the same driver script in a fresh
@@ -52,6 +52,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from labkit.config import TrainConfig, from_dict, to_dict  # noqa: E402
+from labkit.config.sections import ParallelConfig  # noqa: E402
 from labkit.data.shards import write_rows  # noqa: E402
 from labkit.measure import scaling_efficiency  # noqa: E402
 from labkit.study.scaling import fit_overlap  # noqa: E402
@@ -236,7 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup-steps", type=int, default=1)
     p.add_argument("--rounds", type=int, default=9, help="paired rounds (3 gave 0.58-0.87 on an idle machine)")
     p.add_argument("--sharding", default="ddp", choices=["ddp", "zero1", "fsdp"])
-    p.add_argument("--bucket-cap-mb", type=float, default=TrainConfig.bucket_cap_mb, help="TrainConfig.bucket_cap_mb")
+    p.add_argument("--bucket-cap-mb", type=float, default=ParallelConfig().bucket_cap_mb,
+                   help="TrainConfig.parallel.bucket_cap_mb")
     p.add_argument("--bucket-caps", default="", help="comma-separated bucket sizes (MiB) for a 2-rank sweep")
     p.add_argument("--sweep-rounds", type=int, default=3)
     p.add_argument("--baseline-commit", default="", help="compare the 2-rank step with this commit's (paired rounds)")

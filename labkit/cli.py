@@ -315,6 +315,16 @@ def _sub(sub, name: str, help_text: str, debug_parent: argparse.ArgumentParser) 
                           epilog=f"example:\n  {EXAMPLES[name]}", formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+def _add_checkpoint(sub, debug: argparse.ArgumentParser) -> None:
+    """The ``labkit checkpoint upgrade RUN_DIR`` subcommand (``labkit.train.upgrade``)."""
+    p = _sub(sub, "checkpoint", "rewrite a run's format-1 checkpoints (before torch.distributed.checkpoint) once, "
+                                "so it resumes", debug)
+    p.add_argument("action", choices=("upgrade",))
+    p.add_argument("run_dir")
+    _add_json(p)
+    p.set_defaults(func=_checkpoint)
+
+
 def _add_plan(sub, debug_parent: argparse.ArgumentParser) -> None:
     """The ``labkit plan`` subcommand: a preset, a CONFIG file's run, or your own model
     (``--model-module``, whose contract is ``FACTORY_CONTRACT``)."""
@@ -488,12 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     _add_json(p)
     p.set_defaults(func=_command("export"))
-    p = _sub(sub, "checkpoint", "rewrite a run's format-1 checkpoints (before torch.distributed.checkpoint) once, "
-                                "so it resumes", debug)
-    p.add_argument("action", choices=("upgrade",))
-    p.add_argument("run_dir")
-    _add_json(p)
-    p.set_defaults(func=_checkpoint)
+    _add_checkpoint(sub, debug)
 
     p = _sub(sub, "demo", "the end-to-end lab on local engines, CPU, real ELF binaries", debug)
     p.add_argument("--workdir", default="work/demo", help="where every artifact goes (default: work/demo)")

@@ -23,10 +23,10 @@ def test_cpu_flow_with_fake_oom(tmp_path, monkeypatch):
     the search answers 5, timing runs at 4, MFU is None (no peak for a CPU), NCCL is skipped."""
     real = gpu_check.Runtime.forward_backward
 
-    def oom_above_5(self, micro_batches):  # the configs check's step only (train()'s runs read real shards)
+    def oom_above_5(self, micro_batches, mark=None):  # the configs check's step only (train()'s runs read shards)
         if micro_batches[0]["input_ids"].shape[0] > 5 and self.cfg.data_dir == "-":
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (fake)")
-        return real(self, micro_batches)
+        return real(self, micro_batches, mark)
 
     monkeypatch.setattr(gpu_check.Runtime, "forward_backward", oom_above_5)  # the trainer's step
     torch.set_num_threads(1)

@@ -72,8 +72,8 @@ class TrainConfig:
 
     Each field's metadata says whether it may change when the run is resumed (``FREE``, ``SAFE``,
     else it must stay the same; ``resume_policy``). A flat name of before the sections as a keyword
-    (``TrainConfig(lr=...)``) is refused with a ValueError naming its section; ``cfg.lr`` still reads
-    ``cfg.optim.lr`` during the transition (``__getattr__``).
+    (``TrainConfig(lr=...)``) is refused with a ValueError naming its section, and read only as
+    ``cfg.optim.lr`` (there is no flat attribute).
     """
 
     data_dir: str = field(metadata=FREE)
@@ -182,15 +182,6 @@ class TrainConfig:
             if name in TRAIN_SECTIONS and isinstance(value, dict):
                 changes[name] = _section(name, TRAIN_SECTIONS[name], value, base=getattr(self, name))
         return dataclasses.replace(self, **changes)
-
-    def __getattr__(self, name: str) -> Any:
-        """Transition only: ``cfg.lr`` reads ``cfg.optim.lr`` (``FLAT_KEYS``) for code not yet moved
-        to the sections. Read-only; to be removed."""
-        dotted_name = FLAT_KEYS.get(name)
-        if dotted_name is None or name.startswith("__"):
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        section, key = dotted_name.split(".")
-        return getattr(object.__getattribute__(self, section), key)
 
 
 def dotted(config: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ variables the process is a single rank and no process group is created.
 The model is built and wrapped for its split and data-parallel strategy by one builder
 (``labkit.train.parallel.build``, torchtitan's order); this module holds the pieces it and the
 step use: DDP's bucket size and static-graph rule, ``no_sync``, the collectives. Strategies
-(TrainConfig.sharding; memory per ZeRO, arXiv:1910.02054, docs/references.md C4):
+(TrainConfig.parallel.sharding; memory per ZeRO, arXiv:1910.02054, docs/references.md C4):
 
 - ``ddp``: everything replicated; gradients all-reduced (averaged) once per optimiser step, in
   place in DDP's buckets (the gradients are views of them).

@@ -2,9 +2,10 @@
 
 Layouts: 1 rank, dp 2 DDP, dp 2 FSDP2, tp 2, tp 2 with sequence parallelism, pp 2, tp 2 x dp 2.
 Every source layout runs the same 4-step run (global batch 16, no dropout) stopped after step 2;
-every target resumes a copy of its checkpoint (``allow_safe_changes``: the split and sharding are
-safe changes; the copy's saved config takes the target's ``batch.grad_accum_steps``, which keeps the
-global batch at another dp, until the resume policy accepts that change by itself). With dropout 0 every layout computes the same steps to rounding, so each moved run is
+every target resumes a copy of its run directory (``allow_safe_changes``: the split and sharding are
+safe changes; the target sets the ``batch.grad_accum_steps`` that keeps the global batch at its dp,
+which the resume accepts as it is). With dropout 0 every layout computes the same steps to rounding,
+so each moved run is
 compared with the 1-rank run that never moved: losses and the final weights within 1e-5 (at
 lr 3e-4: one element of ``position.weight`` has a gradient near AdamW's eps, where the layouts'
 rounding is amplified to 5e-5 at lr 3e-3 by tp 2 alone, without any move). The
@@ -68,7 +69,7 @@ def _plan(root: pathlib.Path, shards: pathlib.Path, pairs: list[tuple[str, str, 
     """{"sources": {world: entries}, "targets": {world: entries}}: each source layout's stopped run
     (``src-<layout>[-drop<p>]``), and each target: its source's directory copied to
     ``<source>-to-<target>[-drop<p>]`` and resumed at the target (entries: a config's JSON, or
-    ["copy", src, dst, grad_accum_steps], run in order)."""
+    ["copy", src, dst], run in order)."""
     plan: dict[str, dict] = {"sources": {1: [], 2: [], 4: []}, "targets": {1: [], 2: [], 4: []}}
     for layout, drop in sorted({(s, d) for s, _, d in pairs}):
         cfg = _cfg(shards, root / f"src-{layout}{_tag(drop)}", layout, dropout=drop, stop_after=STOP)
@@ -76,8 +77,8 @@ def _plan(root: pathlib.Path, shards: pathlib.Path, pairs: list[tuple[str, str, 
     for src, dst, drop in pairs:
         moved = root / f"{src}-to-{dst}{_tag(drop)}"
         cfg = _cfg(shards, moved, dst, dropout=drop)
-        plan["targets"][LAYOUTS[dst][0]] += [["copy", str(root / f"src-{src}{_tag(drop)}"), str(moved),
-                                              cfg.batch.grad_accum_steps], json.dumps(to_dict(cfg))]
+        plan["targets"][LAYOUTS[dst][0]] += [["copy", str(root / f"src-{src}{_tag(drop)}"), str(moved)],
+                                             json.dumps(to_dict(cfg))]
     return plan
 
 
@@ -92,18 +93,13 @@ def _port() -> int:
 
 
 def _run_entries(entries: list, rank: int) -> None:
-    """train() of each config in turn; a ["copy", src, dst, accum] entry copies a run directory and
-    sets its saved config's ``batch.grad_accum_steps`` to ``accum`` (rank 0)."""
+    """train() of each config in turn; a ["copy", src, dst] entry copies a run directory (rank 0)."""
     from labkit.train import train
 
     for entry in entries:
         if isinstance(entry, list):
             if rank == 0:
                 shutil.copytree(entry[1], entry[2])
-                saved = pathlib.Path(entry[2]) / "config.json"
-                config = json.loads(saved.read_text())
-                config["batch"]["grad_accum_steps"] = entry[3]
-                saved.write_text(json.dumps(config))
         else:
             train(from_dict(TrainConfig, json.loads(entry)))
         if tdist.is_initialized():
