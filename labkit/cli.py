@@ -7,6 +7,7 @@
     labkit sweep ranks|micro-batch|loaders|network|parallel|batch CONFIG
     labkit plan [CONFIG]             the planner's memory and scaling tables (a file's run at full size)
     labkit export RUN_DIR OUT        model + tokenizer + model card for transformers
+    labkit ranks RUN_DIR             each rank's host, step and collective; the rank the others wait for
     labkit demo | verify SHARD_DIR | report NOTEBOOK OUT.html
 
 CONFIG is a TOML file (``labkit.config.tomlfile``); ``--set section.key=value`` overrides a key.
@@ -47,6 +48,7 @@ EXAMPLES = {
             '  labkit plan configs/study.toml --device "H100 NVL"',
     "forecast": "labkit forecast configs/study.toml --gpus 1,2,4,8,16,32,64,128,256 --network 25GbE",
     "export": "labkit export work/walkthrough/runs/main work/walkthrough/export",
+    "ranks": "labkit ranks work/walkthrough/runs/main",
     "demo": "labkit demo --workdir work/demo --engines 2",
     "verify": "labkit verify work/demo/shards",
     "report": "labkit report notebooks/03_train.py work/demo/reports/03_train.html --param steps=20",
@@ -330,6 +332,16 @@ def _add_forecast(sub: Any, debug: argparse.ArgumentParser) -> None:
     p.set_defaults(func=_command("forecast"))
 
 
+def _ranks(args: argparse.Namespace) -> int:
+    """``labkit ranks RUN_DIR``: ``labkit.cluster.stuck.report``'s lines; status 1 when a rank holds
+    the others up (stuck or slow)."""
+    from labkit.cluster.stuck import report
+
+    lines = report(args.run_dir)
+    print("\n".join(lines))
+    return 1 if lines[0].startswith(("stuck:", "slow:")) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``labkit`` argument parser (every subcommand's ``--help`` ends with an example)."""
     debug = argparse.ArgumentParser(add_help=False)
@@ -390,6 +402,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     p.set_defaults(func=_command("export"))
+
+    p = _sub(sub, "ranks", "each rank of a running run: host, step, collective; names the rank the others wait "
+                           "for when a step stalls (labkit.cluster.stuck)", debug)
+    p.add_argument("run_dir", help="the run directory (its status/ holds one file per rank)")
+    p.set_defaults(func=_ranks)
 
     p = _sub(sub, "demo", "the end-to-end lab on local engines, CPU, real ELF binaries", debug)
     p.add_argument("--workdir", default="work/demo", help="where every artifact goes (default: work/demo)")

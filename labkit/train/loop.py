@@ -52,7 +52,7 @@ from typing import Any, Callable
 
 import torch
 
-from labkit import measure
+from labkit import heartbeat, measure
 from labkit.config import TrainConfig, to_dict
 from labkit.data.mlm import make_loader
 from labkit.data.shards import ShardSet, open_shards, packing_of
@@ -399,6 +399,7 @@ def _clip_and_step(cfg: TrainConfig, runtime: Runtime, optimizer: Any, scaler: A
         scaler.step(optimizer)  # fp16: skipped when the grads hold inf/nan
         scaler.update()
         finite = finite and not (fp16 and scaler.get_scale() < scale)
+    heartbeat.set_step(step + 1)  # this rank's status file (labkit.heartbeat): optimiser step step + 1 is done
     return grad_norm, finite
 
 

@@ -1,0 +1,192 @@
+"""The control plane at a larger engine count: ``--nodes`` x ``--per-node`` CPU engines on this
+machine (default 16 x 4 = 64), each node simulated as labkit simulates nodes on one host: the
+engine's ``LABKIT_NODE_NAME`` (``labkit.cluster.set_node_names``) and its own local scratch
+(``set_local_roots``), so ``assign_ranks`` gives 16 nodes of 4 ranks.
+
+Measured, wall-clock seconds (one JSON line each, then a summary line):
+
+- ``register``: ``labkit.cluster.start_cluster(n)`` from the call until every engine is registered
+  (the controller's start included), with the ipyparallel settings labkit sets for the count
+  (``labkit.cluster.engines.scale_settings``; ``--ipp-defaults`` starts with ipyparallel's own
+  instead, to show what they change);
+- ``round_trip`` (median and p90 of ``--rounds``): ``apply``, a no-op task on every engine and its
+  result back (``client[:].apply_sync``); ``control``, a signal-0 request to every engine's nanny
+  and its reply (what ``run_ddp`` asks when a rank may be lost, ``engine_watch.unreachable``);
+  ``engine_info``, the facts every ``run_ddp`` call asks first;
+- ``status_poll``: ``labkit.cluster.stuck.StallWatch.poll`` over the n ranks' status files while a
+  run_ddp call runs on every engine (what the notebook does every second to name a stuck rank);
+- ``record_to_figure``: while n ranks each publish a per-step record every ``--interval`` s
+  (ipyparallel's ``publish_data``, the channel ``run_ddp`` streams records through), seconds from
+  a record's time on its rank to the notebook's figure (a ranks x steps heatmap of every rank's
+  newest ``--window`` steps, ``plotly``) holding it: median, p95 and max over the draws; and
+  ``draw_s``, the time to build one figure.
+
+Each line carries the machine's load (1- and 5-minute load average, CPUs) measured just before.
+Numbers from a loaded machine say so by that load; docs/measurement.md takes those of an idle one.
+Run from the repository root: ``python benchmarks/bench_control_plane.py`` (about 3 GB of memory
+for 64 engines and their nannies; ``--nodes 2 --per-node 4`` for a quick check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from labkit import cluster as C  # noqa: E402
+from labkit.cluster.engine_watch import unreachable  # noqa: E402
+from labkit.cluster.stuck import StallWatch, read_statuses  # noqa: E402
+
+
+def _load() -> dict:
+    one, five, _ = os.getloadavg()
+    return {"load_1m": round(one, 2), "load_5m": round(five, 2), "cpus": len(os.sched_getaffinity(0))}
+
+
+def _stats(values: list[float]) -> dict:
+    v = sorted(values)
+    return {"median_s": round(statistics.median(v), 4), "p90_s": round(v[int(0.9 * (len(v) - 1))], 4),
+            "max_s": round(v[-1], 4), "n": len(v)}
+
+
+def _noop() -> int:
+    return 0
+
+
+def publish_records(steps: int, interval: float, window: int) -> int:
+    """A rank without torch: every ``interval`` s one record {rank, step, t} (t: Unix time it was
+    made), its newest ``window`` published together (``publish_data``, as run_ddp's ranks do)."""
+    import os
+    import time
+    from collections import deque
+
+    from ipyparallel.datapub import publish_data
+
+    rank, recent = int(os.environ["RANK"]), deque(maxlen=window)
+    for step in range(1, steps + 1):
+        time.sleep(interval)
+        recent.append({"rank": rank, "step": step, "t": time.time()})
+        publish_data({"rows": list(recent)})
+    return steps
+
+
+def heatmap(rows: list[dict], ranks: int):
+    """Ranks x steps heatmap of the newest steps (the figure's cost grows with ranks x window)."""
+    import plotly.graph_objects as go
+
+    steps = sorted({r["step"] for r in rows})
+    col = {s: i for i, s in enumerate(steps)}
+    z = [[None] * len(steps) for _ in range(ranks)]
+    for r in rows:
+        z[r["rank"]][col[r["step"]]] = r["t"] % 1.0
+    fig = go.Figure(go.Heatmap(z=z, x=steps, y=list(range(ranks)), colorscale="Viridis"))
+    fig.update_layout(height=max(300, 12 * ranks), xaxis_title="step", yaxis_title="rank")
+    return fig.to_plotly_json()
+
+
+def record_to_figure(rc, n: int, *, steps: int, interval: float, window: int) -> dict:
+    """Ranks publish records; the notebook's loop draws every rank's newest rows about every
+    ``interval`` s (as run_ddp's wait does) and times each record from its rank to the figure."""
+    ars = [rc[e].apply_async(publish_records, steps, interval, window) for e in sorted(rc.ids)[:n]]
+    latencies, draws, seen = [], [], set()
+    while not all(ar.ready() for ar in ars):
+        time.sleep(interval)
+        rows = [row for ar in ars for row in ((ar.data or {}).get("rows") or [])]
+        if not rows:
+            continue
+        t0 = time.time()
+        heatmap(rows, n)
+        done = time.time()
+        draws.append(done - t0)
+        fresh = [row for row in rows if (row["rank"], row["step"]) not in seen]
+        latencies += [done - row["t"] for row in fresh]
+        seen |= {(row["rank"], row["step"]) for row in fresh}
+    [ar.get() for ar in ars]
+    return {"latency": _stats(latencies), "draw": _stats(draws), "records": len(seen)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=16)
+    ap.add_argument("--per-node", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=40, help="records each rank publishes")
+    ap.add_argument("--interval", type=float, default=0.25, help="seconds between a rank's records")
+    ap.add_argument("--window", type=int, default=20, help="newest records of each rank a figure holds")
+    ap.add_argument("--ipp-defaults", action="store_true", help="start with ipyparallel's own settings")
+    a = ap.parse_args()
+    n = a.nodes * a.per_node
+    out = {"engines": n, "nodes": a.nodes, "per_node": a.per_node, "ipp_defaults": a.ipp_defaults}
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="labkit-bench-cp-"))
+    load = _load()
+    t0 = time.monotonic()
+    cl = C.start_cluster(n, profile_dir=str(scratch / "profile"), timeout=600, scale=not a.ipp_defaults)
+    out["register_s"] = round(time.monotonic() - t0, 2)
+    print(json.dumps({"what": "register", "seconds": out["register_s"], "engines": n, **load}), flush=True)
+    try:
+        rc = C.get_client(cl)
+        ids = sorted(rc.ids)
+        C.set_node_names(rc, {e: f"n{k // a.per_node:02d}" for k, e in enumerate(ids)})
+        C.set_local_roots(rc, {e: str(scratch / "local" / f"n{k // a.per_node:02d}") for k, e in enumerate(ids)})
+        for kind, call in (("apply", lambda: rc[ids].apply_sync(_noop)),
+                           ("control", lambda: unreachable(rc, ids, timeout=30)),
+                           ("engine_info", lambda: C.engine_info(rc))):
+            load, times = _load(), []
+            for _ in range(a.rounds):
+                t = time.perf_counter()
+                result = call()
+                times.append(time.perf_counter() - t)
+            if kind == "control" and result:
+                raise RuntimeError(f"engines {result} did not answer their control channel")
+            out[f"round_trip_{kind}"] = _stats(times)
+            print(json.dumps({"what": "round_trip", "kind": kind, **_stats(times), **load}), flush=True)
+        nodes = {i["node"] for i in C.engine_info(rc)}
+        assert len(nodes) == a.nodes, nodes
+        load = _load()
+        res = record_to_figure(rc, n, steps=a.steps, interval=a.interval, window=a.window)
+        out["record_to_figure"] = res
+        print(json.dumps({"what": "record_to_figure", "ranks": n, "interval_s": a.interval, **res, **load}), flush=True)
+        status = _status_poll(rc, scratch / "status", a.rounds)
+        out["status_poll"] = status
+        print(json.dumps({"what": "status_poll", "ranks": n, **status, **_load()}), flush=True)
+    finally:
+        C.stop_cluster(cl)
+    print(json.dumps({"what": "summary", **out}), flush=True)
+
+
+def _wait_then_return(seconds: float) -> int:
+    import time
+
+    time.sleep(seconds)
+    return 0
+
+
+def _status_poll(rc, status_dir: pathlib.Path, rounds: int) -> dict:
+    """``StallWatch.poll`` over every rank's status file while a run_ddp call runs on all engines."""
+    import threading
+
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(r=C.run_ddp(rc, _wait_then_return, 4.0 + rounds * 0.1,
+                                                                       status_dir=str(status_dir), stream=False)))
+    runner.start()
+    while len(read_statuses(status_dir)) < len(rc.ids) and runner.is_alive():
+        time.sleep(0.1)
+    token = next(iter(read_statuses(status_dir).values()))["token"]
+    watch, times = StallWatch(status_dir, token), []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        watch.poll()
+        times.append(time.perf_counter() - t)
+    runner.join()
+    return _stats(times)
+
+
+if __name__ == "__main__":
+    main()
