@@ -6,9 +6,8 @@ engine's ``LABKIT_NODE_NAME`` (``labkit.cluster.set_node_names``) and its own lo
 Measured, wall-clock seconds (one JSON line each, then a summary line):
 
 - ``register``: ``labkit.cluster.start_cluster(n)`` from the call until every engine is registered
-  (the controller's start included), with the ipyparallel settings labkit sets for the count
-  (``labkit.cluster.engines.scale_settings``; ``--ipp-defaults`` starts with ipyparallel's own
-  instead, to show what they change);
+  (the controller's start included), with the registration timeouts labkit sets for the count
+  (``labkit.cluster.engines.registration_timeouts``, printed);
 - ``round_trip`` (median and p90 of ``--rounds``): ``apply``, a no-op task on every engine and its
   result back (``client[:].apply_sync``); ``control``, a signal-0 request to every engine's nanny
   and its reply (what ``run_ddp`` asks when a rank may be lost, ``engine_watch.unreachable``);
@@ -42,6 +41,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from labkit import cluster as C  # noqa: E402
 from labkit.cluster.engine_watch import unreachable  # noqa: E402
+from labkit.cluster.engines import registration_timeouts  # noqa: E402
 from labkit.cluster.stuck import StallWatch, read_statuses  # noqa: E402
 
 
@@ -60,16 +60,15 @@ def _noop() -> int:
     return 0
 
 
-def publish_records(steps: int, interval: float, window: int) -> int:
+def publish_records(rank: int, steps: int, interval: float, window: int) -> int:
     """A rank without torch: every ``interval`` s one record {rank, step, t} (t: Unix time it was
     made), its newest ``window`` published together (``publish_data``, as run_ddp's ranks do)."""
-    import os
     import time
     from collections import deque
 
     from ipyparallel.datapub import publish_data
 
-    rank, recent = int(os.environ["RANK"]), deque(maxlen=window)
+    recent = deque(maxlen=window)
     for step in range(1, steps + 1):
         time.sleep(interval)
         recent.append({"rank": rank, "step": step, "t": time.time()})
@@ -94,7 +93,7 @@ def heatmap(rows: list[dict], ranks: int):
 def record_to_figure(rc, n: int, *, steps: int, interval: float, window: int) -> dict:
     """Ranks publish records; the notebook's loop draws every rank's newest rows about every
     ``interval`` s (as run_ddp's wait does) and times each record from its rank to the figure."""
-    ars = [rc[e].apply_async(publish_records, steps, interval, window) for e in sorted(rc.ids)[:n]]
+    ars = [rc[e].apply_async(publish_records, k, steps, interval, window) for k, e in enumerate(sorted(rc.ids)[:n])]
     latencies, draws, seen = [], [], set()
     while not all(ar.ready() for ar in ars):
         time.sleep(interval)
@@ -120,14 +119,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="records each rank publishes")
     ap.add_argument("--interval", type=float, default=0.25, help="seconds between a rank's records")
     ap.add_argument("--window", type=int, default=20, help="newest records of each rank a figure holds")
-    ap.add_argument("--ipp-defaults", action="store_true", help="start with ipyparallel's own settings")
     a = ap.parse_args()
     n = a.nodes * a.per_node
-    out = {"engines": n, "nodes": a.nodes, "per_node": a.per_node, "ipp_defaults": a.ipp_defaults}
+    out = {"engines": n, "nodes": a.nodes, "per_node": a.per_node, "registration_timeouts": registration_timeouts(n)}
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="labkit-bench-cp-"))
     load = _load()
     t0 = time.monotonic()
-    cl = C.start_cluster(n, profile_dir=str(scratch / "profile"), timeout=600, scale=not a.ipp_defaults)
+    cl = C.start_cluster(n, profile_dir=str(scratch / "profile"), timeout=600)
     out["register_s"] = round(time.monotonic() - t0, 2)
     print(json.dumps({"what": "register", "seconds": out["register_s"], "engines": n, **load}), flush=True)
     try:
@@ -147,8 +145,10 @@ def main() -> None:
                 raise RuntimeError(f"engines {result} did not answer their control channel")
             out[f"round_trip_{kind}"] = _stats(times)
             print(json.dumps({"what": "round_trip", "kind": kind, **_stats(times), **load}), flush=True)
-        nodes = {i["node"] for i in C.engine_info(rc)}
+        infos = C.engine_info(rc)
+        nodes = {i["node"] for i in infos}
         assert len(nodes) == a.nodes, nodes
+        out["engine_args_seen"] = [_engine_args(i["pid"]) for i in infos]
         load = _load()
         res = record_to_figure(rc, n, steps=a.steps, interval=a.interval, window=a.window)
         out["record_to_figure"] = res
@@ -159,6 +159,13 @@ def main() -> None:
     finally:
         C.stop_cluster(cl)
     print(json.dumps({"what": "summary", **out}), flush=True)
+
+
+def _engine_args(pid: int) -> list[str]:
+    """The ipyparallel options (``--IPEngine.*``) on an engine process's command line."""
+    import psutil
+
+    return [arg for arg in psutil.Process(pid).cmdline() if arg.startswith("--IPEngine.")]
 
 
 def _wait_then_return(seconds: float) -> int:
@@ -178,14 +185,15 @@ def _status_poll(rc, status_dir: pathlib.Path, rounds: int) -> dict:
     runner.start()
     while len(read_statuses(status_dir)) < len(rc.ids) and runner.is_alive():
         time.sleep(0.1)
-    token = next(iter(read_statuses(status_dir).values()))["token"]
+    statuses = read_statuses(status_dir)
+    token = next(iter(statuses.values()))["token"]
     watch, times = StallWatch(status_dir, token), []
     for _ in range(rounds):
         t = time.perf_counter()
         watch.poll()
         times.append(time.perf_counter() - t)
     runner.join()
-    return _stats(times)
+    return {**_stats(times), "ranks_read": len(statuses)}
 
 
 if __name__ == "__main__":

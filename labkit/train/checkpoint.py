@@ -83,7 +83,8 @@ def checkpoint_steps(run_dir: str | os.PathLike) -> list[int]:
 # Run identity: which run a run directory and each of its checkpoints belong to
 # ------------------------------------------------------------------------------------------
 
-RUN_FILES = ("checkpoints", "metrics.jsonl", "result.json", "config.json", "data.json", "configs", "tensorboard")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "result.json", "config.json", "data.json", "configs", "tensorboard",
+             "world_size_changes.jsonl")
 """What a run leaves in its run_dir; a new run in a used run_dir moves these to ``previous/``."""
 
 PREVIOUS_DIR = "previous"
