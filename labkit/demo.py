@@ -8,7 +8,6 @@ the same work directory so that each renders the demo's artifacts as an HTML rep
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from pathlib import Path
@@ -34,19 +33,18 @@ def demo_train_config(cfg: DemoConfig, workdir: Path, *, run: str = "demo") -> T
     return TrainConfig(
         data_dir=str(workdir / "shards"),
         run_dir=str(workdir / "runs" / run),
-        tokenizer_path=str(workdir / "tokenizer" / "tokenizer.json"),  # shards of another tokenizer are refused
         model=cfg.model,
-        micro_batch_size=cfg.micro_batch_size,
         max_steps=cfg.train_steps,
-        lr=1e-3,
-        warmup_steps=max(1, cfg.train_steps // 10),
-        schedule="cosine",
         num_threads=1,
-        log_every=1,
-        eval_every=max(1, cfg.train_steps // 6),  # held-out loss (labkit.train.evaluation) 6 times and at the end
-        ckpt_every=0,
         resume=False,
         timeout_s=300.0,
+        data={"tokenizer_path": str(workdir / "tokenizer" / "tokenizer.json")},  # shards of another one are refused
+        batch={"micro_batch_size": cfg.micro_batch_size},
+        optim={"lr": 1e-3},
+        schedule={"kind": "cosine", "warmup_steps": max(1, cfg.train_steps // 10)},
+        measure={"log_every": 1},
+        eval={"every": max(1, cfg.train_steps // 6)},  # held-out loss (labkit.train.evaluation) 6 times and at the end
+        checkpoint={"every": 0},
     )
 
 
@@ -131,7 +129,7 @@ def run_demo(cfg: DemoConfig, *, force: bool = False) -> dict[str, Any]:
 
         _say(f"6/7 scaling sweep: tokens/s at 1..{cfg.engines} ranks; largest micro-batch under "
              f"{cfg.memory_budget_gib} GiB per rank for {', '.join(cfg.sweep_models)}", t0)
-        base = dataclasses.replace(tcfg, max_steps=cfg.sweep_steps, warmup_steps=1, timing_warmup_steps=2)
+        base = tcfg.replace(max_steps=cfg.sweep_steps, schedule={"warmup_steps": 1}, measure={"timing_warmup_steps": 2})
         ranks = lab.sweep_ranks(client, base, str(work), staged=staged, force=force)
         mb = lab.sweep_micro_batch(client, list(cfg.sweep_models), seq_len=cfg.shards.seq_len,
                                    vocab_size=index["vocab_size"],

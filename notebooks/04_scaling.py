@@ -53,8 +53,8 @@ staged = lab.stage(client, workdir)
 
 # %%
 base = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/sweep", model=model,
-                   micro_batch_size=micro_batch_size, max_steps=sweep_steps, warmup_steps=1,
-                   num_threads=1, resume=False)
+                   max_steps=sweep_steps, num_threads=1, resume=False,
+                   batch={"micro_batch_size": micro_batch_size}, schedule={"warmup_steps": 1})
 ranks = lab.sweep_ranks(client, base, workdir, staged=staged)
 ranks
 
@@ -289,12 +289,12 @@ from labkit.train.run_config import model_config_of
 
 study = load_config(pathlib.Path(labkit.__file__).resolve().parent.parent / "configs" / "study.toml")
 study_model = model_config_of(study.train, study.plan.vocab_size)
-precisions = scaling.precision_experiment(study_model, micro_batch=study.train.micro_batch_size,
+precisions = scaling.precision_experiment(study_model, micro_batch=study.train.batch.micro_batch_size,
                                           seq_len=study.shards.seq_len, device=study.plan.device,
                                           network=study.plan.network, gpus_per_node=study.plan.gpus_per_node,
                                           mfu=study.plan.mfu)
 fig = plots.efficiency_figure(precisions.with_columns(label=pl.col("precision")),
-                              title=f"The study's 120M model, micro-batch {study.train.micro_batch_size}, "
+                              title=f"The study's 120M model, micro-batch {study.train.batch.micro_batch_size}, "
                                     f"{study.plan.network}: efficiency per precision")
 fig.add_hrect(y0=0.9, y1=1.0, fillcolor="green", opacity=0.12, line={"width": 1, "color": "green"},
               annotation_text="the study: near-linear to 256 GPUs", annotation_position="bottom left")
@@ -315,7 +315,7 @@ scaling.precision_summary(precisions, mfu=study.plan.mfu)
 # gradient buckets, the link's measured bandwidth). The x-axis is the link time of one step's
 # gradients over the compute time: above 1 the link cannot keep up, whatever the overlap.
 # Without the sweep's file this section shows the model alone for this model, calibrated from
-# the 1-rank step measured above; with bf16 gradient compression (`TrainConfig.grad_compression`)
+# the 1-rank step measured above; with bf16 gradient compression (`TrainConfig.parallel.grad_compression`)
 # the bytes halve.
 
 # %%

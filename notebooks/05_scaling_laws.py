@@ -91,9 +91,10 @@ pl.DataFrame({"constant": ["E", "A", "B", "alpha", "beta"],
 def law_run(width: int) -> pl.DataFrame:
     cfg = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/law-{width}", model="tiny",
                       model_overrides={"hidden_size": width, "intermediate_size": 4 * width, "num_heads": 2},
-                      micro_batch_size=law_micro_batch, max_steps=law_steps, warmup_steps=5, lr=2e-3,
-                      min_lr_ratio=1.0, num_threads=1, resume=False, checkpoints=False, seed=0,
-                      eval_every=max(1, law_steps // law_points), eval_sequences=128)
+                      max_steps=law_steps, num_threads=1, resume=False, seed=0,
+                      batch={"micro_batch_size": law_micro_batch}, optim={"lr": 2e-3},
+                      schedule={"warmup_steps": 5, "min_lr_ratio": 1.0}, checkpoint={"enabled": False},
+                      eval={"every": max(1, law_steps // law_points), "sequences": 128})
     if not os.path.exists(f"{cfg.run_dir}/result.json"):  # a finished run is read back, not rerun
         train(cfg)
     return (pl.read_ndjson(f"{cfg.run_dir}/metrics.jsonl").filter(pl.col("eval_loss").is_not_null())

@@ -64,9 +64,9 @@ if os.path.exists(table):
                              runs.filter(pl.col("reached"))["steps"].to_numpy())
 else:
     base = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/critical-batch", model=batch_model,
-                       micro_batch_size=batch_micro_batch, grad_accum_steps=1, lr=lr, warmup_steps=2,
-                       min_lr_ratio=1.0, num_threads=1, resume=False, checkpoints=False, seed=0,
-                       eval_sequences=64, eval_batch_size=8)
+                       num_threads=1, resume=False, seed=0, batch={"micro_batch_size": batch_micro_batch},
+                       optim={"lr": lr}, schedule={"warmup_steps": 2, "min_lr_ratio": 1.0},
+                       checkpoint={"enabled": False}, eval={"sequences": 64, "batch_size": 8})
     runs, fit = sweep_batch(base, workdir, batch_sizes=batch_sizes, max_examples=batch_examples)
 runs.select("batch", "lr", "steps", "examples", "reached", "b_simple", "final_eval_loss")
 

@@ -44,13 +44,13 @@ def run_ddp_resumable(cluster: ipp.Cluster | ipp.Client, fn: Callable, *args: An
     Without `elastic`: every engine is restarted (``restart_engines``: needs an ipyparallel
     Cluster) and the rerun uses all new engines; `targets` (None = all) applies to the first
     attempt only. With ``elastic=True`` (a TrainConfig argument needed: its run_dir, data
-    parallelism only): the rerun goes on with the engines of the failed run that are left
+    parallelism only: parallel.tp = pp = 1): the rerun goes on with the engines of the failed run that are left
     (``elastic.survivors``; the most of them that keep the global batch, ``elastic.usable``) at
     that smaller world size; while it runs, engines that register anew join it at its next
     complete checkpoint (``elastic.GrowWatch``; each change of size counts against `restarts`).
     Each change is a line of run_dir/world_size_changes.jsonl (``elastic.ChangeLog``), and rank 0's
     result (and result.json) gets them as ``world_size_changes``. ValueError (one line) for
-    elastic without a TrainConfig, with tp or pp > 1, or for ``restarts`` < 0.
+    elastic without a TrainConfig, with parallel.tp or pp > 1, or for ``restarts`` < 0.
     """
     if restarts < 0:
         raise ValueError(f"restarts: must be >= 0, got {restarts}")
@@ -81,10 +81,12 @@ def _run_elastic(client: ipp.Client, fn: Callable, args: tuple, kwargs: dict, *,
     cfg = next((a for a in [*args, *kwargs.values()] if isinstance(a, TrainConfig)), None)
     if cfg is None:
         raise ValueError("elastic: needs a TrainConfig argument (its run_dir holds the checkpoints and the record)")
-    if cfg.tp * cfg.pp > 1:
-        raise ValueError(f"elastic: data parallelism only, got tp {cfg.tp} and pp {cfg.pp}")
+    if cfg.parallel.is_split:
+        raise ValueError(f"elastic: data parallelism only, got parallel.tp {cfg.parallel.tp} and parallel.pp "
+                         f"{cfg.parallel.pp}")
     engines = sorted(targets if targets is not None else client.ids)
-    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * len(engines)
+    micro_batch = cfg.batch.micro_batch_size
+    global_batch = micro_batch * cfg.batch.grad_accum_steps * len(engines)
     lives = kwargs.pop("live", None)
     lives = [] if lives is None else list(lives) if isinstance(lives, (list, tuple)) else [lives]
     log, gone = E.ChangeLog(cfg.run_dir), set()
@@ -95,15 +97,14 @@ def _run_elastic(client: ipp.Client, fn: Callable, args: tuple, kwargs: dict, *,
             return _finish(results, log, cfg.run_dir)
         except E.Regroup as why:
             when, reason = time.time(), f"engines came back: {why}"
-            new = E.usable(sorted(set(engines) | set(grow.joined)), global_batch=global_batch,
-                           micro_batch=cfg.micro_batch_size)
+            new = E.usable(sorted(set(engines) | set(grow.joined)), global_batch=global_batch, micro_batch=micro_batch)
         except DDPError as err:
             when, reason = time.time(), str(err).splitlines()[0]
             if attempt == restarts:
                 log.complete()
                 raise
             left = E.survivors(client, engines, wait_s=cfg.timeout_s + 10)
-            new = E.usable(left, global_batch=global_batch, micro_batch=cfg.micro_batch_size)
+            new = E.usable(left, global_batch=global_batch, micro_batch=micro_batch)
             if not new:
                 raise
         if attempt == restarts:
@@ -152,12 +153,12 @@ def train_on_cluster(client, cfg: TrainConfig, *, targets: list[int] | None = No
     ``restarts`` changes of world size (``run_ddp_resumable``'s elastic run; the changes are in the
     result's ``world_size_changes``); without it a failure raises ``DDPError``.
     """
-    if cfg.tp * cfg.pp > 1:
+    if cfg.parallel.is_split:
         from labkit.train.parallel import split_of
 
         infos = engine_info(client, targets, timeout=60)
         split_of(cfg, len(infos))
-        tensor_parallel_groups(infos, cfg.tp)
+        tensor_parallel_groups(infos, cfg.parallel.tp)
     kwargs: dict[str, Any] = {}
     if staged is not None:
         kwargs["staged_paths"] = {node: info["path"] for node, info in staged.items()}

@@ -20,7 +20,6 @@ and writes tidy Parquet (one row per batch size). Notebook 07 and ``labkit sweep
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import pathlib
@@ -130,7 +129,7 @@ def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int
     """Train ``base`` (a TrainConfig; one process) at each global batch in ``batch_sizes``
     (sequences; micro-batch ``micro_batch_size`` or base's, the rest accumulation, at least 2 so
     the in-run noise scale exists) until ``max_examples`` sequences, the learning rate by
-    ``lr_for_batch(base.lr, base's global batch, B, lr_rule)``, evaluating the held-out loss
+    ``lr_for_batch(base.optim.lr, base's global batch, B, lr_rule)``, evaluating the held-out loss
     every ``eval_every`` steps (default: about 12 evaluations). ``target``: the held-out loss to
     reach (default: the largest final held-out loss over the runs, so that every run reaches it).
     Writes <workdir>/sweeps/critical_batch.parquet (one row per batch: batch, lr, steps,
@@ -143,8 +142,8 @@ def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int
 
     if len(set(batch_sizes)) < 3:
         raise ValueError(f"sweep batch: need >= 3 distinct batch sizes, got {batch_sizes}")
-    mb = micro_batch_size or base.micro_batch_size
-    base_batch = base.micro_batch_size * base.grad_accum_steps
+    mb = micro_batch_size or base.batch.micro_batch_size
+    base_batch = base.batch.micro_batch_size * base.batch.grad_accum_steps
     max_examples = max_examples or base.max_steps * base_batch
     out = pathlib.Path(workdir) / "sweeps"
     out.mkdir(parents=True, exist_ok=True)
@@ -155,10 +154,11 @@ def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int
             raise ValueError(f"sweep batch: global batch {batch} is not a multiple of the micro-batch {m}")
         steps = max(2, max_examples // batch)
         every = eval_every or max(1, steps // 12)
-        cfg = dataclasses.replace(base, run_dir=str(out / "critical_batch" / f"batch-{batch}"), micro_batch_size=m,
-                                  grad_accum_steps=batch // m, lr=lr_for_batch(base.lr, base_batch, batch, lr_rule),
-                                  max_steps=steps, warmup_steps=min(base.warmup_steps, max(1, steps // 10)),
-                                  eval_every=every, log_every=1, resume=False, checkpoints=False, stop_after=None)
+        cfg = base.replace(run_dir=str(out / "critical_batch" / f"batch-{batch}"), max_steps=steps, resume=False,
+                           stop_after=None, batch={"micro_batch_size": m, "grad_accum_steps": batch // m},
+                           optim={"lr": lr_for_batch(base.optim.lr, base_batch, batch, lr_rule)},
+                           schedule={"warmup_steps": min(base.schedule.warmup_steps, max(1, steps // 10))},
+                           eval={"every": every}, measure={"log_every": 1}, checkpoint={"enabled": False})
         done = pathlib.Path(cfg.run_dir, "result.json").exists() and \
             json.loads(pathlib.Path(cfg.run_dir, "config.json").read_text()) == json.loads(json.dumps(to_dict(cfg)))
         if force or not done:
@@ -169,7 +169,7 @@ def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int
     rows, curves = [], []
     for batch, (cfg, recs) in runs.items():
         s = steps_to_target(recs, target)
-        rows.append({"batch": batch, "lr": cfg.lr, "lr_rule": lr_rule, "target_eval_loss": target,
+        rows.append({"batch": batch, "lr": cfg.optim.lr, "lr_rule": lr_rule, "target_eval_loss": target,
                      "steps": s, "examples": s * batch if s is not None else None, "reached": s is not None,
                      "b_simple": b_simple_at(recs, s) if s is not None else None,
                      "b_simple_tokens": b_simple_at(recs, s, "b_simple_tokens") if s is not None else None,

@@ -14,7 +14,6 @@ is the one line every printer of a sweep shows for reused rows."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -23,7 +22,7 @@ import polars as pl
 
 from labkit.cluster.engines import call
 from labkit.cluster.resumable import train_on_cluster
-from labkit.config import TrainConfig, to_dict
+from labkit.config import TrainConfig, dotted, to_dict
 from labkit.data import made_by
 from labkit.data.shards import read_index
 from labkit.io import atomic_write
@@ -61,12 +60,14 @@ def _load_columns(client, engine_id: int) -> dict:
     return load | {"busy": load["load_avg_1m"] >= BUSY_LOAD_PER_CPU * load["cpu_count"]}
 
 
-_NOT_SETTINGS = frozenset({"run_dir", "data_dir", "tokenizer_path", "resume", "allow_safe_changes", "trackers",
-                           "timeout_s", "stop_after", "verify_data",
-                           "lr", "min_lr_ratio", "warmup_steps", "schedule", "wsd_decay_fraction", "weight_decay",
-                           "beta1", "beta2", "grad_clip", "seed", "on_nonfinite", "log_every", "ckpt_every",
-                           "keep_checkpoints", "checkpoints", "eval_every", "eval_sequences", "eval_batch_size"})
-"""TrainConfig fields that do not shape a sweep point's measurement of time and memory: where it
+_NOT_SETTINGS = frozenset({"run_dir", "data_dir", "data.tokenizer_path", "resume", "allow_safe_changes",
+                           "measure.trackers", "timeout_s", "stop_after", "data.verify_data", "seed", "on_nonfinite",
+                           "optim.lr", "optim.weight_decay", "optim.beta1", "optim.beta2", "optim.grad_clip",
+                           "schedule.kind", "schedule.warmup_steps", "schedule.min_lr_ratio",
+                           "schedule.wsd_decay_fraction", "measure.log_every", "checkpoint.every", "checkpoint.keep",
+                           "checkpoint.enabled", "checkpoint.asynchronous", "eval.every", "eval.sequences",
+                           "eval.batch_size"})
+"""TrainConfig fields (dotted, ``labkit.config.dotted``) that do not shape a sweep point's measurement of time and memory: where it
 is written and read (the data are identified by their index.json instead), the values of the
 optimisation (learning rate and its schedule, decay, clipping threshold, seed: the same work per
 step) and what happens between the timed steps (logging, checkpoints, held-out evaluation).
@@ -75,10 +76,10 @@ loader workers, compile, bucket size -- is part of the point's record."""
 
 
 def run_settings(cfg: TrainConfig, **extra) -> dict:
-    """The settings of a sweep point that is one short run of ``cfg``: ``to_dict(cfg)`` without
-    ``_NOT_SETTINGS``, the sha256 of the shard set's ``index.json`` (``data``; None when there is
+    """The settings of a sweep point that is one short run of ``cfg``: its fields (dotted:
+    ``labkit.config.dotted``) without ``_NOT_SETTINGS``, the sha256 of the shard set's ``index.json`` (``data``; None when there is
     none) and ``extra`` (e.g. ``ranks``)."""
-    keep = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_SETTINGS}
+    keep = {k: v for k, v in dotted(to_dict(cfg)).items() if k not in _NOT_SETTINGS}
     return keep | {"data": made_by.file_identity(Path(cfg.data_dir) / "index.json")} | extra
 
 
@@ -147,17 +148,18 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
     ranks = ranks or list(range(1, len(client.ids) + 1))
     rows = [{k: v for k, v in r.items() if k != "efficiency"} for r in _done_rows(out, force)]
     have = {(r["ranks"], r["model"], r["micro_batch_size"]): r for r in rows}
+    mb = base.batch.micro_batch_size
     for n in ranks:
-        cfg = dataclasses.replace(base, run_dir=str(paths(workdir)["runs"] / f"sweep-ranks-{base.model}-{n}"),
-                                  resume=False, checkpoints=False)
+        cfg = base.replace(run_dir=str(paths(workdir)["runs"] / f"sweep-ranks-{base.model}-{n}"), resume=False,
+                           checkpoint={"enabled": False})
         settings = run_settings(cfg, ranks=n)
-        old = have.get((n, base.model, base.micro_batch_size))
+        old = have.get((n, base.model, mb))
         if _reusable("ranks", f"{n} rank(s)", old, settings):
             continue
         rows = [r for r in rows if r is not old]
         load = _load_columns(client, client.ids[0])
         res = train_on_cluster(client, _fresh_run_dir(cfg), targets=client.ids[:n], staged=staged)
-        rows.append({"ranks": n, "model": base.model, "micro_batch_size": base.micro_batch_size,
+        rows.append({"ranks": n, "model": base.model, "micro_batch_size": mb,
                      "global_batch_size": res["global_batch_size"], "tokens_per_s": res["tokens_per_s"],
                      "samples_per_s": res["samples_per_s"], "data_wait_fraction": res["data_wait_fraction"],
                      "comm_exposed_s": res["comm_exposed_s"], "comm_exposed_fraction": res["comm_exposed_fraction"],
@@ -310,20 +312,20 @@ def sweep_model_size(client, base: TrainConfig, workdir: str, *, models: list[st
     have = {(r["model"], r["ranks"], r["micro_batch_size"]): r for r in rows}
     index = read_index(base.data_dir)
     for name in models:
-        cfg = dataclasses.replace(base, model=name, resume=False, checkpoints=False,
-                                  run_dir=str(paths(workdir)["runs"] / f"sweep-size-{name}-{n}"))
+        cfg = base.replace(model=name, resume=False, checkpoint={"enabled": False},
+                           run_dir=str(paths(workdir)["runs"] / f"sweep-size-{name}-{n}"))
         settings = run_settings(cfg, ranks=n)
-        old = have.get((name, n, base.micro_batch_size))
+        old = have.get((name, n, base.batch.micro_batch_size))
         if _reusable("model-size", name, old, settings):
             continue
         rows = [r for r in rows if r is not old]
         load = _load_columns(client, client.ids[0])
         res = train_on_cluster(client, _fresh_run_dir(cfg), targets=client.ids[:n], staged=staged)
         mcfg = model_config(name, index["vocab_size"], **base.model_overrides)
-        fpt = flops_per_token(mcfg, index["seq_len"], mlm_probability=base.mlm_probability)
+        fpt = flops_per_token(mcfg, index["seq_len"], mlm_probability=base.data.mlm_probability)
         counts = count_parameters(mcfg)
         rows.append({"model": name, "params": counts["total"], "non_embedding_params": counts["non_embedding"],
-                     "ranks": n, "micro_batch_size": base.micro_batch_size, "seq_len": index["seq_len"],
+                     "ranks": n, "micro_batch_size": base.batch.micro_batch_size, "seq_len": index["seq_len"],
                      "tokens_per_s": res["tokens_per_s"], "samples_per_s": res["samples_per_s"],
                      "flops_per_token": fpt, "achieved_flops": res["tokens_per_s"] * fpt,
                      "comm_exposed_s": res["comm_exposed_s"], **load, **_point(settings)})
@@ -351,7 +353,7 @@ def sweep_parallel(client, base: TrainConfig, workdir: str, *, splits: list[dict
                    micro_batches: int = 4, steps: int = 8, staged: dict[str, dict] | None = None,
                    force: bool = False) -> pl.DataFrame:
     """Data, tensor and pipeline parallelism on all engines, each split one short run beside the
-    planner: the same model and global batch (``base.micro_batch_size`` x ``micro_batches`` x engines
+    planner: the same model and global batch (``base.batch.micro_batch_size`` x ``micro_batches`` x engines
     sequences) at every split of ``parallel_grid`` (or ``splits``: dicts of tp, pp, pp_schedule), each
     data-parallel replica taking its share in ``micro_batches`` micro-batches (the pipeline's m).
     Model-parallel splits replicate over dp (``sharding="replicate"``; tp > 1 with sequence
@@ -375,7 +377,7 @@ def sweep_parallel(client, base: TrainConfig, workdir: str, *, splits: list[dict
     n = len(client.ids)
     index = read_index(base.data_dir)
     mcfg = model_config_of(base, int(index["vocab_size"]))
-    global_batch = base.micro_batch_size * micro_batches * n
+    global_batch = base.batch.micro_batch_size * micro_batches * n
     rows = _done_rows(out, force)
     have = {(r["dp"], r["tp"], r["pp"], r["pp_schedule"], r["model"], r["micro_batches"], r["global_batch_size"]): r
             for r in rows}
@@ -384,11 +386,12 @@ def sweep_parallel(client, base: TrainConfig, workdir: str, *, splits: list[dict
         tp, pp, schedule = split["tp"], split["pp"], split.get("pp_schedule")
         dp = n // (tp * pp)
         name = f"sweep-parallel-{base.model}-dp{dp}-tp{tp}-pp{pp}" + (f"-{schedule}" if schedule else "")
-        cfg = dataclasses.replace(base, tp=tp, pp=pp, pp_schedule=schedule or "1f1b", grad_accum_steps=micro_batches,
-                                  micro_batch_size=global_batch // (dp * micro_batches), max_steps=steps,
-                                  sharding="replicate" if tp * pp > 1 else "ddp", sequence_parallel=tp > 1,
-                                  run_dir=str(paths(workdir)["runs"] / name), resume=False, checkpoints=False,
-                                  eval_every=0)
+        cfg = base.replace(parallel={"tp": tp, "pp": pp, "pp_schedule": schedule or "1f1b",
+                                     "sharding": "replicate" if tp * pp > 1 else "ddp", "sequence_parallel": tp > 1},
+                           batch={"grad_accum_steps": micro_batches,
+                                  "micro_batch_size": global_batch // (dp * micro_batches)},
+                           max_steps=steps, run_dir=str(paths(workdir)["runs"] / name), resume=False,
+                           checkpoint={"enabled": False}, eval={"every": 0})
         settings = run_settings(cfg, world_size=n)
         old = have.get((dp, tp, pp, schedule, base.model, micro_batches, global_batch))
         if _reusable("parallel", name.removeprefix(f"sweep-parallel-{base.model}-"), old, settings):
@@ -401,7 +404,7 @@ def sweep_parallel(client, base: TrainConfig, workdir: str, *, splits: list[dict
         planned = planned_rank_memory(mcfg, cfg, world=n, seq_len=int(index["seq_len"]))
         step_time = res["global_batch_size"] / res["samples_per_s"]
         rows.append({"dp": dp, "tp": tp, "pp": pp, "pp_schedule": schedule, "micro_batches": micro_batches,
-                     "micro_batch_size": cfg.micro_batch_size, "global_batch_size": res["global_batch_size"],
+                     "micro_batch_size": cfg.batch.micro_batch_size, "global_batch_size": res["global_batch_size"],
                      "model": base.model, "world_size": n, "tokens_per_s": res["tokens_per_s"],
                      "samples_per_s": res["samples_per_s"], "step_time_s": step_time,
                      "pipeline_bubble": res["pipeline_bubble"], "planned_bubble": planned["bubble"],

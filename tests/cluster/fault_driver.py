@@ -139,10 +139,11 @@ def main(a: dict, out: dict) -> None:
         rc = C.get_client(cl)
         out["where"] = sorted([r, i["node"], i["hostname"]] for r, i in _ranks(rc).items())
         out["ids"] = sorted(rc.ids)
-        cfg = TrainConfig(data_dir=a["shards"], run_dir=a["stuck_run"], model="tiny", micro_batch_size=4,
-                          max_steps=a["steps"], lr=3e-3, warmup_steps=2, num_threads=1, timing_warmup_steps=1,
-                          device="cpu", backend="gloo", seed=0, ckpt_every=5, keep_checkpoints=3, resume=True,
-                          timeout_s=a["stuck_timeout_s"], trackers=(),
+        cfg = TrainConfig(data_dir=a["shards"], run_dir=a["stuck_run"], model="tiny", max_steps=a["steps"],
+                          num_threads=1, device="cpu", backend="gloo", seed=0, resume=True,
+                          timeout_s=a["stuck_timeout_s"], batch={"micro_batch_size": 4}, optim={"lr": 3e-3},
+                          schedule={"warmup_steps": 2}, measure={"timing_warmup_steps": 1, "trackers": ()},
+                          checkpoint={"every": 5, "keep": 3},
                           model_overrides={"hidden_dropout": 0.0, "attention_dropout": 0.0})
         stuck(rc, cfg, a, out)
         elastic(rc, dataclasses.replace(cfg, run_dir=a["elastic_run"], resume=False, timeout_s=a["timeout_s"]), a, out)

@@ -42,9 +42,10 @@ def two(tmp_path_factory):
 def _cfg(shards, run_dir):
     from labkit.config import TrainConfig
 
-    return TrainConfig(data_dir=str(shards), run_dir=str(run_dir), model="tiny", micro_batch_size=4, max_steps=STEPS,
-                       lr=3e-3, warmup_steps=2, num_threads=1, timing_warmup_steps=1, device="cpu", backend="gloo",
-                       seed=0, ckpt_every=CKPT, keep_checkpoints=3, timeout_s=10, trackers=(),
+    return TrainConfig(data_dir=str(shards), run_dir=str(run_dir), model="tiny", max_steps=STEPS, num_threads=1,
+                       device="cpu", backend="gloo", seed=0, timeout_s=10, batch={"micro_batch_size": 4},
+                       optim={"lr": 3e-3}, schedule={"warmup_steps": 2}, measure={"timing_warmup_steps": 1, "trackers": ()},
+                       checkpoint={"every": CKPT, "keep": 3},
                        model_overrides={"hidden_dropout": 0.0, "attention_dropout": 0.0})
 
 
