@@ -137,8 +137,8 @@ class StallView:
             return
         key = (found["rank"], found["seq"], found.get("kind"), found.get("stack_source", "").split(" ")[0])
         new, self._key = key != self._key, key
-        self._show(f"{found.get('kind', 'stuck')}: {found['line']}", found.get("stack") or [],
-                   found.get("stack_source", ""), new=new)
+        source = found.get("stack_source", "") + (f"; in labkit at {found['in_labkit']}" if found.get("in_labkit") else "")
+        self._show(f"{found.get('kind', 'stuck')}: {found['line']}", found.get("stack") or [], source, new=new)
 
     def _show(self, line: str, stack: list[str], source: str, *, new: bool) -> None:
         """Show ``line`` and ``stack``: the notebook output updated in place every call; on stderr

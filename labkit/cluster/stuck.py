@@ -8,10 +8,10 @@ thread's stack. The controller reads those files, never the blocked ranks' main 
 
 - ``stalled``: the step now running has run ``STALL_FACTOR`` times the median step time and at
   least ``STALL_MIN_S`` (without step times, a collective waited in for ``STALL_NO_STEPS_S``);
-- ``diagnose``: in the process group where ranks have waited longest in collective n, the members
-  whose newest collective is before n are "not in collective n": the ranks the others wait for;
-  a member whose heartbeat is older than ``STALE_S`` is not running at all (stopped, or hung
-  holding the GIL);
+- ``diagnose``: in the process group where ranks have waited longest, the members that are in no
+  collective (computing, reading data) or whose heartbeat is older than ``STALE_S`` (not running
+  at all: stopped, or hung holding the GIL) are "not in collective n", n the first collective the
+  others wait in: the ranks the others wait for;
 - ``StallWatch``: both, polled by ``run_ddp`` about once a second, plus the stuck rank's stack:
   read from outside with py-spy (``labkit.heartbeat.py_spy_stack``) by this process when the
   rank runs on this host, else by a live rank on its host (a ``dump-<R>.request`` file its
@@ -36,7 +36,8 @@ from typing import Any
 from labkit.io import atomic_write_json
 from labkit.heartbeat import py_spy_stack
 
-__all__ = ["STALE_S", "STALL_FACTOR", "STALL_MIN_S", "STALL_NO_STEPS_S", "StallWatch", "clear_requests", "diagnose", "rank_lines",
+__all__ = ["STALE_S", "STALL_FACTOR", "STALL_MIN_S", "STALL_NO_STEPS_S", "StallWatch", "clear_requests", "diagnose",
+           "labkit_frame", "rank_lines",
            "ranks_text", "read_statuses", "report", "request_interrupt", "stalled", "stuck_line"]
 
 STALL_FACTOR = 5.0
@@ -47,7 +48,8 @@ STALL_NO_STEPS_S = 30.0
 """Without step times (a function that is not ``labkit.train.train``, or before its first step): a
 collective waited in this long is a stall."""
 STALE_S = 3.0
-"""A heartbeat older than this (seconds) means the rank's process is not running."""
+"""A heartbeat older than this (seconds, against this host's clock: the hosts' clocks are taken to
+agree, as NTP keeps them) means the rank's process is not running."""
 
 
 def read_statuses(status_dir: str | os.PathLike, token: str | None = None) -> dict[int, dict]:
@@ -97,28 +99,32 @@ def stalled(statuses: dict[int, dict], now: float | None = None) -> float | None
 
 
 def diagnose(statuses: dict[int, dict], now: float | None = None) -> dict | None:
-    """The ranks the others wait for: in each process group, n = the newest collective sequence
-    number of its members; the members in flight in n wait, those whose newest is before n are
-    "not in collective n". Of the groups with both, the one waited in longest. Returns {"group",
-    "seq", "op", "behind" (ranks not in it), "waiting" (ranks in it), "waiting_s", "stale" (behind
-    ranks with a heartbeat older than STALE_S: {rank: age s})}, or None when no group has ranks
-    waiting for others (all computing, or all in the same collective)."""
+    """The ranks the others wait for. In each process group, the members in flight in a collective
+    wait (those whose heartbeat is older than ``STALE_S`` excepted: a process that does not run
+    holds the others up wherever it stopped); every other member is "behind": outside any
+    collective (computing, or reading data), or not running. Ranks finish a collective at
+    different moments, so the waiting ranks may be one collective apart: n is the first one they
+    wait in, the one that cannot complete. Of the groups with both, the one waited in longest.
+    Returns {"group", "seq" (n), "op" (its operation), "behind" (not-running ranks first),
+    "waiting", "waiting_s", "stale" ({rank: heartbeat age s} of the ranks not running)}, or None
+    when no group has ranks waiting for others (all computing, or all waiting: the network)."""
     now = time.time() if now is None else now
     groups = {name for s in statuses.values() for name in (s.get("collectives") or {})}
     best = None
     for name in sorted(groups):
         entries = {r: (s.get("collectives") or {}).get(name) for r, s in statuses.items()}
         members = _members(entries, statuses)
-        seq = max(e["seq"] for r, e in entries.items() if e and r in members)
-        waiting = [r for r in members if entries[r] and entries[r]["seq"] == seq and entries[r]["in_flight"]]
-        behind = [r for r in members if not entries[r] or entries[r]["seq"] < seq]
+        stale = {r: now - statuses[r]["time"] for r in members
+                 if now - statuses[r]["time"] > STALE_S and not statuses[r].get("finished")}
+        waiting = [r for r in members if r not in stale and entries[r] and entries[r]["in_flight"]]
+        behind = sorted((r for r in members if r not in waiting), key=lambda r: (r not in stale, r))
         if not waiting or not behind:
             continue
+        first = min((entries[r] for r in waiting), key=lambda e: e["seq"])
         waited = now - min(entries[r]["since"] for r in waiting)
-        op = entries[waiting[0]]["op"]
         if best is None or waited > best["waiting_s"]:
-            best = {"group": name, "seq": seq, "op": op, "behind": behind, "waiting": waiting, "waiting_s": waited,
-                    "stale": {r: now - statuses[r]["time"] for r in behind if now - statuses[r]["time"] > STALE_S}}
+            best = {"group": name, "seq": first["seq"], "op": first["op"], "behind": behind, "waiting": waiting,
+                    "waiting_s": waited, "stale": stale}
     return best
 
 
@@ -131,7 +137,8 @@ def stuck_line(found: dict, statuses: dict[int, dict], engines: dict[int, int] |
     where = f"host {s['host']}" + (f", node {s['node']}" if s.get("node") != s["host"] else "") + f", pid {s['pid']}"
     more = f" (and {ranks_text(found['behind'][1:])})" if len(found["behind"]) > 1 else ""
     state = (f"its heartbeat stopped {found['stale'][r]:.0f} s ago: the process is not running (stopped, or hung "
-             "holding the GIL) or its node is cut off" if r in found["stale"] else "it is running")
+             "holding the GIL) or its node is cut off" if r in found["stale"]
+             else "its task has ended" if s.get("finished") else "it is running")
     step = f", at step {s['step']}" if s.get("step") else ""
     have = "has" if len(found["waiting"]) == 1 else "have"
     return (f"rank {r} ({where}{engine}){more} is not in collective {found['seq']} ({found['op']}) that "
@@ -152,6 +159,16 @@ def rank_lines(statuses: dict[int, dict], now: float | None = None) -> list[str]
     return lines
 
 
+def labkit_frame(stack: list[str]) -> str | None:
+    """The innermost frame of ``stack`` (lines "path:line in func", innermost last) in labkit's own
+    code, as "labkit/train/runtime.py:84 in forward_backward"; None when no frame is labkit's."""
+    for frame in reversed(stack):
+        path, _, rest = frame.partition(":")
+        if "/labkit/" in path and "/site-packages/" not in path:
+            return f"labkit/{path.rsplit('/labkit/', 1)[1]}:{rest}"
+    return None
+
+
 def request_interrupt(status_dir: str | os.PathLike, token: str) -> None:
     """Ask every rank of run ``token`` to free its collectives (its heartbeat reads the request)."""
     atomic_write_json(Path(status_dir) / "interrupt", {"token": token, "time": time.time()}, durable=False)
@@ -166,7 +183,7 @@ def clear_requests(status_dir: str | os.PathLike) -> None:
 class StallWatch:
     """The stall view's state for one run: ``poll()`` reads the status files; when the step is
     stalled and ``diagnose`` names ranks, it returns {"line", "kind" ("stuck": the rank's process
-    is not running, "slow": it runs), "stack", "stack_source", "rank",
+    is not running, "slow": it runs), "stack", "stack_source", "in_labkit" (``labkit_frame``), "rank",
     "host", "pid", "seq", "op", "waiting_s", "behind" (every rank not in the collective), "stopped"
     (those of them whose heartbeat stopped)}; None otherwise (also kept as ``found``). ``engines``: {rank: engine id} for the line."""
 
@@ -185,7 +202,7 @@ class StallWatch:
         r = found["behind"][0]
         stack, source = self._stack(statuses[r], now)
         self.found = {"line": stuck_line(found, statuses, self.engines), "stack": stack, "stack_source": source,
-                      "kind": "stuck" if r in found["stale"] else "slow",
+                      "kind": "stuck" if r in found["stale"] else "slow", "in_labkit": labkit_frame(stack),
                       "rank": r, "host": statuses[r]["host"], "pid": statuses[r]["pid"], "seq": found["seq"],
                       "op": found["op"], "waiting_s": found["waiting_s"], "behind": found["behind"],
                       "stopped": sorted(found["stale"])}
@@ -232,7 +249,8 @@ def report(run_dir: str | os.PathLike, *, wait_s: float = 3.0) -> list[str]:
         time.sleep(0.2)
         found = watch.poll()
     if found:
-        head = [f"{found['kind']}: {found['line']}", f"  its Python stack ({found['stack_source']}), innermost last:",
+        head = [f"{found['kind']}: {found['line']}", f"  in labkit at {found['in_labkit']}",
+                f"  its Python stack ({found['stack_source']}), innermost last:",
                 *(f"    {f}" for f in found["stack"][-12:])]
     elif all(s.get("finished") for s in statuses.values()):
         head = [f"finished: {len(statuses)} ranks, step {max(s.get('step') or 0 for s in statuses.values())}"]

@@ -59,7 +59,10 @@ def _cli_then_ctrl_c(view, run_dir: str, out: dict, t0: list[float]) -> None:
     out.update(cli_s=time.monotonic() - t0[0], cli_seconds=time.monotonic() - t, cli_rc=cli.returncode,
                cli=cli.stdout.splitlines(), cli_err=cli.stderr[-2000:])
     log(f"cli ({time.monotonic() - t:.1f} s): {cli.stdout.splitlines()[:1]}")
-    out.update(view_text_last=view.text, view_html_last=view.html)  # by now with the stack py-spy read
+    end = time.monotonic() + 10  # the view takes the stack py-spy read at its next poll (about a second)
+    while "py-spy" not in view.html and time.monotonic() < end:
+        time.sleep(0.1)
+    out.update(view_text_last=view.text, view_html_last=view.html)
     os.kill(os.getpid(), signal.SIGINT)
 
 

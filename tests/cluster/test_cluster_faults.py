@@ -82,12 +82,13 @@ def test_stuck_rank_named_while_the_others_wait(faults, capsys):
     assert "gloo:" in line  # the operation, from torch's Flight Recorder
     # its Python stack, read from outside the stopped process by py-spy on its host
     assert "read with py-spy by rank 2 on h2" in r["view_html_last"], r["view_html_last"][:3000]
-    assert "labkit/train/" in r["view_html_last"]  # a frame of the training step it stopped in
+    assert "; in labkit at labkit/" in r["view_html_last"]  # the frame of labkit it stopped in
     assert r["view_text_last"].startswith("stuck: rank 3 (host h2")
     # the CLI, run while ranks 0-2 still wait: the same rank, host and collective (exit status 1: stuck)
     assert r["cli_rc"] == 1 and r["cli"][0].startswith("stuck: rank 3 (host h2, node n2, pid "), r["cli"]
     seq = line.split("is not in collective ")[1].split()[0]
     assert f"is not in collective {seq} " in r["cli"][0]
+    assert r["cli"][1].startswith("  in labkit at labkit/") and "py-spy" in r["cli"][2], r["cli"][:3]
     assert any(x.startswith("rank 2: host h2") for x in r["cli"]) and len([x for x in r["cli"] if x.startswith("rank ")]) == 4
     # Ctrl-C returned without waiting for the collective timeout; the same engines ran the next call
     assert "stuck_error" not in r, r.get("stuck_error")
