@@ -14,11 +14,13 @@ Measured, wall-clock seconds (one JSON line each, then a summary line):
   ``engine_info``, the facts every ``run_ddp`` call asks first;
 - ``status_poll``: ``labkit.cluster.stuck.StallWatch.poll`` over the n ranks' status files while a
   run_ddp call runs on every engine (what the notebook does every second to name a stuck rank);
-- ``record_to_figure``: while n ranks each publish a per-step record every ``--interval`` s
-  (ipyparallel's ``publish_data``, the channel ``run_ddp`` streams records through), seconds from
-  a record's time on its rank to the notebook's figure (a ranks x steps heatmap of every rank's
-  newest ``--window`` steps, ``plotly``) holding it: median, p95 and max over the draws; and
-  ``draw_s``, the time to build one figure.
+- ``record_to_figure``: while n ranks each make a per-step record every ``--interval`` s and
+  publish their newest ``--window`` every 0.5 s (ipyparallel's ``publish_data``, the channel and
+  pace of ``run_ddp``'s ranks), the notebook draws a ranks x steps heatmap of them every second
+  (``plotly``): seconds from a record on its rank to the first figure holding it (``latency``),
+  how far each figure is behind its newest record and its slowest rank's (``behind_newest``,
+  ``behind_slowest``; the last figure, drawn after the ranks ended, left out) and the time to
+  build one (``draw``): median, p90, max.
 
 Each line carries the machine's load (1- and 5-minute load average, CPUs) measured just before.
 Numbers from a loaded machine say so by that load; docs/measurement.md takes those of an idle one.
@@ -60,19 +62,23 @@ def _noop() -> int:
     return 0
 
 
-def publish_records(rank: int, steps: int, interval: float, window: int) -> int:
-    """A rank without torch: every ``interval`` s one record {rank, step, t} (t: Unix time it was
-    made), its newest ``window`` published together (``publish_data``, as run_ddp's ranks do)."""
+def publish_records(rank: int, steps: int, interval: float, window: int, publish_every: float) -> int:
+    """A rank without torch: every ``interval`` s (its step) one record {rank, step, t} (t: the Unix
+    time it was made); its newest ``window`` published together at most every ``publish_every`` s
+    and after the last (``publish_data``, the cadence of run_ddp's ranks: rank 0's records and the
+    per-rank timeline rows, every 0.5 s)."""
     import time
     from collections import deque
 
     from ipyparallel.datapub import publish_data
 
-    recent = deque(maxlen=window)
+    recent, last = deque(maxlen=window), float("-inf")
     for step in range(1, steps + 1):
         time.sleep(interval)
         recent.append({"rank": rank, "step": step, "t": time.time()})
-        publish_data({"rows": list(recent)})
+        if time.monotonic() - last >= publish_every or step == steps:
+            publish_data({"rows": list(recent)})
+            last = time.monotonic()
     return steps
 
 
@@ -90,25 +96,38 @@ def heatmap(rows: list[dict], ranks: int):
     return fig.to_plotly_json()
 
 
-def record_to_figure(rc, n: int, *, steps: int, interval: float, window: int) -> dict:
-    """Ranks publish records; the notebook's loop draws every rank's newest rows about every
-    ``interval`` s (as run_ddp's wait does) and times each record from its rank to the figure."""
-    ars = [rc[e].apply_async(publish_records, k, steps, interval, window) for k, e in enumerate(sorted(rc.ids)[:n])]
-    latencies, draws, seen = [], [], set()
-    while not all(ar.ready() for ar in ars):
-        time.sleep(interval)
+def record_to_figure(rc, n: int, *, steps: int, interval: float, window: int, publish_every: float = 0.5,
+                     draw_every: float = 1.0) -> dict:
+    """n ranks publish records (``publish_records``); the notebook draws every rank's newest rows
+    every ``draw_every`` s (``labkit.live.LivePlot``'s pace). Per record: seconds from its time on
+    its rank to the end of the first figure holding it (``latency``). Per figure: seconds from the
+    newest record it holds to its end (``behind_newest``, what ``labkit.rankview.RankView``
+    records), and from the slowest rank's newest record (``behind_slowest``); ``draw``: building it."""
+    ars = [rc[e].apply_async(publish_records, k, steps, interval, window, publish_every)
+           for k, e in enumerate(sorted(rc.ids)[:n])]
+    latencies, draws, newest, slowest, seen = [], [], [], [], set()
+    while True:
+        finished = all(ar.ready() for ar in ars)
         rows = [row for ar in ars for row in ((ar.data or {}).get("rows") or [])]
-        if not rows:
-            continue
-        t0 = time.time()
-        heatmap(rows, n)
-        done = time.time()
-        draws.append(done - t0)
-        fresh = [row for row in rows if (row["rank"], row["step"]) not in seen]
-        latencies += [done - row["t"] for row in fresh]
-        seen |= {(row["rank"], row["step"]) for row in fresh}
+        if rows:
+            t0 = time.time()
+            heatmap(rows, n)
+            done = time.time()
+            draws.append(done - t0)
+            fresh = [row for row in rows if (row["rank"], row["step"]) not in seen]
+            latencies += [done - row["t"] for row in fresh]
+            seen |= {(row["rank"], row["step"]) for row in fresh}
+            last = {}
+            for row in rows:
+                last[row["rank"]] = max(last.get(row["rank"], 0.0), row["t"])
+            newest.append(done - max(last.values()))
+            slowest.append(done - min(last.values()))
+        if finished:
+            break
+        time.sleep(draw_every)
     [ar.get() for ar in ars]
-    return {"latency": _stats(latencies), "draw": _stats(draws), "records": len(seen)}
+    return {"latency": _stats(latencies), "behind_newest": _stats(newest[:-1] or newest),
+            "behind_slowest": _stats(slowest[:-1] or slowest), "draw": _stats(draws), "records": len(seen)}
 
 
 def main() -> None:
@@ -118,7 +137,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--steps", type=int, default=40, help="records each rank publishes")
     ap.add_argument("--interval", type=float, default=0.25, help="seconds between a rank's records")
-    ap.add_argument("--window", type=int, default=20, help="newest records of each rank a figure holds")
+    ap.add_argument("--window", type=int, default=32, help="newest records of each rank it publishes (a figure holds)")
     a = ap.parse_args()
     n = a.nodes * a.per_node
     out = {"engines": n, "nodes": a.nodes, "per_node": a.per_node, "registration_timeouts": registration_timeouts(n)}
