@@ -101,8 +101,8 @@ def record_to_figure(rc, n: int, *, steps: int, interval: float, window: int, pu
     """n ranks publish records (``publish_records``); the notebook draws every rank's newest rows
     every ``draw_every`` s (``labkit.live.LivePlot``'s pace). Per record: seconds from its time on
     its rank to the end of the first figure holding it (``latency``). Per figure: seconds from the
-    newest record it holds to its end (``behind_newest``, what ``labkit.rankview.RankView``
-    records), and from the slowest rank's newest record (``behind_slowest``); ``draw``: building it."""
+    newest record it holds to its end (``behind_newest``), and from the slowest rank's newest
+    record (``behind_slowest``); ``draw``: building it."""
     ars = [rc[e].apply_async(publish_records, k, steps, interval, window, publish_every)
            for k, e in enumerate(sorted(rc.ids)[:n])]
     latencies, draws, newest, slowest, seen = [], [], [], [], set()
