@@ -90,11 +90,20 @@ class _Publisher:
         self._last = time.monotonic()
 
 
+def _publish_timeline(rows: list[dict]) -> None:
+    """Every rank's timeline sink: its recent step-timeline rows (``labkit.train.timeline``) under
+    the key "timeline" of ipyparallel's ``publish_data`` (which keeps the latest value per key)."""
+    from ipyparallel.datapub import publish_data
+
+    publish_data({"timeline": rows})
+
+
 def _ddp_entry(fn: Callable, env: dict, args: tuple, kwargs: dict, history: int, status: dict | None = None) -> Any:
     """Engine side of `run_ddp`: set env, start this rank's heartbeat (``status``: {"dir",
-    "token"}; ``labkit.heartbeat``), build rank 0's sink, call fn, always tear down. torch is not
-    imported here: a function without it runs without it (torch reads OMP_NUM_THREADS when fn
-    imports it; an engine that imported it before gets ``torch.set_num_threads``)."""
+    "token"}; ``labkit.heartbeat``), build rank 0's sink (and every rank's timeline sink), call
+    fn, always tear down. torch is not imported here: a function without it runs without it (torch
+    reads OMP_NUM_THREADS when fn imports it; an engine that imported it before gets
+    ``torch.set_num_threads``)."""
     import os
     import sys
 
@@ -110,8 +119,11 @@ def _ddp_entry(fn: Callable, env: dict, args: tuple, kwargs: dict, history: int,
     beat = None if status is None else Heartbeat(status["dir"], rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
                                                  token=status["token"]).start()
     try:
-        if "sink" in inspect.signature(fn).parameters:
+        params = inspect.signature(fn).parameters
+        if "sink" in params:
             kwargs = {**kwargs, "sink": sink}
+        if "timeline_sink" in params:
+            kwargs = {**kwargs, "timeline_sink": _publish_timeline}
         return fn(*args, **kwargs)
     finally:
         if sink is not None and sink.records:
@@ -248,11 +260,13 @@ def run_ddp(
     afterwards. fn initialises the process group itself with its own timeout (labkit.train.train
     uses cfg.timeout_s); the group is destroyed on every rank after fn returns or raises, so a
     second run in the same engines starts clean. If fn has a `sink` parameter it receives, on
-    rank 0, a callable that keeps the last `history` records and publishes them; other ranks get
-    None. While waiting, each `live(records)` (one callable or a list) is called with rank 0's
-    records about every `poll` s when they change (every poll when it has ``every_poll = True``),
-    once more at the end, then `live.flush()` if it has one. With `stream`, the engines' stdout/stderr are printed here as they arrive,
-    prefixed "[stdout:<engine id>]". Every rank writes a status file to `status_dir` (default: a
+    rank 0, a callable keeping and publishing the last `history` records (others: None); `timeline_sink`,
+    on every rank, one publishing its step-timeline rows. Each `live` (a callable or a list, drawn in
+    order) gets rank 0's records about every `poll` s when they change and at the end, then any `flush()`;
+    one whose ``wants`` is "timeline" (``labkit.rankview.RankView``) gets every rank's timeline rows (the
+    newest `history` steps); one with ``every_poll = True`` is called at every poll, records or not
+    (``labkit.cluster.elastic.GrowWatch``). `stream`: the engines' output is printed here, prefixed
+    "[stdout:<engine id>]". Every rank writes a status file to `status_dir` (default: a
     TrainConfig argument's run_dir/status, else the profile's labkit-status/<token>;
     ``labkit.heartbeat``); when a step stalls, `stall_view(found)` (default
     ``labkit.live.StallView()``) gets ``labkit.cluster.stuck.StallWatch``'s line naming the rank the
@@ -285,7 +299,7 @@ def run_ddp(
             while job.pending:
                 ars[min(job.pending)].wait(poll)
                 job.check()
-                shown = _show(lives, ars[0], shown)
+                shown = _show(lives, ars, shown, history)
                 view(watch.poll())
                 if job.pending and deadline is not None and time.monotonic() > deadline:
                     job.timed_out(timeout)
@@ -303,7 +317,7 @@ def run_ddp(
             if status["temporary"] and not job.pending:  # every rank has stopped writing there
                 shutil.rmtree(status["dir"], ignore_errors=True)
         if lives:
-            _final_show(lives, ars[0], shown)
+            _final_show(lives, ars, shown, history)
     return [ars[r].get(0) for r in sorted(ars)]
 
 
@@ -431,12 +445,12 @@ def _wait_quietly(results: list[Any], seconds: float) -> None:
             ar.wait(max(0.0, end - time.monotonic()))
 
 
-def _final_show(lives: list[Callable], ar: Any, shown: Any) -> None:
+def _final_show(lives: list[Callable], ars: dict[int, Any], shown: Any, history: int) -> None:
     """After the run: the last records to every ``live`` callback (not the ``every_poll`` watches:
     the run is over), then their ``flush()``."""
-    ar.wait_for_output(5)
+    ars[0].wait_for_output(5)
     lives = [cb for cb in lives if not getattr(cb, "every_poll", False)]
-    _show(lives, ar, shown)
+    _show(lives, ars, shown, history)
     for cb in lives:
         if hasattr(cb, "flush"):
             cb.flush()
@@ -500,18 +514,37 @@ def _failure_error(failed: dict[int, BaseException], name: str, infos: dict[int,
                     remote_traceback=tracebacks, failures=lines)
 
 
-def _show(lives: list[Callable], ar: Any, shown: Any) -> Any:
-    """Call each live(records) if rank 0 published records different from `shown`, and those with
-    ``every_poll = True`` (``labkit.cluster.elastic.GrowWatch``) at every poll; return the key."""
-    if not lives:
-        return shown
-    records = (ar.data or {}).get("records") or []
-    key = (len(records), records[-1]) if records else None
-    changed = bool(records) and key != shown
+def _show(lives: list[Callable], ars: dict[int, Any], shown: dict | None, history: int) -> dict:
+    """Call each live(records) if rank 0 published records different from the last shown, and
+    each live that ``wants`` "timeline" with every rank's timeline rows (kept in ``shown``,
+    by segment, step and rank, the newest `history` steps) when they changed; a live is first
+    called after every live before it in the list, so their outputs keep the list's order. A live
+    with ``every_poll = True`` (a watch, not a display: ``labkit.cluster.elastic.GrowWatch``) is
+    called with rank 0's records at every poll. Returns the state."""
+    shown = shown if shown is not None else {"records": None, "rows": {}, "timeline": None, "called": set()}
+    records = (ars[0].data or {}).get("records") or []
     for cb in lives:
-        if changed or getattr(cb, "every_poll", False):
+        if getattr(cb, "every_poll", False):
             cb(records)
-    return key if changed else shown
+    lives = [cb for cb in lives if not getattr(cb, "every_poll", False)]
+    rows = shown["rows"]
+    if any(getattr(cb, "wants", "records") == "timeline" for cb in lives):
+        for ar in ars.values():
+            for row in (ar.data or {}).get("timeline") or []:
+                rows[(row["segment_start"], row["step"], row["rank"])] = row
+        for old in sorted(rows)[:-history * len(ars)] if len(rows) > history * len(ars) else []:
+            del rows[old]
+    new = {"records": (len(records), records[-1]) if records else None,
+           "timeline": (len(rows), max(r["t_end"] for r in rows.values())) if rows else None}
+    for i, cb in enumerate(lives):  # in list order: the first draw of each keeps its place in the notebook
+        if any(j not in shown["called"] for j in range(i)):
+            break
+        kind = "timeline" if getattr(cb, "wants", "records") == "timeline" else "records"
+        if new[kind] is not None and (new[kind] != shown[kind] or i not in shown["called"]):
+            cb(list(rows.values()) if kind == "timeline" else records)
+            shown["called"].add(i)
+    shown.update(new)
+    return shown
 
 
 def _resuming(arg: Any) -> Any:

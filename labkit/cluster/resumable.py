@@ -15,7 +15,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import ipyparallel as ipp
 
@@ -139,14 +139,15 @@ def _finish(results: list[Any], log: E.ChangeLog, run_dir: str) -> list[Any]:
 
 def train_on_cluster(client, cfg: TrainConfig, *, targets: list[int] | None = None,
                      staged: dict[str, dict] | None = None,
-                     live: Callable[[list[dict]], None] | None = None, timeout: float | None = None,
-                     elastic: bool = False, restarts: int = 1) -> dict:
+                     live: Callable[[list[dict]], None] | Sequence[Callable[[list[dict]], None]] | None = None,
+                     timeout: float | None = None, elastic: bool = False, restarts: int = 1) -> dict:
     """Run ``labkit.train.train(cfg)`` under DDP on the engines (all, or ``targets``).
 
     With ``staged`` (the output of ``stage``), each rank reads the copy on its own node: the
     engine's node name picks ``staged[node]["path"]``. Returns rank 0's result dict (the same
     as ``<run_dir>/result.json``). ``live(records)`` is called about once a second with rank 0's
-    recent metric records. With tp or pp > 1 (``labkit.train.parallel``) the split is checked
+    recent metric records (a list of callables: each; ``labkit.rankview.RankView`` gets every
+    rank's step timeline instead). With tp or pp > 1 (``labkit.train.parallel``) the split is checked
     here first: tp x pp must divide the engines and each tensor-parallel group must sit on one
     node (``labkit.cluster.topology.tensor_parallel_groups``); ValueError otherwise.
     ``elastic=True`` goes on without lost engines and grows back when they return, at most
@@ -168,7 +169,8 @@ def train_on_cluster(client, cfg: TrainConfig, *, targets: list[int] | None = No
     return run_ddp(client, _train_entry, cfg, targets=targets, live=live, timeout=timeout, **kwargs)[0]
 
 
-def _train_entry(cfg: TrainConfig, *, sink=None, staged_paths: dict[str, str] | None = None) -> dict:
+def _train_entry(cfg: TrainConfig, *, sink=None, timeline_sink=None,
+                 staged_paths: dict[str, str] | None = None) -> dict:
     """Engine side of ``train_on_cluster``: point data_dir at this node's staged copy, train."""
     from labkit.cluster.topology import node_name
     from labkit.train import train
@@ -178,4 +180,4 @@ def _train_entry(cfg: TrainConfig, *, sink=None, staged_paths: dict[str, str] | 
         if node not in staged_paths:
             raise RuntimeError(f"node {node!r} has no staged copy; staged nodes are {sorted(staged_paths)}")
         cfg = dataclasses.replace(cfg, data_dir=staged_paths[node])
-    return train(cfg, sink=sink)
+    return train(cfg, sink=sink, timeline_sink=timeline_sink)

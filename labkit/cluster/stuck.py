@@ -31,10 +31,9 @@ import socket
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
-from labkit.io import atomic_write_json
 from labkit.heartbeat import py_spy_stack
+from labkit.io import atomic_write_json
 
 __all__ = ["STALE_S", "STALL_FACTOR", "STALL_MIN_S", "STALL_NO_STEPS_S", "StallWatch", "clear_requests", "diagnose",
            "labkit_frame", "rank_lines",
