@@ -14,13 +14,13 @@ Measured, wall-clock seconds (one JSON line each, then a summary line):
   ``engine_info``, the facts every ``run_ddp`` call asks first;
 - ``status_poll``: ``labkit.cluster.stuck.StallWatch.poll`` over the n ranks' status files while a
   run_ddp call runs on every engine (what the notebook does every second to name a stuck rank);
-- ``record_to_figure``: while n ranks each make a per-step record every ``--interval`` s and
-  publish their newest ``--window`` every 0.5 s (ipyparallel's ``publish_data``, the channel and
-  pace of ``run_ddp``'s ranks), the notebook draws a ranks x steps heatmap of them every second
-  (``plotly``): seconds from a record on its rank to the first figure holding it (``latency``),
-  how far each figure is behind its newest record and its slowest rank's (``behind_newest``,
-  ``behind_slowest``; the last figure, drawn after the ranks ended, left out) and the time to
-  build one (``draw``): median, p90, max.
+- ``record_to_figure``: n ranks under ``run_ddp`` each make a step-timeline row every
+  ``--interval`` s and publish their newest 32 every 0.5 s (the timeline's own pace, through
+  ipyparallel's ``publish_data``), and the notebook's live rank view (``labkit.rankview.RankView``:
+  heatmaps, per-rank bars, the culprit) draws them: seconds from a row on its rank to the end of
+  the first draw holding it (``latency``), how far each draw is behind its newest row and its
+  slowest rank's (``behind_newest``, ``behind_slowest``; the last draw, after the ranks ended,
+  left out) and the time to draw (``draw``): median, p90, max.
 
 Each line carries the machine's load (1- and 5-minute load average, CPUs) measured just before.
 Numbers from a loaded machine say so by that load; docs/measurement.md takes those of an idle one.
@@ -62,72 +62,69 @@ def _noop() -> int:
     return 0
 
 
-def publish_records(rank: int, steps: int, interval: float, window: int, publish_every: float) -> int:
-    """A rank without torch: every ``interval`` s (its step) one record {rank, step, t} (t: the Unix
-    time it was made); its newest ``window`` published together at most every ``publish_every`` s
-    and after the last (``publish_data``, the cadence of run_ddp's ranks: rank 0's records and the
-    per-rank timeline rows, every 0.5 s)."""
+def timeline_ranks(steps: int, interval: float, phases: list[str], segment_start: float, timeline_sink=None) -> int:
+    """A rank without torch: every ``interval`` s (its step) one row of the step timeline
+    (``labkit.train.timeline.SCHEMA``'s columns; the phases split the step evenly, no buckets),
+    handed to run_ddp's ``timeline_sink`` at the pace ``labkit.train.timeline.Timeline`` publishes:
+    its newest 32 rows at most every 0.5 s, and after the last step."""
+    import os
+    import socket
     import time
     from collections import deque
 
-    from ipyparallel.datapub import publish_data
-
-    recent, last = deque(maxlen=window), float("-inf")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    recent, last = deque(maxlen=32), float("-inf")
     for step in range(1, steps + 1):
+        t0 = time.time()
         time.sleep(interval)
-        recent.append({"rank": rank, "step": step, "t": time.time()})
-        if time.monotonic() - last >= publish_every or step == steps:
-            publish_data({"rows": list(recent)})
+        t = time.time()
+        recent.append({"step": step, "rank": rank, "host": socket.gethostname(), "world_size": world,
+                       "segment_start": segment_start, "resumed_from": 0, "t_start": t0, "t_end": t,
+                       "step_s": t - t0, **{f"{p}_s": (t - t0) / len(phases) for p in phases},
+                       "sync_first_s": 0.0, "sync_end_s": 0.0, "comm_exposed_s": 0.0, "bucket_ready_s": [],
+                       "bucket_done_s": []})
+        if timeline_sink is not None and (time.monotonic() - last >= 0.5 or step == steps):
+            timeline_sink(list(recent))
             last = time.monotonic()
     return steps
 
 
-def heatmap(rows: list[dict], ranks: int):
-    """Ranks x steps heatmap of the newest steps (the figure's cost grows with ranks x window)."""
-    import plotly.graph_objects as go
+def record_to_figure(rc, n: int, *, steps: int, interval: float) -> dict:
+    """n ranks publish their step-timeline rows through ``run_ddp`` (``timeline_ranks``); the
+    notebook's ``labkit.rankview.RankView`` draws them at its pace (at most once a second; the
+    display calls themselves are no-ops here, the figure and its JSON for the page are built). Per
+    figure: seconds from its newest row, and from its slowest rank's newest row, to the end of the
+    draw (``behind_newest``: RankView's own ``latencies``; ``behind_slowest``); per row: seconds
+    from its ``t_end`` on its rank to the end of the first draw holding it (``latency``); ``draw``."""
+    import IPython.display
 
-    steps = sorted({r["step"] for r in rows})
-    col = {s: i for i, s in enumerate(steps)}
-    z = [[None] * len(steps) for _ in range(ranks)]
-    for r in rows:
-        z[r["rank"]][col[r["step"]]] = r["t"] % 1.0
-    fig = go.Figure(go.Heatmap(z=z, x=steps, y=list(range(ranks)), colorscale="Viridis"))
-    fig.update_layout(height=max(300, 12 * ranks), xaxis_title="step", yaxis_title="rank")
-    return fig.to_plotly_json()
+    from labkit.rankview import RankView
+    from labkit.train.timeline import PHASES
 
+    IPython.display.display = IPython.display.update_display = lambda *a, **k: None  # no front end here
+    latencies, draws, slowest, seen = [], [], [], set()
 
-def record_to_figure(rc, n: int, *, steps: int, interval: float, window: int, publish_every: float = 0.5,
-                     draw_every: float = 1.0) -> dict:
-    """n ranks publish records (``publish_records``); the notebook draws every rank's newest rows
-    every ``draw_every`` s (``labkit.live.LivePlot``'s pace). Per record: seconds from its time on
-    its rank to the end of the first figure holding it (``latency``). Per figure: seconds from the
-    newest record it holds to its end (``behind_newest``), and from the slowest rank's newest
-    record (``behind_slowest``); ``draw``: building it."""
-    ars = [rc[e].apply_async(publish_records, k, steps, interval, window, publish_every)
-           for k, e in enumerate(sorted(rc.ids)[:n])]
-    latencies, draws, newest, slowest, seen = [], [], [], [], set()
-    while True:
-        finished = all(ar.ready() for ar in ars)
-        rows = [row for ar in ars for row in ((ar.data or {}).get("rows") or [])]
-        if rows:
-            t0 = time.time()
-            heatmap(rows, n)
+    class Timed(RankView):
+        def _draw(self, *, final: bool) -> None:
+            t0 = time.perf_counter()
+            super()._draw(final=final)
             done = time.time()
-            draws.append(done - t0)
-            fresh = [row for row in rows if (row["rank"], row["step"]) not in seen]
-            latencies += [done - row["t"] for row in fresh]
-            seen |= {(row["rank"], row["step"]) for row in fresh}
-            last = {}
+            draws.append(time.perf_counter() - t0)
+            rows = self._records or []
+            newest_of: dict[int, float] = {}
             for row in rows:
-                last[row["rank"]] = max(last.get(row["rank"], 0.0), row["t"])
-            newest.append(done - max(last.values()))
-            slowest.append(done - min(last.values()))
-        if finished:
-            break
-        time.sleep(draw_every)
-    [ar.get() for ar in ars]
-    return {"latency": _stats(latencies), "behind_newest": _stats(newest[:-1] or newest),
-            "behind_slowest": _stats(slowest[:-1] or slowest), "draw": _stats(draws), "records": len(seen)}
+                newest_of[row["rank"]] = max(newest_of.get(row["rank"], 0.0), row["t_end"])
+                if (row["rank"], row["step"]) not in seen:
+                    seen.add((row["rank"], row["step"]))
+                    latencies.append(done - row["t_end"])
+            slowest.append(done - min(newest_of.values()))
+
+    view = Timed(last_steps=100, window=20)
+    C.run_ddp(rc, timeline_ranks, steps, interval, list(PHASES), time.time(), targets=sorted(rc.ids)[:n], live=view,
+              timeout=600, stream=False, status_dir=None)
+    behind = view.latencies[:-1] or view.latencies  # the last draw (flush) comes after the ranks ended
+    return {"latency": _stats(latencies), "behind_newest": _stats(behind), "behind_slowest": _stats(slowest[:-1] or slowest),
+            "draw": _stats(draws), "records": len(seen)}
 
 
 def main() -> None:
@@ -135,9 +132,8 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=16)
     ap.add_argument("--per-node", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--steps", type=int, default=40, help="records each rank publishes")
-    ap.add_argument("--interval", type=float, default=0.25, help="seconds between a rank's records")
-    ap.add_argument("--window", type=int, default=32, help="newest records of each rank it publishes (a figure holds)")
+    ap.add_argument("--steps", type=int, default=40, help="steps (timeline rows) each rank makes")
+    ap.add_argument("--interval", type=float, default=0.25, help="a rank's step time, seconds")
     a = ap.parse_args()
     n = a.nodes * a.per_node
     out = {"engines": n, "nodes": a.nodes, "per_node": a.per_node, "registration_timeouts": registration_timeouts(n)}
@@ -169,7 +165,7 @@ def main() -> None:
         assert len(nodes) == a.nodes, nodes
         out["engine_args_seen"] = [_engine_args(i["pid"]) for i in infos]
         load = _load()
-        res = record_to_figure(rc, n, steps=a.steps, interval=a.interval, window=a.window)
+        res = record_to_figure(rc, n, steps=a.steps, interval=a.interval)
         out["record_to_figure"] = res
         print(json.dumps({"what": "record_to_figure", "ranks": n, "interval_s": a.interval, **res, **load}), flush=True)
         status = _status_poll(rc, scratch / "status", a.rounds)
