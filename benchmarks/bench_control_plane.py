@@ -20,7 +20,8 @@ Measured, wall-clock seconds (one JSON line each, then a summary line):
   heatmaps, per-rank bars, the culprit) draws them: seconds from a row on its rank to the end of
   the first draw holding it (``latency``), how far each draw is behind its newest row and its
   slowest rank's (``behind_newest``, ``behind_slowest``; the last draw, after the ranks ended,
-  left out) and the time to draw (``draw``): median, p90, max.
+  left out) and the time to draw (``draw``): median, p90, max; for each of run_ddp's ``--polls``
+  (its wait between looks at the ranks) in paired rounds.
 
 Each line carries the machine's load (1- and 5-minute load average, CPUs) measured just before.
 Numbers from a loaded machine say so by that load; docs/measurement.md takes those of an idle one.
@@ -89,7 +90,7 @@ def timeline_ranks(steps: int, interval: float, phases: list[str], segment_start
     return steps
 
 
-def record_to_figure(rc, n: int, *, steps: int, interval: float) -> dict:
+def record_to_figure(rc, n: int, *, steps: int, interval: float, poll: float) -> dict:
     """n ranks publish their step-timeline rows through ``run_ddp`` (``timeline_ranks``); the
     notebook's ``labkit.rankview.RankView`` draws them at its pace (at most once a second; the
     display calls themselves are no-ops here, the figure and its JSON for the page are built). Per
@@ -121,7 +122,7 @@ def record_to_figure(rc, n: int, *, steps: int, interval: float) -> dict:
 
     view = Timed(last_steps=100, window=20)
     C.run_ddp(rc, timeline_ranks, steps, interval, list(PHASES), time.time(), targets=sorted(rc.ids)[:n], live=view,
-              timeout=600, stream=False, status_dir=None)
+              timeout=600, stream=False, poll=poll)
     behind = view.latencies[:-1] or view.latencies  # the last draw (flush) comes after the ranks ended
     return {"latency": _stats(latencies), "behind_newest": _stats(behind), "behind_slowest": _stats(slowest[:-1] or slowest),
             "draw": _stats(draws), "records": len(seen)}
@@ -132,6 +133,9 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=16)
     ap.add_argument("--per-node", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--polls", type=float, nargs="+", default=[1.0, 0.5],
+                    help="run_ddp's poll for record_to_figure, each in turn for --figure-rounds paired rounds")
+    ap.add_argument("--figure-rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=40, help="steps (timeline rows) each rank makes")
     ap.add_argument("--interval", type=float, default=0.25, help="a rank's step time, seconds")
     a = ap.parse_args()
@@ -164,10 +168,14 @@ def main() -> None:
         nodes = {i["node"] for i in infos}
         assert len(nodes) == a.nodes, nodes
         out["engine_args_seen"] = [_engine_args(i["pid"]) for i in infos]
-        load = _load()
-        res = record_to_figure(rc, n, steps=a.steps, interval=a.interval)
-        out["record_to_figure"] = res
-        print(json.dumps({"what": "record_to_figure", "ranks": n, "interval_s": a.interval, **res, **load}), flush=True)
+        out["record_to_figure"] = {}
+        for k in range(a.figure_rounds):  # the polls alternate, the order flipping every round
+            for poll in a.polls if k % 2 == 0 else a.polls[::-1]:
+                load = _load()
+                res = record_to_figure(rc, n, steps=a.steps, interval=a.interval, poll=poll)
+                out["record_to_figure"].setdefault(str(poll), []).append(res)
+                print(json.dumps({"what": "record_to_figure", "ranks": n, "interval_s": a.interval, "poll_s": poll,
+                                  "round": k, **res, **load}), flush=True)
         status = _status_poll(rc, scratch / "status", a.rounds)
         out["status_poll"] = status
         print(json.dumps({"what": "status_poll", "ranks": n, **status, **_load()}), flush=True)
