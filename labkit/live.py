@@ -58,7 +58,9 @@ class LivePlot:
     Frames while running are text/html (``live_html``), which JupyterLab redraws on every update;
     `flush()` (run_ddp calls it at the end) draws the final frame with the plotly mimetype added,
     so the saved notebook renders even untrusted and the exported HTML keeps every point offline.
-    Calls inside the interval are kept and drawn by the next call or by `flush()`.
+    Calls inside the interval are kept and drawn by the next call or by `flush()`. The output is
+    `height` CSS pixels tall, or the figure's own layout height when it sets one (a rank view
+    grows with its ranks: 1,456 px at 64; a fixed output would cut its lower panels off).
 
     No setup call is needed: the first frame, like the final one, carries the plotly mimetype too,
     so the front end draws it with its own plotly renderer (JupyterLab, Notebook 7 and VS Code
@@ -99,7 +101,8 @@ class LivePlot:
         from IPython.display import display, update_display
 
         fig = self.make_figure(self.frame(self._records))
-        bundle = {"text/html": live_html(fig, f"{self.display_id}-plot", height=self.height),
+        height = int(fig.layout.height or self.height)  # a figure that grows with its rows (64 ranks) keeps its output
+        bundle = {"text/html": live_html(fig, f"{self.display_id}-plot", height=height),
                   "text/plain": f"<labkit live figure: {len(self._records)} records>"}
         if final or self.draws == 0:  # drawn natively (see the class docstring); JupyterLab does not
             # redraw a plotly-mimetype output on update_display, so the frames between are HTML only
