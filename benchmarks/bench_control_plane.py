@@ -203,7 +203,7 @@ def _status_poll(rc, status_dir: pathlib.Path, rounds: int) -> dict:
     import threading
 
     result: dict = {}
-    runner = threading.Thread(target=lambda: result.update(r=C.run_ddp(rc, _wait_then_return, 4.0 + rounds * 0.1,
+    runner = threading.Thread(target=lambda: result.update(r=C.run_ddp(rc, _wait_then_return, 2.0 + rounds * 0.1,
                                                                        status_dir=str(status_dir), stream=False)))
     runner.start()
     while len(read_statuses(status_dir)) < len(rc.ids) and runner.is_alive():
