@@ -44,7 +44,8 @@ EXAMPLES = {
              "  labkit sweep loaders configs/walkthrough.toml --workers 0 1 2 --step-time-s 0.05\n"
              "  labkit sweep parallel configs/walkthrough.toml --micro-batches 4 --steps 8\n"
              "  labkit sweep network configs/walkthrough.toml --models mini small --rates-mbit 0 1000 200 50\n"
-             "  labkit sweep batch configs/walkthrough.toml --batches 4 8 16 32 64 --examples 4096",
+             "  labkit sweep batch configs/walkthrough.toml --batches 4 8 16 32 64 --examples 4096\n"
+             "  labkit sweep branch configs/walkthrough.toml --at 25 100 300 --repeats 3 --set train.max_steps=400",
     "plan": 'labkit plan --model bert-350m --gpus 256 --micro-batch 16 --seq-len 512 --device "H100 NVL"\n'
             '  labkit plan configs/study.toml --device "H100 NVL"',
     "forecast": "labkit forecast configs/study.toml --gpus 1,2,4,8,16,32,64,128,256 --network 25GbE\n"
@@ -325,8 +326,19 @@ def _add_batch_sweep_args(p: argparse.ArgumentParser) -> None:
                    help="batch: sequences each run trains on (default: train.max_steps x its global batch)")
     p.add_argument("--target", type=float, default=None,
                    help="batch: held-out loss to reach (default: the worst run's best, so every run reaches it)")
-    p.add_argument("--lr-rule", choices=("sqrt", "linear", "constant"), default="sqrt",
-                   help="batch: train.optim.lr at train's global batch, scaled to each batch by this rule")
+    p.add_argument("--lr-rule", choices=("sqrt", "linear", "constant"), default=None,
+                   help="batch, branch: train.optim.lr at train's global batch, scaled to each batch by this rule "
+                        "(default: train.batch.lr_rule, sqrt)")
+    p.add_argument("--at", type=int, nargs="+", default=None,
+                   help="branch: steps of the base run to branch from (labkit.study.branching)")
+    p.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8],
+                   help="branch: branch batches as multiples of the run's global batch (1: the reference)")
+    p.add_argument("--window", type=int, default=None,
+                   help="branch: examples each branch trains on (default 8 x the largest branch's batch)")
+    p.add_argument("--repeats", type=int, default=1, help="branch: data windows per branch point (default 1)")
+    p.add_argument("--tolerance", type=float, default=0.2,
+                   help="branch: a branch keeps pace when its progress per example is at least 1 - this of the "
+                        "run's batch (default 0.2)")
 
 
 def _add_forecast(sub: Any, debug: argparse.ArgumentParser) -> None:
@@ -400,8 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, config=False)
     p.set_defaults(func=_resume)
     p = _sub(sub, "sweep", "scaling sweeps: ranks, micro-batch, DataLoader workers, a shaped network (notebook 04), "
-                           "data x tensor x pipeline splits (notebook 06), the critical batch (notebook 07)", debug)
-    p.add_argument("kind", choices=("ranks", "micro-batch", "loaders", "network", "parallel", "batch"))
+                           "data x tensor x pipeline splits (notebook 06), the critical batch by whole runs (batch) "
+                           "and by branching from a run's checkpoints (branch; notebook 07)", debug)
+    p.add_argument("kind", choices=("ranks", "micro-batch", "loaders", "network", "parallel", "batch", "branch"))
     _add_common(p)
     p.add_argument("--ranks", type=int, nargs="+", default=None, help="ranks: the rank counts (default 1..engines)")
     p.add_argument("--models", nargs="+", default=None, help="micro-batch: model presets (default: train.model)")
@@ -419,6 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compression", nargs="+", default=["none"], choices=("none", "bf16", "powersgd"),
                    help="network: train.parallel.grad_compression values, each at every setting")
     _add_batch_sweep_args(p)
+    p.add_argument("--critical-batch", default=None, metavar="PARQUET",
+                   help="ranks: B_noise of the statistical goodput column from a `labkit sweep batch` table "
+                        "(<workdir>/sweeps/critical_batch.parquet: its B_crit); default: the in-run B_simple of the "
+                        "run with the most ranks. branch: the B_crit shown beside (default: that file, if any)")
     p.add_argument("--force", action="store_true", help="rerun points already in the sweep's table")
     p.set_defaults(func=_command("sweep"))
     _add_plan(sub, debug)

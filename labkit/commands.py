@@ -174,15 +174,47 @@ def _sweep_batch(cfg: LabConfig, args) -> int:
     if cfg.train.eval.every <= 0 and not cfg.train.data_dir:
         raise ValueError("train.data_dir: the batch sweep needs shards with a held-out split")
     df, fit = sweep_batch(cfg.train, cfg.workdir, batch_sizes=args.batches, target=args.target,
-                          lr_rule=args.lr_rule, max_examples=args.examples, force=args.force)
+                          lr_rule=args.lr_rule or cfg.train.batch.lr_rule, max_examples=args.examples,
+                          force=args.force)
     _print_table(df.select("batch", "lr", "steps", "examples", "reached", "b_simple", "b_simple_tokens",
-                           "final_eval_loss"))
+                           "final_eval_loss", "samples_per_s", "statistical_efficiency", "goodput_samples_per_s"))
     if "b_crit" in fit:
         print(f"B_crit = E_min/S_min = {fit['b_crit']:.1f} sequences ({100 * fit['level']:.0f} % bootstrap range "
               f"{fit['b_crit_low']:.1f}-{fit['b_crit_high']:.1f}) at held-out loss {fit['target_eval_loss']:.3f}, "
               f"{fit['reached']} batch sizes reached it; sweeps/critical_batch.parquet in {cfg.workdir}")
+        print("statistical goodput = samples/s x E(B), E(B) = (B_crit + B0)/(B_crit + B), B0 the smallest batch "
+              "(labkit.measure.statistical_goodput); one process accumulating micro-batches, so a larger batch buys few samples/s here")
     else:
         print(f"only {fit['reached']} batch sizes reached held-out loss {fit['target_eval_loss']:.3f}: no fit")
+    return 0
+
+
+def _sweep_branch(cfg: LabConfig, args) -> int:
+    """``labkit sweep branch``: the local critical batch by branching from the run's checkpoints
+    (labkit.study.branching), one process, printed per branch point with what agrees."""
+    if not args.at:
+        raise ValueError("--at: give the steps of the run to branch from (e.g. --at 25 100 300)")
+    if not pathlib.Path(cfg.train.data_dir, "index.json").is_file():
+        raise ValueError(f"train.data_dir: no shards at {cfg.train.data_dir} (run `labkit prepare {args.config}` first)")
+    import polars as pl
+
+    from labkit.study.branching import sweep_branch
+    points, runs = sweep_branch(cfg.train, cfg.workdir, at=args.at, factors=args.factors, window=args.window,
+                                repeats=args.repeats, tolerance=args.tolerance, engines=cfg.cluster.engines,
+                                lr_rule=args.lr_rule, critical_batch=args.critical_batch, force=args.force)
+    _print_table(runs.group_by("step", "factor", maintain_order=True).agg(  # one row per branch, repeats averaged
+        pl.col("batch", "lr", "steps", "loss_start", "efficiency").first(), pl.col("loss_end").mean()).select(
+        "step", "factor", "batch", "lr", "steps", "loss_start", "loss_end", "efficiency"))
+    _print_table(points.select("step", "tokens", "batch", "b_keep_pace", "b_keep_pace_low", "b_keep_pace_high",
+                               "b_noise", "b_noise_low", "b_noise_high", "b_simple",
+                               *[c for c in ("b_crit_sweep",) if c in points.columns]))
+    row = points.row(0, named=True)
+    print(f"local critical batch: the largest batch whose held-out progress per example keeps within "
+          f"{row['tolerance']:.0%} of batch {row['batch']}'s over {row['window']} examples ({100 * row['level']:.0f} % "
+          f"bootstrap ranges over held-out sequences and {row['repeats']} window(s)); sweeps/branch.parquet and "
+          f"branch_runs.parquet in {cfg.workdir}")
+    for line in points["agreement"]:
+        print(line)
     return 0
 
 
@@ -199,15 +231,24 @@ def sweep(kind: str, cfg: LabConfig, args) -> int:
     w = cfg.workdir
     if kind == "batch":  # one process per batch size, here (labkit.study.critical_batch)
         return _sweep_batch(cfg, args)
+    if kind == "branch":  # one process, here (labkit.study.branching)
+        return _sweep_branch(cfg, args)
     if kind == "network":
         return _sweep_network(cfg, args)
     preflight.check_sweep(kind, cfg, args)
+    noise = {}
+    if kind == "ranks" and getattr(args, "critical_batch", None):  # read before any engine starts
+        from labkit.forecasting import read_critical_batch
+
+        crit = read_critical_batch(args.critical_batch, 1)  # seq_len 1: B_crit in sequences
+        noise = {"b_noise": crit["b_crit_tokens"],
+                 "b_noise_source": f"B_crit of {crit['source']} (at held-out loss {crit['target_eval_loss']:.3f})"}
     from labkit import lab
     from labkit.data.shards import read_index
     with cluster_client(cfg.cluster) as client:
         if kind == "ranks":
             staged = _stage(client, cfg) if _uses_workdir_shards(cfg) else None
-            df = lab.sweep_ranks(client, cfg.train, w, ranks=args.ranks, staged=staged, force=args.force)
+            df = lab.sweep_ranks(client, cfg.train, w, ranks=args.ranks, staged=staged, force=args.force, **noise)
         elif kind == "micro-batch":
             index = read_index(cfg.train.data_dir)
             budget = int(args.budget_gib * 2**30) if args.budget_gib else None

@@ -181,6 +181,10 @@ def test_values_are_refused_before_any_engine_starts(tmp_path):
         "--budget-gib: 100000.0 GiB per rank is more than": ["sweep", "micro-batch", c, "--budget-gib", "100000"],
         "--budget-gb: sweep micro-batch takes --budget-gib": ["sweep", "micro-batch", c, "--budget-gb", "2"],
         "--workers: worker counts must be >= 0": ["sweep", "loaders", c, "--workers", "-1"],
+        "--at: give the steps of the run to branch from": ["sweep", "branch", c],
+        "--window: 12 examples is not a multiple of the branch batch of factor(s) [1, 2]": [
+            "sweep", "branch", c, "--at", "5", "--factors", "2", "--window", "12"],
+        "--at: branch points [500] outside 1..train.max_steps 100": ["sweep", "branch", c, "--at", "500"],
         "corpus.paths: '/no/such/dir' does not exist": ["prepare", c, "--set", 'corpus.paths=["/no/such/dir"]'],
         "corpus.text_paths: '/no/notes' does not exist": ["prepare", c, "--set", 'corpus.text_paths=["/no/notes"]'],
     }

@@ -28,7 +28,10 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-__all__ = ["b_simple_at", "fit_critical_batch", "hyperbola", "lr_for_batch", "steps_to_target", "sweep_batch"]
+from labkit.study.goodput import goodput_columns
+
+__all__ = ["b_simple_at", "fit_critical_batch", "hyperbola", "lr_for_batch", "run_rates", "steps_to_target",
+           "sweep_batch"]
 
 LR_RULES = ("sqrt", "linear", "constant")
 
@@ -123,6 +126,21 @@ def b_simple_at(records: list[dict], step: float, key: str = "b_simple") -> floa
     return min(have, key=lambda r: abs(r["step"] - step))[key] if have else None
 
 
+def run_rates(records: list[dict], warmup_steps: int = 0) -> tuple[float | None, float | None]:
+    """(tokens/s, samples/s) of one run from its metrics records (``labkit.measure``: all real
+    tokens, or sequences, over all step time), the first ``warmup_steps`` steps left out as the run's
+    result.json leaves them out; (None, None) when no record after them has a step time."""
+    from labkit.measure import samples_per_s, tokens_per_s
+
+    timed = [r for r in records if r["step"] > warmup_steps and r.get("step_time_s")] or \
+        [r for r in records if r.get("step_time_s")]
+    if not timed:
+        return None, None
+    seconds = sum(r["step_time_s"] for r in timed)
+    return (tokens_per_s(sum(r["step_tokens"] for r in timed), seconds),
+            samples_per_s(sum(r["global_batch_size"] for r in timed), seconds))
+
+
 def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int], target: float | None = None,
                 lr_rule: str = "sqrt", max_examples: int | None = None, eval_every: int | None = None,
                 micro_batch_size: int | None = None, force: bool = False) -> tuple[pl.DataFrame, dict[str, Any]]:
@@ -133,7 +151,10 @@ def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int
     every ``eval_every`` steps (default: about 12 evaluations). ``target``: the held-out loss to
     reach (default: the largest final held-out loss over the runs, so that every run reaches it).
     Writes <workdir>/sweeps/critical_batch.parquet (one row per batch: batch, lr, steps,
-    examples, reached, b_simple, b_simple_tokens at the target, final_eval_loss) and
+    examples, reached, b_simple, b_simple_tokens at the target, final_eval_loss, tokens_per_s and
+    samples_per_s of the run (``run_rates``), and the statistical goodput columns of
+    ``labkit.study.goodput.goodput_columns`` with B_noise = the sweep's fitted B_crit and B0 = the
+    smallest batch: b_noise, b_noise_source, statistical_efficiency, goodput_samples_per_s) and
     critical_batch_curves.parquet (step, examples, eval_loss, b_simple per record) and returns
     (rows, fit | {"target"}). A finished run (result.json) whose config.json equals this one is
     read back, not rerun, unless ``force``. Raises ValueError with fewer than 3 batch sizes."""
@@ -169,11 +190,12 @@ def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int
     rows, curves = [], []
     for batch, (cfg, recs) in runs.items():
         s = steps_to_target(recs, target)
+        tps, sps = run_rates(recs, cfg.measure.timing_warmup_steps)
         rows.append({"batch": batch, "lr": cfg.optim.lr, "lr_rule": lr_rule, "target_eval_loss": target,
                      "steps": s, "examples": s * batch if s is not None else None, "reached": s is not None,
                      "b_simple": b_simple_at(recs, s) if s is not None else None,
                      "b_simple_tokens": b_simple_at(recs, s, "b_simple_tokens") if s is not None else None,
-                     "final_eval_loss": finals[batch]})
+                     "final_eval_loss": finals[batch], "tokens_per_s": tps, "samples_per_s": sps})
         curves += [{"batch": batch, "step": r["step"], "examples": r["step"] * batch, "loss": r.get("loss"),
                     "eval_loss": r.get("eval_loss"), "b_simple": r.get("b_simple"),
                     "b_simple_tokens": r.get("b_simple_tokens")} for r in recs]
@@ -183,5 +205,12 @@ def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int
     fit = fit_critical_batch(reached["batch"].to_numpy(), reached["steps"].to_numpy()) if reached.height >= 3 else {}
     fit |= {"target_eval_loss": target, "lr_rule": lr_rule, "reached": int(reached.height)}
     df = df.with_columns(*(pl.lit(fit.get(k)).alias(k) for k in ("b_crit", "b_crit_low", "b_crit_high", "s_min", "e_min")))
+    if fit.get("b_crit") is not None:
+        df = goodput_columns(df, batch="batch", throughput="samples_per_s", b_noise=fit["b_crit"],
+                             source=f"this sweep's B_crit (fit at held-out loss {target:.3f})")
+    else:  # no fit: no one B_noise for the table
+        df = df.with_columns(*(pl.lit(None, dtype=t).alias(c) for c, t in (
+            ("b_noise", pl.Float64), ("b_noise_source", pl.String), ("statistical_efficiency", pl.Float64),
+            ("goodput_samples_per_s", pl.Float64))))
     df.write_parquet(out / "critical_batch.parquet")
     return df, fit

@@ -29,6 +29,7 @@ from labkit.io import atomic_write
 from labkit.measure import check_cpu_budget
 from labkit.model import count_parameters, flops_per_token, model_config
 from labkit.study import gpu, memory
+from labkit.study.goodput import goodput_columns
 from labkit.study.loader_sweep import sweep_loader
 from labkit.workdir import paths
 
@@ -65,8 +66,8 @@ _NOT_SETTINGS = frozenset({"run_dir", "data_dir", "data.tokenizer_path", "resume
                            "optim.lr", "optim.weight_decay", "optim.beta1", "optim.beta2", "optim.grad_clip",
                            "schedule.kind", "schedule.warmup_steps", "schedule.min_lr_ratio",
                            "schedule.wsd_decay_fraction", "measure.log_every", "checkpoint.every", "checkpoint.keep",
-                           "checkpoint.enabled", "checkpoint.asynchronous", "eval.every", "eval.sequences",
-                           "eval.batch_size"})
+                           "checkpoint.enabled", "checkpoint.asynchronous", "checkpoint.init_from", "eval.every",
+                           "eval.sequences", "eval.batch_size", "batch.lr_rule"})
 """TrainConfig fields (dotted, ``labkit.config.dotted``) that do not shape a sweep point's measurement of time and memory: where it
 is written and read (the data are identified by their index.json instead), the values of the
 optimisation (learning rate and its schedule, decay, clipping threshold, seed: the same work per
@@ -133,7 +134,8 @@ def _fresh_run_dir(cfg: TrainConfig) -> TrainConfig:
 
 
 def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | None = None,
-                staged: dict[str, dict] | None = None, force: bool = False) -> pl.DataFrame:
+                staged: dict[str, dict] | None = None, force: bool = False, b_noise: float | None = None,
+                b_noise_source: str | None = None) -> pl.DataFrame:
     """Weak scaling: the same per-rank micro-batch at 1..N ranks, one short run per point.
 
     Points already in ``sweeps/ranks.parquet`` are not rerun. Columns: ranks, model,
@@ -143,10 +145,17 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
     ``labkit.measure.comm_exposed_s``; 0 at one rank; null in rows measured before it existed),
     efficiency = tokens_per_s(n) / (n * tokens_per_s(1)), and the machine's load just before the point (``_load_columns``: load_avg_1m, load_avg_5m,
     cpu_count, busy). Sweep runs write metrics and result.json, no checkpoint.
+
+    Statistical goodput (``labkit.study.goodput.goodput_columns``, per model and micro-batch):
+    b_simple (each run's in-run noise scale, null at one rank without accumulation), b_noise and
+    b_noise_source (``b_noise`` given, e.g. a batch sweep's B_crit, named by ``b_noise_source``;
+    else the in-run B_simple of the run with the most ranks), statistical_efficiency E(B) against
+    the one-rank global batch, and goodput_tokens_per_s = tokens_per_s x E(B).
     """
     out = paths(workdir)["sweeps"] / "ranks.parquet"
     ranks = ranks or list(range(1, len(client.ids) + 1))
-    rows = [{k: v for k, v in r.items() if k != "efficiency"} for r in _done_rows(out, force)]
+    derived = ("efficiency", "b_noise", "b_noise_source", "statistical_efficiency", "goodput_tokens_per_s")
+    rows = [{k: v for k, v in r.items() if k not in derived} for r in _done_rows(out, force)]
     have = {(r["ranks"], r["model"], r["micro_batch_size"]): r for r in rows}
     mb = base.batch.micro_batch_size
     for n in ranks:
@@ -163,12 +172,16 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
                      "global_batch_size": res["global_batch_size"], "tokens_per_s": res["tokens_per_s"],
                      "samples_per_s": res["samples_per_s"], "data_wait_fraction": res["data_wait_fraction"],
                      "comm_exposed_s": res["comm_exposed_s"], "comm_exposed_fraction": res["comm_exposed_fraction"],
-                     **load, **_point(settings)})
+                     "b_simple": res.get("b_simple"), **load, **_point(settings)})
     df = pl.DataFrame(rows, infer_schema_length=None).sort("model", "micro_batch_size", "ranks")
     one = (df.filter(pl.col("ranks") == 1).select("model", "micro_batch_size", pl.col("tokens_per_s").alias("_t1")))
     df = df.join(one, on=["model", "micro_batch_size"], how="left").with_columns(
         (pl.col("tokens_per_s") / (pl.col("ranks") * pl.col("_t1"))).alias("efficiency")
     ).drop("_t1")
+    if "b_simple" not in df.columns:  # every row from a table written before the column
+        df = df.with_columns(b_simple=pl.lit(None, dtype=pl.Float64))
+    df = goodput_columns(df, batch="global_batch_size", throughput="tokens_per_s", group=["model", "micro_batch_size"],
+                         b_noise=b_noise, source=b_noise_source)
     return _save(df, out)
 
 

@@ -244,6 +244,19 @@ def _keep_global_batch(cfg: TrainConfig, saved: int | None, dp: int) -> TrainCon
     return cfg.replace(batch={"grad_accum_steps": accum})
 
 
+def _branch_point(cfg: TrainConfig) -> pathlib.Path | None:
+    """``cfg.checkpoint.init_from`` (another run's checkpoint a new run starts from: a branch), or
+    None. FileNotFoundError (one line) when it is not a complete checkpoint."""
+    from labkit.train.checkpoint import is_complete
+
+    if cfg.checkpoint.init_from is None:
+        return None
+    path = pathlib.Path(cfg.checkpoint.init_from)
+    if not is_complete(path):
+        raise FileNotFoundError(f"checkpoint.init_from: {path} is not a complete checkpoint directory")
+    return path
+
+
 def _start_files(run_dir: pathlib.Path, cfg: TrainConfig, identity: dict, prov: dict, *, resumed: bool,
                  step: int, run_id: str) -> pathlib.Path | None:
     """Rank 0: config.json with the run's ``run_id`` (earlier configs kept in configs/; provenance
@@ -289,7 +302,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     identity = data_identity(index)
     if resume_step:  # refuse to continue a run under another configuration (labkit.train.run_config)
         check_resume(run_dir, to_dict(given), identity, allow_safe_changes=cfg.allow_safe_changes)
-    ckpt = run_dir / "checkpoints" / f"step-{resume_step}" if resume_step else None
+    ckpt = run_dir / "checkpoints" / f"step-{resume_step}" if resume_step else _branch_point(cfg)
     model, optimizer, scaler, sharding, state = resume.load_and_wrap(cfg, model, device, split, ckpt, world)
     runtime = Runtime(cfg, model, scaler, device, world=world, rank=rank)  # the step on the (pp, dp, tp) mesh
     timeline = Timeline(run_dir, rank=rank, world_size=world, resumed_from=resume_step, comm=runtime.comm,

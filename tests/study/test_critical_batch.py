@@ -76,3 +76,13 @@ def test_sweep_batch_on_tiny_shards_writes_tidy_parquet(tmp_path):
 
     result = json.loads((tmp_path / "sweeps" / "critical_batch" / "batch-16" / "result.json").read_text())
     assert result["b_simple"] is not None and result["b_simple_tokens"] > result["b_simple"]  # result.json has both
+    # each run's rates from its records equal the loop's own result.json; goodput = samples/s x E(B)
+    # with B_noise the sweep's B_crit and B0 the smallest batch (4)
+    assert df.filter(pl.col("batch") == 16)["tokens_per_s"].item() == pytest.approx(result["tokens_per_s"])
+    assert df.filter(pl.col("batch") == 16)["samples_per_s"].item() == pytest.approx(result["samples_per_s"])
+    if "b_crit" in fit:
+        eff = [(fit["b_crit"] + 4) / (fit["b_crit"] + b) for b in (4, 8, 16)]
+        assert df["statistical_efficiency"].to_list() == pytest.approx(eff)
+        assert df["goodput_samples_per_s"].to_list() == pytest.approx([s * e for s, e in zip(df["samples_per_s"], eff)])
+    else:
+        assert df["goodput_samples_per_s"].null_count() == 3
