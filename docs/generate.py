@@ -38,13 +38,14 @@ blocks read the files the measuring command wrote, kept under docs/data/:
   python benchmarks/bench_prep_scale.py`` at commit 0cdd4a4; the projection is
   ``benchmarks/project_prep.py``'s.
 
-Blocks: ``demo-summary`` (README.md); ``lesson1-measured``, ``lesson1-planner``, ``parallel-planner``, ``lesson2-measured``,
+Blocks: ``demo-summary`` (README.md); ``demo-load``, ``lesson1-measured``, ``lesson1-planner``, ``parallel-planner``, ``lesson2-measured``,
 ``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``, ``lesson4-forecast``, ``lesson4-forecast-check``,
 ``lesson4-network``, ``lesson4-compression-learning``, ``lesson4-branching``,
 ``lesson5-measured``, ``lesson5-planner`` (docs/results.md), and docs/generate_study.py's
 ``tokenizer-study``, ``study-run``, ``study-loaders``, ``study-plan``, ``precision-experiment``,
 ``one-story`` (docs/results.md, from configs/study.toml and the files its scripts write); ``bench-model`` (docs/model.md);
-``bench-ddp`` (docs/training.md); ``bench-parallel`` (docs/parallelism.md); ``bench-stage``, ``prep-scale``, ``prep-projection`` (docs/data_path.md).
+``bench-ddp`` (docs/training.md); ``bench-parallel`` (docs/parallelism.md); ``bench-stage``, ``prep-scale``, ``prep-projection`` (docs/data_path.md);
+docs/generate_cli.py's ``cli-options`` (docs/cli.md, from ``labkit.cli.build_parser``).
 """
 
 from __future__ import annotations
@@ -165,6 +166,15 @@ def demo_summary() -> str:
             f"({mb['mini']['params'] / 1e6:.1f} M parameters) and {mb['small']['max_micro_batch']} for `small` "
             f"({mb['small']['params'] / 1e6:.1f} M). Generated from `docs/data/demo.json` by\n"
             f"`python docs/generate.py`.\n")
+
+
+def demo_load() -> str:
+    """docs/results.md's note on when and at what load the demo's numbers were measured (its rank
+    sweep's rows record the load just before each point)."""
+    d = _demo()
+    when = min((r["measured_at"] for r in d["sweep_ranks"] if r.get("measured_at")), default=None)
+    return (f"- `demo.json` is `make demo` on a fresh clone{', ' + when[:10] if when else ''}, on a 2-core x86-64 VM "
+            f"running nothing else: the demo's own processes loaded it ({_load(d)}), so the machine was not idle\n")
 
 
 def lesson1_measured() -> str:
@@ -727,6 +737,7 @@ def prep_projection() -> str:
 
 
 BLOCKS = {("README.md", "demo-summary"): demo_summary,
+          ("docs/results.md", "demo-load"): demo_load,
           ("docs/results.md", "lesson1-measured"): lesson1_measured,
           ("docs/results.md", "lesson1-planner"): lesson1_planner,
           ("docs/results.md", "parallel-planner"): parallel_planner,
@@ -751,9 +762,11 @@ BLOCKS = {("README.md", "demo-summary"): demo_summary,
 
 
 sys.path.insert(0, str(ROOT / "docs"))
+import generate_cli  # noqa: E402  (docs/cli.md's option reference, from the parser --help prints)
 import generate_study  # noqa: E402  (the study as its authors ran it: configs/study.toml)
 
 BLOCKS.update(generate_study.BLOCKS)
+BLOCKS.update(generate_cli.BLOCKS)
 
 
 def render(text: str, name: str, body: str) -> str:

@@ -12,10 +12,11 @@
     labkit demo | verify SHARD_DIR | report NOTEBOOK OUT.html
 
 CONFIG is a TOML file (``labkit.config.tomlfile``); ``--set section.key=value`` overrides a key.
-Errors caused by the input (a bad key, a missing file, a failed notebook cell, a dead kernel,
-an engine's error) print one line naming the cause and exit with status 2; ``--debug`` shows
-the traceback instead. ``python -m labkit.train CONFIG`` (also under torchrun) is
-``labkit/train/__main__.py``.
+Every command prints lines for a reader, or with ``--json`` one JSON object on standard output
+(``labkit.readout``). Errors caused by the input (a bad key, a missing file, a failed notebook
+cell, a dead kernel, an engine's error) print one line naming the cause and exit with status 2,
+before any output when no engine is needed to find them; ``--debug`` shows the traceback instead.
+``python -m labkit.train CONFIG`` (also under torchrun) is ``labkit/train/__main__.py``.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def _input_errors() -> tuple[type[BaseException], ...]:
 def _guarded(name: str, func, args: argparse.Namespace, errors) -> int:
     """Run ``func(args)``: an error of the classes ``errors()`` returns (asked after the error, so
     the classes of packages the command imported count) prints ``<name>: error: <cause>`` and
-    returns 2 (with ``--debug`` it is raised); Ctrl-C returns 130."""
+    returns 2 (with ``--debug`` it is raised); Ctrl-C prints one line (with what continues the
+    work: ``labkit.commands.Interrupted``'s note) and returns 130."""
     try:
         return func(args)
     except Exception as exc:
@@ -111,9 +113,10 @@ def _guarded(name: str, func, args: argparse.Namespace, errors) -> int:
             raise
         print(f"{name}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"{name}: interrupted; engines were stopped. Completed stages are kept and are reused by the "
-              "next run with the same work directory.", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # labkit.commands.Interrupted says what continues the run
+        what = getattr(exc, "note", None) or ("Completed stages are kept and are reused by the next run with the "
+                                              "same work directory.")
+        print(f"{name}: interrupted; engines were stopped. {what}", file=sys.stderr)
         return 130
 
 
@@ -165,15 +168,22 @@ def _split_sharding(cfg):
                          "model copies; choose how they hold the model: --set train.parallel.sharding=\"fsdp\" (sharded) or "
                          "\"replicate\" (whole copies)")
     if not rest:
-        print(f"--tp {t.tp} --pp {t.pp} on {cfg.cluster.engines} engines: one model copy (dp 1), so "
-              "train.parallel.sharding=\"replicate\"", file=sys.stderr)
+        from labkit.commands import note  # printed once the command's checks passed
+
+        note(f"--tp {t.tp} --pp {t.pp} on {cfg.cluster.engines} engines: one model copy (dp 1), so "
+             "train.parallel.sharding=\"replicate\"")
     return cfg
 
 
 def _demo(args: argparse.Namespace) -> int:
+    """``labkit demo``: its progress lines as it goes, or with --json those on stderr and the
+    summary (``<workdir>/demo.json``) on stdout."""
+    from labkit import preflight
     from labkit.config import CorpusConfig, DemoConfig
     from labkit.demo import run_demo
+    from labkit.readout import Output
 
+    preflight.check_writable_dir(args.workdir, "--workdir")
     corpus = CorpusConfig()
     if args.max_functions is not None:
         corpus = dataclasses.replace(corpus, max_functions=args.max_functions)
@@ -182,22 +192,29 @@ def _demo(args: argparse.Namespace) -> int:
     cfg = DemoConfig(workdir=args.workdir, engines=args.engines, corpus=corpus,
                      train_steps=args.steps if args.steps is not None else DemoConfig().train_steps,
                      reports=not args.no_reports)
-    run_demo(cfg, force=args.force)
+    with Output(args.json) as out:
+        summary = run_demo(cfg, force=args.force)
+        if args.json:
+            out.show(summary, [])
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
     from labkit.data.shards import verify_shards
+    from labkit.readout import Output, verify_line
 
     index = verify_shards(args.shard_dir)
-    held = (index.get("heldout") or {}).get("n_sequences")
-    print(f"verified {args.shard_dir}: {len(index['shards'])} shards, {index['n_sequences']:,} sequences of "
-          f"{index['seq_len']} tokens" + (f", held-out {held:,} sequences" if held else ", no held-out split")
-          + f" (sha256 and ids < vocab_size {index['vocab_size']})")
+    with Output(args.json) as out:
+        out.show({"shard_dir": args.shard_dir, "shards": len(index["shards"]), "sequences": index["n_sequences"],
+                  "seq_len": index["seq_len"], "vocab_size": index["vocab_size"],
+                  "heldout_sequences": (index.get("heldout") or {}).get("n_sequences", 0)},
+                 [verify_line(index, args.shard_dir)])
     return 0
 
 
 def _report(args: argparse.Namespace) -> int:
+    from labkit import preflight
+    from labkit.readout import Output
     from labkit.report import execute_notebook
 
     params = {}
@@ -209,7 +226,10 @@ def _report(args: argparse.Namespace) -> int:
             params[key] = json.loads(value)
         except json.JSONDecodeError:
             params[key] = value
-    print(execute_notebook(args.notebook, args.out, parameters=params))
+    preflight.check_writable_file(args.out, "out")
+    with Output(args.json) as out:
+        html = execute_notebook(args.notebook, args.out, parameters=params)
+        out.show({"notebook": args.notebook, "out": str(html)}, [f"wrote {html} (executed {args.notebook})"])
     return 0
 
 
@@ -220,7 +240,7 @@ def _resume(args: argparse.Namespace) -> int:
     engines = args.engines or commands.run_world_size(args.run_dir) or ClusterConfig().engines
     cluster = ClusterConfig(engines=engines, kind="slurm" if args.slurm else "local", profile=args.profile,
                             cluster_id=args.cluster_id)
-    return commands.resume(args.run_dir, cluster, args.set)
+    return commands.resume(args.run_dir, cluster, args.set, as_json=args.json)
 
 
 def _command(name: str):
@@ -246,14 +266,22 @@ def _command(name: str):
             return commands.export(args)
         cfg = _config(args)
         if name == "prepare":
-            return commands.prepare(cfg, force=args.force)
+            return commands.prepare(cfg, force=args.force, as_json=args.json)
         if name == "train":
-            return commands.train(cfg, stage_first=not args.no_stage)
-        return commands.stage(cfg)
+            return commands.train(cfg, stage_first=not args.no_stage, as_json=args.json)
+        return commands.stage(cfg, as_json=args.json)
     return run
 
 
-def _add_common(p: argparse.ArgumentParser, *, config: bool = True, cluster: bool = True) -> None:
+JSON_HELP = "print one JSON object with the raw values on standard output (everything else goes to stderr)"
+
+
+def _add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+
+
+def _add_common(p: argparse.ArgumentParser, *, config: bool = True, cluster: bool = True,
+                engines_help: str = "number of engines (default: [cluster] engines)") -> None:
     if config:
         p.add_argument("config", help="TOML config file (see configs/walkthrough.toml)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -261,12 +289,14 @@ def _add_common(p: argparse.ArgumentParser, *, config: bool = True, cluster: boo
     if config:
         p.add_argument("--scaled-down", action="store_true",
                        help="apply the file's scaled_down overrides first (configs/study.toml: its run on 2 CPU engines)")
+    _add_json(p)
     if cluster:
         g = p.add_argument_group("cluster (default: local engines, as the notebooks)")
-        g.add_argument("--engines", type=int, default=None, help="number of engines (default: [cluster] engines)")
-        g.add_argument("--profile", default=None, help="IPython profile of the cluster")
+        g.add_argument("--engines", type=int, default=None, help=engines_help)
+        g.add_argument("--profile", default=None, help="IPython profile of the cluster (default: ipyparallel's)")
         g.add_argument("--slurm", action="store_true", help="start the engines as a Slurm job ([cluster.slurm])")
-        g.add_argument("--cluster-id", default=None, help="connect to this running cluster instead of starting one")
+        g.add_argument("--cluster-id", default=None, help="connect to this running cluster instead of starting one "
+                                                          "(default: start one, stopped at the end)")
 
 
 def _sub(sub, name: str, help_text: str, debug_parent: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -373,13 +403,23 @@ def _add_forecast(sub: Any, debug: argparse.ArgumentParser) -> None:
 
 
 def _ranks(args: argparse.Namespace) -> int:
-    """``labkit ranks RUN_DIR``: ``labkit.cluster.stuck.report``'s lines; status 1 when a rank holds
-    the others up (stuck or slow)."""
+    """``labkit ranks RUN_DIR``: ``labkit.cluster.stuck.report``'s lines (``--json``: the rest of
+    its dict); status 1 when a rank holds the others up (stuck or slow)."""
     from labkit.cluster.stuck import report
+    from labkit.readout import Output
 
-    lines = report(args.run_dir)
-    print("\n".join(lines))
-    return 1 if lines[0].startswith(("stuck:", "slow:")) else 0
+    found = report(args.run_dir)
+    with Output(args.json) as out:
+        out.show({k: v for k, v in found.items() if k != "lines"}, found["lines"])
+    return 1 if found["state"] in ("stuck", "slow") else 0
+
+
+def _add_ranks(sub: argparse._SubParsersAction, debug: argparse.ArgumentParser) -> None:
+    p = _sub(sub, "ranks", "each rank of a running run: host, step, collective; names the rank the others wait "
+                           "for when a step stalls (labkit.cluster.stuck)", debug)
+    p.add_argument("run_dir", help="the run directory (its ranks/ holds one status file per rank)")
+    _add_json(p)
+    p.set_defaults(func=_ranks)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -399,7 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(sub, "stage", "copy the shards to node-local disk, verifying checksums (notebook 02)", debug)
     _add_common(p)
     p.set_defaults(func=_command("stage"))
-    p = _sub(sub, "train", "train under DDP on the engines (notebook 03)", debug)
+    p = _sub(sub, "train", "train under DDP on the engines (notebook 03), with a progress bar over the steps; on "
+                           "train.stop_after or Ctrl-C it names the last checkpoint and the command that continues it",
+             debug)
     _add_common(p)
     p.add_argument("--no-stage", action="store_true", help="read data_dir directly instead of staged copies")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (train.parallel.tp; sharding fsdp or "
@@ -407,9 +449,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree (train.parallel.pp; micro-batches: "
                                                         "train.batch.grad_accum_steps)")
     p.set_defaults(func=_command("train"))
-    p = _sub(sub, "resume", "continue a run from its newest checkpoint with its saved config", debug)
+    p = _sub(sub, "resume", "continue a run from its newest checkpoint with its saved config, on as many engines as "
+                            "it ran on", debug)
     p.add_argument("run_dir")
-    _add_common(p, config=False)
+    _add_common(p, config=False, engines_help="number of engines (default: as many as the run ran on, its "
+                                              "config.json's world size; [cluster] engines when it has none)")
     p.set_defaults(func=_resume)
     p = _sub(sub, "sweep", "scaling sweeps: ranks, micro-batch, DataLoader workers, a shaped network (notebook 04), "
                            "data x tensor x pipeline splits (notebook 06), the critical batch by whole runs (batch) "
@@ -446,30 +490,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's tokenizer_path)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    _add_json(p)
     p.set_defaults(func=_command("export"))
 
-    p = _sub(sub, "ranks", "each rank of a running run: host, step, collective; names the rank the others wait "
-                           "for when a step stalls (labkit.cluster.stuck)", debug)
-    p.add_argument("run_dir", help="the run directory (its status/ holds one file per rank)")
-    p.set_defaults(func=_ranks)
+    _add_ranks(sub, debug)
 
     p = _sub(sub, "demo", "the end-to-end lab on local engines, CPU, real ELF binaries", debug)
     p.add_argument("--workdir", default="work/demo", help="where every artifact goes (default: work/demo)")
     p.add_argument("--engines", type=int, default=2, help="local ipyparallel engines (default: 2)")
-    p.add_argument("--max-functions", type=int, default=None, help="functions to disassemble (default: 30000)")
-    p.add_argument("--paths", nargs="*", default=None, help="ELF files or directories (default: system dirs)")
-    p.add_argument("--steps", type=int, default=None, help="DDP training steps")
+    p.add_argument("--max-functions", type=int, default=None,
+                   help="functions to disassemble (default: 30000, CorpusConfig.max_functions)")
+    p.add_argument("--paths", nargs="*", default=None,
+                   help="ELF files or directories (default: CorpusConfig.paths, the system's /usr/lib, /usr/bin, ...)")
+    p.add_argument("--steps", type=int, default=None, help="DDP training steps (default: 60, DemoConfig.train_steps)")
     p.add_argument("--no-reports", action="store_true", help="skip executing the notebooks")
     p.add_argument("--force", action="store_true", help="redo every stage, the training run and the sweeps, even "
                                                         "those whose artifacts match the settings")
+    p.add_argument("--json", action="store_true", help="print the summary (demo.json) as JSON on standard output; "
+                                                       "the progress lines go to stderr")
     p.set_defaults(func=_demo)
     p = _sub(sub, "verify", "check a shard set's index and the sha256 of every shard and the held-out file", debug)
     p.add_argument("shard_dir")
+    _add_json(p)
     p.set_defaults(func=_verify)
     p = _sub(sub, "report", "execute a notebook and export it as self-contained HTML", debug)
     p.add_argument("notebook")
     p.add_argument("out")
     p.add_argument("--param", action="append", default=[], help="key=value (JSON value) for the parameters cell")
+    _add_json(p)
     p.set_defaults(func=_report)
     return parser
 
@@ -486,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _guarded(f"labkit {args.command}", args.func, args, _input_errors)
     finally:  # main() called in-process (tests, notebooks) must not leave it for later runs
+        if "labkit.commands" in sys.modules:  # nor notes of a refused command
+            sys.modules["labkit.commands"]._NOTES.clear()
         if before is None:
             os.environ.pop(COMMAND_ENV, None)
         else:

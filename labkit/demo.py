@@ -66,7 +66,7 @@ def run_demo(cfg: DemoConfig, *, force: bool = False) -> dict[str, Any]:
     import shutil
 
     from labkit import lab
-    from labkit.cluster import get_client, start_cluster, stop_cluster
+    from labkit.cluster import StepProgress, get_client, start_cluster, stop_cluster
     from labkit.train.run_config import finished_run
 
     t0 = time.perf_counter()
@@ -121,7 +121,7 @@ def run_demo(cfg: DemoConfig, *, force: bool = False) -> dict[str, Any]:
             _say(f"    reusing the finished run in {tcfg.run_dir} (ended {result['provenance'].get('end_time')}, "
                  f"same config and data; --force trains again)", t0)
         else:
-            result = lab.train_on_cluster(client, tcfg, staged=staged, live=_TerminalProgress(cfg.train_steps))
+            result = lab.train_on_cluster(client, tcfg, staged=staged, live=StepProgress(cfg.train_steps, label="train"))
         summary["train"] = result
         _say(f"    loss {result['initial_loss']:.3f} -> {result['final_loss']:.3f}; held-out loss "
              f"{result['eval_loss']:.3f} (perplexity {result['perplexity']:.1f}); "
@@ -219,25 +219,3 @@ def run_reports(cfg: DemoConfig, work: Path, *, t0: float | None = None) -> list
         reports.append(str(out))
     return reports
 
-
-class _TerminalProgress:
-    """``live`` callback for the terminal: a tqdm bar over optimiser steps with the loss."""
-
-    def __init__(self, total: int) -> None:
-        from tqdm.std import tqdm
-
-        self.bar = tqdm(total=total, desc="    train", mininterval=0.5)
-        self.step = 0
-
-    def __call__(self, records: list[dict]) -> None:
-        if not records:
-            return
-        last = records[-1]
-        step = int(last.get("step", 0))
-        if step > self.step:
-            self.bar.update(step - self.step)
-            self.step = step
-            self.bar.set_postfix(loss=f"{last.get('loss', float('nan')):.3f}",
-                                 tok_s=f"{last.get('tokens_per_s', 0):,.0f}")
-        if step >= self.bar.total:
-            self.bar.close()

@@ -82,7 +82,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any], *, mode:
     ``mode``: permission bits for the final file (default: what ``mkstemp`` gives, 0600, widened
     to 0644 so reports and shards are readable by the group). ``durable=False`` skips both fsyncs:
     the rename is still atomic (a reader sees the old file or the new one), but a power cut may
-    lose it; for volatile state rewritten every second (``labkit.heartbeat``). On any error
+    lose it; for volatile state rewritten every second (``labkit.train.status``). On any error
     the temporary file is removed and the error re-raised; ``path`` is untouched. Returns ``path``
     as a Path.
     """

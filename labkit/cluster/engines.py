@@ -9,9 +9,10 @@ ipyparallel's own cluster file `security/cluster-<cluster_id>.json`, so a notebo
 to a running cluster (`connect_cluster`) and restarts keep the engines' environment.
 
 Topology (`engine_info`, `assign_ranks`, `per_node`, `set_node_names`) is in
-`labkit.cluster.topology`, the DDP launch (`run_ddp`, `DDPError`, `progress_bar`) in
-`labkit.cluster.launch`, training runs that restart or go on elastic (`train_on_cluster`,
-`run_ddp_resumable`) in `labkit.cluster.resumable`; `labkit.cluster` re-exports their names.
+`labkit.cluster.topology`, the DDP launch (`run_ddp`, `DDPError`) in `labkit.cluster.launch`,
+training runs that restart or go on elastic (`train_on_cluster`, `run_ddp_resumable`) in
+`labkit.cluster.resumable`, the progress bar (`StepProgress`, `progress_bar`) in
+`labkit.cluster.progress`; `labkit.cluster` re-exports their names.
 
 Patterns: docs/references.md section E (ipyparallel; DDP in persistent engines).
 """

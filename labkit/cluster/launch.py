@@ -5,7 +5,7 @@ all ranks at once, streams the engines' stdout/stderr to the caller (AsyncResult
 and rank 0's recent metric records through ipyparallel's `publish_data` (which keeps only the
 latest value per key, so rank 0 publishes a bounded history). A failed rank, a dead engine or a
 timeout raise `DDPError` naming the rank; every rank writes a status file from a thread of its own
-(``labkit.heartbeat``), from which a stalled step names the rank the others wait for while they
+(``labkit.train.status``), from which a stalled step names the rank the others wait for while they
 wait (``labkit.cluster.stuck``); an interrupt (KeyboardInterrupt in the waiting cell) frees the
 ranks' collectives and sends SIGINT to the engines still working. Restarting or going on without
 lost engines is ``labkit.cluster.resumable``'s.
@@ -35,8 +35,9 @@ from labkit.cluster.engine_watch import death_cause, unreachable
 from labkit.cluster.stuck import StallWatch, clear_requests, ranks_text, request_interrupt
 from labkit.cluster.topology import assign_ranks, engine_info
 from labkit.config import TrainConfig
+from labkit.train.status import interval_for
 
-__all__ = ["LOST_PROBE_S", "DDPError", "failure_line", "labkit_frame", "progress_bar", "run_ddp"]
+__all__ = ["LOST_PROBE_S", "DDPError", "failure_line", "labkit_frame", "run_ddp"]
 
 
 class DDPError(RuntimeError):
@@ -99,15 +100,16 @@ def _publish_timeline(rows: list[dict]) -> None:
 
 
 def _ddp_entry(fn: Callable, env: dict, args: tuple, kwargs: dict, history: int, status: dict | None = None) -> Any:
-    """Engine side of `run_ddp`: set env, start this rank's heartbeat (``status``: {"dir",
-    "token"}; ``labkit.heartbeat``), build rank 0's sink (and every rank's timeline sink), call
-    fn, always tear down. torch is not imported here: a function without it runs without it (torch
+    """Engine side of `run_ddp`: set env, start this rank's status file (``status``: {"dir",
+    "token", "interval_s"}; ``labkit.train.status.RankStatus``, with torch's Flight Recorder on),
+    build rank 0's sink (and every rank's timeline sink), call fn, always tear down. torch is not imported here: a function without it runs without it (torch
     reads OMP_NUM_THREADS when fn imports it; an engine that imported it before gets
     ``torch.set_num_threads``)."""
     import os
     import sys
 
-    from labkit.heartbeat import Heartbeat
+    from labkit.train import probes
+    from labkit.train.status import RankStatus
 
     with contextlib.suppress(Exception):  # IPython's default tracebacks parse every frame's source file (stack_data):
         get_ipython().InteractiveTB.set_mode("Plain")  # noqa: F821 - seconds for a torch stack on a busy host
@@ -116,15 +118,21 @@ def _ddp_entry(fn: Callable, env: dict, args: tuple, kwargs: dict, history: int,
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     sink = _Publisher(history) if env["RANK"] == "0" else None
-    beat = None if status is None else Heartbeat(status["dir"], rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
-                                                 token=status["token"]).start()
+    if status is not None:
+        probes.enable_flight_recorder()
+    beat = None if status is None else RankStatus(status["dir"], int(env["RANK"]), int(env["WORLD_SIZE"]),
+                                                  interval_s=status["interval_s"], token=status["token"],
+                                                  owner="run_ddp").start()
+    phase = "failed"
     try:
         params = inspect.signature(fn).parameters
         if "sink" in params:
             kwargs = {**kwargs, "sink": sink}
         if "timeline_sink" in params:
             kwargs = {**kwargs, "timeline_sink": _publish_timeline}
-        return fn(*args, **kwargs)
+        result = fn(*args, **kwargs)
+        phase = "done"
+        return result
     finally:
         if sink is not None and sink.records:
             sink.flush()
@@ -132,7 +140,7 @@ def _ddp_entry(fn: Callable, env: dict, args: tuple, kwargs: dict, history: int,
         if dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         if beat is not None:
-            beat.stop()
+            beat.stop(phase)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -202,41 +210,6 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def progress_bar(total: int, *, key: str = "step", label: str = "training") -> Callable[[list[dict]], None]:
-    """A `live` callback drawing one progress bar in the notebook: records[-1][key] of `total`.
-
-    Displayed once (raw bundle: HTML <progress> + text) and updated in place with
-    update_display, so an executed notebook keeps one bar at its final value. Outside IPython
-    it prints the text line. The callable keeps the last text in `.text`.
-    """
-    display_id = f"labkit-progress-{os.getpid()}-{time.monotonic_ns()}"
-    state = {"shown": False}
-
-    def draw(records: list[dict]) -> None:
-        last = records[-1] if records else {}
-        done = int(last.get(key) or 0)
-        extra = "".join(f" {k} {last[k]:.4g}" for k in ("loss", "tokens_per_s") if isinstance(last.get(k), (int, float)))
-        text = f"{label}: {key} {done}/{total} ({100 * done / max(total, 1):.0f}%){extra}"
-        draw.text = text
-        bundle = {"text/plain": text,
-                  "text/html": f'<progress value="{done}" max="{total}" style="width:40em"></progress> {text}'}
-        try:
-            from IPython import get_ipython
-            from IPython.display import display, update_display
-        except ImportError:  # pragma: no cover
-            get_ipython = lambda: None  # noqa: E731
-        if get_ipython() is None:
-            print(text, file=sys.stderr)
-        elif not state["shown"]:
-            display(bundle, raw=True, display_id=display_id)
-        else:
-            update_display(bundle, raw=True, display_id=display_id)
-        state["shown"] = True
-
-    draw.text = ""
-    return draw
-
-
 def run_ddp(
     client: ipp.Client,
     fn: Callable,
@@ -267,8 +240,8 @@ def run_ddp(
     newest `history` steps); one with ``every_poll = True`` is called at every poll, records or not
     (``labkit.cluster.elastic.GrowWatch``). `stream`: the engines' output is printed here, prefixed
     "[stdout:<engine id>]". Every rank writes a status file to `status_dir` (default: a
-    TrainConfig argument's run_dir/status, else the profile's labkit-status/<token>;
-    ``labkit.heartbeat``); when a step stalls, `stall_view(found)` (default
+    TrainConfig argument's run_dir/ranks, else the profile's labkit-status/<token>;
+    ``labkit.train.status``, every ``interval_for(cfg.timeout_s)`` s); when a step stalls, `stall_view(found)` (default
     ``labkit.live.StallView()``) gets ``labkit.cluster.stuck.StallWatch``'s line naming the rank the
     others wait for, its host and the collective, with its stack (None once it moves again).
     Raises DDPError naming the rank (with the engine's traceback) when a rank fails, when its
@@ -380,9 +353,9 @@ class _Job:
 
 def _stall_watch(client: ipp.Client, args: tuple, kwargs: dict, status_dir: str | None, engine_of: dict[int, int],
                  view: Callable[[dict | None], None] | None) -> tuple[dict, StallWatch, Callable[[dict | None], None]]:
-    """The run's status directory and token ({"dir", "token", "temporary"}: a TrainConfig argument's
-    run_dir/status, else the client's profile's labkit-status/<token>, temporary: removed when the
-    call returns), its ``StallWatch`` and the view it feeds (default ``labkit.live.StallView()``).
+    """The run's status directory, token and interval ({"dir", "token", "interval_s", "temporary"}: a
+    TrainConfig argument's run_dir/ranks and ``status.interval_for`` its timeout_s, else the client's
+    profile's labkit-status/<token> (temporary: removed when the call returns) at 0.5 s), its ``StallWatch`` and the view it feeds (default ``labkit.live.StallView()``).
     Requests left by earlier runs are removed."""
     import uuid
 
@@ -390,14 +363,15 @@ def _stall_watch(client: ipp.Client, args: tuple, kwargs: dict, status_dir: str 
 
     token = uuid.uuid4().hex[:12]
     temporary = False
+    cfg = next((a for a in [*args, *kwargs.values()] if isinstance(a, TrainConfig)), None)
     if status_dir is None:
-        cfg = next((a for a in [*args, *kwargs.values()] if isinstance(a, TrainConfig)), None)
         temporary = cfg is None
-        status_dir = (os.path.join(cfg.run_dir, "status") if cfg is not None
+        status_dir = (os.path.join(cfg.run_dir, "ranks") if cfg is not None
                       else os.path.join(client._profile_dir.location, "labkit-status", token))
     os.makedirs(status_dir, exist_ok=True)
     clear_requests(status_dir)
-    return ({"dir": os.path.abspath(status_dir), "token": token, "temporary": temporary},
+    return ({"dir": os.path.abspath(status_dir), "token": token, "temporary": temporary,
+             "interval_s": interval_for(cfg.timeout_s if cfg is not None else None)},
             StallWatch(status_dir, token, engine_of), view if view is not None else StallView())
 
 

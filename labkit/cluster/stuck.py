@@ -1,24 +1,24 @@
 """A stuck rank named while it is stuck: read every rank's status file, find the rank the others wait
 for, and get its Python stack.
 
-Every rank of a ``run_ddp`` call runs a ``labkit.heartbeat.Heartbeat``: a thread of its own
-that rewrites ``<status_dir>/rank-<R>.json`` twice a second with its step, the newest collective
+Every rank of a ``run_ddp`` call keeps a status file (``labkit.train.status``: a thread of its
+own rewrites ``<run_dir>/ranks/rank-<R>.json`` every 0.5-1 s with its step, the newest collective
 torch's Flight Recorder saw it issue (sequence number, operation, in flight or done) and its main
-thread's stack. The controller reads those files, never the blocked ranks' main threads:
+thread's stack). The controller reads those files, never the blocked ranks' main threads:
 
 - ``stalled``: the step now running has run ``STALL_FACTOR`` times the median step time and at
   least ``STALL_MIN_S`` (without step times, a collective waited in for ``STALL_NO_STEPS_S``);
 - ``diagnose``: in the process group where ranks have waited longest, the members that are in no
-  collective (computing, reading data) or whose heartbeat is older than ``STALE_S`` (not running
-  at all: stopped, or hung holding the GIL) are "not in collective n", n the first collective the
+  collective (computing, reading data) or whose file is ``STALE_BEATS`` intervals old
+  (``labkit.train.status.stale``: not running at all, stopped, or hung holding the GIL) are "not in collective n", n the first collective the
   others wait in: the ranks the others wait for;
 - ``StallWatch``: both, polled by ``run_ddp`` about once a second, plus the stuck rank's stack:
-  read from outside with py-spy (``labkit.heartbeat.py_spy_stack``) by this process when the
+  read from outside with py-spy (``labkit.train.probes.py_spy_stack``) by this process when the
   rank runs on this host, else by a live rank on its host (a ``dump-<R>.request`` file its
-  heartbeat answers), else the stack the rank itself last wrote (a stopped process cannot write,
+  status thread answers), else the stack the rank itself last wrote (a stopped process cannot write,
   so that stack is as old as its heartbeat, and says so);
-- ``request_interrupt``: ask every rank's heartbeat to free its collectives (an interrupted cell
-  then ends at once instead of at the collective timeout; ``labkit.heartbeat.free_collectives``).
+- ``request_interrupt``: ask every rank's status thread to free its collectives (an interrupted
+  cell then ends at once instead of at the collective timeout; ``labkit.train.probes.free_collectives``).
 
 ``rank_lines``/``stuck_line`` are what ``labkit ranks RUN_DIR`` prints.
 """
@@ -32,10 +32,11 @@ import statistics
 import time
 from pathlib import Path
 
-from labkit.heartbeat import py_spy_stack
 from labkit.io import atomic_write_json
+from labkit.train.probes import py_spy_stack
+from labkit.train.status import stale
 
-__all__ = ["STALE_S", "STALL_FACTOR", "STALL_MIN_S", "STALL_NO_STEPS_S", "StallWatch", "clear_requests", "diagnose",
+__all__ = ["STALL_FACTOR", "STALL_MIN_S", "STALL_NO_STEPS_S", "StallWatch", "clear_requests", "diagnose",
            "labkit_frame", "rank_lines",
            "ranks_text", "read_statuses", "report", "request_interrupt", "stalled", "stuck_line"]
 
@@ -46,9 +47,6 @@ STALL_MIN_S = 3.0
 STALL_NO_STEPS_S = 30.0
 """Without step times (a function that is not ``labkit.train.train``, or before its first step): a
 collective waited in this long is a stall."""
-STALE_S = 3.0
-"""A heartbeat older than this (seconds, against this host's clock: the hosts' clocks are taken to
-agree, as NTP keeps them) means the rank's process is not running."""
 
 
 def read_statuses(status_dir: str | os.PathLike, token: str | None = None) -> dict[int, dict]:
@@ -61,7 +59,7 @@ def read_statuses(status_dir: str | os.PathLike, token: str | None = None) -> di
         except (OSError, ValueError):
             continue
     if token is None and out:
-        token = max(out, key=lambda s: s.get("started", 0)).get("token")
+        token = max(out, key=lambda s: str(s.get("started", ""))).get("token")  # ISO 8601 UTC: sorts by time
     return {int(s["rank"]): s for s in sorted(out, key=lambda s: s["rank"]) if s.get("token") == token}
 
 
@@ -99,7 +97,7 @@ def stalled(statuses: dict[int, dict], now: float | None = None) -> float | None
 
 def diagnose(statuses: dict[int, dict], now: float | None = None) -> dict | None:
     """The ranks the others wait for. In each process group, the members in flight in a collective
-    wait (those whose heartbeat is older than ``STALE_S`` excepted: a process that does not run
+    wait (those whose file is stale excepted, ``labkit.train.status.stale``: a process that does not run
     holds the others up wherever it stopped); every other member is "behind": outside any
     collective (computing, or reading data), or not running. Ranks finish a collective at
     different moments, so the waiting ranks may be one collective apart: n is the first one they
@@ -113,17 +111,17 @@ def diagnose(statuses: dict[int, dict], now: float | None = None) -> dict | None
     for name in sorted(groups):
         entries = {r: (s.get("collectives") or {}).get(name) for r, s in statuses.items()}
         members = _members(entries, statuses)
-        stale = {r: now - statuses[r]["time"] for r in members
-                 if now - statuses[r]["time"] > STALE_S and not statuses[r].get("finished")}
-        waiting = [r for r in members if r not in stale and entries[r] and entries[r]["in_flight"]]
-        behind = sorted((r for r in members if r not in waiting), key=lambda r: (r not in stale, r))
+        ages = {r: stale(statuses[r], now) for r in members}
+        silent = {r: age for r, age in ages.items() if age is not None}
+        waiting = [r for r in members if r not in silent and entries[r] and entries[r]["in_flight"]]
+        behind = sorted((r for r in members if r not in waiting), key=lambda r: (r not in silent, r))
         if not waiting or not behind:
             continue
         first = min((entries[r] for r in waiting), key=lambda e: e["seq"])
         waited = now - min(entries[r]["since"] for r in waiting)
         if best is None or waited > best["waiting_s"]:
             best = {"group": name, "seq": first["seq"], "op": first["op"], "behind": behind, "waiting": waiting,
-                    "waiting_s": waited, "stale": stale}
+                    "waiting_s": waited, "stale": silent}
     return best
 
 
@@ -137,7 +135,7 @@ def stuck_line(found: dict, statuses: dict[int, dict], engines: dict[int, int] |
     more = f" (and {ranks_text(found['behind'][1:])})" if len(found["behind"]) > 1 else ""
     state = (f"its heartbeat stopped {found['stale'][r]:.0f} s ago: the process is not running (stopped, or hung "
              "holding the GIL) or its node is cut off" if r in found["stale"]
-             else "its task has ended" if s.get("finished") else "it is running")
+             else "its task has ended" if s.get("phase") in ("done", "failed") else "it is running")
     step = f", at step {s['step']}" if s.get("step") else ""
     have = "has" if len(found["waiting"]) == 1 else "have"
     return (f"rank {r} ({where}{engine}){more} is not in collective {found['seq']} ({found['op']}) that "
@@ -145,16 +143,16 @@ def stuck_line(found: dict, statuses: dict[int, dict], engines: dict[int, int] |
 
 
 def rank_lines(statuses: dict[int, dict], now: float | None = None) -> list[str]:
-    """One line per rank: host, node, pid, step, the newest collective and the heartbeat's age."""
+    """One line per rank: host, node, pid, step and phase, the newest collective and the file's age."""
     now = time.time() if now is None else now
     lines = []
     for r, s in sorted(statuses.items()):
         c = s.get("collective")
         coll = (f"collective {c['seq']} ({c['op']}) {'in flight for %.1f s' % (now - c['since']) if c['in_flight'] else 'done'}"
                 if c else "no collective yet")
-        state = "finished" if s.get("finished") else f"heartbeat {now - s['time']:.1f} s ago"
-        lines.append(f"rank {r}: host {s['host']}, node {s['node']}, pid {s['pid']}, step {s.get('step', 0)}, "
-                     f"{coll}, {state}")
+        state = s.get("phase") if s.get("phase") in ("done", "failed") else f"heartbeat {now - s['time']:.1f} s ago"
+        lines.append(f"rank {r}: host {s['host']}, node {s['node']}, pid {s['pid']}, step {s.get('step', 0)} in "
+                     f"{s.get('phase')}, {coll}, {state}")
     return lines
 
 
@@ -169,7 +167,7 @@ def labkit_frame(stack: list[str]) -> str | None:
 
 
 def request_interrupt(status_dir: str | os.PathLike, token: str) -> None:
-    """Ask every rank of run ``token`` to free its collectives (its heartbeat reads the request)."""
+    """Ask every rank of run ``token`` to free its collectives (its status thread reads the request)."""
     atomic_write_json(Path(status_dir) / "interrupt", {"token": token, "time": time.time()}, durable=False)
 
 
@@ -184,7 +182,7 @@ class StallWatch:
     stalled and ``diagnose`` names ranks, it returns {"line", "kind" ("stuck": the rank's process
     is not running, "slow": it runs), "stack", "stack_source", "in_labkit" (``labkit_frame``), "rank",
     "host", "pid", "seq", "op", "waiting_s", "behind" (every rank not in the collective), "stopped"
-    (those of them whose heartbeat stopped)}; None otherwise (also kept as ``found``). ``engines``: {rank: engine id} for the line."""
+    (those of them whose status file stopped)}; None otherwise (also kept as ``found``). ``engines``: {rank: engine id} for the line."""
 
     def __init__(self, status_dir: str | os.PathLike, token: str, engines: dict[int, int] | None = None):
         self.dir, self.token, self.engines = Path(status_dir), token, dict(engines or {})
@@ -230,16 +228,19 @@ class StallWatch:
         return status.get("stack") or [], f"written by the rank itself {now - status['time']:.0f} s ago"
 
 
-def report(run_dir: str | os.PathLike, *, wait_s: float = 3.0) -> list[str]:
-    """What ``labkit ranks RUN_DIR`` prints: a first line saying whether a rank holds the others up
-    ("stuck: " + ``stuck_line`` when its process is not running, "slow: " when it runs; its stack below, waiting up to ``wait_s`` for a py-spy dump by a
-    rank on its host), or the run's step and ranks; then ``rank_lines``. ``run_dir``: a run
-    directory (its ``status/`` is read) or a status directory. Raises FileNotFoundError (one line)
-    when it holds no rank status."""
-    status_dir = Path(run_dir) / "status" if (Path(run_dir) / "status").is_dir() else Path(run_dir)
+def report(run_dir: str | os.PathLike, *, wait_s: float = 3.0) -> dict:
+    """What ``labkit ranks RUN_DIR`` prints: {"state" ("stuck": a rank the others wait for whose
+    process is not running, "slow": one that runs, "running", "finished"), "stuck" (``StallWatch``'s
+    result, None unless stuck or slow), "ranks" ({rank: its status record}), "lines"}. The lines: a
+    first line with the state ("stuck: " + ``stuck_line``, with the rank's stack below, waiting up
+    to ``wait_s`` for a py-spy dump by a rank on its host; or the ranks and their step), then
+    ``rank_lines``. ``run_dir``: a run directory (its ``ranks/`` is read) or a status directory.
+    Raises FileNotFoundError (one line) when it holds no rank status."""
+    status_dir = Path(run_dir) / "ranks" if (Path(run_dir) / "ranks").is_dir() else Path(run_dir)
     statuses = read_statuses(status_dir)
     if not statuses:
-        raise FileNotFoundError(f"{run_dir}: no rank status files (rank-*.json); they are written while run_ddp runs")
+        raise FileNotFoundError(f"{run_dir}: no rank status files (ranks/rank-*.json); a run of 2 or more ranks "
+                                "writes them while it trains")
     token = next(iter(statuses.values()))["token"]
     watch = StallWatch(status_dir, token)
     found = watch.poll()
@@ -247,13 +248,14 @@ def report(run_dir: str | os.PathLike, *, wait_s: float = 3.0) -> list[str]:
     while found and found["stack_source"].startswith("written") and time.monotonic() < end:
         time.sleep(0.2)
         found = watch.poll()
+    step = max(s.get("step") or 0 for s in statuses.values())
     if found:
+        state = found["kind"]
         head = [f"{found['kind']}: {found['line']}", f"  in labkit at {found['in_labkit']}",
                 f"  its Python stack ({found['stack_source']}), innermost last:",
                 *(f"    {f}" for f in found["stack"][-12:])]
-    elif all(s.get("finished") for s in statuses.values()):
-        head = [f"finished: {len(statuses)} ranks, step {max(s.get('step') or 0 for s in statuses.values())}"]
+    elif all(s.get("phase") in ("done", "failed") for s in statuses.values()):
+        state, head = "finished", [f"finished: {len(statuses)} ranks, step {step}"]
     else:
-        head = [f"running: {len(statuses)} ranks at step {max(s.get('step') or 0 for s in statuses.values())}; "
-                "no rank holds the others up"]
-    return head + rank_lines(statuses)
+        state, head = "running", [f"running: {len(statuses)} ranks at step {step}; no rank holds the others up"]
+    return {"state": state, "stuck": found, "ranks": statuses, "lines": head + rank_lines(statuses)}

@@ -66,12 +66,24 @@ def _global_batch(cfg: TrainConfig) -> int:
     return cfg.batch.micro_batch_size * cfg.batch.grad_accum_steps
 
 
-def train_base(base: TrainConfig, at: list[int], *, force: bool = False) -> tuple[list[dict], bool]:
+def _progress_sink(progress: bool, total: int, initial: int, label: str):
+    """A metrics sink drawing a bar from step ``initial`` to ``total`` (``StepProgress.record``; the
+    bar closes itself at ``total``), or None without ``progress``."""
+    if not progress:
+        return None
+    from labkit.cluster.progress import StepProgress
+
+    return StepProgress(total, label=label, initial=initial).record
+
+
+def train_base(base: TrainConfig, at: list[int], *, force: bool = False,
+               progress: bool = False) -> tuple[list[dict], bool]:
     """Train ``base`` (one process) with a checkpoint at every step in ``at``, segment by segment
     (``stop_after``: a segment ends with a checkpoint and a held-out evaluation). Checkpoints of the
     same config already there are kept; a run of another config (or one that passed a missing
     branch point) is trained again from step 0, saying why. Returns (the run's metrics records,
-    whether anything was trained now). ValueError for a point outside 1..max_steps."""
+    whether anything was trained now). ValueError for a point outside 1..max_steps. ``progress``:
+    a bar over each segment's steps (``_progress_sink``)."""
     from labkit.train import train
     from labkit.train.checkpoint import checkpoint_steps
     from labkit.train.run_config import config_drift, data_identity
@@ -94,12 +106,14 @@ def train_base(base: TrainConfig, at: list[int], *, force: bool = False) -> tupl
             made_by.say(f"sweep branch: base run in {run}: " + ("; ".join(drift) if drift else
                         f"no checkpoint at step {min(missing)} before {max(done)}") + ", training it again")
             done = []
-    trained = False
+    trained, last = False, 0
     for step in sorted(set(at)):
         if step in done:
+            last = step
             continue
-        train(base.replace(stop_after=step, resume=bool(done) or trained))  # the first: a new run unless kept
-        trained = True
+        train(base.replace(stop_after=step, resume=bool(done) or trained),  # the first: a new run unless kept
+              sink=_progress_sink(progress, step, last, "sweep branch: base run"))
+        trained, last = True, step
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     return records, trained
 
@@ -199,7 +213,7 @@ def sweep_branch(train_cfg: TrainConfig, workdir: str | pathlib.Path, *, at: lis
                  factors: tuple[int, ...] | list[int] = FACTORS, window: int | None = None, repeats: int = 1,
                  tolerance: float = TOLERANCE, engines: int = 1, lr_rule: str | None = None,
                  critical_batch: str | pathlib.Path | None = None, n_boot: int = 1000,
-                 force: bool = False) -> tuple[pl.DataFrame, pl.DataFrame]:
+                 force: bool = False, progress: bool = False) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The local critical batch of ``train_cfg``'s run at each step in ``at`` (module docstring).
 
     ``factors``: branch batches as multiples of the base's global batch (1 is added when absent);
@@ -217,7 +231,7 @@ def sweep_branch(train_cfg: TrainConfig, workdir: str | pathlib.Path, *, at: lis
     at the step, with b_simple_low/high when the run records them), b_crit_sweep with _low, _high,
     _target, b_simple_agrees and b_crit_sweep_agrees (``branch_stats.overlap`` with b_noise's range;
     None where either is missing), and agreement (one sentence). ValueError on bad factors,
-    window or repeats."""
+    window or repeats. ``progress``: a bar over each run's steps, the base's and each branch's."""
     factors = sorted(set(factors) | {1})
     if factors[0] < 1 or len(factors) < 2 or repeats < 1 or not 0 < tolerance < 1:
         raise ValueError(f"sweep branch: need factors >= 1 (two or more), repeats >= 1 and 0 < tolerance < 1, got "
@@ -237,7 +251,7 @@ def sweep_branch(train_cfg: TrainConfig, workdir: str | pathlib.Path, *, at: lis
     from labkit.train import train  # after the checks: torch takes seconds to import
     from labkit.train.optim import lr_at
 
-    records, trained = train_base(base, at, force=force)
+    records, trained = train_base(base, at, force=force, progress=progress)
     points, runs = [], []
     for step in sorted(set(at)):
         if trained or force:  # branches of an older base checkpoint are not this one's
@@ -247,7 +261,7 @@ def sweep_branch(train_cfg: TrainConfig, workdir: str | pathlib.Path, *, at: lis
         for r in range(repeats):
             for j, k in enumerate(factors):
                 cfg = branch_config(base, step, k, window=window, repeat=r, lr_rule=rule)
-                result = train(cfg)
+                result = train(cfg, sink=_progress_sink(progress, cfg.max_steps, step, f"sweep branch: {step} x{k}"))
                 lk[r, j], m = heldout_losses(cfg, pathlib.Path(cfg.run_dir) / "checkpoints" / f"step-{cfg.max_steps}")
                 if not np.array_equal(m, masked):
                     raise RuntimeError(f"sweep branch: the held-out masks of {cfg.run_dir} differ from the base's")

@@ -143,7 +143,8 @@ def run_rates(records: list[dict], warmup_steps: int = 0) -> tuple[float | None,
 
 def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int], target: float | None = None,
                 lr_rule: str = "sqrt", max_examples: int | None = None, eval_every: int | None = None,
-                micro_batch_size: int | None = None, force: bool = False) -> tuple[pl.DataFrame, dict[str, Any]]:
+                micro_batch_size: int | None = None, force: bool = False,
+                progress: bool = False) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Train ``base`` (a TrainConfig; one process) at each global batch in ``batch_sizes``
     (sequences; micro-batch ``micro_batch_size`` or base's, the rest accumulation, at least 2 so
     the in-run noise scale exists) until ``max_examples`` sequences, the learning rate by
@@ -157,7 +158,12 @@ def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int
     smallest batch: b_noise, b_noise_source, statistical_efficiency, goodput_samples_per_s) and
     critical_batch_curves.parquet (step, examples, eval_loss, b_simple per record) and returns
     (rows, fit | {"target"}). A finished run (result.json) whose config.json equals this one is
-    read back, not rerun, unless ``force``. Raises ValueError with fewer than 3 batch sizes."""
+    read back, not rerun, unless ``force``. Raises ValueError with fewer than 3 batch sizes.
+    ``progress``: a bar over each trained run's steps (``labkit.cluster.progress.StepProgress``,
+    fed by the run's metrics sink)."""
+    import contextlib
+
+    from labkit.cluster.progress import StepProgress
     from labkit.config import to_dict
     from labkit.train import train
 
@@ -183,7 +189,8 @@ def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int
         done = pathlib.Path(cfg.run_dir, "result.json").exists() and \
             json.loads(pathlib.Path(cfg.run_dir, "config.json").read_text()) == json.loads(json.dumps(to_dict(cfg)))
         if force or not done:
-            train(cfg)
+            with StepProgress(steps, label=f"sweep batch: {batch}") if progress else contextlib.nullcontext() as bar:
+                train(cfg, sink=bar.record if bar is not None else None)
         runs[batch] = (cfg, [json.loads(x) for x in pathlib.Path(cfg.run_dir, "metrics.jsonl").read_text().splitlines()])
     finals = {b: min(r["eval_loss"] for r in recs if r.get("eval_loss") is not None) for b, (_, recs) in runs.items()}
     target = target if target is not None else max(finals.values())

@@ -123,15 +123,20 @@ def _timed(run_dir: pathlib.Path, warmup: int) -> list[dict]:
 def run_network_sweep(config: str, workdir: str | os.PathLike, *, models=MODELS, rates_mbit=RATES_MBIT,
                       compressions=("none",), steps: int = 6, warmup_steps: int = 2, micro_batch: int | None = None,
                       data_dir: str | None = None, timeout_s: float = 900.0, net_dir: str | os.PathLike | None = None,
-                      overrides=()):
+                      overrides=(), progress: bool = False):
     """Run the sweep (module docstring) and write ``<workdir>/sweeps/network.parquet``; returns
     it as a polars DataFrame. ``config``: the TOML file whose ``[train]`` is the run (its
     ``data_dir`` unless ``data_dir`` is given); ``steps`` optimiser steps per run, the first
     ``warmup_steps`` untimed; ``micro_batch`` overrides ``batch.micro_batch_size``; ``compressions``
     are ``TrainConfig.parallel.grad_compression`` values, each measured at every bandwidth; ``overrides``
     are ``--set SECTION.KEY=VALUE`` strings given to every run before the sweep's own. Needs root,
-    iproute2 and util-linux (RuntimeError naming what is missing); h1/h2 are created and deleted."""
+    iproute2 and util-linux (RuntimeError naming what is missing); h1/h2 are created and deleted.
+    ``progress``: a bar over the points (``labkit.cluster.progress.StepProgress``, key "point")."""
+    import contextlib
+
     import polars as pl
+
+    from labkit.cluster.progress import StepProgress
 
     from labkit.study.scaling import link_step_time
     from labkit.testing import realcluster as R
@@ -157,7 +162,8 @@ def run_network_sweep(config: str, workdir: str | os.PathLike, *, models=MODELS,
     rows: list[dict[str, Any]] = []
     collective_rate: dict[str, float] = {}
     hosts = R.NetHosts(pathlib.Path(net_dir or out_dir / "net"))
-    with hosts:
+    points = len(models) * len(rates_mbit) * len(compressions)
+    with hosts, StepProgress(points, label="sweep network", key="point") if progress else contextlib.nullcontext() as bar:
         for model in models:
             wire_ratio = None
             for rate in rates_mbit:
@@ -210,6 +216,7 @@ def run_network_sweep(config: str, workdir: str | os.PathLike, *, models=MODELS,
                         "predicted_ratio": step_s / pred["step_s"],
                         "bandwidth_ratio": (link["goodput_bits"] / 8) / (comm_bytes / compute_s),
                         "loss": records[-1]["loss"], "steps": steps, "load_avg_1m": os.getloadavg()[0]})
+                    bar.record({"point": len(rows), "loss": rows[-1]["loss"]}) if bar is not None else None
     df = pl.DataFrame(rows, infer_schema_length=None)
     df.write_parquet(workdir / "sweeps" / "network.parquet")
     return df

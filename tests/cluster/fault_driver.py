@@ -91,10 +91,11 @@ def stuck(rc, cfg, a: dict, out: dict) -> None:
         out["interrupt_returned_s"] = time.monotonic() - t0[0]
     except C.DDPError as err:
         out["stuck_error"] = str(err)
-    end, status = time.monotonic() + 60, pathlib.Path(cfg.run_dir, "status")
-    while not all(read_statuses(status).get(r, {}).get("finished") for r in (0, 1, 2)) and time.monotonic() < end:
+    end, status = time.monotonic() + 60, pathlib.Path(cfg.run_dir, "ranks")
+    ended = ("done", "failed")
+    while not all(read_statuses(status).get(r, {}).get("phase") in ended for r in (0, 1, 2)) and time.monotonic() < end:
         time.sleep(0.2)
-    out["after_interrupt"] = {r: {k: s.get(k) for k in ("freed", "freed_at", "finished", "time")} | {
+    out["after_interrupt"] = {r: {k: s.get(k) for k in ("freed", "freed_at", "phase", "time")} | {
         "since": (s.get("collective") or {}).get("since")} for r, s in read_statuses(status).items()}
     os.kill(pid3, signal.SIGCONT)
     out["ids_after_interrupt"] = sorted(rc.ids)

@@ -1,11 +1,12 @@
 """labkit.cluster.stuck's reading of rank status files, on status dicts shaped as
-labkit.heartbeat writes them (the real files are exercised end to end on the network hosts in
+labkit.train.status writes them (the real files are exercised end to end on the network hosts in
 tests/cluster/test_cluster_faults.py). The cases are ones seen there: 4 ranks whose rank 3 was
 SIGSTOPped wrote their collectives one apart (rank 0 had finished collective 81 locally and waited
 in 82, ranks 1-2 waited in 81) while rank 3's file still showed collective 72 from its last beat."""
 
 from __future__ import annotations
 
+import datetime
 import json
 
 import pytest
@@ -15,13 +16,18 @@ from labkit.cluster import stuck as S
 NOW = 1_000_000.0
 
 
-def _status(rank: int, *, seq: int, in_flight: bool, age: float = 0.2, step: int = 11, finished: bool = False,
+def _iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _status(rank: int, *, seq: int, in_flight: bool, age: float = 0.2, step: int = 11, phase: str = "train",
             median: float = 0.15, since_ago: float = 6.0, host: str = "h1") -> dict:
     entry = {"record_id": seq, "seq": seq, "op": "gloo:all_reduce", "in_flight": in_flight, "since": NOW - since_ago,
              "ranks": [0, 1, 2, 3]}
     return {"rank": rank, "world_size": 4, "token": "t", "host": host, "node": host, "pid": 100 + rank,
-            "time": NOW - age, "started": NOW - 60, "finished": finished, "step": step, "step_at": NOW - since_ago,
-            "median_step_s": median, "collective": entry, "collectives": {"0": entry}, "stack": [], "freed": None}
+            "time": NOW - age, "interval_s": 0.5, "started": _iso(NOW - 60), "phase": phase, "step": step,
+            "steps_done": step - 1, "step_at": NOW - since_ago, "median_step_s": median, "collective": entry,
+            "collectives": {"0": entry}, "stack": [], "freed": None}
 
 
 def _stopped_rank_3() -> dict[int, dict]:
@@ -44,7 +50,7 @@ def test_a_stopped_rank_is_named_though_the_others_wait_one_collective_apart():
 
 def test_a_running_rank_outside_any_collective_holds_the_others_up():
     statuses = _stopped_rank_3()
-    statuses[3] = _status(3, seq=80, in_flight=False, host="h2")  # computing, its heartbeat fresh
+    statuses[3] = _status(3, seq=80, in_flight=False, host="h2")  # computing, its file fresh
     found = S.diagnose(statuses, NOW)
     assert found["behind"] == [3] and found["stale"] == {}
     assert S.stuck_line(found, statuses).endswith("at step 11; it is running")
@@ -55,6 +61,9 @@ def test_no_culprit_while_all_wait_or_all_compute_or_before_the_stall():
     assert S.diagnose(waiting, NOW) is None  # all in one collective: the network, not a rank
     computing = {r: _status(r, seq=81, in_flight=False) for r in range(4)}
     assert S.diagnose(computing, NOW) is None
+    quiet = _stopped_rank_3()
+    quiet[3]["phase"] = "done"  # a rank whose task ended is not stale, however old its file: it holds none up
+    assert S.diagnose(quiet, NOW)["stale"] == {}
     short = {r: _status(r, seq=81, in_flight=r != 3, since_ago=0.6) for r in range(4)}
     assert S.stalled(short, NOW) is None  # 0.6 s: under STALL_MIN_S (and 5 x the 0.15 s median is 0.75 s)
     slow_steps = {r: _status(r, seq=81, in_flight=r != 3, median=2.0) for r in range(4)}
@@ -62,17 +71,20 @@ def test_no_culprit_while_all_wait_or_all_compute_or_before_the_stall():
 
 
 def test_read_statuses_keeps_the_newest_run_and_report_prints_it(tmp_path):
-    status = tmp_path / "status"
+    status = tmp_path / "ranks"
     status.mkdir()
     for r, s in _stopped_rank_3().items():
-        (status / f"rank-{r:05d}.json").write_text(json.dumps(s))
-    old = _status(5, seq=3, in_flight=False) | {"token": "older", "started": NOW - 600}
-    (status / "rank-00005.json").write_text(json.dumps(old))
-    (status / "rank-00006.json").write_text("{torn")
+        (status / f"rank-{r}.json").write_text(json.dumps(s))
+    old = _status(5, seq=3, in_flight=False) | {"token": "older", "started": _iso(NOW - 600)}
+    (status / "rank-5.json").write_text(json.dumps(old))
+    (status / "rank-6.json").write_text("{torn")
     assert sorted(S.read_statuses(status)) == [0, 1, 2, 3] and sorted(S.read_statuses(status, "older")) == [5]
-    lines = S.report(tmp_path, wait_s=0)  # the files' times lie long past: no rank waits now, each is stale
+    found = S.report(tmp_path, wait_s=0)  # the files' times lie long past: no rank waits now, each is stale
+    lines = found["lines"]
+    assert found["state"] == "running" and found["stuck"] is None and sorted(found["ranks"]) == [0, 1, 2, 3]
     assert lines[0] == "running: 4 ranks at step 11; no rank holds the others up"
     assert [line.split(":")[0] for line in lines[-4:]] == ["rank 0", "rank 1", "rank 2", "rank 3"]
+    assert lines[-1].startswith("rank 3: host h2, node h2, pid 103, step 10 in train, collective 72 (gloo:all_reduce) done")
     with pytest.raises(FileNotFoundError, match="no rank status files"):
         S.report(tmp_path / "nothing")
 

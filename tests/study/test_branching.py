@@ -47,7 +47,7 @@ def test_estimates_recover_the_noise_scale_and_the_batch_that_keeps_pace():
         branch_estimates(l0, lk, m, [2, 4, 8, 16, 32], batch, tolerance=0.2)
 
 
-def test_sweep_branch_on_tiny_shards_continues_the_base_run(tmp_path):
+def test_sweep_branch_on_tiny_shards_continues_the_base_run(tmp_path, capsys):
     """A base run at global batch 4 (micro-batch 2 x 2 accumulated, one process, constant lr) is
     checkpointed at steps 3 and 6; branches at 1, 2 and 4 x the batch start from each checkpoint
     (checkpoint.init_from). The factor-1 branch at step 3 is the base run itself, step for step, and
@@ -62,7 +62,10 @@ def test_sweep_branch_on_tiny_shards_continues_the_base_run(tmp_path):
                       num_threads=1, device="cpu", batch={"micro_batch_size": 2, "grad_accum_steps": 2},
                       optim={"lr": 3e-3}, schedule={"warmup_steps": 0, "min_lr_ratio": 1.0},
                       eval={"every": 0, "sequences": 16, "batch_size": 8}, measure={"trackers": ()})
-    points, runs = sweep_branch(cfg, tmp_path, at=[3, 6], factors=[2, 4], window=16, n_boot=100)
+    points, runs = sweep_branch(cfg, tmp_path, at=[3, 6], factors=[2, 4], window=16, n_boot=100, progress=True)
+    err = capsys.readouterr().err  # a bar over each run's steps: the base's segments, then each branch's
+    assert "sweep branch: base run: 100%" in err and "3/3" in err and "6/6" in err, err[-2000:]
+    assert "sweep branch: 3 x2: 100%" in err and "7/7" in err and "sweep branch: 6 x4: 100%" in err, err[-2000:]
     assert points["step"].to_list() == [3, 6] and points["batch"].to_list() == [4, 4]
     assert runs.select("factor", "steps").rows() == [(1, 4), (2, 2), (4, 1)] * 2
     assert runs["lr"].to_list() == pytest.approx([3e-3 * math.sqrt(k) for k in (1, 2, 4)] * 2)  # batch.lr_rule sqrt
