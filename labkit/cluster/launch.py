@@ -141,6 +141,9 @@ def _ddp_entry(fn: Callable, env: dict, args: tuple, kwargs: dict, history: int,
             dist.destroy_process_group()
         if beat is not None:
             beat.stop(phase)
+        runlock = sys.modules.get("labkit.train.runlock")
+        if runlock is not None:  # a run_dir lock fn's run left held (its clean-up cut short by the SIGINT of
+            runlock.release_all()  # stop_others): this engine lives on and runs the next call (elastic, a rerun)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -150,9 +150,10 @@ def rank_lines(statuses: dict[int, dict], now: float | None = None) -> list[str]
         c = s.get("collective")
         coll = (f"collective {c['seq']} ({c['op']}) {'in flight for %.1f s' % (now - c['since']) if c['in_flight'] else 'done'}"
                 if c else "no collective yet")
-        state = s.get("phase") if s.get("phase") in ("done", "failed") else f"heartbeat {now - s['time']:.1f} s ago"
-        lines.append(f"rank {r}: host {s['host']}, node {s['node']}, pid {s['pid']}, step {s.get('step', 0)} in "
-                     f"{s.get('phase')}, {coll}, {state}")
+        ended = s.get("phase") in ("done", "failed")
+        where = f"step {s.get('step', 0)}, {s['phase']}" if ended else f"step {s.get('step', 0)} in {s.get('phase')}"
+        lines.append(f"rank {r}: host {s['host']}, node {s['node']}, pid {s['pid']}, {where}, {coll}"
+                     + ("" if ended else f", heartbeat {now - s['time']:.1f} s ago"))
     return lines
 
 

@@ -11,11 +11,30 @@
 
 ``train`` reads RANK / WORLD_SIZE / LOCAL_RANK from the environment, as under ``torchrun``, so
 the same call runs in a plain process, on ipyparallel engines or in a test.
+
+The names below are imported on first use (PEP 562), so that a reader of the run's status files
+(``labkit.train.status``, ``labkit ranks``) does not import torch.
 """
 
-from labkit.train.checkpoint import checkpoint_steps, load_checkpoint, save_checkpoint
-from labkit.train.loop import AUTOCAST_DTYPES, forward_backward, train
-from labkit.train.optim import build_optimizer, lr_at
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for type checkers and readers; at run time each name comes on first use (__getattr__)
+    from labkit.train.checkpoint import checkpoint_steps, load_checkpoint, save_checkpoint
+    from labkit.train.loop import AUTOCAST_DTYPES, forward_backward, train
+    from labkit.train.optim import build_optimizer, lr_at
+
+_WHERE = {"checkpoint_steps": "checkpoint", "load_checkpoint": "checkpoint", "save_checkpoint": "checkpoint",
+          "AUTOCAST_DTYPES": "loop", "forward_backward": "loop", "train": "loop", "build_optimizer": "optim",
+          "lr_at": "optim"}
 
 __all__ = ["AUTOCAST_DTYPES", "build_optimizer", "checkpoint_steps", "forward_backward", "load_checkpoint", "lr_at",
            "save_checkpoint", "train"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f"labkit.train.{_WHERE[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'labkit.train' has no attribute {name!r}")

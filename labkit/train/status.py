@@ -12,7 +12,8 @@ own. One ``RankStatus`` per process: ``run_ddp`` starts it on each engine before
      "run_id", "started" (ISO 8601 UTC), "time" (Unix time of this write), "beat" (writes so far),
      "interval_s", "step" (the optimiser step in progress, 1-based), "steps_done", "step_at"
      (Unix time it finished), "median_step_s" (of the last 50), "phase" ("start", "train",
-     "evaluate", "checkpoint", then "done" or "failed"), "labkit_collective" (the labkit
+     "evaluate", "checkpoint", then "done" or "failed"; "failed_in": the phase it failed in),
+     "labkit_collective" (the labkit
      collective it is in: ``labkit.train.dist``'s wrappers, else null), "collective" (the newest
      collective torch's Flight Recorder saw it issue: "seq", "op", "in_flight", "since", "ranks",
      "record_id"; null when off), "collectives" (the newest per process group), "stack" (the main
@@ -102,7 +103,7 @@ class RankStatus:
             "token": token or uuid.uuid4().hex[:12], "run_id": run_id,
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
             "interval_s": interval_s, "beat": 0, "step": 0, "steps_done": 0, "step_at": None, "median_step_s": None,
-            "phase": "start", "labkit_collective": None, "freed": None, "freed_at": None}
+            "phase": "start", "failed_in": None, "labkit_collective": None, "freed": None, "freed_at": None}
         self.token = self.fields["token"]
         self._steps: deque = deque(maxlen=50)
         self._stop = threading.Event()
@@ -150,10 +151,16 @@ class RankStatus:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self.fields.update(phase=phase, labkit_collective=None)
-        self.write()
+        self.end(phase)
         if _current is self:
             _current = None
+
+    def end(self, phase: str) -> None:
+        """Write ``phase`` ("done", or "failed": the phase it failed in is kept as "failed_in") now."""
+        if phase == "failed" and self.fields["phase"] not in ("done", "failed"):
+            self.fields["failed_in"] = self.fields["phase"]
+        self.fields.update(phase=phase, labkit_collective=None)
+        self.write()
 
     def _request(self, name: str) -> dict | None:
         try:
@@ -201,8 +208,7 @@ def finish(phase: str, owner: str = "train") -> None:
     if _current.owner == owner:
         _current.stop(phase)
     else:
-        _current.fields.update(phase=phase, labkit_collective=None)
-        _current.write()
+        _current.end(phase)
 
 
 @contextmanager
@@ -284,7 +290,7 @@ def failure_line(ranks: list[dict[str, Any]], timeout_s: float, own: str | None 
     ``own``: what this rank saw (its error's first line)."""
     parts = []
     for r in ranks:
-        where = f"step {r.get('step')} in {r.get('phase')}"
+        where = f"step {r.get('step')} in {r.get('failed_in') if r['how'] == 'failed' else r.get('phase')}"
         if r.get("labkit_collective"):
             where += f", in {r['labkit_collective']}"
         c = r.get("collective")

@@ -93,6 +93,15 @@ def test_a_failed_collective_names_the_silent_and_the_gone_rank_and_keeps_its_ow
                     "tcp/pair.cc:534] Timed out waiting 3000ms for recv")
     assert status.explain(ValueError("bad shard"), tmp_path, 3, 0, 3.0) is None  # not a communication failure
     assert status.unanswering(ranks, 3, 0, token="another call") == []  # files of another run_ddp call: not read
+    # a rank that failed with an error of its own is named only when no rank is silent or gone
+    records[1] |= {"time": now, "phase": "failed", "failed_in": "train"}
+    records[2] |= {"pid": os.getpid(), "phase": "done"}
+    for r, rec in records.items():
+        (ranks / f"rank-{r}.json").write_text(json.dumps(rec))
+    (found,) = status.unanswering(ranks, 3, 0)
+    assert status.failure_line([found], 3.0) == (f"rank 1 (pid {os.getpid()} on host {host}) failed with an error of "
+                                                 "its own (see its log), at step 5 in train, in collective 83 "
+                                                 "(gloo:all_reduce) (collective timeout 3 s)")
 
 
 def test_requests_free_the_connections_made_since_the_start_and_dump_a_stack(rank_status, tmp_path):
