@@ -32,8 +32,11 @@ from typing import Any
 __all__ = ["FR_ENTRIES", "STACK_FRAMES", "collectives", "enable_flight_recorder", "free_collectives", "main_stack",
            "py_spy_stack", "tcp_connections"]
 
-FR_ENTRIES = 256
-"""Flight Recorder entries kept per process (``TORCH_FR_BUFFER_SIZE``) when labkit turns it on."""
+FR_ENTRIES = 32
+"""Flight Recorder entries kept per process (``TORCH_FR_BUFFER_SIZE``) when labkit turns it on. The
+status thread reads them all every beat, and the read grows in proportion to them (torch 2.13:
+256 entries took 20 times as long as 32, holding the GIL); a blocked rank's own newest entry is never pushed out, as
+it issues nothing while blocked. Set TORCH_FR_BUFFER_SIZE for more (torch's own dumps)."""
 STACK_FRAMES = 40
 """The innermost frames of a Python stack kept."""
 

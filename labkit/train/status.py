@@ -44,6 +44,7 @@ import datetime
 import json
 import os
 import pathlib
+import re
 import socket
 import threading
 import time
@@ -266,7 +267,7 @@ def unanswering(status_dir: str | os.PathLike, world: int, me: int, *, wait_s: f
     error of its own, phase "failed"). Waits up to ``wait_s`` for one (a peer whose connection
     just broke goes silent within ``STALE_BEATS`` intervals). Gone or silent ranks are named before
     (and instead of) failed ones. [] when every other rank answers."""
-    deadline = time.time() + wait_s
+    deadline = time.time() + max(0.0, wait_s)
     while True:
         now, out = time.time(), []
         for r, record in read_all(status_dir, world, token).items():
@@ -314,9 +315,12 @@ def explain(err: BaseException, run_dir: str | os.PathLike, world: int, rank: in
     (``failure_line``), then this rank's own error's first line (``err``: the timeout or the
     broken connection it saw), when ``err`` is a communication failure
     (``torch.distributed.DistError``, or a RuntimeError from the process group) in a run of
-    ``world`` > 1 ranks and some other rank went silent (waiting up to ``STALE_BEATS`` intervals,
-    at most 8 s, for one to); None otherwise (``err`` says it best). The files read: the running
-    status's directory, else ``run_dir``'s ``ranks/``."""
+    ``world`` > 1 ranks and some other rank went silent; None otherwise (``err`` says it best). A
+    broken connection waits up to ``STALE_BEATS`` intervals + 1 s (at most 8 s) for the peer to go
+    silent; a timeout waits only what of that the timeout itself has not (a peer that stopped
+    answering has been silent for the whole timeout: with ``interval_for``'s intervals, no wait
+    from a 5 s timeout up). The files read: the running status's directory, else
+    ``run_dir``'s ``ranks/``."""
     import torch.distributed as tdist
 
     text = str(err).lower()
@@ -326,7 +330,11 @@ def explain(err: BaseException, run_dir: str | os.PathLike, world: int, rank: in
     mine = current()
     status_dir = mine.dir if mine is not None else pathlib.Path(run_dir) / "ranks"
     interval = mine.interval_s if mine is not None else interval_for(timeout_s)
-    ranks = unanswering(status_dir, world, rank, wait_s=min(8.0, STALE_BEATS * interval + 1.0),
-                        token=mine.token if mine is not None else None)
+    wait_s = min(8.0, STALE_BEATS * interval + 1.0) - (timeout_s if "timed out" in text else 0.0)
+    ranks = unanswering(status_dir, world, rank, wait_s=wait_s, token=mine.token if mine is not None else None)
     own = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
+    own = _CALLBACK.sub("", own)  # torch.futures wraps a failed all-reduce once per comm-hook callback
     return failure_line(ranks, timeout_s, f"{type(err).__name__}: {own[:300]}") if ranks else None
+
+
+_CALLBACK = re.compile(r"^(?:Got the following error when running the callback: (?:\w+: )?)+")

@@ -91,6 +91,10 @@ def test_a_failed_collective_names_the_silent_and_the_gone_rank_and_keeps_its_ow
                     f"rank 2 (pid {dead.pid} on host {host}) stopped answering: its process is gone, last at step 4 "
                     "in checkpoint (collective timeout 3 s); here: RuntimeError: [../third_party/gloo/gloo/transport/"
                     "tcp/pair.cc:534] Timed out waiting 3000ms for recv")
+    wrapped = RuntimeError("Got the following error when running the callback: RuntimeError: Got the following "
+                           "error when running the callback: RuntimeError: [pair.cc:534] Timed out waiting 3000ms")
+    assert status.explain(wrapped, tmp_path, 3, 0, 3.0).endswith("; here: RuntimeError: [pair.cc:534] Timed out "
+                                                                 "waiting 3000ms")  # torch.futures' wrappers off
     assert status.explain(ValueError("bad shard"), tmp_path, 3, 0, 3.0) is None  # not a communication failure
     assert status.unanswering(ranks, 3, 0, token="another call") == []  # files of another run_ddp call: not read
     # a rank that failed with an error of its own is named only when no rank is silent or gone
