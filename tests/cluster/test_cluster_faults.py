@@ -92,11 +92,13 @@ def test_stuck_rank_named_while_the_others_wait(faults, capsys):
     assert any(x.startswith("rank 2: host h2") for x in r["cli"]) and len([x for x in r["cli"] if x.startswith("rank ")]) == 4
     # Ctrl-C returned without waiting for the collective timeout; the same engines ran the next call
     assert "stuck_error" not in r, r.get("stuck_error")
-    # ranks 0-2 were freed by their own status threads (their gloo connections shut) and ended
-    # before their collective's timeout would have; rank 3, still stopped, was not
+    # ranks 0-2 were freed by their status threads (each shuts its gloo connections when it reads the
+    # interrupt; a rank whose peers shut theirs first fails at once, its own then closed: 0 left to
+    # shut) and ended before their collective's timeout would have; rank 3, still stopped, was not
     after = r["after_interrupt"]
+    assert sum(after[k]["freed"] or 0 for k in ("0", "1", "2")) > 0, after
     for k in ("0", "1", "2"):
-        assert after[k]["freed"] > 0 and after[k]["phase"] == "failed", after  # its collective failed: freed
+        assert after[k]["phase"] == "failed", after  # its collective failed
         assert after[k]["time"] - after[k]["since"] < STUCK_TIMEOUT_S, after
     assert after["3"]["freed"] is None and after["3"]["phase"] not in ("done", "failed")  # as when stopped
     assert r["ids_after_interrupt"] == r["ids"]
