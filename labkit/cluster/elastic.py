@@ -67,9 +67,9 @@ def _newest_checkpoint(run_dir: str | Path) -> int:
 
 
 def _warm_engine() -> bool:
-    """On a joining engine: import what a training rank imports (torch, labkit.train), so that its
-    first rank does not keep the others waiting at the process group's rendezvous."""
-    import labkit.train  # noqa: F401
+    """On a joining engine: import what a training rank imports (torch, the training loop), so that
+    its first rank does not keep the others waiting at the process group's rendezvous."""
+    import labkit.train.loop  # noqa: F401 - labkit.train alone imports nothing of it (its names come on first use)
 
     return True
 
