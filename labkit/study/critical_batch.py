@@ -29,7 +29,7 @@ import numpy as np
 import polars as pl
 
 from labkit.study.goodput import goodput_columns
-from labkit.train.optim import LR_RULES, lr_for_batch  # noqa: F401 (here since the sweeps; the ramp's too)
+from labkit.train.lr import LR_RULES, lr_for_batch  # noqa: F401 (here since the sweeps; the ramp's too)
 
 __all__ = ["b_simple_at", "fit_critical_batch", "hyperbola", "lr_for_batch", "run_rates", "steps_to_target",
            "sweep_batch"]
