@@ -168,7 +168,7 @@ def _sweep_batch(cfg: LabConfig, args) -> int:
     df, fit = sweep_batch(cfg.train, cfg.workdir, batch_sizes=args.batches, target=args.target,
                           lr_rule=args.lr_rule, max_examples=args.examples, force=args.force)
     _print_table(df.select("batch", "lr", "steps", "examples", "reached", "b_simple", "b_simple_tokens",
-                           "final_eval_loss"))
+                           "final_eval_loss", "reused"))
     if "b_crit" in fit:
         print(f"B_crit = E_min/S_min = {fit['b_crit']:.1f} sequences ({100 * fit['level']:.0f} % bootstrap range "
               f"{fit['b_crit_low']:.1f}-{fit['b_crit_high']:.1f}) at held-out loss {fit['target_eval_loss']:.3f}, "
@@ -250,9 +250,9 @@ def _sweep_network(cfg: LabConfig, args) -> int:
         raise ValueError(f"train.data_dir: no shards at {cfg.train.data_dir} (run `labkit prepare {args.config}` first)")
     df = run_network_sweep(args.config, cfg.workdir, models=models, rates_mbit=[r or None for r in args.rates_mbit],
                            compressions=args.compression, steps=steps, data_dir=cfg.train.data_dir,
-                           overrides=args.set)
+                           overrides=args.set, force=args.force)
     cols = ("model", "grad_compression", "rate_mbit", "link_mbit", "comm_bytes", "compute_s", "step_s", "efficiency",
-            "comm_exposed_s", "predicted_step_s", "predicted_ratio")
+            "comm_exposed_s", "predicted_step_s", "predicted_ratio", "reused")
     print(f"sweeps/network.parquet in {cfg.workdir} holds every column")
     _print_table(df.select(cols))
     return 0
