@@ -2,22 +2,32 @@
 
 Local ipyparallel engines (2 by default), CPU tensors, gloo, and real input: functions
 disassembled from this machine's own ELF executables and shared libraries. Every stage is a
-call into ``labkit.lab``; the notebooks make the same calls, and are executed afterwards with
-the same work directory so that each renders the demo's artifacts as an HTML report.
+call into ``labkit.lab`` (and ``labkit.study``); the notebooks make the same calls, and are
+executed afterwards with the same work directory so that each renders the demo's artifacts as an
+HTML report.
+
+Every measurement a notebook shows is made here first, as a stage, with the notebook's own
+parameters (``notebook_parameters``: the notebook's defaults and what the demo passes it): the
+timing sweeps one after another with nothing else running (their numbers are times), the loss
+sweeps (notebooks 05 and 07) on both engines at once (their numbers are losses, which the load
+does not change). The notebooks then find each point made with their settings from the same
+shards and read it back through the same ``made_by`` check (``labkit.study.points``), so they
+measure nothing again and run two at a time (``run_reports``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from labkit.io import atomic_write_json
 from labkit.config import DemoConfig, TrainConfig, to_dict
 
-__all__ = ["NOTEBOOKS", "demo_train_config", "notebooks_dir", "run_demo", "run_reports"]
+__all__ = ["NOTEBOOKS", "demo_train_config", "notebook_parameters", "notebooks_dir", "run_demo", "run_reports"]
 
 NOTEBOOKS: tuple[str, ...] = ("00_cluster", "01_prepare", "02_stage_and_load", "03_train", "04_scaling",
                               "05_scaling_laws", "06_model_parallel", "07_critical_batch")
@@ -54,7 +64,7 @@ def _say(msg: str, t0: float) -> None:
     print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", flush=True)
 
 
-def run_demo(cfg: DemoConfig, *, force: bool = False) -> dict[str, Any]:
+def run_demo(cfg: DemoConfig, *, force: bool = False, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run every stage of the lab and return (and write to ``<workdir>/demo.json``) a summary
     of what was measured. Raises whatever a stage raises (each names its problem).
 
@@ -62,20 +72,21 @@ def run_demo(cfg: DemoConfig, *, force: bool = False) -> dict[str, Any]:
     whose ``made_by`` record matches (``labkit.lab``), the training run when it finished with
     the same config (``labkit.train.run_config.finished_run``), and sweep points measured with
     the same settings; each reuse is said in one line, with when it was made and, for
-    measurements, at what load (``labkit.study.sweeps.reused_note``). A changed setting redoes
+    measurements, at what load (``labkit.study.points.reused_note``). A changed setting redoes
     what it shapes. ``force`` redoes everything: every stage, the training run (its directory
-    is emptied first) and every sweep point."""
-    import shutil
-
-    from labkit import lab
+    is emptied first) and every sweep point. ``parameters``: notebook parameters to pass on top of
+    the demo's own (``notebook_parameters``; e.g. smaller sweeps in a test), which the stages
+    measure with as the notebooks will."""
     from labkit.cluster import get_client, start_cluster, stop_cluster
-    from labkit.train.run_config import finished_run
+    from labkit.report import check_parameters
 
     t0 = time.perf_counter()
     missing = [p for p in cfg.corpus.paths if not os.path.exists(p)]
     if missing:
         raise FileNotFoundError(f"corpus.paths: input path(s) do not exist: {', '.join(missing)}")
     work = Path(cfg.workdir).resolve()
+    for name, given in notebook_parameters(cfg, work, None, parameters).items():  # names, types: before any work
+        check_parameters(notebooks_dir() / f"{name}.py", given)
     work.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"config": to_dict(cfg), "workdir": str(work)}
 
@@ -84,69 +95,24 @@ def run_demo(cfg: DemoConfig, *, force: bool = False) -> dict[str, Any]:
     try:
         client = get_client(cluster)
 
-        _say(f"1/7 corpus: disassembling functions from ELF files under {', '.join(cfg.corpus.paths)}", t0)
-        corpus = lab.build_corpus(client, cfg.corpus, str(work), force=force)
-        _say(f"    {corpus['functions']:,} functions from {corpus['files_read']:,} files "
-             f"({corpus['raw_bytes'] / 1e6:.1f} MB of ELF), skipped {corpus['skipped']}", t0)
+        index, staged = _data_stages(client, cfg, work, force, summary, t0)
+        summary["train"] = _train_stage(client, cfg, work, staged, force, t0)
 
-        _say("2/7 clean, exact and near dedup (polars, MinHash LSH)", t0)
-        drops = lab.clean_corpus(client, cfg.clean, str(work), force=force)
-        _say(f"    kept {drops['kept']:,} of {drops['input']:,}; dropped {drops['dropped']}", t0)
-
-        _say(f"3/7 tokenizer ({cfg.tokenizer.kind}, vocabulary of at most {cfg.tokenizer.vocab_size}) and "
-             f"shards (seq_len {cfg.shards.seq_len})", t0)
-        lab.build_tokenizer(client, cfg.tokenizer, str(work), force=force)
-        index = lab.build_shards(client, cfg.shards, str(work), force=force)
-        prep = lab.preparation_report(str(work))
-        summary["preparation"] = prep
-        _say(f"    vocabulary {index['vocab_size']:,} (normalised disassembly has few distinct words; "
-             f"the size is a cap); {index['n_tokens']:,} tokens in {index['n_sequences']:,} sequences, "
-             f"{index['n_bytes'] / 1e6:.1f} MB of shards ({index['dtype']}); "
-             f"function dataset {prep['dataset_bytes'] / 1e6:.1f} MB -> training data "
-             f"{prep['training_data_bytes'] / 1e6:.1f} MB ({prep['training_to_dataset_ratio']:.2f}x the function "
-             f"dataset; machine code {prep['machine_code_bytes'] / 1e6:.1f} MB, ELF files read "
-             f"{prep['raw_bytes'] / 1e6:.1f} MB)", t0)
-
-        _say("4/7 staging shards to node-local disk, one engine per node, checksums verified", t0)
-        staged = lab.stage(client, str(work))
-        summary["staging"] = staged
-        for node, rep in staged.items():
-            _say(f"    {node}: {rep['bytes'] / 1e6:.1f} MB in {rep['seconds']:.2f} s -> {rep['path']}", t0)
-
-        tcfg = demo_train_config(cfg, work)
-        _say(f"5/7 DDP training: model {cfg.model}, {cfg.engines} ranks x micro-batch {cfg.micro_batch_size}, "
-             f"{cfg.train_steps} steps", t0)
-        if force:
-            shutil.rmtree(tcfg.run_dir, ignore_errors=True)
-        result = finished_run(tcfg, say=False)
-        if result is not None:
-            _say(f"    reusing the finished run in {tcfg.run_dir} (ended {result['provenance'].get('end_time')}, "
-                 f"same config and data; --force trains again)", t0)
-        else:
-            result = lab.train_on_cluster(client, tcfg, staged=staged, live=_TerminalProgress(cfg.train_steps))
-        summary["train"] = result
-        _say(f"    loss {result['initial_loss']:.3f} -> {result['final_loss']:.3f}; held-out loss "
-             f"{result['eval_loss']:.3f} (perplexity {result['perplexity']:.1f}); "
-             f"{result['tokens_per_s']:,.0f} tokens/s over {result['world_size']} ranks", t0)
-
-        _say(f"6/7 scaling sweep: tokens/s at 1..{cfg.engines} ranks; largest micro-batch under "
-             f"{cfg.memory_budget_gib} GiB per rank for {', '.join(cfg.sweep_models)}", t0)
-        base = dataclasses.replace(tcfg, max_steps=cfg.sweep_steps, warmup_steps=1, timing_warmup_steps=2)
-        ranks = lab.sweep_ranks(client, base, str(work), staged=staged, force=force)
-        mb = lab.sweep_micro_batch(client, list(cfg.sweep_models), seq_len=cfg.shards.seq_len,
-                                   vocab_size=index["vocab_size"],
-                                   budget_bytes=int(cfg.memory_budget_gib * 2**30), workdir=str(work), force=force)
-        summary["sweep_ranks"] = ranks.to_dicts()
-        summary["sweep_micro_batch"] = mb.to_dicts()
-        _say_sweeps(ranks, mb, t0)
+        nb = notebook_parameters(cfg, work, cluster.cluster_id, parameters)
+        summary |= _timing_sweeps(client, work, index, nb, staged, force, t0)
+        s5, s7 = _settings("05_scaling_laws", nb), _settings("07_critical_batch", nb)
+        _say(f"7/8 loss sweeps, in this process beside the reports that do not show them: scaling-law widths "
+             f"{s5['law_widths']} ({s5['law_steps']} steps); critical batch at global batches {s7['batch_sizes']} "
+             f"({s7['batch_examples']:,} sequences each)", t0)
+        loss = _in_background(_loss_sweeps, work, s5, s7, force, t0)
+        _say("8/8 figures and reports", t0)
+        summary["figures"] = _write_figures(cfg, work)
+        if cfg.reports:  # the notebooks that use engines use these, one notebook at a time
+            summary["reports"] = run_reports(cfg, work, t0=t0, cluster_id=cluster.cluster_id, parameters=parameters,
+                                             after={"05_scaling_laws": loss, "07_critical_batch": loss})
+        summary |= loss.result()
     finally:
         stop_cluster(cluster)
-
-    _say("7/7 figures and reports", t0)
-    figures = _write_figures(work)
-    summary["figures"] = figures
-    if cfg.reports:
-        summary["reports"] = run_reports(cfg, work, t0=t0)
     summary["seconds"] = round(time.perf_counter() - t0, 1)
     out = work / "demo.json"
     atomic_write_json(out, summary)
@@ -156,13 +122,181 @@ def run_demo(cfg: DemoConfig, *, force: bool = False) -> dict[str, Any]:
     return summary
 
 
-def _say_sweeps(ranks, mb, t0: float) -> None:
-    """The sweeps' lines: one per point, a busy machine's flagged, and a reused point labelled
-    with when it was measured (``lab.reused_note`` first, with the load then)."""
+def _data_stages(client, cfg: DemoConfig, work: Path, force: bool, summary: dict, t0: float) -> tuple[dict, dict]:
+    """Stages 1-4 (corpus, clean and dedup, tokenizer and shards, staging): the shard index and
+    the staged copies; the preparation report and staging go into ``summary``."""
     from labkit import lab
 
-    for note in filter(None, (lab.reused_note(ranks), lab.reused_note(mb))):
-        _say(f"    {note}", t0)
+    _say(f"1/8 corpus: disassembling functions from ELF files under {', '.join(cfg.corpus.paths)}", t0)
+    corpus = lab.build_corpus(client, cfg.corpus, str(work), force=force)
+    _say(f"    {corpus['functions']:,} functions from {corpus['files_read']:,} files "
+         f"({corpus['raw_bytes'] / 1e6:.1f} MB of ELF), skipped {corpus['skipped']}", t0)
+
+    _say("2/8 clean, exact and near dedup (polars, MinHash LSH)", t0)
+    drops = lab.clean_corpus(client, cfg.clean, str(work), force=force)
+    _say(f"    kept {drops['kept']:,} of {drops['input']:,}; dropped {drops['dropped']}", t0)
+
+    _say(f"3/8 tokenizer ({cfg.tokenizer.kind}, vocabulary of at most {cfg.tokenizer.vocab_size}) and "
+         f"shards (seq_len {cfg.shards.seq_len})", t0)
+    lab.build_tokenizer(client, cfg.tokenizer, str(work), force=force)
+    index = lab.build_shards(client, cfg.shards, str(work), force=force)
+    prep = lab.preparation_report(str(work))
+    summary["preparation"] = prep
+    _say(f"    vocabulary {index['vocab_size']:,} (normalised disassembly has few distinct words; "
+         f"the size is a cap); {index['n_tokens']:,} tokens in {index['n_sequences']:,} sequences, "
+         f"{index['n_bytes'] / 1e6:.1f} MB of shards ({index['dtype']}); "
+         f"function dataset {prep['dataset_bytes'] / 1e6:.1f} MB -> training data "
+         f"{prep['training_data_bytes'] / 1e6:.1f} MB ({prep['training_to_dataset_ratio']:.2f}x the function "
+         f"dataset; machine code {prep['machine_code_bytes'] / 1e6:.1f} MB, ELF files read "
+         f"{prep['raw_bytes'] / 1e6:.1f} MB)", t0)
+
+    _say("4/8 staging shards to node-local disk, one engine per node, checksums verified", t0)
+    staged = lab.stage(client, str(work))
+    summary["staging"] = staged
+    for node, rep in staged.items():
+        _say(f"    {node}: {rep['bytes'] / 1e6:.1f} MB in {rep['seconds']:.2f} s -> {rep['path']}", t0)
+    return index, staged
+
+
+def _train_stage(client, cfg: DemoConfig, work: Path, staged: dict, force: bool, t0: float) -> dict:
+    """Stage 5: the DDP training run (reused when it finished with the same config and data)."""
+    import shutil
+
+    from labkit import lab
+    from labkit.train.run_config import finished_run
+
+    tcfg = demo_train_config(cfg, work)
+    _say(f"5/8 DDP training: model {cfg.model}, {cfg.engines} ranks x micro-batch {cfg.micro_batch_size}, "
+         f"{cfg.train_steps} steps", t0)
+    if force:
+        shutil.rmtree(tcfg.run_dir, ignore_errors=True)
+    result = finished_run(tcfg, say=False)
+    if result is not None:
+        _say(f"    reusing the finished run in {tcfg.run_dir} (ended {result['provenance'].get('end_time')}, "
+             f"same config and data; --force trains again)", t0)
+    else:
+        result = lab.train_on_cluster(client, tcfg, staged=staged, live=_TerminalProgress(cfg.train_steps))
+    _say(f"    loss {result['initial_loss']:.3f} -> {result['final_loss']:.3f}; held-out loss "
+         f"{result['eval_loss']:.3f} (perplexity {result['perplexity']:.1f}); "
+         f"{result['tokens_per_s']:,.0f} tokens/s over {result['world_size']} ranks", t0)
+    return result
+
+
+def notebook_parameters(cfg: DemoConfig, work: Path, cluster_id: str | None = None,
+                        extra: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """{notebook: {parameter: value}}: what the demo passes each notebook of ``NOTEBOOKS`` (its
+    work directory, engines -- or the running cluster ``cluster_id`` --, model and data settings,
+    the training steps of notebook 03, the sweeps' steps, models and budget, and ``extra``),
+    restricted to the parameters the notebook declares, so each report shows only the ones it
+    uses. Raises ValueError naming a parameter of ``extra`` that no notebook declares."""
+    from labkit.report import declared_parameters
+
+    given = {"workdir": str(work), "engines": cfg.engines, "cluster_id": cluster_id, "model": cfg.model,
+             "micro_batch_size": cfg.micro_batch_size, "max_functions": cfg.corpus.max_functions,
+             "vocab_size": cfg.tokenizer.vocab_size, "seq_len": cfg.shards.seq_len,
+             "heldout_fraction": cfg.shards.heldout_fraction,
+             # the demo's corpus sources: notebook 01 reuses the demo's artifacts only with the same settings
+             "elf_paths": list(cfg.corpus.paths), "text_paths": list(cfg.corpus.text_paths),
+             "jsonl_paths": list(cfg.corpus.jsonl_paths), "parquet_paths": list(cfg.corpus.parquet_paths),
+             "steps": min(cfg.train_steps, 20), "sweep_steps": cfg.sweep_steps,
+             "sweep_models": list(cfg.sweep_models), "memory_budget_gib": cfg.memory_budget_gib} | (extra or {})
+    out, seen = {}, set()
+    for name in NOTEBOOKS:
+        declared = declared_parameters(notebooks_dir() / f"{name}.py")
+        out[name] = {k: v for k, v in given.items() if k in declared}
+        seen |= set(declared)
+    unknown = sorted(set(extra or {}) - seen)
+    if unknown:
+        raise ValueError(f"parameters: no notebook declares {', '.join(unknown)}")
+    return out
+
+
+def _settings(name: str, passed: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The values notebook ``name`` will run with: its parameters cell's defaults, overridden by
+    what the demo passes it."""
+    from labkit.report import parameter_defaults
+
+    return parameter_defaults(notebooks_dir() / f"{name}.py") | passed[name]
+
+
+def _timing_sweeps(client, work: Path, index: dict, nb: dict, staged: dict, force: bool, t0: float) -> dict:
+    """Stage 6: the sweeps of notebooks 04 and 06, with their settings, one after another and
+    nothing else running: tokens/s at 1..N ranks, the largest micro-batch under the memory
+    budget, tokens/s per model size, DataLoader workers, and every data x tensor x pipeline split."""
+    from labkit import lab
+
+    s4, s6 = _settings("04_scaling", nb), _settings("06_model_parallel", nb)
+    w = str(work)
+    _say(f"6/8 sweeps of notebooks 04 and 06, one at a time (times): tokens/s at 1..{len(client.ids)} ranks; "
+         f"largest micro-batch under {s4['memory_budget_gib']} GiB per rank for {', '.join(s4['sweep_models'])}; "
+         f"tokens/s per model size; DataLoader workers {s4['loader_workers']}; each dp x tp x pp split", t0)
+    base = lab.sweep_config(w, model=s4["model"], micro_batch_size=s4["micro_batch_size"], max_steps=s4["sweep_steps"])
+    ranks = lab.sweep_ranks(client, base, w, staged=staged, force=force)
+    mb = lab.sweep_micro_batch(client, list(s4["sweep_models"]), seq_len=index["seq_len"],
+                               vocab_size=index["vocab_size"], budget_bytes=int(s4["memory_budget_gib"] * 2**30),
+                               workdir=w, force=force)
+    sizes = lab.sweep_model_size(client, lab.sweep_config(w, model=s4["model"], micro_batch_size=s4["micro_batch_size"],
+                                                       max_steps=s4["size_steps"]),
+                                 w, models=list(s4["sweep_models"]), staged=staged, force=force)
+    loader = lab.sweep_loader_workers(client, w, batch_size=s4["micro_batch_size"],
+                                      step_time_s=s4["loader_step_time_s"], workers=s4["loader_workers"],
+                                      staged=staged, force=force)
+    split = lab.sweep_config(w, model=s6["model"], micro_batch_size=s6["split_micro_batch_size"])
+    splits = lab.sweep_parallel(client, split, w, micro_batches=s6["micro_batches"], steps=s6["split_steps"],
+                                staged=staged, force=force)
+    _say_sweeps(ranks, mb, sizes, loader, splits, t0)
+    return {"sweep_ranks": ranks.to_dicts(), "sweep_micro_batch": mb.to_dicts(), "sweep_model_size": sizes.to_dicts(),
+            "sweep_loader": loader.to_dicts(), "sweep_parallel": splits.to_dicts()}
+
+
+def _in_background(fn, *args) -> Future:
+    """``fn(*args)`` in a daemon thread (Ctrl-C ends the demo without waiting for it); its Future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # noqa: BLE001 (handed to whoever waits on the future)
+            future.set_exception(err)
+
+    threading.Thread(target=run, name=f"labkit-demo-{fn.__name__}", daemon=True).start()
+    return future
+
+
+def _loss_sweeps(work: Path, s5: dict, s7: dict, force: bool, t0: float) -> dict:
+    """Stage 7: the runs of notebooks 05 (scaling-law widths) and 07 (critical batch) with their
+    settings (``s5``, ``s7``: ``_settings``), one after another in this process (one thread), while
+    the reports of the other notebooks run beside them: their quantity is a loss, which the load
+    does not change."""
+    from labkit.study.critical_batch import batch_base, sweep_batch
+    from labkit.study.law_runs import sweep_law_runs
+
+    w = str(work)
+    law = sweep_law_runs(w, widths=list(s5["law_widths"]), steps=s5["law_steps"], micro_batch=s5["law_micro_batch"],
+                         points=s5["law_points"], force=force)
+    base = batch_base(w, model=s7["batch_model"], micro_batch=s7["batch_micro_batch"], lr=s7["lr"])
+    runs, fit = sweep_batch(base, w, batch_sizes=list(s7["batch_sizes"]), max_examples=s7["batch_examples"],
+                            force=force)
+    _say(f"    scaling-law runs: {law['width'].n_unique()} widths, {law.height} (N, D, held-out loss) points", t0)
+    if "b_crit" in fit:
+        _say(f"    critical batch B_crit = {fit['b_crit']:.1f} sequences ({100 * fit['level']:.0f} % bootstrap range "
+             f"{fit['b_crit_low']:.1f}-{fit['b_crit_high']:.1f}) at held-out loss {fit['target_eval_loss']:.3f}", t0)
+    else:
+        _say(f"    critical batch: only {fit['reached']} batch sizes reached held-out loss "
+             f"{fit['target_eval_loss']:.3f}, no fit", t0)
+    return {"law_points": law.to_dicts(), "critical_batch": runs.to_dicts(), "critical_batch_fit": fit}
+
+
+def _say_sweeps(ranks, mb, sizes, loader, splits, t0: float) -> None:
+    """The sweeps' lines: one per point, a busy machine's flagged, and a reused point labelled
+    with when it was measured (``lab.reused_note`` first, with the load then)."""
+    from labkit import lab, plots
+
+    for what, df in (("ranks", ranks), ("micro-batch", mb), ("model size", sizes), ("loader workers", loader),
+                     ("splits", splits)):
+        note = lab.reused_note(df)
+        if note:
+            _say(f"    {what}: {note}", t0)
     for r in ranks.iter_rows(named=True):
         busy = (f" (machine busy: load {r['load_avg_1m']:.1f} on {r['cpu_count']} CPUs, the efficiency is not "
                 "a scaling measurement)" if r.get("busy") else "")
@@ -172,20 +306,37 @@ def _say_sweeps(ranks, mb, t0: float) -> None:
     for r in mb.iter_rows(named=True):
         old = f" [reused: measured {r.get('measured_at')}]" if r.get("reused") else ""
         _say(f"    {r['model']} ({r['params'] / 1e6:.1f} M params): max micro-batch {r['max_micro_batch']}{old}", t0)
+    _say("    tokens/s per model size at {} ranks: {}".format(
+        sizes["ranks"].max(), ", ".join(f"{r['model']} {r['tokens_per_s']:,.0f}" for r in sizes.iter_rows(named=True))), t0)
+    knee = loader.filter(loader["knee"])["num_workers"].to_list()
+    _say("    DataLoader workers: data-wait fraction {}; knee {}".format(
+        ", ".join(f"{r['num_workers']}: {r['data_wait_fraction']:.0%}" for r in loader.iter_rows(named=True)),
+        f"at {knee[0]} workers" if knee else "not reached"), t0)
+    _say("    splits: " + ", ".join(f"{plots.split_label(r)} {r['tokens_per_s']:,.0f} tokens/s"
+                                   for r in splits.iter_rows(named=True)), t0)
 
 
-def _write_figures(work: Path) -> list[str]:
-    """Standalone HTML figures (plotly.js embedded) of the loss curve and both sweeps."""
+def _write_figures(cfg: DemoConfig, work: Path) -> list[str]:
+    """Standalone HTML figures (plotly.js embedded) of the loss curve and the two sweeps of the
+    summary (the demo's model and micro-batch; its models under its budget), each titled with its
+    settings."""
     import polars as pl
 
     from labkit import lab, plots
 
     out = work / "figures"
     out.mkdir(parents=True, exist_ok=True)
+    ranks = pl.read_parquet(work / "sweeps" / "ranks.parquet").filter(
+        (pl.col("model") == cfg.model) & (pl.col("micro_batch_size") == cfg.micro_batch_size))
+    mb = pl.read_parquet(work / "sweeps" / "microbatch.parquet").filter(
+        pl.col("model").is_in(list(cfg.sweep_models)) & (pl.col("seq_len") == cfg.shards.seq_len)
+        & (pl.col("budget_bytes") == int(cfg.memory_budget_gib * 2**30)))
     figs = {
-        "loss": plots.loss_figure(lab.read_metrics(str(work / "runs" / "demo"))),
-        "throughput_vs_ranks": plots.throughput_figure(pl.read_parquet(work / "sweeps" / "ranks.parquet")),
-        "micro_batch_vs_model": plots.microbatch_figure(pl.read_parquet(work / "sweeps" / "microbatch.parquet")),
+        "loss": plots.loss_figure(lab.read_metrics(str(work / "runs" / "demo")),
+                                  title=f"Training loss of {cfg.model}: {cfg.engines} ranks x micro-batch "
+                                        f"{cfg.micro_batch_size} of {cfg.shards.seq_len} tokens, {cfg.train_steps} steps"),
+        "throughput_vs_ranks": plots.throughput_figure(ranks),
+        "micro_batch_vs_model": plots.microbatch_figure(mb),
     }
     paths = []
     for name, fig in figs.items():
@@ -195,31 +346,38 @@ def _write_figures(work: Path) -> list[str]:
     return paths
 
 
-def run_reports(cfg: DemoConfig, work: Path, *, t0: float | None = None) -> list[str]:
+def run_reports(cfg: DemoConfig, work: Path, *, t0: float | None = None, cluster_id: str | None = None,
+                jobs: int = 2, parameters: dict[str, Any] | None = None,
+                after: dict[str, Future] | None = None) -> list[str]:
     """Execute each notebook headlessly on the demo's work directory and export it as a
-    self-contained HTML report under ``<workdir>/reports``; returns the report paths."""
-    from labkit.report import declared_parameters, execute_notebook
+    self-contained HTML report under ``<workdir>/reports``, with the demo's parameters and
+    ``parameters`` (``notebook_parameters``); returns the report paths in ``NOTEBOOKS`` order.
+
+    Each notebook runs in a process of its own, up to ``jobs`` at once
+    (``labkit.report.execute_notebooks``). With ``cluster_id`` (a running cluster,
+    ``labkit.cluster.connect_cluster``) the notebooks that use engines use that cluster's, one
+    after another (two notebooks' DDP runs on the same engines would wait for each other), while
+    the others run beside them; without it, each notebook starts and stops its own engines. A
+    notebook in ``after`` ({name: Future}) starts once its future is done (what it shows is
+    measured then). Raises RuntimeError naming the first notebook that failed."""
+    from labkit.report import execute_notebooks
 
     t0 = time.perf_counter() if t0 is None else t0
-    reports = []
-    params = {"workdir": str(work), "engines": cfg.engines, "model": cfg.model,
-              "micro_batch_size": cfg.micro_batch_size, "max_functions": cfg.corpus.max_functions,
-              "vocab_size": cfg.tokenizer.vocab_size, "seq_len": cfg.shards.seq_len,
-              "heldout_fraction": cfg.shards.heldout_fraction,
-              # the demo's corpus sources: notebook 01 reuses the demo's artifacts only with the same settings
-              "elf_paths": list(cfg.corpus.paths), "text_paths": list(cfg.corpus.text_paths),
-              "jsonl_paths": list(cfg.corpus.jsonl_paths), "parquet_paths": list(cfg.corpus.parquet_paths),
-              "steps": min(cfg.train_steps, 20), "sweep_steps": cfg.sweep_steps,
-              "sweep_models": list(cfg.sweep_models), "memory_budget_gib": cfg.memory_budget_gib}
-    for name in NOTEBOOKS:
-        src = notebooks_dir() / f"{name}.py"  # the jupytext script is the source
-        out = work / "reports" / f"{name}.html"
-        _say(f"    executing {src.name}", t0)
-        declared = declared_parameters(src)  # each report shows only the parameters its notebook uses
-        execute_notebook(str(src), str(out), parameters={k: v for k, v in params.items() if k in declared},
-                         timeout=900, cwd=str(work))
-        reports.append(str(out))
-    return reports
+    params = notebook_parameters(cfg, work, cluster_id, parameters)
+    shared = [n for n in _REPORT_ORDER if "cluster_id" in params[n]] if cluster_id else []
+    lanes = ([shared] if shared else []) + [[n] for n in _REPORT_ORDER if n not in shared]
+    _say(f"    executing notebooks {NOTEBOOKS[0]}..{NOTEBOOKS[-1]}, {jobs} at a time"
+         + (f" ({', '.join(shared)} on the demo's engines, in turn)" if shared else ""), t0)
+    execute_notebooks([[(notebooks_dir() / f"{n}.py", work / "reports" / f"{n}.html", params[n]) for n in lane]
+                       for lane in lanes], jobs=jobs, cwd=work, after=after,
+                      done=lambda name, seconds: _say(f"    {name}.html ({seconds:.0f} s)", t0))
+    return [str(work / "reports" / f"{name}.html") for name in NOTEBOOKS]
+
+
+_REPORT_ORDER = ("00_cluster", "01_prepare", "02_stage_and_load", "04_scaling", "06_model_parallel", "03_train",
+                 "05_scaling_laws", "07_critical_batch")
+"""The order ``run_reports`` starts the notebooks in: 03, which trains a run of its own, after the
+notebooks that only read back, so that it trains once the loss sweeps beside them are done."""
 
 
 class _TerminalProgress:

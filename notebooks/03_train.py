@@ -19,6 +19,7 @@
 # %% tags=["parameters"]
 workdir = "../work/demo"
 engines = 2
+cluster_id = None  # a running cluster to use (its id; labkit demo passes its own); None: start engines here
 model = "mini"
 micro_batch_size = 16
 steps = 40  # optimiser steps of this notebook's run
@@ -30,7 +31,7 @@ from labkit.config import TrainConfig
 
 index = lab.require_prepared(workdir)  # the shards of notebook 01; stops here, in one line, without them
 plots.setup_notebook_plotting()
-cluster = lc.start_cluster(engines)
+cluster = lc.start_cluster(engines) if cluster_id is None else lc.connect_cluster(cluster_id)
 client = lc.get_client(cluster)
 staged = lab.stage(client, workdir)
 
@@ -42,7 +43,9 @@ cfg = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/noteboo
                   schedule="cosine", lr=1e-3, num_threads=1, resume=False,
                   eval_every=max(1, steps // 4) if held_out else 0,
                   checkpoints=False)  # a look at training; the demo's main run keeps its checkpoint
-live = plots.LivePlot(plots.loss_figure)
+title = (f"Training loss of {model}: {len(client.ids)} ranks x micro-batch {micro_batch_size} of "
+         f"{index['seq_len']} tokens, {steps} steps")
+live = plots.LivePlot(lambda metrics: plots.loss_figure(metrics, title=title))
 result = lab.train_on_cluster(client, cfg, staged=staged, live=live)
 
 # %%
@@ -66,4 +69,7 @@ else:
 fig
 
 # %%
-lc.stop_cluster(cluster)
+if cluster_id is None:  # engines this notebook started; a cluster it connected to keeps running
+    lc.stop_cluster(cluster)
+else:
+    client.close()

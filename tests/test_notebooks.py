@@ -1,12 +1,14 @@
-"""Notebooks 00..05 executed headlessly with a small setting on a tiny real corpus; every exported
+"""Notebooks 00..07 executed headlessly with a small setting on a tiny real corpus; every exported
 report opened in Chromium with the network cut (no request, every chart drawn, no legend on a
-title, whole-number ticks on counts); a notebook alone stops at its first cell; a user's own
-notebook (no setup call) and 03_train drawing live figures in JupyterLab.
+title, whole-number ticks on counts, every axis spanning its data and filled a fifth or more); a
+notebook alone stops at its first cell; a user's own notebook (no setup call) and 03_train
+drawing live figures in JupyterLab.
 
 The work directory is prepared once per module with the single-process data functions (a C
 file compiled here plus three of this machine's shared libraries, as tests/test_demo.py does);
 the notebooks then find complete artifacts, read them back, and run their own cluster work on
-2 local engines. Chromium is Debian's ``chromium`` package, installed by ``make test`` (its
+2 local engines started once for them (each connects by ``cluster_id``, as ``labkit demo`` runs
+them). Chromium is Debian's ``chromium`` package, installed by ``make test`` (its
 ``browser`` prerequisite), driven by the playwright package (tests/browser.py); without either the
 browser tests are skipped, saying so."""
 
@@ -25,8 +27,8 @@ NOTEBOOKS = ("00_cluster", "01_prepare", "02_stage_and_load", "03_train", "04_sc
              "06_model_parallel", "07_critical_batch")
 ROOT = Path(__file__).resolve().parent.parent
 PARAMS = {"engines": 2, "model": "tiny", "micro_batch_size": 8, "max_functions": 3000, "vocab_size": 1024,
-          "seq_len": 64, "steps": 6, "sweep_steps": 3, "sweep_models": ["tiny", "mini"], "memory_budget_gib": 0.25,
-          "loader_workers": [0, 1], "loader_step_time_s": 0.005, "law_widths": [16, 32, 64], "law_steps": 30,
+          "seq_len": 64, "steps": 6, "sweep_steps": 3, "size_steps": 3, "split_steps": 3, "sweep_models": ["tiny", "mini"],
+          "memory_budget_gib": 0.25, "loader_workers": [0, 1], "loader_step_time_s": 0.005, "law_widths": [16, 32, 64], "law_steps": 30,
           "law_points": 5, "bootstrap": 6, "heldout_fraction": 0.05,
           "batch_sizes": [4, 8, 16, 32, 64], "batch_examples": 1024}
 
@@ -56,14 +58,23 @@ def workdir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reports(workdir) -> dict[str, Path]:
+    """Each notebook executed in turn; those that use engines connect to one cluster started here
+    (``cluster_id``, as ``labkit demo`` runs them; a notebook starting its own engines is 03 in
+    JupyterLab below)."""
+    from labkit.cluster import start_cluster, stop_cluster
     from labkit.report import declared_parameters, execute_notebook
 
     out = {}
-    for name in NOTEBOOKS:
-        src = ROOT / "notebooks" / f"{name}.py"
-        params = {k: v for k, v in {"workdir": str(workdir), **PARAMS}.items() if k in declared_parameters(src)}
-        out[name] = execute_notebook(src, workdir / "reports" / f"{name}.html", parameters=params, timeout=300,
-                                     cwd=str(workdir))
+    cluster = start_cluster(2)
+    try:
+        for name in NOTEBOOKS:
+            src = ROOT / "notebooks" / f"{name}.py"
+            given = {"workdir": str(workdir), "cluster_id": cluster.cluster_id, **PARAMS}
+            params = {k: v for k, v in given.items() if k in declared_parameters(src)}
+            out[name] = execute_notebook(src, workdir / "reports" / f"{name}.html", parameters=params, timeout=300,
+                                         cwd=str(workdir))
+    finally:
+        stop_cluster(cluster)
     return out
 
 
@@ -154,7 +165,7 @@ def test_notebooks_execute_and_export_offline_reports(reports, workdir):
 
 
 def test_reports_open_offline_in_chromium_with_every_reference_line_drawn(reports):
-    from browser import chromium, inspect_report, layout_problems, need_browser
+    from browser import axis_problems, chromium, inspect_report, layout_problems, need_browser
 
     need_browser()
     with chromium() as browser:
@@ -173,6 +184,10 @@ def test_reports_open_offline_in_chromium_with_every_reference_line_drawn(report
                     assert all(re.fullmatch(r"[\d,]+", t) for t in fig["ticks"]["xtick"]), (name, fig["ticks"])
             problems = [p for fig in r["layout"] for p in layout_problems(fig)]
             assert not problems, (name, problems)  # no legend on a title or tick label, none cut off
+            problems = [p for fig in r["axes"] for p in axis_problems(fig)]
+            assert not problems, (name, problems)  # every axis spans its data, which fills a fifth of it or more
+            if name == "07_critical_batch":  # both log-log figures' axes were checked (labels placed at log10)
+                assert sum(len(f["axes"]) for f in r["axes"]) >= 4, r["axes"]
             if name == "04_scaling":  # the 90 % line and the capacity line (the knee only when one is found)
                 assert sum(f["shapes"] for f in figs) >= 2, figs
 

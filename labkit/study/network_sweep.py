@@ -142,6 +142,77 @@ def _settings(config: str, data_dir: str | None, model: str, rate, compressions,
             "measures": "network: 1-rank compute, link, 2-rank step"}
 
 
+def _measure_point(hosts, ctx: dict, model: str, rate, settings: dict) -> list[dict[str, Any]]:
+    """One (model, link setting) point: the 1-rank compute on both hosts, the link, then the
+    2-rank run at each compression, every run in an emptied directory; its rows. ``ctx``: the
+    sweep's config, base --set list, out_dir, compressions, steps, warmup_steps, timeout_s, and
+    the per-model ``wire`` ratio and ``collective_rate`` (updated here)."""
+    from labkit.study.points import load_columns, point
+    from labkit.study.scaling import link_step_time
+    from labkit.testing import realcluster as R
+
+    config, base, out_dir, warmup_steps = ctx["config"], ctx["base"], ctx["out_dir"], ctx["warmup_steps"]
+    timeout_s, steps, wire, collective_rate = ctx["timeout_s"], ctx["steps"], ctx["wire"], ctx["collective_rate"]
+    rows: list[dict[str, Any]] = []
+    wire_ratio = wire.get(model)
+    load = load_columns()
+    # 1 rank on each host at once, just before the 2-rank runs of this setting: the CPU
+    # shared as in them, and within the same minutes of the machine's load; every run
+    # in an emptied directory (a finished run of the same config would not train)
+    runs = [out_dir / f"{model}-1rank-{h}" for h in hosts.names]
+    for d in runs:
+        shutil.rmtree(d, ignore_errors=True)
+    hosts.shape(None)
+    procs = [_launch(hosts, h, config, base + [f'train.model="{model}"', f'train.run_dir="{d}"'], {})
+             for h, d in zip(hosts.names, runs)]
+    _wait(procs, timeout_s, f"{model} at 1 rank")
+    each = [statistics.median(r["step_time_s"] for r in _timed(d, warmup_steps)) for d in runs]
+    compute_s = max(each)  # a synchronised step waits for the slower rank
+    result1 = json.loads((runs[0] / "result.json").read_text())
+    tokens_1 = statistics.median(r["tokens_per_s"] for r in _timed(runs[0], warmup_steps))
+    hosts.shape(None if rate is None else rate * 1e6)
+    link = R.measure_throughput(hosts, int((rate or 4000.0) * 1e6 / 8 * 1.5), port=_free_port())
+    for comp in ctx["compressions"]:
+        name = f"{model}-{'unshaped' if rate is None else f'{rate:g}mbit'}-{comp}"
+        run_dir = out_dir / name
+        shutil.rmtree(run_dir, ignore_errors=True)
+        env = {"WORLD_SIZE": "2", "MASTER_ADDR": "h1", "MASTER_PORT": str(_free_port())}
+        sets = base + [f'train.model="{model}"', f'train.run_dir="{run_dir}"',
+                       f'train.grad_compression="{comp}"']
+        before = hosts.link_bytes("h2")["tx_bytes"]
+        procs = [_launch(hosts, h, config, sets, {**env, "RANK": str(k), "LOCAL_RANK": "0"})
+                 for k, h in enumerate(hosts.names)]
+        _wait(procs, timeout_s, f"{name} at 2 ranks")
+        sent = hosts.link_bytes("h2")["tx_bytes"] - before
+        timed = _timed(run_dir, warmup_steps)
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        comm_bytes = statistics.median(r["comm_bytes"] for r in timed)
+        if wire_ratio is None or (rate is None and comp == "none"):
+            # gloo's bytes per gradient byte: rank 1 sends only its all-reduce shares
+            wire_ratio = sent / max(1.0, sum(r["comm_bytes"] for r in records))
+            wire[model] = wire_ratio if rate is None and comp == "none" else wire.get(model, wire_ratio)
+        buckets = timed[-1]["comm_bucket_bytes"]
+        if model not in collective_rate:  # the CPU's rate of the collective, once per model
+            collective_rate[model] = measure_collective_rate(hosts, int(max(buckets)))
+        step_s = statistics.median(r["step_time_s"] for r in timed)
+        pred = link_step_time(compute_s=compute_s, bucket_bytes=buckets, bandwidth=link["goodput_bits"] / 8,
+                              wire_ratio=wire_ratio, collective_rate=collective_rate.get(model))
+        rows.append({
+            "model": model, "grad_compression": comp, "rate_mbit": rate,
+            "link_mbit": link["goodput_bits"] / 1e6, "params": result1.get("params"),
+            "comm_bytes": comm_bytes, "buckets": len(buckets), "wire_ratio": wire_ratio,
+            "collective_mbyte_s": collective_rate[model] / 1e6 if model in collective_rate else None,
+            "compute_s": compute_s, "compute_s_hosts": each, "step_s": step_s,
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+            "tokens_per_s_1rank": tokens_1, "efficiency": compute_s / step_s,
+            "comm_exposed_s": statistics.median(r["comm_exposed_s"] for r in timed),
+            "predicted_step_s": pred["step_s"], "predicted_exposed_s": pred["exposed_s"],
+            "predicted_ratio": step_s / pred["step_s"],
+            "bandwidth_ratio": (link["goodput_bits"] / 8) / (comm_bytes / compute_s),
+            "loss": records[-1]["loss"], "steps": steps, **point(settings, load)})
+    return rows
+
+
 def run_network_sweep(config: str, workdir: str | os.PathLike, *, models=MODELS, rates_mbit=RATES_MBIT,
                       compressions=("none",), steps: int = 6, warmup_steps: int = 2, micro_batch: int | None = None,
                       data_dir: str | None = None, timeout_s: float = 900.0, net_dir: str | os.PathLike | None = None,
@@ -158,8 +229,7 @@ def run_network_sweep(config: str, workdir: str | os.PathLike, *, models=MODELS,
     import polars as pl
 
     from labkit.data.made_by import say
-    from labkit.study.points import done_rows, load_columns, point, reusable, reused_note, save
-    from labkit.study.scaling import link_step_time
+    from labkit.study.points import done_rows, reusable, reused_note, save
     from labkit.testing import realcluster as R
 
     if steps <= warmup_steps:
@@ -206,68 +276,12 @@ def run_network_sweep(config: str, workdir: str | os.PathLike, *, models=MODELS,
                               if r["rate_mbit"] is None and r["grad_compression"] == "none"}
     collective_rate: dict[str, float] = {r["model"]: r["collective_mbyte_s"] * 1e6 for rows in keep.values()
                                          for r in rows if r.get("collective_mbyte_s")}
+    ctx = {"config": config, "base": base, "out_dir": out_dir, "compressions": compressions, "steps": steps,
+           "warmup_steps": warmup_steps, "timeout_s": timeout_s, "wire": wire, "collective_rate": collective_rate}
     hosts = R.NetHosts(pathlib.Path(net_dir or out_dir / "net"))
     with hosts:
         for model, rate, settings in todo:
-            # one point: the 1-rank compute, the link and the 2-rank runs, measured together
-            rows: list[dict[str, Any]] = []
-            wire_ratio = wire.get(model)
-            load = load_columns()
-            # 1 rank on each host at once, just before the 2-rank runs of this setting: the CPU
-            # shared as in them, and within the same minutes of the machine's load; every run
-            # in an emptied directory (a finished run of the same config would not train)
-            runs = [out_dir / f"{model}-1rank-{h}" for h in hosts.names]
-            for d in runs:
-                shutil.rmtree(d, ignore_errors=True)
-            hosts.shape(None)
-            procs = [_launch(hosts, h, config, base + [f'train.model="{model}"', f'train.run_dir="{d}"'], {})
-                     for h, d in zip(hosts.names, runs)]
-            _wait(procs, timeout_s, f"{model} at 1 rank")
-            each = [statistics.median(r["step_time_s"] for r in _timed(d, warmup_steps)) for d in runs]
-            compute_s = max(each)  # a synchronised step waits for the slower rank
-            result1 = json.loads((runs[0] / "result.json").read_text())
-            tokens_1 = statistics.median(r["tokens_per_s"] for r in _timed(runs[0], warmup_steps))
-            hosts.shape(None if rate is None else rate * 1e6)
-            link = R.measure_throughput(hosts, int((rate or 4000.0) * 1e6 / 8 * 1.5), port=_free_port())
-            for comp in compressions:
-                name = f"{model}-{'unshaped' if rate is None else f'{rate:g}mbit'}-{comp}"
-                run_dir = out_dir / name
-                shutil.rmtree(run_dir, ignore_errors=True)
-                env = {"WORLD_SIZE": "2", "MASTER_ADDR": "h1", "MASTER_PORT": str(_free_port())}
-                sets = base + [f'train.model="{model}"', f'train.run_dir="{run_dir}"',
-                               f'train.grad_compression="{comp}"']
-                before = hosts.link_bytes("h2")["tx_bytes"]
-                procs = [_launch(hosts, h, config, sets, {**env, "RANK": str(k), "LOCAL_RANK": "0"})
-                         for k, h in enumerate(hosts.names)]
-                _wait(procs, timeout_s, f"{name} at 2 ranks")
-                sent = hosts.link_bytes("h2")["tx_bytes"] - before
-                timed = _timed(run_dir, warmup_steps)
-                records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-                comm_bytes = statistics.median(r["comm_bytes"] for r in timed)
-                if wire_ratio is None or (rate is None and comp == "none"):
-                    # gloo's bytes per gradient byte: rank 1 sends only its all-reduce shares
-                    wire_ratio = sent / max(1.0, sum(r["comm_bytes"] for r in records))
-                    wire[model] = wire_ratio if rate is None and comp == "none" else wire.get(model, wire_ratio)
-                buckets = timed[-1]["comm_bucket_bytes"]
-                if model not in collective_rate:  # the CPU's rate of the collective, once per model
-                    collective_rate[model] = measure_collective_rate(hosts, int(max(buckets)))
-                step_s = statistics.median(r["step_time_s"] for r in timed)
-                pred = link_step_time(compute_s=compute_s, bucket_bytes=buckets, bandwidth=link["goodput_bits"] / 8,
-                                      wire_ratio=wire_ratio, collective_rate=collective_rate.get(model))
-                rows.append({
-                    "model": model, "grad_compression": comp, "rate_mbit": rate,
-                    "link_mbit": link["goodput_bits"] / 1e6, "params": result1.get("params"),
-                    "comm_bytes": comm_bytes, "buckets": len(buckets), "wire_ratio": wire_ratio,
-                    "collective_mbyte_s": collective_rate[model] / 1e6 if model in collective_rate else None,
-                    "compute_s": compute_s, "compute_s_hosts": each, "step_s": step_s,
-                    "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
-                    "tokens_per_s_1rank": tokens_1, "efficiency": compute_s / step_s,
-                    "comm_exposed_s": statistics.median(r["comm_exposed_s"] for r in timed),
-                    "predicted_step_s": pred["step_s"], "predicted_exposed_s": pred["exposed_s"],
-                    "predicted_ratio": step_s / pred["step_s"],
-                    "bandwidth_ratio": (link["goodput_bits"] / 8) / (comm_bytes / compute_s),
-                    "loss": records[-1]["loss"], "steps": steps, **point(settings, load)})
-            measured[(model, rate)] = rows
+            measured[(model, rate)] = _measure_point(hosts, ctx, model, rate, settings)
     df = pl.DataFrame([r for m in models for rate in rates_mbit for r in (keep | measured)[(m, rate)]],
                       infer_schema_length=None)
     note = reused_note(df)

@@ -29,7 +29,7 @@ from labkit.data import made_by
 from labkit.io import atomic_write
 
 __all__ = ["BUSY_LOAD_PER_CPU", "TIME_FREE", "LOSS_FREE", "done_rows", "fresh_run_dir", "load_columns",
-           "loss_settings", "machine_load", "point", "reusable", "reused_note", "run_settings", "save"]
+           "loss_settings", "machine_load", "point", "reusable", "reused_note", "run_settings", "save", "train_points"]
 
 BUSY_LOAD_PER_CPU = 1.0
 """A sweep point counts as measured on a busy machine when the engine host's 1-minute load
