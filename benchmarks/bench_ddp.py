@@ -124,7 +124,7 @@ def run(cfg: TrainConfig, world: int) -> dict:
     result = json.loads((run_dir / "result.json").read_text())
     result["cpu_s"] = sum(json.loads((run_dir / f"cpu-{r}.json").read_text()) for r in range(world))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    timed = records[cfg.timing_warmup_steps:] or records
+    timed = records[cfg.measure.timing_warmup_steps:] or records
     for key in ("step_time_s", "comm_exposed_s", "cpu_s", "thread_cpu_s"):
         result[f"median_{key}"] = statistics.median(r[key] for r in timed)
     return result
@@ -132,10 +132,12 @@ def run(cfg: TrainConfig, world: int) -> dict:
 
 def config(args: argparse.Namespace, data: pathlib.Path, run_dir: str, bucket_cap_mb: float) -> TrainConfig:
     """The benchmark's run: ``args.model`` at ``args.micro_batch`` per rank, one thread, no checkpoints."""
-    return TrainConfig(data_dir=str(data), run_dir=run_dir, model=args.model, micro_batch_size=args.micro_batch,
-                       max_steps=args.steps, warmup_steps=1, timing_warmup_steps=args.warmup_steps, num_threads=1,
-                       device="cpu", sharding=args.sharding, timeout_s=600, resume=False, checkpoints=False,
-                       bucket_cap_mb=bucket_cap_mb, trackers=())
+    return TrainConfig(data_dir=str(data), run_dir=run_dir, model=args.model, max_steps=args.steps, num_threads=1,
+                       device="cpu", timeout_s=600, resume=False, batch={"micro_batch_size": args.micro_batch},
+                       schedule={"warmup_steps": 1},
+                       measure={"timing_warmup_steps": args.warmup_steps, "trackers": ()},
+                       parallel={"sharding": args.sharding, "bucket_cap_mb": bucket_cap_mb},
+                       checkpoint={"enabled": False})
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,22 +1,31 @@
 """Overhead of the gradient noise scale statistics (labkit/train/gns.py) on a 2-rank DDP step.
 
-The statistics are one squared norm per gradient bucket before the all-reduce and one after it
-(inside DDP's composed comm hook, labkit/train/comm.py), plus one all-reduce of two scalars per
-step. This benchmark runs ``train()`` on 2 spawned gloo ranks (CPU, one thread each, rank r
-pinned to core r as in bench_ddp.py) with the statistics on and off, in paired rounds inside
-one process group (the order flips every round); "off" replaces ``NoiseScale.for_run`` by a
-function returning None in the worker, which is exactly a run without the observer. The step
-time is rank 0's median ``step_time_s`` over the timed steps of each run; the overhead is the
-median over rounds of the paired ratio on/off − 1 (a round whose two runs met different load
-moves together), with its spread; ``ratio_of_medians`` is median(on)/median(off).
-Goal: <= 2 % of the step. On a shared machine the paired ratio's spread can exceed the
-overhead itself, so the statistics' own work is also timed directly, without the noise of a
-whole step: two ``gns.squared_norm`` passes over a buffer of the model's parameter count (one
-thread, median of 20), as a fraction of the step (``norm_fraction``). The machine's load
-average is printed with the result.
+The statistics are one squared norm of each local gradient bucket before the all-reduce and one
+of this rank's 1/R slice of the averaged bucket after it (inside DDP's composed comm hook,
+labkit/train/comm.py); their per-step sums ride the step's all-reduce of the loss (no collective
+of their own). This benchmark runs ONE ``train()`` of ``--steps`` steps on 2 spawned gloo ranks
+(CPU, one thread each, rank r pinned to core r as in bench_ddp.py) in which the observer is on
+for one step of each pair and off for the other, the order within each pair drawn at random
+(seeded, the same on both ranks): adjacent steps meet the same load, so the pair's difference
+is a quiet measurement even on a busy machine. "Off" is the same observer returning at once
+from every call (a few Python calls per bucket), which is a run without it.
 
-Run: ``python benchmarks/bench_gns.py`` from the repository root. JSON lines; the last line is
-one JSON object.
+- ``value``: the overhead, the trimmed mean (10 % cut at each end) of the pairs' step-time
+  differences on − off over the mean "off" step time (rank 0's ``step_time_s``; the first
+  ``--warmup-steps`` steps left out);
+- ``ci95`` and ``resolution``: the 2.5-97.5 % range of that estimate over 2,000 bootstrap
+  resamples of the pairs, and its half-width: the smallest overhead the run can tell from 0;
+- the profile of the rest: ``observer_s``, the seconds per "on" step spent inside the observer's
+  calls on the hook's path (the norms and the bookkeeping, timed in place), as a fraction of the
+  step; ``norm_fraction``, two squared norms over a buffer of the model's parameter count timed
+  alone (one thread, median of 20); ``step_fields_s``, the per-step fold (outside the step time);
+  ``all_reduces_per_step`` on and off (torch.distributed.all_reduce calls, counted): equal, so the
+  statistics add no collective.
+
+Goal: <= 1 % of the step, with a resolution under 0.5 %. The machine's load average is printed.
+
+Run: ``python benchmarks/bench_gns.py`` from the repository root (about 2 minutes at the
+defaults). JSON lines; the last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import argparse
 import json
 import os
 import pathlib
+import random
 import statistics
 import sys
 import tempfile
@@ -34,34 +44,102 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench_ddp import _free_port, spread, write_shards  # noqa: E402
+from bench_ddp import _free_port, write_shards  # noqa: E402
 from labkit.config import TrainConfig, from_dict, to_dict  # noqa: E402
 
+TRIM = 0.10
 
-def _worker(rank: int, world: int, port: int, cfgs_json: str) -> None:
-    """One process group; train() every config in turn (each dict carries ``gns``: on/off)."""
+
+def schedule(pairs: int, seed: int = 0) -> list[bool]:
+    """On/off per step: ``pairs`` pairs, each (on, off) or (off, on) at random (seeded)."""
+    rng, out = random.Random(seed), []
+    for _ in range(pairs):
+        out += [True, False] if rng.random() < 0.5 else [False, True]
+    return out
+
+
+def _worker(rank: int, world: int, port: int, cfg_json: str, plan: list[bool], out_dir: str) -> None:
+    """One train() with the noise-scale observer toggled per step by ``plan``."""
     cpus = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     import torch
+    import torch.distributed as tdist
 
     from labkit.train import dist, gns, train
 
+    calls = {"n": 0}
+    plain_all_reduce = tdist.all_reduce
+
+    def counted_all_reduce(*args, **kwargs):  # every all_reduce of the step, the loop's and the hooks'
+        calls["n"] += 1
+        return plain_all_reduce(*args, **kwargs)
+
+    tdist.all_reduce = counted_all_reduce
+
+    class Toggled(gns.NoiseScale):
+        """The run's observer, on or off per step by ``plan``; times its own calls."""
+
+        on, log = True, []
+
+        def reset(self) -> None:
+            super().reset()  # self.steps += 1: the step about to run, 1-based
+            self.on = plan[(self.steps - 2) % len(plan)]  # __init__'s reset is steps 1
+            self.spent, self.calls0 = 0.0, calls["n"]
+
+        def before(self, i, t):
+            if self.on:
+                t0 = time.perf_counter()
+                super().before(i, t)
+                self.spent += time.perf_counter() - t0
+
+        def after(self, i, t):
+            if self.on:
+                t0 = time.perf_counter()
+                super().after(i, t)
+                self.spent += time.perf_counter() - t0
+
+        def count(self, n):
+            if self.on:
+                super().count(n)
+
+        def step_fields(self):
+            t0 = time.perf_counter()
+            fields = super().step_fields() if self.on else {}
+            all_reduces = calls["n"] - self.calls0  # the step's, and any the fold made
+            Toggled.log.append({"on": self.on, "observer_s": self.spent, "step_fields_s": time.perf_counter() - t0,
+                                "all_reduces": all_reduces})
+            return fields | {"gns_on": self.on}
+
+        def sideband(self, device):
+            return super().sideband(device) if self.on else torch.zeros(2, dtype=torch.float64, device=device)
+
     for_run = gns.NoiseScale.for_run
+
+    def toggled(**kw):
+        made = for_run(**kw)
+        made.__class__ = Toggled
+        made.reset()
+        made.steps = 1
+        made.on = plan[0]
+        return made
+
+    gns.NoiseScale.for_run = toggled
     assert dist.init_distributed("gloo", 600.0, torch.device("cpu"))
     try:
-        for item in json.loads(cfgs_json):
-            gns.NoiseScale.for_run = for_run if item["gns"] else (lambda **_: None)
-            train(from_dict(TrainConfig, item["cfg"]))
+        train(from_dict(TrainConfig, json.loads(cfg_json)))
     finally:
         gns.NoiseScale.for_run = for_run
+        tdist.all_reduce = plain_all_reduce
         dist.teardown()
+    if rank == 0:
+        pathlib.Path(out_dir, "observer.json").write_text(json.dumps(Toggled.log))
 
 
 def norm_seconds(n_params: int, repeats: int = 20) -> float:
-    """Median seconds of what the observer adds to one rank's step on CPU: ``gns.squared_norm``
-    over ``n_params`` fp32 gradients before the all-reduce and again after it (one thread)."""
+    """Median seconds of two ``gns.squared_norm`` passes over ``n_params`` fp32 values (one thread):
+    an upper bound of the norms' work per step (the observer takes one and a half at 2 ranks)."""
     import torch
 
     from labkit.train.gns import squared_norm
@@ -77,64 +155,80 @@ def norm_seconds(n_params: int, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+def trimmed_mean(values: list[float], cut: float = TRIM) -> float:
+    """Mean of ``values`` without the lowest and highest ``cut`` share."""
+    v = sorted(values)
+    k = int(len(v) * cut)
+    return statistics.fmean(v[k:len(v) - k] if len(v) > 2 * k else v)
+
+
+def paired_overhead(on: list[float], off: list[float], *, resamples: int = 2000, seed: int = 0) -> dict:
+    """The overhead of paired step times (``on[i]`` beside ``off[i]``): trimmed mean of the
+    differences over the mean off time, with its bootstrap 95 % range over the pairs."""
+    diffs = [a - b for a, b in zip(on, off)]
+    base = statistics.fmean(off)
+    rng = random.Random(seed)
+    boot = sorted(trimmed_mean(rng.choices(diffs, k=len(diffs))) / base for _ in range(resamples))
+    lo, hi = boot[int(0.025 * resamples)], boot[int(0.975 * resamples) - 1]
+    return {"value": trimmed_mean(diffs) / base, "ci95": [lo, hi], "resolution": (hi - lo) / 2, "base_s": base}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="mini")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--steps", type=int, default=14)
-    p.add_argument("--warmup-steps", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--steps", type=int, default=500, help="steps of the one run (pairs = (steps - warm-up) / 2)")
+    p.add_argument("--warmup-steps", type=int, default=10)
     args = p.parse_args(argv)
+    if (args.steps - args.warmup_steps) < 20 or (args.steps - args.warmup_steps) % 2:
+        raise SystemExit("bench_gns: --steps minus --warmup-steps must be an even number >= 20")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    t0, load0 = time.time(), os.getloadavg()[0]
+    t0, load0 = time.time(), os.getloadavg()
+    plan = [True] * args.warmup_steps + schedule((args.steps - args.warmup_steps) // 2)
     with tempfile.TemporaryDirectory(prefix="bench_gns_") as tmp:
         data = pathlib.Path(tmp) / "shards"
         write_shards(data, n_sequences=2 * args.micro_batch * args.steps + 8, seq_len=args.seq_len,
                      vocab_size=args.vocab)
-        runs = []
-        for rnd in range(args.rounds + 1):  # round 0: warm-up
-            for on in ((True, False) if rnd % 2 == 0 else (False, True)):
-                cfg = TrainConfig(data_dir=str(data), run_dir=f"{tmp}/run-{rnd}-{int(on)}", model=args.model,
-                                  micro_batch_size=args.micro_batch, max_steps=args.steps, warmup_steps=1,
-                                  timing_warmup_steps=args.warmup_steps, num_threads=1, device="cpu",
-                                  timeout_s=600, resume=False, checkpoints=False, trackers=())
-                runs.append({"round": rnd, "gns": on, "cfg": to_dict(cfg)})
-        mp.spawn(_worker, args=(2, _free_port(), json.dumps(runs)), nprocs=2, join=True)
-        step = {True: [], False: []}
-        b_simple = []
-        for item in runs:
-            records = [json.loads(line) for line in
-                       pathlib.Path(item["cfg"]["run_dir"], "metrics.jsonl").read_text().splitlines()]
-            med = statistics.median(r["step_time_s"] for r in records[args.warmup_steps:])
-            has = any("b_simple" in r for r in records)
-            assert has == item["gns"], "the switch did not take"
-            print(json.dumps({"round": item["round"], "gns": item["gns"], "step_time_s": med,
-                              "b_simple": records[-1].get("b_simple"), "load_avg_1m": os.getloadavg()[0]}), flush=True)
-            if item["round"] > 0:
-                step[item["gns"]].append(med)
-                if item["gns"]:
-                    b_simple.append(records[-1].get("b_simple"))
-        n_params = json.loads(pathlib.Path(runs[-1]["cfg"]["run_dir"], "result.json").read_text())["params"]
-    on, off = statistics.median(step[True]), statistics.median(step[False])
+        cfg = TrainConfig(data_dir=str(data), run_dir=f"{tmp}/run", model=args.model, max_steps=args.steps,
+                          num_threads=1, device="cpu", timeout_s=600, resume=False,
+                          batch={"micro_batch_size": args.micro_batch}, schedule={"warmup_steps": 1},
+                          measure={"timing_warmup_steps": args.warmup_steps, "trackers": ()},
+                          checkpoint={"enabled": False})
+        mp.spawn(_worker, args=(2, _free_port(), json.dumps(to_dict(cfg)), plan, tmp), nprocs=2, join=True)
+        records = [json.loads(line) for line in pathlib.Path(tmp, "run", "metrics.jsonl").read_text().splitlines()]
+        log = json.loads(pathlib.Path(tmp, "observer.json").read_text())
+        n_params = json.loads(pathlib.Path(tmp, "run", "result.json").read_text())["params"]
+    assert [r["gns_on"] for r in records] == plan, "the toggle did not follow the plan"
+    assert all(("b_simple" in r) == r["gns_on"] for r in records), "the switch did not take"
+    timed = list(zip(records, log))[args.warmup_steps:]
+    on = [r["step_time_s"] for r, _ in timed if r["gns_on"]]
+    off = [r["step_time_s"] for r, _ in timed if not r["gns_on"]]
+    est = paired_overhead(on, off)
+    observer_s = statistics.fmean(entry["observer_s"] for r, entry in timed if entry["on"])
+    reduces = {k: sorted({e["all_reduces"] for _, e in timed if e["on"] == k}) for k in (True, False)}
     norm_s = norm_seconds(n_params)
-    per_round = [a / b - 1 for a, b in zip(step[True], step[False])]
-    overhead = statistics.median(per_round)
-    out = {"benchmark": "gns", "metric": "step_time_overhead", "value": overhead,
-           "baseline": "the same 2-rank DDP run without the noise-scale observer", "baseline_value": off,
-           "ratio": 1 + overhead, "ratio_of_medians": on / off, "goal": 0.02, "higher_is_better": False,
-           "step_time_s_on": on, "step_time_s_off": off, "per_round_overhead": per_round,
-           "overhead_spread": spread(per_round), "b_simple_last": b_simple, "params": n_params,
-           "norm_s": norm_s, "norm_fraction": norm_s / off,
+    out = {"benchmark": "gns", "metric": "step_time_overhead", "value": est["value"], "ci95": est["ci95"],
+           "resolution": est["resolution"], "estimator": f"trimmed mean ({TRIM:.0%} each end) of paired "
+           "differences of interleaved steps / mean off step; bootstrap 95 % range over pairs",
+           "baseline": "the same steps of the same 2-rank DDP run with the observer off", "baseline_value": est["base_s"],
+           "ratio": 1 + est["value"], "goal": 0.01, "goal_met": est["ci95"][1] <= 0.01, "higher_is_better": False,
+           "pairs": len(on), "step_time_s_on_median": statistics.median(on),
+           "step_time_s_off_median": statistics.median(off),
+           "observer_s": observer_s, "observer_fraction": observer_s / est["base_s"],
+           "step_fields_s": statistics.fmean(e["step_fields_s"] for _, e in timed if e["on"]),
+           "all_reduces_per_step": {"on": reduces[True], "off": reduces[False]},
+           "b_simple_last": next(r["b_simple"] for r in reversed(records) if r["gns_on"]),
+           "params": n_params, "norm_s": norm_s, "norm_fraction": norm_s / est["base_s"],
            "model": args.model, "seq_len": args.seq_len, "micro_batch_per_rank": args.micro_batch, "ranks": 2,
-           "steps": args.steps, "timed_steps": args.steps - args.warmup_steps, "rounds": args.rounds,
-           "cpu_count": os.cpu_count(), "load_avg_1m_start": load0, "load_avg_1m": os.getloadavg()[0],
-           "wall_s": round(time.time() - t0, 1)}
-    s = out["overhead_spread"]
-    print(f"overhead {100 * out['value']:+.2f} % (per round min {100 * s['min']:+.2f} median {100 * s['median']:+.2f} "
-          f"max {100 * s['max']:+.2f} %) over {args.rounds} paired rounds; the two squared norms alone "
-          f"{1e3 * norm_s:.2f} ms = {100 * out['norm_fraction']:.2f} % of the step; load average {out['load_avg_1m']:.1f}",
+           "steps": args.steps, "warmup_steps": args.warmup_steps, "cpu_count": os.cpu_count(),
+           "load_avg_start": list(load0), "load_avg": list(os.getloadavg()), "wall_s": round(time.time() - t0, 1)}
+    assert reduces[True] == reduces[False], f"the statistics added a collective: {reduces}"
+    print(f"overhead {100 * out['value']:+.2f} % (95 % range {100 * est['ci95'][0]:+.2f} .. {100 * est['ci95'][1]:+.2f} %, "
+          f"resolution ±{100 * est['resolution']:.2f} %) over {len(on)} interleaved pairs of {1e3 * est['base_s']:.0f} ms "
+          f"steps; inside the observer {1e3 * observer_s:.2f} ms = {100 * out['observer_fraction']:.2f} % of the step; "
+          f"all-reduces per step on {reduces[True]} off {reduces[False]}; load average {out['load_avg'][0]:.1f}",
           flush=True)
     print(json.dumps(out), flush=True)
     return out

@@ -89,9 +89,10 @@ def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, str]], out_d
 
 
 def _base(tmp: pathlib.Path, shards: pathlib.Path, name: str, **kw) -> TrainConfig:
-    fields = {"model": "mini", "model_overrides": OVERRIDES, "device": "cpu", "num_threads": 1, "warmup_steps": 1,
-              "checkpoints": False, "trackers": (), "resume": False, "lr": 1e-3, "eval_every": 0}
-    return TrainConfig(data_dir=str(shards), run_dir=str(tmp / name), **{**fields, **kw})
+    base = TrainConfig(data_dir=str(shards), run_dir=str(tmp / name), model="mini", model_overrides=OVERRIDES,
+                       device="cpu", num_threads=1, resume=False, schedule={"warmup_steps": 1},
+                       checkpoint={"enabled": False}, measure={"trackers": ()}, optim={"lr": 1e-3}, eval={"every": 0})
+    return base.replace(**kw)
 
 
 def main() -> None:
@@ -109,13 +110,17 @@ def main() -> None:
     for m in args.micro_batches:
         for schedule in ("gpipe", "1f1b") if m >= 2 else ("gpipe",):
             name = f"pp2-{schedule}-m{m}"
-            cfg = _base(tmp, shards, name, pp=2, sharding="replicate", pp_schedule=schedule, grad_accum_steps=m,
-                        micro_batch_size=args.global_batch // m, max_steps=args.steps, timing_warmup_steps=3,
+            cfg = _base(tmp, shards, name, max_steps=args.steps,
                         model_overrides=OVERRIDES | {"sparse_head": args.sparse_head,
-                                                             "num_layers": args.num_layers})
+                                                             "num_layers": args.num_layers},
+                        parallel={"pp": 2, "sharding": "replicate", "pp_schedule": schedule},
+                        batch={"grad_accum_steps": m, "micro_batch_size": args.global_batch // m},
+                        measure={"timing_warmup_steps": 3})
             points.append((name, schedule, m, cfg))
             jobs.append(("train", json.dumps(to_dict(cfg))))
-    memory = {sp: _base(tmp, shards, f"tp2-sp{int(sp)}", tp=2, sharding="fsdp", sequence_parallel=sp, micro_batch_size=4)
+    memory = {sp: _base(tmp, shards, f"tp2-sp{int(sp)}",
+                        parallel={"tp": 2, "sharding": "fsdp", "sequence_parallel": sp},
+                        batch={"micro_batch_size": 4})
               for sp in (True, False)}
     jobs += [("memory", json.dumps(to_dict(cfg))) for cfg in memory.values()]
     load_before = machine_load()

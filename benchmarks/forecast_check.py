@@ -40,7 +40,6 @@ loaded 2-core machine). JSON lines; the last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -125,10 +124,11 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="forecast_check_") as tmp:
         shards = write_tiny_shards(pathlib.Path(tmp) / "shards", n_sequences=args.sequences, seq_len=args.seq_len,
                                    vocab_size=args.vocab, heldout_sequences=args.heldout)
-        base = TrainConfig(data_dir=str(shards), run_dir=f"{tmp}/base", model="tiny", micro_batch_size=b, lr=args.lr,
-                           warmup_steps=1, min_lr_ratio=1.0, num_threads=1, device="cpu", checkpoints=False,
-                           resume=False, eval_sequences=args.heldout, eval_batch_size=args.heldout, log_every=1,
-                           timeout_s=600, trackers=())
+        base = TrainConfig(data_dir=str(shards), run_dir=f"{tmp}/base", model="tiny", num_threads=1, device="cpu",
+                           resume=False, timeout_s=600, batch={"micro_batch_size": b}, optim={"lr": args.lr},
+                           schedule={"warmup_steps": 1, "min_lr_ratio": 1.0}, checkpoint={"enabled": False},
+                           eval={"sequences": args.heldout, "batch_size": args.heldout},
+                           measure={"log_every": 1, "trackers": ()})
         # 1. the critical batch from a sweep at other batch sizes (one process, accumulation >= 2)
         ts = time.time()
         rows, fit = sweep_batch(base, tmp, batch_sizes=sweep_batches, target=args.target or None,
@@ -145,9 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
         # them: 2. the step time at batch b per rank, 3. the forecast, 4. reality (train to the target)
         step_s, fc, measured = {}, {}, {}
         for n in (1, 2):
-            cfg = dataclasses.replace(base, run_dir=f"{tmp}/timing-{n}", max_steps=args.timing_steps,
-                                      timing_warmup_steps=args.timing_warmup,
-                                      lr=lr_for_batch(args.lr, b, n * b), eval_every=1)
+            cfg = base.replace(run_dir=f"{tmp}/timing-{n}", max_steps=args.timing_steps,
+                               measure={"timing_warmup_steps": args.timing_warmup},
+                               optim={"lr": lr_for_batch(args.lr, b, n * b)}, eval={"every": 1})
             (recs,) = _run(n, [cfg])
             timed = [r["step_time_s"] for r in recs[args.timing_warmup:]]
             step_s[n] = statistics.fmean(timed)
@@ -159,13 +159,13 @@ def main(argv: list[str] | None = None) -> dict:
                                       b_crit=fit["b_crit"]).to_dicts()
             print(json.dumps({"phase": "forecast", "ranks": n, "global_batch": n * b, "steps": fc[n]["steps"],
                               "step_s": fc[n]["step_s"], "seconds": fc[n]["hours"] * 3600}), flush=True)
-            cfg = dataclasses.replace(base, run_dir=f"{tmp}/check-{n}", lr=lr_for_batch(args.lr, b, n * b),
-                                      max_steps=max(4, math.ceil(args.margin * fc[n]["steps"])), eval_every=1)
+            cfg = base.replace(run_dir=f"{tmp}/check-{n}", max_steps=max(4, math.ceil(args.margin * fc[n]["steps"])),
+                               optim={"lr": lr_for_batch(args.lr, b, n * b)}, eval={"every": 1})
             tr = time.time()
             (recs,) = _run(n, [cfg])
             s = steps_to_target(recs, target)
             secs = time_to_step(recs, s) if s is not None else None
-            measured[n] = {"ranks": n, "global_batch": n * b, "lr": cfg.lr, "steps": s, "seconds": secs,
+            measured[n] = {"ranks": n, "global_batch": n * b, "lr": cfg.optim.lr, "steps": s, "seconds": secs,
                            "mean_step_s": secs / s if s else None, "max_steps": cfg.max_steps,
                            "median_step_s": statistics.median(r["step_time_s"] for r in recs),
                            "first_steps_s": [r["step_time_s"] for r in recs[:args.timing_warmup]],

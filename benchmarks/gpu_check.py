@@ -273,10 +273,11 @@ def resume_check(device: torch.device, workdir: pathlib.Path, model: str = "mini
     out = {}
     for sharding in ("zero1", "fsdp"):
         run_dir = workdir / sharding
-        cfg = TrainConfig(data_dir=str(shards), run_dir=str(run_dir), model=model, micro_batch_size=8,
-                          max_steps=4, stop_after=2, warmup_steps=1, device=device.type, precision="bf16",
-                          sharding=sharding, ckpt_every=2, eval_every=2, eval_sequences=8, timeout_s=120,
-                          num_threads=4 if device.type == "cpu" else 0)
+        cfg = TrainConfig(data_dir=str(shards), run_dir=str(run_dir), model=model, max_steps=4, stop_after=2,
+                          device=device.type, precision="bf16", timeout_s=120,
+                          num_threads=4 if device.type == "cpu" else 0, batch={"micro_batch_size": 8},
+                          schedule={"warmup_steps": 1}, parallel={"sharding": sharding}, checkpoint={"every": 2},
+                          eval={"every": 2, "sequences": 8})
         try:
             for part in (cfg, dataclasses.replace(cfg, stop_after=None, resume=True)):
                 with _one_rank_env():

@@ -42,7 +42,7 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     lab = load(ROOT / "configs" / "study.toml")
     cfg = model_config_of(lab.train, lab.plan.vocab_size)
-    batch, seq_len = lab.train.micro_batch_size, lab.shards.seq_len
+    batch, seq_len = lab.train.batch.micro_batch_size, lab.shards.seq_len
     steps = scaling.precision_experiment(cfg, micro_batch=batch, seq_len=seq_len, device=lab.plan.device, gpus=(1,),
                                          mfu=lab.plan.mfu)
     rows = []

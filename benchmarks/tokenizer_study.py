@@ -71,8 +71,9 @@ def main() -> None:
         held = split_rows(text_row_count(docs), cfg)[1]
         index = write_shards(docs, tok_path, str(out / kind / "shards"), shard_cfg, progress=False)
         run = TrainConfig(data_dir=str(out / kind / "shards"), run_dir=str(out / kind / "run"), model="mini",
-                          micro_batch_size=8, max_steps=args.steps, warmup_steps=6, eval_sequences=256,
-                          eval_batch_size=16, tokenizer_path=tok_path, resume=False, checkpoints=False, trackers=())
+                          max_steps=args.steps, resume=False, batch={"micro_batch_size": 8},
+                          schedule={"warmup_steps": 6}, eval={"sequences": 256, "batch_size": 16},
+                          data={"tokenizer_path": tok_path}, checkpoint={"enabled": False}, measure={"trackers": ()})
         result = train(run)
         rows.append({"kind": kind, "settings": {"vocab_size": cfg.vocab_size, "min_frequency": cfg.min_frequency},
                      "vocab_size": stats["vocab_size"], "unk_rate": stats["unk_rate"],

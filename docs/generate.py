@@ -19,6 +19,9 @@ blocks read the files the measuring command wrote, kept under docs/data/:
   (the forecast of time to a target held-out loss at 1 and 2 ranks against training to it).
 - ``docs/data/network.jsonl``: ``<workdir>/sweeps/network.parquet`` written by ``labkit sweep
   network configs/walkthrough.toml --models mini small`` (root; the shaped-link sweep), as JSON lines.
+- ``docs/data/compression_learning.jsonl``: the file ``python benchmarks/compression_learning.py
+  configs/walkthrough.toml --out docs/data/compression_learning.jsonl`` writes (steps to a held-out
+  loss with each gradient compression, on the walkthrough's shards).
 - ``docs/data/plan_counted.jsonl``: the JSON lines ``python docs/count_study.py`` writes
   (``plan_model`` of the study's two models on an H100 NVL).
 - ``docs/data/bench_model.jsonl`` / ``bench_ddp.jsonl`` / ``bench_stage.jsonl`` / ``bench_parallel.jsonl``:
@@ -32,7 +35,7 @@ blocks read the files the measuring command wrote, kept under docs/data/:
 
 Blocks: ``demo-summary`` (README.md); ``lesson1-measured``, ``lesson1-planner``, ``parallel-planner``, ``lesson2-measured``,
 ``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``, ``lesson4-forecast``, ``lesson4-forecast-check``,
-``lesson4-network``,
+``lesson4-network``, ``lesson4-compression-learning``,
 ``lesson5-measured``, ``lesson5-planner`` (docs/results.md), and docs/generate_study.py's
 ``tokenizer-study``, ``study-run``, ``study-loaders``, ``study-plan``, ``precision-experiment``,
 ``one-story`` (docs/results.md, from configs/study.toml and the files its scripts write); ``bench-model`` (docs/model.md);
@@ -211,20 +214,26 @@ def lesson4_measured() -> str:
 
 def lesson4_forecast() -> str:
     """docs/results.md: ``labkit forecast configs/study.toml --gpus 1,2,...,256 --json`` kept as
-    docs/data/forecast_study.json: time and GPU-hours to the target per GPU count, the knee."""
+    docs/data/forecast_study.json: time and GPU-hours to the target per GPU count, the knee's rule
+    and its sentence (``labkit.study.forecast.knee_sentence``), whether the micro-batch fits."""
+    from labkit.study.forecast import knee_sentence
+
     d = json.loads((DATA / "forecast_study.json").read_text())
     rows = [r for r in d["table"] if r["n_gpus"] in (1, 8, 32, 64, 128, 256)]
-    out = ["| GPUs | global batch (sequences) | steps | step (s) | hours | GPU-hours | batch / B_crit |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| GPUs | global batch (sequences) | steps | step (s) | hours | GPU-hours | batch / B_crit | E(B) |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     out += [f"| {r['n_gpus']} | {r['global_batch']:,} | {r['steps']:,.0f} | {r['step_s']:.2f} | {r['hours']:.2f} | "
-            f"{r['gpu_hours']:.1f} | {r['batch_over_b_crit']:.2f} |" for r in rows]
+            f"{r['gpu_hours']:.1f} | {r['batch_over_b_crit']:.2f} | {r['statistical_efficiency']:.2f} |" for r in rows]
     by = {r["n_gpus"]: r for r in d["table"]}
     (b, k), = d["knee"].items()
+    fits = "" if by[1]["fits"] else (f" Micro-batch {b} is over the planner's largest on the {d['inputs']['device']}, "
+                                     f"{d['max_micro_batch']} (`labkit plan configs/study.toml`): the forecast marks "
+                                     "it, the study ran it.")
     out.append("")
-    out.append(f"Micro-batch {b}: more GPUs stop paying from {k['n_gpus']} GPUs ({k['reason']}; the next doubling "
-               f"buys {k['gain_next_doubling']:.2f}x). 256 GPUs reach the target in {by[256]['hours']:.2f} h against "
+    out.append(f"The rule: {d['rule'].removeprefix('the knee: ')}. {knee_sentence(k, int(b))[0].upper()}"
+               f"{knee_sentence(k, int(b))[1:]}. 256 GPUs reach the target in {by[256]['hours']:.2f} h against "
                f"{by[128]['hours']:.2f} h on 128 and {by[64]['hours']:.2f} h on 64, for {by[256]['gpu_hours']:.0f} "
-               f"GPU-hours against {by[128]['gpu_hours']:.0f} and {by[64]['gpu_hours']:.0f}. Assumptions:")
+               f"GPU-hours against {by[128]['gpu_hours']:.0f} and {by[64]['gpu_hours']:.0f}.{fits} Assumptions:")
     out += [f"- {a}" for a in d["assumptions"]]
     return "\n".join(out) + "\n"
 
@@ -274,8 +283,9 @@ def lesson4_network() -> str:
     """The shaped-link sweep (docs/data/network.jsonl, ``labkit sweep network``'s Parquet as JSON
     lines): measured efficiency against link time / compute, the model beside it; where the
     study's 256-GPU 25 GbE run sits on the same axis per precision and what each compression
-    gives there (``scaling.compression_table``, the planner's compute at 40 % MFU); the loss cost
-    of compression from bench_network --compression (docs/data/bench_network.jsonl) when present."""
+    gives there (``scaling.compression_table``, the planner's compute at 40 % MFU); the efficiency
+    and bytes of each compression on the shaped link from bench_network --compression
+    (docs/data/bench_network.jsonl) when present (its cost in learning: ``lesson4_compression_learning``)."""
     from labkit.study import scaling
 
     rows = _network()
@@ -292,7 +302,7 @@ def lesson4_network() -> str:
     from generate_study import _study
 
     lab, cfg = _study()  # configs/study.toml: the authors' model, batch, cluster
-    levers = scaling.compression_table(cfg, micro_batch=lab.train.micro_batch_size, seq_len=lab.shards.seq_len,
+    levers = scaling.compression_table(cfg, micro_batch=lab.train.batch.micro_batch_size, seq_len=lab.shards.seq_len,
                                        device=lab.plan.device, network=lab.plan.network,
                                        gpus_per_node=lab.plan.gpus_per_node, mfu=lab.plan.mfu)
     study = []
@@ -306,7 +316,7 @@ def lesson4_network() -> str:
             f"Measured step time over the model's: {min(ratios):.2f} to {max(ratios):.2f} at all {len(rows)} points. "
             "Link time = a step's gradient bytes / the link's measured TCP goodput (at 2 ranks a ring sends one copy "
             "each way); above 1 the link cannot keep up with compute, and no overlap helps.\n\n"
-            f"The study's run as configs/study.toml states it (micro-batch {lab.train.micro_batch_size}, seq "
+            f"The study's run as configs/study.toml states it (micro-batch {lab.train.batch.micro_batch_size}, seq "
             f"{lab.shards.seq_len}, {lab.plan.mfu:.0%} of each precision's peak) at 256 GPUs on {lab.plan.network}, "
             "on the same axis "
             "(ring: 2(n-1)/n copies), and the planner's efficiency with each gradient compression "
@@ -325,9 +335,58 @@ def lesson4_network() -> str:
                  f"{g['bf16']['min']:.2f}-{g['bf16']['max']:.2f}), {c['efficiency']['powersgd']['median']:.2f} with "
                  f"PowerSGD (x{g['powersgd']['median']:.2f}, spread {g['powersgd']['min']:.2f}-{g['powersgd']['max']:.2f}); "
                  f"bytes per step {c['comm_bytes']['none'] / 1e6:.1f}, {c['comm_bytes']['bf16'] / 1e6:.1f} and "
-                 f"{c['comm_bytes']['powersgd'] / 1e6:.1f} MB. The cost in learning: loss after {c['loss_after_steps']} "
-                 f"steps {c['loss']['none']:.3f} (none), {c['loss']['bf16']:.3f} (bf16), {c['loss']['powersgd']:.3f} (PowerSGD).\n")
+                 f"{c['comm_bytes']['powersgd'] / 1e6:.1f} MB.\n")
     return text
+
+
+COMPRESSION_NAMES = {"none": "fp32 (none)", "none-seed2": "fp32, the next seed", "bf16": "bf16",
+                     "powersgd-r1": "PowerSGD rank 1", "powersgd-r4": "PowerSGD rank 4"}
+
+
+def lesson4_compression_learning() -> str:
+    """docs/results.md: what each gradient compression costs in learning on real data, from
+    docs/data/compression_learning.jsonl (``benchmarks/compression_learning.py``): steps to a
+    held-out loss and their ratio to fp32's, the next seed's ratio as the yardstick of noise."""
+    recs = _records("compression_learning.jsonl")
+    if not recs:
+        return "No record yet (`docs/data/compression_learning.jsonl` is missing).\n"
+    runs, d = [r for r in recs if r.get("record") == "run"], recs[-1]
+    t = d["target_eval_loss"]
+    out = [f"| gradients | bytes per step | steps to held-out loss {t:.3f} | × fp32's | best held-out loss in "
+           f"{d['steps']} steps |", "| --- | --- | --- | --- | --- |"]
+    for r in runs:
+        s = r["steps_to_target"]
+        out.append(f"| {COMPRESSION_NAMES.get(r['name'], r['name'])} | {r['comm_bytes_per_step'] / 1e6:.2f} MB | "
+                   + (f"{s:.1f} | {r['ratio_to_none']:.2f}" if s is not None else "not reached | -")
+                   + f" | {r['best_eval_loss']:.3f} |")
+    by = {r["name"]: r for r in runs}
+    noise = abs(math.log(by["none-seed2"]["ratio_to_none"])) if by.get("none-seed2", {}).get("ratio_to_none") else None
+    verdicts = []
+    for name in ("bf16", "powersgd-r4", "powersgd-r1"):
+        r = by.get(name)
+        if r is None:
+            continue
+        if r["ratio_to_none"] is None:
+            verdicts.append(f"{COMPRESSION_NAMES[name]} did not reach it")
+        elif noise is not None and abs(math.log(r["ratio_to_none"])) <= noise:
+            verdicts.append(f"{COMPRESSION_NAMES[name]} is within that (x{r['ratio_to_none']:.2f})")
+        else:
+            last = r["steps_to_target"] >= r["curve"][-1][0]  # the target is its best, at its last evaluation
+            verdicts.append(f"{COMPRESSION_NAMES[name]} needs x{r['ratio_to_none']:.2f} the steps"
+                            + (" (the target is its own best held-out loss, reached only at its last evaluation as"
+                               " the learning rate decayed to its floor)" if last else ""))
+    out.append("")
+    out.append(f"`{d['model']}` model on `{d['config']}`'s shards ({d['sequences']:,} sequences of {d['seq_len']} "
+               f"tokens, vocabulary {d['vocab_size']:,}), {d['ranks']} gloo ranks × micro-batch "
+               f"{d['micro_batch_per_rank']} (global batch {d['global_batch']}), lr {d['lr']:g} with {d['warmup_steps']} "
+               f"warm-up steps and a {d['schedule']} decay over {d['steps']} steps, the same seed, data order and "
+               f"schedule for every run; held-out loss every {d['eval_every']} steps, steps to the target interpolated "
+               f"between evaluations; PowerSGD all-reduces fp32 for its first {d['powersgd_start_iter']} steps, then "
+               f"compresses with error feedback. Target: the worst run's best held-out loss"
+               f"{'' if d['target_rule'] != 'given' else ' (given)'}. "
+               + (f"The next seed alone moves the steps by x{by['none-seed2']['ratio_to_none']:.2f}; " if noise is not None
+                  else "") + "; ".join(verdicts) + ".")
+    return "\n".join(out) + "\n"
 
 
 def lesson5_measured() -> str:
@@ -606,6 +665,7 @@ BLOCKS = {("README.md", "demo-summary"): demo_summary,
           ("docs/results.md", "lesson4-forecast"): lesson4_forecast,
           ("docs/results.md", "lesson4-forecast-check"): lesson4_forecast_check,
           ("docs/results.md", "lesson4-network"): lesson4_network,
+          ("docs/results.md", "lesson4-compression-learning"): lesson4_compression_learning,
           ("docs/results.md", "lesson5-measured"): lesson5_measured,
           ("docs/results.md", "lesson5-planner"): lesson5_planner,
           ("docs/model.md", "bench-model"): bench_model,

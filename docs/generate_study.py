@@ -71,10 +71,10 @@ def study_plan() -> str:
                 0.1 * STUDY_MICRO_BATCH[name] else str(got["max_micro_batch"])
             rows.append(f"| {name} | {params / 1e6:.1f} M | {precision} | {bold} | {STUDY_MICRO_BATCH[name]} |")
     at = _planned(lab, cfg)
-    m = memory_plan(cfg, seq_len=lab.shards.seq_len, micro_batch=lab.train.micro_batch_size, precision="fp32",
+    m = memory_plan(cfg, seq_len=lab.shards.seq_len, micro_batch=lab.train.batch.micro_batch_size, precision="fp32",
                     attention="eager", dp=lab.plan.gpus)
     return ("\n".join(rows) + "\n\n"
-            f"At micro-batch {lab.train.micro_batch_size} (the study's 120M run, fp32, vocabulary "
+            f"At micro-batch {lab.train.batch.micro_batch_size} (the study's 120M run, fp32, vocabulary "
             f"{cfg.vocab_size:,}, `plan.memory_plan`): model state "
             f"{(m['params'] + m['grads'] + m['optimizer']) / 1e9:.1f} GB, activations {m['activations'] / 1e9:.1f} GB "
             f"(of which the kept attention probabilities {_scores(lab, cfg) / 1e9:.1f} GB), logits "
@@ -96,7 +96,7 @@ def _counted() -> str:
 def _scores(lab, cfg) -> int:
     from labkit.study.plan import activation_terms
 
-    return activation_terms(cfg, lab.shards.seq_len, lab.train.micro_batch_size, precision="fp32",
+    return activation_terms(cfg, lab.shards.seq_len, lab.train.batch.micro_batch_size, precision="fp32",
                             attention="eager")["attention_scores"]
 
 
@@ -107,7 +107,7 @@ def precision_experiment() -> str:
     from labkit.study import scaling
 
     lab, cfg = _study()
-    t = scaling.precision_experiment(cfg, micro_batch=lab.train.micro_batch_size, seq_len=lab.shards.seq_len,
+    t = scaling.precision_experiment(cfg, micro_batch=lab.train.batch.micro_batch_size, seq_len=lab.shards.seq_len,
                                      device=lab.plan.device, network=lab.plan.network,
                                      gpus_per_node=lab.plan.gpus_per_node, mfu=lab.plan.mfu)
     wide = t.pivot(on="precision", index="n_gpus", values="efficiency")
@@ -119,7 +119,8 @@ def precision_experiment() -> str:
     for r in s.iter_rows(named=True):
         limit = (f"the all-reduce shows from {r['first_exposed_n']} GPUs" if r["first_exposed_n"]
                  else "the all-reduce stays hidden at every size")
-        even = (f"hidden only below {r['break_even_mfu']:.0%} MFU" if r["break_even_mfu"] < 1
+        even = ("never hidden (its last bucket is most of it)" if r["break_even_mfu"] is None
+                else f"hidden only below {r['break_even_mfu']:.0%} MFU" if r["break_even_mfu"] < 1
                 else f"hidden at any MFU (break-even {r['break_even_mfu']:.0%})")
         lines.append(f"- {r['precision']} (peak {r['peak_flops'] / 1e12:g} TFLOP/s): step {r['compute_s']:.2f} s on one "
                      f"GPU; at {r['n_gpus']} GPUs the all-reduce takes {r['comm_s']:.2f} s, {limit}; at "
@@ -220,10 +221,10 @@ def one_story() -> str:
     got = _planned(lab, cfg)["max_micro_batch"]
     large = _planned(lab, cfg, "bert-350m")["max_micro_batch"]
     s = scaling.precision_summary(scaling.precision_experiment(
-        cfg, micro_batch=lab.train.micro_batch_size, seq_len=lab.shards.seq_len, device=lab.plan.device,
+        cfg, micro_batch=lab.train.batch.micro_batch_size, seq_len=lab.shards.seq_len, device=lab.plan.device,
         network=lab.plan.network, gpus_per_node=lab.plan.gpus_per_node, mfu=lab.plan.mfu), mfu=lab.plan.mfu)
     eff = {r["precision"]: r for r in s.iter_rows(named=True)}
-    b = lab.train.micro_batch_size
+    b = lab.train.batch.micro_batch_size
     return (f"- Lesson 5, 120M: **holds**. The authors' model in fp32 at 512 tokens plans to {got} sequences per "
             f"94 GB GPU ({(got - b) / b:+.1%} against their {b}): their batch is that model filled to memory.\n"
             f"- Lesson 4: **holds in fp32, as they ran it**. At {b} x 512 tokens an fp32 step takes "

@@ -6,6 +6,7 @@
     labkit resume RUN_DIR            continue a run from its newest checkpoint
     labkit sweep ranks|micro-batch|loaders|network|parallel|batch CONFIG
     labkit plan [CONFIG]             the planner's memory and scaling tables (a file's run at full size)
+    labkit forecast CONFIG           time and GPU-hours to a target loss per GPU count, and the knee
     labkit export RUN_DIR OUT        model + tokenizer + model card for transformers
     labkit demo | verify SHARD_DIR | report NOTEBOOK OUT.html
 
@@ -45,7 +46,8 @@ EXAMPLES = {
              "  labkit sweep batch configs/walkthrough.toml --batches 4 8 16 32 64 --examples 4096",
     "plan": 'labkit plan --model bert-350m --gpus 256 --micro-batch 16 --seq-len 512 --device "H100 NVL"\n'
             '  labkit plan configs/study.toml --device "H100 NVL"',
-    "forecast": "labkit forecast configs/study.toml --gpus 1,2,4,8,16,32,64,128,256 --network 25GbE",
+    "forecast": "labkit forecast configs/study.toml --gpus 1,2,4,8,16,32,64,128,256 --network 25GbE\n"
+                "  labkit forecast configs/walkthrough.toml --device cpu --gpus 1,2,4,8",
     "export": "labkit export work/walkthrough/runs/main work/walkthrough/export",
     "demo": "labkit demo --workdir work/demo --engines 2",
     "verify": "labkit verify work/demo/shards",
@@ -119,7 +121,7 @@ def _config(args: argparse.Namespace):
     overrides = list(args.set)
     for flag in ("tp", "pp"):  # labkit train --tp / --pp: the model-parallel split
         if getattr(args, flag, None) is not None:
-            overrides.append(f"train.{flag}={getattr(args, flag)}")
+            overrides.append(f"train.parallel.{flag}={getattr(args, flag)}")
     for flag, key in (("engines", "engines"), ("profile", "profile"), ("cluster_id", "cluster_id")):
         value = getattr(args, flag, None)
         if value is not None:
@@ -128,13 +130,14 @@ def _config(args: argparse.Namespace):
         overrides.append('cluster.kind="slurm"')
     scaled = getattr(args, "scaled_down", False)
     if (getattr(args, "tp", None) or 1) * (getattr(args, "pp", None) or 1) > 1 and not _sets_sharding(args, scaled):
-        return _split_sharding(load(args.config, [*overrides, 'train.sharding="replicate"'], scaled_down=scaled))
+        return _split_sharding(load(args.config, [*overrides, 'train.parallel.sharding="replicate"'], scaled_down=scaled))
     return load(args.config, overrides, scaled_down=scaled)
 
 
 def _sets_sharding(args: argparse.Namespace, scaled: bool) -> bool:
     """Whether CONFIG (its [train] table, or its scaled_down overrides when used) or --set names
-    train.sharding: then --tp / --pp leave it as given."""
+    train.parallel.sharding (or its flat name of before the sections, train.sharding): then --tp /
+    --pp leave it as given."""
     import pathlib
     import tomllib
 
@@ -143,22 +146,24 @@ def _sets_sharding(args: argparse.Namespace, scaled: bool) -> bool:
     data = tomllib.loads(path.read_text(encoding="utf-8")) if path and path.is_file() else {}
     if scaled:
         sets += [o.split("=", 1)[0].strip() for o in data.get("scaled_down", [])]
-    return "train.sharding" in sets or "sharding" in data.get("train", {})
+    train = data.get("train", {})
+    return bool({"train.sharding", "train.parallel.sharding"} & set(sets)) or "sharding" in train or \
+        "sharding" in train.get("parallel", {})
 
 
 def _split_sharding(cfg):
     """--tp / --pp without a sharding: "replicate" when the engines hold one model copy
     (dp = engines / (tp x pp) = 1), where it is the only layout (fsdp over one copy shards nothing);
     with dp > 1 fsdp and replicate both apply, so the choice is asked for in one line."""
-    t = cfg.train
+    t = cfg.train.parallel
     dp, rest = divmod(cfg.cluster.engines, t.tp * t.pp)
     if dp > 1 and not rest:
-        raise ValueError(f"train.sharding: --tp {t.tp} --pp {t.pp} on {cfg.cluster.engines} engines leaves dp {dp} "
-                         "model copies; choose how they hold the model: --set train.sharding=\"fsdp\" (sharded) or "
+        raise ValueError(f"train.parallel.sharding: --tp {t.tp} --pp {t.pp} on {cfg.cluster.engines} engines leaves dp {dp} "
+                         "model copies; choose how they hold the model: --set train.parallel.sharding=\"fsdp\" (sharded) or "
                          "\"replicate\" (whole copies)")
     if not rest:
         print(f"--tp {t.tp} --pp {t.pp} on {cfg.cluster.engines} engines: one model copy (dp 1), so "
-              "train.sharding=\"replicate\"", file=sys.stderr)
+              "train.parallel.sharding=\"replicate\"", file=sys.stderr)
     return cfg
 
 
@@ -222,8 +227,20 @@ def _command(name: str):
 
         if name == "sweep":
             return commands.sweep(args.kind, _config(args), args)
-        if name in ("plan", "export", "forecast"):
-            return getattr(commands, name)(args)
+        if name == "plan":
+            from labkit import planning
+
+            if getattr(args, "model_module", None) and not args.config:  # your own model, counted
+                from labkit.model_module import plan_model_module
+
+                return plan_model_module(args, planning.preset_defaults(args))
+            return planning.plan(args)
+        if name == "forecast":
+            from labkit.forecasting import forecast
+
+            return forecast(args)
+        if name == "export":
+            return commands.export(args)
         cfg = _config(args)
         if name == "prepare":
             return commands.prepare(cfg, force=args.force)
@@ -272,7 +289,8 @@ def _add_plan(sub, debug_parent: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None,
                    help="a labkit.study.plan.DEVICES name, or cpu (with --model-module and --budget-gb); default H100 NVL")
     p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32"),
-                   help="default bf16, or CONFIG's [train] precision")
+                   help="default bf16, or CONFIG's [train] precision; the scaling table's compute runs at this "
+                        "precision's peak (fp32: the CUDA cores')")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="default: the study's vocabulary (with --model-module: FACTORY's vocab_size, if it takes one)")
     p.add_argument("--network", default=None, help="a labkit.study.scaling.NETWORKS name (default 25GbE)")
@@ -281,7 +299,7 @@ def _add_plan(sub, debug_parent: argparse.ArgumentParser) -> None:
                         "instead of the formula planner")
     p.add_argument("--out", default=None, help="with CONFIG: also write the JSON summary to this file")
     p.add_argument("--top", type=int, default=None, help="splits shown (default 8)")
-    p.add_argument("--json", action="store_true", help="one JSON object with the raw values (bytes) instead of tables")
+    p.add_argument("--json", action="store_true", help="one JSON object with the raw values (bytes) instead of lines")
     g = p.add_argument_group(
         "your own model (labkit.study.memory.plan_model: counted, not estimated)", textwrap.fill(
         "--model-module FILE.py:FACTORY counts your model and predicts its data-parallel scaling (--gpus, "
@@ -306,19 +324,29 @@ def _add_batch_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=float, default=None,
                    help="batch: held-out loss to reach (default: the worst run's best, so every run reaches it)")
     p.add_argument("--lr-rule", choices=("sqrt", "linear", "constant"), default="sqrt",
-                   help="batch: train.lr at train's global batch, scaled to each batch by this rule")
+                   help="batch: train.optim.lr at train's global batch, scaled to each batch by this rule")
 
 
 def _add_forecast(sub: Any, debug: argparse.ArgumentParser) -> None:
-    """``labkit forecast`` (labkit.study.forecast)."""
-    p = _sub(sub, "forecast", "time and GPU-hours to a target loss per GPU count: the planner's step time "
-                              "joined with the critical batch (labkit.study.forecast)", debug)
-    p.add_argument("config", help="a TOML file: its [train] model and micro_batch_size, [shards] seq_len, [plan] device")
+    """``labkit forecast`` (labkit.forecasting, labkit.study.forecast)."""
+    p = _sub(sub, "forecast", "time and GPU-hours to a target loss per GPU count: the planner's (or a measured) step "
+                              "time joined with the critical batch, the knee by statistical goodput "
+                              "(labkit.study.forecast)", debug)
+    p.add_argument("config", help="a TOML file: its [train] model, micro_batch_size and precision, [shards] seq_len, "
+                                  "[plan] device, network, gpus_per_node, mfu and vocab_size (else the shards')")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one config key")
     p.add_argument("--gpus", default="1,2,4,8,16,32,64,128,256", help="comma-separated GPU counts")
-    p.add_argument("--micro-batches", default=None, help="comma-separated sequences per GPU (default: train's)")
-    p.add_argument("--network", default="25GbE", help="a labkit.study.scaling.NETWORKS name")
-    p.add_argument("--mfu", type=float, default=0.4, help="assumed MFU of the compute (default 0.4)")
+    p.add_argument("--micro-batches", default=None, help="comma-separated sequences per GPU (default: train's); "
+                                                         "those that do not fit the device are marked")
+    p.add_argument("--device", default=None, help="a labkit.study.plan.DEVICES name (default: [plan] device), or cpu: "
+                                                  "the step time is measured here, in this process, its load shown")
+    p.add_argument("--network", default=None, help="a labkit.study.scaling.NETWORKS name (default: [plan] network)")
+    p.add_argument("--mfu", type=float, default=None, help="assumed MFU of the compute (default: [plan] mfu, 0.4)")
+    p.add_argument("--step-time-s", type=float, default=None,
+                   help="a measured one-rank step time in seconds (one micro-batch) instead of the planned one")
+    p.add_argument("--critical-batch", default=None, metavar="PARQUET",
+                   help="B_crit, its bootstrap range and E_min from a `labkit sweep batch` table "
+                        "(<workdir>/sweeps/critical_batch.parquet): the time then has a range")
     p.add_argument("--b-crit-tokens", type=float, default=None,
                    help="the critical batch at the target in tokens (default: Kaplan et al.'s B_crit(L), an assumption)")
     p.add_argument("--target-loss", type=float, default=2.0, help="nats, for the default B_crit(L) (default 2.0)")
@@ -326,7 +354,7 @@ def _add_forecast(sub: Any, debug: argparse.ArgumentParser) -> None:
                    help="E_min: tokens a small-batch run needs to the target (default 20 per parameter, an assumption)")
     p.add_argument("--growth", type=float, default=0.0,
                    help="B_crit grows as progress^GROWTH during the run (default 0: constant)")
-    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     p.set_defaults(func=_command("forecast"))
 
 
@@ -350,10 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(sub, "train", "train under DDP on the engines (notebook 03)", debug)
     _add_common(p)
     p.add_argument("--no-stage", action="store_true", help="read data_dir directly instead of staged copies")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (train.tp; sharding fsdp or "
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (train.parallel.tp; sharding fsdp or "
                    "replicate: replicate when unset and the engines hold one copy)")
-    p.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree (train.pp; micro-batches: "
-                                                        "train.grad_accum_steps)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree (train.parallel.pp; micro-batches: "
+                                                        "train.batch.grad_accum_steps)")
     p.set_defaults(func=_command("train"))
     p = _sub(sub, "resume", "continue a run from its newest checkpoint with its saved config", debug)
     p.add_argument("run_dir")
@@ -377,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rates-mbit", type=float, nargs="+", default=[0, 1000, 200, 50],
                    help="network: link settings in Mbit/s between the two hosts, 0 = unshaped (root)")
     p.add_argument("--compression", nargs="+", default=["none"], choices=("none", "bf16", "powersgd"),
-                   help="network: train.grad_compression values, each at every setting")
+                   help="network: train.parallel.grad_compression values, each at every setting")
     _add_batch_sweep_args(p)
     p.add_argument("--force", action="store_true", help="rerun points already in the sweep's table")
     p.set_defaults(func=_command("sweep"))

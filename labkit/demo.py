@@ -44,19 +44,18 @@ def demo_train_config(cfg: DemoConfig, workdir: Path, *, run: str = "demo") -> T
     return TrainConfig(
         data_dir=str(workdir / "shards"),
         run_dir=str(workdir / "runs" / run),
-        tokenizer_path=str(workdir / "tokenizer" / "tokenizer.json"),  # shards of another tokenizer are refused
         model=cfg.model,
-        micro_batch_size=cfg.micro_batch_size,
         max_steps=cfg.train_steps,
-        lr=1e-3,
-        warmup_steps=max(1, cfg.train_steps // 10),
-        schedule="cosine",
         num_threads=1,
-        log_every=1,
-        eval_every=max(1, cfg.train_steps // 6),  # held-out loss (labkit.train.evaluation) 6 times and at the end
-        ckpt_every=0,
         resume=False,
         timeout_s=300.0,
+        data={"tokenizer_path": str(workdir / "tokenizer" / "tokenizer.json")},  # shards of another one are refused
+        batch={"micro_batch_size": cfg.micro_batch_size},
+        optim={"lr": 1e-3},
+        schedule={"kind": "cosine", "warmup_steps": max(1, cfg.train_steps // 10)},
+        measure={"log_every": 1},
+        eval={"every": max(1, cfg.train_steps // 6)},  # held-out loss (labkit.train.evaluation) 6 times and at the end
+        checkpoint={"every": 0},
     )
 
 
@@ -230,18 +229,18 @@ def _timing_sweeps(client, work: Path, index: dict, nb: dict, staged: dict, forc
     _say(f"6/8 sweeps of notebooks 04 and 06, one at a time (times): tokens/s at 1..{len(client.ids)} ranks; "
          f"largest micro-batch under {s4['memory_budget_gib']} GiB per rank for {', '.join(s4['sweep_models'])}; "
          f"tokens/s per model size; DataLoader workers {s4['loader_workers']}; each dp x tp x pp split", t0)
-    base = lab.sweep_config(w, model=s4["model"], micro_batch_size=s4["micro_batch_size"], max_steps=s4["sweep_steps"])
+    base = lab.sweep_config(w, model=s4["model"], max_steps=s4["sweep_steps"],
+                            batch={"micro_batch_size": s4["micro_batch_size"]})
     ranks = lab.sweep_ranks(client, base, w, staged=staged, force=force)
     mb = lab.sweep_micro_batch(client, list(s4["sweep_models"]), seq_len=index["seq_len"],
                                vocab_size=index["vocab_size"], budget_bytes=int(s4["memory_budget_gib"] * 2**30),
                                workdir=w, force=force)
-    sizes = lab.sweep_model_size(client, lab.sweep_config(w, model=s4["model"], micro_batch_size=s4["micro_batch_size"],
-                                                       max_steps=s4["size_steps"]),
+    sizes = lab.sweep_model_size(client, base.replace(max_steps=s4["size_steps"]),
                                  w, models=list(s4["sweep_models"]), staged=staged, force=force)
     loader = lab.sweep_loader_workers(client, w, batch_size=s4["micro_batch_size"],
                                       step_time_s=s4["loader_step_time_s"], workers=s4["loader_workers"],
                                       staged=staged, force=force)
-    split = lab.sweep_config(w, model=s6["model"], micro_batch_size=s6["split_micro_batch_size"])
+    split = lab.sweep_config(w, model=s6["model"], batch={"micro_batch_size": s6["split_micro_batch_size"]})
     splits = lab.sweep_parallel(client, split, w, micro_batches=s6["micro_batches"], steps=s6["split_steps"],
                                 staged=staged, force=force)
     _say_sweeps(ranks, mb, sizes, loader, splits, t0)

@@ -205,8 +205,8 @@ def model_card(cfg: TrainConfig, mcfg: ModelConfig, result: dict | None, step: i
             ("parameters", r.get("params")), ("vocabulary", mcfg.vocab_size), ("sequence length", r.get("seq_len")),
             ("checkpoint step", step), ("tokens seen", r.get("tokens")),
             ("global batch size (sequences)", r.get("global_batch_size")), ("world size", r.get("world_size")),
-            ("peak learning rate / schedule", f"{cfg.lr} / {cfg.schedule}"),
-            ("masking probability", cfg.mlm_probability), ("precision", cfg.precision),
+            ("peak learning rate / schedule", f"{cfg.optim.lr} / {cfg.schedule.kind}"),
+            ("masking probability", cfg.data.mlm_probability), ("precision", cfg.precision),
             *((k.replace("_", " "), v) for k, v in losses.items()),
             ("labkit / git commit", f"{prov.get('labkit_version')} / {git.get('commit')}"
                                     + (" (dirty)" if git.get("dirty") else "")),
@@ -250,7 +250,7 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, tokenizer_
                step: int | None = None, force: bool = False) -> pathlib.Path:
     """Export the newest checkpoint (or ``step``) of ``run_dir`` to ``out`` (see the module
     docstring); returns ``out``. The tokenizer is ``tokenizer_path`` or the run's
-    ``TrainConfig.tokenizer_path``; when the run's shards name a tokenizer sha256 it must match.
+    ``TrainConfig.data.tokenizer_path``; when the run's shards name a tokenizer sha256 it must match.
 
     Raises FileNotFoundError for a run without config.json or checkpoints, or a missing
     tokenizer; ValueError for a non-empty ``out`` (unless ``force``), a tokenizer the shards were
@@ -266,7 +266,7 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, tokenizer_
     cfg = read_run_config(run)
     if dest.exists() and any(dest.iterdir()) and not force:
         raise ValueError(f"out: {dest} exists and is not empty (pass force=True / --force to replace it)")
-    tok_path = tokenizer_path or cfg.tokenizer_path
+    tok_path = tokenizer_path or cfg.data.tokenizer_path
     if not tok_path or not os.path.isfile(tok_path):
         raise FileNotFoundError(f"tokenizer: {tok_path!r} does not exist (pass --tokenizer PATH/tokenizer.json)")
     index = _read_json(pathlib.Path(cfg.data_dir) / "index.json")

@@ -12,6 +12,9 @@
 - available memory: MemAvailable, or less where a memory cgroup's limit leaves less
   (``available_memory``; ``check_cpu_budget`` refuses a CPU budget above it).
 - scaling efficiency at n ranks: throughput(n) / (n x throughput(1)), weak scaling.
+- statistical efficiency at global batch B: (B_noise + B0) / (B_noise + B), the progress per
+  example relative to batch B0; statistical goodput: throughput x statistical efficiency (Pollux,
+  OSDI'21).
 - exposed communication (``comm_exposed_s``): gradient-collective time of an optimiser step not
   hidden behind backward: from the moment the last gradient is ready (end of the last backward
   kernel that produces one) to the end of the last gradient collective; a collective that runs
@@ -38,7 +41,7 @@ __all__ = ["CPU_RSS_OVERHEAD", "DEVICE_ALIASES", "DEVICES", "PEAK_FLOPS", "avail
            "check_cpu_budget", "comm_exposed_s", "cpu_rss_caveat", "data_wait_fraction", "device_kind", "device_name",
            "IntervalTimer", "mfu", "packing_efficiency", "peak_flops", "peak_memory_bytes", "peak_rss_bytes",
            "PeakWindows", "reset_peak_memory", "samples_per_s", "SavedActivationPeak", "scaling_efficiency",
-           "StepTimer", "tokens_per_s"]
+           "statistical_efficiency", "statistical_goodput", "StepTimer", "tokens_per_s"]
 
 _H100_PAGE = "https://www.nvidia.com/en-us/data-center/h100/"
 _H200_PAGE = "https://www.nvidia.com/en-us/data-center/h200/"
@@ -179,6 +182,34 @@ def scaling_efficiency(throughput_n: float, throughput_1: float, n: int) -> floa
     if n < 1 or throughput_1 <= 0:
         raise ValueError(f"n / throughput_1: need n >= 1 and throughput_1 > 0, got n={n}, throughput_1={throughput_1}")
     return throughput_n / (n * throughput_1)
+
+
+def statistical_efficiency(batch: float, b_noise: float, b0: float) -> float:
+    """Progress per example at global batch ``batch`` relative to batch ``b0``:
+    E(B) = (B_noise + B0) / (B_noise + B) (Pollux, Qiao et al. OSDI'21, "statistical efficiency"; AdaptDL
+    ``adaptdl/goodput.py``, ``GoodputFunction.efficiency``), from the gradient noise scale
+    B_noise (McCandlish et al. 2018, arXiv:1812.06162: B_simple = tr(Σ)/|G|², labkit.train.gns,
+    or a measured critical batch). ``batch``, ``b_noise`` and ``b0`` in one unit (sequences, or
+    tokens); 1.0 at B = B0, below 1 for larger batches (each example teaches less), towards
+    (B_noise + B0) / B once B ≫ B_noise. Raises ValueError for a non-positive batch or b0 or a
+    negative b_noise."""
+    if not (batch > 0 and b0 > 0 and b_noise >= 0):
+        raise ValueError(f"statistical_efficiency: batch and b0 must be positive and b_noise >= 0, got "
+                         f"batch={batch}, b_noise={b_noise}, b0={b0}")
+    return (b_noise + b0) / (b_noise + batch)
+
+
+def statistical_goodput(throughput: float, batch: float, b_noise: float, b0: float) -> float:
+    """Statistical goodput = throughput x ``statistical_efficiency(batch, b_noise, b0)`` (Pollux,
+    Qiao et al. OSDI'21, "goodput"; AdaptDL ``GoodputFunction.evaluate``): examples (or tokens) per
+    second worth of progress at batch ``b0``, in ``throughput``'s unit. Training to a target
+    takes E_min (1 + B/B_noise) examples (McCandlish et al. 2018, eq. 2.11), so time to the target
+    is proportional to 1 / goodput: a configuration with twice the goodput gets there in half the
+    time, whatever its throughput. Raises ValueError as ``statistical_efficiency`` and for a
+    negative throughput."""
+    if throughput < 0:
+        raise ValueError(f"statistical_goodput: throughput must be >= 0, got {throughput}")
+    return throughput * statistical_efficiency(batch, b_noise, b0)
 
 
 def comm_exposed_s(collectives: list[tuple[float, float]], *, blocking: bool = False) -> float:

@@ -97,23 +97,24 @@ def _index(data_dir: str, key: str) -> dict:
 
 def check_train(cfg: TrainConfig, *, engines: int, local: bool, key: str = "train") -> None:
     """Everything of a training run that needs no engine: the shard set exists and matches the
-    run (sequence length, tokenizer file, a held-out split when ``eval_every`` asks for one), the
+    run (sequence length, tokenizer file, a held-out split when ``eval.every`` asks for one), the
     model preset and overrides, the device, and a tensor/pipeline split against the preset and the
     ``engines`` (``labkit.config.split.check_split``)."""
     check_model(cfg.model, cfg.model_overrides, key=f"{key}.model")
     check_device(cfg, local=local, key=key)
     index = _index(cfg.data_dir, f"{key}.data_dir")
-    if cfg.seq_len is not None and cfg.seq_len != index.get("seq_len"):
-        raise ValueError(f"{key}.seq_len: {cfg.seq_len}, but the shards in {cfg.data_dir} hold sequences of "
+    data = cfg.data
+    if data.seq_len is not None and data.seq_len != index.get("seq_len"):
+        raise ValueError(f"{key}.data.seq_len: {data.seq_len}, but the shards in {cfg.data_dir} hold sequences of "
                          f"{index.get('seq_len')} tokens")
-    if cfg.tokenizer_path is not None and not os.path.isfile(cfg.tokenizer_path):
-        raise FileNotFoundError(f"{key}.tokenizer_path: {cfg.tokenizer_path} does not exist")
-    if cfg.eval_every > 0 and not index.get("heldout"):
-        raise ValueError(f"{key}.eval_every: {cfg.eval_every}, but the shards in {cfg.data_dir} have no held-out "
-                         "split (set shards.heldout_fraction > 0 and prepare again, or eval_every = 0)")
+    if data.tokenizer_path is not None and not os.path.isfile(data.tokenizer_path):
+        raise FileNotFoundError(f"{key}.data.tokenizer_path: {data.tokenizer_path} does not exist")
+    if cfg.eval.every > 0 and not index.get("heldout"):
+        raise ValueError(f"{key}.eval.every: {cfg.eval.every}, but the shards in {cfg.data_dir} have no held-out "
+                         "split (set shards.heldout_fraction > 0 and prepare again, or eval.every = 0)")
     if engines < 1:
         raise ValueError(f"cluster.engines: must be at least 1, got {engines}")
-    if cfg.tp * cfg.pp > 1:  # the model-parallel split against the preset and the engines
+    if cfg.parallel.is_split:  # the model-parallel split against the preset and the engines
         from labkit.config.split import check_split
 
         shape = {k: v for k, v in model_presets()[cfg.model].items() if k != "source"}

@@ -37,12 +37,15 @@ staged = lab.stage(client, workdir)
 
 # %%
 held_out = "heldout" in index  # evaluate the held-out loss 4 times if there is a split
+# The run's own fields at the top, the rest by section (TrainConfig's docstring; a dict holds the
+# fields that differ from the section's defaults)
 cfg = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/notebook-03", model=model,
-                  tokenizer_path=f"{workdir}/tokenizer/tokenizer.json",
-                  micro_batch_size=micro_batch_size, max_steps=steps, warmup_steps=max(1, steps // 10),
-                  schedule="cosine", lr=1e-3, num_threads=1, resume=False,
-                  eval_every=max(1, steps // 4) if held_out else 0,
-                  checkpoints=False)  # a look at training; the demo's main run keeps its checkpoint
+                  max_steps=steps, num_threads=1, resume=False,
+                  data={"tokenizer_path": f"{workdir}/tokenizer/tokenizer.json"},
+                  batch={"micro_batch_size": micro_batch_size}, optim={"lr": 1e-3},
+                  schedule={"kind": "cosine", "warmup_steps": max(1, steps // 10)},
+                  eval={"every": max(1, steps // 4) if held_out else 0},
+                  checkpoint={"enabled": False})  # a look at training; the demo's main run keeps its checkpoint
 title = (f"Training loss of {model}: {len(client.ids)} ranks x micro-batch {micro_batch_size} of "
          f"{index['seq_len']} tokens, {steps} steps")
 live = plots.LivePlot(lambda metrics: plots.loss_figure(metrics, title=title))

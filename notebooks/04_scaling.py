@@ -53,7 +53,7 @@ staged = lab.stage(client, workdir)
 # ## Throughput vs ranks
 
 # %%
-base = lab.sweep_config(workdir, model=model, micro_batch_size=micro_batch_size, max_steps=sweep_steps)
+base = lab.sweep_config(workdir, model=model, max_steps=sweep_steps, batch={"micro_batch_size": micro_batch_size})
 ranks = lab.sweep_ranks(client, base, workdir, staged=staged)
 print(lab.reused_note(ranks) or "every point measured now")  # read back from an earlier sweep: when, at what load
 ranks
@@ -133,8 +133,7 @@ pl.DataFrame([{"model": model, "seq_len": index["seq_len"], "counted max micro-b
 # ## Throughput per model size at all ranks
 
 # %%
-sizes = lab.sweep_model_size(client, lab.sweep_config(workdir, model=model, micro_batch_size=micro_batch_size,
-                                                    max_steps=size_steps), workdir, models=sweep_models, staged=staged)
+sizes = lab.sweep_model_size(client, base.replace(max_steps=size_steps), workdir, models=sweep_models, staged=staged)
 print(lab.reused_note(sizes) or "every point measured now")
 sizes
 
@@ -151,7 +150,8 @@ try:
 except ImportError as err:
     loader = None
     print(f"loader sweep skipped: {err}")
-plots.loader_figure(loader) if loader is not None else None
+plots.loader_figure(loader.filter((pl.col("batch_size") == micro_batch_size)  # this sweep's consumer
+                                  & (pl.col("step_time_s_planned") == loader_step_time_s))) if loader is not None else None
 
 # %%
 if cluster_id is None:  # engines this notebook started; a cluster it connected to keeps running
@@ -298,12 +298,12 @@ from labkit.train.run_config import model_config_of
 
 study = load_config(pathlib.Path(labkit.__file__).resolve().parent.parent / "configs" / "study.toml")
 study_model = model_config_of(study.train, study.plan.vocab_size)
-precisions = scaling.precision_experiment(study_model, micro_batch=study.train.micro_batch_size,
+precisions = scaling.precision_experiment(study_model, micro_batch=study.train.batch.micro_batch_size,
                                           seq_len=study.shards.seq_len, device=study.plan.device,
                                           network=study.plan.network, gpus_per_node=study.plan.gpus_per_node,
                                           mfu=study.plan.mfu)
 fig = plots.efficiency_figure(precisions.with_columns(label=pl.col("precision")),
-                              title=f"The study's 120M model, micro-batch {study.train.micro_batch_size}, "
+                              title=f"The study's 120M model, micro-batch {study.train.batch.micro_batch_size}, "
                                     f"{study.plan.network}: efficiency per precision")
 fig.add_hrect(y0=0.9, y1=1.0, fillcolor="green", opacity=0.12, line={"width": 1, "color": "green"},
               annotation_text="the study: near-linear to 256 GPUs", annotation_position="bottom left")
@@ -324,7 +324,7 @@ scaling.precision_summary(precisions, mfu=study.plan.mfu)
 # gradient buckets, the link's measured bandwidth). The x-axis is the link time of one step's
 # gradients over the compute time: above 1 the link cannot keep up, whatever the overlap.
 # Without the sweep's file this section shows the model alone for this model, calibrated from
-# the 1-rank step measured above; with bf16 gradient compression (`TrainConfig.grad_compression`)
+# the 1-rank step measured above; with bf16 gradient compression (`TrainConfig.parallel.grad_compression`)
 # the bytes halve.
 
 # %%

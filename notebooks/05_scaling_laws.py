@@ -86,8 +86,8 @@ pl.DataFrame({"constant": ["E", "A", "B", "alpha", "beta"],
 from labkit.study.law_runs import law_config, sweep_law_runs
 
 first = law_config(workdir, law_widths[0], steps=law_steps, micro_batch=law_micro_batch, points=law_points)
-print({k: getattr(first, k) for k in ("model", "model_overrides", "micro_batch_size", "max_steps", "warmup_steps", "lr",
-                                      "min_lr_ratio", "eval_every", "eval_sequences", "seed")})
+print({k: getattr(first, k) for k in ("model", "model_overrides", "max_steps", "seed", "batch", "optim", "schedule",
+                                      "eval")})
 points = sweep_law_runs(workdir, widths=law_widths, steps=law_steps, micro_batch=law_micro_batch, points=law_points)
 points.select("width", "n_params", "n_tokens", "loss", "measured_at", "reused")
 

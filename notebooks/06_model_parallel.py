@@ -54,7 +54,7 @@ staged = lab.stage(client, workdir)
 # ## Every split of the engines
 
 # %%
-base = lab.sweep_config(workdir, model=model, micro_batch_size=split_micro_batch_size)
+base = lab.sweep_config(workdir, model=model, batch={"micro_batch_size": split_micro_batch_size})
 table = lab.sweep_parallel(client, base, workdir, micro_batches=micro_batches, steps=split_steps, staged=staged)
 print(lab.reused_note(table) or "every split measured now")  # splits read back from an earlier sweep: when, at what load
 table.select("dp", "tp", "pp", "pp_schedule", pl.col("tokens_per_s").round(0),
@@ -96,8 +96,8 @@ else:
 # the first fit is ZeRO-3 data parallelism, and without ZeRO it is a dp x tp x pp split.
 # The plans assume sequence parallelism wherever tp > 1 (`sequence_parallel=True`: tensor
 # parallelism alone would keep the residual stream's activations whole on every tp rank), and
-# `plan_overrides` turns a row into the `TrainConfig` fields that run it, `sequence_parallel`
-# among them, so the run splits its activations the way its row was planned.
+# `plan_overrides` turns a row into the `TrainConfig` sections that run it (`parallel`, `batch`),
+# `sequence_parallel` among them, so the run splits its activations the way its row was planned.
 
 # %%
 from labkit.model import count_parameters, model_config
@@ -111,7 +111,7 @@ for what, rows in (("first fit", splits), ("first fit without ZeRO", splits.filt
     fit = parallel.first_fit(rows)
     print(f"{what}:", {k: fit[k] for k in ("dp", "tp", "pp", "zero_stage", "total", "bubble")})
 overrides = parallel.plan_overrides(fit)
-print("TrainConfig fields of the split without ZeRO:", overrides)
+print("TrainConfig sections of the split without ZeRO:", overrides)
 TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/planned", model="bert-1.3b", **overrides)
 
 # %%

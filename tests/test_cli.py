@@ -75,8 +75,12 @@ def test_a_bad_config_key_is_one_line_and_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("labkit train: error: train.max_step: unknown key"), err
     cfg.write_text("[train]\nmax_steps = 3\n")
-    assert main(["prepare", str(cfg), "--set", "train.lr=fast"]) == 2
-    assert "train.lr: expected float, got 'fast'" in capsys.readouterr().err
+    assert main(["prepare", str(cfg), "--set", "train.optim.lr=fast"]) == 2
+    assert "train.optim.lr: expected float, got 'fast'" in capsys.readouterr().err
+    assert main(["prepare", str(cfg), "--set", "train.lr=fast"]) == 2  # the flat name of before the sections
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["--set train.lr=fast: 'train.lr' is now 'train.optim.lr' (the flat name is read in this release only)",
+                   "labkit prepare: error: train.optim.lr: expected float, got 'fast'"]
     cfg.write_text("[train]\nmax_step = 3\n")
     with pytest.raises(ValueError, match="train.max_step: unknown key"):
         main(["train", str(cfg), "--debug"])
@@ -87,144 +91,6 @@ def test_resume_and_export_name_a_missing_run(tmp_path, capsys):
     assert "is not a run directory" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
     assert "is not a run directory" in capsys.readouterr().err
-
-
-def test_plan_prints_the_planners_numbers(capsys):
-    from labkit.study import plan
-    from labkit.model import model_config
-
-    assert main(["plan", "--model", "bert-120m", "--gpus", "8", "--micro-batch", "16", "--seq-len", "512"]) == 0
-    out = capsys.readouterr().out
-    cfg = model_config("bert-120m", plan.STUDY_VOCAB)
-    mem = plan.memory_plan(cfg, seq_len=512, micro_batch=16, dp=8)
-    best = plan.planned_max_micro_batch(cfg, device="H100 NVL", seq_len=512, precision="bf16", dp=8)
-    assert f"{mem['total'] / 1e9:.2f} GB of 94 GB: fits. Largest micro-batch that fits: {best['max_micro_batch']} " in out
-    assert f"│ activations     ┆ {mem['activations'] / 1e9:.3f} ┆" in out  # a table in GB, not raw bytes
-    assert "splits that fit" in out and "predicted data-parallel scaling" in out and "efficiency" in out
-    assert max(map(len, out.splitlines())) <= 140 and "shape:" not in out  # readable in a terminal
-    assert main(["plan", "--model", "bert-120m", "--gpus", "8", "--micro-batch", "16", "--json"]) == 0
-    raw = json.loads(capsys.readouterr().out)
-    assert raw["memory"]["total"] == mem["total"] and raw["max_micro_batch"] == best["max_micro_batch"]
-
-
-def test_plan_counts_a_model_defined_in_a_users_file(tmp_path, capsys):
-    """A model labkit did not write, from a file: its max micro-batch and the terms behind it,
-    the same numbers plan_model gives; a bad FILE:FACTORY is one line and exit 2."""
-    from labkit.study.memory import plan_model
-
-    user = tmp_path / "my_model.py"
-    user.write_text("from plain_encoder import factory as plain\n"
-                    "def factory(seq_len):\n"
-                    "    return plain(seq_len=seq_len, vocab=300, hidden=32, layers=1, heads=2, ffn=64)\n")
-    args = ["plan", "--model-module", f"{user}:factory", "--seq-len", "32", "--precision", "fp32", "--device", "cpu",
-            "--budget-gb", "0.05"]
-    assert main(args) == 0
-    out = capsys.readouterr().out
-    import sys
-    import pathlib
-
-    sys.path.insert(0, str(pathlib.Path(__file__).parent))
-    from plain_encoder import factory
-
-    p = plan_model(*factory(seq_len=32, vocab=300, hidden=32, layers=1, heads=2, ffn=64), device="cpu",
-                   precision="fp32", budget_bytes=int(0.05e9))
-    assert f"max micro-batch: {p['max_micro_batch']} (verified by counting" in out
-    assert f"{p['activation_bytes_per_sequence']:,}" in out and "state: adamw state" in out
-    assert "CPU: the budget counts tensor bytes; a training process's RSS ran 1.19-1.41x" in out  # measure.CPU_RSS_OVERHEAD
-    assert main(["plan", "--model-module", f"{user}:nope", "--device", "cpu", "--budget-gb", "1"]) == 2
-    assert "has no function 'nope'" in capsys.readouterr().err
-    assert main(["plan", "--model-module", str(user), "--device", "cpu", "--budget-gb", "1"]) == 2
-    assert "FILE.py:FACTORY" in capsys.readouterr().err
-
-
-def test_plan_of_a_users_model_prints_json_with_its_scaling_table():
-    """`labkit plan --model-module tests/plain_encoder.py:factory --gpus 64 --network IB-NDR --json`
-    (issue 31): one JSON object; its scaling table is the presets' path (study.scaling.model_scaling,
-    which study_scaling also takes) fed the counted parameters and FLOPs, and the parameters are
-    the model's own."""
-    import pathlib
-
-    import polars as pl
-
-    from labkit.study import plan, scaling
-
-    root = pathlib.Path(__file__).parents[1]
-    proc = subprocess.run([sys.executable, "-m", "labkit.cli", "plan", "--model-module", "tests/plain_encoder.py:factory",
-                           "--gpus", "64", "--network", "IB-NDR", "--json"], capture_output=True, text=True, cwd=root,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    raw = json.loads(proc.stdout)
-    p = raw["plan"]
-    sys.path.insert(0, str(root / "tests"))
-    from plain_encoder import factory
-
-    model = factory(seq_len=512)[0]()
-    assert p["params"] == sum(t.numel() for t in model.parameters())
-    assert p["params_before_blocks"] == model.tok.weight.numel() + model.pos.weight.numel()
-    assert p["device"] == "H100 NVL" and p["dp"] == 64 and p["seq_len"] == 512
-    b = raw["at_micro_batch"]["micro_batch"]
-    assert b == p["max_micro_batch"] > 0 and raw["at_micro_batch"]["fits"]
-    table = pl.DataFrame(raw["scaling"])
-    assert table["n_gpus"].to_list() == [1, 2, 4, 8, 16, 32, 64]
-    want = scaling.efficiency_table(
-        compute_s=512 * b * p["flops_per_token"] / (0.4 * plan.device_info("H100 NVL")["peak_flops"]),
-        grad_bytes=4 * p["params"], tokens_per_step=512 * b, gpus=(1, 2, 4, 8, 16, 32, 64), network="IB-NDR",
-        gpus_per_node=2, last_bucket_bytes=max(4 * p["params_before_blocks"], min(scaling.BUCKET_BYTES, 4 * p["params"])))
-    for col in ("compute_s", "comm_s", "exposed_s", "step_s", "efficiency"):
-        assert table[col].to_list() == pytest.approx(want[col].to_list(), rel=1e-12), col
-    assert raw["scaling_inputs"]["network"] == "IB-NDR"
-
-
-def test_model_scaling_is_the_presets_path():
-    """study_scaling of a preset is model_scaling fed that preset's formula parameters and FLOPs."""
-    from labkit.model import count_parameters, flops_per_token, model_config
-    from labkit.study import plan, scaling
-
-    cfg = model_config("bert-120m", plan.STUDY_VOCAB, max_position_embeddings=512)
-    kw = {"micro_batch": 16, "seq_len": 512, "network": "IB-NDR", "gpus": (1, 8, 64), "gpus_per_node": 4}
-    preset = scaling.study_scaling("bert-120m", **kw)
-    h = cfg.hidden_size
-    embeddings = (cfg.vocab_size + cfg.type_vocab_size + cfg.max_position_embeddings) * h + 2 * h
-    counted = scaling.model_scaling(params=count_parameters(cfg)["total"], flops_per_token=flops_per_token(cfg, 512),
-                                    params_ready_last=embeddings, **kw)
-    assert preset.equals(counted)
-
-
-def test_plan_of_a_users_model_honours_or_refuses_every_flag(tmp_path, capsys):
-    """With --model-module: --micro-batch sets the scaling table's micro-batch and is checked
-    against the memory; --top, --model, --gpus on a CPU, --vocab-size for a factory without a
-    vocab_size parameter and a factory without seq_len are one line and exit 2."""
-    user = tmp_path / "my_model.py"
-    user.write_text("from plain_encoder import factory as plain\n"
-                    "def factory(seq_len):\n"
-                    "    return plain(seq_len=seq_len, vocab=300, hidden=32, layers=1, heads=2, ffn=64)\n"
-                    "def sized(seq_len, vocab_size):\n"
-                    "    return plain(seq_len=seq_len, vocab=vocab_size, hidden=32, layers=1, heads=2, ffn=64)\n"
-                    "def no_seq_len():\n"
-                    "    return plain(vocab=300, hidden=32, layers=1, heads=2, ffn=64)\n")
-    small = ["--seq-len", "32", "--precision", "fp32"]
-    assert main(["plan", "--model-module", f"{user}:factory", *small, "--gpus", "8", "--gpus-per-node", "4",
-                 "--network", "100GbE", "--micro-batch", "7"]) == 0
-    out = capsys.readouterr().out
-    assert "at micro-batch 7: " in out and "fits" in out
-    assert "predicted data-parallel scaling over 100GbE, 4 GPUs per node, micro-batch 7," in out
-    assert "│ 8      ┆ 2     ┆" in out  # 8 GPUs on 2 nodes
-    assert "not modelled: the CUDA context, cuBLAS workspaces, NCCL buffers" in out  # the count's limits, stated
-    assert main(["plan", "--model-module", f"{user}:sized", *small, "--vocab-size", "123", "--json"]) == 0
-    raw = json.loads(capsys.readouterr().out)
-    heads, attn_out, ffn, norms = 2 * 3 * (32 * 16 + 16), 32 * 32 + 32, 32 * 64 + 64 + 64 * 32 + 32, 3 * 2 * 32
-    tok, pos, decoder = 123 * 32, 512 * 32, 32 * 123 + 123  # vocab_size=123 reached the model; untied decoder
-    assert raw["plan"]["params"] == heads + attn_out + ffn + norms + tok + pos + decoder
-    assert raw["plan"]["params_before_blocks"] == tok + pos and len(raw["scaling"]) == 9  # 1..256 GPUs
-    for args, err in (([f"{user}:factory", "--top", "3"], "--top: does not apply with --model-module"),
-                      ([f"{user}:factory", "--model", "bert-120m"], "--model: does not apply"),
-                      ([f"{user}:factory", "--device", "cpu", "--budget-gb", "1", "--gpus", "8"],
-                       "--gpus: does not apply with --model-module (the scaling table needs a GPU's peak FLOPs"),
-                      ([f"{user}:factory", "--vocab-size", "99"], "--vocab-size: factory(seq_len) has no vocab_size"),
-                      ([f"{user}:no_seq_len"], "model_module: no_seq_len() cannot be called as no_seq_len(seq_len=32)")):
-        assert main(["plan", "--model-module", *args, "--seq-len", "32"]) == 2
-        got = capsys.readouterr().err
-        assert err in got and len(got.strip().splitlines()) == 1, got
 
 
 def _notebook(path, *cells):
@@ -297,17 +163,19 @@ def test_values_are_refused_before_any_engine_starts(tmp_path):
         "train.model: unknown model preset 'huge'": ["train", c, "--set", "train.model=huge"],
         "train.model_overrides: unknown fields ['hiden']": ["train", c, "--set", "train.model_overrides={hiden=1}"],
         "train.model_overrides: hidden_size: must be positive": ["train", c, "--set", "train.model_overrides={hidden_size=-8}"],
-        "train.seq_len: 128, but the shards": ["train", c, "--set", "train.seq_len=128"],
-        "train.eval_every: 5, but the shards": ["train", c, "--set", "train.eval_every=5"],
-        "train.tokenizer_path: /no/tok.json does not exist": ["train", c, "--set", 'train.tokenizer_path="/no/tok.json"'],
-        "train.sharding: 'ddp' does not compose with tp/pp > 1": ["train", c, "--tp", "2", "--set", 'train.sharding="ddp"'],
-        "train.sharding: --tp 2 --pp 1 on 4 engines leaves dp 2 model copies; choose": [
+        "train.data.seq_len: 128, but the shards": ["train", c, "--set", "train.data.seq_len=128"],
+        "train.eval.every: 5, but the shards": ["train", c, "--set", "train.eval.every=5"],
+        "train.data.tokenizer_path: /no/tok.json does not exist": [
+            "train", c, "--set", 'train.data.tokenizer_path="/no/tok.json"'],
+        "train.parallel.sharding: 'ddp' does not compose with tp/pp > 1": [
+            "train", c, "--tp", "2", "--set", 'train.parallel.sharding="ddp"'],
+        "train.parallel.sharding: --tp 2 --pp 1 on 4 engines leaves dp 2 model copies; choose": [
             "train", c, "--tp", "2", "--engines", "4"],
-        "train.tp/pp: world size 2 is not divisible by tp x pp = 4 x 1": [
-            "train", c, "--tp", "4", "--set", 'train.sharding="replicate"'],
-        "train.pp: 1 layers cannot fill pp x pp_virtual_stages = 2 x 1": [
-            "sweep", "parallel", c, "--set", "train.pp=2", "--set", 'train.sharding="replicate"',
-            "--set", "train.grad_accum_steps=2", "--set", "train.model_overrides={num_layers=1}"],
+        "train.parallel.tp: world size 2 is not divisible by tp x pp = 4 x 1": [
+            "train", c, "--tp", "4", "--set", 'train.parallel.sharding="replicate"'],
+        "train.parallel.pp: 1 layers cannot fill pp x pp_virtual_stages = 2 x 1": [
+            "sweep", "parallel", c, "--set", "train.parallel.pp=2", "--set", 'train.parallel.sharding="replicate"',
+            "--set", "train.batch.grad_accum_steps=2", "--set", "train.model_overrides={num_layers=1}"],
         "--ranks: [3] outside 1..2": ["sweep", "ranks", c, "--ranks", "1", "3"],
         "--models: unknown model preset 'bert-9b'": ["sweep", "micro-batch", c, "--models", "tiny", "bert-9b"],
         "--budget-gib: 100000.0 GiB per rank is more than": ["sweep", "micro-batch", c, "--budget-gib", "100000"],
@@ -382,25 +250,15 @@ def test_tp_alone_chooses_replicate_when_it_is_the_only_layout(tmp_path, capsys)
     cfg_file.write_text("[cluster]\nengines = 2\n[train]\nmodel = \"tiny\"\n")
     args = argparse.Namespace(config=str(cfg_file), set=[], tp=2, pp=None, engines=None, profile=None, cluster_id=None)
     cfg = _config(args)
-    assert (cfg.train.tp, cfg.train.sharding) == (2, "replicate") and "dp 1" in capsys.readouterr().err
-    pp2 = argparse.Namespace(**{**vars(args), "tp": None, "pp": 2, "set": ["train.grad_accum_steps=2"]})
-    assert _config(pp2).train.sharding == "replicate"
-    explicit = argparse.Namespace(**{**vars(args), "set": ['train.sharding="fsdp"']})
-    assert _config(explicit).train.sharding == "fsdp"  # a sharding the user names is kept
-    cfg_file.write_text("[cluster]\nengines = 2\n[train]\nmodel = \"tiny\"\nsharding = \"ddp\"\n")
-    with pytest.raises(ValueError, match="'ddp' does not compose with tp/pp > 1"):
-        _config(args)
+    assert (cfg.train.parallel.tp, cfg.train.parallel.sharding) == (2, "replicate") and "dp 1" in capsys.readouterr().err
+    pp2 = argparse.Namespace(**{**vars(args), "tp": None, "pp": 2, "set": ["train.batch.grad_accum_steps=2"]})
+    assert _config(pp2).train.parallel.sharding == "replicate"
+    for key in ("train.parallel.sharding", "train.sharding"):  # the flat name of before the sections too
+        explicit = argparse.Namespace(**{**vars(args), "set": [f'{key}="fsdp"']})
+        assert _config(explicit).train.parallel.sharding == "fsdp"  # a sharding the user names is kept
+    for table in ('[train.parallel]\nsharding = "ddp"\n', '[train]\nsharding = "ddp"\n'):
+        cfg_file.write_text(f"[cluster]\nengines = 2\n{table}")
+        with pytest.raises(ValueError, match="'ddp' does not compose with tp/pp > 1"):
+            _config(args)
 
 
-def test_plan_raises_no_deprecation_warning():
-    """The planner (preset and counted model) under -W error for DeprecationWarning and
-    FutureWarning: torch.distributed.optim's import-time torch.jit.script warnings are filtered
-    where labkit imports it (labkit/train/dist.py, optim.py), and nothing else warns."""
-    import pathlib
-
-    root = pathlib.Path(__file__).resolve().parents[1]
-    flags = [sys.executable, "-W", "error::DeprecationWarning", "-W", "error::FutureWarning", "-m", "labkit.cli", "plan"]
-    for args in (["configs/walkthrough.toml", "--vocab-size", "1024"],
-                 ["--model-module", "tests/plain_encoder.py:factory", "--seq-len", "32"]):
-        proc = subprocess.run(flags + args, cwd=root, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0 and "Warning" not in proc.stderr, (args, proc.stderr[-2000:])

@@ -42,7 +42,8 @@ def _path_exists(p: str) -> bool:
 
 
 def _module_exists(name: str) -> bool:
-    """``labkit.a.b.c``: the longest importable module prefix, then attributes (dataclass fields count)."""
+    """``labkit.a.b.c``: the longest importable module prefix, then attributes (dataclass fields count,
+    and a field holding a section dataclass is followed into it: ``TrainConfig.data.seq_len``)."""
     parts = name.split(".")
     for i in range(len(parts), 0, -1):
         try:
@@ -53,7 +54,10 @@ def _module_exists(name: str) -> bool:
             if hasattr(obj, attr):
                 obj = getattr(obj, attr)
             elif dataclasses.is_dataclass(obj) and attr in {f.name for f in dataclasses.fields(obj)}:
-                return True
+                field = next(f for f in dataclasses.fields(obj) if f.name == attr)
+                if not dataclasses.is_dataclass(field.default_factory):
+                    return True
+                obj = field.default_factory
             else:
                 return False
         return True
@@ -87,8 +91,9 @@ def test_no_document_names_a_path_outside_the_repository():
 
 def test_the_checker_finds_a_planted_stale_path():
     text = ("see labkit/train.py and `labkit.configfile`, not labkit/lab.py or labkit.lab.stage\n"
-            "or labkit.config.TrainConfig.seq_len; benchmarks/bench_<name>.py is a pattern, tokens/s a rate\n")
-    assert missing_references(text, "x.md") == ["x.md:1: labkit/train.py", "x.md:1: labkit.configfile"]
+            "or labkit.config.TrainConfig.data.seq_len or labkit.config.TrainConfig.data.seq; benchmarks/bench_<name>.py is a pattern, tokens/s a rate\n")
+    assert missing_references(text, "x.md") == ["x.md:1: labkit/train.py", "x.md:1: labkit.configfile",
+                                                "x.md:2: labkit.config.TrainConfig.data.seq"]
 
 
 def test_pending_names_are_still_pending():

@@ -153,7 +153,7 @@ def test_preparation_report(prepared):
                                           "after_near_dedup": s["kept"], "in_shards": index["n_documents"]}
     assert rep["tokens"] == index["n_tokens"] and rep["dropped"] == s["dropped"]
     assert sum(rep["source_share_before"].values()) == pytest.approx(1.0, abs=1e-5)
-    assert 0.0 <= rep["unk_rate_held_out"] < 0.01 and rep["held_out_docs"] > 0
+    assert 0.0 <= rep["unk_rate_held_out"] < 0.01 and rep["unk_rate_documents"] > 0
     assert rep["near_dedup_docs_per_s"] > 0
 
 
@@ -186,9 +186,10 @@ def test_text_only_corpus_is_reported_and_exported_as_text(client, tmp_path):
     assert index["balance"]["kinds"]["text"]["documents"] == index["n_documents"] + held and set(index["balance"]["kinds"]) == {"text"}
 
     run = str(tmp_path / "run")
-    train(TrainConfig(data_dir=os.path.join(work, "shards"), run_dir=run, model="tiny", micro_batch_size=4, max_steps=3,
-                      warmup_steps=1, num_threads=1, trackers=(), ckpt_every=3,
-                      tokenizer_path=os.path.join(work, "tokenizer", "tokenizer.json")))
+    train(TrainConfig(data_dir=os.path.join(work, "shards"), run_dir=run, model="tiny", max_steps=3, num_threads=1,
+                      batch={"micro_batch_size": 4}, schedule={"warmup_steps": 1}, measure={"trackers": ()},
+                      checkpoint={"every": 3},
+                      data={"tokenizer_path": os.path.join(work, "tokenizer", "tokenizer.json")}))
     card = (export_run(run, tmp_path / "export") / "README.md").read_text()
     assert "tags: [labkit, bert, masked-lm, text]" in card and "text documents (" in card and "plain text, JSONL or Parquet" in card
     assert "disassembl" not in card.lower() and "ELF" not in card and "rax" not in card

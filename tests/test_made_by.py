@@ -152,8 +152,9 @@ def test_a_parallel_sweep_with_more_steps_measures_again(client, tmp_path, capfd
     lab.clean_corpus(client, CleanConfig(), str(work), progress=False)
     lab.build_tokenizer(client, TokenizerConfig(vocab_size=256), str(work))
     lab.build_shards(client, ShardConfig(seq_len=16, heldout_fraction=0.0), str(work), progress=False)
-    base = TrainConfig(data_dir=str(work / "shards"), run_dir=str(work / "runs" / "x"), model="tiny",
-                       micro_batch_size=2, num_threads=1, trackers=(), timing_warmup_steps=1, warmup_steps=1)
+    base = TrainConfig(data_dir=str(work / "shards"), run_dir=str(work / "runs" / "x"), model="tiny", num_threads=1,
+                       batch={"micro_batch_size": 2}, measure={"trackers": (), "timing_warmup_steps": 1},
+                       schedule={"warmup_steps": 1})
     split = [{"tp": 1, "pp": 1, "pp_schedule": None}]
     first = lab.sweep_parallel(client, base, str(work), splits=split, micro_batches=1, steps=2)
     assert first["steps"].to_list() == [2] and not first["reused"].any()
@@ -177,8 +178,9 @@ def test_train_on_cluster_on_a_finished_run_touches_nothing(client, tmp_path, ca
     from tiny_shards import write_tiny_shards
 
     shards = write_tiny_shards(tmp_path / "shards")
-    cfg = TrainConfig(data_dir=str(shards), run_dir=str(tmp_path / "runs" / "mine"), model="tiny", micro_batch_size=4,
-                      max_steps=3, warmup_steps=1, num_threads=1, trackers=("tensorboard",), checkpoints=False)
+    cfg = TrainConfig(data_dir=str(shards), run_dir=str(tmp_path / "runs" / "mine"), model="tiny", max_steps=3,
+                      num_threads=1, batch={"micro_batch_size": 4}, schedule={"warmup_steps": 1},
+                      measure={"trackers": ("tensorboard",)}, checkpoint={"enabled": False})
     first = lab.train_on_cluster(client, cfg, live=plots.LivePlot(plots.loss_figure))
     run = pathlib.Path(cfg.run_dir)
     before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(run.rglob("*")) if p.is_file()}

@@ -171,3 +171,33 @@ def test_saved_activation_peak_against_the_planner_and_its_release():
     assert peak.bytes == at_forward_end == plan.saved_activation_bytes(cfg, 64, 3, precision="fp32", device="cpu",
                                                                         attention="flash")
     assert peak._live < peak.bytes // 100  # released by backward (the ids and labels stay alive here)
+
+
+def test_statistical_efficiency_and_goodput_against_adaptdl_and_the_time_to_target():
+    """E(B) = (B_noise + B0)/(B_noise + B) equals AdaptDL's ``GoodputFunction.efficiency`` written
+    from the gradient's squared norm |G|² and the variance tr(Σ)/B0 of a batch-B0 gradient
+    (adaptdl/goodput.py), with B_noise = tr(Σ)/|G|²; and time to a target = steps x step time with
+    S(B) = E_min/B + E_min/B_noise (McCandlish et al. 2018) goes as 1 / goodput."""
+    from labkit.study.forecast import steps_to_target
+
+    sqr, trace, b0 = 2.0, 300.0, 8.0  # |G|², tr(Σ), the initial batch
+    var = trace / b0
+    for batch in (8.0, 16.0, 100.0, 4096.0):
+        scale = batch / b0
+        adaptdl = (var + sqr) / (var / scale + sqr) / scale
+        assert measure.statistical_efficiency(batch, trace / sqr, b0) == pytest.approx(adaptdl, rel=1e-12)
+    assert measure.statistical_efficiency(8.0, 150.0, 8.0) == 1.0
+    assert measure.statistical_efficiency(166.0, 150.0, 8.0) == pytest.approx(0.5)  # B = B_noise + 2 B0 halves it
+    b_noise, e_min = 150.0, 1e6
+    times = {}
+    for batch, step_s in ((16, 0.1), (64, 0.3), (512, 2.0)):
+        throughput = batch / step_s
+        times[batch] = (steps_to_target(batch, e_min=e_min, b_crit=b_noise) * step_s,
+                        measure.statistical_goodput(throughput, batch, b_noise, 16))
+    for a in times:
+        for b in times:
+            assert times[a][0] / times[b][0] == pytest.approx(times[b][1] / times[a][1], rel=1e-12)
+    with pytest.raises(ValueError, match="b0 must be positive"):
+        measure.statistical_efficiency(8, 10, 0)
+    with pytest.raises(ValueError, match="throughput must be >= 0"):
+        measure.statistical_goodput(-1.0, 8, 10, 8)

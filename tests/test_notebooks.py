@@ -234,8 +234,8 @@ cluster = lc.start_cluster(2)
 client = lc.get_client(cluster)
 staged = lab.stage(client, workdir)""",
     """cfg = TrainConfig(data_dir=f"{{workdir}}/shards", run_dir=f"{{workdir}}/runs/mine", model="tiny",
-                  micro_batch_size=8, max_steps={steps}, warmup_steps=2, num_threads=1, resume=False,
-                  checkpoints=False)
+                  max_steps={steps}, num_threads=1, resume=False, batch={{"micro_batch_size": 8}},
+                  schedule={{"warmup_steps": 2}}, checkpoint={{"enabled": False}})
 live = plots.LivePlot(plots.loss_figure)
 result = lab.train_on_cluster(client, cfg, staged=staged, live=live)
 print("trained", result["steps"], "steps in", round(result["wall_s"], 1), "s; drawn", live.draws, "times")""",

@@ -469,12 +469,12 @@ def train_on_cluster(client, cfg: TrainConfig, *, targets: list[int] | None = No
     here first: tp x pp must divide the engines and each tensor-parallel group must sit on one
     node (``labkit.cluster.topology.tensor_parallel_groups``); ValueError otherwise.
     """
-    if cfg.tp * cfg.pp > 1:
+    if cfg.parallel.is_split:
         from labkit.train.parallel import split_of
 
         infos = engine_info(client, targets, timeout=60)
         split_of(cfg, len(infos))
-        tensor_parallel_groups(infos, cfg.tp)
+        tensor_parallel_groups(infos, cfg.parallel.tp)
     kwargs: dict[str, Any] = {}
     if staged is not None:
         kwargs["staged_paths"] = {node: info["path"] for node, info in staged.items()}

@@ -229,18 +229,20 @@ class TokenizerConfig:
     seed: int = 0
     """Seed of the training sample."""
     held_out_docs: int = 2000
-    """Documents kept out of training (at most a tenth of the corpus) on which the UNK rate is
-    measured (``tokenizer.stats.json``)."""
+    """Documents kept out of training and out of the alphabet (at most a tenth of the corpus) on
+    which the UNK rate is measured, overall and per script (``tokenizer.stats.json``)."""
     initial_alphabet: str = "".join(chr(c) for c in range(33, 127))
     """Characters always in the vocabulary (WordPiece: also as ``##c`` continuation pieces;
     Unigram: as pieces), so words made of them, such as long hex strings, never become [UNK]."""
     alphabet_limit: int = 1000
-    """WordPiece and Unigram: the non-ASCII characters of the whole corpus (every document, not
-    only the training sample: a user's "João" or "café" in a few documents) join
-    ``initial_alphabet``, the most frequent first, at most this many, and at most as many as keep
-    the alphabet's pieces (WordPiece: c and ##c) within half of vocab_size
-    (``labkit.data.tokenize.corpus_alphabet``); 0: ``initial_alphabet`` only (ASCII). 1000 is the
-    ``limit_alphabet`` of HF tokenizers' ``BertWordPieceTokenizer``."""
+    """WordPiece and Unigram: the non-ASCII characters of the whole corpus but the held-out
+    documents (every other document, not only the training sample: a user's "João" or "café" in a
+    few documents), as the tokenizer's NFC normaliser produces them (text stored as NFD, NFKC or
+    NFKD gives the characters the tokenizer sees), join ``initial_alphabet``, the most frequent
+    first, at most this many, and at most as many as keep the alphabet's pieces (WordPiece: c and
+    ##c) within half of vocab_size (``labkit.data.tokenize.corpus_alphabet``); 0:
+    ``initial_alphabet`` only (ASCII). 1000 is the ``limit_alphabet`` of HF tokenizers'
+    ``BertWordPieceTokenizer``."""
     max_word_chars: int = 100
     """WordPiece: longer runs of word characters are split into pieces of this many before
     WordPiece sees them (a longer word would be one [UNK]); HF's default limit is 100."""

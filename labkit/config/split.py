@@ -48,14 +48,15 @@ class Split:
 
 def is_split(cfg: TrainConfig) -> bool:
     """Whether a run of ``cfg`` splits the model (tp or pp > 1) and so goes through this module."""
-    return cfg.tp * cfg.pp > 1
+    return cfg.parallel.is_split
 
 
 def split_of(cfg: TrainConfig, world: int, rank: int = 0) -> Split:
     """The ``Split`` of a run of ``cfg`` on ``world`` ranks. ValueError when tp x pp does not divide it."""
-    if world % (cfg.tp * cfg.pp):
-        raise ValueError(f"tp/pp: world size {world} is not divisible by tp x pp = {cfg.tp} x {cfg.pp}")
-    return Split(pp=cfg.pp, dp=world // (cfg.tp * cfg.pp), tp=cfg.tp, rank=rank)
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    if world % (tp * pp):
+        raise ValueError(f"parallel.tp: world size {world} is not divisible by tp x pp = {tp} x {pp}")
+    return Split(pp=pp, dp=world // (tp * pp), tp=tp, rank=rank)
 
 
 def check_split(cfg: TrainConfig, mcfg: ModelConfig, world: int, seq_len: int, rank: int = 0) -> Split:
@@ -64,16 +65,17 @@ def check_split(cfg: TrainConfig, mcfg: ModelConfig, world: int, seq_len: int, r
     dividing the world, heads or FFN width not divisible by tp, the sequence length with sequence
     parallelism, fewer layers than stages, an attention kind not checked under tensor
     parallelism. Returns the split, placing ``rank``."""
-    split = split_of(cfg, world, rank)
-    tp, stages = cfg.tp, cfg.pp * cfg.pp_virtual_stages
+    split, par = split_of(cfg, world, rank), cfg.parallel
+    tp, stages = par.tp, par.pp * par.pp_virtual_stages
     checks = [
-        (mcfg.num_heads % tp == 0, "tp", f"num_heads {mcfg.num_heads} is not divisible by tp {tp}"),
-        (mcfg.ffn_size % tp == 0, "tp", f"the FFN width {mcfg.ffn_size} (intermediate_size) is not divisible by tp {tp}"),
-        (not cfg.sequence_parallel or seq_len % tp == 0, "sequence_parallel",
+        (mcfg.num_heads % tp == 0, "parallel.tp", f"num_heads {mcfg.num_heads} is not divisible by tp {tp}"),
+        (mcfg.ffn_size % tp == 0, "parallel.tp",
+         f"the FFN width {mcfg.ffn_size} (intermediate_size) is not divisible by tp {tp}"),
+        (not par.sequence_parallel or seq_len % tp == 0, "parallel.sequence_parallel",
          f"sequence length {seq_len} is not divisible by tp {tp}"),
-        (mcfg.num_layers >= stages, "pp", f"{mcfg.num_layers} layers cannot fill pp x pp_virtual_stages = "
-                                          f"{cfg.pp} x {cfg.pp_virtual_stages} stages (one layer each at least)"),
-        (tp == 1 or mcfg.attention in TP_ATTENTION, "tp",
+        (mcfg.num_layers >= stages, "parallel.pp", f"{mcfg.num_layers} layers cannot fill pp x pp_virtual_stages = "
+                                                   f"{par.pp} x {par.pp_virtual_stages} stages (one layer each at least)"),
+        (tp == 1 or mcfg.attention in TP_ATTENTION, "parallel.tp",
          f"attention {mcfg.attention!r} is not checked under tensor parallelism; checked: {list(TP_ATTENTION)}"),
     ]
     for ok, name, message in checks:

@@ -10,18 +10,25 @@ Top-level keys and one table per stage::
     [tokenizer]                    # TokenizerConfig
     [shards]                       # ShardConfig
     [stage]                        # StageConfig
-    [train]                        # TrainConfig; run_dir defaults to <workdir>/runs/main, data_dir
-                                   # to <workdir>/shards and then tokenizer_path to
+    [train]                        # TrainConfig's own fields; run_dir defaults to <workdir>/runs/main,
+                                   # data_dir to <workdir>/shards and then data.tokenizer_path to
                                    # <workdir>/tokenizer/tokenizer.json
+    [train.optim] [train.schedule] [train.batch] [train.parallel]
+    [train.checkpoint] [train.eval] [train.data] [train.measure]
+                                   # TrainConfig's sections (labkit.config.TRAIN_SECTIONS)
     [plan]                         # PlanConfig below: what ``labkit plan CONFIG`` plans at full size
     scaled_down = ["train.model=mini", ...]
                                    # overrides that fit the file's run to a small machine, applied
                                    # (before --set) by ``load(..., scaled_down=True)``, ``--scaled-down``
 
 ``--set section.key=value`` overrides one key (the value is read as a TOML value, else taken as
-a string: ``--set train.max_steps=20``, ``--set train.model=tiny``,
+a string: ``--set train.max_steps=20``, ``--set train.optim.lr=3e-4``,
 ``--set corpus.paths=["/usr/lib"]``). TOML has no null: for a field that may be None (and is
 not a string) the string ``"none"`` means None.
+
+The flat [train] names of before the sections (``lr``, ``ckpt_every``, ...;
+``labkit.config.FLAT_KEYS``) are still read in a file's [train] table and in ``--set train.lr=...``
+for this release, each with one warning line on stderr naming the new key (rank 0 only).
 
 Every key is checked against the dataclass field's annotation before the dataclass is built;
 an unknown section or key, a value of the wrong type or one that ``__post_init__`` refuses
@@ -35,6 +42,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import sys
 import tomllib
 import types
 import typing
@@ -42,6 +50,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from labkit.config import (
+    FLAT_KEYS,
+    TRAIN_SECTIONS,
     CleanConfig,
     CorpusConfig,
     ShardConfig,
@@ -52,7 +62,7 @@ from labkit.config import (
 )
 
 __all__ = ["SECTIONS", "TOP_LEVEL", "apply_overrides", "build", "ClusterConfig", "from_mapping", "LabConfig", "load",
-           "parse_override", "PlanConfig", "read_run_config"]
+           "parse_override", "PlanConfig", "read_run_config", "upgrade_flat_train"]
 
 
 @dataclass(kw_only=True)
@@ -80,7 +90,8 @@ class ClusterConfig:
 @dataclass(kw_only=True)
 class PlanConfig:
     """What ``labkit plan CONFIG`` plans for the file's [train] model at full size
-    (``labkit.commands.plan``); each field has a ``labkit plan`` option that overrides it."""
+    (``labkit.planning.plan_config``; ``labkit forecast CONFIG`` reads it too); each field has a
+    ``labkit plan`` option that overrides it."""
 
     device: str = "H100 NVL"
     """A ``labkit.study.plan.DEVICES`` name."""
@@ -142,12 +153,49 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return path, value
 
 
+def _is_flat(key: str, value: Any) -> bool:
+    """Whether [train] ``key`` = ``value`` is a flat name of before the sections (``schedule`` is
+    both: a string is the old field, a table the section)."""
+    return key in FLAT_KEYS and not (key in TRAIN_SECTIONS and isinstance(value, dict))
+
+
+def _warn(message: str) -> None:
+    """One warning line on stderr, from rank 0 only (every rank of a torchrun job reads the file)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{message} (the flat name is read in this release only)", file=sys.stderr, flush=True)
+
+
+def upgrade_flat_train(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """``data`` (a raw TOML dict) with its [train] table's flat names moved into their sections
+    (``FLAT_KEYS``), one warning line each naming ``where`` and the new key. ValueError when a
+    key is given both ways."""
+    train = data.get("train")
+    if not isinstance(train, dict) or not any(_is_flat(k, v) for k, v in train.items()):
+        return data
+    out = {k: v for k, v in train.items() if not _is_flat(k, v)}
+    for key, value in train.items():
+        if not _is_flat(key, value):
+            continue
+        section, name = FLAT_KEYS[key].split(".")
+        table = out.get(section, {})
+        if isinstance(table, dict) and name in table:
+            raise ValueError(f"train.{key}: given twice, as train.{key} and train.{section}.{name}; keep the second")
+        out[section] = {**table, name: value} if isinstance(table, dict) else table
+        _warn(f"{where}: 'train.{key}' is now 'train.{section}.{name}'")
+    return data | {"train": out}
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """A copy of the raw TOML dict ``data`` with every ``section.key=value`` of ``overrides`` set
-    (tables are created as needed; later items win)."""
+    (tables are created as needed; later items win). A flat [train] name of before the sections
+    (``train.lr=...``) sets its new key, with one warning line."""
     out = json.loads(json.dumps(data))  # deep copy of plain TOML values
     for item in overrides:
         path, value = parse_override(item)
+        if len(path) == 2 and path[0] == "train" and _is_flat(path[1], value):
+            new = ["train", *FLAT_KEYS[path[1]].split(".")]
+            _warn(f"--set {item}: '{'.'.join(path)}' is now '{'.'.join(new)}'")
+            path = new
         node = out
         for part in path[:-1]:
             node = node.setdefault(part, {})
@@ -232,6 +280,9 @@ def build(cls: type, table: dict[str, Any], prefix: str) -> Any:
     try:
         return cls(**kwargs)
     except ValueError as err:
+        parent, _, last = prefix.rpartition(".")
+        if parent and str(err).startswith(f"{last}."):  # a section names its fields itself (optim.lr)
+            raise ValueError(f"{parent}.{err}") from None
         raise ValueError(f"{prefix}.{err}") from None
     except TypeError as err:  # a required field is missing
         raise ValueError(f"{prefix}: {err}") from None
@@ -239,18 +290,23 @@ def build(cls: type, table: dict[str, Any], prefix: str) -> Any:
 
 def _train_defaults(train: dict[str, Any], workdir: str) -> dict[str, Any]:
     """run_dir defaults to <workdir>/runs/main; data_dir to <workdir>/shards, and then (only
-    then) tokenizer_path to <workdir>/tokenizer/tokenizer.json, the tokenizer those shards are
-    checked against."""
+    then) data.tokenizer_path to <workdir>/tokenizer/tokenizer.json, the tokenizer those shards
+    are checked against."""
     w = pathlib.Path(workdir)
-    defaults = {"run_dir": str(w / "runs" / "main")}
+    out = {"run_dir": str(w / "runs" / "main")} | train
     if "data_dir" not in train:
-        defaults |= {"data_dir": str(w / "shards"), "tokenizer_path": str(w / "tokenizer" / "tokenizer.json")}
-    return defaults | train
+        out["data_dir"] = str(w / "shards")
+        data = train.get("data", {})
+        if isinstance(data, dict) and "tokenizer_path" not in data:
+            out["data"] = data | {"tokenizer_path": str(w / "tokenizer" / "tokenizer.json")}
+    return out
 
 
 def from_mapping(data: dict[str, Any]) -> LabConfig:
     """A ``LabConfig`` from a parsed TOML dict (after overrides). Missing sections take the
-    dataclass defaults. Raises ValueError naming the first bad key."""
+    dataclass defaults; flat [train] names of before the sections are moved into them, one warning
+    line each (``upgrade_flat_train``). Raises ValueError naming the first bad key."""
+    data = upgrade_flat_train(data, "[train]")
     for key in data:
         if key not in SECTIONS and key not in TOP_LEVEL:
             raise ValueError(f"{key}: unknown key; " + did_you_mean(
@@ -285,6 +341,7 @@ def load(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] 
             data = tomllib.loads(p.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as err:
             raise ValueError(f"{p}: not valid TOML: {err}") from None
+        data = upgrade_flat_train(data, str(p))
     if scaled_down:
         scaled = _convert("scaled_down", data.get("scaled_down", []), tuple[str, ...])
         if not scaled:
@@ -295,18 +352,25 @@ def load(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] 
 
 def read_run_config(run_dir: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """The ``TrainConfig`` a run was started with, from ``<run_dir>/config.json`` (its provenance
-    and any other non-field record are left out), with ``train.key=value`` overrides applied.
-    Raises FileNotFoundError when the run has no config.json, ValueError for an override of
-    another section or a bad key."""
+    and any other non-field record are left out; a config.json from before the sections, with
+    flat names, reads the same), with ``train.key=value`` overrides applied. Raises
+    FileNotFoundError when the run has no config.json, ValueError for an override of another
+    section or a bad key."""
     path = pathlib.Path(run_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory: {path} does not exist")
     saved = json.loads(path.read_text())
     names = {f.name for f in dataclasses.fields(TrainConfig)}
-    table = {k: v for k, v in saved.items() if k in names and v is not None}
+    table: dict[str, Any] = {}
+    for key, value in saved.items():  # the flat names of an old run's config.json, silently
+        section, _, name = FLAT_KEYS.get(key, key).rpartition(".") if _is_flat(key, value) else ("", "", key)
+        if section and value is not None:
+            table.setdefault(section, {})[name] = value
+        elif key in names and value is not None:
+            table[key] = {k: v for k, v in value.items() if v is not None} if key in TRAIN_SECTIONS else value
     for item in overrides:
         key_path, _ = parse_override(item)
-        if key_path[0] != "train" or len(key_path) != 2:
+        if key_path[0] != "train" or len(key_path) < 2:
             raise ValueError(f"--set {item!r}: a run directory holds a [train] config only (train.key=value)")
     merged = apply_overrides({"train": table}, overrides)["train"]
     return build(TrainConfig, merged, "train")

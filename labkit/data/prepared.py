@@ -25,6 +25,13 @@ def preparation_report(workdir: str) -> dict:
     token share per source group before and after balancing, the UNK rate on held-out
     documents, and the sizes behind lesson 1 (docs/results.md defines them):
 
+    - unk_rate_held_out: the share of [UNK] among the tokens of the tokenizer's held-out
+      documents (``unk_rate_documents`` of them, text the tokenizer never saw, its alphabet
+      included; ``labkit.data.tokenize.train_tokenizer``), unk_rate_by_script: the same per
+      script ({script: rate}, ``labkit.data.tokenize.script_of``), unk_examples: what became
+      [UNK]. ``heldout_documents`` is another set: the documents the shards hold out for the
+      held-out loss;
+
     - kinds: the source kinds read (elf, text, jsonl, parquet); sources: per kind, files_read,
       raw_bytes (whole input files read), documents (read) and kept (after cleaning and dedup);
       examples: per kind, the start (240 characters) of its first kept document;
@@ -69,7 +76,8 @@ def preparation_report(workdir: str) -> dict:
         "near_dedup_docs_per_s": near.get("docs_per_s"),
         "vocab_size": index["vocab_size"],
         "unk_rate_held_out": tok.get("unk_rate"),
-        "held_out_docs": tok.get("held_out_docs"),
+        "unk_rate_by_script": {k: v["unk_rate"] for k, v in tok["by_script"].items()} if "by_script" in tok else None,
+        "unk_rate_documents": tok.get("held_out_docs"),
         "unk_examples": tok.get("unk_examples"),
         "tokens": index["n_tokens"],
         "sequences": index["n_sequences"],

@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import json
 import os
 import re
+import unicodedata
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -50,8 +52,8 @@ from labkit.data import instructions
 from labkit.io import atomic_write_text, sha256_file
 
 __all__ = ["MAX_CACHED_LINES", "UNK_ID", "corpus_alphabet", "encode_flat", "iter_texts", "line_separable", "LineCache",
-           "load_tokenizer", "process_line_cache", "special_ids", "split_rows", "text_row_count", "tokenizer_sha256",
-           "train_tokenizer", "unk_rate", "unk_report"]
+           "load_tokenizer", "process_line_cache", "script_of", "special_ids", "split_rows", "text_row_count",
+           "tokenizer_sha256", "train_tokenizer", "unk_rate", "unk_report"]
 
 UNK_ID = SPECIAL_TOKENS.index("[UNK]")
 
@@ -106,22 +108,34 @@ def iter_texts(docs_path: str, *, batch_docs: int, rows: np.ndarray | None = Non
         yield col.drop_nulls().to_list()
 
 
-def corpus_alphabet(docs_path: str, cfg: TokenizerConfig) -> str:
-    """The non-ASCII characters of every document's ``text`` in ``docs_path`` (Parquet file or
-    glob; all rows, not only the training sample), most frequent first (ties by code point), at
-    most ``cfg.alphabet_limit`` and at most ``(vocab_size // 2 - 2 * len(initial_alphabet)) // 2``
-    (WordPiece adds each as c and ##c: the alphabet stays within half the vocabulary). Read in
-    slices; polars strips the ASCII first, so an ASCII corpus (disassembly) costs one regex pass.
+def _normalizer(kind: str):
+    """The normaliser of a ``kind`` tokenizer (the module docstring): NFC for "wordpiece" and
+    "unigram", None for the others. ``_untrained`` installs it and ``corpus_alphabet`` counts
+    characters in its output, so the alphabet holds what the model will be asked to encode."""
+    return normalizers.NFC() if kind in ("wordpiece", "unigram") else None
+
+
+def corpus_alphabet(docs_path: str, cfg: TokenizerConfig, *, rows: np.ndarray | None = None) -> str:
+    """The non-ASCII characters of the ``text`` of the documents of ``docs_path`` (Parquet file or
+    glob; ``rows``: sorted row numbers to read, None: every row; ``train_tokenizer`` passes all
+    rows but the held-out ones, not only the training sample), as the tokenizer's normaliser
+    (``_normalizer``: NFC) produces them, so text stored in any Unicode normalisation form
+    (NFD's "a" + U+0303 becomes "ã") gives the characters the tokenizer will see. Most frequent
+    first (ties by code point), at most ``cfg.alphabet_limit`` and at most
+    ``(vocab_size // 2 - 2 * len(initial_alphabet)) // 2`` (WordPiece adds each as c and ##c: the
+    alphabet stays within half the vocabulary). Read in slices; only documents holding a
+    non-ASCII character are normalised (an ASCII corpus, disassembly, costs one regex pass).
     "" for ``alphabet_limit`` 0."""
     room = (cfg.vocab_size // 2 - 2 * len(cfg.initial_alphabet)) // 2
     limit = min(cfg.alphabet_limit, max(0, room))
     if limit == 0:
         return ""
+    norm = _normalizer(cfg.kind)
     counts: collections.Counter[str] = collections.Counter()
-    for batch in iter_texts(docs_path, batch_docs=65_536):
-        rest = pl.Series(batch, dtype=pl.String).str.replace_all(r"[\x00-\x7f]+", "")
-        for text in rest.filter(rest.str.len_chars() > 0):
-            counts.update(text)
+    for batch in iter_texts(docs_path, batch_docs=65_536, rows=rows):
+        texts = pl.Series(batch, dtype=pl.String)
+        for text in texts.filter(texts.str.contains(r"[^\x00-\x7f]")):
+            counts.update(c for c in (norm.normalize_str(text) if norm else text) if c > "\x7f")
     known = set(cfg.initial_alphabet)
     ranked = sorted((c for c in counts if c not in known and not c.isspace()), key=lambda c: (-counts[c], c))
     return "".join(ranked[:limit])
@@ -133,7 +147,7 @@ def _untrained(cfg: TokenizerConfig) -> tuple[Tokenizer, trainers.Trainer]:
     specials = list(SPECIAL_TOKENS)
     if cfg.kind == "wordpiece":
         tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-        tok.normalizer = normalizers.NFC()
+        tok.normalizer = _normalizer(cfg.kind)
         tok.pre_tokenizer = pre_tokenizers.Split(Regex(_wordpiece_split(cfg.max_word_chars)), behavior="removed",
                                                  invert=True)
         tok.decoder = decoders.WordPiece(prefix="##")
@@ -149,7 +163,7 @@ def _untrained(cfg: TokenizerConfig) -> tuple[Tokenizer, trainers.Trainer]:
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     elif cfg.kind == "unigram":
         tok = Tokenizer(models.Unigram())
-        tok.normalizer = normalizers.NFC()
+        tok.normalizer = _normalizer(cfg.kind)
         tok.pre_tokenizer = pre_tokenizers.Metaspace()
         tok.decoder = decoders.Metaspace()
         trainer = trainers.UnigramTrainer(vocab_size=cfg.vocab_size, special_tokens=specials, unk_token="[UNK]",
@@ -188,11 +202,13 @@ def train_tokenizer(docs_path: str, cfg: TokenizerConfig, out_path: str) -> str:
     ``tokenizer.json`` at ``out_path`` (atomically, ``labkit.io``). Returns ``out_path``.
 
     The training sample and held-out documents come from ``split_rows`` (read in file order).
-    WordPiece and Unigram start from ``cfg.initial_alphabet`` plus the corpus's own characters
-    (``corpus_alphabet``). After saving, the UNK rate on the held-out documents (``unk_report``),
-    the alphabet's size and the split sizes are written to ``<out_path stem>.stats.json`` beside
-    it. Raises ``ValueError`` when the sample holds no text, and ``RuntimeError`` if the trained
-    vocabulary does not put SPECIAL_TOKENS at ids 0..5.
+    WordPiece and Unigram start from ``cfg.initial_alphabet`` plus the characters of every
+    document but the held-out ones (``corpus_alphabet``), so the held-out documents are text the
+    tokenizer never saw, its alphabet included: a character or script found only there is [UNK]
+    and counts in their rate. After saving, the UNK rate on the held-out documents
+    (``unk_report``: overall and per script), the alphabet's size and the split sizes are written
+    to ``<out_path stem>.stats.json`` beside it. Raises ``ValueError`` when the sample holds no
+    text, and ``RuntimeError`` if the trained vocabulary does not put SPECIAL_TOKENS at ids 0..5.
     """
     n = text_row_count(docs_path)
     rows, held = split_rows(n, cfg)
@@ -208,7 +224,8 @@ def train_tokenizer(docs_path: str, cfg: TokenizerConfig, out_path: str) -> str:
         texts = (t for batch in iter_texts(docs_path, batch_docs=4096, rows=rows_iter) for t in batch)
         tok = instructions.train_instruction_tokenizer(texts, cfg)
     else:
-        extra = corpus_alphabet(docs_path, cfg) if cfg.kind in ("wordpiece", "unigram") else ""
+        seen = np.setdiff1d(np.arange(n), held) if len(held) else None  # every row but the held-out ones
+        extra = corpus_alphabet(docs_path, cfg, rows=seen) if cfg.kind in ("wordpiece", "unigram") else ""
         cfg = dataclasses.replace(cfg, initial_alphabet=cfg.initial_alphabet + extra)
         tok, trainer = _untrained(cfg)
         tok.train_from_iterator(iter_texts(docs_path, batch_docs=4096, rows=rows_iter), trainer=trainer,
@@ -251,9 +268,31 @@ def unk_rate(tokenizer: Tokenizer, texts: Iterable[str]) -> float:
     return unk / total if total else 0.0
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def script_of(span: str) -> str:
+    """The script of a piece of text, for the UNK rate per script: named after the first letter
+    in ``span`` by the first word of its Unicode name (``unicodedata.name``), title-cased:
+    "Latin" (ASCII letters too), "Cyrillic", "Greek", "Arabic", "Hangul", "Hiragana", ..., and
+    "Han" for the CJK ideographs (the Script property's name for them); "Common" when ``span``
+    holds no letter (digits, punctuation, symbols: the Script property's value for characters
+    every script shares; Unicode Standard Annex #24). An approximation of the Script property
+    from the standard library: the rare letter whose name starts with another word
+    ("ª FEMININE ORDINAL INDICATOR") is named by that word."""
+    letter = next((c for c in span if c.isalpha()), None)
+    if letter is None:
+        return "Common"
+    if letter.isascii():
+        return "Latin"
+    word = unicodedata.name(letter, "UNNAMED").split()[0]
+    return "Han" if word == "CJK" else word.title()
+
+
 def unk_report(tokenizer: Tokenizer, texts: list[str], *, top: int = 10) -> dict:
     """UNK rate of ``texts`` and what became [UNK]: {"tokens", "unk_tokens", "unk_rate",
-    "unk_examples": {text span: count} of the ``top`` most frequent spans mapped to [UNK]}. For a
+    "unk_examples": {text span: count} of the ``top`` most frequent spans mapped to [UNK],
+    "by_script": {script: {"tokens", "unk_tokens", "unk_rate"}} for every script the texts hold,
+    each token counted under ``script_of`` the text span it encodes (an [UNK] under the script of
+    the text it replaced; [NEXT] separators under "Common"), the most tokens first}. For a
     ``line_separable`` tokenizer each distinct line is encoded once and counted with its number
     of occurrences (the same numbers, far fewer encodings on disassembly); for an instruction
     tokenizer each distinct pre-tokenized instruction, its [NEXT] separators counted as
@@ -276,18 +315,25 @@ def unk_report(tokenizer: Tokenizer, texts: list[str], *, top: int = 10) -> dict
         texts, weights = lines["line"].to_list(), lines["len"].to_list()
     encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
     counts: dict[str, int] = {}
+    scripts: dict[str, list[int]] = {"Common": [extra, 0]} if extra else {}
     total = unk = 0
     for k, (text, enc) in enumerate(zip(texts, encodings)):
         w = 1 if weights is None else weights[k]
         total += w * len(enc.ids)
-        for i in (i for i, t in enumerate(enc.ids) if t == UNK_ID):
-            unk += w
-            a, b = enc.offsets[i]
-            span = text[a:b][:40]
-            counts[span] = counts.get(span, 0) + w
+        for t, (a, b) in zip(enc.ids, enc.offsets):
+            tally = scripts.setdefault(script_of(text[a:b]), [0, 0])
+            tally[0] += w
+            if t == UNK_ID:
+                unk += w
+                tally[1] += w
+                span = text[a:b][:40]
+                counts[span] = counts.get(span, 0) + w
     examples = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top])
     total += extra
-    return {"tokens": total, "unk_tokens": unk, "unk_rate": unk / total if total else 0.0, "unk_examples": examples}
+    by_script = {name: {"tokens": n, "unk_tokens": u, "unk_rate": u / n if n else 0.0}
+                 for name, (n, u) in sorted(scripts.items(), key=lambda kv: (-kv[1][0], kv[0]))}
+    return {"tokens": total, "unk_tokens": unk, "unk_rate": unk / total if total else 0.0, "unk_examples": examples,
+            "by_script": by_script}
 
 
 _SEPARABLE_SPLIT = re.compile(r"\\w\{1,\d+\}\|\[\^\\w\\s\]\|\\n|\\w\+\|\[\^\\w\\s\]\|\\n")

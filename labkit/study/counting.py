@@ -33,6 +33,7 @@ docs/measurement.md, "Counting a model".
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -44,7 +45,34 @@ from torch.utils._pytree import tree_leaves
 
 from labkit.study.cuda_like import CudaLike
 
-__all__ = ["count_steps", "loss_of", "parameter_table"]
+__all__ = ["CONTRACT", "ModelContractError", "count_steps", "loss_of", "parameter_table"]
+
+CONTRACT = ("make_model() returns a torch.nn.Module; make_batch(b) returns a dict of its forward's keyword "
+            "arguments with int64 input ids [b, seq_len] among them; the forward returns the scalar loss (a tensor, "
+            "or an object with .loss)")
+"""What ``count_steps`` needs of a model, as its errors (``ModelContractError``) state it."""
+
+
+class ModelContractError(TypeError, ValueError):
+    """A model, batch or loss that breaks ``CONTRACT``: the message names what was given and ends
+    with what the contract wants. A TypeError (what was given has the wrong type) and a
+    ValueError (bad input: ``labkit plan`` reports it in one line, exit 2)."""
+
+
+def _broken(what: str) -> ModelContractError:
+    return ModelContractError(f"{what}; the contract: {CONTRACT}")
+
+
+def _user_call(what: str, fn: Callable, *args: Any) -> Any:
+    """``fn(*args)``, a function of the user's model module: an exception it raises (other than a
+    fake-tensor refusal, ``_FAKE_REFUSALS``, which moves the count to CPU tensors) becomes a
+    ``ModelContractError`` naming ``what`` raised it (``--debug`` shows the traceback)."""
+    try:
+        return fn(*args)
+    except (ModelContractError, *_FAKE_REFUSALS):
+        raise
+    except Exception as err:  # the user's own code: one line, the traceback under --debug
+        raise ModelContractError(f"{what} raised {type(err).__name__}: {err}".splitlines()[0][:300]) from err
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -59,14 +87,17 @@ def _key(t: torch.Tensor) -> StorageWeakRef:
 
 def loss_of(out: Any) -> torch.Tensor:
     """The scalar to call backward on: ``out`` itself when it is a tensor, else ``out.loss``
-    (transformers' outputs) or ``out.loss_sum`` (labkit's ``MLMOutput``). TypeError otherwise."""
+    (transformers' outputs) or ``out.loss_sum`` (labkit's ``MLMOutput``). ``ModelContractError``
+    (a TypeError) naming what the forward returned otherwise: a dict (even one holding "loss"),
+    a tensor of more than one element, anything else."""
     for loss in (out, getattr(out, "loss", None), getattr(out, "loss_sum", None)):
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:
-                raise TypeError(f"forward: the loss must be a scalar, got shape {tuple(loss.shape)}")
+                raise _broken(f"forward: the loss must be a scalar, got a tensor of shape {tuple(loss.shape)}")
             return loss
-    raise TypeError(f"forward: returned {type(out).__name__}; expected a loss tensor or an object with "
-                    ".loss or .loss_sum")
+    keys = f" with keys {sorted(map(str, out))[:5]}" if isinstance(out, dict) else ""
+    raise _broken(f"forward: returned a {type(out).__name__}{keys}, not a loss tensor or an object with .loss or "
+                  ".loss_sum")
 
 
 class _LiveStorages(TorchDispatchMode):
@@ -190,14 +221,24 @@ def _flops_mapping() -> dict:
             lambda g, q, k, v, *a, out_shape=None, **kw: 2 * sdpa_flop_count(q, k, v)}
 
 
+def _checked_batch(batch: Any, b: int) -> dict[str, Any]:
+    """``make_batch(b)``'s result when it keeps ``CONTRACT`` (a dict holding an int64 tensor
+    [b, T], the input ids), else ``ModelContractError`` naming what it returned."""
+    if not isinstance(batch, dict):
+        raise _broken(f"make_batch({b}) returned a {type(batch).__name__}, not a dict of keyword arguments")
+    if not any(isinstance(v, torch.Tensor) and v.dtype == torch.int64 and v.ndim == 2 and v.shape[0] == b
+               for v in batch.values()):
+        got = {k: f"{str(v.dtype).removeprefix('torch.')} {list(v.shape)}" if isinstance(v, torch.Tensor)
+               else type(v).__name__ for k, v in batch.items()}
+        raise _broken(f"make_batch({b}) holds no int64 tensor [{b}, seq_len] of input ids (got {got})")
+    return batch
+
+
 def _tokens(batch: dict[str, Any], b: int) -> int:
-    """Positions in the micro-batch: numel of the first integer tensor of the batch whose
-    first dimension is b (input_ids [b, T]). ValueError when there is none."""
-    for value in batch.values():
-        if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.ndim >= 2 \
-                and value.shape[0] == b and value.dtype != torch.bool:
-            return int(value.numel())
-    raise ValueError(f"make_batch: no integer tensor with first dimension {b} (input ids) in {sorted(batch)}")
+    """Positions in the micro-batch: numel of the first int64 tensor [b, T] of the batch (the
+    input ids; ``_checked_batch`` made sure there is one)."""
+    return next(int(v.numel()) for v in batch.values()
+                if isinstance(v, torch.Tensor) and v.dtype == torch.int64 and v.ndim == 2 and v.shape[0] == b)
 
 
 def _one_step(model: torch.nn.Module, batch: dict[str, Any], *, precision: str, cuda: bool,
@@ -291,7 +332,8 @@ def count_steps(make_model: Callable[[], torch.nn.Module], make_batch: Callable[
     not run the model, or None), "counts" {b: {saved_bytes, param_cast_bytes, held_bytes,
     peak_bytes, attention_kernels, dropout_calls, fp32_ops, tokens}}, "flops" (fwd + bwd at
     flops_at, or None), "flops_tokens", "parameters" (``parameter_table``), "model_class"}.
-    Errors of the model itself propagate.
+    A model, batch or loss outside ``CONTRACT``, and an exception raised by ``make_model`` or
+    ``make_batch``, raise ``ModelContractError`` naming it; errors of the model's forward propagate.
     """
     if precision not in AUTOCAST:
         raise ValueError(f"precision: got {precision!r}; allowed values are {tuple(AUTOCAST)}")
@@ -307,10 +349,15 @@ def count_steps(make_model: Callable[[], torch.nn.Module], make_batch: Callable[
                 from torch.utils._python_dispatch import _disable_current_modes
 
                 with _disable_current_modes():
-                    batch = make_batch(b)
+                    batch = _checked_batch(_user_call(f"make_batch({b})", make_batch, b), b)
                 return {k: shadow.shadowed(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
-            with mode, shadow:
+            # torch warns that a FakeTensor's data pointer was read when a model is built by
+            # copy.deepcopy of a module (nn.TransformerEncoder's layers): Tensor.__deepcopy__
+            # asks a tensor subclass for data_ptr() to choose clone() (torch/_tensor.py), which is
+            # what fake tensors need; the warning is about torch's own check, not the model's
+            with mode, shadow, warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
                 return _count(make_model, fake_batch, micro_batches, precision, cuda, flops_at, param_dtype) | \
                     {"method": "fake tensors", "fake_refused": None}
         except _FAKE_REFUSALS as err:
@@ -321,19 +368,19 @@ def count_steps(make_model: Callable[[], torch.nn.Module], make_batch: Callable[
 
 def _count(make_model, make_batch, micro_batches, precision, cuda, flops_at, param_dtype) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = make_model()
+    model = _user_call("make_model()", make_model)
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"make_model: returned {type(model).__name__}, expected a torch.nn.Module")
+        raise _broken(f"make_model() returned a {type(model).__name__}, not a torch.nn.Module")
     table = parameter_table(model)
     if param_dtype is not None:
         model.to(param_dtype)
     counts = {}
     for b in micro_batches:
-        batch = make_batch(b)
+        batch = _checked_batch(_user_call(f"make_batch({b})", make_batch, b), b)
         counts[b] = _one_step(model, batch, precision=precision, cuda=cuda, flops=False) | {"tokens": _tokens(batch, b)}
     flops = tokens = None
     if flops_at is not None:
-        batch = make_batch(flops_at)
+        batch = _checked_batch(_user_call(f"make_batch({flops_at})", make_batch, flops_at), flops_at)
         flops = _one_step(model, batch, precision="fp32", cuda=False, flops=True)["flops"]
         tokens = _tokens(batch, flops_at)
     return {"counts": counts, "flops": flops, "flops_tokens": tokens, "parameters": table,

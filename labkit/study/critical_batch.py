@@ -20,7 +20,6 @@ and writes tidy Parquet (one row per batch size). Notebook 07 and ``labkit sweep
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import pathlib
 from typing import Any
@@ -134,8 +133,9 @@ def batch_base(workdir: str | pathlib.Path, *, model: str, micro_batch: int, lr:
     from labkit.config import TrainConfig
 
     return TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/critical-batch", model=model,
-                       micro_batch_size=micro_batch, grad_accum_steps=1, lr=lr, warmup_steps=2, min_lr_ratio=1.0,
-                       num_threads=1, resume=False, checkpoints=False, seed=0, eval_sequences=64, eval_batch_size=8)
+                       num_threads=1, resume=False, seed=0, batch={"micro_batch_size": micro_batch, "grad_accum_steps": 1},
+                       optim={"lr": lr}, schedule={"warmup_steps": 2, "min_lr_ratio": 1.0},
+                       checkpoint={"enabled": False}, eval={"sequences": 64, "batch_size": 8})
 
 
 def batch_config(base: Any, workdir: str | pathlib.Path, batch: int, *, lr_rule: str = "sqrt",
@@ -148,19 +148,20 @@ def batch_config(base: Any, workdir: str | pathlib.Path, batch: int, *, lr_rule:
     from base's lr at base's global batch; the held-out loss every ``eval_every`` steps (default
     about 12 evaluations); run directory ``<workdir>/sweeps/critical_batch/batch-<B>``. Raises
     ValueError when the batch is not a multiple of the micro-batch."""
-    mb = micro_batch_size or base.micro_batch_size
-    base_batch = base.micro_batch_size * base.grad_accum_steps
+    mb = micro_batch_size or base.batch.micro_batch_size
+    base_batch = base.batch.micro_batch_size * base.batch.grad_accum_steps
     max_examples = max_examples or base.max_steps * base_batch
     m = min(mb, batch // 2)
     if m < 1 or batch % m:
         raise ValueError(f"sweep batch: global batch {batch} is not a multiple of the micro-batch {m}")
     steps = max(2, max_examples // batch)
-    return dataclasses.replace(base, run_dir=str(pathlib.Path(workdir) / "sweeps" / "critical_batch" / f"batch-{batch}"),
-                               micro_batch_size=m, grad_accum_steps=batch // m,
-                               lr=lr_for_batch(base.lr, base_batch, batch, lr_rule), max_steps=steps,
-                               warmup_steps=min(base.warmup_steps, max(1, steps // 10)),
-                               eval_every=eval_every or max(1, steps // 12), log_every=1, resume=False,
-                               checkpoints=False, stop_after=None)
+    return base.replace(run_dir=str(pathlib.Path(workdir) / "sweeps" / "critical_batch" / f"batch-{batch}"),
+                        max_steps=steps, resume=False, stop_after=None,
+                        batch={"micro_batch_size": m, "grad_accum_steps": batch // m},
+                        optim={"lr": lr_for_batch(base.optim.lr, base_batch, batch, lr_rule)},
+                        schedule={"warmup_steps": min(base.schedule.warmup_steps, max(1, steps // 10))},
+                        eval={"every": eval_every or max(1, steps // 12)}, measure={"log_every": 1},
+                        checkpoint={"enabled": False})
 
 
 CURVE_FIELDS = ("step", "loss", "eval_loss", "b_simple", "b_simple_tokens")
@@ -174,7 +175,7 @@ def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int
     """Train ``base`` (a TrainConfig; one process per run) at each global batch in
     ``batch_sizes`` (sequences; ``batch_config``: micro-batch ``micro_batch_size`` or base's, the
     rest accumulation, at least 2 so the in-run noise scale exists) until ``max_examples``
-    sequences, the learning rate by ``lr_for_batch(base.lr, base's global batch, B, lr_rule)``,
+    sequences, the learning rate by ``lr_for_batch(base.optim.lr, base's global batch, B, lr_rule)``,
     evaluating the held-out loss every ``eval_every`` steps (default: about 12 evaluations).
     ``target``: the held-out loss to reach (default: the largest final held-out loss over the
     runs, so that every run reaches it). ``executor`` (a ``concurrent.futures.Executor``, e.g. an
@@ -209,7 +210,7 @@ def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int
     for batch, run in runs.items():
         recs = run.to_dicts()
         s = steps_to_target(recs, target)
-        rows.append({"batch": batch, "lr": cfgs[batch].lr, "lr_rule": lr_rule, "target_eval_loss": target,
+        rows.append({"batch": batch, "lr": cfgs[batch].optim.lr, "lr_rule": lr_rule, "target_eval_loss": target,
                      "steps": s, "examples": s * batch if s is not None else None, "reached": s is not None,
                      "b_simple": b_simple_at(recs, s) if s is not None else None,
                      "b_simple_tokens": b_simple_at(recs, s, "b_simple_tokens") if s is not None else None,

@@ -32,9 +32,9 @@ def law_config(workdir: str, width: int, *, steps: int, micro_batch: int, points
     ``steps // points`` steps, one thread, no checkpoint, in ``<workdir>/runs/law-<width>``."""
     return TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/law-{width}", model="tiny",
                        model_overrides={"hidden_size": width, "intermediate_size": 4 * width, "num_heads": 2},
-                       micro_batch_size=micro_batch, max_steps=steps, warmup_steps=5, lr=2e-3,
-                       min_lr_ratio=1.0, num_threads=1, resume=False, checkpoints=False, seed=0,
-                       eval_every=max(1, steps // points), eval_sequences=128)
+                       max_steps=steps, num_threads=1, resume=False, seed=0, batch={"micro_batch_size": micro_batch},
+                       optim={"lr": 2e-3}, schedule={"warmup_steps": 5, "min_lr_ratio": 1.0},
+                       checkpoint={"enabled": False}, eval={"every": max(1, steps // points), "sequences": 128})
 
 
 def sweep_law_runs(workdir: str, *, widths: list[int], steps: int, micro_batch: int, points: int,

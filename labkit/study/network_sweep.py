@@ -178,7 +178,7 @@ def _measure_point(hosts, ctx: dict, model: str, rate, settings: dict) -> list[d
         shutil.rmtree(run_dir, ignore_errors=True)
         env = {"WORLD_SIZE": "2", "MASTER_ADDR": "h1", "MASTER_PORT": str(_free_port())}
         sets = base + [f'train.model="{model}"', f'train.run_dir="{run_dir}"',
-                       f'train.grad_compression="{comp}"']
+                       f'train.parallel.grad_compression="{comp}"']
         before = hosts.link_bytes("h2")["tx_bytes"]
         procs = [_launch(hosts, h, config, sets, {**env, "RANK": str(k), "LOCAL_RANK": "0"})
                  for k, h in enumerate(hosts.names)]
@@ -221,8 +221,8 @@ def run_network_sweep(config: str, workdir: str | os.PathLike, *, models=MODELS,
     it as a polars DataFrame, with ``reused`` (True: a point read back from the table, measured at
     its ``measured_at``). ``config``: the TOML file whose ``[train]`` is the run (its
     ``data_dir`` unless ``data_dir`` is given); ``steps`` optimiser steps per run, the first
-    ``warmup_steps`` untimed; ``micro_batch`` overrides ``micro_batch_size``; ``compressions``
-    are ``TrainConfig.grad_compression`` values, each measured at every bandwidth; ``overrides``
+    ``warmup_steps`` untimed; ``micro_batch`` overrides ``batch.micro_batch_size``; ``compressions``
+    are ``TrainConfig.parallel.grad_compression`` values, each measured at every bandwidth; ``overrides``
     are ``--set SECTION.KEY=VALUE`` strings given to every run before the sweep's own; ``force``
     measures every point again. Needs root, iproute2 and util-linux to measure (RuntimeError
     naming what is missing); h1/h2 are created and deleted."""
@@ -262,11 +262,11 @@ def run_network_sweep(config: str, workdir: str | os.PathLike, *, models=MODELS,
     if why:
         raise RuntimeError(f"network sweep: cannot run here: {why}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    base = [*overrides, f"train.max_steps={steps}", f"train.timing_warmup_steps={warmup_steps}", "train.checkpoints=false",
-            "train.eval_every=0", "train.eval_sequences=4", "train.num_threads=1", 'train.device="cpu"',
-            'train.backend="gloo"', "train.trackers=[]", "train.timeout_s=600"]
+    base = [*overrides, f"train.max_steps={steps}", f"train.measure.timing_warmup_steps={warmup_steps}",
+            "train.checkpoint.enabled=false", "train.eval.every=0", "train.eval.sequences=4", "train.num_threads=1",
+            'train.device="cpu"', 'train.backend="gloo"', "train.measure.trackers=[]", "train.timeout_s=600"]
     if micro_batch:
-        base.append(f"train.micro_batch_size={micro_batch}")
+        base.append(f"train.batch.micro_batch_size={micro_batch}")
     if data_dir:
         base.append(f'train.data_dir="{pathlib.Path(data_dir).resolve()}"')
     measured: dict[tuple, list[dict]] = {}

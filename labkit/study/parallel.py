@@ -50,7 +50,7 @@ def parallel_plans(cfg: ModelConfig, *, n_gpus: int, seq_len: int, micro_batch: 
     tp_within_node (tensor parallelism across nodes is slow), bubble ((p - 1)/(m + p - 1)),
     micro_batch and pipeline_microbatches (m), sequence_parallel (``sequence_parallel`` for rows
     with tp > 1, whose activations it plans: ``labkit.study.plan.activation_terms``; False at
-    tp 1). ``plan_overrides`` turns a row into ``TrainConfig`` fields.
+    tp 1). ``plan_overrides`` turns a row into ``TrainConfig`` sections.
     tp must divide the heads and pp at most the layers; other splits are left out."""
     import polars as pl
 
@@ -83,11 +83,12 @@ def first_fit(plans) -> dict | None:
 
 
 def plan_overrides(row: dict, *, schedule: str = "1f1b") -> dict:
-    """``TrainConfig`` fields that run a ``parallel_plans`` row (``first_fit``'s, say): tp, pp,
-    sequence_parallel (the row's, so the run splits the activations the way the row planned
-    them; False for a row from before the column), the sharding of its ZeRO stage over dp and,
-    with pp > 1, ``schedule`` over the row's pipeline micro-batches (``grad_accum_steps``; the
-    planner's activation memory assumes 1F1B) and the row's micro-batch. ZeRO 0 -> ddp (dp only) or replicate; 1 -> zero1 (dp only); 2 -> fsdp
+    """``TrainConfig`` sections that run a ``parallel_plans`` row (``first_fit``'s, say), as
+    ``{"parallel": {...}, "batch": {...}}`` for ``TrainConfig(..., **out)`` or ``cfg.replace(**out)``:
+    parallel's tp, pp, sequence_parallel (the row's, so the run splits the activations the way the
+    row planned them; False for a row from before the column), the sharding of its ZeRO stage over
+    dp and, with pp > 1, ``schedule`` over the row's pipeline micro-batches (batch's
+    ``grad_accum_steps``; the planner's activation memory assumes 1F1B) and the row's micro-batch. ZeRO 0 -> ddp (dp only) or replicate; 1 -> zero1 (dp only); 2 -> fsdp
     without resharding after forward (ZeRO-2-style); 3 -> fsdp. ZeRO-1 with tp or pp > 1 has no
     labkit run (DDP does not compose with a split model): ValueError naming the row's split."""
     split = row["tp"] * row["pp"] > 1
@@ -96,15 +97,17 @@ def plan_overrides(row: dict, *, schedule: str = "1f1b") -> dict:
         raise ValueError(f"zero_stage: ZeRO-1 with tp {row['tp']} x pp {row['pp']} has no labkit run "
                          "(ZeroRedundancyOptimizer needs DDP); take the row's ZeRO-2 neighbour")
     sharding = {0: "replicate" if split else "ddp", 1: "zero1", 2: "fsdp", 3: "fsdp"}[zero]
-    out = {"tp": row["tp"], "pp": row["pp"], "sharding": sharding,
+    par = {"tp": row["tp"], "pp": row["pp"], "sharding": sharding,
            "sequence_parallel": bool(row.get("sequence_parallel", False)) and row["tp"] > 1}
+    batch = {}
     if zero >= 2:
-        out["fsdp_reshard_after_forward"] = zero == 3
+        par["fsdp_reshard_after_forward"] = zero == 3
     if row["pp"] > 1:
-        out |= {"pp_schedule": schedule, "grad_accum_steps": row["pipeline_microbatches"]}
+        par["pp_schedule"] = schedule
+        batch["grad_accum_steps"] = row["pipeline_microbatches"]
     if row.get("micro_batch") is not None:
-        out["micro_batch_size"] = row["micro_batch"]
-    return out
+        batch["micro_batch_size"] = row["micro_batch"]
+    return {"parallel": par} | ({"batch": batch} if batch else {})
 
 
 def planned_rank_memory(mcfg: ModelConfig, cfg, *, world: int, seq_len: int, device: str = "cpu") -> dict:
@@ -113,20 +116,20 @@ def planned_rank_memory(mcfg: ModelConfig, cfg, *, world: int, seq_len: int, dev
     AdamW moments: ``memory_plan``'s params + grads + optimizer), "activation_bytes" (its
     activations), "total_bytes", "bubble" (GPipe's / 1F1B's (p - 1)/(m + p - 1); interleaved with v
     stages per rank (p - 1)/(v·m + p - 1))}. fp32 on CPU, attention "eager" when attention dropout
-    is on (CPU's math path), else "flash"; the activations split as ``cfg.sequence_parallel`` says
+    is on (CPU's math path), else "flash"; the activations split as ``cfg.parallel.sequence_parallel`` says
     (``labkit.study.plan.activation_terms``: without it the residual stream's are whole on every
     tp rank)."""
-    dp = world // (cfg.tp * cfg.pp)
-    zero = 0 if dp == 1 or cfg.sharding in ("ddp", "replicate") else {"zero1": 1}.get(
-        cfg.sharding, 3 if cfg.fsdp_reshard_after_forward else 2)
+    par, m = cfg.parallel, cfg.batch.grad_accum_steps
+    dp = world // (par.tp * par.pp)
+    zero = 0 if dp == 1 or par.sharding in ("ddp", "replicate") else {"zero1": 1}.get(
+        par.sharding, 3 if par.fsdp_reshard_after_forward else 2)
     attention = "eager" if mcfg.attention_dropout > 0 else "flash"
-    p = memory_plan(mcfg, seq_len=seq_len, micro_batch=cfg.micro_batch_size, precision=cfg.precision,
-                    attention=attention, zero_stage=zero, dp=dp, tp=cfg.tp, pp=cfg.pp,
-                    pipeline_microbatches=cfg.grad_accum_steps, device=device, pipeline_schedule=cfg.pp_schedule,
-                    sequence_parallel=cfg.sequence_parallel)
+    p = memory_plan(mcfg, seq_len=seq_len, micro_batch=cfg.batch.micro_batch_size, precision=cfg.precision,
+                    attention=attention, zero_stage=zero, dp=dp, tp=par.tp, pp=par.pp,
+                    pipeline_microbatches=m, device=device, pipeline_schedule=par.pp_schedule,
+                    sequence_parallel=par.sequence_parallel)
     state = p["params"] + p["grads"] + p["optimizer"]
-    v = cfg.pp_virtual_stages
-    bubble = (cfg.pp - 1) / (v * cfg.grad_accum_steps + cfg.pp - 1)
+    bubble = (par.pp - 1) / (par.pp_virtual_stages * m + par.pp - 1)
     return {"state_bytes": state, "activation_bytes": p["activations"], "total_bytes": state + p["activations"],
             "bubble": bubble}
 
@@ -181,13 +184,13 @@ def measure_rank_memory(cfg, staged_paths: dict[str, str] | None = None) -> dict
             optimizer = build_optimizer(model, cfg)
             data_rank, data_world = rank, world
             step = lambda mbs: forward_backward(model, mbs, world_size=world, precision=cfg.precision)  # noqa: E731
-        loader = make_loader(cfg.data_dir, batch_size=cfg.micro_batch_size, rank=data_rank, world_size=data_world,
-                             seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=mcfg.vocab_size)
+        loader = make_loader(cfg.data_dir, batch_size=cfg.batch.micro_batch_size, rank=data_rank, world_size=data_world,
+                             seed=cfg.seed, mlm_probability=cfg.data.mlm_probability, vocab_size=mcfg.vocab_size)
         batches = iter(loader)
         params = list(model.parameters())
         peak = SavedActivationPeak(exclude={local(p).untyped_storage().data_ptr() for p in params})
         for n in range(2):
-            mbs = [{k: v.to(device) for k, v in next(batches).items()} for _ in range(cfg.grad_accum_steps)]
+            mbs = [{k: v.to(device) for k, v in next(batches).items()} for _ in range(cfg.batch.grad_accum_steps)]
             with peak if n == 1 else contextlib.nullcontext():
                 step(mbs)
             if n == 1:

@@ -24,7 +24,7 @@ from typing import Any
 
 import polars as pl
 
-from labkit.config import to_dict
+from labkit.config import dotted, to_dict
 from labkit.data import made_by
 from labkit.io import atomic_write
 
@@ -60,20 +60,23 @@ def load_columns(client=None, engine_id: int | None = None) -> dict:
     return load | {"busy": load["load_avg_1m"] >= BUSY_LOAD_PER_CPU * load["cpu_count"]}
 
 
-TIME_FREE = frozenset({"run_dir", "data_dir", "tokenizer_path", "resume", "allow_safe_changes", "trackers",
-                       "timeout_s", "stop_after", "verify_data",
-                       "lr", "min_lr_ratio", "warmup_steps", "schedule", "wsd_decay_fraction", "weight_decay",
-                       "beta1", "beta2", "grad_clip", "seed", "on_nonfinite", "log_every", "ckpt_every",
-                       "keep_checkpoints", "checkpoints", "eval_every", "eval_sequences", "eval_batch_size"})
-"""TrainConfig fields that do not shape a measurement of time and memory: where the run is
+TIME_FREE = frozenset({"run_dir", "data_dir", "data.tokenizer_path", "resume", "allow_safe_changes",
+                       "measure.trackers", "timeout_s", "stop_after", "data.verify_data", "seed", "on_nonfinite",
+                       "optim.lr", "optim.weight_decay", "optim.beta1", "optim.beta2", "optim.grad_clip",
+                       "schedule.kind", "schedule.warmup_steps", "schedule.min_lr_ratio",
+                       "schedule.wsd_decay_fraction", "measure.log_every", "checkpoint.every", "checkpoint.keep",
+                       "checkpoint.enabled", "checkpoint.asynchronous", "eval.every", "eval.sequences",
+                       "eval.batch_size"})
+"""TrainConfig fields (dotted, ``labkit.config.dotted``) that do not shape a measurement of time and memory: where the run is
 written and read (the data are identified by their index.json instead), the values of the
 optimisation (learning rate and its schedule, decay, clipping threshold, seed: the same work per
 step) and what happens between the timed steps (logging, checkpoints, held-out evaluation).
 Everything else -- model, batch, steps, timing warm-up, precision, sharding, split, threads,
 loader workers, compile, bucket size -- is part of the point's record."""
 
-LOSS_FREE = frozenset({"run_dir", "data_dir", "tokenizer_path", "resume", "allow_safe_changes", "trackers",
-                       "timeout_s", "verify_data", "ckpt_every", "keep_checkpoints", "checkpoints"})
+LOSS_FREE = frozenset({"run_dir", "data_dir", "data.tokenizer_path", "resume", "allow_safe_changes",
+                       "measure.trackers", "timeout_s", "data.verify_data", "checkpoint.every", "checkpoint.keep",
+                       "checkpoint.enabled", "checkpoint.asynchronous"})
 """TrainConfig fields that do not shape a measured loss curve: where the run is written and read
 (the data are identified by their index.json), how long a process may wait, and checkpoints.
 The optimisation and the evaluation (learning rate, schedule, seed, evaluation interval and
@@ -81,20 +84,20 @@ sequences) shape it, so they are part of a loss point's record, unlike a timing 
 
 
 def _settings(cfg, free: frozenset, measures: str, extra: dict) -> dict:
-    keep = {k: v for k, v in to_dict(cfg).items() if k not in free}
+    keep = {k: v for k, v in dotted(to_dict(cfg)).items() if k not in free}
     data = made_by.file_identity(Path(cfg.data_dir) / "index.json") if cfg.data_dir else None
     return keep | {"data": data, "measures": measures} | extra
 
 
 def run_settings(cfg, *, measures: str = "throughput", **extra) -> dict:
-    """The settings of a sweep point that is one short run of ``cfg`` (a TrainConfig) timed:
-    ``to_dict(cfg)`` without ``TIME_FREE``, the sha256 of the shard set's ``index.json`` (``data``;
+    """The settings of a sweep point that is one short run of ``cfg`` (a TrainConfig) timed: its
+    fields (dotted, ``labkit.config.dotted``) without ``TIME_FREE``, the sha256 of the shard set's ``index.json`` (``data``;
     None when there is none), the quantity (``measures``) and ``extra`` (e.g. ``ranks``)."""
     return _settings(cfg, TIME_FREE, measures, extra)
 
 
 def loss_settings(cfg, *, measures: str = "eval_loss", **extra) -> dict:
-    """The settings of a sweep point whose quantity is a run's loss curve: ``to_dict(cfg)``
+    """The settings of a sweep point whose quantity is a run's loss curve: its fields (dotted)
     without ``LOSS_FREE``, the shard set's identity (``data``), ``measures`` and ``extra``."""
     return _settings(cfg, LOSS_FREE, measures, extra)
 
@@ -211,7 +214,7 @@ def train_points(cfgs: dict, out: Path, *, sweep: str, key: str, settings: dict[
         for value in todo:
             _train_one(cfgs[value])
     else:  # the longest first (forward passes: steps x accumulation), so no engine waits alone at the end
-        order = sorted(todo, key=lambda v: -cfgs[v].max_steps * cfgs[v].grad_accum_steps)
+        order = sorted(todo, key=lambda v: -cfgs[v].max_steps * cfgs[v].batch.grad_accum_steps)
         for future in [executor.submit(_train_one, cfgs[v]) for v in order]:
             future.result()
     frames |= {value: curve(value) for value in todo}

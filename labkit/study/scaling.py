@@ -24,8 +24,11 @@ step time(n) = compute time of one rank's step + the exposed part of the gradien
   into the ``overlap`` that reproduces it.
 
 efficiency(n) = step time(1) / step time(n) (weak scaling, docs/measurement.md).
-The network becomes the limit at the smallest n where communication can no longer be hidden
-(comm > overlap x backward), and efficiency falls after it.
+``comm_hidden`` and the network limit are read from the exposed time: the all-reduce is hidden
+when only the bucket ready last is exposed (every other bucket finished behind backward) and that
+bucket is under half of the all-reduce; a model whose gradients fit one bucket hides nothing
+(exposed = comm). The network becomes the limit at the smallest n where it is not hidden, and
+efficiency falls after it.
 """
 
 from __future__ import annotations
@@ -34,10 +37,10 @@ import math
 from typing import Any
 
 __all__ = [
-    "BUCKET_BYTES", "INTRA_NODE", "NETWORKS", "STUDY_PRECISIONS", "bucketed_allreduce", "calibrate", "compute_time",
-    "efficiency_table", "embedding_bucket_bytes", "exposed_s", "fit_overlap", "network_limit", "one_story",
-    "precision_experiment", "precision_summary", "ring_allreduce_time", "step_time", "study_scaling",
-    "compressed_grad_bytes", "compression_table", "link_step_time", "model_scaling"
+    "BUCKET_BYTES", "INTRA_NODE", "NETWORKS", "STUDY_PRECISIONS", "bucketed_allreduce", "calibrate", "comm_hidden",
+    "compute_time", "peak_of", "efficiency_table", "embedding_bucket_bytes", "exposed_s", "fit_overlap",
+    "network_limit", "one_story", "precision_experiment", "precision_summary", "ring_allreduce_time", "step_time",
+    "study_scaling", "compressed_grad_bytes", "compression_table", "link_step_time", "model_scaling"
 ]
 
 NETWORKS: dict[str, dict[str, Any]] = {
@@ -128,8 +131,9 @@ def step_time(n_gpus: int, *, compute_s: float, grad_bytes: float, network: str 
     gradients, x 2 with a bf16 compression hook). ``network`` names ``NETWORKS`` (``bandwidth``
     / ``latency`` override it). ``last_bucket_bytes``: the bucket whose gradients are ready last,
     exposed after backward (``embedding_bucket_bytes`` for labkit's model; None: the remainder
-    bucket of ``bucketed_allreduce``). Returns {"n_gpus", "compute_s", "comm_s", "exposed_s",
-    "step_s", "comm_hidden" (bool: comm <= overlap x backward)}. Raises ValueError naming a bad argument.
+    bucket of ``bucketed_allreduce``). Returns {"n_gpus", "compute_s", "comm_s", "last_bucket_s",
+    "exposed_s", "step_s", "comm_hidden" (``comm_hidden``: from the exposed time)}. Raises
+    ValueError naming a bad argument.
     """
     if network not in NETWORKS:
         raise ValueError(f"network: unknown {network!r}; known networks are {sorted(NETWORKS)}")
@@ -147,8 +151,35 @@ def step_time(n_gpus: int, *, compute_s: float, grad_bytes: float, network: str 
         ring_allreduce_time(min(last_bucket_bytes, grad_bytes), n_gpus, bandwidth=bw, latency=lat)
     exposed = 0.0 if n_gpus == 1 else exposed_s(comm_s=comm["total_s"], last_bucket_s=last, backward_s=backward,
                                                overlap=overlap)
-    return {"n_gpus": n_gpus, "compute_s": compute, "comm_s": comm["total_s"], "exposed_s": exposed,
-            "step_s": compute + exposed, "comm_hidden": comm["total_s"] <= overlap * backward}
+    last = 0.0 if n_gpus == 1 else last
+    return {"n_gpus": n_gpus, "compute_s": compute, "comm_s": comm["total_s"], "last_bucket_s": last,
+            "exposed_s": exposed, "step_s": compute + exposed,
+            "comm_hidden": comm_hidden(exposed_s=exposed, last_bucket_s=last, comm_s=comm["total_s"])}
+
+
+def comm_hidden(*, exposed_s: float, last_bucket_s: float, comm_s: float) -> bool:
+    """Whether a step's all-reduce hides behind backward, read from its exposed time: only the
+    bucket ready last is exposed (``exposed_s`` is that bucket's ``last_bucket_s``: every other
+    bucket finished within backward) and that bucket is at most half of the all-reduce
+    (``comm_s``). A model whose gradients fit one bucket never hides it (exposed = comm, the
+    whole all-reduce after backward); a backward too short for the buckets exposes more than the
+    last one. True when nothing is communicated (one rank)."""
+    return exposed_s <= min(last_bucket_s, comm_s / 2)
+
+
+def peak_of(device: str, precision: str) -> float:
+    """Dense peak FLOP/s of one ``device`` (a ``labkit.study.plan.DEVICES`` name) at ``precision``
+    ("fp32" on the CUDA cores, "tf32", "bf16", "fp16"; ``labkit.measure.DEVICES``, the one device
+    table). ValueError naming the precision and the device when the table has no such peak (fp32
+    on the H200 and A100 rows), or for an unknown device."""
+    from labkit.study.plan import device_info
+
+    info = device_info(device)
+    peak = info["peaks"].get(precision)
+    if peak is None:
+        raise ValueError(f"precision: no {precision!r} peak for {info['device']} in labkit.measure.DEVICES "
+                         f"(it has {', '.join(sorted(info['peaks']))})")
+    return peak
 
 
 def compute_time(flops_per_token: float, *, seq_len: int, micro_batch: int, peak_flops: float,
@@ -163,9 +194,9 @@ def compute_time(flops_per_token: float, *, seq_len: int, micro_batch: int, peak
 def efficiency_table(*, compute_s: float, grad_bytes: float, tokens_per_step: int,
                      gpus=(1, 2, 4, 8, 16, 32, 64, 128, 256), **kw):
     """Predicted weak scaling from 1 to 256 GPUs: polars DataFrame with n_gpus, nodes (n /
-    gpus_per_node, at least 1), compute_s, comm_s, exposed_s, step_s, tokens_per_s (all ranks),
-    ideal_tokens_per_s, efficiency = step_s(1) / step_s(n), comm_hidden. ``kw`` go to
-    ``step_time`` (network, gpus_per_node, overlap, grad_accum, ...)."""
+    gpus_per_node, at least 1), compute_s, comm_s, last_bucket_s, exposed_s, step_s, tokens_per_s
+    (all ranks), ideal_tokens_per_s, efficiency = step_s(1) / step_s(n), comm_hidden
+    (``comm_hidden``). ``kw`` go to ``step_time`` (network, gpus_per_node, overlap, grad_accum, ...)."""
     import polars as pl
 
     rows = [step_time(n, compute_s=compute_s, grad_bytes=grad_bytes, **kw) for n in gpus]
@@ -177,14 +208,16 @@ def efficiency_table(*, compute_s: float, grad_bytes: float, tokens_per_step: in
         tokens_per_s=pl.col("n_gpus") * tokens_per_step * accum / pl.col("step_s"),
         ideal_tokens_per_s=pl.col("n_gpus") * tokens_per_step * accum / t1,
         efficiency=t1 / pl.col("step_s"))
-    return df.select("n_gpus", "nodes", "compute_s", "comm_s", "exposed_s", "step_s", "tokens_per_s",
-                     "ideal_tokens_per_s", "efficiency", "comm_hidden")
+    return df.select("n_gpus", "nodes", "compute_s", "comm_s", "last_bucket_s", "exposed_s", "step_s",
+                     "tokens_per_s", "ideal_tokens_per_s", "efficiency", "comm_hidden")
 
 
 def network_limit(table) -> dict[str, Any]:
-    """Where the network becomes the limit in an ``efficiency_table``: the smallest n whose
-    all-reduce can no longer be hidden behind backward ("first_exposed_n", None if never) and the
-    smallest n with efficiency below 0.9 ("below_90pct_n", None if never)."""
+    """Where the network becomes the limit in an ``efficiency_table``, read from the exposed time:
+    the smallest n > 1 whose all-reduce is not hidden behind backward ("first_exposed_n":
+    ``comm_hidden`` false, more than the last bucket exposed or a last bucket that is most of the
+    all-reduce; None if never) and the smallest n with efficiency below 0.9 ("below_90pct_n",
+    None if never)."""
     import polars as pl
 
     exposed = table.filter(~pl.col("comm_hidden") & (pl.col("n_gpus") > 1))
@@ -196,9 +229,11 @@ def network_limit(table) -> dict[str, Any]:
 def study_scaling(model: str, *, micro_batch: int, seq_len: int = 512, device: str = "H100 NVL",
                   mfu: float = 0.4, grad_dtype_bytes: int = 4, vocab_size: int | None = None,
                   step_time_1: float | None = None, sparse_head: bool | None = None,
-                  mlm_probability: float = 0.15, **kw):
+                  mlm_probability: float = 0.15, precision: str = "bf16", **kw):
     """``efficiency_table`` for a named preset (``labkit.model.MODEL_SIZES``) on ``device``:
-    compute from ``step_time_1`` when measured, else from FLOPs/token at ``mfu``; gradients of
+    compute from ``step_time_1`` when measured, else from FLOPs/token at ``mfu`` of the
+    ``precision``'s dense peak (``peak_of``: fp32 on the CUDA cores is 14x slower than bf16 on an
+    H100 NVL's tensor cores); gradients of
     all parameters at ``grad_dtype_bytes`` each (4: DDP's fp32 gradients). FLOPs/token count the
     MLM decoder at every position with the dense head (``sparse_head=False``), at the masked
     fraction ``mlm_probability`` with the sparse one; None keeps ``ModelConfig``'s default head."""
@@ -212,25 +247,26 @@ def study_scaling(model: str, *, micro_batch: int, seq_len: int = 512, device: s
                                                               bucket_bytes=kw.get("bucket_bytes", BUCKET_BYTES)))
     return model_scaling(params=count_parameters(cfg)["total"], flops_per_token=fpt, micro_batch=micro_batch,
                          seq_len=seq_len, device=device, mfu=mfu, grad_dtype_bytes=grad_dtype_bytes,
-                         step_time_1=step_time_1, **kw)
+                         step_time_1=step_time_1, precision=precision, **kw)
 
 
 def model_scaling(*, params: int, flops_per_token: float, micro_batch: int, seq_len: int,
                   device: str = "H100 NVL", mfu: float = 0.4, grad_dtype_bytes: int = 4,
-                  step_time_1: float | None = None, params_ready_last: int | None = None, **kw):
+                  step_time_1: float | None = None, params_ready_last: int | None = None,
+                  precision: str = "bf16", **kw):
     """``efficiency_table`` of any model from its parameter count and its forward + backward
     FLOPs per token (``labkit.study.memory.plan_model`` counts both; ``study_scaling`` gives a
     preset's from the formulas): compute from ``step_time_1`` when measured, else tokens x
-    FLOPs/token at ``mfu`` of ``device``'s peak (``compute_time``); all ``params`` gradients
+    FLOPs/token at ``mfu`` of ``device``'s dense peak at ``precision`` (``peak_of``,
+    ``compute_time``); all ``params`` gradients
     all-reduced at ``grad_dtype_bytes`` each. ``params_ready_last``: the parameters defined
     before the model's first block (its embeddings), whose bucket DDP reduces last
     (``embedding_bucket_bytes``): exposed as max(their bytes, one bucket or all gradients);
     None leaves ``last_bucket_bytes`` in ``kw`` (or the remainder bucket). ``kw`` go to
-    ``step_time``. Raises ValueError for an unknown device or network."""
-    from labkit.study.plan import device_info
-
+    ``step_time``. Raises ValueError for an unknown device or network, or a precision without a
+    peak on ``device``."""
     compute = step_time_1 or compute_time(flops_per_token, seq_len=seq_len, micro_batch=micro_batch,
-                                          peak_flops=device_info(device)["peak_flops"], mfu=mfu)
+                                          peak_flops=peak_of(device, precision), mfu=mfu)
     grad_bytes = grad_dtype_bytes * params
     if params_ready_last is not None:
         kw.setdefault("last_bucket_bytes", max(float(grad_dtype_bytes * params_ready_last),
@@ -299,15 +335,11 @@ def _precision_compute(cfg: Any, device: str, precisions: Any, *, seq_len: int, 
     per precision (``compute_time`` of ``model.flops_per_token``; peaks from labkit.measure.DEVICES,
     the one device table). ValueError for a precision without a peak on ``device``."""
     from labkit.model import flops_per_token
-    from labkit.study.plan import device_info
 
-    peaks = device_info(device)["peaks"]
     fpt = flops_per_token(cfg, seq_len, mlm_probability=mlm_probability)
     out = []
     for precision in precisions:
-        peak = peaks.get(precision)
-        if peak is None:
-            raise ValueError(f"precision: no {precision!r} peak for {device} in labkit.measure.DEVICES")
+        peak = peak_of(device, precision)
         out.append((precision, peak, compute_time(fpt, seq_len=seq_len, micro_batch=micro_batch, peak_flops=peak,
                                                   mfu=mfu)))
     return out
@@ -343,9 +375,12 @@ def precision_experiment(cfg, *, micro_batch: int, seq_len: int, device: str = "
 def precision_summary(table, *, mfu: float = 0.4):
     """One row per precision of a ``precision_experiment`` table: compute_s (one GPU's step),
     comm_s and efficiency at its largest n_gpus, first_exposed_n / below_90pct_n
-    (``network_limit``: where the network becomes the limit), and break_even_mfu: the MFU above
-    which the all-reduce at the largest n can no longer hide behind backward (comm = 2/3 of
-    compute), ``mfu`` x compute_s / (1.5 x comm_s); above 1 the network is never the limit."""
+    (``network_limit``: where the network becomes the limit), and break_even_mfu: the achieved
+    MFU up to which the all-reduce at the largest n hides behind backward (``comm_hidden``:
+    every bucket but the last finishes within backward, 2/3 of compute; compute shrinks as MFU
+    grows), ``mfu`` x compute_s / (1.5 x (comm_s - last_bucket_s)). Above 1 (100 %) no
+    achievable MFU exposes it; None when the last bucket is half the all-reduce or more, which
+    no MFU hides (a model whose gradients fit one bucket)."""
     import polars as pl
 
     rows = []
@@ -353,10 +388,11 @@ def precision_summary(table, *, mfu: float = 0.4):
         t = table.filter(pl.col("precision") == precision)
         last = t.row(t.height - 1, named=True)
         limit = network_limit(t)
+        spread = last["comm_s"] - last["last_bucket_s"]  # what must finish within backward
+        even = mfu * t["compute_s"][0] / (1.5 * spread) if last["last_bucket_s"] < last["comm_s"] / 2 else None
         rows.append({"precision": precision, "peak_flops": last["peak_flops"], "n_gpus": last["n_gpus"],
                      "compute_s": t["compute_s"][0], "comm_s": last["comm_s"], "efficiency": last["efficiency"],
-                     **limit, "break_even_mfu": mfu * t["compute_s"][0] / (1.5 * last["comm_s"])
-                     if last["comm_s"] else None})
+                     **limit, "break_even_mfu": even})
     return pl.DataFrame(rows)
 
 
@@ -380,7 +416,8 @@ def link_step_time(*, compute_s: float, bucket_bytes, bandwidth: float, latency:
     ``ring_allreduce_time`` of its bytes x ``wire_ratio`` (gloo's own bytes on the wire per
     gradient byte, measured from the veth's counters) and starts when it is ready and the link
     is free: the link is one queue, so a bucket that cannot finish during backward delays every
-    later one. Exposed = when the link finishes minus when backward ends (>= 0).
+    later one (``labkit.train.buckets.queue_exposed_s``, the queue ``bucket_cap_mb="auto"`` sizes
+    by). Exposed = when the link finishes minus when backward ends (>= 0).
     ``collective_rate`` (bytes/s; None: not modelled): gloo's all-reduce rate between two
     processes on one host, its CPU cost (``labkit.study.network_sweep.measure_collective_rate``);
     an all-reduce then takes the longer of its wire time and bytes / collective_rate (the CPU
@@ -396,17 +433,15 @@ def link_step_time(*, compute_s: float, bucket_bytes, bandwidth: float, latency:
         raise ValueError(f"bandwidth: must be positive, got {bandwidth}")
     if collective_rate is not None and not collective_rate > 0:
         raise ValueError(f"collective_rate: must be positive or None, got {collective_rate}")
+    from labkit.train.buckets import queue_exposed_s
+
     sizes = [float(b) * wire_ratio for b in bucket_bytes]
     backward = compute_s * backward_fraction
-    free, times = 0.0, []
-    for k, size in enumerate(sizes):
-        ready = backward if k == len(sizes) - 1 else backward * (k + 1) / len(sizes)
-        t = ring_allreduce_time(size, n, bandwidth=bandwidth, latency=latency)
-        if collective_rate is not None:
-            t = max(t, float(bucket_bytes[k]) / collective_rate)
-        free = max(ready, free) + t
-        times.append(t)
-    exposed = max(0.0, free - backward) if sizes else 0.0
+    times = [ring_allreduce_time(size, n, bandwidth=bandwidth, latency=latency) for size in sizes]
+    if collective_rate is not None:
+        times = [max(t, float(b) / collective_rate) for t, b in zip(times, bucket_bytes)]
+    ready = [backward if k == len(sizes) - 1 else backward * (k + 1) / len(sizes) for k in range(len(sizes))]
+    exposed = queue_exposed_s(times, ready, backward)
     return {"compute_s": compute_s, "comm_s": sum(times), "exposed_s": exposed, "step_s": compute_s + exposed,
             "last_bucket_s": times[-1] if times else 0.0}
 

@@ -15,8 +15,6 @@ anew always trains in an emptied run directory (``points.fresh_run_dir``)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import polars as pl
 
 from labkit.cluster.engines import call
@@ -42,10 +40,11 @@ def sweep_config(workdir: str, **fields) -> TrainConfig:
     """The base TrainConfig of the lab's short sweep runs on ``<workdir>/shards`` (notebooks 04
     and 06 and ``labkit demo`` build theirs here, so that the demo's points are the notebooks'):
     one warm-up step, one thread per rank, a new run each time, ``<workdir>/runs/sweep`` (each
-    point trains in its own run directory); ``fields`` give the rest (model, micro_batch_size,
-    max_steps, ...)."""
-    return TrainConfig(**({"data_dir": f"{workdir}/shards", "run_dir": f"{workdir}/runs/sweep", "warmup_steps": 1,
-                           "num_threads": 1, "resume": False} | fields))
+    point trains in its own run directory); ``fields`` give the rest (model, max_steps, a section
+    as a dict: ``batch={"micro_batch_size": 16}``, ...)."""
+    fields = {"schedule": {"warmup_steps": 1}} | fields
+    return TrainConfig(**({"data_dir": f"{workdir}/shards", "run_dir": f"{workdir}/runs/sweep", "num_threads": 1,
+                           "resume": False} | fields))
 
 
 def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | None = None,
@@ -64,17 +63,18 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
     ranks = ranks or list(range(1, len(client.ids) + 1))
     rows = [{k: v for k, v in r.items() if k != "efficiency"} for r in done_rows(out, force)]
     have = {(r["ranks"], r["model"], r["micro_batch_size"]): r for r in rows}
+    mb = base.batch.micro_batch_size
     for n in ranks:
-        cfg = dataclasses.replace(base, run_dir=str(paths(workdir)["runs"] / f"sweep-ranks-{base.model}-{n}"),
-                                  resume=False, checkpoints=False)
+        cfg = base.replace(run_dir=str(paths(workdir)["runs"] / f"sweep-ranks-{base.model}-{n}"), resume=False,
+                           checkpoint={"enabled": False})
         settings = run_settings(cfg, ranks=n)
-        old = have.get((n, base.model, base.micro_batch_size))
+        old = have.get((n, base.model, mb))
         if reusable("ranks", f"{n} rank(s)", old, settings):
             continue
         rows = [r for r in rows if r is not old]
         load = load_columns(client, client.ids[0])
         res = train_on_cluster(client, fresh_run_dir(cfg), targets=client.ids[:n], staged=staged)
-        rows.append({"ranks": n, "model": base.model, "micro_batch_size": base.micro_batch_size,
+        rows.append({"ranks": n, "model": base.model, "micro_batch_size": mb,
                      "global_batch_size": res["global_batch_size"], "tokens_per_s": res["tokens_per_s"],
                      "samples_per_s": res["samples_per_s"], "data_wait_fraction": res["data_wait_fraction"],
                      "comm_exposed_s": res["comm_exposed_s"], "comm_exposed_fraction": res["comm_exposed_fraction"],
@@ -213,20 +213,20 @@ def sweep_model_size(client, base: TrainConfig, workdir: str, *, models: list[st
     have = {(r["model"], r["ranks"], r["micro_batch_size"]): r for r in rows}
     index = read_index(base.data_dir)
     for name in models:
-        cfg = dataclasses.replace(base, model=name, resume=False, checkpoints=False,
-                                  run_dir=str(paths(workdir)["runs"] / f"sweep-size-{name}-{n}"))
+        cfg = base.replace(model=name, resume=False, checkpoint={"enabled": False},
+                           run_dir=str(paths(workdir)["runs"] / f"sweep-size-{name}-{n}"))
         settings = run_settings(cfg, ranks=n)
-        old = have.get((name, n, base.micro_batch_size))
+        old = have.get((name, n, base.batch.micro_batch_size))
         if reusable("model-size", name, old, settings):
             continue
         rows = [r for r in rows if r is not old]
         load = load_columns(client, client.ids[0])
         res = train_on_cluster(client, fresh_run_dir(cfg), targets=client.ids[:n], staged=staged)
         mcfg = model_config(name, index["vocab_size"], **base.model_overrides)
-        fpt = flops_per_token(mcfg, index["seq_len"], mlm_probability=base.mlm_probability)
+        fpt = flops_per_token(mcfg, index["seq_len"], mlm_probability=base.data.mlm_probability)
         counts = count_parameters(mcfg)
         rows.append({"model": name, "params": counts["total"], "non_embedding_params": counts["non_embedding"],
-                     "ranks": n, "micro_batch_size": base.micro_batch_size, "seq_len": index["seq_len"],
+                     "ranks": n, "micro_batch_size": base.batch.micro_batch_size, "seq_len": index["seq_len"],
                      "tokens_per_s": res["tokens_per_s"], "samples_per_s": res["samples_per_s"],
                      "flops_per_token": fpt, "achieved_flops": res["tokens_per_s"] * fpt,
                      "comm_exposed_s": res["comm_exposed_s"], **load, **point(settings)})
@@ -254,7 +254,7 @@ def sweep_parallel(client, base: TrainConfig, workdir: str, *, splits: list[dict
                    micro_batches: int = 4, steps: int = 8, staged: dict[str, dict] | None = None,
                    force: bool = False) -> pl.DataFrame:
     """Data, tensor and pipeline parallelism on all engines, each split one short run beside the
-    planner: the same model and global batch (``base.micro_batch_size`` x ``micro_batches`` x engines
+    planner: the same model and global batch (``base.batch.micro_batch_size`` x ``micro_batches`` x engines
     sequences) at every split of ``parallel_grid`` (or ``splits``: dicts of tp, pp, pp_schedule), each
     data-parallel replica taking its share in ``micro_batches`` micro-batches (the pipeline's m).
     Model-parallel splits replicate over dp (``sharding="replicate"``; tp > 1 with sequence
@@ -278,7 +278,7 @@ def sweep_parallel(client, base: TrainConfig, workdir: str, *, splits: list[dict
     n = len(client.ids)
     index = read_index(base.data_dir)
     mcfg = model_config_of(base, int(index["vocab_size"]))
-    global_batch = base.micro_batch_size * micro_batches * n
+    global_batch = base.batch.micro_batch_size * micro_batches * n
     rows = done_rows(out, force)
     have = {(r["dp"], r["tp"], r["pp"], r["pp_schedule"], r["model"], r["micro_batches"], r["global_batch_size"]): r
             for r in rows}
@@ -287,11 +287,12 @@ def sweep_parallel(client, base: TrainConfig, workdir: str, *, splits: list[dict
         tp, pp, schedule = split["tp"], split["pp"], split.get("pp_schedule")
         dp = n // (tp * pp)
         name = f"sweep-parallel-{base.model}-dp{dp}-tp{tp}-pp{pp}" + (f"-{schedule}" if schedule else "")
-        cfg = dataclasses.replace(base, tp=tp, pp=pp, pp_schedule=schedule or "1f1b", grad_accum_steps=micro_batches,
-                                  micro_batch_size=global_batch // (dp * micro_batches), max_steps=steps,
-                                  sharding="replicate" if tp * pp > 1 else "ddp", sequence_parallel=tp > 1,
-                                  run_dir=str(paths(workdir)["runs"] / name), resume=False, checkpoints=False,
-                                  eval_every=0)
+        cfg = base.replace(parallel={"tp": tp, "pp": pp, "pp_schedule": schedule or "1f1b",
+                                     "sharding": "replicate" if tp * pp > 1 else "ddp", "sequence_parallel": tp > 1},
+                           batch={"grad_accum_steps": micro_batches,
+                                  "micro_batch_size": global_batch // (dp * micro_batches)},
+                           max_steps=steps, run_dir=str(paths(workdir)["runs"] / name), resume=False,
+                           checkpoint={"enabled": False}, eval={"every": 0})
         settings = run_settings(cfg, world_size=n)
         old = have.get((dp, tp, pp, schedule, base.model, micro_batches, global_batch))
         if reusable("parallel", name.removeprefix(f"sweep-parallel-{base.model}-"), old, settings):
@@ -304,7 +305,7 @@ def sweep_parallel(client, base: TrainConfig, workdir: str, *, splits: list[dict
         planned = planned_rank_memory(mcfg, cfg, world=n, seq_len=int(index["seq_len"]))
         step_time = res["global_batch_size"] / res["samples_per_s"]
         rows.append({"dp": dp, "tp": tp, "pp": pp, "pp_schedule": schedule, "micro_batches": micro_batches,
-                     "micro_batch_size": cfg.micro_batch_size, "global_batch_size": res["global_batch_size"],
+                     "micro_batch_size": cfg.batch.micro_batch_size, "global_batch_size": res["global_batch_size"],
                      "model": base.model, "world_size": n, "tokens_per_s": res["tokens_per_s"],
                      "samples_per_s": res["samples_per_s"], "step_time_s": step_time,
                      "pipeline_bubble": res["pipeline_bubble"], "planned_bubble": planned["bubble"],

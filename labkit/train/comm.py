@@ -20,7 +20,12 @@ chosen); ``wire_bytes(bucket)`` is the number of bytes that hook puts on the wir
 (the timer records it). Observers (``GradientObserver``) see each bucket's local gradient before
 the reduction and the averaged one after; FSDP2 gives them the reduce-scatter's input (this rank's
 unsharded gradients) and output shard. ``CommTimer.step_fields()`` gathers what the observers add
-to a metrics record, once per step, on every rank (it may run a collective).
+to a metrics record, once per step, on every rank. An observer that needs sums over the ranks
+(the noise scale's) adds no collective of its own: ``CommTimer.sideband(device)`` concatenates
+the observers' per-step vectors, the training loop sums them over the ranks inside the step's
+all-reduce of the loss (``all_reduce_with_sideband``, called by ``labkit.train.loop``), and
+``CommTimer.receive(summed)`` hands each observer its part back before ``step_fields`` (an
+observer not given its sums all-reduces them there itself).
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from labkit.train.dist import is_fsdp
 
 __all__ = [
-    "CommTimer", "time_gradient_collectives", "GradientObserver", "HookState", "compression_hook",
-    "powersgd_wire_bytes", "time_reduce_scatters", "timed_all_reduce"
+    "CommTimer", "all_reduce_with_sideband", "time_gradient_collectives", "GradientObserver", "HookState",
+    "compression_hook", "powersgd_wire_bytes", "time_reduce_scatters", "timed_all_reduce"
 ]
 
 
@@ -48,7 +53,10 @@ class GradientObserver:
     averaged bucket (DDP) or this rank's reduce-scatter shard (FSDP2, ``sharded=True``). Both run on
     the communication path: keep them to a few device ops (no host sync on CUDA). ``step_fields()``
     is called once per optimiser step on every rank, after the step, and returns the fields it adds
-    to the metrics record (it may all-reduce); ``reset()`` is called before each step."""
+    to the metrics record; ``reset()`` is called before each step. ``sideband(device)``: a 1-D
+    float64 tensor on ``device`` (or None) that the caller sums over every rank once per step,
+    after the backward, inside a collective it makes anyway, and returns through ``receive(summed)``
+    before ``step_fields`` (which all-reduces the sideband itself only when nothing was received)."""
 
     sharded = False
 
@@ -63,6 +71,12 @@ class GradientObserver:
 
     def step_fields(self) -> dict[str, Any]:  # noqa: D102
         return {}
+
+    def sideband(self, device: torch.device) -> torch.Tensor | None:  # noqa: D102
+        return None
+
+    def receive(self, summed: torch.Tensor) -> None:  # noqa: D102
+        return None
 
 
 class CommTimer:
@@ -80,6 +94,7 @@ class CommTimer:
         self.device, self.blocking = device, blocking
         self.observers = list(observers)
         self._records: list[tuple[Any, Any, int]] = []
+        self._sideband: list[tuple[GradientObserver, int]] = []
 
     def now(self) -> Any:
         """A time stamp: seconds (CPU) or a recorded CUDA event."""
@@ -110,12 +125,30 @@ class CommTimer:
         """What the step adds to its metrics record: ``comm_bytes`` (``sent_bytes``),
         ``comm_bucket_bytes`` (each collective's bytes in launch order: DDP's buckets, the last one
         holding the word embedding; ``labkit.study.scaling.link_step_time`` models them) and each
-        observer's ``step_fields()``. Collective when an observer's is: call on every rank."""
+        observer's ``step_fields()``. Collective when an observer's is (it received no sideband):
+        call on every rank."""
         fields: dict[str, Any] = {"comm_bytes": self.sent_bytes(),
                                   "comm_bucket_bytes": [c["bytes"] for c in self.collectives()]}
         for observer in self.observers:
             fields |= observer.step_fields()
         return fields
+
+    def sideband(self, device: torch.device) -> torch.Tensor:
+        """The observers' per-step vectors to sum over the ranks (``GradientObserver.sideband``),
+        concatenated: float64 [n] on ``device``, empty when none has any. Call on every rank after
+        the backward, sum the result over all ranks within the step's own all-reduce, then pass it
+        to ``receive``."""
+        parts = [(o, o.sideband(device)) for o in self.observers]
+        self._sideband = [(o, v.numel()) for o, v in parts if v is not None]
+        return torch.cat([torch.zeros(0, dtype=torch.float64, device=device),
+                          *[v.to(torch.float64) for _, v in parts if v is not None]])
+
+    def receive(self, summed: torch.Tensor) -> None:
+        """``sideband``'s vector summed over the ranks: each observer gets its slice."""
+        start = 0
+        for observer, n in self._sideband:
+            observer.receive(summed[start:start + n])
+            start += n
 
     def collectives(self) -> list[dict[str, float]]:
         """[{"start_s", "end_s", "bytes"}] of the step, in launch order; times in seconds from the
@@ -147,6 +180,20 @@ class HookState:
 
         self.timer, self.reduce, self.reduce_state = timer, reduce or allreduce_hook, reduce_state
         self.wire_bytes = wire_bytes or (lambda bucket: bucket.buffer().numel() * bucket.buffer().element_size())
+
+
+def all_reduce_with_sideband(values: torch.Tensor, timer: CommTimer | None) -> torch.Tensor:
+    """Sum ``values`` (float64 [n]) over all ranks in ONE all-reduce together with ``timer``'s
+    sideband (``CommTimer.sideband``: the observers' per-step sums), hand the summed sideband back
+    to the observers (``CommTimer.receive``) and return the summed ``values``. The training loop's
+    step all-reduce of the loss; identity without a process group (the observers still get theirs)."""
+    extra = timer.sideband(values.device) if timer is not None else values.new_zeros(0)
+    both = torch.cat([values, extra])
+    if dist.is_initialized():
+        dist.all_reduce(both, op=dist.ReduceOp.SUM)
+    if timer is not None:
+        timer.receive(both[values.numel():])
+    return both[:values.numel()]
 
 
 def _composed_hook(state, bucket):  # no annotations: DDP checks them against dist.GradBucket

@@ -52,11 +52,13 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", r"`torch\.jit\.(script|interface)` is deprecated", DeprecationWarning)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from labkit.train import buckets
+
 __all__ = [
     "all_gather_object", "all_reduce_smoke_test", "all_reduce_sum", "barrier", "clip_grad_norm", "dist_info",
     "grad_scaler", "init_distributed", "is_fsdp", "is_main", "load_optimizer_state_dict", "model_state_dict",
     "no_sync", "optimizer_state_dict", "print0", "resolve_device", "static_graph_valid", "steps_to_param_devices",
-    "teardown", "unwrap", "wrap_model", "auto_bucket_cap_mb"
+    "teardown", "unwrap", "wrap_model"
 ]
 
 _FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -174,37 +176,10 @@ def wrap_model(model: torch.nn.Module, cfg: Any, device: torch.device) -> torch.
     device_ids = [device.index] if device.type == "cuda" else None
     # gradients as views of DDP's buckets: no second copy (20 -> 16 B per parameter with AdamW)
     cap = getattr(cfg, "bucket_cap_mb", 25.0)
-    if cap == "auto":
-        cap = auto_bucket_cap_mb(model)
+    if cap == "auto":  # from the backward and the link measured now (labkit.train.buckets)
+        cap = buckets.auto_bucket_cap_mb(model, cfg, device)
     return DDP(model, device_ids=device_ids, find_unused_parameters=False, gradient_as_bucket_view=True,
                bucket_cap_mb=cap, static_graph=static_graph_valid(cfg))
-
-
-EMBEDDING_MODULES = ("word", "position", "token_type", "embed_norm")
-"""labkit's BertMLM modules whose gradients are complete only when backward reaches the embedding
-lookup (the tied word embedding among them), i.e. at the very end of backward."""
-
-
-def auto_bucket_cap_mb(model: torch.nn.Module, *, low: float = 1.0, high: float = 25.0) -> float:
-    """``TrainConfig.bucket_cap_mb="auto"``: DDP's bucket cap in MiB equal to the gradient bytes of
-    the embedding-side parameters (``EMBEDDING_MODULES``, fp32), clipped to [``low``, ``high``]
-    (torch's first-bucket 1 MiB and default 25 MiB).
-
-    DDP fills buckets in the order gradients become ready (after its first-step rebuild) and
-    closes one when it reaches the cap, so the last bucket holds the embedding's gradients plus
-    at most one cap of others. The embedding's gradient (with tied weights also the decoder's
-    share) is ready only when backward ends, so that bucket's all-reduce is always exposed; with
-    25 MiB caps on a model of tens of MB it carries a third of every gradient or more (the
-    shaped-link sweep: [26, 29, 24] MB for ``small``, one 14.5 MB bucket for ``mini``). Caps the
-    size of the embedding leave the last bucket about twice the embedding and let every other
-    bucket start on the link while backward still runs. A model without those modules gets
-    ``high``."""
-    children = dict(model.named_children())
-    nbytes = sum(4 * p.numel() for name in EMBEDDING_MODULES if name in children
-                 for p in children[name].parameters() if p.requires_grad)
-    if not nbytes:
-        return high
-    return float(min(high, max(low, nbytes / 2**20)))
 
 
 def static_graph_valid(cfg: Any) -> bool:

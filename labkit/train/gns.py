@@ -1,4 +1,4 @@
-"""The gradient noise scale of a run, measured inside its gradient collective.
+"""The gradient noise scale of a run, measured inside its gradient collective, with its interval.
 
 McCandlish, Kaplan, Amodei et al. 2018, "An Empirical Model of Large-Batch Training"
 (arXiv:1812.06162), App. A.1: with G the true (expected) gradient, Σ the covariance of the
@@ -12,16 +12,35 @@ unbiased estimates
 each smoothed by its own bias-corrected EMA; the simple noise scale is their ratio
 B_simple = tr(Σ)/|G|² (the ratio of single-step estimates is biased and very noisy).
 
+Its interval (``fieller_interval``): the two EMAs are weighted means of the per-step estimates
+(weights w_t, Σw = 1), whose covariance is Σw² times the steps' own weighted covariance; Fieller's
+theorem (Fieller 1954, "Some problems in interval estimation", JRSS B 16(2):175-185) turns that
+into an interval for their ratio, a Student-t quantile at Kish's effective number of steps
+1/Σw². Unlike the delta method (its first-order form) it stays honest when the |G|² average is
+barely above its error: the interval is then long or open above.
+
 Where the two batches come from (``NoiseScale.for_run``):
 
 - DDP (ddp, zero1), R ranks, local batch b, accumulation k: the comm hook's bucket before the
   all-reduce is this rank's gradient of b·k sequences, the averaged bucket after it the gradient
   of R·b·k. ``|G_small|²`` is the mean over ranks of the local squared norm. (k-diffusion's
-  ``k_diffusion/gns.py``, ``DDPGradientStatsHook``, takes the same two sums in a hook.)
+  ``k_diffusion/gns.py``, ``DDPGradientStatsHook``, takes the same two sums in a hook.) Every rank
+  holds the same average, so each takes the squared norm of its 1/R slice of it (the sum over
+  ranks is the whole).
+- DDP under PowerSGD: the averaged bucket is the compressed one, so both norms come from a count
+  sketch (``CountSketch``) of each local bucket before compression, m bins each; the sketches
+  are linear, so their sum over ranks is the sketch of the uncompressed mean: |G_small|² =
+  mean_r |S g_r|², |G_big|² = |mean_r S g_r|², with E_S|S x|² = |x|². The sums ride the step's
+  small all-reduce (below), a few KB, not a second all-reduce of the gradient.
 - FSDP2: each micro-batch's reduce-scatter; its input is this rank's gradient of b sequences,
   its output a shard of the average over ranks (R·b); shard squared norms add up over ranks.
 - One rank: the micro-batches of an accumulated step (``grad_accum_steps >= 2``), each a batch of
   b, against their sum (b·k). ``forward_backward`` feeds them (``micro=True``).
+
+No collective of its own: ``sideband()`` gives the step's sums (a float64 vector) to the caller,
+which sums them over the ranks inside the step's all-reduce of the loss
+(``labkit.train.comm.CommTimer.sideband``) and hands them back with ``receive``; only a caller
+that does not do so makes ``step_fields`` all-reduce them itself.
 
 What an example is, for MLM: a sequence. labkit's loss is the mean CE over the masked tokens of
 the global batch (``labkit.train.loop``: each rank's loss is scaled by world_size /
@@ -34,12 +53,14 @@ loss scale multiplies both squared norms of a step alike; B_simple is invariant 
 |G|² and tr(Σ) fields are not (they are reported unscaled only for fp32/bf16).
 
 Definitions and their sources: docs/measurement.md. Tests: tests/train/test_gns.py (against exact
-per-example gradients from ``torch.func``).
+per-example gradients from ``torch.func``; the interval's coverage; PowerSGD against the plain
+all-reduce on the same batches).
 """
 
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 from typing import Any
 
 import torch
@@ -47,9 +68,13 @@ import torch.distributed as dist
 
 from labkit.train.comm import GradientObserver
 
-__all__ = ["BiasCorrectedEMA", "NoiseScale", "squared_norm", "two_batch_estimates"]
+__all__ = ["BiasCorrectedEMA", "CountSketch", "NoiseScale", "fieller_interval", "squared_norm", "t_quantile",
+           "two_batch_estimates"]
 
 EMA_BETA = 0.95  # each estimate's EMA: ~20 steps of memory, bias-corrected (Adam's correction)
+INTERVAL_LEVEL = 0.90  # two-sided level of b_simple_low .. b_simple_high
+MIN_INTERVAL_STEPS = 10  # no interval before this many steps are folded in (Kish's n_eff ~ 10)
+SKETCH_BINS = 4096  # count-sketch bins per bucket under PowerSGD: relative error of |S x|² ≲ √(2/m) = 2.2 % a step
 
 
 def squared_norm(t: torch.Tensor) -> torch.Tensor:
@@ -67,6 +92,35 @@ def two_batch_estimates(sq_small: float, sq_big: float, b_small: float, b_big: f
     g2 = (b_big * sq_big - b_small * sq_small) / (b_big - b_small)
     trace = (sq_small - sq_big) / (1.0 / b_small - 1.0 / b_big)
     return g2, trace
+
+
+def t_quantile(p: float, dof: float) -> float:
+    """Student-t quantile at probability ``p`` with ``dof`` degrees of freedom (> 0), from the
+    normal one by the Cornish-Fisher expansion (Abramowitz & Stegun 26.7.5; within 0.3 % for
+    dof >= 5, the normal quantile as dof -> inf)."""
+    z = NormalDist().inv_cdf(p)
+    return (z + (z ** 3 + z) / (4 * dof) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * dof ** 2)
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * dof ** 3))
+
+
+def fieller_interval(num: float, den: float, v_num: float, v_den: float, cov: float,
+                     q: float) -> tuple[float, float | None]:
+    """Fieller's interval (Fieller 1954, JRSS B 16(2):175-185) for the ratio num/den of two
+    estimates with variances ``v_num``, ``v_den`` and covariance ``cov``, at quantile ``q`` (1.645:
+    90 % two-sided): the ρ with (num − ρ·den)² ≤ q²·Var(num − ρ·den). Returns (low, high), clipped
+    at 0 below (a ratio of positive quantities); high is None where the set is open above (``den``
+    not clearly above its error: q²·v_den ≥ den²), and low is then the smallest positive member."""
+    a = den * den - q * q * v_den
+    b = -2.0 * (num * den - q * q * cov)
+    c = num * num - q * q * v_num
+    disc = b * b - 4 * a * c
+    if a > 0:  # a bounded interval around num/den (disc >= 0 whenever the variances are a covariance)
+        root = math.sqrt(max(disc, 0.0))
+        return max(0.0, (-b - root) / (2 * a)), max(0.0, (-b + root) / (2 * a))
+    if disc <= 0 or a == 0:  # every ratio (or a one-sided set): nothing excluded
+        return 0.0, None
+    r1, r2 = sorted(((-b - math.sqrt(disc)) / (2 * a), (-b + math.sqrt(disc)) / (2 * a)))
+    return (max(r2, 0.0) if r1 <= 0 else 0.0), None  # (-inf, r1] ∪ [r2, inf), positive part's hull
 
 
 class BiasCorrectedEMA:
@@ -88,44 +142,110 @@ class BiasCorrectedEMA:
         """The corrected average (None before the first update)."""
         return self.value / (1.0 - self.beta ** self.n) if self.n else None
 
+    def weight_sq(self) -> float:
+        """Σ w_i² of the normalised weights w_i = β^(n−i)(1−β)/(1−β^n): (1−β)(1+β^n) / ((1+β)(1−β^n));
+        1/Σw² is Kish's effective number of values (1 after one update, (1+β)/(1−β) in the limit)."""
+        b, n = self.beta, self.n
+        return (1 - b) * (1 + b ** n) / ((1 + b) * (1 - b ** n)) if n else 1.0
+
+
+class CountSketch:
+    """A linear sketch S: R^n -> R^m (m = min(``bins``, n)) with E|S x|² = |x|² for every x: the
+    AMS / count-sketch second-moment estimator (Alon, Matias, Szegedy 1996, "The space complexity of
+    approximating the frequency moments"; Charikar, Chen, Farach-Colton 2002): element i goes to
+    bin i mod m with a random sign, so |S x|² = |x|² + Σ over pairs sharing a bin of ±2·x_i·x_j, whose
+    signs average out; its variance is at most 2|x|⁴/m when no bin holds much of |x|². With
+    n <= m it is exact. The signs come from a generator seeded with ``seed`` (the same on every rank:
+    the sketch must be the same linear map everywhere), as a float buffer of the largest n + bins
+    seen; call ``offset`` k (0 <= k < bins) reads the signs from position k, a fresh sketch
+    (uncorrelated errors) for each k at no cost. Input: a 1-D tensor; output: fp32 [m], same device."""
+
+    def __init__(self, bins: int = SKETCH_BINS, seed: int = 0) -> None:
+        if bins < 1:
+            raise ValueError(f"CountSketch: bins must be >= 1, got {bins}")
+        self.bins, self.seed = bins, seed
+        self._signs: torch.Tensor | None = None
+
+    def _sign_buffer(self, n: int, device: torch.device) -> torch.Tensor:
+        need = n + self.bins
+        if self._signs is None or self._signs.numel() < need or self._signs.device != device:
+            size = max(need, self._signs.numel() if self._signs is not None else 0)
+            g = torch.Generator().manual_seed(self.seed)
+            self._signs = (torch.randint(0, 2, (size,), generator=g, dtype=torch.int8) * 2 - 1).float().to(device)
+        return self._signs
+
+    def __call__(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        x = x.reshape(-1)
+        n = x.numel()
+        m = min(self.bins, n)
+        k = offset % self.bins
+        y = x.float() * self._sign_buffer(n, x.device)[k:k + n]
+        full = n - n % m
+        out = y[:full].view(-1, m).sum(0)
+        if full < n:
+            out[:n - full] += y[full:]
+        return out
+
 
 class NoiseScale(GradientObserver):
     """The simple gradient noise scale B_simple of a run, from the gradient collective.
 
-    ``b_small`` and ``b_big``: the two batch sizes in sequences (``for_run`` derives them).
-    Per step, ``before`` sums the squared norm of every local bucket (``scale_small`` × the sum is
-    |G_small|², averaged over ranks in ``step_fields``), ``after`` that of every reduced bucket or
-    shard (``scale_big`` × the sum is |G_big|²; shard norms add over ranks with ``sharded``).
+    ``b_small`` and ``b_big``: the two batch sizes in sequences (``for_run`` derives them);
+    ``ranks`` the data-parallel ranks, ``rank`` this one's place among them. Per step, ``before``
+    sums the squared norm of every local bucket (``scale_small`` × the mean over ranks of the sum is
+    |G_small|²); ``after`` that of this rank's share of every reduced bucket (its 1/R slice of DDP's
+    average, or, with ``sharded``, its FSDP2 shard; ``scale_big`` × the sum over ranks is
+    |G_big|²). With ``sketch_bins`` (PowerSGD: the reduced bucket is the compressed one) ``before``
+    keeps a ``CountSketch`` of each local bucket instead and ``after`` is ignored (module docstring).
     ``count(n_masked_global)`` gives the step's masked tokens (``n_sequences`` per step) for the
-    token unit. ``step_fields()`` all-reduces two scalars and returns the record fields:
+    token unit. ``sideband``/``receive`` carry the step's sums through the caller's all-reduce.
+    ``step_fields()`` returns the record fields:
 
     - ``b_simple``: tr(Σ)/|G|² from the two EMAs, in sequences (None while the |G|² EMA is <= 0);
-    - ``b_simple_tokens``: the same in masked tokens;
+    - ``b_simple_low``, ``b_simple_high``: its ``INTERVAL_LEVEL`` (90 %) Fieller interval from the
+      steps' spread (module docstring; None before ``MIN_INTERVAL_STEPS`` steps; high None: open);
+    - ``b_simple_tokens``: B_simple in masked tokens;
     - ``gns_grad_sq``, ``gns_trace_cov``: the EMAs of |G|² and tr(Σ);
-    - ``gns_sq_small``, ``gns_sq_big``, ``gns_b_small``, ``gns_b_big``: this step's raw inputs.
-    """
+    - ``gns_sq_small``, ``gns_sq_big``, ``gns_b_small``, ``gns_b_big``: this step's raw inputs;
+      ``gns_sketch_bins``: the sketch's bins per bucket (None: exact norms).
 
-    def __init__(self, b_small: int, b_big: int, *, n_sequences: int | None = None, ranks: int = 1,
+    ``state_dict()``/``load_state_dict()``: the averages and the sketch's step count (a resumed run
+    continues both)."""
+
+    def __init__(self, b_small: int, b_big: int, *, n_sequences: int | None = None, ranks: int = 1, rank: int = 0,
                  sharded: bool = False, scale_small: float = 1.0, scale_big: float = 1.0, micro: bool = False,
-                 beta: float = EMA_BETA) -> None:
+                 sketch_bins: int | None = None, beta: float = EMA_BETA) -> None:
         if not 0 < b_small < b_big:
             raise ValueError(f"NoiseScale: need 0 < b_small < b_big sequences, got {b_small} and {b_big}")
-        self.b_small, self.b_big, self.ranks, self.sharded, self.micro = b_small, b_big, ranks, sharded, micro
+        if not 0 <= rank < ranks:
+            raise ValueError(f"NoiseScale: rank must be in [0, ranks), got {rank} of {ranks}")
+        self.b_small, self.b_big, self.ranks, self.rank = b_small, b_big, ranks, rank
+        self.sharded, self.micro = sharded, micro
         self.scale_small, self.scale_big = scale_small, scale_big
         self.n_sequences = n_sequences or b_big
-        self.grad_sq, self.trace, self.masked = BiasCorrectedEMA(beta), BiasCorrectedEMA(beta), BiasCorrectedEMA(beta)
+        self.sketch = CountSketch(sketch_bins) if sketch_bins else None
+        self.means = {k: BiasCorrectedEMA(beta) for k in ("g", "s", "gg", "ss", "gs")}  # per-step (|G|², tr Σ) moments
+        self.masked = BiasCorrectedEMA(beta)
+        self.steps = 0  # reset() calls: the sketch's offset, the same on every rank
         self.reset()
 
     @classmethod
-    def for_run(cls, *, micro_batch_size: int, grad_accum_steps: int, dp: int, sharding: str) -> "NoiseScale | None":
-        """The observer for a data-parallel run of ``dp`` ranks (``sharding`` ddp, zero1 or fsdp)
-        or one process (dp 1: the micro-batches, needs ``grad_accum_steps >= 2``); None where no
-        two batch sizes exist (one process without accumulation)."""
+    def for_run(cls, *, micro_batch_size: int, grad_accum_steps: int, dp: int, sharding: str,
+                dp_rank: int | None = None, compression: str = "none") -> "NoiseScale | None":
+        """The observer for a data-parallel run of ``dp`` ranks (``sharding`` ddp, zero1 or fsdp;
+        ``dp_rank`` this rank's place, default the process group's rank) or one process (dp 1: the
+        micro-batches, needs ``grad_accum_steps >= 2``); None where no two batch sizes exist (one
+        process without accumulation). ``compression`` (``TrainConfig.grad_compression``):
+        "powersgd" sketches the local buckets (class docstring); "none" and "bf16" use the reduced
+        bucket (bf16's rounding moves its squared norm by ~2^-16 relative)."""
         b, k = micro_batch_size, grad_accum_steps
+        rank = dp_rank if dp_rank is not None else (dist.get_rank() % dp if dist.is_initialized() and dp > 1 else 0)
         if dp > 1 and sharding == "fsdp":  # one reduce-scatter per micro-batch: b against dp·b, k per step
-            return cls(b, dp * b, n_sequences=dp * b * k, ranks=dp, sharded=True, scale_small=k, scale_big=k)
+            return cls(b, dp * b, n_sequences=dp * b * k, ranks=dp, rank=rank, sharded=True, scale_small=k,
+                       scale_big=k)
         if dp > 1:
-            return cls(b * k, dp * b * k, ranks=dp)
+            return cls(b * k, dp * b * k, ranks=dp, rank=rank,
+                       sketch_bins=SKETCH_BINS if compression == "powersgd" else None)
         if k >= 2:  # micro-batch j's share d_j of the step's gradient: G_small = k·d_j, G_big = Σ d_j
             return cls(b, b * k, n_sequences=b * k, scale_small=k, micro=True)
         return None
@@ -135,13 +255,28 @@ class NoiseScale(GradientObserver):
         self._small: Any = 0.0
         self._big: Any = 0.0
         self._masked: Any = None
+        self._sketches: dict[int, torch.Tensor] = {}
+        self._received: torch.Tensor | None = None
+        self.steps += 1
 
     def before(self, bucket_index: int, local: torch.Tensor) -> None:
-        """Add the squared norm of this rank's local gradient bucket (before the reduction)."""
-        self.add_small(squared_norm(local))
+        """Add the squared norm of this rank's local gradient bucket (before the reduction), or,
+        sketching, keep the bucket's sketch."""
+        if self.sketch is not None:
+            s = self.sketch(local, offset=self.steps * 2654435761 + 977 * bucket_index)  # fresh per step and bucket
+            self._sketches[bucket_index] = s
+            self.add_small(squared_norm(s))
+        else:
+            self.add_small(squared_norm(local))
 
     def after(self, bucket_index: int, reduced: torch.Tensor) -> None:
-        """Add the squared norm of the reduced bucket (DDP: the average) or shard (FSDP2)."""
+        """Add the squared norm of this rank's share of the reduced bucket: the FSDP2 shard, or its
+        1/R slice of DDP's average (nothing when sketching)."""
+        if self.sketch is not None:
+            return
+        if not self.sharded and self.ranks > 1:
+            n = reduced.numel()
+            reduced = reduced.reshape(-1)[self.rank * n // self.ranks:(self.rank + 1) * n // self.ranks]
         self.add_big(squared_norm(reduced))
 
     def add_small(self, sq: torch.Tensor | float) -> None:
@@ -156,27 +291,83 @@ class NoiseScale(GradientObserver):
         """The step's masked tokens over all ranks (a tensor is read only in ``step_fields``)."""
         self._masked = n_masked_global
 
+    def sideband(self, device: torch.device) -> torch.Tensor:
+        """The step's sums to add up over the ranks, float64 on ``device``: [Σ local squared norms,
+        Σ this rank's share of the reduced squared norms, *the buckets' sketches in bucket order]."""
+        sums = [v.reshape(1) if isinstance(v, torch.Tensor) else torch.tensor([float(v)])
+                for v in (self._small, self._big)]
+        sketches = [self._sketches[i] for i in sorted(self._sketches)]
+        return torch.cat([v.to(device=device, dtype=torch.float64) for v in [*sums, *sketches]])
+
+    def receive(self, summed: torch.Tensor) -> None:
+        """The sideband summed over the ranks (``sideband``'s layout)."""
+        self._received = summed
+
     def step_fields(self) -> dict[str, Any]:
-        """Fold in this step (all-reduces [Σ local, Σ reduced] once when distributed) and return
-        the record fields (class docstring). A step with a non-finite norm is not folded in."""
-        sums = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in (self._small, self._big)]
-        both = torch.stack([v.to(device=sums[0].device, dtype=torch.float64) for v in sums])
-        if self.ranks > 1 and dist.is_initialized():
-            dist.all_reduce(both, op=dist.ReduceOp.SUM)
-            both[0] /= self.ranks
-            if not self.sharded:  # every rank holds the whole average: its norm counted R times
-                both[1] /= self.ranks
-        both = both.cpu()
-        sq_small, sq_big = float(both[0]) * self.scale_small, float(both[1]) * self.scale_big
-        fields: dict[str, Any] = {"gns_sq_small": sq_small, "gns_sq_big": sq_big,
-                                  "gns_b_small": self.b_small, "gns_b_big": self.b_big}
+        """Fold in this step and return the record fields (class docstring). Without ``receive``
+        this step, all-reduces the sideband itself when there are ranks. A step with a non-finite
+        norm is not folded in."""
+        summed = self._received
+        if summed is None:
+            summed = self.sideband(self._device())
+            if self.ranks > 1 and dist.is_initialized():
+                dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        summed = summed.cpu()
+        sq_small = float(summed[0]) / self.ranks * self.scale_small
+        if self.sketch is not None:  # |mean over ranks of the sketches|²
+            sq_big = float(summed[2:].square().sum()) / self.ranks ** 2 * self.scale_big
+        else:
+            sq_big = float(summed[1]) * self.scale_big
+        fields: dict[str, Any] = {"gns_sq_small": sq_small, "gns_sq_big": sq_big, "gns_b_small": self.b_small,
+                                  "gns_b_big": self.b_big, "gns_sketch_bins": self.sketch.bins if self.sketch else None}
         if math.isfinite(sq_small) and math.isfinite(sq_big) and (sq_small or sq_big):
             g2, trace = two_batch_estimates(sq_small, sq_big, self.b_small, self.b_big)
-            self.grad_sq.update(g2)
-            self.trace.update(trace)
+            for key, v in (("g", g2), ("s", trace), ("gg", g2 * g2), ("ss", trace * trace), ("gs", g2 * trace)):
+                self.means[key].update(v)
             if self._masked is not None:
                 self.masked.update(float(self._masked) / self.n_sequences)
-        g2, trace, per_seq = self.grad_sq.get(), self.trace.get(), self.masked.get()
+        g2, trace, per_seq = self.means["g"].get(), self.means["s"].get(), self.masked.get()
         b_simple = trace / g2 if g2 is not None and trace is not None and g2 > 0 else None
+        low, high = self.interval()
         return fields | {"gns_grad_sq": g2, "gns_trace_cov": trace, "b_simple": b_simple,
+                         "b_simple_low": low, "b_simple_high": high,
                          "b_simple_tokens": b_simple * per_seq if b_simple is not None and per_seq else None}
+
+    def interval(self, level: float = INTERVAL_LEVEL) -> tuple[float | None, float | None]:
+        """(low, high) of B_simple at two-sided ``level`` (module docstring; ``fieller_interval``
+        with the t quantile at Kish's n_eff − 1 degrees of freedom); (None, None) before
+        ``MIN_INTERVAL_STEPS`` steps."""
+        m = {k: e.get() for k, e in self.means.items()}
+        n = self.means["g"].n
+        if n < MIN_INTERVAL_STEPS:
+            return None, None
+        w2 = self.means["g"].weight_sq()  # Var(weighted mean) = Σw² · (weighted variance, unbiased)
+        scale = w2 / (1.0 - w2)
+        v_g = max(m["gg"] - m["g"] ** 2, 0.0) * scale
+        v_s = max(m["ss"] - m["s"] ** 2, 0.0) * scale
+        cov = (m["gs"] - m["g"] * m["s"]) * scale
+        q = t_quantile(0.5 + level / 2, 1.0 / w2 - 1.0)
+        return fieller_interval(m["s"], m["g"], v_s, v_g, cov, q)
+
+    def _device(self) -> torch.device:
+        for v in (self._small, self._big):
+            if isinstance(v, torch.Tensor):
+                return v.device
+        return torch.device("cpu")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The averages and the step count, plain Python numbers (torch.save/JSON-able)."""
+        return {"means": {k: [e.value, e.n] for k, e in self.means.items()},
+                "masked": [self.masked.value, self.masked.n], "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state_dict()``'s output; ValueError naming a missing field."""
+        for key in ("means", "masked", "steps"):
+            if key not in state:
+                raise ValueError(f"NoiseScale.load_state_dict: missing {key!r}")
+        for k, e in self.means.items():
+            if k not in state["means"]:
+                raise ValueError(f"NoiseScale.load_state_dict: missing means[{k!r}]")
+            e.value, e.n = float(state["means"][k][0]), int(state["means"][k][1])
+        self.masked.value, self.masked.n = float(state["masked"][0]), int(state["masked"][1])
+        self.steps = int(state["steps"])

@@ -38,7 +38,6 @@ global batch = micro_batch_size * grad_accum_steps * dp.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 import json
@@ -60,6 +59,7 @@ from labkit.io import atomic_write_json, atomic_write_text
 from labkit.model import BertMLM, count_parameters, flops_per_token
 from labkit.train import dist, parallel, provenance, resume, rng, sinks
 from labkit.train.checkpoint import Checkpointer, _rng_state, agree_on_plan, plan_run
+from labkit.train.comm import all_reduce_with_sideband
 from labkit.train.optim import lr_at
 from labkit.train.run_config import (check_resume, data_identity, finished_run, model_config_of, save_run_config,
                                      with_segments)
@@ -225,7 +225,7 @@ def _keep_global_batch(cfg: TrainConfig, saved: int | None, dp: int) -> TrainCon
         raise ValueError(f"grad_accum_steps: the checkpoint's global batch {saved} is not micro_batch_size "
                          f"{cfg.micro_batch_size} x dp {dp} x a whole number of accumulation steps (resume at a dp "
                          f"dividing {saved} / micro_batch_size)")
-    return dataclasses.replace(cfg, grad_accum_steps=accum)
+    return cfg.replace(batch={"grad_accum_steps": accum})
 
 
 def _start_files(run_dir: pathlib.Path, cfg: TrainConfig, identity: dict, prov: dict, *, resumed: bool,
@@ -314,8 +314,8 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum, n_masked, n_tokens = runtime.forward_backward(micro_batches)
-        summed = dist.all_reduce_sum(torch.stack([loss_sum.double(), torch.tensor(wait, dtype=torch.float64,
-                                                                                    device=loss_sum.device)]))
+        summed = all_reduce_with_sideband(torch.stack([loss_sum.double(), torch.tensor(  # + the observers' sums (gns)
+            wait, dtype=torch.float64, device=loss_sum.device)]), runtime.comm)
         loss = summed[0].item() / max(1, n_masked.item())
         wait_mean = summed[1].item() / world
         # 3. unscale (fp16), clip the global grad norm, step; a non-finite loss (or, fp32/bf16,
@@ -487,6 +487,7 @@ def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple], *, fpt:
               "activation_checkpointing": mcfg.activation_checkpointing, "wall_s": time.time() - t_start,
               "provenance": prov | {"end_time": provenance.now_iso()}}
     noisy = [r for r in records if r.get("b_simple") is not None]  # labkit.train.gns: the last EMA
-    result |= {k: noisy[-1][k] if noisy else None for k in ("b_simple", "b_simple_tokens")}
+    result |= {k: noisy[-1][k] if noisy else None for k in ("b_simple", "b_simple_low", "b_simple_high",
+                                                            "b_simple_tokens")}
     dp = global_batch // (cfg.micro_batch_size * cfg.grad_accum_steps)
     return result | parallel.result_fields(cfg, dp, records)  # the split, its measured means

@@ -21,7 +21,7 @@ __all__ = ["build_optimizer", "lr_at"]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate of optimiser step ``step`` (0-based) under ``cfg.schedule``.
+    """Learning rate of optimiser step ``step`` (0-based) under ``cfg.schedule.kind``.
 
     Warm-up: ``lr * (step + 1) / warmup_steps`` for step < warmup_steps (linear, never 0).
     Then, with progress p = (step - warmup) / (last - warmup) in [0, 1], last = max_steps - 1
@@ -38,18 +38,18 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     """
     peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
     last = cfg.max_steps - 1
-    if cfg.schedule == "hf_linear":  # transformers.optimization._get_linear_schedule_with_warmup_lr_lambda
+    if cfg.schedule.kind == "hf_linear":  # transformers.optimization._get_linear_schedule_with_warmup_lr_lambda
         if step < cfg.warmup_steps:
             return peak * step / max(1, cfg.warmup_steps)
         return peak * max(0.0, (cfg.max_steps - step) / max(1, cfg.max_steps - cfg.warmup_steps))
     if step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "wsd":
+    if cfg.schedule.kind == "wsd":
         decay_start = max(cfg.warmup_steps, cfg.max_steps - round(cfg.wsd_decay_fraction * cfg.max_steps))
         p = min(1.0, (step - decay_start) / max(1, last - decay_start)) if step >= decay_start else 0.0
         return floor + (peak - floor) * (1.0 - p)
     p = min(1.0, (step - cfg.warmup_steps) / max(1, last - cfg.warmup_steps))
-    if cfg.schedule == "cosine":
+    if cfg.schedule.kind == "cosine":
         return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * p))
     return floor + (peak - floor) * (1.0 - p)
 

@@ -2,20 +2,23 @@
 
 A run directory keeps ``config.json`` (the ``TrainConfig``) and ``data.json`` (what the
 run's data was: ``data_identity``). Resuming from one of its checkpoints compares both with
-the new run's, field by field (``config_drift``):
+the new run's, field by field (``config_drift``, on dotted names such as ``optim.lr``; a
+config.json from before the sections, with flat names, reads the same through
+``labkit.config.dotted``). Each field declares in its metadata whether it may change
+(``labkit.config.resume_policy``):
 
-- ``FREE_FIELDS`` never matter: where things are (run_dir, data_dir, tokenizer_path; the data
-  and tokenizer themselves are compared by hash instead), how the process runs (threads,
-  loader workers, backend, timeout, verification, metric trackers, the provenance record that
-  config.json carries, the run's id), ``stop_after`` (a simulated interruption:
-  the schedule follows max_steps) and this module's own switch.
+- ``FREE_FIELDS`` never matter: where things are (run_dir, data_dir, data.tokenizer_path; the
+  data and tokenizer themselves are compared by hash instead), how the process runs (threads,
+  loader workers, backend, timeout, verification, metric trackers, asynchronous checkpoints),
+  ``stop_after`` (a simulated interruption: the schedule follows max_steps), the resume switches,
+  and the records config.json carries besides the fields (provenance, run_id).
 - ``SAFE_FIELDS`` change what is logged, saved or how far the run goes, not the steps already
-  taken: more steps (``max_steps``; with a decaying schedule the LR of the
-  remaining steps follows the new max_steps), log, checkpoint and evaluation intervals, the
-  tensor/pipeline split. They may differ only with ``TrainConfig.allow_safe_changes=True``.
+  taken: more steps (``max_steps``; with a decaying schedule the LR of the remaining steps
+  follows the new max_steps), log, checkpoint and evaluation settings, the split and the
+  data-parallel sharding. They may differ only with ``TrainConfig.allow_safe_changes=True``.
 - Every other field changes the result (model and its overrides, optimiser, schedule, batch,
-  masking, precision, sharding, seed, ...), as do the data's shard hashes, the tokenizer hash
-  and the sequence length: such a resume is refused.
+  masking, precision, seed, ...), as do the data's shard hashes, the tokenizer hash and the
+  sequence length: such a resume is refused.
 
 The refusal is one line naming every differing field with both values. Earlier configurations
 are kept: before a different config.json is written, the old one is moved to
@@ -29,6 +32,7 @@ import os
 import pathlib
 from typing import Any
 
+from labkit.config import dotted, resume_policy
 from labkit.io import sha256_bytes
 
 __all__ = [
@@ -36,18 +40,15 @@ __all__ = [
     "save_run_config", "finished_run", "trained_seconds", "with_segments"
 ]
 
-FREE_FIELDS = frozenset({"run_dir", "data_dir", "tokenizer_path", "num_workers", "num_threads", "backend",
-                         "timeout_s", "verify_data", "resume", "allow_safe_changes", "stop_after", "trackers",
-                         "provenance", "run_id", "async_checkpoint"})
-"""TrainConfig fields that never change a run's result."""
+FREE_FIELDS = frozenset({k for k, v in resume_policy().items() if v == "free"} | {"provenance", "run_id"})
+"""TrainConfig fields (dotted) that never change a run's result, and config.json's other records."""
 
-SAFE_FIELDS = frozenset({"max_steps", "checkpoints", "log_every", "ckpt_every", "keep_checkpoints", "eval_every",
-                         "eval_sequences", "eval_batch_size", "timing_warmup_steps",
-                         "tp", "pp", "pp_schedule", "pp_virtual_stages", "sequence_parallel", "sharding"})
-"""TrainConfig fields that may change on resume with ``allow_safe_changes=True``. The model-parallel
-split and the data-parallel sharding change how a step is computed, not what (the same loss to
-rounding: a checkpoint loads at another split, sharding or world size, with the global batch kept,
-``labkit.train.checkpoint.load``; a format-1 checkpoint only at its own, ``parallel.refuse_checkpoint``)."""
+SAFE_FIELDS = frozenset(k for k, v in resume_policy().items() if v == "safe")
+"""TrainConfig fields (dotted) that may change on resume with ``allow_safe_changes=True``. The
+model-parallel split and the data-parallel sharding change how a step is computed, not what (the
+same loss to rounding: a checkpoint loads at another split, sharding or world size, with the
+global batch kept, ``labkit.train.checkpoint.load``; a format-1 checkpoint only at its own,
+``parallel.refuse_checkpoint``)."""
 
 
 def data_identity(index: dict) -> dict[str, Any]:
@@ -61,10 +62,12 @@ def data_identity(index: dict) -> dict[str, Any]:
 
 def config_drift(saved: dict, new: dict, saved_data: dict | None, new_data: dict, *,
                  allow_safe_changes: bool) -> list[str]:
-    """The differences that forbid a resume, each "field: old -> new": result-changing
-    ``TrainConfig`` fields and data identity fields always, ``SAFE_FIELDS`` unless
-    ``allow_safe_changes``. ``saved``/``new``: ``to_dict`` of the configs; ``saved_data`` None
-    (a run directory from before data.json) skips the data comparison."""
+    """The differences that forbid a resume, each "field: old -> new" (fields dotted, sorted):
+    result-changing ``TrainConfig`` fields and data identity fields always, ``SAFE_FIELDS`` unless
+    ``allow_safe_changes``. ``saved``/``new``: ``to_dict`` of the configs (a saved one may have the
+    flat names of before the sections); ``saved_data`` None (a run directory from before
+    data.json) skips the data comparison."""
+    saved, new = dotted(saved), dotted(new)
     out = []
     for key in sorted(set(saved) | set(new)):
         if key in FREE_FIELDS or (allow_safe_changes and key in SAFE_FIELDS) or key not in saved:

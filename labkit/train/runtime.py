@@ -132,7 +132,8 @@ class Runtime:
         if self._split is None:
             sharding = cfg.sharding if torch.distributed.is_initialized() else "none"
             self.noise = NoiseScale.for_run(micro_batch_size=cfg.micro_batch_size, grad_accum_steps=cfg.grad_accum_steps,
-                                            dp=self.dp, sharding=sharding)
+                                            dp=self.dp, sharding=sharding, dp_rank=self.dp_rank,
+                                            compression=cfg.grad_compression)
             if self.noise is not None and not self.noise.micro:  # an observer of the collective
                 observers = [*observers, self.noise]
             if reduce is None:  # cfg.grad_compression's hook (torch's bf16 / PowerSGD; None: the plain all-reduce)

@@ -61,10 +61,10 @@ def allreduce_ranks():
 def _cfg(a: dict, run_dir: str):
     from labkit.config import TrainConfig
 
-    return TrainConfig(data_dir=a["shards"], run_dir=run_dir, model="tiny", micro_batch_size=4,
-                       max_steps=a["steps"], lr=3e-3, warmup_steps=2, num_threads=1, timing_warmup_steps=1,
-                       device="cpu", backend="gloo", seed=0, ckpt_every=a.get("ckpt_every", 10),
-                       keep_checkpoints=2, resume=True, timeout_s=a.get("timeout_s", 60))
+    return TrainConfig(data_dir=a["shards"], run_dir=run_dir, model="tiny", max_steps=a["steps"], num_threads=1,
+                       device="cpu", backend="gloo", seed=0, resume=True, timeout_s=a.get("timeout_s", 60),
+                       batch={"micro_batch_size": 4}, optim={"lr": 3e-3}, schedule={"warmup_steps": 2},
+                       measure={"timing_warmup_steps": 1}, checkpoint={"every": a.get("ckpt_every", 10), "keep": 2})
 
 
 def _start(a: dict, engines: str):

@@ -102,8 +102,9 @@ def test_slurm_engines_on_two_nodes(slurm, tmp_path):
         from labkit.config import TrainConfig
 
         pp2 = TrainConfig(data_dir=str(workdir / "shards"), run_dir=str(tmp_path / "pp2-dp2"), model="tiny",
-                          micro_batch_size=4, grad_accum_steps=2, max_steps=3, warmup_steps=1, pp=2, sharding="fsdp",
-                          device="cpu", num_threads=1, timeout_s=120, trackers=(), timing_warmup_steps=1)
+                          max_steps=3, device="cpu", num_threads=1, timeout_s=120,
+                          batch={"micro_batch_size": 4, "grad_accum_steps": 2}, schedule={"warmup_steps": 1},
+                          parallel={"pp": 2, "sharding": "fsdp"}, measure={"trackers": (), "timing_warmup_steps": 1})
         result = lab.train_on_cluster(rc, pp2, staged=staged, timeout=300)
         assert (result["dp"], result["pp"], result["world_size"], result["steps"]) == (2, 2, 4, 3)
         assert 0 < result["pipeline_bubble"] < 1 and result["final_loss"] < result["initial_loss"] + 1

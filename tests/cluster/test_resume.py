@@ -89,10 +89,10 @@ def test_train_killed_mid_run_resumes_from_checkpoint(cluster, tmp_path, capsys)
     ranks = C.assign_ranks(infos, master_port=1)
     rank1_pid = next(i["pid"] for i in infos if ranks[i["engine_id"]]["RANK"] == "1")
     shards = write_tiny_shards(tmp_path / "shards")
-    cfg = TrainConfig(data_dir=str(shards), run_dir=str(tmp_path / "run"), model="tiny", micro_batch_size=4,
-                      max_steps=60, lr=3e-3, warmup_steps=2, num_threads=1, timing_warmup_steps=1,
-                      device="cpu", backend="gloo", seed=0, ckpt_every=10, keep_checkpoints=2, resume=True,
-                      timeout_s=30)
+    cfg = TrainConfig(data_dir=str(shards), run_dir=str(tmp_path / "run"), model="tiny", max_steps=60, num_threads=1,
+                      device="cpu", backend="gloo", seed=0, resume=True, timeout_s=30, batch={"micro_batch_size": 4},
+                      optim={"lr": 3e-3}, schedule={"warmup_steps": 2}, measure={"timing_warmup_steps": 1},
+                      checkpoint={"every": 10, "keep": 2})
     seen = []
 
     def kill_rank1(records):
@@ -108,7 +108,7 @@ def test_train_killed_mid_run_resumes_from_checkpoint(cluster, tmp_path, capsys)
     assert res[0]["steps"] == cfg.max_steps and res[0]["world_size"] == 2
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) and steps[-1] == cfg.max_steps
-    assert len(steps) == cfg.max_steps // cfg.log_every
+    assert len(steps) == cfg.max_steps // cfg.measure.log_every
     # a second run in the same (new) engines: fresh port, fresh process group, from scratch
     again = C.run_ddp(rc, _weighted_sum, str(tmp_path / "run2"), 3, timeout=60, stream=False)
     assert [(r["resumed_from"], r["total"]) for r in again] == [(0, 18.0), (0, 18.0)]
@@ -119,22 +119,21 @@ def test_a_new_run_killed_in_a_used_run_dir_is_restarted_as_itself(cluster, tmp_
     2) in the same run_dir is SIGKILLed on rank 1 after step 10; ``run_ddp_resumable`` reruns it
     with resume=True: it continues B from B's own newest checkpoint (never A's step-40) to B's 30
     steps, and A's files are kept under previous/."""
-    import dataclasses
-
     from labkit.config import TrainConfig
     from tiny_shards import write_tiny_shards
 
     rc = C.get_client(cluster)
     shards = write_tiny_shards(tmp_path / "shards")
     run = tmp_path / "run"
-    a = TrainConfig(data_dir=str(shards), run_dir=str(run), model="tiny", micro_batch_size=4, max_steps=40,
-                    ckpt_every=20, lr=3e-3, warmup_steps=2, num_threads=1, timing_warmup_steps=1, device="cpu",
-                    backend="gloo", seed=0, timeout_s=30, trackers=())
+    a = TrainConfig(data_dir=str(shards), run_dir=str(run), model="tiny", max_steps=40, num_threads=1, device="cpu",
+                    backend="gloo", seed=0, timeout_s=30, batch={"micro_batch_size": 4}, checkpoint={"every": 20},
+                    optim={"lr": 3e-3}, schedule={"warmup_steps": 2},
+                    measure={"timing_warmup_steps": 1, "trackers": ()})
     id_a = C.run_ddp(rc, _train, a, timeout=300, stream=False)[0]["run_id"]
     infos = C.engine_info(rc)
     ranks = C.assign_ranks(infos, master_port=1)
     rank1_pid = next(i["pid"] for i in infos if ranks[i["engine_id"]]["RANK"] == "1")
-    b = dataclasses.replace(a, max_steps=30, ckpt_every=2, keep_checkpoints=2, resume=False, seed=1)
+    b = a.replace(max_steps=30, resume=False, seed=1, checkpoint={"every": 2, "keep": 2})
     seen = []
 
     def kill_rank1(records):

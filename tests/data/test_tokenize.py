@@ -250,3 +250,59 @@ def test_corpus_alphabet_keeps_within_half_the_vocabulary(tmp_path):
     assert corpus_alphabet(str(tmp_path / "cjk.parquet"), TokenizerConfig(vocab_size=1024, alphabet_limit=10)) == \
         "".join(chr(0x4E00 + i) for i in range(10))  # equal counts: by code point
     assert corpus_alphabet(str(tmp_path / "cjk.parquet"), TokenizerConfig(vocab_size=300)) == ""  # no room
+
+
+WORLD = ("João paid the café in São Paulo", "naïve Zürich résumé", "Tiếng Việt có dấu", "한국어 문장입니다",
+         "ἄλφα καὶ ὠμέγα", "हिन्दी पाठ", "Привет мир", "ﬁne x²")
+"""Words in Latin with accents, Vietnamese (stacked marks), Hangul (NFD splits each syllable into
+jamo), polytonic Greek, Devanagari, Cyrillic and compatibility characters (NFKC/NFKD replace them)."""
+FORMS = ("NFC", "NFD", "NFKC", "NFKD")
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "unigram"])
+def test_text_in_any_normalisation_form_has_no_unk_for_characters_the_corpus_holds(tmp_path, kind):
+    """The corpus holds WORLD's documents (outside the training sample, not held out) stored in one
+    normalisation form; the same text in any of the four forms encodes without [UNK]. The alphabet
+    used to be collected from the raw characters, so NFD text gave the normaliser's composed
+    "ã" and Hangul syllables as [UNK]."""
+    import unicodedata
+
+    forms = FORMS if kind == "wordpiece" else ("NFD",)
+    for form in forms:
+        docs = disasm_docs(400, seed=2)
+        cfg = TokenizerConfig(kind=kind, vocab_size=1024, max_train_docs=150, held_out_docs=10)
+        train, held = split_rows(len(docs), cfg)
+        outside = [i for i in range(len(docs)) if i not in set(train.tolist()) | set(held.tolist())][:len(WORLD)]
+        for i, text in zip(outside, WORLD):
+            docs[i] = unicodedata.normalize(form, text)
+        pl.DataFrame({"text": docs}).write_parquet(tmp_path / f"{form}.parquet")
+        tok = load_tokenizer(train_tokenizer(str(tmp_path / f"{form}.parquet"), cfg, str(tmp_path / f"{form}.json")))
+        for probe_form in FORMS:
+            probe = [unicodedata.normalize(probe_form, t) for t in WORLD]
+            if form.startswith("NFK") and not probe_form.startswith("NFK"):
+                probe = probe[:-1]  # a corpus stored as NFK* holds "fi" and "2", never "ﬁ" or "²"
+            rep = unk_report(tok, probe)
+            assert rep["unk_tokens"] == 0, (form, probe_form, rep["unk_examples"])
+
+
+def test_the_held_out_unk_rate_counts_what_the_tokenizer_did_per_script(tmp_path):
+    """Held-out documents are kept out of the alphabet too: a script found only there (Cyrillic
+    here) is [UNK], and the rate in tokenizer.stats.json, overall and per script, equals the
+    [UNK] ids of encoding those documents here; "é", held elsewhere in the corpus, is no [UNK]."""
+    docs = disasm_docs(300, seed=3)
+    cfg = TokenizerConfig(kind="wordpiece", vocab_size=512, held_out_docs=30)
+    train, held = split_rows(len(docs), cfg)
+    docs[int(held[0])] = "Привет мир\nmov rax, rbx"
+    docs[int(held[1])] = "café au lait"
+    docs[int(train[0])] = "un café"
+    pl.DataFrame({"text": docs}).write_parquet(tmp_path / "docs.parquet")
+    path = train_tokenizer(str(tmp_path / "docs.parquet"), cfg, str(tmp_path / "tok.json"))
+    stats = json.loads(Path(path).with_name("tok.stats.json").read_text())
+    tok = load_tokenizer(path)
+    encs = tok.encode_batch([docs[int(i)] for i in held], add_special_tokens=False)
+    unk = sum(e.ids.count(SPECIAL_TOKENS.index("[UNK]")) for e in encs)
+    assert stats["unk_tokens"] == unk == 2 and stats["tokens"] == sum(len(e.ids) for e in encs)
+    assert stats["unk_rate"] == pytest.approx(2 / stats["tokens"]) and stats["unk_rate"] > 0
+    assert stats["by_script"]["Cyrillic"] == {"tokens": 2, "unk_tokens": 2, "unk_rate": 1.0}
+    assert stats["by_script"]["Latin"]["unk_tokens"] == 0 and stats["by_script"]["Common"]["unk_tokens"] == 0
+    assert list(stats["unk_examples"]) == ["Привет", "мир"]

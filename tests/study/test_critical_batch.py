@@ -58,9 +58,10 @@ def test_sweep_batch_on_tiny_shards_writes_tidy_parquet(tmp_path):
     from tiny_shards import write_tiny_shards  # tests/ is on sys.path
 
     shards = write_tiny_shards(tmp_path / "shards", n_sequences=96, heldout_sequences=16)
-    base = TrainConfig(data_dir=str(shards), run_dir=str(tmp_path / "runs" / "base"), model="tiny",
-                       micro_batch_size=4, lr=3e-3, warmup_steps=1, min_lr_ratio=1.0, num_threads=1, device="cpu",
-                       checkpoints=False, eval_sequences=16, eval_batch_size=8, trackers=())
+    base = TrainConfig(data_dir=str(shards), run_dir=str(tmp_path / "runs" / "base"), model="tiny", num_threads=1,
+                       device="cpu", batch={"micro_batch_size": 4}, optim={"lr": 3e-3},
+                       schedule={"warmup_steps": 1, "min_lr_ratio": 1.0}, checkpoint={"enabled": False},
+                       eval={"sequences": 16, "batch_size": 8}, measure={"trackers": ()})
     df, fit = sweep_batch(base, tmp_path, batch_sizes=[4, 8, 16], max_examples=192)
     assert df["batch"].to_list() == [4, 8, 16] and df["reached"].all()
     assert (df["examples"] == df["steps"] * df["batch"]).all()
@@ -87,9 +88,10 @@ def test_sweep_batch_reuses_a_point_only_with_its_settings_and_data_and_force_tr
     from tiny_shards import write_tiny_shards
 
     shards = write_tiny_shards(tmp_path / "shards", n_sequences=64, heldout_sequences=16)
-    base = TrainConfig(data_dir=str(shards), run_dir=str(tmp_path / "runs" / "base"), model="tiny",
-                       micro_batch_size=4, lr=3e-3, warmup_steps=1, min_lr_ratio=1.0, num_threads=1, device="cpu",
-                       checkpoints=False, eval_sequences=16, eval_batch_size=8, trackers=())
+    base = TrainConfig(data_dir=str(shards), run_dir=str(tmp_path / "runs" / "base"), model="tiny", num_threads=1,
+                       device="cpu", batch={"micro_batch_size": 4}, optim={"lr": 3e-3},
+                       schedule={"warmup_steps": 1, "min_lr_ratio": 1.0}, checkpoint={"enabled": False},
+                       eval={"sequences": 16, "batch_size": 8}, measure={"trackers": ()})
     kw = {"batch_sizes": [4, 8, 16], "max_examples": 64}
     runs = {b: tmp_path / "sweeps" / "critical_batch" / f"batch-{b}" / "metrics.jsonl" for b in kw["batch_sizes"]}
 

@@ -36,7 +36,7 @@ def test_law_runs_are_read_back_only_with_their_settings_and_shards(tmp_path, ca
     # notebook 05 with other steps (law_steps=30 was ignored when runs existed): trained again
     longer = sweep_law_runs(str(work), **(kw | {"steps": 8}))
     assert not longer["reused"].any() and longer["step"].max() == 8
-    assert "sweep law width 8: eval_every 3 -> 4; max_steps 6 -> 8, measuring again" in capfd.readouterr().err
+    assert "sweep law width 8: eval.every 3 -> 4; max_steps 6 -> 8, measuring again" in capfd.readouterr().err
     # the data rebuilt (a second make demo on another corpus): no width is read back
     write_tiny_shards(work / "shards", n_sequences=48, heldout_sequences=16, seed=1)
     rebuilt = sweep_law_runs(str(work), **(kw | {"steps": 8}))

@@ -19,13 +19,15 @@ def test_plan_overrides_run_the_planners_rows():
     splits = parallel.parallel_plans(big, n_gpus=16, seq_len=512, micro_batch=4)
     no_zero = parallel.first_fit(splits.filter(splits["zero_stage"] == 0))
     over = parallel.plan_overrides(no_zero)
-    assert over == {"tp": 2, "pp": 4, "sharding": "replicate", "pp_schedule": "1f1b", "grad_accum_steps": 8,
-                    "micro_batch_size": 4, "sequence_parallel": False}
+    assert over == {"parallel": {"tp": 2, "pp": 4, "sharding": "replicate", "pp_schedule": "1f1b",
+                                 "sequence_parallel": False},
+                    "batch": {"grad_accum_steps": 8, "micro_batch_size": 4}}
     cfg = TrainConfig(data_dir="-", run_dir="-", **over)  # a valid run of the row
-    assert (cfg.tp, cfg.pp, cfg.grad_accum_steps) == (2, 4, 8)
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.batch.grad_accum_steps) == (2, 4, 8)
+    assert TrainConfig(data_dir="-", run_dir="-").replace(**over) == cfg
     zero3 = parallel.plan_overrides(parallel.first_fit(splits))
-    assert zero3 == {"tp": 1, "pp": 1, "sharding": "fsdp", "fsdp_reshard_after_forward": True, "micro_batch_size": 4,
-                     "sequence_parallel": False}
+    assert zero3 == {"parallel": {"tp": 1, "pp": 1, "sharding": "fsdp", "fsdp_reshard_after_forward": True,
+                                  "sequence_parallel": False}, "batch": {"micro_batch_size": 4}}
     # the planner reads sequence_parallel: with it the tp rows plan less activation memory, and
     # their configs run with it (at tp 1 there is nothing to split: TrainConfig refuses it there)
     with_sp = parallel.parallel_plans(big, n_gpus=16, seq_len=512, micro_batch=4, sequence_parallel=True)
@@ -33,13 +35,13 @@ def test_plan_overrides_run_the_planners_rows():
     for a, b, is_tp in zip(splits.iter_rows(named=True), with_sp.iter_rows(named=True), tp_rows):
         assert (b["activations"] < a["activations"]) == is_tp and a["sequence_parallel"] is False
         if not (b["zero_stage"] == 1 and b["tp"] * b["pp"] > 1):  # no labkit run (refused above)
-            assert parallel.plan_overrides(b)["sequence_parallel"] is is_tp
+            assert parallel.plan_overrides(b)["parallel"]["sequence_parallel"] is is_tp
     sp_cfg = TrainConfig(data_dir="-", run_dir="-", **parallel.plan_overrides(parallel.first_fit(
         with_sp.filter((with_sp["zero_stage"] == 0) & (with_sp["tp"] > 1)))))
-    assert sp_cfg.sequence_parallel and sp_cfg.tp > 1
+    assert sp_cfg.parallel.sequence_parallel and sp_cfg.parallel.tp > 1
     row = {"tp": 1, "pp": 1, "zero_stage": 1, "micro_batch": 2, "pipeline_microbatches": 8}
-    assert parallel.plan_overrides(row)["sharding"] == "zero1"
-    assert parallel.plan_overrides(row | {"zero_stage": 2})["fsdp_reshard_after_forward"] is False
+    assert parallel.plan_overrides(row)["parallel"]["sharding"] == "zero1"
+    assert parallel.plan_overrides(row | {"zero_stage": 2})["parallel"]["fsdp_reshard_after_forward"] is False
     with pytest.raises(ValueError, match=r"^zero_stage: ZeRO-1 with tp 2 x pp 1 has no labkit run"):
         parallel.plan_overrides(row | {"tp": 2})
 
@@ -74,9 +76,9 @@ def test_planned_rank_memory_reads_sequence_parallel():
     """``planned_rank_memory`` plans the activations of the run's own ``sequence_parallel``
     (TrainConfig's default: off); the state is the same either way."""
     cfg = model_config("tiny", 97)
-    kw = {"data_dir": "-", "run_dir": "-", "sharding": "fsdp", "tp": 2}
-    off = parallel.planned_rank_memory(cfg, TrainConfig(**kw), world=2, seq_len=32)
-    on = parallel.planned_rank_memory(cfg, TrainConfig(**kw, sequence_parallel=True), world=2, seq_len=32)
+    off_cfg = TrainConfig(data_dir="-", run_dir="-", parallel={"sharding": "fsdp", "tp": 2})
+    off = parallel.planned_rank_memory(cfg, off_cfg, world=2, seq_len=32)
+    on = parallel.planned_rank_memory(cfg, off_cfg.replace(parallel={"sequence_parallel": True}), world=2, seq_len=32)
     attention = "eager" if cfg.attention_dropout > 0 else "flash"  # CPU's math path with attention dropout
     terms = {sp: plan.memory_plan(cfg, seq_len=32, micro_batch=16, precision="fp32", attention=attention,
                                   zero_stage=0, dp=1, tp=2, device="cpu", sequence_parallel=sp)["activations"]
@@ -87,7 +89,8 @@ def test_planned_rank_memory_reads_sequence_parallel():
 
 def test_planned_rank_memory_bubble_follows_the_schedule():
     cfg = model_config("tiny", 97)
-    kw = {"data_dir": "-", "run_dir": "-", "sharding": "replicate", "pp": 2, "grad_accum_steps": 4}
-    assert parallel.planned_rank_memory(cfg, TrainConfig(**kw), world=2, seq_len=32)["bubble"] == 0.2
-    interleaved = TrainConfig(**kw, pp_schedule="interleaved_1f1b", pp_virtual_stages=2)
+    pp2 = TrainConfig(data_dir="-", run_dir="-", parallel={"sharding": "replicate", "pp": 2},
+                      batch={"grad_accum_steps": 4})
+    assert parallel.planned_rank_memory(cfg, pp2, world=2, seq_len=32)["bubble"] == 0.2
+    interleaved = pp2.replace(parallel={"pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2})
     assert parallel.planned_rank_memory(cfg, interleaved, world=2, seq_len=32)["bubble"] == 1 / 9  # (p-1)/(v m + p-1)

@@ -251,3 +251,38 @@ def test_overlap_model_predicts_measured_exposed_communication(tmp_path):
                                           backward_s=r["backward"]) for r in rows)
         assert measured > 0, cap
         assert predicted == pytest.approx(measured, rel=0.2), (cap, measured, predicted, rows)
+
+
+def test_comm_hidden_and_the_network_limit_come_from_the_exposed_time():
+    """A model whose gradients fit one bucket exposes its whole all-reduce after backward
+    (exposed = comm): never hidden, and the network limit starts at the first n > 1, although
+    its all-reduce is far shorter than backward (the old rule, comm <= 2/3 compute, said hidden
+    and found no limit). A model of many buckets on a fast network hides all but the last one."""
+    from labkit.model import count_parameters, model_config
+
+    cfg = model_config("tiny", 1024)
+    grads = 4 * count_parameters(cfg)["total"]
+    assert grads < scaling.BUCKET_BYTES
+    t = scaling.efficiency_table(compute_s=0.05, grad_bytes=grads, tokens_per_step=64 * 8, gpus=(1, 2, 4, 8),
+                                 last_bucket_bytes=scaling.embedding_bucket_bytes(cfg))
+    two = t.row(1, named=True)
+    assert two["comm_s"] < 0.05 * 2 / 3 / 100 and two["exposed_s"] == two["comm_s"] == two["last_bucket_s"]
+    assert t["comm_hidden"].to_list() == [True, False, False, False]
+    assert scaling.network_limit(t)["first_exposed_n"] == 2
+    many = scaling.step_time(256, compute_s=0.5, grad_bytes=480e6, network="IB-NDR")
+    assert many["comm_hidden"] and many["exposed_s"] == many["last_bucket_s"] < many["comm_s"] / 10
+    slow = scaling.step_time(4, compute_s=0.2, grad_bytes=480e6, network="25GbE")  # backward too short
+    assert not slow["comm_hidden"] and slow["exposed_s"] > slow["last_bucket_s"]
+    assert scaling.comm_hidden(exposed_s=0.0, last_bucket_s=0.0, comm_s=0.0)  # one rank
+
+
+def test_fp32_and_bf16_scale_each_at_their_own_peak():
+    """`labkit plan --precision fp32` used to scale at the bf16 peak: fp32 compute 14x too short
+    for bert-350m on an H100 NVL (60 TFLOP/s on the CUDA cores against 835.5 on the tensor cores)."""
+    kw = dict(micro_batch=16, seq_len=512, device="H100 NVL", gpus=(1, 2, 4, 8))
+    fp32 = scaling.study_scaling("bert-350m", precision="fp32", **kw)
+    bf16 = scaling.study_scaling("bert-350m", precision="bf16", **kw)
+    assert fp32["compute_s"][0] / bf16["compute_s"][0] == pytest.approx(835.5 / 60)
+    assert fp32["efficiency"].to_list() != bf16["efficiency"].to_list()
+    with pytest.raises(ValueError, match="no 'fp32' peak for A100 80GB"):
+        scaling.study_scaling("bert-350m", precision="fp32", **(kw | {"device": "A100 80GB"}))

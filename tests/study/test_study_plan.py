@@ -66,11 +66,13 @@ def test_labkit_plan_of_the_study_config(capsys):
 
     assert main(["plan", "configs/study.toml", "--device", "H100 NVL"]) == 0
     out = capsys.readouterr().out
-    summary = json.loads(out[out.rindex("\n{"):])
+    assert "{" not in out and "hidden to MFU" in out  # lines for a reader, JSON only when asked
+    assert main(["plan", "configs/study.toml", "--device", "H100 NVL", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
     lab = load("configs/study.toml")
     cfg = model_config(lab.train.model, 5000, **lab.train.model_overrides)
     expected = plan.planned_max_micro_batch(cfg, device="H100 NVL", seq_len=512, precision="fp32", attention="eager",
                                             dp=256)["max_micro_batch"]
     assert summary["max_micro_batch"] == expected and summary["within_10pct"] and abs(expected - 184) <= 18
     assert set(summary["efficiency_at_max_gpus"]) == {"fp32", "tf32", "bf16"} and summary["n_gpus"] == 256
-    assert "max micro-batch (fp32, planned" in out and summary["method"].startswith("planned")
+    assert "largest micro-batch that fits (fp32, planned" in out and summary["method"].startswith("planned")

@@ -56,10 +56,10 @@ def trained(monkeypatch):
 
     def fake_train(client, cfg, *, targets=None, staged=None, live=None, timeout=None):
         n = len(targets)
-        assert cfg.checkpoints is False  # sweep runs write metrics and results, no checkpoint
+        assert cfg.checkpoint.enabled is False  # sweep runs write metrics and results, no checkpoint
         runs.append((cfg.model, n))
         tps = 1000.0 * n * (0.9 if n > 1 else 1.0) / (2 if cfg.model == "mini" else 1)
-        return {"global_batch_size": cfg.micro_batch_size * n, "tokens_per_s": tps, "samples_per_s": tps / 64,
+        return {"global_batch_size": cfg.batch.micro_batch_size * n, "tokens_per_s": tps, "samples_per_s": tps / 64,
                 "data_wait_fraction": 0.01, "comm_exposed_s": 0.01 * (n - 1), "comm_exposed_fraction": 0.02 * (n - 1)}
 
     monkeypatch.setattr(sweeps, "train_on_cluster", fake_train)
@@ -68,7 +68,7 @@ def trained(monkeypatch):
 
 def test_sweep_ranks_resumes(tmp_path, trained):
     base = TrainConfig(data_dir=str(tmp_path / "shards"), run_dir=str(tmp_path / "r"), model="tiny",
-                       micro_batch_size=4)
+                       batch={"micro_batch_size": 4})
     client = FakeClient(4)
     df = lab.sweep_ranks(client, base, str(tmp_path), ranks=[1, 2])
     assert trained == [("tiny", 1), ("tiny", 2)]
@@ -97,8 +97,8 @@ def test_sweep_ranks_resumes(tmp_path, trained):
 def test_a_sweep_point_with_other_settings_is_measured_again(tmp_path, trained, capsys):
     """The sweep's steps (max_steps of each point's run) changed between two calls: the points
     are measured again with the new steps, each change named in one line; unchanged, reused."""
-    base = TrainConfig(data_dir=str(tmp_path / "shards"), run_dir=str(tmp_path / "r"), model="tiny",
-                       micro_batch_size=4, max_steps=4)
+    base = TrainConfig(data_dir=str(tmp_path / "shards"), run_dir=str(tmp_path / "r"), model="tiny", max_steps=4,
+                       batch={"micro_batch_size": 4})
     client = FakeClient(2)
     first = lab.sweep_ranks(client, base, str(tmp_path), ranks=[1, 2])
     capsys.readouterr()
@@ -117,7 +117,7 @@ def test_a_sweep_point_with_other_settings_is_measured_again(tmp_path, trained, 
 def test_sweep_model_size_resumes(tmp_path, trained, monkeypatch):
     monkeypatch.setattr(sweeps, "read_index", lambda d: {"vocab_size": 512, "seq_len": 64})
     base = TrainConfig(data_dir=str(tmp_path / "shards"), run_dir=str(tmp_path / "r"), model="tiny",
-                       micro_batch_size=4)
+                       batch={"micro_batch_size": 4})
     client = FakeClient(2)
     lab.sweep_model_size(client, base, str(tmp_path), models=["tiny"])
     df = lab.sweep_model_size(client, base, str(tmp_path), models=["tiny", "mini"])
@@ -236,7 +236,7 @@ def test_sweep_rows_record_the_machine_load_and_flag_a_busy_machine(tmp_path, tr
     import os
 
     base = TrainConfig(data_dir=str(tmp_path / "shards"), run_dir=str(tmp_path / "r"), model="tiny",
-                       micro_batch_size=4)
+                       batch={"micro_batch_size": 4})
     load = sweeps.machine_load()
     assert load["cpu_count"] == len(os.sched_getaffinity(0))
     assert load["load_avg_1m"] == pytest.approx(os.getloadavg()[0], abs=1.0)

@@ -27,11 +27,12 @@ def shards(tmp_path: pathlib.Path) -> pathlib.Path:
 
 
 def tiny_cfg(shards: pathlib.Path, run_dir: pathlib.Path, **kw) -> TrainConfig:
-    base = dict(data_dir=str(shards), run_dir=str(run_dir), model="tiny", micro_batch_size=4,
-                grad_accum_steps=2, max_steps=10, lr=3e-3, warmup_steps=2, num_threads=1,
-                timing_warmup_steps=1, device="cpu", seed=0, trackers=())
-    base.update(kw)
-    return TrainConfig(**base)
+    """The tests' tiny run with ``kw`` (``TrainConfig.replace``: a section's dict changes only its keys)."""
+    base = TrainConfig(data_dir=str(shards), run_dir=str(run_dir), model="tiny", max_steps=10, num_threads=1,
+                       device="cpu", seed=0, batch={"micro_batch_size": 4, "grad_accum_steps": 2},
+                       optim={"lr": 3e-3}, schedule={"warmup_steps": 2},
+                       measure={"timing_warmup_steps": 1, "trackers": ()})
+    return base.replace(**kw)
 
 
 def read_metrics(path: pathlib.Path) -> list[dict]:
@@ -50,11 +51,11 @@ def test_a_new_run_in_a_used_run_dir_never_restores_the_old_run(shards, tmp_path
     with resume=False (6 steps, every 2, keep 2), then resume=True: it continues B (steps 6),
     never A's step 8; A's checkpoints, metrics, config and result are kept under previous/."""
     run = tmp_path / "run"
-    a = train(tiny_cfg(shards, run, max_steps=8, ckpt_every=4))
+    a = train(tiny_cfg(shards, run, max_steps=8, checkpoint={"every": 4}))
     id_a = a["run_id"]
     assert checkpoint_steps(run) == [4, 8] and _run_id(run) == id_a
     assert checkpoint_run_id(run / "checkpoints" / "step-8") == id_a
-    b_cfg = tiny_cfg(shards, run, max_steps=6, ckpt_every=2, keep_checkpoints=2, resume=False, seed=1)
+    b_cfg = tiny_cfg(shards, run, max_steps=6, resume=False, seed=1, checkpoint={"every": 2, "keep": 2})
     b = train(b_cfg)
     id_b = b["run_id"]
     assert id_b != id_a and _run_id(run) == id_b
@@ -82,8 +83,8 @@ def test_a_crashed_new_run_restarted_with_resume_continues_itself(shards, tmp_pa
     from labkit.cluster.launch import _resuming
 
     run = tmp_path / "run"
-    train(tiny_cfg(shards, run, max_steps=8, ckpt_every=4))
-    b_cfg = tiny_cfg(shards, run, max_steps=6, ckpt_every=2, keep_checkpoints=2, resume=False, seed=1)
+    train(tiny_cfg(shards, run, max_steps=8, checkpoint={"every": 4}))
+    b_cfg = tiny_cfg(shards, run, max_steps=6, resume=False, seed=1, checkpoint={"every": 2, "keep": 2})
 
     def crash(record):
         if record["step"] == 3:
@@ -108,7 +109,7 @@ def test_resume_refuses_a_checkpoint_of_another_run(shards, tmp_path):
     """A checkpoint of run A that ends up among run B's (copied in by hand, or left by an older
     labkit) is refused in one line naming both run ids; B's config is untouched."""
     run_a, run_b = tmp_path / "a", tmp_path / "b"
-    id_a = train(tiny_cfg(shards, run_a, max_steps=4, ckpt_every=4))["run_id"]
+    id_a = train(tiny_cfg(shards, run_a, max_steps=4, checkpoint={"every": 4}))["run_id"]
     id_b = train(tiny_cfg(shards, run_b, max_steps=2))["run_id"]
     shutil.copytree(run_a / "checkpoints" / "step-4", run_b / "checkpoints" / "step-4")
     with pytest.raises(ValueError, match=f"^resume: checkpoint .*step-4 belongs to run {id_a}, but .* holds run "
@@ -122,7 +123,7 @@ def test_refusal_to_resume_under_another_config_names_the_new_run_path(shards, t
     run = tmp_path / "run"
     train(tiny_cfg(shards, run, max_steps=2))
     with pytest.raises(ValueError, match=r"resume=False to start a new run there \(the old run's files move to "):
-        train(tiny_cfg(shards, run, max_steps=2, lr=0.01))
+        train(tiny_cfg(shards, run, max_steps=2, optim={"lr": 0.01}))
 
 
 # -- torn metrics line --------------------------------------------------------------------------
@@ -130,7 +131,7 @@ def test_refusal_to_resume_under_another_config_names_the_new_run_path(shards, t
 
 def test_a_torn_last_metrics_line_is_dropped_on_resume_with_a_warning(shards, tmp_path):
     run = tmp_path / "run"
-    cfg = tiny_cfg(shards, run, max_steps=6, ckpt_every=2)
+    cfg = tiny_cfg(shards, run, max_steps=6, checkpoint={"every": 2})
     train(dataclasses.replace(cfg, stop_after=3))
     metrics = run / "metrics.jsonl"
     with open(metrics, "a") as f:
@@ -146,7 +147,7 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume_with_a_warning(shards, tm
 
 def test_an_unreadable_metrics_line_before_the_last_is_refused(shards, tmp_path):
     run = tmp_path / "run"
-    cfg = tiny_cfg(shards, run, max_steps=4, ckpt_every=2)
+    cfg = tiny_cfg(shards, run, max_steps=4, checkpoint={"every": 2})
     train(dataclasses.replace(cfg, stop_after=3))
     metrics = run / "metrics.jsonl"
     lines = metrics.read_text().splitlines()
@@ -192,7 +193,7 @@ def test_rank_0_chooses_the_resume_step_and_every_rank_confirms_it(shards, tmp_p
     lacks the step rank 0 chose: both ranks refuse in the same one line naming rank 1, before
     any rank loads it (no hang, no divergence)."""
     shared = tmp_path / "r0"
-    first = tiny_cfg(shards, shared, max_steps=8, ckpt_every=2, stop_after=4, timeout_s=60)
+    first = tiny_cfg(shards, shared, max_steps=8, stop_after=4, timeout_s=60, checkpoint={"every": 2})
     cfgs = [[to_dict(first), to_dict(first)]]
     mp.spawn(_worker, args=(2, _free_port(), json.dumps(cfgs), str(tmp_path)), nprocs=2, join=True)
     assert checkpoint_steps(shared) == [2, 4]
@@ -225,9 +226,10 @@ NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "num_heads": 4}
 def _moving_cfg(shards: pathlib.Path, run_dir: pathlib.Path, **kw) -> TrainConfig:
     """6 steps of a global batch of 16 (2 ranks x 2 micro-batches of 4; 48 sequences: 3 steps an
     epoch, so the resume at step 3 starts epoch 1), checkpoints every 3, no dropout."""
-    base = dict(micro_batch_size=4, grad_accum_steps=2, max_steps=6, ckpt_every=3, warmup_steps=1, timeout_s=60,
-                grad_clip=1.0, model_overrides=NO_DROPOUT, eval_every=0)
-    return tiny_cfg(shards, run_dir, **{**base, **kw})
+    base = tiny_cfg(shards, run_dir, max_steps=6, timeout_s=60, model_overrides=NO_DROPOUT,
+                    batch={"micro_batch_size": 4, "grad_accum_steps": 2}, checkpoint={"every": 3},
+                    schedule={"warmup_steps": 1}, optim={"grad_clip": 1.0}, eval={"every": 0})
+    return base.replace(**kw)
 
 
 def _many_worker(rank: int, world: int, port: int, steps_json: str) -> None:
@@ -258,19 +260,19 @@ def moved(tmp_path_factory) -> pathlib.Path:
     steps) stopped at 3 and resumed."""
     root = tmp_path_factory.mktemp("moved")
     shards = write_tiny_shards(root / "shards", n_sequences=48)
-    dp2 = _moving_cfg(shards, root / "dp2", sharding="ddp")
+    dp2 = _moving_cfg(shards, root / "dp2", parallel={"sharding": "ddp"})
     part = dataclasses.replace(dp2, run_dir=str(root / "part"), stop_after=3)
-    fsdp = _moving_cfg(shards, root / "fsdp", sharding="fsdp")
+    fsdp = _moving_cfg(shards, root / "fsdp", parallel={"sharding": "fsdp"})
     fsdp_part = dataclasses.replace(fsdp, run_dir=str(root / "fsdp-part"), stop_after=3)
-    asynchronous = dataclasses.replace(dp2, run_dir=str(root / "async"), async_checkpoint=True, ckpt_every=2)
+    asynchronous = dp2.replace(run_dir=str(root / "async"), checkpoint={"asynchronous": True, "every": 2})
     steps = [dp2, part, ["copy", root / "part", root / "same"], ["copy", root / "part", root / "tp2"],
              ["copy", root / "part", root / "one"],
              dataclasses.replace(part, run_dir=str(root / "same"), stop_after=None),
-             dataclasses.replace(part, run_dir=str(root / "tp2"), stop_after=None, tp=2, sharding="replicate",
-                                 allow_safe_changes=True),
+             part.replace(run_dir=str(root / "tp2"), stop_after=None, allow_safe_changes=True,
+                          parallel={"tp": 2, "sharding": "replicate"}),
              fsdp, fsdp_part, ["copy", root / "fsdp-part", root / "fsdp-ddp"],
-             dataclasses.replace(fsdp_part, run_dir=str(root / "fsdp-ddp"), stop_after=None, sharding="ddp",
-                                 allow_safe_changes=True),
+             fsdp_part.replace(run_dir=str(root / "fsdp-ddp"), stop_after=None, allow_safe_changes=True,
+                               parallel={"sharding": "ddp"}),
              dataclasses.replace(asynchronous, stop_after=3), asynchronous]
     steps = [[s[0], str(s[1]), str(s[2])] if isinstance(s, list) else to_dict(s) for s in steps]
     mp.spawn(_many_worker, args=(2, _free_port(), json.dumps(steps)), nprocs=2, join=True)
@@ -339,8 +341,8 @@ def test_the_global_batch_that_cannot_be_kept_is_refused(shards, tmp_path):
     accumulation steps; the rule in one line."""
     from labkit.train.loop import _keep_global_batch
 
-    cfg = tiny_cfg(shards, tmp_path, micro_batch_size=4, grad_accum_steps=1)
-    assert _keep_global_batch(cfg, 8, 1).grad_accum_steps == 2 and _keep_global_batch(cfg, 8, 2) is cfg
+    cfg = tiny_cfg(shards, tmp_path, batch={"micro_batch_size": 4, "grad_accum_steps": 1})
+    assert _keep_global_batch(cfg, 8, 1).batch.grad_accum_steps == 2 and _keep_global_batch(cfg, 8, 2) is cfg
     assert _keep_global_batch(cfg, None, 5) is cfg
     with pytest.raises(ValueError, match=r"^grad_accum_steps: the checkpoint's global batch 8 is not micro_batch_size "
                                          r"4 x dp 3 x a whole number of accumulation steps"):

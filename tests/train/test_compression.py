@@ -7,6 +7,7 @@ PowerSGD all-reduces fp32 during its warm-up steps, then less than half the byte
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -47,10 +48,12 @@ def runs(tmp_path_factory) -> pathlib.Path:
 
     root = tmp_path_factory.mktemp("compression")
     shards = write_tiny_shards(root / "shards", n_sequences=48)
-    cfgs = [TrainConfig(data_dir=str(shards), run_dir=str(root / kind), model="tiny", micro_batch_size=4,
-                        max_steps=STEPS, lr=3e-3, warmup_steps=1, num_threads=1, device="cpu", timing_warmup_steps=1,
-                        timeout_s=60, grad_compression=kind, powersgd_rank=2, powersgd_start_iter=START)
+    cfgs = [TrainConfig(data_dir=str(shards), run_dir=str(root / kind), model="tiny", max_steps=STEPS, num_threads=1,
+                        device="cpu", timeout_s=60, batch={"micro_batch_size": 4}, optim={"lr": 3e-3},
+                        schedule={"warmup_steps": 1}, measure={"timing_warmup_steps": 1},
+                        parallel={"grad_compression": kind, "powersgd_rank": 2, "powersgd_start_iter": START})
             for kind in ("none", "bf16", "powersgd")]
+    cfgs.append(dataclasses.replace(cfgs[0], run_dir=str(root / "auto"), bucket_cap_mb="auto"))
     mp.spawn(_worker, args=(2, _free_port(), json.dumps([to_dict(c) for c in cfgs])), nprocs=2, join=True)
     return root
 
@@ -89,30 +92,42 @@ def test_powersgd_plain_during_warm_up_then_compressed(runs):
     assert psgd[-1]["comm_bytes"] == compressed_grad_bytes(cfg, "powersgd", powersgd_rank=2)
     assert none[0]["comm_bytes"] == compressed_grad_bytes(cfg, "none") == 2 * compressed_grad_bytes(cfg, "bf16")
     assert sum(psgd[-1]["comm_bucket_bytes"]) == psgd[-1]["comm_bytes"]
+    # the noise scale rides the loop's loss all-reduce; under PowerSGD from sketches of the local buckets
+    assert all(r["gns_sketch_bins"] for r in psgd) and not any(r["gns_sketch_bins"] for r in none)
+    assert [r["gns_sq_small"] for r in psgd[:START]] == pytest.approx([r["gns_sq_small"] for r in none[:START]], rel=0.1)
 
 
 def test_config_refusals():
     from labkit.config import TrainConfig
 
     with pytest.raises(ValueError, match="grad_compression.*sharding 'ddp' or 'zero1', not 'fsdp'"):
-        TrainConfig(data_dir="d", run_dir="r", sharding="fsdp", grad_compression="bf16")
+        TrainConfig(data_dir="d", run_dir="r", parallel={"sharding": "fsdp", "grad_compression": "bf16"})
     with pytest.raises(ValueError, match="grad_compression"):
-        TrainConfig(data_dir="d", run_dir="r", grad_compression="fp8")
+        TrainConfig(data_dir="d", run_dir="r", parallel={"grad_compression": "fp8"})
     with pytest.raises(ValueError, match="powersgd_start_iter"):
-        TrainConfig(data_dir="d", run_dir="r", grad_compression="powersgd", powersgd_start_iter=1)
+        TrainConfig(data_dir="d", run_dir="r", parallel={"grad_compression": "powersgd", "powersgd_start_iter": 1})
     with pytest.raises(ValueError, match="powersgd_rank"):
-        TrainConfig(data_dir="d", run_dir="r", powersgd_rank=0)
+        TrainConfig(data_dir="d", run_dir="r", parallel={"powersgd_rank": 0})
 
 
-def test_auto_bucket_cap_is_the_embedding_size():
-    """bucket_cap_mb="auto": the fp32 gradient bytes of the embedding-side parameters (word,
-    position and token-type tables, embedding norm) in MiB, clipped to [1, 25]."""
-    from labkit.model import BertMLM, model_config
-    from labkit.train.dist import auto_bucket_cap_mb
+def test_auto_bucket_cap_measures_the_link_and_trains_as_the_default(runs):
+    """bucket_cap_mb="auto" on 2 gloo ranks: rank 0 records the backward and the link it measured
+    and the cap it chose (labkit/train/buckets.py), DDP's buckets follow that cap, and the losses
+    equal the 25 MiB run's bit for bit (the probe's forward, backward and random draws leave
+    nothing behind; a 2-rank sum is the same in any bucketing)."""
+    import math
 
-    cfg = model_config("small", 1024)
-    h = cfg.hidden_size
-    expected = 4 * ((1024 + cfg.max_position_embeddings + cfg.type_vocab_size) * h + 2 * h) / 2**20
-    assert auto_bucket_cap_mb(BertMLM(cfg)) == pytest.approx(expected)
-    assert auto_bucket_cap_mb(BertMLM(model_config("tiny", 96))) == 1.0  # below torch's first bucket
-    assert auto_bucket_cap_mb(torch.nn.Linear(4, 4)) == 25.0  # no embedding: torch's default
+    from labkit.train import buckets
+
+    record = json.loads((runs / "auto" / "bucket_auto.json").read_text())
+    assert record["backward_s"] > 0 and record["s_per_byte"] > 0 and record["world_size"] == 2
+    again = buckets.bucket_bytes(grad_bytes=record["grad_bytes"], last_bytes=record["embedding_bytes"],
+                                 backward_s=record["backward_s"], latency_s=record["latency_s"],
+                                 s_per_byte=record["s_per_byte"])
+    assert record["bucket_cap_mb"] == again["bytes"] / 2**20
+    auto, none = _metrics(runs / "auto"), _metrics(runs / "none")
+    assert [r["loss"] for r in auto] == [r["loss"] for r in none]
+    cap = record["bucket_cap_mb"] * 2**20
+    rebuilt = auto[-1]["comm_bucket_bytes"]
+    assert sum(rebuilt) == none[-1]["comm_bytes"] and len(rebuilt) == max(1, math.ceil(sum(rebuilt) / cap)) or \
+        all(b <= cap + record["embedding_bytes"] for b in rebuilt), (rebuilt, cap)

@@ -43,8 +43,8 @@ def _worker(rank: int, world: int, port: int, cfg_json: str, root: str, num_work
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"})
     out = pathlib.Path(root)
-    cfg = from_dict(TrainConfig, json.loads(cfg_json) | {"data_dir": str(out / f"shards-{rank}"),
-                                                          "num_workers": num_workers})
+    cfg = from_dict(TrainConfig, json.loads(cfg_json)).replace(data_dir=str(out / f"shards-{rank}"),
+                                                               data={"num_workers": num_workers})
     victim = out / "shards-1" / "shard-00001.bin"
 
     def sink(record: dict) -> None:  # rank 0 only
@@ -75,9 +75,10 @@ def test_a_shard_truncated_mid_run_stops_every_rank_in_seconds(tmp_path, num_wor
 
     write_tiny_shards(tmp_path / "shards-0", n_sequences=64)
     shutil.copytree(tmp_path / "shards-0", tmp_path / "shards-1")
-    cfg = TrainConfig(data_dir=str(tmp_path / "shards-0"), run_dir=str(tmp_path / "run"), model="tiny",
-                      micro_batch_size=4, grad_accum_steps=1, max_steps=40, warmup_steps=1, num_threads=1,
-                      device="cpu", timing_warmup_steps=1, timeout_s=TIMEOUT_S, checkpoints=False)
+    cfg = TrainConfig(data_dir=str(tmp_path / "shards-0"), run_dir=str(tmp_path / "run"), model="tiny", max_steps=40,
+                      num_threads=1, device="cpu", timeout_s=TIMEOUT_S,
+                      batch={"micro_batch_size": 4, "grad_accum_steps": 1}, schedule={"warmup_steps": 1},
+                      measure={"timing_warmup_steps": 1}, checkpoint={"enabled": False})
     ctx = mp.spawn(_worker, args=(2, _free_port(), json.dumps(to_dict(cfg)), str(tmp_path), num_workers),
                    nprocs=2, join=False)
     done = [tmp_path / f"rank{r}.json" for r in (0, 1)]

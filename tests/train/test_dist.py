@@ -172,9 +172,9 @@ def test_train_two_ranks_end_to_end(tmp_path):
     from tiny_shards import write_tiny_shards  # tests/ is on sys.path (pytest rootdir import)
 
     shards = write_tiny_shards(tmp_path / "shards")
-    cfg = TrainConfig(data_dir=str(shards), run_dir=str(tmp_path / "run"), model="tiny", micro_batch_size=4,
-                      grad_accum_steps=2, max_steps=3, warmup_steps=1, num_threads=1, device="cpu",
-                      timing_warmup_steps=1, timeout_s=60)
+    cfg = TrainConfig(data_dir=str(shards), run_dir=str(tmp_path / "run"), model="tiny", max_steps=3, num_threads=1,
+                      device="cpu", timeout_s=60, batch={"micro_batch_size": 4, "grad_accum_steps": 2},
+                      schedule={"warmup_steps": 1}, measure={"timing_warmup_steps": 1})
     mp.spawn(_train_worker, args=(2, _free_port(), json.dumps(to_dict(cfg))), nprocs=2, join=True)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -263,20 +263,21 @@ def _metrics(run_dir: pathlib.Path) -> list[dict]:
 def _two_rank_cfg(shards: pathlib.Path, run_dir: pathlib.Path, **kw):
     from labkit.config import TrainConfig
 
-    base = dict(data_dir=str(shards), run_dir=str(run_dir), model="tiny", micro_batch_size=4, grad_accum_steps=2,
-                max_steps=4, lr=3e-3, warmup_steps=1, num_threads=1, device="cpu", timing_warmup_steps=1,
-                timeout_s=60, grad_clip=0.5)
-    base.update(kw)
-    return TrainConfig(**base)
+    base = TrainConfig(data_dir=str(shards), run_dir=str(run_dir), model="tiny", max_steps=4, num_threads=1,
+                       device="cpu", timeout_s=60, batch={"micro_batch_size": 4, "grad_accum_steps": 2},
+                       optim={"lr": 3e-3, "grad_clip": 0.5}, schedule={"warmup_steps": 1},
+                       measure={"timing_warmup_steps": 1})
+    return base.replace(**kw)
 
 
 SHARDINGS = {"ddp": {"sharding": "ddp"}, "zero1": {"sharding": "zero1"}, "fsdp": {"sharding": "fsdp"},
              "fsdp2": {"sharding": "fsdp", "fsdp_reshard_after_forward": False}}  # fsdp2: ZeRO-2-style
 
 
-MIXED = {"zero1-fp16": {"sharding": "zero1", "precision": "fp16"},
-         "fsdp-fp16": {"sharding": "fsdp", "precision": "fp16"},
-         "fsdp-bf16-recompute": {"sharding": "fsdp", "precision": "bf16", "activation_checkpointing": True}}
+MIXED = {"zero1-fp16": {"parallel": {"sharding": "zero1"}, "precision": "fp16"},
+         "fsdp-fp16": {"parallel": {"sharding": "fsdp"}, "precision": "fp16"},
+         "fsdp-bf16-recompute": {"parallel": {"sharding": "fsdp"}, "precision": "bf16",
+                                 "activation_checkpointing": True}}
 
 
 @pytest.fixture(scope="module")
@@ -288,9 +289,9 @@ def two_rank_runs(tmp_path_factory) -> pathlib.Path:
 
     root = tmp_path_factory.mktemp("two_rank_runs")
     shards = write_tiny_shards(root / "shards", n_sequences=48)
-    cfgs = [_two_rank_cfg(shards, root / name, **kw) for name, kw in SHARDINGS.items()]
+    cfgs = [_two_rank_cfg(shards, root / name, parallel=kw) for name, kw in SHARDINGS.items()]
     for name in ("zero1", "fsdp"):
-        part = _two_rank_cfg(shards, root / f"{name}-part", sharding=name, stop_after=2)
+        part = _two_rank_cfg(shards, root / f"{name}-part", stop_after=2, parallel={"sharding": name})
         cfgs += [part, dataclasses.replace(part, stop_after=None)]
     for name, kw in MIXED.items():
         cfgs.append(_two_rank_cfg(shards, root / name, max_steps=2, **kw))
@@ -381,5 +382,5 @@ def test_sharding_with_autocast_and_recompute(two_rank_runs, name):
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in got)
     assert got[0]["grad_norm"] == pytest.approx(ref[0]["grad_norm"], rel=5e-2)
     result = json.loads((two_rank_runs / name / "result.json").read_text())
-    assert result["sharding"] == MIXED[name]["sharding"] and result["precision"] == MIXED[name]["precision"]
+    assert result["sharding"] == MIXED[name]["parallel"]["sharding"] and result["precision"] == MIXED[name]["precision"]
     assert result["activation_checkpointing"] == MIXED[name].get("activation_checkpointing", False)

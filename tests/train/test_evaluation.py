@@ -63,7 +63,7 @@ def _eval_worker(rank: int, world: int, port: int, shards: str, out: str) -> Non
         result = evaluate(_model(), _heldout(pathlib.Path(shards), rank, world))
         # FSDP-sharded weights, 9 sequences: rank 1 holds one batch and repeats it (discarded) so
         # that both ranks run the same number of forwards (each all-gathers the layers)
-        sharded = dist.wrap_model(_model(), TrainConfig(data_dir="-", run_dir="-", sharding="fsdp"),
+        sharded = dist.wrap_model(_model(), TrainConfig(data_dir="-", run_dir="-", parallel={"sharding": "fsdp"}),
                                   torch.device("cpu"))
         fsdp = evaluate(sharded, _heldout(pathlib.Path(shards), rank, world, n=9))
         if rank == 0:
@@ -95,7 +95,8 @@ def test_two_ranks_give_the_one_rank_loss(shards, tmp_path):
 def test_training_records_eval_loss(shards, tmp_path):
     from labkit.train import train
 
-    result = train(tiny_cfg(shards, tmp_path / "run", max_steps=4, eval_every=2, log_every=3, eval_sequences=8))
+    result = train(tiny_cfg(shards, tmp_path / "run", max_steps=4, eval={"every": 2, "sequences": 8},
+                            measure={"log_every": 3}))
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [2, 3, 4]  # evaluated steps are always logged
     evals = [r for r in records if "eval_loss" in r]
@@ -110,7 +111,7 @@ def test_eval_every_needs_a_heldout_split(tmp_path):
 
     bare = write_tiny_shards(tmp_path / "bare")
     with pytest.raises(HeldoutError, match="no held-out split"):
-        train(tiny_cfg(bare, tmp_path / "run", max_steps=1, eval_every=1))
+        train(tiny_cfg(bare, tmp_path / "run", max_steps=1, eval={"every": 1}))
     assert train(tiny_cfg(bare, tmp_path / "run2", max_steps=1))["eval_loss"] is None
 
 

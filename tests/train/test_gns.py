@@ -8,7 +8,11 @@ in-run estimator (``forward_backward`` with a ``NoiseScale``, no optimiser step)
 many steps must agree with the truth within a tolerance derived from the steps' own spread (4
 standard errors), plus the bias bound of the masked-count normalisation (gns.py: 3·CV(m)²/B_big),
 and that tolerance must itself be under 15 %, at several (B_small, B_big). A 2-rank DDP check
-shows the comm-hook path feeds the observer the same squared norms as the gradients themselves.
+shows the comm-hook path feeds the observer the same squared norms as the gradients themselves,
+and that under PowerSGD (whose averaged bucket is the compressed one) the sketched estimate stays
+within 15 % of the plain all-reduce's on the same batches, where the norms of the compressed bucket
+do not. The interval (``b_simple_low`` .. ``b_simple_high``) must cover the exact B_simple in at
+least 80 % of independent windows, both where B_big is above B_simple and where it is far below.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from torch.func import functional_call, grad, vmap
 
 from labkit.model import BertMLM, model_config
 from labkit.train import dist, forward_backward
-from labkit.train.gns import BiasCorrectedEMA, NoiseScale, two_batch_estimates
+from labkit.train.gns import BiasCorrectedEMA, CountSketch, NoiseScale, fieller_interval, two_batch_estimates
 
 # vmap falls back to a loop for CPU SDPA (a speed warning, not a fault)
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
@@ -107,7 +111,8 @@ def truth():
     mean = per.mean(0)
     trace = float(((per - mean) ** 2).sum(1).mean())  # population covariance of the pool
     cv2 = float(masked.var(correction=0) / masked.mean() ** 2)
-    return model, pool, {"grad_sq": float(mean @ mean), "trace": trace, "cv2": cv2}
+    return model, pool, {"grad_sq": float(mean @ mean), "trace": trace, "cv2": cv2, "gram": per @ per.T,
+                         "masked": masked}
 
 
 @pytest.mark.timeout(1800)  # a few hundred tiny forward/backward passes: minutes on a loaded 2-core machine
@@ -123,6 +128,127 @@ def test_estimator_unbiased_against_exact_per_example_gradients(truth, b, k, n_s
         tol = 4 * float(se[i]) / exact[key] + bias  # from the sample size: 4 standard errors
         assert tol <= 0.15, f"{key}: {n_steps} steps give a tolerance of {tol:.1%}, over 15 %"
         assert abs(float(mean[i]) / exact[key] - 1) <= tol, (key, float(mean[i]), exact[key], tol)
+
+
+# -- the interval: coverage of the exact B_simple over independent windows -----------------------
+
+def _half_learnt(model: BertMLM, pool: dict[str, torch.Tensor], share: float = 0.875) -> BertMLM:
+    """``model`` with its decoder bias at ``share`` × the log of the pool's label frequencies: a model
+    that has partly learnt the unigram, whose mean gradient is small against the per-example noise."""
+    labels = pool["labels"][pool["labels"] != -100]
+    freq = torch.bincount(labels, minlength=VOCAB).double() + 0.5
+    with torch.no_grad():
+        model.decoder_bias.copy_(share * (freq / freq.sum()).log().float())
+    return model
+
+
+@pytest.fixture(scope="module")
+def noisy_truth():
+    """A frozen point where B_simple is far above the batches (``_half_learnt``), 256 sequences.
+    Returns (the Gram matrix of the per-example gradients [N, N] fp64, masked count per sequence,
+    exact B_simple)."""
+    torch.set_num_threads(1)
+    pool = _pool(256, seed=7)
+    model = _half_learnt(_model(), pool)
+    masked = (pool["labels"] != -100).sum(1).double()
+    per = _per_example_grads(model, pool) / masked.mean()
+    mean = per.mean(0)
+    return per @ per.T, masked, float(((per - mean) ** 2).sum(1).mean()) / float(mean @ mean)
+
+
+def _window_fields(gram, masked, b, k, windows, steps, seed):
+    """The last record of each of ``windows`` independent runs of ``steps`` steps of the one-process
+    estimator (k micro-batches of b sequences drawn from the pool with replacement, as
+    ``_steps`` draws them), its squared norms taken from the Gram matrix of the exact per-example
+    gradients (|Σ c·g_i|² = c²·1ᵀK1, c = 1 / (b·k·m̂/m̄) as in the run), folded by ``NoiseScale``."""
+    n, kb = gram.shape[0], k * b
+    idx = torch.randint(0, n, (windows, steps, kb), generator=torch.Generator().manual_seed(seed))
+    m_step = masked[idx].sum(-1)  # [W, S] the step's masked tokens
+    c2 = (masked.mean() * kb / m_step / kb / kb) ** 2  # (m̄ / (b·k·m̂))²
+    sub = gram[idx.unsqueeze(-1), idx.unsqueeze(-2)]  # [W, S, kb, kb]
+    blocks = sub.reshape(windows, steps, k, b, k, b)
+    small = torch.diagonal(blocks, dim1=2, dim2=4).sum((2, 3, 4)) * c2  # Σ_j |d_j|² (micro-batch shares)
+    big = sub.sum((-1, -2)) * c2
+    out = []
+    for w in range(windows):
+        noise = NoiseScale(b, kb, n_sequences=kb, scale_small=k, micro=True)
+        for s in range(steps):
+            noise.reset()
+            noise.add_small(float(small[w, s]))
+            noise.add_big(float(big[w, s]))
+            noise.count(int(m_step[w, s]))
+            f = noise.step_fields()
+        out.append(f)
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_interval_covers_the_exact_noise_scale(truth, noisy_truth):
+    """90 % Fieller intervals after 60 steps (Kish's n_eff ≈ 35) cover the exact B_simple in >= 80 %
+    of 150 independent windows each: B_big = 8 against B_simple ≈ 2.6 (init, skewed unigram) and
+    B_big = 8 against B_simple ≈ 60 (B_big far below: the point estimate's 10-90 % range spans a
+    factor of several, and the interval must say so, mostly open above, rather than miss)."""
+    _, _, exact = truth
+    cases = [("init", exact["gram"], exact["masked"], exact["trace"] / exact["grad_sq"], 2, 4),
+             ("noisy, one process", *noisy_truth, 2, 4), ("noisy, 2 ranks", *noisy_truth, 4, 2)]
+    for name, gram, masked, b_true, b, k in cases:
+        fields = _window_fields(gram, masked, b, k, windows=150, steps=60, seed=b * 10 + k)
+        covered = [f["b_simple_low"] <= b_true <= (f["b_simple_high"] or math.inf) for f in fields]
+        bounded = [f["b_simple_high"] is not None for f in fields]
+        ratios = torch.tensor([f["b_simple"] / b_true for f in fields if f["b_simple"]])
+        q = ratios.quantile(torch.tensor([0.1, 0.9], dtype=ratios.dtype)).tolist()
+        print(f"{name}: B_simple {b_true:.1f}, B_big {b * k}: coverage {sum(covered) / len(covered):.2f}, "
+              f"bounded {sum(bounded) / len(bounded):.2f}, point estimate 10-90 % {q[0]:.2f}-{q[1]:.2f} x truth")
+        assert sum(covered) >= 0.8 * len(covered), (name, sum(covered))
+        assert all(f["b_simple_low"] is not None for f in fields)
+        if b_true < b * k:  # where the batches resolve it, the interval is bounded and tight
+            assert sum(bounded) == len(bounded) and q[1] / q[0] < 1.5, (name, q)
+    assert noisy_truth[2] > 6 * 8  # the second case really is the hard one
+
+
+def test_fieller_interval_closed_forms():
+    # no spread: the point; a small spread: the delta method's ratio ± q·se to first order
+    assert fieller_interval(6.0, 2.0, 0.0, 0.0, 0.0, 1.645) == pytest.approx((3.0, 3.0))
+    lo, hi = fieller_interval(100.0, 10.0, 1.0, 0.01, 0.0, 1.645)
+    se = 10.0 * math.sqrt(1.0 / 100.0 ** 2 + 0.01 / 10.0 ** 2)  # delta method
+    assert (lo, hi) == pytest.approx((10.0 - 1.645 * se, 10.0 + 1.645 * se), rel=2e-3)
+    # the denominator within its error (10² < 1.645² · 50): open above
+    lo, hi = fieller_interval(100.0, 10.0, 1.0, 50.0, 0.0, 1.645)
+    assert hi is None and 0.0 < lo < 10.0
+
+
+def test_count_sketch_is_unbiased_and_linear():
+    """E|S x|² = |x|² over the sketch's offsets, the mean within 3 standard errors; S is linear;
+    n <= bins is exact."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10_000, generator=g) * torch.linspace(0.1, 3.0, 10_000)  # uneven mass
+    y = torch.randn(10_000, generator=g)
+    sketch = CountSketch(bins=256, seed=1)
+    ests = torch.tensor([float(sketch(x, offset=o).double().square().sum()) for o in range(256)])
+    want = float(x.double().square().sum())
+    assert abs(float(ests.mean()) / want - 1) < 3 * float(ests.std()) / math.sqrt(256) / want + 1e-9
+    assert float(ests.std()) / want < math.sqrt(2 / 256) * 1.5  # the AMS bound, about √(2/m)
+    assert torch.allclose(sketch(x + 2 * y, offset=5), sketch(x, offset=5) + 2 * sketch(y, offset=5), atol=1e-3)
+    small = torch.randn(100, generator=g)
+    assert float(sketch(small, offset=7).square().sum()) == pytest.approx(float(small.square().sum()), rel=1e-5)
+
+
+def test_state_dict_continues_the_averages():
+    a, b = NoiseScale(2, 8), NoiseScale(2, 8)
+    for i in range(12):
+        a.reset()
+        a.add_small(5.0 + i % 3)
+        a.add_big(2.0 + i % 2)
+        fa = a.step_fields()
+    b.load_state_dict(a.state_dict())
+    for ns in (a, b):
+        ns.reset()
+        ns.add_small(6.0)
+        ns.add_big(2.5)
+    assert b.step_fields() == a.step_fields() and a.step_fields()["b_simple_low"] is not None
+    with pytest.raises(ValueError, match="missing 'means'"):
+        b.load_state_dict({"masked": [0, 0], "steps": 1})
+    assert fa["b_simple_low"] is not None
 
 
 # -- the comm-hook path (DDP) and FSDP2's reduce-scatter feed the observer the right norms ----------
@@ -160,15 +286,56 @@ def _hook_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             timer.reset()
             forward_backward(model, _rank_micro_batches(pool, rank), world_size=world, noise=noise)
             out[sharding] = timer.step_fields()
+        out["compression"] = _compression_runs(rank, world, device)
         torch.save(out, pathlib.Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.teardown()
 
 
+PSGD_STEPS = 16
+
+
+def _compression_runs(rank: int, world: int, device: torch.device) -> dict[str, list[dict]]:
+    """PSGD_STEPS steps at frozen weights (``_half_learnt``: B_simple above the batch of 8) on fresh
+    batches (the same for every run) through DDP's composed hook: the plain all-reduce; PowerSGD
+    (rank 1, compressed from step 3) with the noise scale as ``for_run`` builds it for PowerSGD
+    (sketching); and PowerSGD with the norms of the reduced bucket, the compressed one (how it was
+    measured before). The sums ride a sideband all-reduce, as in the training loop. Returns each
+    run's records."""
+    from types import SimpleNamespace
+
+    from labkit.train.comm import compression_hook, time_gradient_collectives
+
+    pool, out = _pool(PSGD_STEPS * WORLD * MB * ACCUM, seed=11), {}
+    for name, compression, observed_as in (("none", "none", "none"), ("powersgd", "powersgd", "powersgd"),
+                                           ("powersgd_compressed_norms", "powersgd", "none")):
+        cfg = SimpleNamespace(sharding="ddp", grad_accum_steps=ACCUM, grad_compression=compression,
+                              powersgd_rank=1, powersgd_start_iter=2)
+        model = dist.wrap_model(_half_learnt(_model(), pool, share=0.7), cfg, device)
+        noise = NoiseScale.for_run(micro_batch_size=MB, grad_accum_steps=ACCUM, dp=world, sharding="ddp",
+                                   compression=observed_as)
+        reduce, state, wire_bytes = compression_hook(cfg)
+        timer = time_gradient_collectives(model, device, reduce=reduce, reduce_state=state, wire_bytes=wire_bytes,
+                                          observers=[noise])
+        records = []
+        for step in range(PSGD_STEPS):
+            timer.reset()
+            model.zero_grad(set_to_none=True)
+            part = {k: v[step * WORLD * MB * ACCUM:(step + 1) * WORLD * MB * ACCUM] for k, v in pool.items()}
+            forward_backward(model, _rank_micro_batches(part, rank), world_size=world, noise=noise)
+            summed = timer.sideband(device)
+            torch.distributed.all_reduce(summed)
+            timer.receive(summed)
+            records.append(timer.step_fields())
+        out[name] = records
+    return out
+
+
 def test_ddp_hook_and_fsdp_reduce_scatter_give_the_two_batch_norms(tmp_path):
     """2 ranks x 2 micro-batches of 2: |G_small|² is the mean over ranks of the squared norm of a
     rank's gradient (b·k = 4 sequences, per m̂), |G_big|² that of the global one (8 sequences); FSDP2
-    (one reduce-scatter per micro-batch) pairs b = 2 with R·b = 4, k times."""
+    (one reduce-scatter per micro-batch) pairs b = 2 with R·b = 4, k times. Under PowerSGD (same
+    spawn, ``_compression_runs``) the sketched estimate follows the plain all-reduce's step by step."""
     mp.spawn(_hook_worker, args=(WORLD, _free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     pool, model = _pool(WORLD * MB * ACCUM, seed=3), _model()
     m_hat = float((pool["labels"] != -100).sum()) / (WORLD * MB * ACCUM)  # masked tokens per sequence
@@ -195,6 +362,20 @@ def test_ddp_hook_and_fsdp_reduce_scatter_give_the_two_batch_norms(tmp_path):
             for key in want:
                 assert f[key] == pytest.approx(want[key], rel=1e-4), (sharding, key)
             assert f["b_simple_tokens"] == pytest.approx(f["b_simple"] * m_hat, rel=1e-6)
+        # PowerSGD: the same batches, the noise scale from the sketched uncompressed buckets
+        runs = got["compression"]
+        full = runs["none"][0]["comm_bytes"]
+        assert all(r["comm_bytes"] < full / 2 for r in runs["powersgd"][2:])  # really compressed
+        plain, sketched = runs["none"][-1]["b_simple"], runs["powersgd"][-1]["b_simple"]
+        print(f"rank {rank}: B_simple plain {plain:.2f}, PowerSGD sketched {sketched:.2f}")
+        assert sketched == pytest.approx(plain, rel=0.15)
+        assert runs["powersgd"][-1]["gns_sketch_bins"] and runs["none"][-1]["gns_sketch_bins"] is None
+        for key in ("gns_sq_small", "gns_sq_big"):  # every step's norms, sketched: AMS error ~√(2/m) = 2 %
+            ratios = [b[key] / a[key] for a, b in zip(runs["none"], runs["powersgd"])]
+            assert max(abs(r - 1) for r in ratios) < 0.08, (key, ratios)
+        # the check has teeth: the compressed bucket's own norm (how it was measured before) is far off
+        wrong = [c["gns_sq_big"] / a["gns_sq_big"] for a, c in zip(runs["none"], runs["powersgd_compressed_norms"])]
+        assert max(abs(r - 1) for r in wrong[2:]) > 0.3, wrong
 
 
 def test_two_batch_estimates_and_ema():

@@ -30,11 +30,11 @@ def shards(tmp_path: pathlib.Path) -> pathlib.Path:
 
 
 def tiny_cfg(shards: pathlib.Path, run_dir: pathlib.Path, **kw) -> TrainConfig:
-    base = dict(data_dir=str(shards), run_dir=str(run_dir), model="tiny", micro_batch_size=4,
-                grad_accum_steps=2, max_steps=10, lr=3e-3, warmup_steps=2, num_threads=1,
-                timing_warmup_steps=1, device="cpu", seed=0)
-    base.update(kw)
-    return TrainConfig(**base)
+    """The tests' tiny run with ``kw`` (``TrainConfig.replace``: a section's dict changes only its keys)."""
+    base = TrainConfig(data_dir=str(shards), run_dir=str(run_dir), model="tiny", max_steps=10, num_threads=1,
+                       device="cpu", seed=0, batch={"micro_batch_size": 4, "grad_accum_steps": 2},
+                       optim={"lr": 3e-3}, schedule={"warmup_steps": 2}, measure={"timing_warmup_steps": 1})
+    return base.replace(**kw)
 
 
 def read_metrics(run_dir: pathlib.Path) -> list[dict]:
@@ -45,8 +45,8 @@ def read_metrics(run_dir: pathlib.Path) -> list[dict]:
 
 
 def _sched_cfg(schedule: str) -> TrainConfig:
-    return TrainConfig(data_dir="d", run_dir="r", lr=1.0, min_lr_ratio=0.1, warmup_steps=2,
-                       max_steps=12, schedule=schedule, wsd_decay_fraction=0.25)
+    return TrainConfig(data_dir="d", run_dir="r", max_steps=12, optim={"lr": 1.0},
+                       schedule={"min_lr_ratio": 0.1, "warmup_steps": 2, "kind": schedule, "wsd_decay_fraction": 0.25})
 
 
 def test_lr_linear_exact():
@@ -93,7 +93,7 @@ def test_optimizer_decays_matrices_only():
 def test_train_single_process(shards, tmp_path):
     run_dir = tmp_path / "run"
     seen = []
-    cfg = tiny_cfg(shards, run_dir, max_steps=12, ckpt_every=4, keep_checkpoints=2)
+    cfg = tiny_cfg(shards, run_dir, max_steps=12, checkpoint={"every": 4, "keep": 2})
     result = train(cfg, sink=seen.append)
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, 13))
@@ -125,7 +125,7 @@ def test_train_single_process(shards, tmp_path):
 def test_resume_reproduces_uninterrupted_run(shards, tmp_path):
     """fp32, CPU, dropout on: a run interrupted after step 3 (mid-epoch) and step 6 (in the next
     epoch) and resumed each time gives exactly the uninterrupted run's losses."""
-    full = tiny_cfg(shards, tmp_path / "full", max_steps=8, micro_batch_size=8)  # 4 steps per epoch
+    full = tiny_cfg(shards, tmp_path / "full", max_steps=8, batch={"micro_batch_size": 8})  # 4 steps per epoch
     train(full)
     part = dataclasses.replace(full, run_dir=str(tmp_path / "part"), stop_after=3)
     train(part)
@@ -158,7 +158,7 @@ def test_nonfinite_loss_raises_or_skips(shards, tmp_path, monkeypatch):
 
 def test_checkpoints_false_writes_metrics_and_result_only(shards, tmp_path):
     run = tmp_path / "sweep"
-    result = train(tiny_cfg(shards, run, max_steps=3, ckpt_every=1, checkpoints=False))
+    result = train(tiny_cfg(shards, run, max_steps=3, checkpoint={"every": 1, "enabled": False}))
     assert result["steps"] == 3 and len(read_metrics(run)) == 3 and (run / "result.json").is_file()
     assert train_mod.checkpoint_steps(run) == [] and not (run / "checkpoints").exists()
 
@@ -176,9 +176,9 @@ def test_train_autocast_precisions_run(shards, tmp_path, precision):
 def test_resume_with_loader_workers(shards, tmp_path):
     """With a worker process the sampler runs ahead of the trainer; the checkpoint stores the
     batches consumed, so a resumed run with workers still matches a worker-less full run."""
-    full = tiny_cfg(shards, tmp_path / "full", max_steps=6, micro_batch_size=8)
+    full = tiny_cfg(shards, tmp_path / "full", max_steps=6, batch={"micro_batch_size": 8})
     train(full)
-    part = dataclasses.replace(full, run_dir=str(tmp_path / "part"), num_workers=1, stop_after=3)
+    part = full.replace(run_dir=str(tmp_path / "part"), stop_after=3, data={"num_workers": 1})
     train(part)
     train(dataclasses.replace(part, stop_after=None))
     want = [(r["step"], r["loss"], r["tokens"]) for r in read_metrics(tmp_path / "full")]
@@ -203,7 +203,8 @@ def test_lr_applied_once_per_optimizer_step_across_accumulation_and_resume(shard
         return opt
 
     monkeypatch.setattr(resume, "build_optimizer", recording_build)  # labkit.train.resume.parallelize builds it
-    full = tiny_cfg(shards, tmp_path / "full", grad_accum_steps=3, max_steps=7, warmup_steps=2, schedule="cosine")
+    full = tiny_cfg(shards, tmp_path / "full", max_steps=7, batch={"grad_accum_steps": 3},
+                    schedule={"warmup_steps": 2, "kind": "cosine"})
     train(full)
     part = dataclasses.replace(full, run_dir=str(tmp_path / "part"), stop_after=3)
     train(part)
@@ -214,10 +215,10 @@ def test_lr_applied_once_per_optimizer_step_across_accumulation_and_resume(shard
     # the resume first creates AdamW's state with one lr-0 step (torch.distributed.checkpoint.state_dict
     # does, before the saved state is loaded into it), then 4 steps
     assert part_lrs == want[:3] + [[0.0, 0.0]] + want[3:]
-    assert want[0][0] == pytest.approx(full.lr / 2) and want[6][0] < want[2][0]
+    assert want[0][0] == pytest.approx(full.optim.lr / 2) and want[6][0] < want[2][0]
     assert [r["lr"] for r in read_metrics(tmp_path / "part")] == [w[0] for w in want]
     # the run's last step (step 7, lr_at(6)) is the one that reaches min_lr
-    assert read_metrics(tmp_path / "full")[-1]["lr"] == pytest.approx(full.lr * full.min_lr_ratio)
+    assert read_metrics(tmp_path / "full")[-1]["lr"] == pytest.approx(full.optim.lr * full.schedule.min_lr_ratio)
     state = torch.load(tmp_path / "part" / "checkpoints" / "step-3" / "state.pt", weights_only=True)
     assert state["lr"] == lr_at(3, full)
 
@@ -298,13 +299,13 @@ def test_mismatched_shards_are_refused_before_training(shards, tmp_path):
 
     index = read_index(str(shards))
     with pytest.raises(ShardError, match=r"index\.json.*seq_len: run expects 64, shards have 32"):
-        train(tiny_cfg(shards, tmp_path / "a", seq_len=2 * index["seq_len"]))
+        train(tiny_cfg(shards, tmp_path / "a", data={"seq_len": 2 * index["seq_len"]}))
     tok = tmp_path / "tokenizer.json"
     tok.write_text('{"not": "the tokenizer the shards were built with"}')
     with pytest.raises(ShardError, match="tokenizer_sha256: run expects"):
-        train(tiny_cfg(shards, tmp_path / "b", tokenizer_path=str(tok)))
+        train(tiny_cfg(shards, tmp_path / "b", data={"tokenizer_path": str(tok)}))
     with pytest.raises(FileNotFoundError, match="tokenizer_path"):
-        train(tiny_cfg(shards, tmp_path / "c", tokenizer_path=str(tmp_path / "missing.json")))
+        train(tiny_cfg(shards, tmp_path / "c", data={"tokenizer_path": str(tmp_path / "missing.json")}))
     for run in ("a", "b", "c"):
         assert not (tmp_path / run / "metrics.jsonl").exists() or not (tmp_path / run / "metrics.jsonl").read_text()
 
@@ -410,7 +411,7 @@ def test_peak_memory_windows_keep_evaluation_and_checkpoints_apart(tmp_path, mon
 
     monkeypatch.setattr(evaluation, "evaluate", mem.around(evaluation.evaluate, 5000))
     monkeypatch.setattr(loop, "_save", mem.around(loop._save, 7000))
-    cfg = tiny_cfg(shards, tmp_path / "run", max_steps=4, eval_every=2, ckpt_every=2, eval_sequences=4)
+    cfg = tiny_cfg(shards, tmp_path / "run", max_steps=4, eval={"every": 2, "sequences": 4}, checkpoint={"every": 2})
     result = train(cfg)
     records = read_metrics(tmp_path / "run")
     assert [r["peak_mem_bytes"] for r in records] == [400] * 4

@@ -33,9 +33,10 @@ def test_study_config_in_small_counts_real_tokens(tmp_path, monkeypatch):
     monkeypatch.setattr(measure, "peak_flops", lambda device, precision: 1e12)  # a made-up device: MFU not None
     overrides = {**lab.train.model_overrides, "max_position_embeddings": 128}
     cfg = TrainConfig(data_dir=str(tmp_path / "shards"), run_dir=str(tmp_path / "run"), model="tiny",
-                      model_overrides=overrides, micro_batch_size=4, max_steps=4, lr=1e-3, warmup_steps=0,
-                      num_threads=1, device="cpu", seed=0, eval_every=2, eval_sequences=16, checkpoints=False,
-                      trackers=(), tokenizer_path=tok)
+                      model_overrides=overrides, max_steps=4, num_threads=1, device="cpu", seed=0,
+                      batch={"micro_batch_size": 4}, optim={"lr": 1e-3}, schedule={"warmup_steps": 0},
+                      eval={"every": 2, "sequences": 16}, checkpoint={"enabled": False}, measure={"trackers": ()},
+                      data={"tokenizer_path": tok})
     result = train(cfg)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = SequenceReader(tmp_path / "shards")

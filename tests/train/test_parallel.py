@@ -62,10 +62,11 @@ def _micro_batches() -> list[dict[str, torch.Tensor]]:
 
 
 def _train_cfg(**kw) -> TrainConfig:
-    return TrainConfig(data_dir="-", run_dir="-", lr=LR, grad_clip=CLIP, weight_decay=0.01, **kw)
+    base = TrainConfig(data_dir="-", run_dir="-", optim={"lr": LR, "grad_clip": CLIP, "weight_decay": 0.01})
+    return base.replace(**kw)
 
 
-CASES_2 = {  # name: (TrainConfig fields, model overrides)
+CASES_2 = {  # name: (TrainConfig.parallel fields, model overrides)
     "tp2": ({"tp": 2, "sharding": "fsdp"}, {}),
     "tp2-dense-sp": ({"tp": 2, "sharding": "fsdp", "sequence_parallel": True}, {"sparse_head": False}),
     "tp2-sparse-sp": ({"tp": 2, "sharding": "fsdp", "sequence_parallel": True}, {}),
@@ -112,7 +113,7 @@ def _run_case(name: str, fields: dict, overrides: dict, world: int, rank: int) -
     """One split model on this process group: 3 optimiser steps, what the main process compares."""
     mbs = _micro_batches()
     m = len(mbs) * fields.get("tp", 1) * fields.get("pp", 1) // world  # micro-batches per data-parallel replica
-    cfg = _train_cfg(**fields, grad_accum_steps=m)
+    cfg = _train_cfg(parallel=fields, batch={"grad_accum_steps": m})
     torch.manual_seed(0)
     model = BertMLM(_model_cfg(**overrides))
     if name.startswith("control"):
@@ -150,7 +151,7 @@ def _reference_of(overrides_json: str) -> dict:
     overrides = json.loads(overrides_json)
     torch.manual_seed(0)
     model = BertMLM(_model_cfg(**overrides))
-    cfg = _train_cfg(grad_accum_steps=len(MASKED))
+    cfg = _train_cfg(batch={"grad_accum_steps": len(MASKED)})
     optimizer = build_optimizer(model, cfg)
     out = {"losses": [], "norms": []}
     for step in range(STEPS):
@@ -265,11 +266,13 @@ def _check_cases(ranks: list[dict], cases: dict) -> None:
 
 
 def _run_cfg(shards: pathlib.Path, run_dir: pathlib.Path, **kw) -> TrainConfig:
-    fields = {"model": "tiny", "micro_batch_size": 4, "grad_accum_steps": 2, "max_steps": 10, "warmup_steps": 2,
-              "num_threads": 1, "device": "cpu", "timing_warmup_steps": 1, "timeout_s": 120, "trackers": (),
-              "ckpt_every": 5, "eval_every": 5, "eval_sequences": 8,
-              "model_overrides": {"hidden_dropout": 0.0, "attention_dropout": 0.0, "num_heads": 4}}
-    return TrainConfig(data_dir=str(shards), run_dir=str(run_dir), **{**fields, **kw})
+    base = TrainConfig(data_dir=str(shards), run_dir=str(run_dir), model="tiny", max_steps=10, num_threads=1,
+                       device="cpu", timeout_s=120,
+                       model_overrides={"hidden_dropout": 0.0, "attention_dropout": 0.0, "num_heads": 4},
+                       batch={"micro_batch_size": 4, "grad_accum_steps": 2}, schedule={"warmup_steps": 2},
+                       measure={"timing_warmup_steps": 1, "trackers": ()}, checkpoint={"every": 5},
+                       eval={"every": 5, "sequences": 8})
+    return base.replace(**kw)
 
 
 def _records(run_dir: pathlib.Path) -> list[dict]:
@@ -289,19 +292,22 @@ def BUBBLE_RUNS(shards: pathlib.Path, tmp: pathlib.Path) -> dict[int, TrainConfi
     the dense head (with the sparse one the last stage is lighter: unequal stages)."""
     wide = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "num_heads": 4, "num_layers": 4, "hidden_size": 128,
             "sparse_head": False}
-    return {m: _run_cfg(shards, tmp / f"bubble-m{m}", pp=2, sharding="replicate", pp_schedule="gpipe",
-                        grad_accum_steps=m, micro_batch_size=32 // m, max_steps=6, checkpoints=False, eval_every=0,
-                        timing_warmup_steps=2, model_overrides=wide) for m in (1, 4)}
+    return {m: _run_cfg(shards, tmp / f"bubble-m{m}", max_steps=6, model_overrides=wide,
+                        parallel={"pp": 2, "sharding": "replicate", "pp_schedule": "gpipe"},
+                        batch={"grad_accum_steps": m, "micro_batch_size": 32 // m}, checkpoint={"enabled": False},
+                        eval={"every": 0}, measure={"timing_warmup_steps": 2}) for m in (1, 4)}
 
 
 def MEMORY_RUNS(shards: pathlib.Path, tmp: pathlib.Path) -> dict[str, TrainConfig]:
     """The splits whose per-rank memory the planner is checked against (2 ranks)."""
-    kw = {"model_overrides": {"hidden_dropout": 0.0, "attention_dropout": 0.0, "num_heads": 4, "num_layers": 4},
-          "micro_batch_size": 4}
-    return {"tp2-sp": _run_cfg(shards, tmp / "tp2-sp", tp=2, sharding="fsdp", sequence_parallel=True, **kw),
-            "pp2-1f1b": _run_cfg(shards, tmp / "pp2-1f1b", pp=2, sharding="replicate", grad_accum_steps=4, **kw),
-            "pp2-gpipe": _run_cfg(shards, tmp / "pp2-gpipe", pp=2, sharding="replicate", pp_schedule="gpipe",
-                                  grad_accum_steps=4, **kw)}
+    kw = {"model_overrides": {"hidden_dropout": 0.0, "attention_dropout": 0.0, "num_heads": 4, "num_layers": 4}}
+    return {"tp2-sp": _run_cfg(shards, tmp / "tp2-sp", **kw, batch={"micro_batch_size": 4},
+                               parallel={"tp": 2, "sharding": "fsdp", "sequence_parallel": True}),
+            "pp2-1f1b": _run_cfg(shards, tmp / "pp2-1f1b", **kw, parallel={"pp": 2, "sharding": "replicate"},
+                                 batch={"micro_batch_size": 4, "grad_accum_steps": 4}),
+            "pp2-gpipe": _run_cfg(shards, tmp / "pp2-gpipe", **kw,
+                                  parallel={"pp": 2, "sharding": "replicate", "pp_schedule": "gpipe"},
+                                  batch={"micro_batch_size": 4, "grad_accum_steps": 4})}
 
 
 @pytest.fixture(scope="module")
@@ -313,13 +319,13 @@ def world2(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("world2")
     shards = write_tiny_shards(tmp / "shards", heldout_sequences=8)
-    tp2 = _run_cfg(shards, tmp / "tp2", tp=2, sharding="fsdp")
+    tp2 = _run_cfg(shards, tmp / "tp2", parallel={"tp": 2, "sharding": "fsdp"})
     part = dataclasses.replace(tp2, run_dir=str(tmp / "part"), stop_after=5)
-    at_pp2 = dataclasses.replace(tp2, run_dir=str(tmp / "at-pp2"), tp=1, pp=2, allow_safe_changes=True)
-    at_dp2 = dataclasses.replace(tp2, run_dir=str(tmp / "at-dp2"), tp=1, allow_safe_changes=True)
+    at_pp2 = tp2.replace(run_dir=str(tmp / "at-pp2"), allow_safe_changes=True, parallel={"tp": 1, "pp": 2})
+    at_dp2 = tp2.replace(run_dir=str(tmp / "at-dp2"), allow_safe_changes=True, parallel={"tp": 1})
     trains = [_j(tp2), _j(part), f"copy {tmp / 'part'} {tmp / 'at-pp2'}", f"copy {tmp / 'part'} {tmp / 'at-dp2'}",
               _j(dataclasses.replace(part, stop_after=None)), _j(at_pp2), _j(at_dp2),
-              _j(_run_cfg(shards, tmp / "dp2", sharding="ddp"))]
+              _j(_run_cfg(shards, tmp / "dp2", parallel={"sharding": "ddp"}))]
     trains += [_j(c) for c in BUBBLE_RUNS(shards, tmp).values()]
     trains += ["memory " + _j(c) for c in MEMORY_RUNS(shards, tmp).values()]
     ranks = _spawn(2, tmp, CASES_2, trains)
@@ -399,10 +405,10 @@ def test_four_process_splits_match_one_process_and_train(world2, tmp_path):
     """TP4, DP2 x TP2, PP2 x DP2 (replicate and FSDP2), PP2 x TP2 with SP; then train() at pp 2 x dp 2:
     the dp 2 run's losses, and an exact resume."""
     shards = world2["shards"]
-    pp2 = _run_cfg(shards, tmp_path / "pp2dp2", pp=2, sharding="fsdp")
+    pp2 = _run_cfg(shards, tmp_path / "pp2dp2", parallel={"pp": 2, "sharding": "fsdp"})
     part = dataclasses.replace(pp2, run_dir=str(tmp_path / "part"), stop_after=5)
-    replicas = _run_cfg(shards, tmp_path / "pp2dp2-replicate", pp=2, sharding="replicate", max_steps=3,
-                        checkpoints=False, eval_every=0)
+    replicas = _run_cfg(shards, tmp_path / "pp2dp2-replicate", max_steps=3,
+                        parallel={"pp": 2, "sharding": "replicate"}, checkpoint={"enabled": False}, eval={"every": 0})
     ranks = _spawn(4, tmp_path, CASES_4, [_j(pp2), _j(part), _j(dataclasses.replace(part, stop_after=None)),
                                           _j(replicas)])
     _check_cases(ranks, CASES_4)
@@ -428,16 +434,18 @@ def test_eight_processes_pp2_dp2_tp2(tmp_path):
 
 
 @pytest.mark.parametrize("fields, field, words", [
-    ({"tp": 2}, "sharding", "'ddp' does not compose"),
-    ({"pp": 2, "sharding": "zero1", "grad_accum_steps": 2}, "sharding", "'zero1' does not compose"),
-    ({"sharding": "replicate"}, "sharding", "with tp = pp = 1 use 'ddp'"),
-    ({"sequence_parallel": True}, "sequence_parallel", "needs tp > 1"),
-    ({"pp": 2, "sharding": "fsdp"}, "grad_accum_steps", "1f1b needs at least as many micro-batches as stages"),
-    ({"pp": 2, "sharding": "fsdp", "pp_schedule": "interleaved_1f1b", "grad_accum_steps": 2}, "pp_virtual_stages",
-     "interleaved_1f1b runs 2 or more"),
-    ({"pp": 2, "sharding": "fsdp", "pp_schedule": "warp"}, "pp_schedule", "allowed values"),
-    ({"tp": 2, "sharding": "fsdp", "precision": "fp16"}, "precision", "fp16 is not checked"),
-    ({"tp": 0}, "tp", "must be >= 1"),
+    ({"parallel": {"tp": 2}}, "parallel.sharding", "'ddp' does not compose"),
+    ({"parallel": {"pp": 2, "sharding": "zero1"}, "batch": {"grad_accum_steps": 2}}, "parallel.sharding",
+     "'zero1' does not compose"),
+    ({"parallel": {"sharding": "replicate"}}, "parallel.sharding", "with tp = pp = 1 use 'ddp'"),
+    ({"parallel": {"sequence_parallel": True}}, "parallel.sequence_parallel", "needs tp > 1"),
+    ({"parallel": {"pp": 2, "sharding": "fsdp"}}, "batch.grad_accum_steps",
+     "1f1b needs at least as many micro-batches as stages"),
+    ({"parallel": {"pp": 2, "sharding": "fsdp", "pp_schedule": "interleaved_1f1b"}, "batch": {"grad_accum_steps": 2}},
+     "parallel.pp_virtual_stages", "interleaved_1f1b runs 2 or more"),
+    ({"parallel": {"pp": 2, "sharding": "fsdp", "pp_schedule": "warp"}}, "parallel.pp_schedule", "allowed values"),
+    ({"parallel": {"tp": 2, "sharding": "fsdp"}, "precision": "fp16"}, "precision", "fp16 is not checked"),
+    ({"parallel": {"tp": 0}}, "parallel.tp", "must be >= 1"),
 ])
 def test_config_refusals(fields, field, words):
     with pytest.raises(ValueError, match=f"^{field}: .*{words}") as info:
@@ -449,13 +457,14 @@ def test_config_refusals(fields, field, words):
     ({"tp": 3}, {}, 3, "tp", "num_heads 4 is not divisible by tp 3"),
     ({"tp": 2}, {"intermediate_size": 255}, 2, "tp", r"the FFN width 255 \(intermediate_size\) is not divisible by tp 2"),
     ({"tp": 2, "sequence_parallel": True}, {}, 2, "sequence_parallel", "sequence length 15 is not divisible"),
-    ({"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 4, "grad_accum_steps": 4}, {}, 2, "pp",
+    ({"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 4}, {}, 2, "pp",
      "4 layers cannot fill pp x pp_virtual_stages = 2 x 4"),
     ({"tp": 2}, {"attention": "linformer", "linformer_k": 8}, 2, "tp", "attention 'linformer' is not checked"),
-    ({"tp": 2}, {}, 3, "tp/pp", "world size 3 is not divisible by tp x pp = 2 x 1"),
+    ({"tp": 2}, {}, 3, "tp", "world size 3 is not divisible by tp x pp = 2 x 1"),
 ])
 def test_split_refusals(fields, overrides, world, field, words):
-    cfg = TrainConfig(data_dir="-", run_dir="-", sharding="fsdp", **fields)
-    with pytest.raises(ValueError, match=f"^{field}: {words}") as info:
+    cfg = TrainConfig(data_dir="-", run_dir="-", parallel=fields | {"sharding": "fsdp"},
+                      batch={"grad_accum_steps": 4})
+    with pytest.raises(ValueError, match=f"^parallel.{field}: {words}") as info:
         parallel.check_split(cfg, _model_cfg(**overrides), world, 15 if fields.get("sequence_parallel") else 16)
     assert "\n" not in str(info.value)

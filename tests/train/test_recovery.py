@@ -187,10 +187,11 @@ def reference(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("recovery")
     shards = write_tiny_shards(root / "shards", n_sequences=48, heldout_sequences=8)
-    cfg = TrainConfig(data_dir=str(shards), run_dir=str(root / "whole"), model="tiny", micro_batch_size=4,
-                      grad_accum_steps=2, max_steps=8, lr=3e-3, warmup_steps=1, num_threads=1, device="cpu",
-                      timing_warmup_steps=1, timeout_s=TIMEOUT_S, ckpt_every=2, keep_checkpoints=2, eval_every=4,
-                      eval_sequences=8, trackers=(), seed=0)
+    cfg = TrainConfig(data_dir=str(shards), run_dir=str(root / "whole"), model="tiny", max_steps=8, num_threads=1,
+                      device="cpu", timeout_s=TIMEOUT_S, seed=0, batch={"micro_batch_size": 4, "grad_accum_steps": 2},
+                      optim={"lr": 3e-3}, schedule={"warmup_steps": 1},
+                      measure={"timing_warmup_steps": 1, "trackers": ()}, checkpoint={"every": 2, "keep": 2},
+                      eval={"every": 4, "sequences": 8})
     codes, _, errs = _launch(cfg)
     assert codes == [0, 0], errs
     return root, cfg

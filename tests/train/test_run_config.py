@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from labkit.config import TrainConfig, to_dict
+from labkit.config import FLAT_KEYS, TRAIN_SECTIONS, TrainConfig, dotted, to_dict
 from labkit.train.run_config import FREE_FIELDS, SAFE_FIELDS, config_drift
 from labkit.train import train
 from test_loop import read_metrics, tiny_cfg
@@ -21,24 +21,25 @@ def shards(tmp_path):
 
 def test_changed_lr_is_refused_in_one_line_naming_both_values(shards, tmp_path):
     run = tmp_path / "run"
-    train(tiny_cfg(shards, run, max_steps=2, ckpt_every=1))
+    train(tiny_cfg(shards, run, max_steps=2, checkpoint={"every": 1}))
     with pytest.raises(ValueError) as err:
-        train(tiny_cfg(shards, run, max_steps=2, lr=0.01, seed=3))
+        train(tiny_cfg(shards, run, max_steps=2, seed=3, optim={"lr": 0.01}))
     message = str(err.value)
     assert "\n" not in message
-    assert "lr: 0.003 -> 0.01" in message and "seed: 0 -> 3" in message and "max_steps" not in message
+    assert "optim.lr: 0.003 -> 0.01" in message and "seed: 0 -> 3" in message and "max_steps" not in message
     assert "allow_safe_changes" not in message  # a result-changing drift cannot be allowed
     with pytest.raises(ValueError, match="lr: 0.003 -> 0.01"):  # the option does not allow it either
-        train(tiny_cfg(shards, run, max_steps=2, lr=0.01, allow_safe_changes=True))
-    assert json.loads((run / "config.json").read_text())["lr"] == 0.003  # the refused run wrote nothing
+        train(tiny_cfg(shards, run, max_steps=2, allow_safe_changes=True, optim={"lr": 0.01}))
+    assert json.loads((run / "config.json").read_text())["optim"]["lr"] == 0.003  # the refused run wrote nothing
 
 
 def test_safe_changes_need_the_option_and_earlier_configs_are_kept(shards, tmp_path):
     run = tmp_path / "run"
     train(tiny_cfg(shards, run, max_steps=2))
-    with pytest.raises(ValueError, match=r"log_every: 1 -> 2; max_steps: 2 -> 4 \(set allow_safe_changes=True"):
-        train(tiny_cfg(shards, run, max_steps=4, log_every=2))
-    result = train(tiny_cfg(shards, run, max_steps=4, log_every=2, num_threads=2, allow_safe_changes=True))
+    with pytest.raises(ValueError, match=r"max_steps: 2 -> 4; measure.log_every: 1 -> 2 \(set allow_safe_changes=True"):
+        train(tiny_cfg(shards, run, max_steps=4, measure={"log_every": 2}))
+    result = train(tiny_cfg(shards, run, max_steps=4, num_threads=2, allow_safe_changes=True,
+                            measure={"log_every": 2}))
     assert result["resumed_from_step"] == 2 and result["steps"] == 4
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 4]
     assert json.loads((run / "config.json").read_text())["max_steps"] == 4
@@ -55,23 +56,36 @@ def test_other_data_is_refused_by_hash(shards, tmp_path):
 
 
 def test_every_result_changing_field_is_compared():
-    base = to_dict(tiny_cfg("d", "r"))
+    cfg = tiny_cfg("d", "r")
+    base = to_dict(cfg)
     data = {"data_sha256": "a", "tokenizer_sha256": "t", "seq_len": 32, "vocab_size": 96}
     assert config_drift(base, base, data, data, allow_safe_changes=False) == []
-    for key, value in (("model", "mini"), ("micro_batch_size", 8), ("grad_accum_steps", 4), ("schedule", "cosine"),
-                       ("weight_decay", 0.1), ("beta2", 0.999), ("precision", "bf16"),
-                       ("mlm_probability", 0.3), ("model_overrides", {"bias": False}), ("seq_len", 64)):
-        assert config_drift(base, {**base, key: value}, data, data, allow_safe_changes=True) == [
-            f"{key}: {base[key]!r} -> {value!r}"], key
+    for change, key, old, new in (({"model": "mini"}, "model", "tiny", "mini"),
+                                  ({"batch": {"micro_batch_size": 8}}, "batch.micro_batch_size", 4, 8),
+                                  ({"batch": {"grad_accum_steps": 4}}, "batch.grad_accum_steps", 2, 4),
+                                  ({"schedule": {"kind": "cosine"}}, "schedule.kind", "linear", "cosine"),
+                                  ({"optim": {"weight_decay": 0.1}}, "optim.weight_decay", 0.01, 0.1),
+                                  ({"optim": {"beta2": 0.999}}, "optim.beta2", 0.98, 0.999),
+                                  ({"precision": "bf16"}, "precision", "fp32", "bf16"),
+                                  ({"data": {"mlm_probability": 0.3}}, "data.mlm_probability", 0.15, 0.3),
+                                  ({"model_overrides": {"bias": False}}, "model_overrides", {}, {"bias": False}),
+                                  ({"data": {"seq_len": 64}}, "data.seq_len", None, 64)):
+        assert config_drift(base, to_dict(cfg.replace(**change)), data, data, allow_safe_changes=True) == [
+            f"{key}: {old!r} -> {new!r}"], key
     for key in ("tokenizer_sha256", "seq_len"):
         assert config_drift(base, base, data, {**data, key: "x"}, allow_safe_changes=True) == [
             f"{key}: {data[key]!r} -> 'x'"]
-    assert config_drift(base, {**base, "eval_every": 5}, data, data, allow_safe_changes=True) == []
+    assert config_drift(base, to_dict(cfg.replace(eval={"every": 5})), data, data, allow_safe_changes=True) == []
     # the sharding changes how a step is computed, not what: a checkpoint loads under another one
-    assert config_drift(base, {**base, "sharding": "fsdp"}, data, data, allow_safe_changes=True) == []
-    assert config_drift(base, {**base, "sharding": "fsdp"}, data, data, allow_safe_changes=False) == [
-        f"sharding: {base['sharding']!r} -> 'fsdp'"]
+    fsdp = to_dict(cfg.replace(parallel={"sharding": "fsdp"}))
+    assert config_drift(base, fsdp, data, data, allow_safe_changes=True) == []
+    assert config_drift(base, fsdp, data, data, allow_safe_changes=False) == ["parallel.sharding: 'ddp' -> 'fsdp'"]
     assert not FREE_FIELDS & SAFE_FIELDS
+    # a run directory's config.json from before the sections (flat names) is compared the same way
+    old = {k: v for k, v in base.items() if k not in TRAIN_SECTIONS} | {
+        old_name: dotted(base)[new_name] for old_name, new_name in FLAT_KEYS.items()} | {"run_id": "x"}
+    assert config_drift(old, base, data, data, allow_safe_changes=False) == []
+    assert config_drift(old, fsdp, data, data, allow_safe_changes=False) == ["parallel.sharding: 'ddp' -> 'fsdp'"]
 
 
 def test_model_config_of_is_the_preset_with_overrides_and_activation_checkpointing():
@@ -94,11 +108,11 @@ def test_training_a_finished_run_again_is_a_no_op_that_says_so(shards, tmp_path,
     """The same config on a finished run (resume or not, other free fields such as threads):
     the saved result is returned and no file of the run directory is written or even touched."""
     run = tmp_path / "run"
-    first = train(tiny_cfg(shards, run, max_steps=3, ckpt_every=3))
+    first = train(tiny_cfg(shards, run, max_steps=3, checkpoint={"every": 3}))
     before = _snapshot(run)
     capfd.readouterr()
-    for cfg in (tiny_cfg(shards, run, max_steps=3, ckpt_every=3),
-                tiny_cfg(shards, run, max_steps=3, ckpt_every=3, resume=False, num_threads=2)):
+    for cfg in (tiny_cfg(shards, run, max_steps=3, checkpoint={"every": 3}),
+                tiny_cfg(shards, run, max_steps=3, resume=False, num_threads=2, checkpoint={"every": 3})):
         again = train(cfg)
         assert _snapshot(run) == before
         assert again == json.loads((run / "result.json").read_text()) == json.loads(json.dumps(first))
@@ -107,10 +121,10 @@ def test_training_a_finished_run_again_is_a_no_op_that_says_so(shards, tmp_path,
         assert "labkit resume" in err[0] and "train.max_steps=N" in err[0]
     # a stopped run is not finished, and a changed config is not this run: both go on as before
     stopped = tmp_path / "stopped"
-    train(tiny_cfg(shards, stopped, max_steps=4, ckpt_every=2, stop_after=2))
-    assert train(tiny_cfg(shards, stopped, max_steps=4, ckpt_every=2))["resumed_from_step"] == 2
+    train(tiny_cfg(shards, stopped, max_steps=4, stop_after=2, checkpoint={"every": 2}))
+    assert train(tiny_cfg(shards, stopped, max_steps=4, checkpoint={"every": 2}))["resumed_from_step"] == 2
     with pytest.raises(ValueError, match="lr: 0.003 -> 0.01"):
-        train(tiny_cfg(shards, run, max_steps=3, ckpt_every=3, lr=0.01))
+        train(tiny_cfg(shards, run, max_steps=3, checkpoint={"every": 3}, optim={"lr": 0.01}))
 
 
 def test_more_steps_make_a_result_over_the_whole_run_and_every_segment(shards, tmp_path):
@@ -120,8 +134,8 @@ def test_more_steps_make_a_result_over_the_whole_run_and_every_segment(shards, t
     from labkit.train.run_config import trained_seconds
 
     run = tmp_path / "run"
-    a = train(tiny_cfg(shards, run, max_steps=8, ckpt_every=4, stop_after=4))
-    b = train(tiny_cfg(shards, run, max_steps=8, ckpt_every=4))
+    a = train(tiny_cfg(shards, run, max_steps=8, stop_after=4, checkpoint={"every": 4}))
+    b = train(tiny_cfg(shards, run, max_steps=8, checkpoint={"every": 4}))
     seg = b["segments"]
     assert [(s["start_step"], s["end_step"]) for s in seg] == [(0, 4), (4, 8)]
     assert seg[0]["tokens_per_s"] == a["tokens_per_s"] and seg[0]["start_time"] == a["provenance"]["start_time"]
@@ -131,7 +145,7 @@ def test_more_steps_make_a_result_over_the_whole_run_and_every_segment(shards, t
     assert b["tokens_per_s"] == pytest.approx(sum(s["tokens_per_s"] * t for s, t in zip(seg, secs)) / sum(secs))
     assert b["samples_per_s"] == pytest.approx(6 * b["global_batch_size"] / sum(secs))
     assert b["wall_s"] == pytest.approx(a["wall_s"] + seg[1]["wall_s"])
-    c = train(tiny_cfg(shards, run, max_steps=12, ckpt_every=4, allow_safe_changes=True))
+    c = train(tiny_cfg(shards, run, max_steps=12, allow_safe_changes=True, checkpoint={"every": 4}))
     assert [(s["start_step"], s["end_step"]) for s in c["segments"]] == [(0, 4), (4, 8), (8, 12)]
     for key in ("tokens_per_s", "samples_per_s", "data_wait_fraction", "comm_exposed_s", "packing_efficiency"):
         assert c[key] is not None or key == "comm_exposed_s"  # one process: no gradient communication
@@ -149,8 +163,9 @@ def test_a_resume_with_no_step_left_keeps_the_whole_runs_numbers(shards, tmp_pat
     """The issue's case: a finished run resumed with a safe change only (eval interval), so no
     step is left: the run's throughput stays the whole run's, not null."""
     run = tmp_path / "run"
-    done = train(tiny_cfg(shards, run, max_steps=4, ckpt_every=4))
-    again = train(tiny_cfg(shards, run, max_steps=4, ckpt_every=4, log_every=2, allow_safe_changes=True))
+    done = train(tiny_cfg(shards, run, max_steps=4, checkpoint={"every": 4}))
+    again = train(tiny_cfg(shards, run, max_steps=4, allow_safe_changes=True, checkpoint={"every": 4},
+                           measure={"log_every": 2}))
     assert [(s["start_step"], s["end_step"]) for s in again["segments"]] == [(0, 4), (4, 4)]
     for key in ("tokens_per_s", "samples_per_s", "data_wait_fraction", "mfu", "packing_efficiency"):
         assert again[key] == pytest.approx(done[key]) if done[key] is not None else again[key] is None, key

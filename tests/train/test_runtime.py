@@ -50,7 +50,7 @@ def test_copies_and_a_nonfinite_gradient():
 
 def test_runtime_of_one_process():
     """No process group: pp = tp = 1, dp = 1, no collective to time (comm_exposed_s 0.0), no bubble."""
-    cfg = TrainConfig(data_dir="-", run_dir="-", grad_clip=1.0)
+    cfg = TrainConfig(data_dir="-", run_dir="-", optim={"grad_clip": 1.0})
     model = _model_with_grads()
     model.zero_grad()
     rt = Runtime(cfg, model, torch.amp.GradScaler("cpu", enabled=False), torch.device("cpu"), world=1, rank=0)

@@ -14,8 +14,8 @@ def test_hf_linear_matches_transformers_every_step(warmup):
     from transformers import get_linear_schedule_with_warmup
 
     steps, lr = 20, 3e-4
-    cfg = TrainConfig(data_dir="d", run_dir="r", lr=lr, warmup_steps=warmup, max_steps=steps,
-                      schedule="hf_linear")
+    cfg = TrainConfig(data_dir="d", run_dir="r", max_steps=steps, optim={"lr": lr},
+                      schedule={"warmup_steps": warmup, "kind": "hf_linear"})
     param = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.AdamW([param], lr=lr)
     sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=warmup, num_training_steps=steps)
@@ -31,6 +31,6 @@ def test_hf_linear_matches_transformers_every_step(warmup):
 
 
 def test_default_schedule_stays_linear():
-    assert TrainConfig(data_dir="d", run_dir="r").schedule == "linear"
-    with pytest.raises(ValueError, match="schedule"):
-        TrainConfig(data_dir="d", run_dir="r", schedule="hf_cosine")
+    assert TrainConfig(data_dir="d", run_dir="r").schedule.kind == "linear"
+    with pytest.raises(ValueError, match="^schedule.kind: got 'hf_cosine'"):
+        TrainConfig(data_dir="d", run_dir="r", schedule={"kind": "hf_cosine"})

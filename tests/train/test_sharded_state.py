@@ -91,9 +91,9 @@ def two_ranks(tmp_path_factory) -> pathlib.Path:
 
     root = tmp_path_factory.mktemp("sharded_state")
     shards = write_tiny_shards(root / "shards", n_sequences=32, heldout_sequences=1)
-    cfg = TrainConfig(data_dir=str(shards), run_dir=str(root / "fsdp-eval"), model="tiny", micro_batch_size=4,
-                      max_steps=2, warmup_steps=1, num_threads=1, device="cpu", timeout_s=30, sharding="fsdp",
-                      eval_every=1, eval_sequences=8, checkpoints=False)
+    cfg = TrainConfig(data_dir=str(shards), run_dir=str(root / "fsdp-eval"), model="tiny", max_steps=2, num_threads=1,
+                      device="cpu", timeout_s=30, batch={"micro_batch_size": 4}, schedule={"warmup_steps": 1},
+                      parallel={"sharding": "fsdp"}, eval={"every": 1, "sequences": 8}, checkpoint={"enabled": False})
     mp.spawn(_worker, args=(2, _free_port(), str(root), json.dumps(to_dict(cfg))), nprocs=2, join=True)
     return root
 

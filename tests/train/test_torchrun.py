@@ -71,7 +71,7 @@ def test_torchrun_two_ranks_matches_one_process(tmp_path):
     from tests.train.test_dist import _free_port, _train_worker
 
     ref = tmp_path / "runs" / "spawned"
-    ref_cfg = load(cfg, [f"train.run_dir={json.dumps(str(ref))}", "train.trackers=[]"]).train
+    ref_cfg = load(cfg, [f"train.run_dir={json.dumps(str(ref))}", "train.measure.trackers=[]"]).train
     mp.spawn(_train_worker, args=(2, _free_port(), json.dumps(to_dict(ref_cfg))), nprocs=2, join=True)
     assert [r["loss"] for r in _records(ddp)] == pytest.approx([r["loss"] for r in _records(ref)], rel=1e-6)
     assert not (ref / "tensorboard").exists(), "trackers=[] writes no event files"

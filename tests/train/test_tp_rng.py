@@ -105,10 +105,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str, trains: list[str]) -
 
 
 def _run_cfg(shards: pathlib.Path, run_dir: pathlib.Path, **kw) -> TrainConfig:
-    return TrainConfig(data_dir=str(shards), run_dir=str(run_dir), model="tiny", micro_batch_size=4,
-                       grad_accum_steps=2, max_steps=6, warmup_steps=2, num_threads=1, device="cpu",
-                       timeout_s=120, trackers=(), ckpt_every=3, eval_every=0, tp=2, sharding="fsdp",
-                       model_overrides={"hidden_dropout": 0.2, "attention_dropout": 0.2, "num_heads": 4}, **kw)
+    base = TrainConfig(data_dir=str(shards), run_dir=str(run_dir), model="tiny", max_steps=6, num_threads=1,
+                       device="cpu", timeout_s=120,
+                       model_overrides={"hidden_dropout": 0.2, "attention_dropout": 0.2, "num_heads": 4},
+                       batch={"micro_batch_size": 4, "grad_accum_steps": 2}, schedule={"warmup_steps": 2},
+                       measure={"trackers": ()}, checkpoint={"every": 3}, eval={"every": 0},
+                       parallel={"tp": 2, "sharding": "fsdp"})
+    return base.replace(**kw)
 
 
 def _losses(run_dir: pathlib.Path) -> list[float]:
@@ -123,7 +126,7 @@ def spawned(tmp_path_factory):
     shards = write_tiny_shards(tmp / "shards")
     trains = []
     for sp in (False, True):
-        whole = _run_cfg(shards, tmp / f"whole-sp{sp}", sequence_parallel=sp)
+        whole = _run_cfg(shards, tmp / f"whole-sp{sp}", parallel={"sequence_parallel": sp})
         part = dataclasses.replace(whole, run_dir=str(tmp / f"part-sp{sp}"), stop_after=3)
         trains += [json.dumps(to_dict(c)) for c in (whole, part, dataclasses.replace(part, stop_after=None))]
     mp.spawn(_worker, args=(2, _port(), str(tmp), trains), nprocs=2, join=True)
