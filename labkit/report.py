@@ -199,10 +199,11 @@ def execute_notebooks(lanes: list[list[tuple]], *, jobs: int = 2, cwd: str | os.
     future is done (its exception fails the notebook's lane); ``done(stem, seconds)`` is called
     as each notebook finishes.
 
-    On a failure, or Ctrl-C here, the notebooks still running are interrupted (SIGINT: nbclient
-    then shuts their kernels down; killed after 30 s) and no other starts. Raises RuntimeError
+    On a failure, or Ctrl-C here, no other notebook starts, and those still running after 5 s are
+    interrupted (SIGINT: nbclient then shuts their kernels down; killed after 30 more s). Raises RuntimeError
     naming the first notebook that failed, with the end of its output (nbclient's
     CellExecutionError names the cell and the exception)."""
+    import contextlib
     import json
     import signal
     import subprocess
@@ -242,6 +243,10 @@ def execute_notebooks(lanes: list[list[tuple]], *, jobs: int = 2, cwd: str | os.
             future.result()
     finally:
         stopping.set()
+        end = time.monotonic() + 5  # Ctrl-C in a terminal reached them too: let them stop their kernels first
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, end - time.monotonic()))
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
