@@ -9,10 +9,12 @@ HTML report.
 Every measurement a notebook shows is made here first, as a stage, with the notebook's own
 parameters (``notebook_parameters``: the notebook's defaults and what the demo passes it): the
 timing sweeps one after another with nothing else running (their numbers are times), the loss
-sweeps (notebooks 05 and 07) on both engines at once (their numbers are losses, which the load
-does not change). The notebooks then find each point made with their settings from the same
-shards and read it back through the same ``made_by`` check (``labkit.study.points``), so they
-measure nothing again and run two at a time (``run_reports``).
+sweeps (notebooks 05 and 07) in this process on one thread beside the reports of the other
+notebooks (their numbers are losses, which the load does not change). The notebooks then find
+each point made with their settings from the same shards and read it back through the same
+``made_by`` check (``labkit.study.points``), so they measure nothing again and run two at a time
+(``labkit.demo_notebooks.run_reports``). ``demo.json`` records each stage's wall and CPU seconds
+and the load at its start (``stages``).
 """
 
 from __future__ import annotations
@@ -24,19 +26,15 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from labkit.io import atomic_write_json
 from labkit.config import DemoConfig, TrainConfig, to_dict
+from labkit.demo_notebooks import NOTEBOOKS, notebook_parameters, notebooks_dir, run_reports
+from labkit.demo_notebooks import say as _say
+from labkit.demo_notebooks import settings as _settings
+from labkit.io import atomic_write_json
 
 __all__ = ["NOTEBOOKS", "demo_train_config", "notebook_parameters", "notebooks_dir", "run_demo", "run_reports"]
-
-NOTEBOOKS: tuple[str, ...] = ("00_cluster", "01_prepare", "02_stage_and_load", "03_train", "04_scaling",
-                              "05_scaling_laws", "06_model_parallel", "07_critical_batch")
-"""The notebooks the demo executes and exports, in order."""
-
-
-def notebooks_dir() -> Path:
-    """The repository's ``notebooks/`` folder (labkit is installed in editable mode from it)."""
-    return Path(__file__).resolve().parent.parent / "notebooks"
+"""``NOTEBOOKS``, ``notebook_parameters``, ``notebooks_dir`` and ``run_reports`` live in
+``labkit.demo_notebooks`` and are re-exported here."""
 
 
 def demo_train_config(cfg: DemoConfig, workdir: Path, *, run: str = "demo") -> TrainConfig:
@@ -57,10 +55,6 @@ def demo_train_config(cfg: DemoConfig, workdir: Path, *, run: str = "demo") -> T
         eval={"every": max(1, cfg.train_steps // 6)},  # held-out loss (labkit.train.evaluation) 6 times and at the end
         checkpoint={"every": 0},
     )
-
-
-def _say(msg: str, t0: float) -> None:
-    print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", flush=True)
 
 
 def run_demo(cfg: DemoConfig, *, force: bool = False, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -89,16 +83,20 @@ def run_demo(cfg: DemoConfig, *, force: bool = False, parameters: dict[str, Any]
     work.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"config": to_dict(cfg), "workdir": str(work)}
 
+    clock = _Clock()
     _say(f"starting a local ipyparallel cluster of {cfg.engines} engines (CPU, gloo)", t0)
     cluster = start_cluster(cfg.engines)
     try:
         client = get_client(cluster)
-
+        clock.mark("engines started")
         index, staged = _data_stages(client, cfg, work, force, summary, t0)
+        clock.mark("1-4 data")
         summary["train"] = _train_stage(client, cfg, work, staged, force, t0)
+        clock.mark("5 training")
 
         nb = notebook_parameters(cfg, work, cluster.cluster_id, parameters)
         summary |= _timing_sweeps(client, work, index, nb, staged, force, t0)
+        clock.mark("6 timing sweeps")
         s5, s7 = _settings("05_scaling_laws", nb), _settings("07_critical_batch", nb)
         _say(f"7/8 loss sweeps, in this process beside the reports that do not show them: scaling-law widths "
              f"{s5['law_widths']} ({s5['law_steps']} steps); critical batch at global batches {s7['batch_sizes']} "
@@ -110,15 +108,52 @@ def run_demo(cfg: DemoConfig, *, force: bool = False, parameters: dict[str, Any]
             summary["reports"] = run_reports(cfg, work, t0=t0, cluster_id=cluster.cluster_id, parameters=parameters,
                                              after={"05_scaling_laws": loss, "07_critical_batch": loss})
         summary |= loss.result()
+        clock.mark("7-8 loss sweeps beside the figures and reports")
     finally:
         stop_cluster(cluster)
     summary["seconds"] = round(time.perf_counter() - t0, 1)
+    summary["stages"] = clock.marks
+    cpu = sum(m["cpu_s"] for m in clock.marks)
+    load = f"1-minute load {clock.marks[0]['load_avg_1m']} at the start, {os.getloadavg()[0]:.2f} at the end"
+    summary["load"] = {"start": clock.marks[0]["load_avg_1m"], "end": round(os.getloadavg()[0], 2),
+                       "cpu_count": len(os.sched_getaffinity(0))}
     out = work / "demo.json"
     atomic_write_json(out, summary)
-    _say(f"done in {summary['seconds']} s; summary in {out}", t0)
+    _say(f"done in {summary['seconds']} s, {cpu:.0f} CPU-s in all its processes ({load}, "
+         f"{summary['load']['cpu_count']} CPUs); stages and summary in {out}", t0)
     for path in summary.get("reports", []):
         print(f"  report: {path}")
     return summary
+
+
+class _Clock:
+    """Wall and CPU seconds per stage of the demo: ``mark(name)`` ends a stage. CPU seconds are
+    user + system time of this process and every process under it (engines, kernels, the ones
+    already ended included: psutil's ``children_*`` times). ``marks``: one dict per stage (stage,
+    wall_s, cpu_s, load_avg_1m at its start)."""
+
+    def __init__(self) -> None:
+        self.marks: list[dict] = []
+        self._t, self._cpu, self._load = time.perf_counter(), self.cpu(), round(os.getloadavg()[0], 2)
+
+    @staticmethod
+    def cpu() -> float:
+        import contextlib
+
+        import psutil
+
+        me, total = psutil.Process(), 0.0
+        for proc in [me, *me.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                t = proc.cpu_times()
+                total += t.user + t.system + t.children_user + t.children_system
+        return total
+
+    def mark(self, name: str) -> None:
+        t, cpu = time.perf_counter(), self.cpu()
+        self.marks.append({"stage": name, "wall_s": round(t - self._t, 1), "cpu_s": round(cpu - self._cpu, 1),
+                           "load_avg_1m": self._load})
+        self._t, self._cpu, self._load = t, cpu, round(os.getloadavg()[0], 2)
 
 
 def _data_stages(client, cfg: DemoConfig, work: Path, force: bool, summary: dict, t0: float) -> tuple[dict, dict]:
@@ -181,43 +216,6 @@ def _train_stage(client, cfg: DemoConfig, work: Path, staged: dict, force: bool,
     return result
 
 
-def notebook_parameters(cfg: DemoConfig, work: Path, cluster_id: str | None = None,
-                        extra: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
-    """{notebook: {parameter: value}}: what the demo passes each notebook of ``NOTEBOOKS`` (its
-    work directory, engines -- or the running cluster ``cluster_id`` --, model and data settings,
-    the training steps of notebook 03, the sweeps' steps, models and budget, and ``extra``),
-    restricted to the parameters the notebook declares, so each report shows only the ones it
-    uses. Raises ValueError naming a parameter of ``extra`` that no notebook declares."""
-    from labkit.report import declared_parameters
-
-    given = {"workdir": str(work), "engines": cfg.engines, "cluster_id": cluster_id, "model": cfg.model,
-             "micro_batch_size": cfg.micro_batch_size, "max_functions": cfg.corpus.max_functions,
-             "vocab_size": cfg.tokenizer.vocab_size, "seq_len": cfg.shards.seq_len,
-             "heldout_fraction": cfg.shards.heldout_fraction,
-             # the demo's corpus sources: notebook 01 reuses the demo's artifacts only with the same settings
-             "elf_paths": list(cfg.corpus.paths), "text_paths": list(cfg.corpus.text_paths),
-             "jsonl_paths": list(cfg.corpus.jsonl_paths), "parquet_paths": list(cfg.corpus.parquet_paths),
-             "steps": min(cfg.train_steps, 20), "sweep_steps": cfg.sweep_steps,
-             "sweep_models": list(cfg.sweep_models), "memory_budget_gib": cfg.memory_budget_gib} | (extra or {})
-    out, seen = {}, set()
-    for name in NOTEBOOKS:
-        declared = declared_parameters(notebooks_dir() / f"{name}.py")
-        out[name] = {k: v for k, v in given.items() if k in declared}
-        seen |= set(declared)
-    unknown = sorted(set(extra or {}) - seen)
-    if unknown:
-        raise ValueError(f"parameters: no notebook declares {', '.join(unknown)}")
-    return out
-
-
-def _settings(name: str, passed: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The values notebook ``name`` will run with: its parameters cell's defaults, overridden by
-    what the demo passes it."""
-    from labkit.report import parameter_defaults
-
-    return parameter_defaults(notebooks_dir() / f"{name}.py") | passed[name]
-
-
 def _timing_sweeps(client, work: Path, index: dict, nb: dict, staged: dict, force: bool, t0: float) -> dict:
     """Stage 6: the sweeps of notebooks 04 and 06, with their settings, one after another and
     nothing else running: tokens/s at 1..N ranks, the largest micro-batch under the memory
@@ -270,7 +268,7 @@ def _loss_sweeps(work: Path, s5: dict, s7: dict, force: bool, t0: float) -> dict
     from labkit.study.critical_batch import batch_base, sweep_batch
     from labkit.study.law_runs import sweep_law_runs
 
-    w = str(work)
+    w, start, cpu = str(work), time.perf_counter(), time.thread_time()
     law = sweep_law_runs(w, widths=list(s5["law_widths"]), steps=s5["law_steps"], micro_batch=s5["law_micro_batch"],
                          points=s5["law_points"], force=force)
     base = batch_base(w, model=s7["batch_model"], micro_batch=s7["batch_micro_batch"], lr=s7["lr"])
@@ -283,7 +281,10 @@ def _loss_sweeps(work: Path, s5: dict, s7: dict, force: bool, t0: float) -> dict
     else:
         _say(f"    critical batch: only {fit['reached']} batch sizes reached held-out loss "
              f"{fit['target_eval_loss']:.3f}, no fit", t0)
-    return {"law_points": law.to_dicts(), "critical_batch": runs.to_dicts(), "critical_batch_fit": fit}
+    took = {"wall_s": round(time.perf_counter() - start, 1), "cpu_s": round(time.thread_time() - cpu, 1)}
+    _say(f"    loss sweeps done in {took['wall_s']} s ({took['cpu_s']} CPU-s on their thread)", t0)
+    return {"law_points": law.to_dicts(), "critical_batch": runs.to_dicts(), "critical_batch_fit": fit,
+            "loss_sweeps": took}
 
 
 def _say_sweeps(ranks, mb, sizes, loader, splits, t0: float) -> None:
@@ -343,40 +344,6 @@ def _write_figures(cfg: DemoConfig, work: Path) -> list[str]:
         fig.write_html(path, include_plotlyjs=True, full_html=True)
         paths.append(str(path))
     return paths
-
-
-def run_reports(cfg: DemoConfig, work: Path, *, t0: float | None = None, cluster_id: str | None = None,
-                jobs: int = 2, parameters: dict[str, Any] | None = None,
-                after: dict[str, Future] | None = None) -> list[str]:
-    """Execute each notebook headlessly on the demo's work directory and export it as a
-    self-contained HTML report under ``<workdir>/reports``, with the demo's parameters and
-    ``parameters`` (``notebook_parameters``); returns the report paths in ``NOTEBOOKS`` order.
-
-    Each notebook runs in a process of its own, up to ``jobs`` at once
-    (``labkit.report.execute_notebooks``). With ``cluster_id`` (a running cluster,
-    ``labkit.cluster.connect_cluster``) the notebooks that use engines use that cluster's, one
-    after another (two notebooks' DDP runs on the same engines would wait for each other), while
-    the others run beside them; without it, each notebook starts and stops its own engines. A
-    notebook in ``after`` ({name: Future}) starts once its future is done (what it shows is
-    measured then). Raises RuntimeError naming the first notebook that failed."""
-    from labkit.report import execute_notebooks
-
-    t0 = time.perf_counter() if t0 is None else t0
-    params = notebook_parameters(cfg, work, cluster_id, parameters)
-    shared = [n for n in _REPORT_ORDER if "cluster_id" in params[n]] if cluster_id else []
-    lanes = ([shared] if shared else []) + [[n] for n in _REPORT_ORDER if n not in shared]
-    _say(f"    executing notebooks {NOTEBOOKS[0]}..{NOTEBOOKS[-1]}, {jobs} at a time"
-         + (f" ({', '.join(shared)} on the demo's engines, in turn)" if shared else ""), t0)
-    execute_notebooks([[(notebooks_dir() / f"{n}.py", work / "reports" / f"{n}.html", params[n]) for n in lane]
-                       for lane in lanes], jobs=jobs, cwd=work, after=after,
-                      done=lambda name, seconds: _say(f"    {name}.html ({seconds:.0f} s)", t0))
-    return [str(work / "reports" / f"{name}.html") for name in NOTEBOOKS]
-
-
-_REPORT_ORDER = ("00_cluster", "01_prepare", "02_stage_and_load", "04_scaling", "06_model_parallel", "03_train",
-                 "05_scaling_laws", "07_critical_batch")
-"""The order ``run_reports`` starts the notebooks in: 03, which trains a run of its own, after the
-notebooks that only read back, so that it trains once the loss sweeps beside them are done."""
 
 
 class _TerminalProgress:
