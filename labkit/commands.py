@@ -94,19 +94,28 @@ def stage(cfg: LabConfig) -> int:
 def _summary(result: dict) -> dict:
     """The result's main numbers as ``labkit train`` / ``resume`` print them: the training loss
     at the first and last step and the held-out ``eval_loss`` / ``perplexity`` of the last
-    evaluation (None when the run evaluated nothing), then steps, tokens, speed, world size."""
+    evaluation (None when the run evaluated nothing), then steps, tokens, speed, world size, the
+    run's wall-clock goodput and its culprit's line (None when no rank held the others up)."""
     keys = ("initial_loss", "final_loss", "eval_loss", "perplexity", "steps", "max_steps", "tokens", "tokens_per_s",
-            "world_size", "global_batch_size", "resumed_from_step", "wall_s")
-    return {k: result.get(k) for k in keys}
+            "world_size", "global_batch_size", "resumed_from_step", "wall_s", "goodput")
+    return {k: result.get(k) for k in keys} | {"culprit": (result.get("culprit") or {}).get("line")}
 
 
 def _uses_workdir_shards(cfg: LabConfig) -> bool:
     return pathlib.Path(cfg.train.data_dir).resolve() == (pathlib.Path(cfg.workdir) / "shards").resolve()
 
 
+def _culprit_line():
+    """The live culprit line of ``labkit train`` / ``resume`` (stderr, when it changes)."""
+    from labkit.rankview import CulpritLine
+
+    return CulpritLine()
+
+
 def train(cfg: LabConfig, *, stage_first: bool = True) -> int:
     """DDP training on the engines (notebook 03); each rank reads its node's staged copy when
-    the run's data_dir is the work directory's shards. Prints the result's main numbers."""
+    the run's data_dir is the work directory's shards. Prints the result's main numbers; while it
+    trains, one line on stderr names the rank that holds the others up (``CulpritLine``)."""
     from labkit import preflight
 
     preflight.check_train(cfg.train, engines=cfg.cluster.engines, local=_local(cfg.cluster))
@@ -119,7 +128,7 @@ def train(cfg: LabConfig, *, stage_first: bool = True) -> int:
     from labkit import lab
     with cluster_client(cfg.cluster) as client:
         staged = _stage(client, cfg) if stage_first and _uses_workdir_shards(cfg) else None
-        result = lab.train_on_cluster(client, cfg.train, staged=staged)
+        result = lab.train_on_cluster(client, cfg.train, staged=staged, live=_culprit_line())
     _print_json(_summary(result) | {"run_dir": cfg.train.run_dir})
     return 0
 
@@ -144,7 +153,7 @@ def resume(run_dir: str, cluster: ClusterConfig, overrides: list[str]) -> int:
         return 0
     from labkit import lab
     with cluster_client(cluster) as client:
-        result = lab.train_on_cluster(client, cfg)
+        result = lab.train_on_cluster(client, cfg, live=_culprit_line())
     _print_json(_summary(result) | {"run_dir": run_dir})
     return 0
 

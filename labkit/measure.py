@@ -22,6 +22,8 @@
 - pipeline bubble fraction: 1 - (time the stages compute) / (ranks x the longest rank's schedule time).
 - time in tensor-parallel collectives: the summed durations of those collectives (``IntervalTimer``).
 - peak saved-activation bytes: the most bytes of tensors autograd held for backward at once (``SavedActivationPeak``).
+- goodput (wall clock): productive step time of the steps the final model keeps / the run's elapsed
+  time, the rest split by cause into ``badput_*`` (``goodput``; ml-goodput-measurement's meaning).
 
 Timings skip warm-up steps (the caller's job) and synchronise the device before reading the
 clock (``StepTimer``). When the device peak is unknown (CPU, an unlisted GPU) MFU is ``None``.
@@ -37,8 +39,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch is imported where a CUDA call needs it: engines reading their RSS never load it
     import torch
 
-__all__ = ["CPU_RSS_OVERHEAD", "DEVICE_ALIASES", "DEVICES", "PEAK_FLOPS", "available_memory", "bubble_fraction",
-           "check_cpu_budget", "comm_exposed_s", "cpu_rss_caveat", "data_wait_fraction", "device_kind", "device_name",
+__all__ = ["BADPUT", "CPU_RSS_OVERHEAD", "DEVICE_ALIASES", "DEVICES", "PEAK_FLOPS", "available_memory",
+           "bubble_fraction", "check_cpu_budget", "comm_exposed_s", "cpu_rss_caveat", "data_wait_fraction",
+           "device_kind", "device_name", "goodput",
            "IntervalTimer", "mfu", "packing_efficiency", "peak_flops", "peak_memory_bytes", "peak_rss_bytes",
            "PeakWindows", "reset_peak_memory", "samples_per_s", "SavedActivationPeak", "scaling_efficiency",
            "statistical_efficiency", "statistical_goodput", "StepTimer", "tokens_per_s"]
@@ -562,3 +565,68 @@ def check_cpu_budget(budget_bytes: int, available: dict, *, key: str = "budget_b
                      f"this machine can give now ({where}), and the search allocates its budget; plan it instead: "
                      f"labkit plan --model {model or 'MODEL'} --micro-batch B --device DEVICE "
                      "(labkit.study.plan.memory_plan)")
+
+
+BADPUT = ("startup", "restart", "redone", "checkpoint", "eval", "data", "communication", "other")
+"""The causes of lost wall-clock time that ``goodput`` splits the rest of a run into."""
+
+
+def goodput(timeline: Any, *, end: float | None = None) -> dict[str, float]:
+    """Wall-clock goodput of a run (docs/measurement.md "Goodput"): the share of its elapsed time
+    spent in productive step time of steps the final model keeps (Google's
+    ml-goodput-measurement, github.com/AI-Hypercomputer/ml-goodput-measurement: productive,
+    preserved training progress over total time; badput by cause), from every rank's step
+    timeline (``labkit.train.timeline.read_timeline``: a polars frame, all run segments).
+
+    Per step (the ranks' rows of one segment and step): the step's wall time is the median
+    ``step_s`` over ranks; its data badput the longest data wait of any rank (the step's
+    collectives start when the last rank has its batch); its communication badput the exposed
+    communication on the critical path: the latest completion of a gradient collective less the
+    latest time any rank's gradients were ready (from the end of the step's first
+    synchronisation, which all ranks leave together), else the median ``comm_exposed_s``; what
+    is left is productive. Evaluation and checkpoint: the longest of any rank. A step of a
+    segment that a later segment resumed before is redone: all its time (median ``t_end -
+    t_start``) is ``badput_redone``. ``badput_startup``: from the first segment's start to its first
+    step; ``badput_restart``: from the last row of a segment to the first step of the next (the
+    failure, the restart, start-up and checkpoint load). ``badput_other`` is the rest (logging,
+    the timeline itself, the time between steps, from the last row to ``end``), clipped at 0.
+
+    Returns {"goodput", "badput_<cause>" for each of ``BADPUT`` (fractions of the elapsed time;
+    with goodput they sum to 1 unless other was clipped), "goodput_elapsed_s", "goodput_productive_s"}. ``end``: unix
+    time the run ended (default: its last row's ``t_end``). ValueError for a frame without rows."""
+    import polars as pl
+
+    if timeline.height == 0:
+        raise ValueError("goodput: the timeline has no rows (was the run trained with timeline on?)")
+    by_rank_step = ["segment_start", "step"]
+    has_buckets = pl.col("sync_end_s").is_not_null() & (pl.col("bucket_ready_s").list.len() > 0)
+    steps = timeline.group_by(by_rank_step).agg(
+        step_s=pl.col("step_s").median(), data_s=pl.col("data_s").max(), exposed_s=pl.col("comm_exposed_s").median(),
+        done_s=pl.when(has_buckets).then(pl.col("bucket_done_s").list.max() - pl.col("sync_end_s")).max(),
+        ready_s=pl.when(has_buckets).then(pl.col("bucket_ready_s").list.max() - pl.col("sync_end_s")).max(),
+        buckets=has_buckets.all(), eval_s=pl.col("eval_s").max(), checkpoint_s=pl.col("checkpoint_s").max(),
+        row_s=(pl.col("t_end") - pl.col("t_start")).median(), t_start=pl.col("t_start").min(),
+        t_end=pl.col("t_end").max(), resumed_from=pl.col("resumed_from").min()).sort(by_rank_step)
+    segments = steps.group_by("segment_start").agg(pl.col("resumed_from").min(), first=pl.col("t_start").min(),
+                                                   last=pl.col("t_end").max()).sort("segment_start").to_dicts()
+    # a step is redone when a later segment resumed from a checkpoint before it
+    later_resume = {s["segment_start"]: min((t["resumed_from"] for t in segments[i + 1:]), default=None)
+                    for i, s in enumerate(segments)}
+    steps = steps.with_columns(redone=pl.col("step") > pl.col("segment_start").replace_strict(
+        later_resume, return_dtype=pl.Int64, default=None).fill_null(pl.col("step")))
+    comm = pl.when(pl.col("buckets")).then(pl.col("done_s") - pl.col("ready_s")).otherwise(
+        pl.col("exposed_s").fill_null(0.0)).clip(lower_bound=0.0)
+    kept = steps.filter(~pl.col("redone")).with_columns(data_s=pl.min_horizontal("data_s", "step_s")).with_columns(
+        comm_s=pl.min_horizontal(comm, pl.col("step_s") - pl.col("data_s")))
+    start, stop = segments[0]["segment_start"], end if end is not None else float(steps["t_end"].max())
+    elapsed = stop - start
+    lost = {"startup": segments[0]["first"] - start,
+            "restart": sum(max(0.0, b["first"] - a["last"]) for a, b in zip(segments, segments[1:])),
+            "redone": float(steps.filter(pl.col("redone"))["row_s"].sum()),
+            "checkpoint": float(kept["checkpoint_s"].sum()), "eval": float(kept["eval_s"].sum()),
+            "data": float(kept["data_s"].sum()), "communication": float(kept["comm_s"].sum())}
+    productive = float((kept["step_s"] - kept["data_s"] - kept["comm_s"]).sum())
+    lost["other"] = max(0.0, elapsed - productive - sum(lost.values()))
+    share = (lambda s: s / elapsed) if elapsed > 0 else (lambda s: 0.0)
+    return {"goodput": share(productive), **{f"badput_{k}": share(lost[k]) for k in BADPUT},
+            "goodput_elapsed_s": elapsed, "goodput_productive_s": productive}

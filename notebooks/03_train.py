@@ -15,6 +15,11 @@
 # `labkit.train.train(config)` runs on every engine under DDP; rank 0 publishes its recent
 # metric records and the figure below redraws about once a second while the engines train.
 # Every record is also written to the run directory (`metrics.jsonl`), the source of truth.
+#
+# Every rank also records its own step timeline (data wait, forward, backward, optimiser,
+# communication, and when each gradient bucket was ready) and publishes it: the second figure
+# shows, ranks by steps, each rank's step time and data wait, where each rank's seconds went,
+# the run's goodput so far, and, in its title, the rank that holds the others up and why.
 
 # %% tags=["parameters"]
 workdir = "../work/demo"
@@ -26,7 +31,7 @@ steps = 40  # optimiser steps of this notebook's run
 
 # %%
 from labkit import cluster as lc
-from labkit import lab, plots, tables
+from labkit import lab, plots, rankview, tables
 from labkit.config import TrainConfig
 
 index = lab.require_prepared(workdir)  # the shards of notebook 01; stops here, in one line, without them
@@ -49,10 +54,24 @@ cfg = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/noteboo
 title = (f"Training loss of {model}: {len(client.ids)} ranks x micro-batch {micro_batch_size} of "
          f"{index['seq_len']} tokens, {steps} steps")
 live = plots.LivePlot(lambda metrics: plots.loss_figure(metrics, title=title))
-result = lab.train_on_cluster(client, cfg, staged=staged, live=live)
+ranks = rankview.RankView()  # every rank's timeline: heatmaps, where the seconds went, goodput, the culprit
+result = lab.train_on_cluster(client, cfg, staged=staged, live=[live, ranks])
 
 # %%
 tables.show(result, title=f"Result of {cfg.run_dir} (result.json)")
+
+# %% [markdown]
+# ## Where the time went
+# The culprit as the run's result names it (over its timed steps), and its wall-clock goodput:
+# the share of the elapsed time spent in productive steps, the rest by cause. The timeline
+# exports as a Chrome trace for Perfetto (ui.perfetto.dev).
+
+# %%
+from labkit.train.timeline import write_chrome_trace
+
+print((result["culprit"] or {}).get("line", "culprit: none (no rank holds the others up)"))
+print("Chrome trace / Perfetto:", write_chrome_trace(cfg.run_dir))
+rankview.goodput_figure(result)
 
 # %% [markdown]
 # ## The demo's full run

@@ -231,14 +231,18 @@ def test_train_prints_the_eval_loss_of_the_result(monkeypatch, tmp_path, capsys)
     from labkit import commands, lab, preflight
     from labkit.config.tomlfile import load
 
-    result = {"initial_loss": 6.9, "final_loss": 5.1, "eval_loss": 5.37, "perplexity": 214.9, "steps": 20}
+    result = {"initial_loss": 6.9, "final_loss": 5.1, "eval_loss": 5.37, "perplexity": 214.9, "steps": 20,
+              "goodput": 0.7, "culprit": {"rank": 1, "line": "culprit: rank 1 (n1) holds the others up"}}
     monkeypatch.setattr(preflight, "check_train", lambda *a, **k: None)
     monkeypatch.setattr(commands, "cluster_client", lambda cc: contextlib.nullcontext(None))
-    monkeypatch.setattr(lab, "train_on_cluster", lambda client, cfg, staged=None: result)
+    lives = []
+    monkeypatch.setattr(lab, "train_on_cluster", lambda client, cfg, staged=None, live=None: lives.append(live) or result)
     cfg = load(None, [f"workdir={json.dumps(str(tmp_path))}"])
     assert commands.train(cfg, stage_first=False) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["eval_loss"], out["perplexity"], out["final_loss"]) == (5.37, 214.9, 5.1)
+    assert (out["goodput"], out["culprit"]) == (0.7, "culprit: rank 1 (n1) holds the others up")
+    assert [getattr(live, "wants", None) for live in lives] == ["timeline"]  # the live culprit line
 
 
 def test_tp_alone_chooses_replicate_when_it_is_the_only_layout(tmp_path, capsys):

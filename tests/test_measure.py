@@ -173,6 +173,38 @@ def test_saved_activation_peak_against_the_planner_and_its_release():
     assert peak._live < peak.bytes // 100  # released by backward (the ids and labels stay alive here)
 
 
+def test_goodput_of_a_run_with_a_restart_in_closed_form():
+    """Two segments of 2 ranks (tests/timeline_sim.py): the first starts at t=1000, its first
+    step 1 s later, and runs steps 1-6; the second resumes from step 4's checkpoint 7 s after the
+    first's last row (its first step 2 s after its own start) and runs steps 5-8. Each step:
+    rank 1 waits 0.1 s for data, computes 0.05 s, the collectives take 0.01 s more, the optimiser
+    0.005 s, then 0.002 s of other work. Every badput cause is the closed form of that run."""
+    import polars as pl
+
+    from labkit.train.timeline import SCHEMA
+    from timeline_sim import SMALL, simulate
+
+    first = simulate(6, data=[0.002, 0.1], compute=[0.05, 0.05], segment_start=1000.0)
+    end_first = max(r["t_end"] for r in first)
+    second = simulate(4, data=[0.002, 0.1], compute=[0.05, 0.05], segment_start=end_first + 5.0, start_delay=2.0,
+                      first_step=5, resumed_from=4)
+    g = measure.goodput(pl.from_dicts(first + second, schema=SCHEMA))
+    step = 0.1 + SMALL + 0.05 + 0.01 + SMALL + 0.005  # data, first all-reduce, compute, tail, loss all-reduce, optimiser
+    row = step + 0.002
+    elapsed = 1.0 + 6 * row + 7.0 + 4 * row
+    assert g["goodput_elapsed_s"] == pytest.approx(elapsed)
+    expected = {"startup": 1.0, "restart": 7.0, "redone": 2 * row, "data": 8 * 0.1, "communication": 8 * 0.01,
+                "checkpoint": 0.0, "eval": 0.0, "other": 8 * 0.002}
+    for cause, seconds in expected.items():
+        assert g[f"badput_{cause}"] * elapsed == pytest.approx(seconds, abs=1e-9), cause
+    assert g["goodput_productive_s"] == pytest.approx(8 * (step - 0.1 - 0.01))
+    assert g["goodput"] + sum(g[f"badput_{c}"] for c in measure.BADPUT) == pytest.approx(1.0)
+    assert measure.goodput(pl.from_dicts(first, schema=SCHEMA), end=end_first + 3.0)["badput_other"] * (
+        end_first + 3.0 - 1000.0) == pytest.approx(6 * 0.002 + 3.0)  # the run's end after its last row
+    with pytest.raises(ValueError, match="no rows"):
+        measure.goodput(pl.DataFrame(schema=SCHEMA))
+
+
 def test_statistical_efficiency_and_goodput_against_adaptdl_and_the_time_to_target():
     """E(B) = (B_noise + B0)/(B_noise + B) equals AdaptDL's ``GoodputFunction.efficiency`` written
     from the gradient's squared norm |G|² and the variance tr(Σ)/B0 of a batch-B0 gradient

@@ -146,7 +146,18 @@ def _all_figures() -> dict:
             "dp": [2, 1], "tp": [1, 1], "pp": [1, 2], "pp_schedule": [None, "1f1b"], "tokens_per_s": [100.0, 90.0],
             "pipeline_bubble": [None, 0.25], "planned_bubble": [0.0, 0.2], "measured_total_bytes": [2**21, 2**20],
             "planned_total_bytes": [2**21, 2**20]})),
+        **_rank_figures(),
     }
+
+
+def _rank_figures() -> dict:
+    """labkit.rankview's figures on a closed-form timeline of 3 ranks, one slow on its data."""
+    from labkit import rankview
+    from timeline_sim import simulate
+
+    rows = simulate(12, data=[0.002, 0.002, 0.3], compute=[0.05] * 3, hosts=["n1", "n1", "n2"])
+    return {"rank_heatmap": rankview.rank_heatmap_figure(rows), "rank_breakdown": rankview.rank_breakdown_figure(rows),
+            "goodput": rankview.goodput_figure(rows), "rank_view": rankview.rank_view_figure(rows)}
 
 
 def _colour(fig, i, trace) -> str:

@@ -87,8 +87,17 @@ class _Publisher:
         self._last = time.monotonic()
 
 
+def _publish_timeline(rows: list[dict]) -> None:
+    """Every rank's timeline sink: its recent step-timeline rows (``labkit.train.timeline``) under
+    the key "timeline" of ipyparallel's ``publish_data`` (which keeps the latest value per key)."""
+    from ipyparallel.datapub import publish_data
+
+    publish_data({"timeline": rows})
+
+
 def _ddp_entry(fn: Callable, env: dict, args: tuple, kwargs: dict, history: int) -> Any:
-    """Engine side of `run_ddp`: set env, build rank 0's sink, call fn, always tear down."""
+    """Engine side of `run_ddp`: set env, build rank 0's sink (and every rank's timeline sink),
+    call fn, always tear down."""
     import os
 
     import torch
@@ -99,8 +108,11 @@ def _ddp_entry(fn: Callable, env: dict, args: tuple, kwargs: dict, history: int)
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", torch.get_num_threads())))
     sink = _Publisher(history) if env["RANK"] == "0" else None
     try:
-        if "sink" in inspect.signature(fn).parameters:
+        params = inspect.signature(fn).parameters
+        if "sink" in params:
             kwargs = {**kwargs, "sink": sink}
+        if "timeline_sink" in params:
+            kwargs = {**kwargs, "timeline_sink": _publish_timeline}
         return fn(*args, **kwargs)
     finally:
         if sink is not None and sink.records:
@@ -232,11 +244,11 @@ def run_ddp(
     afterwards. fn initialises the process group itself with its own timeout (labkit.train.train
     uses cfg.timeout_s); the group is destroyed on every rank after fn returns or raises, so a
     second run in the same engines starts clean. If fn has a `sink` parameter it receives, on
-    rank 0, a callable that keeps the last `history` records and publishes them; other ranks get
-    None. While waiting, each `live(records)` (one callable or a list) is called with rank 0's
-    records about every `poll` s when they change, once more at the end, then `live.flush()` if
-    it has one. With `stream`, the engines' stdout/stderr are printed here as they arrive,
-    prefixed "[stdout:<engine id>]".
+    rank 0, a callable keeping and publishing the last `history` records (others: None); `timeline_sink`,
+    on every rank, one publishing its step-timeline rows. Each `live` (a callable or a list, drawn in
+    order) gets rank 0's records about every `poll` s when they change and at the end, then any `flush()`;
+    one whose ``wants`` is "timeline" (``labkit.rankview.RankView``) gets every rank's timeline rows (the
+    newest `history` steps). `stream`: the engines' output is printed here, prefixed "[stdout:<engine id>]".
     Raises DDPError naming the rank (with the engine's traceback) when a rank fails, when its
     engine dies (unregistered, or its process gone on this host) or, naming the unfinished ranks,
     after `timeout` s; the other ranks' work is then interrupted (SIGINT). A KeyboardInterrupt in
@@ -295,7 +307,7 @@ def run_ddp(
                                    f"{who(first)} failed: {_first_line(failed[first])}", stop_others, failed[first])
                     stop_others()
                     raise _failure_error(failed, name, {r: by_id[engine_of[r]] for r in failed})
-                shown = _show(lives, ars[0], shown)
+                shown = _show(lives, ars, shown, history)
                 if pending and deadline is not None and time.monotonic() > deadline:
                     _raise_if_lost(client, pending, engine_of, who, name, f"timeout after {timeout} s", stop_others)
                     unfinished = ", ".join(who(r) for r in sorted(pending))
@@ -309,7 +321,7 @@ def run_ddp(
             _wait_quietly([ars[r] for r in sorted(pending)], 10.0)
             raise
         if lives:
-            _final_show(lives, ars[0], shown)
+            _final_show(lives, ars, shown, history)
     return [ars[r].get(0) for r in sorted(ars)]
 
 
@@ -339,10 +351,10 @@ def _wait_quietly(results: list[Any], seconds: float) -> None:
             ar.wait(max(0.0, end - time.monotonic()))
 
 
-def _final_show(lives: list[Callable], ar: Any, shown: Any) -> None:
+def _final_show(lives: list[Callable], ars: dict[int, Any], shown: Any, history: int) -> None:
     """After the run: the last records to every ``live`` callback, then their ``flush()``."""
-    ar.wait_for_output(5)
-    _show(lives, ar, shown)
+    ars[0].wait_for_output(5)
+    _show(lives, ars, shown, history)
     for cb in lives:
         if hasattr(cb, "flush"):
             cb.flush()
@@ -406,10 +418,32 @@ def _failure_error(failed: dict[int, BaseException], name: str, infos: dict[int,
                     remote_traceback=tracebacks, failures=lines)
 
 
-def _show(lives: list[Callable], ar: Any, shown: Any) -> Any:
-    """Call each live(records) if rank 0 published records different from `shown`; return the key."""
-    if not lives:
-        return shown
+def _show(lives: list[Callable], ars: dict[int, Any], shown: dict | None, history: int) -> dict:
+    """Call each live(records) if rank 0 published records different from the last shown, and
+    each live that ``wants`` "timeline" with every rank's timeline rows (kept in ``shown``,
+    by segment, step and rank, the newest `history` steps) when they changed; a live is first
+    called after every live before it in the list, so their outputs keep the list's order.
+    Returns the state."""
+    shown = shown if shown is not None else {"records": None, "rows": {}, "timeline": None, "called": set()}
+    records = (ars[0].data or {}).get("records") or []
+    rows = shown["rows"]
+    if any(getattr(cb, "wants", "records") == "timeline" for cb in lives):
+        for ar in ars.values():
+            for row in (ar.data or {}).get("timeline") or []:
+                rows[(row["segment_start"], row["step"], row["rank"])] = row
+        for old in sorted(rows)[:-history * len(ars)] if len(rows) > history * len(ars) else []:
+            del rows[old]
+    new = {"records": (len(records), records[-1]) if records else None,
+           "timeline": (len(rows), max(r["t_end"] for r in rows.values())) if rows else None}
+    for i, cb in enumerate(lives):  # in list order: the first draw of each keeps its place in the notebook
+        if any(j not in shown["called"] for j in range(i)):
+            break
+        kind = "timeline" if getattr(cb, "wants", "records") == "timeline" else "records"
+        if new[kind] is not None and (new[kind] != shown[kind] or i not in shown["called"]):
+            cb(list(rows.values()) if kind == "timeline" else records)
+            shown["called"].add(i)
+    shown.update(new)
+    return shown
     records = (ar.data or {}).get("records") or []
     key = (len(records), records[-1]) if records else None
     if records and key != shown:
@@ -459,13 +493,15 @@ def _resuming(arg: Any) -> Any:
 
 def train_on_cluster(client, cfg: TrainConfig, *, targets: list[int] | None = None,
                      staged: dict[str, dict] | None = None,
-                     live: Callable[[list[dict]], None] | None = None, timeout: float | None = None) -> dict:
+                     live: Callable[[list[dict]], None] | Sequence[Callable[[list[dict]], None]] | None = None,
+                     timeout: float | None = None) -> dict:
     """Run ``labkit.train.train(cfg)`` under DDP on the engines (all, or ``targets``).
 
     With ``staged`` (the output of ``stage``), each rank reads the copy on its own node: the
     engine's node name picks ``staged[node]["path"]``. Returns rank 0's result dict (the same
     as ``<run_dir>/result.json``). ``live(records)`` is called about once a second with rank 0's
-    recent metric records. With tp or pp > 1 (``labkit.train.parallel``) the split is checked
+    recent metric records (a list of callables: each; ``labkit.rankview.RankView`` gets every
+    rank's step timeline instead). With tp or pp > 1 (``labkit.train.parallel``) the split is checked
     here first: tp x pp must divide the engines and each tensor-parallel group must sit on one
     node (``labkit.cluster.topology.tensor_parallel_groups``); ValueError otherwise.
     """
@@ -482,7 +518,8 @@ def train_on_cluster(client, cfg: TrainConfig, *, targets: list[int] | None = No
     return results[0]
 
 
-def _train_entry(cfg: TrainConfig, *, sink=None, staged_paths: dict[str, str] | None = None) -> dict:
+def _train_entry(cfg: TrainConfig, *, sink=None, timeline_sink=None,
+                 staged_paths: dict[str, str] | None = None) -> dict:
     """Engine side of ``train_on_cluster``: point data_dir at this node's staged copy, train."""
     import dataclasses as _dc
 
@@ -494,4 +531,4 @@ def _train_entry(cfg: TrainConfig, *, sink=None, staged_paths: dict[str, str] | 
         if node not in staged_paths:
             raise RuntimeError(f"node {node!r} has no staged copy; staged nodes are {sorted(staged_paths)}")
         cfg = _dc.replace(cfg, data_dir=staged_paths[node])
-    return train(cfg, sink=sink)
+    return train(cfg, sink=sink, timeline_sink=timeline_sink)

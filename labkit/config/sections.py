@@ -259,6 +259,10 @@ class MeasureConfig:
     trackers: tuple[str, ...] = field(default=("tensorboard",), metadata=FREE)
     """Metric sinks rank 0 sends every record to besides metrics.jsonl (``labkit.train.sinks.SINKS``):
     "tensorboard" writes event files under run_dir/tensorboard; () writes none."""
+    timeline: bool = field(default=True, metadata=FREE)
+    """Record every rank's step timeline in run_dir/timeline (``labkit.train.timeline``: its phases
+    and when each gradient bucket was ready, no collective); the run's culprit and goodput in
+    result.json come from it."""
 
     def __post_init__(self) -> None:
         _positive(self.log_every, "measure.log_every")

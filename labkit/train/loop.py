@@ -61,6 +61,8 @@ from labkit.train import dist, parallel, provenance, resume, rng, sinks
 from labkit.train.checkpoint import Checkpointer, _rng_state, agree_on_plan, plan_run
 from labkit.train.comm import all_reduce_with_sideband
 from labkit.train.optim import lr_at
+from labkit.train.straggler import culprit
+from labkit.train.timeline import Timeline, read_timeline
 from labkit.train.run_config import (check_resume, data_identity, finished_run, model_config_of, save_run_config,
                                      with_segments)
 from labkit.train.runtime import AUTOCAST_DTYPES, Runtime, forward_backward  # noqa: F401 (re-exported)
@@ -111,6 +113,15 @@ def _find_sampler(loader: torch.utils.data.DataLoader) -> Any:
 
 
 
+def _rank_data(cfg: TrainConfig, data: ShardSet, runtime: Runtime, vocab_size: int, device: torch.device) -> tuple:
+    """This rank's data, which follows its dp rank: (the MLM ``DataLoader``, its ``RankSampler``,
+    the fixed masked held-out set or None; ``_heldout_set``)."""
+    loader = make_loader(data, batch_size=cfg.micro_batch_size, rank=runtime.dp_rank, world_size=runtime.dp,
+                         seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=vocab_size,
+                         num_workers=cfg.num_workers, pin_memory=device.type == "cuda")
+    return loader, _find_sampler(loader), _heldout_set(cfg, data, runtime.dp_rank, runtime.dp, vocab_size, device)
+
+
 def _heldout_set(cfg: TrainConfig, data: ShardSet, rank: int, world: int, vocab_size: int,
                  device: torch.device) -> Any:
     """The fixed masked held-out set (``labkit.train.evaluation.HeldoutSet``) of this rank from the
@@ -145,7 +156,8 @@ def _maybe_evaluate(model: torch.nn.Module, heldout: Any, cfg: TrainConfig, step
 # ------------------------------------------------------------------------------------------
 
 
-def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> dict[str, Any]:
+def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None,
+          timeline_sink: Callable[[list[dict]], None] | None = None) -> dict[str, Any]:
     """Run MLM pretraining per ``cfg`` as this process's rank (RANK/WORLD_SIZE/LOCAL_RANK/
     MASTER_ADDR/MASTER_PORT from the environment; absent = one process, no process group).
 
@@ -163,7 +175,11 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
     ``labkit.data.shards``. A process group this call creates is destroyed before it returns.
     Rank 0 also sends each record to the sinks named in ``cfg.trackers`` (``labkit.train.sinks``:
     TensorBoard event files under run_dir/tensorboard by default); config.json and result.json
-    carry the run's ``provenance`` (``labkit.train.provenance.collect``).
+    carry the run's ``provenance`` (``labkit.train.provenance.collect``). Every rank records its step
+    timeline (``labkit.train.timeline``; ``cfg.measure.timeline``) in run_dir/timeline and hands its recent
+    rows to ``timeline_sink`` (the engines' live view); result.json then carries the run's
+    ``culprit`` (``labkit.train.straggler.culprit``, None when no rank holds the others up) and
+    its wall-clock ``goodput`` and ``badput_*`` (``labkit.measure.goodput``).
     """
     done = finished_run(cfg)  # a finished run of this config: its result as saved, no file opened or written
     if done is not None:
@@ -175,11 +191,11 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None) -> di
         torch.set_num_threads(cfg.num_threads)
     owns_group = not torch.distributed.is_initialized()
     # rank 0: resume step and run id; a new run first moves a used run_dir's files aside (before the sinks open there)
-    plan = plan_run(cfg.run_dir, cfg.resume) if rank == 0 else None
+    plan = plan_run(cfg.run_dir, cfg.resume) | {"segment_start": t_start} if rank == 0 else None
     trackers = sinks.open_sinks(cfg.trackers, cfg.run_dir, main=rank == 0)  # rank 0 writes
     try:
         dist.init_distributed(cfg.backend, cfg.timeout_s, device)
-        return _run(cfg, sinks.fan_out(sink, trackers), rank, world, device, t_start, plan)
+        return _run(cfg, sinks.fan_out(sink, trackers), rank, world, device, t_start, plan, timeline_sink)
     except BaseException as err:  # the failed run's frames hold the model and its process group: clear them, so
         traceback.clear_frames(err.__traceback__)  # the group's sockets close at teardown and the other ranks'
         raise  # collectives fail at once instead of at the collective timeout (an engine lives on after the error)
@@ -256,8 +272,8 @@ def _start_files(run_dir: pathlib.Path, cfg: TrainConfig, identity: dict, prov: 
     return metrics_path
 
 
-def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world: int,
-         device: torch.device, t_start: float, plan: dict | None) -> dict[str, Any]:
+def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world: int, device: torch.device,
+         t_start: float, plan: dict | None, timeline_sink: Callable[[list[dict]], None] | None) -> dict[str, Any]:
     """The run: build, resume, then the optimiser step, top to bottom, until ``stop``. ``plan``:
     rank 0's ``plan_run`` (None on the other ranks)."""
     run_dir = pathlib.Path(cfg.run_dir)
@@ -269,7 +285,6 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     mcfg, model, split = _build_model(cfg, index, rank, world, device)
     params = count_parameters(model)
     fpt = flops_per_token(mcfg, seq_len, mlm_probability=cfg.mlm_probability)
-
     resume_step, run_id = plan["step"], plan["run_id"]
     identity = data_identity(index)
     if resume_step:  # refuse to continue a run under another configuration (labkit.train.run_config)
@@ -277,12 +292,10 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     ckpt = run_dir / "checkpoints" / f"step-{resume_step}" if resume_step else None
     model, optimizer, scaler, sharding, state = resume.load_and_wrap(cfg, model, device, split, ckpt, world)
     runtime = Runtime(cfg, model, scaler, device, world=world, rank=rank)  # the step on the (pp, dp, tp) mesh
+    timeline = Timeline(run_dir, rank=rank, world_size=world, resumed_from=resume_step, comm=runtime.comm,
+                        enabled=cfg.measure.timeline, segment_start=plan["segment_start"], publish=timeline_sink)
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * runtime.dp  # data follows the dp rank
-    loader = make_loader(data, batch_size=cfg.micro_batch_size, rank=runtime.dp_rank, world_size=runtime.dp,
-                         seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=mcfg.vocab_size,
-                         num_workers=cfg.num_workers, pin_memory=device.type == "cuda")
-    sampler = _find_sampler(loader)
-    heldout = _heldout_set(cfg, data, runtime.dp_rank, runtime.dp, mcfg.vocab_size, device)  # fixed, masked
+    loader, sampler, heldout = _rank_data(cfg, data, runtime, mcfg.vocab_size, device)  # held out: fixed, masked
     # position: batches of this epoch consumed
     step, epoch, position, tokens_seen = resume.restore(state, model, optimizer, scaler, sampler, rank=rank,
                                                         world=world, sharding=sharding,
@@ -305,22 +318,24 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     while step < stop:
         timer.start()
         windows.start()
+        timeline.start(step + 1)
         # 1. fetch this rank's micro-batches, timing the wait (a new epoch reshuffles)
-        micro_batches, wait, epoch, position, batches_iter = _fetch(batches_iter, loader, sampler, epoch, position,
-                                                                    cfg, runtime.dp, device)
+        micro_batches, wait, epoch, position, batches_iter = timeline.around(
+            "data", _fetch, batches_iter, loader, sampler, epoch, position, cfg, runtime.dp, device)
         # 2. set the learning rate (the schedule is a pure function of the step), count masked
         #    tokens globally, then forward/backward every micro-batch
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss_sum, n_masked, n_tokens = runtime.forward_backward(micro_batches)
+        loss_sum, n_masked, n_tokens = runtime.forward_backward(micro_batches, mark=timeline.mark)
         summed = all_reduce_with_sideband(torch.stack([loss_sum.double(), torch.tensor(  # + the observers' sums (gns)
             wait, dtype=torch.float64, device=loss_sum.device)]), runtime.comm)
         loss = summed[0].item() / max(1, n_masked.item())
         wait_mean = summed[1].item() / world
+        timeline.mark("sync")
         # 3. unscale (fp16), clip the global grad norm, step; a non-finite loss (or, fp32/bf16,
         #    grad norm) skips the step or raises
-        grad_norm, finite = _clip_and_step(cfg, runtime, optimizer, scaler, loss, step)
+        grad_norm, finite = timeline.around("optimizer", _clip_and_step, cfg, runtime, optimizer, scaler, loss, step)
         skipped += not finite
         optimizer.zero_grad(set_to_none=True)
         step += 1
@@ -330,7 +345,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
         n_tokens_i = int(n_tokens.item())
         tokens_seen += n_tokens_i
         timings.append((n_tokens_i, global_batch, step_time, wait_mean, measures["comm_exposed_s"]))
-        evaluated = _maybe_evaluate(model, heldout, cfg, step, stop, windows)  # held-out loss, outside the step time
+        evaluated = timeline.around("eval", _maybe_evaluate, model, heldout, cfg, step, stop, windows)  # held out
         if step % cfg.log_every == 0 or step == stop or evaluated:
             tps = measure.tokens_per_s(n_tokens_i, step_time)
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
@@ -342,20 +357,41 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
                       **checkpointer.take(), "time": time.time()}
             last_record = _log(record, metrics_file, sink)
         if cfg.checkpoints and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == stop):
-            windows.around("checkpoint", _save, cfg, checkpointer, model, optimizer, scaler, sampler, step=step,
-                           epoch=epoch, position=position, tokens=tokens_seen, world=world, sharding=sharding,
-                           run_id=run_id, split=split)
+            timeline.around("checkpoint", windows.around, "checkpoint", _save, cfg, checkpointer, model, optimizer,
+                            scaler, sampler, step=step, epoch=epoch, position=position, tokens=tokens_seen,
+                            world=world, sharding=sharding, run_id=run_id, split=split)
+        timeline.end(step_s=step_time, comm_exposed_s=measures["comm_exposed_s"])
     checkpointer.close()  # the last asynchronous save written and published
-
     records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()] \
         if metrics_file is not None and metrics_file.exists() else [last_record]
     result = _result(cfg, records, timings, fpt=fpt, peak=peak, world=world, global_batch=global_batch, step=step,
                      params=params, tokens_seen=tokens_seen, resume_step=resume_step, skipped=skipped, mcfg=mcfg,
                      index=index, device=device, sharding=sharding, t_start=t_start, prov=prov) | windows.maxima
-    result |= {"run_id": run_id, "checkpoint_stall_s": checkpointer.stalls, "checkpoint_save_s": checkpointer.saved_s}
+    result |= {"run_id": run_id, "checkpoint_stall_s": checkpointer.stalls, "checkpoint_save_s": checkpointer.saved_s,
+               **_timeline_fields(cfg, run_dir, timeline)}  # every rank's timeline closed: culprit, goodput
     if dist.is_main():  # result.json covers the whole run: every segment (run_config.with_segments)
         atomic_write_json(run_dir / "result.json", result := with_segments(run_dir, result, cfg.timing_warmup_steps))
     return result
+
+
+def _timeline_fields(cfg: TrainConfig, run_dir: pathlib.Path, timeline: Timeline) -> dict[str, Any]:
+    """Close this rank's ``timeline`` (its rows into run_dir/timeline/rank-NNNNN.parquet), then,
+    collective (a barrier: every rank has closed its own), on rank 0: the run's
+    ``culprit`` over its last timed steps (``labkit.train.straggler.culprit``; None when no rank
+    holds the others up) and its wall-clock ``goodput`` with each ``badput_*`` cause, up to now
+    (``labkit.measure.goodput``), from every rank's timeline in run_dir (a file system the ranks
+    share, as checkpoints need). {} without a timeline; other ranks get {}."""
+    timeline.close()
+    if not cfg.measure.timeline:
+        return {}
+    dist.barrier()
+    if not dist.is_main():
+        return {}
+    frame = read_timeline(run_dir)
+    if frame.height == 0:
+        return {}
+    found = culprit(frame, window=frame["step"].n_unique(), skip=cfg.measure.timing_warmup_steps)
+    return {"culprit": found, **measure.goodput(frame, end=time.time())}
 
 
 def _fetch(batches_iter: Any, loader: Any, sampler: Any, epoch: int, position: int, cfg: TrainConfig, dp: int,

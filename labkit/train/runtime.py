@@ -26,7 +26,7 @@ and ``labkit.train.loop`` calls it the same way whatever the split (torchtitan's
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -47,7 +47,8 @@ AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 def forward_backward(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]], *,
                      world_size: int, precision: str = "fp32",
                      scaler: torch.amp.GradScaler | None = None,
-                     noise: NoiseScale | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     noise: NoiseScale | None = None,
+                     mark: Callable[[str], None] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Accumulate the gradients of one optimiser step over ``micro_batches`` (this rank's), data
     parallel alone (``Runtime.forward_backward`` of such a run).
 
@@ -61,11 +62,14 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[dict[str, torch
     the global masked count and the global real-token count (int64).
     ``noise`` (``labkit.train.gns.NoiseScale``) is told the masked count; with ``noise.micro`` (one
     process) each micro-batch's gradient share goes to it (its squared norm before the next is
-    added, the accumulation done here), then their sum.
+    added, the accumulation done here), then their sum. ``mark(phase)`` (``labkit.train.timeline.Timeline.mark``)
+    is told when the count's all-reduce ("sync"), each forward and each backward end.
     """
     counts = torch.stack([torch.stack([(b["labels"] != -100).sum(), b["attention_mask"].sum()])
                           for b in micro_batches]).sum(0).to(torch.int64)
     dist.all_reduce_sum(counts)
+    mark = mark or _no_mark
+    mark("sync")
     n_masked_global, n_tokens_global = counts[0], counts[1]
     if noise is not None:
         noise.count(n_masked_global)
@@ -81,11 +85,17 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[dict[str, torch
                 out = model(batch["input_ids"], attention_mask=mask, labels=batch["labels"],
                             max_masked=batch.get("max_masked"))
             loss = out.loss_sum.float() * world_size / n_masked_global.clamp(min=1)
+            mark("forward")
             (scaler.scale(loss) if scaler is not None else loss).backward()
+            mark("backward")
         if micro:  # one process: micro-batch i's share of the gradient, summed here (gns.py)
             acc = _accumulate_micro(model, acc, noise, i, last=i == len(micro_batches) - 1)
         loss_sum += out.loss_sum.detach().float()
     return loss_sum, n_masked_global, n_tokens_global
+
+
+def _no_mark(phase: str) -> None:
+    return None
 
 
 def _accumulate_micro(model: torch.nn.Module, acc: dict[torch.nn.Parameter, torch.Tensor], noise: NoiseScale,
@@ -158,15 +168,19 @@ class Runtime:
         self._split.dp_timer = timer
         return timer
 
-    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                       torch.Tensor]:
+    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]],
+                         mark: Callable[[str], None] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One optimiser step's forwards and backwards over this rank's ``micro_batches`` (the
         batches of its dp rank); returns (loss_sum: this rank's share, detached fp32, whose sum over
-        all ranks is the global batch's summed CE; n_masked_global; n_tokens_global, int64)."""
+        all ranks is the global batch's summed CE; n_masked_global; n_tokens_global, int64). ``mark``: the
+        timeline's phase clock (``forward_backward``; a split run's schedule is one "backward" mark)."""
         if self._split is not None:
-            return self._split.forward_backward(micro_batches, dtype=AUTOCAST_DTYPES[self.cfg.precision])
+            out = self._split.forward_backward(micro_batches, dtype=AUTOCAST_DTYPES[self.cfg.precision])
+            if mark is not None:
+                mark("backward")
+            return out
         return forward_backward(self.model, micro_batches, world_size=self.world, precision=self.cfg.precision,
-                                scaler=self.scaler, noise=self.noise)
+                                scaler=self.scaler, noise=self.noise, mark=mark)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Collective: clip every gradient to a global L2 norm of ``max_norm`` (``inf``: measure only)

@@ -187,6 +187,46 @@ def test_run_ddp_allreduce_twice_and_live_records(rc):
     assert env_after == [None, None]
 
 
+def _timeline_feed(n, timeline_sink=None):
+    """n steps of a real ``Timeline`` on each rank (rank r waits 30 ms x (r + 1) for its "data"),
+    published through run_ddp's timeline sink."""
+    import os
+    import tempfile
+    import time
+
+    from labkit.train.timeline import Timeline
+
+    rank = int(os.environ["RANK"])
+    tl = Timeline(tempfile.mkdtemp(), rank=rank, world_size=int(os.environ["WORLD_SIZE"]), publish=timeline_sink,
+                  publish_every_s=0)
+    for step in range(1, n + 1):
+        tl.start(step)
+        time.sleep(0.03 * (rank + 1))
+        tl.mark("data")
+        tl.end(step_s=0.03 * (rank + 1))
+    tl.close()
+    return n
+
+
+def test_run_ddp_hands_every_ranks_timeline_to_a_rank_view(rc, monkeypatch):
+    """Every rank publishes its step-timeline rows (ipyparallel's datapub); run_ddp hands the
+    rows of both ranks to a live RankView (``wants = "timeline"``) and rank 0's metric records
+    to the other live callbacks; the final frame holds every (rank, step) and its data wait."""
+    import IPython.display
+
+    from labkit.rankview import RankView
+
+    monkeypatch.setattr(IPython.display, "display", lambda *a, **k: None)
+    monkeypatch.setattr(IPython.display, "update_display", lambda *a, **k: None)
+    view, records = RankView(min_interval=0), []
+    assert C.run_ddp(rc, _timeline_feed, 6, live=[view, records.append], timeout=120) == [6, 6]
+    assert records == []  # the feed has no metrics sink: nothing for record callbacks
+    assert view.draws >= 1 and view.latencies and all(s >= 0 for s in view.latencies)
+    rows = {(r["rank"], r["step"]): r for r in view._records}
+    assert set(rows) == {(r, s) for r in (0, 1) for s in range(1, 7)}
+    assert rows[(1, 3)]["data_s"] >= 0.06 and rows[(1, 3)]["host"] and rows[(0, 6)]["world_size"] == 2
+
+
 def _fail_on_rank_1():
     import os
 

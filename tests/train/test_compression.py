@@ -7,7 +7,6 @@ PowerSGD all-reduces fp32 during its warm-up steps, then less than half the byte
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pathlib
@@ -53,7 +52,7 @@ def runs(tmp_path_factory) -> pathlib.Path:
                         schedule={"warmup_steps": 1}, measure={"timing_warmup_steps": 1},
                         parallel={"grad_compression": kind, "powersgd_rank": 2, "powersgd_start_iter": START})
             for kind in ("none", "bf16", "powersgd")]
-    cfgs.append(dataclasses.replace(cfgs[0], run_dir=str(root / "auto"), bucket_cap_mb="auto"))
+    cfgs.append(cfgs[0].replace(run_dir=str(root / "auto"), parallel={"bucket_cap_mb": "auto"}))
     mp.spawn(_worker, args=(2, _free_port(), json.dumps([to_dict(c) for c in cfgs])), nprocs=2, join=True)
     return root
 

@@ -184,6 +184,32 @@ def test_train_two_ranks_end_to_end(tmp_path):
     state = torch.load(tmp_path / "run" / "checkpoints" / "step-3" / "state.pt", weights_only=True)
     assert len(state["ranks"]) == 2
     assert not torch.equal(state["ranks"][0]["rng"]["torch"], state["ranks"][1]["rng"]["torch"])
+    _check_timeline(tmp_path / "run", records, result)
+
+
+def _check_timeline(run_dir, records: list[dict], result: dict) -> None:
+    """The run's per-rank timeline (labkit.train.timeline): every (rank, step) row; rank 0's step
+    time and exposed communication are its metrics records' own numbers; one gradient collective
+    per DDP bucket the comm hook saw (the record's comm_bucket_bytes), each launched after the
+    step's first all-reduce ended and completed after its launch; the step's phases lie within
+    its step time; result.json carries the culprit and the goodput with its badput causes."""
+    import polars as pl
+
+    from labkit.train.timeline import read_timeline
+
+    frame = read_timeline(run_dir)
+    assert frame.select("step", "rank").rows() == [(s, r) for s in (1, 2, 3) for r in (0, 1)]
+    assert sorted(p.name for p in (run_dir / "timeline").iterdir()) == ["rank-00000.parquet", "rank-00001.parquet"]
+    mine = frame.filter(pl.col("rank") == 0)
+    assert mine["step_s"].to_list() == [r["step_time_s"] for r in records]
+    assert mine["comm_exposed_s"].to_list() == [r["comm_exposed_s"] for r in records]
+    for row in frame.iter_rows(named=True):
+        assert len(row["bucket_ready_s"]) == len(row["bucket_done_s"]) == len(records[0]["comm_bucket_bytes"]) >= 1
+        assert all(row["sync_end_s"] <= r <= d for r, d in zip(row["bucket_ready_s"], row["bucket_done_s"]))
+        assert sum(row[f"{p}_s"] for p in ("data", "sync", "forward", "backward", "optimizer")) <= row["step_s"]
+    assert frame.filter(pl.col("step") == 3)["checkpoint_s"].min() > 0  # the final checkpoint, on every rank
+    assert "culprit" in result and 0 < result["goodput"] < 1
+    assert result["goodput"] + sum(v for k, v in result.items() if k.startswith("badput_")) == pytest.approx(1.0)
 
 
 def test_dist_info_from_env(monkeypatch):
