@@ -101,12 +101,13 @@ def run_demo(cfg: DemoConfig, *, force: bool = False, parameters: dict[str, Any]
         _say(f"7/8 loss sweeps, in this process beside the reports that do not show them: scaling-law widths "
              f"{s5['law_widths']} ({s5['law_steps']} steps); critical batch at global batches {s7['batch_sizes']} "
              f"({s7['batch_examples']:,} sequences each)", t0)
-        loss = _in_background(_loss_sweeps, work, s5, s7, force, t0)
+        law_done: Future = Future()  # notebook 05 needs only the first of the two
+        loss = _in_background(_loss_sweeps, work, s5, s7, force, t0, law_done)
         _say("8/8 figures and reports", t0)
         summary["figures"] = _write_figures(cfg, work)
         if cfg.reports:  # the notebooks that use engines use these, one notebook at a time
             summary["reports"] = run_reports(cfg, work, t0=t0, cluster_id=cluster.cluster_id, parameters=parameters,
-                                             after={"05_scaling_laws": loss, "07_critical_batch": loss})
+                                             after={"05_scaling_laws": law_done, "07_critical_batch": loss})
         summary |= loss.result()
         clock.mark("7-8 loss sweeps beside the figures and reports")
     finally:
@@ -260,21 +261,26 @@ def _in_background(fn, *args) -> Future:
     return future
 
 
-def _loss_sweeps(work: Path, s5: dict, s7: dict, force: bool, t0: float) -> dict:
+def _loss_sweeps(work: Path, s5: dict, s7: dict, force: bool, t0: float, law_done: Future) -> dict:
     """Stage 7: the runs of notebooks 05 (scaling-law widths) and 07 (critical batch) with their
     settings (``s5``, ``s7``: ``_settings``), one after another in this process (one thread), while
     the reports of the other notebooks run beside them: their quantity is a loss, which the load
-    does not change."""
+    does not change. ``law_done`` is set once the scaling-law runs are done (or failed)."""
     from labkit.study.critical_batch import batch_base, sweep_batch
     from labkit.study.law_runs import sweep_law_runs
 
     w, start, cpu = str(work), time.perf_counter(), time.thread_time()
-    law = sweep_law_runs(w, widths=list(s5["law_widths"]), steps=s5["law_steps"], micro_batch=s5["law_micro_batch"],
-                         points=s5["law_points"], force=force)
+    try:
+        law = sweep_law_runs(w, widths=list(s5["law_widths"]), steps=s5["law_steps"],
+                             micro_batch=s5["law_micro_batch"], points=s5["law_points"], force=force)
+    except BaseException as err:
+        law_done.set_exception(err)
+        raise
+    law_done.set_result(None)
+    _say(f"    scaling-law runs: {law['width'].n_unique()} widths, {law.height} (N, D, held-out loss) points", t0)
     base = batch_base(w, model=s7["batch_model"], micro_batch=s7["batch_micro_batch"], lr=s7["lr"])
     runs, fit = sweep_batch(base, w, batch_sizes=list(s7["batch_sizes"]), max_examples=s7["batch_examples"],
                             force=force)
-    _say(f"    scaling-law runs: {law['width'].n_unique()} widths, {law.height} (N, D, held-out loss) points", t0)
     if "b_crit" in fit:
         _say(f"    critical batch B_crit = {fit['b_crit']:.1f} sequences ({100 * fit['level']:.0f} % bootstrap range "
              f"{fit['b_crit_low']:.1f}-{fit['b_crit_high']:.1f}) at held-out loss {fit['target_eval_loss']:.3f}", t0)
