@@ -22,6 +22,11 @@ blocks read the files the measuring command wrote, kept under docs/data/:
 - ``docs/data/compression_learning.jsonl``: the file ``python benchmarks/compression_learning.py
   configs/walkthrough.toml --out docs/data/compression_learning.jsonl`` writes (steps to a held-out
   loss with each gradient compression, on the walkthrough's shards).
+- ``docs/data/branch.jsonl`` / ``branch_runs.jsonl``: ``<workdir>/sweeps/branch.parquet`` and
+  ``branch_runs.parquet`` (without run_dir) written by ``labkit sweep branch configs/walkthrough.toml
+  --at 25 100 300 --repeats 3 --window 2048 --set train.max_steps=400``, as JSON lines
+  (``polars.read_parquet(...).write_ndjson(...)``); ``critical_batch_branching.jsonl`` the same work
+  directory's ``labkit sweep batch`` table that run read.
 - ``docs/data/plan_counted.jsonl``: the JSON lines ``python docs/count_study.py`` writes
   (``plan_model`` of the study's two models on an H100 NVL).
 - ``docs/data/bench_model.jsonl`` / ``bench_ddp.jsonl`` / ``bench_stage.jsonl`` / ``bench_parallel.jsonl``:
@@ -33,13 +38,14 @@ blocks read the files the measuring command wrote, kept under docs/data/:
   python benchmarks/bench_prep_scale.py`` at commit 0cdd4a4; the projection is
   ``benchmarks/project_prep.py``'s.
 
-Blocks: ``demo-summary`` (README.md); ``lesson1-measured``, ``lesson1-planner``, ``parallel-planner``, ``lesson2-measured``,
+Blocks: ``demo-summary`` (README.md); ``demo-load``, ``lesson1-measured``, ``lesson1-planner``, ``parallel-planner``, ``lesson2-measured``,
 ``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``, ``lesson4-forecast``, ``lesson4-forecast-check``,
-``lesson4-network``, ``lesson4-compression-learning``,
+``lesson4-network``, ``lesson4-compression-learning``, ``lesson4-branching``,
 ``lesson5-measured``, ``lesson5-planner`` (docs/results.md), and docs/generate_study.py's
 ``tokenizer-study``, ``study-run``, ``study-loaders``, ``study-plan``, ``precision-experiment``,
 ``one-story`` (docs/results.md, from configs/study.toml and the files its scripts write); ``bench-model`` (docs/model.md);
-``bench-ddp`` (docs/training.md); ``bench-parallel`` (docs/parallelism.md); ``bench-stage``, ``prep-scale``, ``prep-projection`` (docs/data_path.md).
+``bench-ddp`` (docs/training.md); ``bench-parallel`` (docs/parallelism.md); ``bench-stage``, ``prep-scale``, ``prep-projection`` (docs/data_path.md);
+docs/generate_cli.py's ``cli-options`` (docs/cli.md, from ``labkit.cli.build_parser``).
 """
 
 from __future__ import annotations
@@ -162,6 +168,15 @@ def demo_summary() -> str:
             f"`python docs/generate.py`.\n")
 
 
+def demo_load() -> str:
+    """docs/results.md's note on when and at what load the demo's numbers were measured (its rank
+    sweep's rows record the load just before each point)."""
+    d = _demo()
+    when = min((r["measured_at"] for r in d["sweep_ranks"] if r.get("measured_at")), default=None)
+    return (f"- `demo.json` is `make demo` on a fresh clone{', ' + when[:10] if when else ''}, on a 2-core x86-64 VM "
+            f"running nothing else: the demo's own processes loaded it ({_load(d)}), so the machine was not idle\n")
+
+
 def lesson1_measured() -> str:
     p = _prep(_demo())
     drops = p["dropped"]
@@ -209,7 +224,23 @@ def lesson4_measured() -> str:
     return ("| quantity | labkit here | study |\n| --- | --- | --- |\n"
             f"| weak-scaling efficiency, 1 → 2 ranks (CPU, gloo, `{r[1]['model']}`, micro-batch {r[1]['micro_batch_size']}, "
             f"seq {d['train']['seq_len']}; {_load(d)}) | {r[2]['efficiency']:.2f} | \"near-linear\" to 256 GPUs |\n"
-            f"| tokens/s at 1 and 2 ranks | {r[1]['tokens_per_s']:,.0f} and {r[2]['tokens_per_s']:,.0f} | not reported |\n")
+            f"| tokens/s at 1 and 2 ranks | {r[1]['tokens_per_s']:,.0f} and {r[2]['tokens_per_s']:,.0f} | not reported |\n"
+            + _goodput_row(r))
+
+
+def _goodput_row(r: dict) -> str:
+    """Lesson 4's "2x the GPUs" row from the rank sweep's statistical goodput columns
+    (``labkit.study.goodput``), or a line saying this demo.json predates them."""
+    if r[2].get("goodput_tokens_per_s") is None or r[1].get("goodput_tokens_per_s") is None:
+        return ("| 2x the ranks: throughput and learning per second (statistical goodput) | not in this demo.json "
+                "(its rank sweep predates the goodput column: `make demo` again, then `python docs/generate.py "
+                "--import work/demo`) | not reported |\n")
+    a = r[2]["tokens_per_s"] / r[1]["tokens_per_s"]
+    b = r[2]["goodput_tokens_per_s"] / r[1]["goodput_tokens_per_s"]
+    return (f"| 2x the ranks (global batch {r[1]['global_batch_size']} → {r[2]['global_batch_size']}): throughput and "
+            f"learning per second (statistical goodput = throughput x E(B); B_noise = {r[2]['b_noise']:.1f} "
+            f"sequences, the {r[2]['b_noise_source']}) | throughput x{a:.2f}, learning per second x{b:.2f} "
+            f"(E(B) = {r[2]['statistical_efficiency']:.2f}) | not reported |\n")
 
 
 def lesson4_forecast() -> str:
@@ -272,6 +303,58 @@ def lesson4_forecast_check() -> str:
                f"(worst {d['value']:.2f}, at {worst['global_batch'] // d['micro_batch_per_rank']} rank(s), where "
                f"the input further off was {off}). Load average (1 min) {d['load_avg_start'][0]:.1f} at the start, "
                f"{d['load_avg'][0]:.1f} at the end, on {d['cpu_count']} cores; whole run {d['wall_s']:.0f} s.")
+    return "\n".join(out) + "\n"
+
+
+def _range(r: dict, key: str) -> str:
+    """"12.3 (8.1-20.4)", "at least 128 (...)" when censored, "-" when missing."""
+    if r.get(key) is None:
+        return "-"
+    low, high = r.get(f"{key}_low"), r.get(f"{key}_high")
+    text = ("at least " if r.get(f"{key}_censored") else "") + f"{r[key]:.1f}"
+    return text + (f" ({low:.1f}-{high:.1f})" if low is not None and high is not None else "")
+
+
+def lesson4_branching() -> str:
+    """docs/results.md: ``labkit sweep branch`` on the walkthrough, its
+    <workdir>/sweeps/branch.parquet and branch_runs.parquet kept as docs/data/branch.jsonl and
+    branch_runs.jsonl (JSON lines): per branch point the local critical batch, the noise scale the
+    branches imply, the run's in-run B_simple and the batch sweep's B_crit, which agree."""
+    points, runs = _records("branch.jsonl"), _records("branch_runs.jsonl")
+    if not points:
+        return "No record yet (`docs/data/branch.jsonl` is missing).\n"
+    p0 = points[0]
+    out = ["| step | tokens seen | held-out loss | efficiency at " + ", ".join(f"{k}x" for k in p0["factors"][1:])
+           + f" | local critical batch (keeps pace within {100 * p0['tolerance']:.0f} %) | B_noise implied by the "
+           "branches | in-run B_simple | batch sweep's B_crit |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for p in points:
+        eff = []
+        for k in p["factors"][1:]:
+            e = [r["efficiency"] for r in runs if r["step"] == p["step"] and r["factor"] == k]
+            eff.append(f"{e[0]:.2f}" if e and e[0] is not None else "-")
+        out.append(f"| {p['step']} | {p['tokens']:,} | {p['loss_start']:.3f} | {', '.join(eff)} | "
+                   f"{_range(p, 'b_keep_pace')} | "
+                   f"{_range(p, 'b_noise')} | {_range(p, 'b_simple')} | {_range(p, 'b_crit_sweep')} |")
+    agree = {key: sum(1 for p in points if p.get(f"{key}_agrees")) for key in ("b_simple", "b_crit_sweep")}
+    first, last = points[0], points[-1]
+    grows = all(a["b_keep_pace"] < b["b_keep_pace"] for a, b in zip(points, points[1:]))
+    trend = (f"The local critical batch {'grows at every point' if grows else 'moves'}, from "
+             f"{first['b_keep_pace']:.1f} at {first['tokens']:,} tokens to {last['b_keep_pace']:.1f} at "
+             f"{last['tokens']:,}. ")
+    out.append("")
+    out.append(trend + f"Base run: `configs/walkthrough.toml`'s model at global batch {p0['batch']} (one process, "
+               f"{p0['lr_rule']} lr rule), branches at {', '.join(str(k) for k in p0['factors'])} x that batch over "
+               f"{p0['window']:,} examples each, {p0['repeats']} window(s) per point (the efficiencies pooled over "
+               f"them). Ranges: {100 * p0['level']:.0f} % bootstrap over the held-out sequences and the "
+               "windows. The batch sweep's B_crit: "
+               + (f"at held-out loss {p0['b_crit_sweep_target']:.3f}" if p0.get("b_crit_sweep") is not None
+                  else "none in the work directory")
+               + (f" (`labkit sweep batch`: the whole run's, from runs at several batch sizes to that loss)"
+                  if p0.get("b_crit_sweep") is not None else "")
+               + f". With the noise scale the branches imply, the in-run B_simple agrees at "
+               f"{agree['b_simple']} of {len(points)} points and the batch sweep's B_crit at "
+               f"{agree['b_crit_sweep']} of {len(points)}:")
+    out += [f"- {p['agreement']}" for p in points]
     return "\n".join(out) + "\n"
 
 
@@ -654,6 +737,7 @@ def prep_projection() -> str:
 
 
 BLOCKS = {("README.md", "demo-summary"): demo_summary,
+          ("docs/results.md", "demo-load"): demo_load,
           ("docs/results.md", "lesson1-measured"): lesson1_measured,
           ("docs/results.md", "lesson1-planner"): lesson1_planner,
           ("docs/results.md", "parallel-planner"): parallel_planner,
@@ -665,6 +749,7 @@ BLOCKS = {("README.md", "demo-summary"): demo_summary,
           ("docs/results.md", "lesson4-forecast"): lesson4_forecast,
           ("docs/results.md", "lesson4-forecast-check"): lesson4_forecast_check,
           ("docs/results.md", "lesson4-network"): lesson4_network,
+          ("docs/results.md", "lesson4-branching"): lesson4_branching,
           ("docs/results.md", "lesson4-compression-learning"): lesson4_compression_learning,
           ("docs/results.md", "lesson5-measured"): lesson5_measured,
           ("docs/results.md", "lesson5-planner"): lesson5_planner,
@@ -677,9 +762,11 @@ BLOCKS = {("README.md", "demo-summary"): demo_summary,
 
 
 sys.path.insert(0, str(ROOT / "docs"))
+import generate_cli  # noqa: E402  (docs/cli.md's option reference, from the parser --help prints)
 import generate_study  # noqa: E402  (the study as its authors ran it: configs/study.toml)
 
 BLOCKS.update(generate_study.BLOCKS)
+BLOCKS.update(generate_cli.BLOCKS)
 
 
 def render(text: str, name: str, body: str) -> str:

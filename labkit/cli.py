@@ -11,10 +11,11 @@
     labkit demo | verify SHARD_DIR | report NOTEBOOK OUT.html
 
 CONFIG is a TOML file (``labkit.config.tomlfile``); ``--set section.key=value`` overrides a key.
-Errors caused by the input (a bad key, a missing file, a failed notebook cell, a dead kernel,
-an engine's error) print one line naming the cause and exit with status 2; ``--debug`` shows
-the traceback instead. ``python -m labkit.train CONFIG`` (also under torchrun) is
-``labkit/train/__main__.py``.
+Every command prints lines for a reader, or with ``--json`` one JSON object on standard output
+(``labkit.readout``). Errors caused by the input (a bad key, a missing file, a failed notebook
+cell, a dead kernel, an engine's error) print one line naming the cause and exit with status 2,
+before any output when no engine is needed to find them; ``--debug`` shows the traceback instead.
+``python -m labkit.train CONFIG`` (also under torchrun) is ``labkit/train/__main__.py``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ EXAMPLES = {
              "  labkit sweep loaders configs/walkthrough.toml --workers 0 1 2 --step-time-s 0.05\n"
              "  labkit sweep parallel configs/walkthrough.toml --micro-batches 4 --steps 8\n"
              "  labkit sweep network configs/walkthrough.toml --models mini small --rates-mbit 0 1000 200 50\n"
-             "  labkit sweep batch configs/walkthrough.toml --batches 4 8 16 32 64 --examples 4096",
+             "  labkit sweep batch configs/walkthrough.toml --batches 4 8 16 32 64 --examples 4096\n"
+             "  labkit sweep branch configs/walkthrough.toml --at 25 100 300 --repeats 3 --set train.max_steps=400",
     "plan": 'labkit plan --model bert-350m --gpus 256 --micro-batch 16 --seq-len 512 --device "H100 NVL"\n'
             '  labkit plan configs/study.toml --device "H100 NVL"',
     "forecast": "labkit forecast configs/study.toml --gpus 1,2,4,8,16,32,64,128,256 --network 25GbE\n"
@@ -100,7 +102,8 @@ def _input_errors() -> tuple[type[BaseException], ...]:
 def _guarded(name: str, func, args: argparse.Namespace, errors) -> int:
     """Run ``func(args)``: an error of the classes ``errors()`` returns (asked after the error, so
     the classes of packages the command imported count) prints ``<name>: error: <cause>`` and
-    returns 2 (with ``--debug`` it is raised); Ctrl-C returns 130."""
+    returns 2 (with ``--debug`` it is raised); Ctrl-C prints one line (with what continues the
+    work: ``labkit.commands.Interrupted``'s note) and returns 130."""
     try:
         return func(args)
     except Exception as exc:
@@ -108,9 +111,10 @@ def _guarded(name: str, func, args: argparse.Namespace, errors) -> int:
             raise
         print(f"{name}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"{name}: interrupted; engines were stopped. Completed stages are kept and are reused by the "
-              "next run with the same work directory.", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # labkit.commands.Interrupted says what continues the run
+        what = getattr(exc, "note", None) or ("Completed stages are kept and are reused by the next run with the "
+                                              "same work directory.")
+        print(f"{name}: interrupted; engines were stopped. {what}", file=sys.stderr)
         return 130
 
 
@@ -162,15 +166,22 @@ def _split_sharding(cfg):
                          "model copies; choose how they hold the model: --set train.parallel.sharding=\"fsdp\" (sharded) or "
                          "\"replicate\" (whole copies)")
     if not rest:
-        print(f"--tp {t.tp} --pp {t.pp} on {cfg.cluster.engines} engines: one model copy (dp 1), so "
-              "train.parallel.sharding=\"replicate\"", file=sys.stderr)
+        from labkit.commands import note  # printed once the command's checks passed
+
+        note(f"--tp {t.tp} --pp {t.pp} on {cfg.cluster.engines} engines: one model copy (dp 1), so "
+             "train.parallel.sharding=\"replicate\"")
     return cfg
 
 
 def _demo(args: argparse.Namespace) -> int:
+    """``labkit demo``: its progress lines as it goes, or with --json those on stderr and the
+    summary (``<workdir>/demo.json``) on stdout."""
+    from labkit import preflight
     from labkit.config import CorpusConfig, DemoConfig
     from labkit.demo import run_demo
+    from labkit.readout import Output
 
+    preflight.check_writable_dir(args.workdir, "--workdir")
     corpus = CorpusConfig()
     if args.max_functions is not None:
         corpus = dataclasses.replace(corpus, max_functions=args.max_functions)
@@ -179,22 +190,29 @@ def _demo(args: argparse.Namespace) -> int:
     cfg = DemoConfig(workdir=args.workdir, engines=args.engines, corpus=corpus,
                      train_steps=args.steps if args.steps is not None else DemoConfig().train_steps,
                      reports=not args.no_reports)
-    run_demo(cfg, force=args.force)
+    with Output(args.json) as out:
+        summary = run_demo(cfg, force=args.force)
+        if args.json:
+            out.show(summary, [])
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
     from labkit.data.shards import verify_shards
+    from labkit.readout import Output, verify_line
 
     index = verify_shards(args.shard_dir)
-    held = (index.get("heldout") or {}).get("n_sequences")
-    print(f"verified {args.shard_dir}: {len(index['shards'])} shards, {index['n_sequences']:,} sequences of "
-          f"{index['seq_len']} tokens" + (f", held-out {held:,} sequences" if held else ", no held-out split")
-          + f" (sha256 and ids < vocab_size {index['vocab_size']})")
+    with Output(args.json) as out:
+        out.show({"shard_dir": args.shard_dir, "shards": len(index["shards"]), "sequences": index["n_sequences"],
+                  "seq_len": index["seq_len"], "vocab_size": index["vocab_size"],
+                  "heldout_sequences": (index.get("heldout") or {}).get("n_sequences", 0)},
+                 [verify_line(index, args.shard_dir)])
     return 0
 
 
 def _report(args: argparse.Namespace) -> int:
+    from labkit import preflight
+    from labkit.readout import Output
     from labkit.report import execute_notebook
 
     params = {}
@@ -206,7 +224,10 @@ def _report(args: argparse.Namespace) -> int:
             params[key] = json.loads(value)
         except json.JSONDecodeError:
             params[key] = value
-    print(execute_notebook(args.notebook, args.out, parameters=params))
+    preflight.check_writable_file(args.out, "out")
+    with Output(args.json) as out:
+        html = execute_notebook(args.notebook, args.out, parameters=params)
+        out.show({"notebook": args.notebook, "out": str(html)}, [f"wrote {html} (executed {args.notebook})"])
     return 0
 
 
@@ -217,7 +238,7 @@ def _resume(args: argparse.Namespace) -> int:
     engines = args.engines or commands.run_world_size(args.run_dir) or ClusterConfig().engines
     cluster = ClusterConfig(engines=engines, kind="slurm" if args.slurm else "local", profile=args.profile,
                             cluster_id=args.cluster_id)
-    return commands.resume(args.run_dir, cluster, args.set)
+    return commands.resume(args.run_dir, cluster, args.set, as_json=args.json)
 
 
 def _command(name: str):
@@ -243,14 +264,22 @@ def _command(name: str):
             return commands.export(args)
         cfg = _config(args)
         if name == "prepare":
-            return commands.prepare(cfg, force=args.force)
+            return commands.prepare(cfg, force=args.force, as_json=args.json)
         if name == "train":
-            return commands.train(cfg, stage_first=not args.no_stage)
-        return commands.stage(cfg)
+            return commands.train(cfg, stage_first=not args.no_stage, as_json=args.json)
+        return commands.stage(cfg, as_json=args.json)
     return run
 
 
-def _add_common(p: argparse.ArgumentParser, *, config: bool = True, cluster: bool = True) -> None:
+JSON_HELP = "print one JSON object with the raw values on standard output (everything else goes to stderr)"
+
+
+def _add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+
+
+def _add_common(p: argparse.ArgumentParser, *, config: bool = True, cluster: bool = True,
+                engines_help: str = "number of engines (default: [cluster] engines)") -> None:
     if config:
         p.add_argument("config", help="TOML config file (see configs/walkthrough.toml)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -258,12 +287,14 @@ def _add_common(p: argparse.ArgumentParser, *, config: bool = True, cluster: boo
     if config:
         p.add_argument("--scaled-down", action="store_true",
                        help="apply the file's scaled_down overrides first (configs/study.toml: its run on 2 CPU engines)")
+    _add_json(p)
     if cluster:
         g = p.add_argument_group("cluster (default: local engines, as the notebooks)")
-        g.add_argument("--engines", type=int, default=None, help="number of engines (default: [cluster] engines)")
-        g.add_argument("--profile", default=None, help="IPython profile of the cluster")
+        g.add_argument("--engines", type=int, default=None, help=engines_help)
+        g.add_argument("--profile", default=None, help="IPython profile of the cluster (default: ipyparallel's)")
         g.add_argument("--slurm", action="store_true", help="start the engines as a Slurm job ([cluster.slurm])")
-        g.add_argument("--cluster-id", default=None, help="connect to this running cluster instead of starting one")
+        g.add_argument("--cluster-id", default=None, help="connect to this running cluster instead of starting one "
+                                                          "(default: start one, stopped at the end)")
 
 
 def _sub(sub, name: str, help_text: str, debug_parent: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -323,8 +354,19 @@ def _add_batch_sweep_args(p: argparse.ArgumentParser) -> None:
                    help="batch: sequences each run trains on (default: train.max_steps x its global batch)")
     p.add_argument("--target", type=float, default=None,
                    help="batch: held-out loss to reach (default: the worst run's best, so every run reaches it)")
-    p.add_argument("--lr-rule", choices=("sqrt", "linear", "constant"), default="sqrt",
-                   help="batch: train.optim.lr at train's global batch, scaled to each batch by this rule")
+    p.add_argument("--lr-rule", choices=("sqrt", "linear", "constant"), default=None,
+                   help="batch, branch: train.optim.lr at train's global batch, scaled to each batch by this rule "
+                        "(default: train.batch.lr_rule, sqrt)")
+    p.add_argument("--at", type=int, nargs="+", default=None,
+                   help="branch: steps of the base run to branch from (labkit.study.branching)")
+    p.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8],
+                   help="branch: branch batches as multiples of the run's global batch (1: the reference)")
+    p.add_argument("--window", type=int, default=None,
+                   help="branch: examples each branch trains on (default 8 x the largest branch's batch)")
+    p.add_argument("--repeats", type=int, default=1, help="branch: data windows per branch point (default 1)")
+    p.add_argument("--tolerance", type=float, default=0.2,
+                   help="branch: a branch keeps pace when its progress per example is at least 1 - this of the "
+                        "run's batch (default 0.2)")
 
 
 def _add_forecast(sub: Any, debug: argparse.ArgumentParser) -> None:
@@ -375,7 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(sub, "stage", "copy the shards to node-local disk, verifying checksums (notebook 02)", debug)
     _add_common(p)
     p.set_defaults(func=_command("stage"))
-    p = _sub(sub, "train", "train under DDP on the engines (notebook 03)", debug)
+    p = _sub(sub, "train", "train under DDP on the engines (notebook 03), with a progress bar over the steps; on "
+                           "train.stop_after or Ctrl-C it names the last checkpoint and the command that continues it",
+             debug)
     _add_common(p)
     p.add_argument("--no-stage", action="store_true", help="read data_dir directly instead of staged copies")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (train.parallel.tp; sharding fsdp or "
@@ -383,13 +427,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree (train.parallel.pp; micro-batches: "
                                                         "train.batch.grad_accum_steps)")
     p.set_defaults(func=_command("train"))
-    p = _sub(sub, "resume", "continue a run from its newest checkpoint with its saved config", debug)
+    p = _sub(sub, "resume", "continue a run from its newest checkpoint with its saved config, on as many engines as "
+                            "it ran on", debug)
     p.add_argument("run_dir")
-    _add_common(p, config=False)
+    _add_common(p, config=False, engines_help="number of engines (default: as many as the run ran on, its "
+                                              "config.json's world size; [cluster] engines when it has none)")
     p.set_defaults(func=_resume)
     p = _sub(sub, "sweep", "scaling sweeps: ranks, micro-batch, DataLoader workers, a shaped network (notebook 04), "
-                           "data x tensor x pipeline splits (notebook 06), the critical batch (notebook 07)", debug)
-    p.add_argument("kind", choices=("ranks", "micro-batch", "loaders", "network", "parallel", "batch"))
+                           "data x tensor x pipeline splits (notebook 06), the critical batch by whole runs (batch) "
+                           "and by branching from a run's checkpoints (branch; notebook 07)", debug)
+    p.add_argument("kind", choices=("ranks", "micro-batch", "loaders", "network", "parallel", "batch", "branch"))
     _add_common(p)
     p.add_argument("--ranks", type=int, nargs="+", default=None, help="ranks: the rank counts (default 1..engines)")
     p.add_argument("--models", nargs="+", default=None, help="micro-batch: model presets (default: train.model)")
@@ -407,6 +454,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compression", nargs="+", default=["none"], choices=("none", "bf16", "powersgd"),
                    help="network: train.parallel.grad_compression values, each at every setting")
     _add_batch_sweep_args(p)
+    p.add_argument("--critical-batch", default=None, metavar="PARQUET",
+                   help="ranks: B_noise of the statistical goodput column from a `labkit sweep batch` table "
+                        "(<workdir>/sweeps/critical_batch.parquet: its B_crit); default: the in-run B_simple of the "
+                        "run with the most ranks. branch: the B_crit shown beside (default: that file, if any)")
     p.add_argument("--force", action="store_true", help="rerun points already in the sweep's table")
     p.set_defaults(func=_command("sweep"))
     _add_plan(sub, debug)
@@ -417,25 +468,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's tokenizer_path)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    _add_json(p)
     p.set_defaults(func=_command("export"))
 
     p = _sub(sub, "demo", "the end-to-end lab on local engines, CPU, real ELF binaries", debug)
     p.add_argument("--workdir", default="work/demo", help="where every artifact goes (default: work/demo)")
     p.add_argument("--engines", type=int, default=2, help="local ipyparallel engines (default: 2)")
-    p.add_argument("--max-functions", type=int, default=None, help="functions to disassemble (default: 30000)")
-    p.add_argument("--paths", nargs="*", default=None, help="ELF files or directories (default: system dirs)")
-    p.add_argument("--steps", type=int, default=None, help="DDP training steps")
+    p.add_argument("--max-functions", type=int, default=None,
+                   help="functions to disassemble (default: 30000, CorpusConfig.max_functions)")
+    p.add_argument("--paths", nargs="*", default=None,
+                   help="ELF files or directories (default: CorpusConfig.paths, the system's /usr/lib, /usr/bin, ...)")
+    p.add_argument("--steps", type=int, default=None, help="DDP training steps (default: 60, DemoConfig.train_steps)")
     p.add_argument("--no-reports", action="store_true", help="skip executing the notebooks")
     p.add_argument("--force", action="store_true", help="redo every stage, the training run and the sweeps, even "
                                                         "those whose artifacts match the settings")
+    p.add_argument("--json", action="store_true", help="print the summary (demo.json) as JSON on standard output; "
+                                                       "the progress lines go to stderr")
     p.set_defaults(func=_demo)
     p = _sub(sub, "verify", "check a shard set's index and the sha256 of every shard and the held-out file", debug)
     p.add_argument("shard_dir")
+    _add_json(p)
     p.set_defaults(func=_verify)
     p = _sub(sub, "report", "execute a notebook and export it as self-contained HTML", debug)
     p.add_argument("notebook")
     p.add_argument("out")
     p.add_argument("--param", action="append", default=[], help="key=value (JSON value) for the parameters cell")
+    _add_json(p)
     p.set_defaults(func=_report)
     return parser
 
@@ -452,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _guarded(f"labkit {args.command}", args.func, args, _input_errors)
     finally:  # main() called in-process (tests, notebooks) must not leave it for later runs
+        if "labkit.commands" in sys.modules:  # nor notes of a refused command
+            sys.modules["labkit.commands"]._NOTES.clear()
         if before is None:
             os.environ.pop(COMMAND_ENV, None)
         else:

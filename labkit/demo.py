@@ -100,7 +100,8 @@ def run_demo(cfg: DemoConfig, *, force: bool = False, parameters: dict[str, Any]
         s5, s7 = _settings("05_scaling_laws", nb), _settings("07_critical_batch", nb)
         _say(f"7/8 loss sweeps, in this process beside the reports that do not show them: scaling-law widths "
              f"{s5['law_widths']} ({s5['law_steps']} steps); critical batch at global batches {s7['batch_sizes']} "
-             f"({s7['batch_examples']:,} sequences each)", t0)
+             f"({s7['batch_examples']:,} sequences each); branches x{s7['branch_factors']} of one run at steps "
+             f"{s7['branch_at']} ({s7['branch_window']:,} sequences each)", t0)
         law_done: Future = Future()  # notebook 05 needs only the first of the two
         loss = _in_background(_loss_sweeps, work, s5, s7, force, t0, law_done)
         _say("8/8 figures and reports", t0)
@@ -198,6 +199,7 @@ def _train_stage(client, cfg: DemoConfig, work: Path, staged: dict, force: bool,
     import shutil
 
     from labkit import lab
+    from labkit.cluster import StepProgress
     from labkit.train.run_config import finished_run
 
     tcfg = demo_train_config(cfg, work)
@@ -210,7 +212,7 @@ def _train_stage(client, cfg: DemoConfig, work: Path, staged: dict, force: bool,
         _say(f"    reusing the finished run in {tcfg.run_dir} (ended {result['provenance'].get('end_time')}, "
              f"same config and data; --force trains again)", t0)
     else:
-        result = lab.train_on_cluster(client, tcfg, staged=staged, live=_TerminalProgress(cfg.train_steps))
+        result = lab.train_on_cluster(client, tcfg, staged=staged, live=StepProgress(cfg.train_steps, label="train"))
     _say(f"    loss {result['initial_loss']:.3f} -> {result['final_loss']:.3f}; held-out loss "
          f"{result['eval_loss']:.3f} (perplexity {result['perplexity']:.1f}); "
          f"{result['tokens_per_s']:,.0f} tokens/s over {result['world_size']} ranks", t0)
@@ -262,10 +264,11 @@ def _in_background(fn, *args) -> Future:
 
 
 def _loss_sweeps(work: Path, s5: dict, s7: dict, force: bool, t0: float, law_done: Future) -> dict:
-    """Stage 7: the runs of notebooks 05 (scaling-law widths) and 07 (critical batch) with their
-    settings (``s5``, ``s7``: ``_settings``), one after another in this process (one thread), while
+    """Stage 7: the runs of notebooks 05 (scaling-law widths) and 07 (critical batch: the batch
+    sweep, then the branches of one run) with their settings (``s5``, ``s7``: ``_settings``), one after another in this process (one thread), while
     the reports of the other notebooks run beside them: their quantity is a loss, which the load
     does not change. ``law_done`` is set once the scaling-law runs are done (or failed)."""
+    from labkit.study.branching import notebook_run, sweep_branch
     from labkit.study.critical_batch import batch_base, sweep_batch
     from labkit.study.law_runs import sweep_law_runs
 
@@ -287,10 +290,17 @@ def _loss_sweeps(work: Path, s5: dict, s7: dict, force: bool, t0: float, law_don
     else:
         _say(f"    critical batch: only {fit['reached']} batch sizes reached held-out loss "
              f"{fit['target_eval_loss']:.3f}, no fit", t0)
+    run = notebook_run(w, model=s7["batch_model"], micro_batch=s7["batch_micro_batch"], lr=s7["lr"],
+                       steps=s7["branch_steps"])
+    points, _ = sweep_branch(run, w, at=list(s7["branch_at"]), factors=list(s7["branch_factors"]),
+                             window=s7["branch_window"], critical_batch=f"{w}/sweeps/critical_batch.parquet",
+                             n_boot=300, force=force)
+    _say(f"    critical batch by branching at steps {s7['branch_at']}: local critical batch "
+         f"{', '.join('-' if b is None else f'{b:.0f}' for b in points['b_keep_pace'].to_list())} sequences", t0)
     took = {"wall_s": round(time.perf_counter() - start, 1), "cpu_s": round(time.thread_time() - cpu, 1)}
     _say(f"    loss sweeps done in {took['wall_s']} s ({took['cpu_s']} CPU-s on their thread)", t0)
     return {"law_points": law.to_dicts(), "critical_batch": runs.to_dicts(), "critical_batch_fit": fit,
-            "loss_sweeps": took}
+            "branch": points.to_dicts(), "loss_sweeps": took}
 
 
 def _say_sweeps(ranks, mb, sizes, loader, splits, t0: float) -> None:
@@ -352,24 +362,3 @@ def _write_figures(cfg: DemoConfig, work: Path) -> list[str]:
     return paths
 
 
-class _TerminalProgress:
-    """``live`` callback for the terminal: a tqdm bar over optimiser steps with the loss."""
-
-    def __init__(self, total: int) -> None:
-        from tqdm.std import tqdm
-
-        self.bar = tqdm(total=total, desc="    train", mininterval=0.5)
-        self.step = 0
-
-    def __call__(self, records: list[dict]) -> None:
-        if not records:
-            return
-        last = records[-1]
-        step = int(last.get("step", 0))
-        if step > self.step:
-            self.bar.update(step - self.step)
-            self.step = step
-            self.bar.set_postfix(loss=f"{last.get('loss', float('nan')):.3f}",
-                                 tok_s=f"{last.get('tokens_per_s', 0):,.0f}")
-        if step >= self.bar.total:
-            self.bar.close()

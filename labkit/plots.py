@@ -24,11 +24,11 @@ from labkit.live import LivePlot, live_html  # noqa: F401 (re-exported: notebook
 
 __all__ = [
     "COLORS", "COLORWAY", "FONT", "MEMORY_TERMS", "RENDERER", "drop_reasons_figure", "efficiency_figure",
-    "figure_bundle", "integer_axis", "law_figure", "loader_figure", "log_ticks", "loss_figure", "memory_figure", "network_figure",
-    "microbatch_figure", "nice_step", "parallel_figure", "preparation_figure", "reference_line", "round_axis",
-    "scaling_table",
+    "figure_bundle", "goodput_tokens_per_s", "integer_axis", "law_figure", "loader_figure", "log_ticks", "loss_figure",
+    "memory_figure", "microbatch_figure", "network_figure", "nice_step", "parallel_figure", "preparation_figure",
+    "reference_line", "round_axis", "scaling_table",
     "setup_notebook_plotting", "split_label", "staging_figure", "style", "throughput_figure", "topology_figure",
-    "busy_marks", "noise_scale_figure", "steps_examples_figure"
+    "busy_marks", "critical_batch_figure", "noise_scale_figure", "steps_examples_figure"
 ]
 
 COLORS = {"loss": "#1f4e79", "throughput": "#c55a11", "ideal": "#7f7f7f", "bar": "#2e75b6", "busy": "#c00000"}
@@ -182,7 +182,9 @@ def loss_figure(metrics: pl.DataFrame | pl.LazyFrame, *, title: str = "Training 
 
     `metrics`: rows of metrics.jsonl (labkit.train), columns step (int), loss (float)
     [, eval_loss (float, held-out loss; dashed), tokens_per_s (float, real tokens/s over all
-    ranks)]. Null values are skipped.
+    ranks)]. Null values are skipped. With b_simple, global_batch_size and world_size columns too
+    (a data-parallel run's in-run noise scale), the statistical goodput beside the throughput
+    (``goodput_tokens_per_s``).
     Raises ValueError naming missing columns.
     """
     df = _frame(metrics, ["step", "loss"], "loss_figure").sort("step")
@@ -200,12 +202,36 @@ def loss_figure(metrics: pl.DataFrame | pl.LazyFrame, *, title: str = "Training 
         fig.add_trace(go.Scatter(x=d["step"].to_list(), y=d["tokens_per_s"].to_list(), name="tokens/s",
                                  mode="lines", line={"color": COLORS["throughput"], "dash": "dot"}),
                       secondary_y=True)
+        good = goodput_tokens_per_s(df)
+        if good is not None:
+            fig.add_trace(go.Scatter(x=good["step"].to_list(), y=good["goodput"].to_list(),
+                                     name="statistical goodput (tokens/s x E(B))", mode="lines",
+                                     line={"color": COLORS["throughput"], "dash": "dashdot"}), secondary_y=True)
         fig.update_yaxes(title_text="tokens/s", secondary_y=True, showgrid=False, rangemode="tozero",
                          **round_axis(d["tokens_per_s"].to_list()))
     fig.update_yaxes(title_text="MLM loss", secondary_y=False)
     fig.update_layout(template=style(), title=title, xaxis_title="step")
     fig.update_xaxes(**integer_axis(df["step"].to_list()))
     return fig
+
+
+def goodput_tokens_per_s(metrics: pl.DataFrame) -> pl.DataFrame | None:
+    """Per metrics record: step and goodput = tokens_per_s x E(B) (``labkit.measure.statistical_goodput``),
+    B the record's global_batch_size, B_noise its in-run b_simple (``labkit.train.gns``), B0 the global
+    batch of one data-parallel rank: global_batch_size / world_size (the noise scale is measured in
+    data-parallel runs alone, where every rank is a data-parallel rank; one process: B0 = B and
+    goodput = throughput). None without those columns or a record with a positive b_simple."""
+    from labkit.measure import statistical_goodput
+
+    need = ("step", "tokens_per_s", "b_simple", "global_batch_size", "world_size")
+    if any(c not in metrics.columns for c in need):
+        return None
+    d = metrics.select(need).drop_nulls().filter(pl.col("b_simple") > 0)
+    if not d.height:
+        return None
+    good = [statistical_goodput(r["tokens_per_s"], r["global_batch_size"], r["b_simple"],
+                                r["global_batch_size"] / r["world_size"]) for r in d.iter_rows(named=True)]
+    return pl.DataFrame({"step": d["step"], "goodput": good})
 
 
 def scaling_table(df: pl.DataFrame | pl.LazyFrame) -> pl.DataFrame:
@@ -674,4 +700,41 @@ def noise_scale_figure(curves: pl.DataFrame | pl.LazyFrame, *, b_crit: float | N
         fig.update_yaxes(type="log", tickvals=log_ticks(min(ys), max(ys)), tickformat="~s")
     if b_crit is not None and b_crit > 0:  # after the axis type: the label at log10 of the value
         reference_line(fig, y=b_crit, line={"color": "black", "dash": "dash"}, text="measured B_crit")
+    return fig
+
+
+def critical_batch_figure(points: pl.DataFrame | pl.LazyFrame, *,
+                          title: str = "The critical batch along training, by branching") -> go.Figure:
+    """Per branch point (``labkit.study.branching.sweep_branch``'s table) against the tokens the run
+    had seen: the local critical batch (the largest batch keeping pace) and the noise scale the
+    branches imply, each with its bootstrap range as error bars (an open marker where censored: at
+    least), the run's in-run B_simple, the run's own batch (dotted) and the batch sweep's B_crit
+    (dashed, when the table has it). Log y. Raises ValueError naming missing columns."""
+    need = ["tokens", "batch", "b_keep_pace", "b_keep_pace_low", "b_keep_pace_high", "b_keep_pace_censored",
+            "b_noise", "b_noise_low", "b_noise_high", "b_noise_censored", "b_simple"]
+    df = _frame(points, need, "critical_batch_figure").sort("tokens")
+    fig = go.Figure()
+    for key, name, color in (("b_keep_pace", "keeps pace (local critical batch)", COLORS["loss"]),
+                             ("b_noise", "B_noise implied by the branches", COLORS["throughput"])):
+        d = df.drop_nulls(key)
+        fig.add_trace(go.Scatter(
+            x=d["tokens"].to_list(), y=d[key].to_list(), name=name, mode="lines+markers",
+            line={"color": color}, marker={"symbol": ["circle-open" if c else "circle" for c in d[f"{key}_censored"]],
+                                           "size": 9},
+            error_y={"type": "data", "symmetric": False, "array": (d[f"{key}_high"] - d[key]).to_list(),
+                     "arrayminus": (d[key] - d[f"{key}_low"]).to_list()}))
+    d = df.drop_nulls("b_simple")
+    fig.add_trace(go.Scatter(x=d["tokens"].to_list(), y=d["b_simple"].to_list(), name="in-run B_simple",
+                             mode="markers", marker={"color": COLORWAY[2], "symbol": "diamond", "size": 9}))
+    fig.add_trace(go.Scatter(x=df["tokens"].to_list(), y=df["batch"].to_list(), name="the run's batch", mode="lines",
+                             line={"color": COLORS["ideal"], "dash": "dot"}))
+    if "b_crit_sweep" in df.columns and df["b_crit_sweep"].drop_nulls().len():
+        fig.add_hline(y=df["b_crit_sweep"].drop_nulls()[0], line={"color": "black", "dash": "dash"},
+                      annotation_text="B_crit of the batch sweep")
+    ys = [v for c in ("b_keep_pace_low", "b_keep_pace_high", "b_noise_low", "b_noise_high", "b_simple", "batch")
+          for v in df[c].to_list() if v is not None and v > 0]
+    fig.update_layout(template=style(), title=title, xaxis_title="tokens seen by the run",
+                      yaxis_title="global batch (sequences)")
+    if ys:
+        fig.update_yaxes(type="log", tickvals=log_ticks(min(ys), max(ys)), tickformat="~s")
     return fig

@@ -35,11 +35,16 @@ batch_micro_batch = 8  # the largest micro-batch; smaller batches use half their
 batch_sizes = [4, 8, 16, 32, 64]  # global batches (sequences)
 batch_examples = 2048  # sequences each run trains on (32 steps at the largest batch, 512 at the smallest)
 lr = 2e-3  # at a global batch of batch_micro_batch; scaled by sqrt(B / batch_micro_batch)
+branch_at = [20, 60, 120]  # steps of one run (global batch 2 x batch_micro_batch) to branch from
+branch_steps = 160  # that run's schedule length
+branch_factors = [1, 2, 4]  # branch batches as multiples of the run's
+branch_window = 512  # examples each branch trains on
 
 # %%
 import polars as pl
 
 from labkit import lab, plots
+from labkit.study.branching import notebook_run, sweep_branch
 from labkit.study.critical_batch import batch_base, sweep_batch
 
 index = lab.require_prepared(workdir)  # the shards of notebook 01; stops here, in one line, without them
@@ -81,3 +86,19 @@ plots.noise_scale_figure(curves, b_crit=fit["b_crit"],
 at_target = runs.filter(pl.col("reached")).select("batch", "b_simple")
 ratio = at_target["b_simple"].median() / fit["b_crit"] if at_target["b_simple"].drop_nulls().len() else None
 print(f"median in-run B_simple at the target / measured B_crit = {ratio:.2f}" if ratio else "no in-run B_simple")
+
+# %% [markdown]
+# ## 3. The critical batch during one run, by branching
+# From the checkpoints of one run (`batch_model` at global batch 2 × `batch_micro_batch`, linear
+# decay over `branch_steps`), short branches at `branch_factors` × its batch train on the same
+# `branch_window` examples at the run's lr scaled by √k (Merrill et al. 2025; `labkit sweep branch`,
+# docs/measurement.md). The largest batch whose held-out progress per example stays within 20 %
+# of the run's own is the local critical batch; beside it the noise scale the branches imply, the
+# run's in-run B_simple and the sweep's B_crit above, each with whether it agrees.
+
+# %%
+run = notebook_run(workdir, model=batch_model, micro_batch=batch_micro_batch, lr=lr, steps=branch_steps)
+points, branch_runs = sweep_branch(run, workdir, at=branch_at, factors=branch_factors, window=branch_window,
+                                   critical_batch=f"{workdir}/sweeps/critical_batch.parquet", n_boot=300)
+print("\n".join(points["agreement"]))
+plots.critical_batch_figure(points)

@@ -161,6 +161,8 @@ def test_values_are_refused_before_any_engine_starts(tmp_path):
     c = str(cfg)
     cases = {
         "train.model: unknown model preset 'huge'": ["train", c, "--set", "train.model=huge"],
+        # --tp 2 on 2 engines chooses replicate and says so, but only after the checks: the refusal is the one line
+        "train.model: unknown model preset 'giant'": ["train", c, "--tp", "2", "--set", "train.model=giant"],
         "train.model_overrides: unknown fields ['hiden']": ["train", c, "--set", "train.model_overrides={hiden=1}"],
         "train.model_overrides: hidden_size: must be positive": ["train", c, "--set", "train.model_overrides={hidden_size=-8}"],
         "train.data.seq_len: 128, but the shards": ["train", c, "--set", "train.data.seq_len=128"],
@@ -181,9 +183,36 @@ def test_values_are_refused_before_any_engine_starts(tmp_path):
         "--budget-gib: 100000.0 GiB per rank is more than": ["sweep", "micro-batch", c, "--budget-gib", "100000"],
         "--budget-gb: sweep micro-batch takes --budget-gib": ["sweep", "micro-batch", c, "--budget-gb", "2"],
         "--workers: worker counts must be >= 0": ["sweep", "loaders", c, "--workers", "-1"],
+        "--at: give the steps of the run to branch from": ["sweep", "branch", c],
+        "--window: 12 examples is not a multiple of the branch batch of factor(s) [1, 2]": [
+            "sweep", "branch", c, "--at", "5", "--factors", "2", "--window", "12"],
+        "--at: branch points [500] outside 1..train.max_steps 100": ["sweep", "branch", c, "--at", "500"],
         "corpus.paths: '/no/such/dir' does not exist": ["prepare", c, "--set", 'corpus.paths=["/no/such/dir"]'],
         "corpus.text_paths: '/no/notes' does not exist": ["prepare", c, "--set", 'corpus.text_paths=["/no/notes"]'],
     }
+    afile = tmp_path / "a-file"  # paths: a run_dir or work directory that is a file, or lies under one
+    afile.write_text("not a directory")
+    cases |= {
+        f"train.run_dir: {afile} is a file, not a directory": ["train", c, "--set", f"train.run_dir={str(afile)!r}"],
+        f"train.run_dir: {afile}/run cannot be made: {afile} is a file": [
+            "train", c, "--set", f"train.run_dir={str(afile / 'run')!r}"],
+        f"workdir: {afile} is a file": ["prepare", c, "--set", f"workdir={str(afile)!r}"],
+        f"workdir: {afile}/w cannot be made": ["sweep", "ranks", c, "--set", f"workdir={str(afile / 'w')!r}"],
+        f"stage.local_root: {afile} is a file": ["stage", c, "--set", f"stage.local_root={str(afile)!r}"],
+        f"out: {afile} is a file": ["export", str(tmp_path / "run"), str(afile)],
+        f"out: {afile}/r.html cannot be made: {afile} is a file": [
+            "report", "notebooks/03_train.py", str(afile / "r.html")],
+        f"--workdir: {afile} is a file": ["demo", "--workdir", str(afile)],
+        "--batches: need at least 3 distinct global batch sizes": ["sweep", "batch", c, "--batches", "4", "8"],
+        "--batches: 10 is not a multiple of its micro-batch 4": ["sweep", "batch", c, "--batches", "4", "10", "16",
+                                                                 "--set", "train.batch.micro_batch_size=4"],
+        "train.data_dir: the batch sweep reads the held-out loss": ["sweep", "batch", c, "--batches", "4", "8", "16"],
+        "--at: give the steps of the run to branch from": ["sweep", "branch", c],
+        "--critical-batch: /no/cb.parquet does not exist": ["sweep", "ranks", c, "--critical-batch", "/no/cb.parquet"],
+    }
+    if os.statvfs("/proc/sys").f_flag & os.ST_RDONLY:  # a read-only file system, where the container has one
+        cases["train.run_dir: /proc/sys/labkit-run cannot be written: /proc/sys is on a read-only file system"] = [
+            "train", c, "--set", 'train.run_dir="/proc/sys/labkit-run"']
     if not has_cuda_device():
         cases["train.device: 'cuda' was asked for"] = ["train", c, "--set", 'train.device="cuda"']
         cases["--budget-gib: 0 searches the GPU"] = ["sweep", "micro-batch", c, "--budget-gib", "0"]
@@ -215,34 +244,84 @@ def test_train_twice_on_a_finished_run_leaves_every_file_as_it_was(tmp_path, cap
     run = work / "runs" / "main"
     files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(pathlib.Path(run).rglob("*")) if p.is_file()}
     assert {"result.json", "metrics.jsonl", "config.json"} <= {p.name for p in files}
-    capsys.readouterr()
-    for _ in range(2):
-        assert main(["train", str(cfg), "--no-stage"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads((run / "result.json").read_text())
+    assert out.startswith(f"{run}: step 3 of 3, loss {result['initial_loss']:.3f} -> {result['final_loss']:.3f}"), out
+    assert "3/3" in err and "tokens/s=" in err, err  # the progress bar, drawn here from rank 0's records
+    for flags in (["--json"], []):
+        assert main(["train", str(cfg), "--no-stage", *flags]) == 0
         out, err = capsys.readouterr()
-        assert json.loads(out)["already_finished"] is True and json.loads(out)["steps"] == 3
+        if flags:
+            assert json.loads(out)["already_finished"] is True and json.loads(out)["steps"] == 3
+        else:
+            assert out.startswith(f"{run}: already finished, nothing trained; step 3 of 3,"), out
         assert "already finished (3 of 3 steps" in err and "starting" not in err
         assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in files} == files
 
 
-def test_train_prints_the_eval_loss_of_the_result(monkeypatch, tmp_path, capsys):
+def _no_engines(monkeypatch, train_on_cluster):
+    """``labkit train`` with its checks passed, no cluster, and ``train_on_cluster`` replaced."""
     import contextlib
-    import json
 
     from labkit import commands, lab, preflight
-    from labkit.config.tomlfile import load
 
-    result = {"initial_loss": 6.9, "final_loss": 5.1, "eval_loss": 5.37, "perplexity": 214.9, "steps": 20,
-              "goodput": 0.7, "culprit": {"rank": 1, "line": "culprit: rank 1 (n1) holds the others up"}}
     monkeypatch.setattr(preflight, "check_train", lambda *a, **k: None)
     monkeypatch.setattr(commands, "cluster_client", lambda cc: contextlib.nullcontext(None))
-    lives = []
-    monkeypatch.setattr(lab, "train_on_cluster", lambda client, cfg, staged=None, live=None: lives.append(live) or result)
-    cfg = load(None, [f"workdir={json.dumps(str(tmp_path))}"])
-    assert commands.train(cfg, stage_first=False) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert (out["eval_loss"], out["perplexity"], out["final_loss"]) == (5.37, 214.9, 5.1)
-    assert (out["goodput"], out["culprit"]) == (0.7, "culprit: rank 1 (n1) holds the others up")
-    assert [getattr(live, "wants", None) for live in lives] == ["timeline"]  # the live culprit line
+    monkeypatch.setattr(lab, "train_on_cluster", train_on_cluster)
+
+
+def test_train_prints_lines_or_json_and_where_a_stopped_run_continues(monkeypatch, tmp_path, capsys):
+    """The result for a reader (rounded, with units), the same numbers under stable keys with
+    --json; a run stopped by train.stop_after names its last checkpoint and the command that
+    continues it, and on Ctrl-C the same (exit 130), or without a checkpoint the command that
+    starts it again. The run's wall-clock goodput and culprit line are printed too, and the live
+    culprit line (every rank's timeline) runs beside the bar."""
+    run = tmp_path / "runs" / "main"
+    result = {"initial_loss": 6.91234, "final_loss": 5.1049, "eval_loss": 5.37123, "perplexity": 214.93, "steps": 10,
+              "max_steps": 20, "tokens": 1_234_567, "tokens_per_s": 41100.001607, "world_size": 2,
+              "global_batch_size": 16, "resumed_from_step": None, "wall_s": 30.04, "goodput": 0.7}
+    culprit = {"rank": 1, "line": "culprit: rank 1 (n1) holds the others up"}
+
+    def trained(client, cfg, staged=None, live=None):
+        (run / "checkpoints" / "step-10").mkdir(parents=True)
+        assert sorted(getattr(cb, "wants", "records") for cb in live) == ["records", "timeline"]
+        next(cb for cb in live if not hasattr(cb, "wants"))([{"step": 10, "loss": 5.1, "tokens_per_s": 41100.0}])
+        return result | {"culprit": culprit}
+
+    _no_engines(monkeypatch, trained)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"workdir = {str(tmp_path)!r}\n[train]\nstop_after = 10\nmax_steps = 20\n")
+    assert main(["train", str(cfg), "--no-stage"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [
+        f"{run}: step 10 of 20, loss 6.912 -> 5.105, held-out loss 5.371 (perplexity 214.9)",
+        "  1.23 M tokens at 41,100 tokens/s on 2 ranks, global batch 16 sequences, 30.0 s, wall-clock goodput 70 %",
+        "  culprit: rank 1 (n1) holds the others up",
+        f"stopped after step 10 of 20 (train.stop_after); last checkpoint {run}/checkpoints/step-10; to continue: "
+        f"labkit resume {run}"], out
+    assert "10/10" in err and "loss=5.100" in err and "tokens/s=41,100" in err, err  # the bar, on stderr
+    (run / "checkpoints" / "step-10").rmdir()
+    assert main(["train", str(cfg), "--no-stage", "--json", "--set", "cluster.profile=\"lab\""]) == 0
+    raw = json.loads(capsys.readouterr().out)
+    assert {k: raw[k] for k in result} == result and raw["culprit"] == culprit["line"]
+    assert raw["stopped_early"] and raw["last_checkpoint"] == f"{run}/checkpoints/step-10"
+    assert raw["continue_command"] == f"labkit resume {run} --profile lab" and not raw["already_finished"]
+
+    def interrupted(client, cfg, staged=None, live=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(__import__("labkit.lab").lab, "train_on_cluster", interrupted)
+    assert main(["train", str(cfg), "--no-stage"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"labkit train: interrupted; engines were stopped. Last checkpoint: {run}/checkpoints/step-10 (step 10 of 20); "
+        f"to continue from it: labkit resume {run}")
+    import shutil
+
+    shutil.rmtree(run / "checkpoints")
+    assert main(["train", str(cfg), "--no-stage", "--set", "train.checkpoint.every=5"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"labkit train: interrupted; engines were stopped. No checkpoint of {run} was written yet (train.checkpoint.every "
+        f"= 5: every 5 steps); to start it again: labkit train {cfg} --no-stage --set train.checkpoint.every=5")
 
 
 def test_tp_alone_chooses_replicate_when_it_is_the_only_layout(tmp_path, capsys):
@@ -253,8 +332,12 @@ def test_tp_alone_chooses_replicate_when_it_is_the_only_layout(tmp_path, capsys)
     cfg_file = tmp_path / "c.toml"
     cfg_file.write_text("[cluster]\nengines = 2\n[train]\nmodel = \"tiny\"\n")
     args = argparse.Namespace(config=str(cfg_file), set=[], tp=2, pp=None, engines=None, profile=None, cluster_id=None)
-    cfg = _config(args)
-    assert (cfg.train.parallel.tp, cfg.train.parallel.sharding) == (2, "replicate") and "dp 1" in capsys.readouterr().err
+    from labkit import commands
+
+    cfg = _config(args)  # the choice is said once the command's checks passed (queued, not printed yet)
+    assert (cfg.train.parallel.tp, cfg.train.parallel.sharding) == (2, "replicate") and "dp 1" in commands._NOTES[-1]
+    assert capsys.readouterr().err == ""
+    commands._NOTES.clear()
     pp2 = argparse.Namespace(**{**vars(args), "tp": None, "pp": 2, "set": ["train.batch.grad_accum_steps=2"]})
     assert _config(pp2).train.parallel.sharding == "replicate"
     for key in ("train.parallel.sharding", "train.sharding"):  # the flat name of before the sections too
@@ -266,3 +349,47 @@ def test_tp_alone_chooses_replicate_when_it_is_the_only_layout(tmp_path, capsys)
             _config(args)
 
 
+def _subparsers():
+    import argparse
+
+    from labkit.cli import build_parser
+
+    return next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def test_the_docs_name_only_commands_and_options_that_exist():
+    """Every ``labkit COMMAND ... --option`` written in README.md and docs/*.md (inline code and
+    code blocks) names a subcommand and options it has; docs/cli.md's table names every
+    subcommand; the option list under "Options" is docs/generate_cli.py's (tests/test_docs_generated.py
+    checks it is current), and the defaults the help states for the demo are DemoConfig's."""
+    import pathlib
+    import re
+
+    from labkit.config import CorpusConfig, DemoConfig
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    subs = _subparsers()
+    bad = []
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        if path.name == "log.md":  # dated findings: the commands as they were then
+            continue
+        text = path.read_text()
+        spans = re.findall(r"`([^`\n]+)`", text) + re.findall(r"```bash\n(.*?)```", text, re.S)
+        for span in spans:
+            for line in span.replace("\\\n", " ").splitlines():
+                for m in re.finditer(r"(?:^|&&|;)\s*labkit ([a-zA-Z][a-zA-Z-]*)([^;|#&]*)", line):
+                    name, rest = m.groups()
+                    if name not in subs:
+                        if not name.isupper():  # COMMAND, a placeholder
+                            bad.append(f"{path.name}: labkit {name}: no such command")
+                        continue
+                    known = {o for a in subs[name]._actions for o in a.option_strings}
+                    bad += [f"{path.name}: labkit {name} {flag}: no such option"
+                            for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", rest) if flag not in known]
+    assert bad == []
+    table = (root / "docs" / "cli.md").read_text().split("## Config files")[0]
+    assert [n for n in subs if f"`labkit {n}" not in table] == []
+    demo = {a.dest: a.help for a in subs["demo"]._actions}
+    assert f"default: {DemoConfig().train_steps}," in demo["steps"]
+    assert f"default: {CorpusConfig().max_functions}," in demo["max_functions"]
+    assert next(a.default for a in subs["demo"]._actions if a.dest == "engines") == DemoConfig().engines

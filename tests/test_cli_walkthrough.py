@@ -160,3 +160,28 @@ def test_parallel_sweep_of_the_walkthrough(walkthrough):
     assert (table["tokens_per_s"] > 0).all() and (table["global_batch_size"] == 64).all()
     assert (table["measured_state_bytes"] == table["planned_state_bytes"]).all()
     assert (table.filter(pl.col("pp") > 1)["pipeline_bubble"] > 0).all()
+
+
+def test_the_commands_say_where_they_are(walkthrough):
+    """What the walkthrough's commands printed (issue 37): lines for a reader from prepare, stage
+    and export; a progress bar over the steps of train, resume and each split of the sweep, drawn
+    in this process from rank 0's records; the stop at train.stop_after with its checkpoint and
+    the command that continues it; and the resumed run's one line with its step."""
+    work, proc = walkthrough
+    out, err = proc.stdout, proc.stderr
+    assert "prepared work/walkthrough:\n  read 3,000 documents (elf 3,000)" in out, out[:2000]
+    assert "  tokenizer: vocabulary " in out and "held-out split (never trained on): " in out
+    assert re.search(r"staged work/walkthrough/shards on 1 node\(s\):\n  \S+: [\d.]+ MB (copied in|already there)", out)
+    run = "work/walkthrough/runs/main"
+    assert (f"stopped after step 10 of 20 (train.stop_after); last checkpoint {run}/checkpoints/step-10; to continue: "
+            f"labkit resume {run}") in out, out[-3000:]
+    assert re.search(rf"^{run}: step 20 of 20 \(resumed from step 10\), loss \d+\.\d{{3}} -> \d+\.\d{{3}}, held-out "
+                     r"loss \d+\.\d{3} \(perplexity [\d.]+\)$", out, re.M), out[-3000:]
+    assert f"train: resuming from step 10 (checkpoint step-10 in {run})" in err
+    assert err.count("train: resuming") == 1  # rank 0 alone says it
+    bars = re.findall(r"(train|sweep parallel: \S+): +\d+%\|[^|]*\| (\d+)/(\d+) ", err)
+    finals = {(name, done, total) for name, done, total in bars if done == total}
+    assert {("train", "10", "10"), ("train", "20", "20"), ("sweep parallel: dp2-tp1-pp1", "4", "4")} <= finals, finals
+    assert "loss=" in err and "tokens/s=" in err
+    assert re.search(rf"^exported {run} \(checkpoint step 20\) to work/walkthrough/export: .*model\.safetensors", out,
+                     re.M)

@@ -71,7 +71,7 @@ def _config(tmp: Path) -> DemoConfig:
 
 SMALL = {"law_widths": [16, 32], "law_steps": 12, "law_points": 3, "bootstrap": 4, "batch_sizes": [4, 8, 16],
          "batch_examples": 128, "loader_workers": [0, 1], "loader_step_time_s": 0.005, "size_steps": 3,
-         "split_steps": 3}
+         "split_steps": 3, "branch_at": [3, 6], "branch_steps": 8, "branch_factors": [1, 2], "branch_window": 32}
 """Notebook parameters the demo of these tests passes on (smaller sweeps); its stages measure with
 them as the notebooks then run."""
 
@@ -190,6 +190,8 @@ def test_the_notebooks_read_back_every_measurement_of_the_demo(demo):
     assert "4 of 4 points reused from earlier runs (measured 20" in text["06_model_parallel"]
     assert "sweep law: 2 of 2 widths reused from earlier runs (measured 20" in text["05_scaling_laws"]
     assert "sweep batch: 3 of 3 points reused from earlier runs (measured 20" in text["07_critical_batch"]
+    # the branches of 07's run: the base run's checkpoints kept and every branch (2 points x 2) read back
+    assert "training it again" not in joined and text["07_critical_batch"].count("already finished") == 4
     fit = summary["critical_batch_fit"]
     assert len(summary["critical_batch"]) == 3 and fit["reached"] == 3 and fit["lr_rule"] == "sqrt"
     assert {p["width"] for p in summary["law_points"]} == {16, 32}
@@ -209,7 +211,8 @@ def test_a_second_demo_reuses_every_artifact_and_says_so(demo, capfd):
     kept = ["corpus/corpus.json", "clean/docs.drops.json", "tokenizer/tokenizer.json", "tokenizer/tokenizer.stats.json",
             "shards/index.json", "runs/demo/result.json", "runs/demo/metrics.jsonl", "sweeps/ranks.parquet",
             "sweeps/microbatch.parquet", "sweeps/model_size.parquet", "sweeps/loader.parquet", "sweeps/parallel.parquet",
-            "sweeps/law_curves.parquet", "sweeps/critical_batch_curves.parquet", "sweeps/critical_batch.parquet"]
+            "sweeps/law_curves.parquet", "sweeps/critical_batch_curves.parquet", "sweeps/critical_batch.parquet",
+            "sweeps/branch/base/metrics.jsonl", "sweeps/branch/step-6/r0-x2/metrics.jsonl"]
     before = {k: (work / k).read_bytes() for k in kept}
     capfd.readouterr()
     second = run_demo(dataclasses.replace(_config(work.parent), reports=False), parameters=SMALL)

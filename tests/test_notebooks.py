@@ -30,7 +30,8 @@ PARAMS = {"engines": 2, "model": "tiny", "micro_batch_size": 8, "max_functions":
           "seq_len": 64, "steps": 6, "sweep_steps": 3, "size_steps": 3, "split_steps": 3, "sweep_models": ["tiny", "mini"],
           "memory_budget_gib": 0.25, "loader_workers": [0, 1], "loader_step_time_s": 0.005, "law_widths": [16, 32, 64], "law_steps": 30,
           "law_points": 5, "bootstrap": 6, "heldout_fraction": 0.05,
-          "batch_sizes": [4, 8, 16, 32, 64], "batch_examples": 1024}
+          "batch_sizes": [4, 8, 16, 32, 64], "batch_examples": 1024, "branch_at": [3, 6], "branch_steps": 8,
+          "branch_factors": [1, 2], "branch_window": 32}
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,19 @@ def test_loss_figure_loss_and_throughput_on_second_axis():
         plots.loss_figure(m.drop("loss"))
 
 
+def test_loss_figure_shows_statistical_goodput_beside_throughput():
+    """A 2-rank run's records with the in-run B_simple: goodput = tokens/s x (B_noise + B0)/(B_noise + B),
+    B the global batch 16, B0 one rank's 8; a record without B_simple (the first steps) has none."""
+    m = pl.DataFrame({"step": [1, 2, 3], "loss": [9.0, 8.0, 7.0], "tokens_per_s": [90.0, 100.0, 110.0],
+                      "b_simple": [None, 8.0, 24.0], "global_batch_size": [16] * 3, "world_size": [2] * 3})
+    good = _trace(plots.loss_figure(m), "statistical goodput (tokens/s x E(B))")
+    assert list(good.x) == [2, 3] and good.yaxis == "y2"
+    assert list(good.y) == pytest.approx([100.0 * 16 / 24, 110.0 * 32 / 40])
+    one = m.with_columns(world_size=pl.lit(1))  # one process: B0 = B, goodput = throughput
+    assert plots.goodput_tokens_per_s(one)["goodput"].to_list() == pytest.approx([100.0, 110.0])
+    assert plots.goodput_tokens_per_s(m.drop("b_simple")) is None
+
+
 def test_throughput_figure_ideal_line_and_efficiency():
     df = pl.DataFrame({"ranks": [4, 1, 2, 1], "tokens_per_s": [350.0, 98.0, 190.0, 102.0]})
     fig = plots.throughput_figure(df)

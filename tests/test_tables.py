@@ -33,7 +33,7 @@ class _Cells(html.parser.HTMLParser):
 
 REPORT = {"kinds": ["elf", "text"], "dataset_bytes": 6_612_345, "training_to_dataset_ratio": 3.9012345,
           "sources": {"elf": {"files_read": 565, "raw_bytes": 230_812_000}, "text": {"files_read": 12, "raw_bytes": 9_000}},
-          "examples": {"text": "first line\nsecond line"}, "unk_rate_held_out": None,
+          "examples": {"text": "first line\nsecond line"}, "unk_rate": None,
           "unk_examples": [{"token": "[UNK]", "count": 3}]}
 
 

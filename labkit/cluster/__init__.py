@@ -4,7 +4,8 @@
 - ``labkit.cluster.engine_watch``: registration by uuid, start-up failures, unreachable engines;
 - ``labkit.cluster.network``: interface addresses, the default controller address, MPI exports;
 - ``labkit.cluster.topology``: engines -> nodes -> ranks (one pure function), per-node calls;
-- ``labkit.cluster.launch``: ``run_ddp`` on the engines, live metrics, failures and resume.
+- ``labkit.cluster.launch``: ``run_ddp`` on the engines, live metrics, failures and resume;
+- ``labkit.cluster.progress``: the progress bar over a run's steps, drawn here from its records.
 
 The names notebooks use are re-exported here: ``from labkit import cluster as lc`` then
 ``lc.start_cluster(2)``, ``lc.run_ddp(client, fn)``, ``lc.stop_cluster(cluster)``.
@@ -15,11 +16,12 @@ from labkit.cluster.engines import (ENGINE_KINDS, connect_cluster, engine_logs, 
                                     restart_engines, secure_connection_files, slurm_batch_template, start_cluster,
                                     stop_cluster)
 from labkit.cluster.network import interface_address
-from labkit.cluster.launch import DDPError, progress_bar, run_ddp, run_ddp_resumable
+from labkit.cluster.launch import DDPError, run_ddp, run_ddp_resumable
+from labkit.cluster.progress import StepProgress, progress_bar
 from labkit.cluster.topology import (LOCAL_ID_ENVS, NODE_ENV, assign_ranks, engine_info, node_name, per_node,
                                      set_local_roots, set_node_names, tensor_parallel_groups)
 
-__all__ = ["DDPError", "ENGINE_KINDS", "EngineStartError", "interface_address", "registered",
+__all__ = ["DDPError", "StepProgress", "ENGINE_KINDS", "EngineStartError", "interface_address", "registered",
            "LOCAL_ID_ENVS", "NODE_ENV", "assign_ranks", "connect_cluster", "engine_info",
            "engine_logs", "get_client", "list_clusters", "node_name", "per_node", "progress_bar", "restart_engines",
            "run_ddp", "run_ddp_resumable", "secure_connection_files", "set_local_roots", "set_node_names", "slurm_batch_template",

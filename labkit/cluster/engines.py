@@ -9,8 +9,9 @@ ipyparallel's own cluster file `security/cluster-<cluster_id>.json`, so a notebo
 to a running cluster (`connect_cluster`) and restarts keep the engines' environment.
 
 Topology (`engine_info`, `assign_ranks`, `per_node`, `set_node_names`) is in
-`labkit.cluster.topology`, the DDP launch (`run_ddp`, `run_ddp_resumable`, `DDPError`,
-`progress_bar`) in `labkit.cluster.launch`; `labkit.cluster` re-exports all three modules' names.
+`labkit.cluster.topology`, the DDP launch (`run_ddp`, `run_ddp_resumable`, `DDPError`) in `labkit.cluster.launch`, the
+progress bar (`StepProgress`, `progress_bar`) in `labkit.cluster.progress`; `labkit.cluster`
+re-exports their names.
 
 Patterns: docs/references.md section E (ipyparallel; DDP in persistent engines).
 """

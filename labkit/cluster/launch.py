@@ -34,7 +34,7 @@ from labkit.cluster.engines import get_client, restart_engines
 from labkit.config import TrainConfig
 from labkit.cluster.topology import assign_ranks, engine_info, tensor_parallel_groups
 
-__all__ = ["LOST_PROBE_S", "DDPError", "failure_line", "labkit_frame", "progress_bar", "run_ddp", "run_ddp_resumable",
+__all__ = ["LOST_PROBE_S", "DDPError", "failure_line", "labkit_frame", "run_ddp", "run_ddp_resumable",
            "train_on_cluster"]
 
 
@@ -186,41 +186,6 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def progress_bar(total: int, *, key: str = "step", label: str = "training") -> Callable[[list[dict]], None]:
-    """A `live` callback drawing one progress bar in the notebook: records[-1][key] of `total`.
-
-    Displayed once (raw bundle: HTML <progress> + text) and updated in place with
-    update_display, so an executed notebook keeps one bar at its final value. Outside IPython
-    it prints the text line. The callable keeps the last text in `.text`.
-    """
-    display_id = f"labkit-progress-{os.getpid()}-{time.monotonic_ns()}"
-    state = {"shown": False}
-
-    def draw(records: list[dict]) -> None:
-        last = records[-1] if records else {}
-        done = int(last.get(key) or 0)
-        extra = "".join(f" {k} {last[k]:.4g}" for k in ("loss", "tokens_per_s") if isinstance(last.get(k), (int, float)))
-        text = f"{label}: {key} {done}/{total} ({100 * done / max(total, 1):.0f}%){extra}"
-        draw.text = text
-        bundle = {"text/plain": text,
-                  "text/html": f'<progress value="{done}" max="{total}" style="width:40em"></progress> {text}'}
-        try:
-            from IPython import get_ipython
-            from IPython.display import display, update_display
-        except ImportError:  # pragma: no cover
-            get_ipython = lambda: None  # noqa: E731
-        if get_ipython() is None:
-            print(text, file=sys.stderr)
-        elif not state["shown"]:
-            display(bundle, raw=True, display_id=display_id)
-        else:
-            update_display(bundle, raw=True, display_id=display_id)
-        state["shown"] = True
-
-    draw.text = ""
-    return draw
 
 
 def run_ddp(

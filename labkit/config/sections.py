@@ -90,10 +90,15 @@ class BatchConfig:
     grad_accum_steps: int = 1
     """Micro-batches accumulated per optimiser step (with pp > 1: the micro-batches the pipeline
     schedule runs). A resume at another dp changes it to keep the checkpoint's global batch."""
+    lr_rule: Literal["sqrt", "linear", "constant"] = "sqrt"
+    """How optim.lr follows the global batch where a run trains at k times this config's batch (a
+    branch, ``labkit.study.branching``): lr x sqrt(k) (Adam: Malladi et al. 2022, arXiv:2205.10287),
+    lr x k (SGD: Goyal et al. 2017, arXiv:1706.02677), or lr unchanged (``critical_batch.lr_for_batch``)."""
 
     def __post_init__(self) -> None:
         _positive(self.micro_batch_size, "batch.micro_batch_size")
         _positive(self.grad_accum_steps, "batch.grad_accum_steps")
+        _one_of(self.lr_rule, "batch.lr_rule", ("sqrt", "linear", "constant"))
 
 
 @dataclass(kw_only=True)
@@ -197,6 +202,12 @@ class CheckpointConfig:
     enabled: bool = field(default=True, metadata=SAFE)
     """False: write no checkpoint at all (sweep runs: metrics.jsonl and result.json only; such a
     run cannot be resumed)."""
+    init_from: str | None = None
+    """A checkpoint directory of another run (``<its run_dir>/checkpoints/step-N``) that this run
+    starts from when it has no checkpoint of its own to resume: its weights, optimiser state, step,
+    tokens seen and sampler position (the global sample order continues; the micro-batch size must
+    be the checkpoint's), at this config's global batch, learning rate and schedule, not the
+    checkpoint's. A branch of that run (``labkit.study.branching``). None: a new run starts at step 0."""
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "checkpoint.every", f"must be >= 0, got {self.every}")

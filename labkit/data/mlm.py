@@ -11,11 +11,11 @@ run expects, before any model is built.
 Determinism and resume. Every random choice is a function of a seed and the data, never of
 process state:
 
-- ``RankSampler``: the epoch's order is ``torch.randperm`` from a ``torch.Generator`` seeded with
-  ``seed + epoch``, cut into micro-batches of consecutive indices; rank r takes every world-th
-  micro-batch, so batch k of rank r in epoch e is a pure function of (seed, epoch, rank,
-  world_size, batch_size, k), and the global micro-batch sequence does not depend on world_size.
-  Its global state (``RankSampler.state_at``) resumes it, at another world size too.
+- ``RankSampler``: epoch e's order is ``torch.randperm`` from a ``torch.Generator`` seeded with
+  ``seed + e``; the epochs follow one another as one global sample stream (nothing dropped), cut
+  into micro-batches of consecutive samples, and rank r takes every world-th micro-batch. The
+  global micro-batch sequence does not depend on world_size, and the sampler's whole state is
+  the global sample position (``RankSampler.state_at``), which resumes it at any world size.
 - ``MLMCollator``: before each batch its ``torch.Generator`` is re-seeded from
   blake2b(seed, batch shape, batch ids as uint32 bytes). The same batch therefore gets the same masks on
   every run, whichever worker process, worker count or call order collates it, so a resumed run
@@ -27,6 +27,7 @@ process state:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import multiprocessing
 import os
@@ -188,30 +189,27 @@ class ShardDataset(Dataset):
 
 
 class RankSampler(Sampler[list[int]]):
-    """Batches of sample indices for one data-parallel rank (a ``batch_sampler``).
+    """Micro-batches of sample indices for one data-parallel rank (a ``batch_sampler``).
 
     ``n_samples``: the count of sequences, or the opened ``ShardSet`` (its ``len``).
-    Epoch e's order is ``torch.randperm(n_samples)`` from a generator seeded with ``seed + e``.
-    With drop_last, the first (n // (world*batch)) * world*batch indices are kept, cut into
-    global micro-batches of ``batch_size`` consecutive indices, and rank r takes micro-batches
-    r, r + world, r + 2 world, ...: disjoint, equal-length partitions, only the tail dropped.
-    Without drop_last the order is extended cyclically to a multiple of world*batch (some samples
-    repeat) so every rank still has the same number of full batches. Each rank yields
-    ``len(self)`` batches of ``batch_size`` per epoch. A micro-batch's contents (so its MLM masks,
-    seeded from its ids) do not depend on the world size: k steps of dp ranks x a accumulated
-    micro-batches consume global micro-batches 0 .. k*a*dp - 1 for any split of a*dp.
 
-    ``position`` counts the batches of the current epoch this sampler has yielded; after the last
-    one it moves to epoch + 1, position 0. The state is global (``state_at``): {"epoch",
-    "position" (this rank's), "micro_batches" (global micro-batches consumed in the epoch:
-    position * world), "batch_size", "epoch_samples"}, so ``load_state_dict`` resumes it at
-    another world size: it makes the next iteration yield exactly the remaining batches. A
-    DataLoader with workers draws batches ahead of the trainer, so a trainer should checkpoint
-    ``state_at(epoch, batches it consumed)``.
+    One global sample stream, whatever the world size: epoch e is ``torch.randperm(n_samples)``
+    from a generator seeded with ``seed + e``, and the stream is epoch 0, epoch 1, ... with no
+    sample dropped (the micro-batch at an epoch's end takes the rest from the next epoch). From
+    the stream position ``start`` (0 for a fresh run; a checkpoint's global sample position on
+    resume) the micro-batches are consecutive runs of ``batch_size`` samples, and rank r takes
+    micro-batches r, r + world, r + 2 world, ...: its i-th starts at sample
+    ``start + (i * world + r) * batch_size``. k steps of dp ranks x a accumulated micro-batches
+    therefore consume the stream's next k * a * dp * batch_size samples for any split of a * dp,
+    and the whole state is one number, the global sample position, which resumes at any world
+    size or batch size (``state_at`` / ``load_state_dict``).
+
+    Iteration is by epoch: ``iter`` yields this rank's micro-batches that start in epoch
+    ``epoch`` (``len(self)`` of them), from ``position`` on, then moves to epoch + 1, position 0.
     """
 
     def __init__(self, n_samples: int | ShardSet, *, rank: int, world_size: int, batch_size: int, seed: int = 0,
-                 drop_last: bool = True) -> None:
+                 start: int = 0) -> None:
         n_samples = len(n_samples) if isinstance(n_samples, ShardSet) else int(n_samples)
         if world_size < 1:
             raise ValueError(f"world_size: must be at least 1, got {world_size}")
@@ -219,20 +217,32 @@ class RankSampler(Sampler[list[int]]):
             raise ValueError(f"rank: must be in [0, {world_size}), got {rank}")
         if batch_size < 1:
             raise ValueError(f"batch_size: must be positive, got {batch_size}")
-        per_step = world_size * batch_size
-        self.num_batches = n_samples // per_step if drop_last else -(-n_samples // per_step)
-        if self.num_batches == 0:
+        if n_samples < world_size * batch_size:
             raise ValueError(f"n_samples: {n_samples} sequences cannot fill one batch of {batch_size} "
                              f"on each of {world_size} ranks")
         self.n_samples, self.rank, self.world_size, self.batch_size = n_samples, rank, world_size, batch_size
-        self.seed, self.drop_last = seed, drop_last
-        self.epoch, self.position = 0, 0
+        self.seed = seed
+        self._orders: dict[int, torch.Tensor] = {}
+        self._restart(start)
+
+    def _restart(self, start: int) -> None:
+        """Continue the stream at global sample ``start``: this rank's first micro-batch, and so
+        its epoch, follow from it."""
+        self.start = int(start)
+        self.epoch, self.position = (self.start + self.rank * self.batch_size) // self.n_samples, 0
+
+    def _first(self, epoch: int) -> int:
+        """The index i of this rank's first micro-batch (since ``start``) that starts in ``epoch``."""
+        step = self.world_size * self.batch_size
+        lead = epoch * self.n_samples - self.start - self.rank * self.batch_size
+        return max(0, -(-lead // step))
 
     def __len__(self) -> int:
-        return self.num_batches
+        """This rank's micro-batches that start in the current epoch (since ``start``)."""
+        return self._first(self.epoch + 1) - self._first(self.epoch)
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch`` from its first batch."""
+        """Go to epoch ``epoch``, its first micro-batch."""
         self.epoch, self.position = int(epoch), 0
 
     def state_dict(self) -> dict[str, int]:
@@ -240,45 +250,56 @@ class RankSampler(Sampler[list[int]]):
         return self.state_at(self.epoch, self.position)
 
     def state_at(self, epoch: int, position: int) -> dict[str, int]:
-        """The global state after this rank consumed ``position`` batches of ``epoch`` (every rank
-        consumed as many): {"epoch", "position", "micro_batches": position * world_size,
-        "batch_size", "epoch_samples": indices kept per epoch, num_batches * world * batch}."""
-        return {"epoch": int(epoch), "position": int(position), "micro_batches": int(position) * self.world_size,
-                "batch_size": self.batch_size, "epoch_samples": self.num_batches * self.world_size * self.batch_size}
+        """The global state after this rank consumed ``position`` micro-batches of ``epoch`` (every
+        rank consumed as many): {"samples": the global sample position, the stream samples all
+        ranks consumed, "epoch": its epoch, "batch_size", "world_size", "n_samples"}. The same on
+        every rank."""
+        samples = self.start + (self._first(epoch) + int(position)) * self.world_size * self.batch_size
+        return {"samples": samples, "epoch": samples // self.n_samples, "batch_size": self.batch_size,
+                "world_size": self.world_size, "n_samples": self.n_samples}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume after ``state["micro_batches"]`` global micro-batches of ``state["epoch"]``
-        (a state without it, from before global states: after this rank's ``position``).
-        ValueError, one line, when the state cannot continue at this world size: another
-        batch_size or epoch length (``epoch_samples``: drop_last keeps a multiple of world*batch),
-        micro-batches not divisible by world_size, or a position out of range."""
-        position = state["position"]
-        if "micro_batches" in state:
-            kept = self.num_batches * self.world_size * self.batch_size
-            if (state["batch_size"], state["epoch_samples"]) != (self.batch_size, kept):
-                raise ValueError(f"sampler: the saved order has micro-batches of {state['batch_size']} and "
-                                 f"{state['epoch_samples']} samples an epoch; at world_size {self.world_size} "
-                                 f"it has {self.batch_size} and {kept} (the epochs would not line up)")
-            if state["micro_batches"] % self.world_size:
-                raise ValueError(f"sampler: {state['micro_batches']} micro-batches consumed do not divide "
-                                 f"among {self.world_size} ranks")
-            position = state["micro_batches"] // self.world_size
-        if not 0 <= position <= self.num_batches:
-            raise ValueError(f"position: must be in [0, {self.num_batches}], got {position}")
-        self.epoch, self.position = int(state["epoch"]), int(position)
+        """Continue after the global sample position of ``state`` (``state_at``'s), at this
+        sampler's world size and batch size. A state from before global sample positions reads as
+        the same place in the same epoch: {"epoch", "micro_batches" (global, of that epoch),
+        "batch_size"} (format 2) or this rank's {"epoch", "position"} at an unchanged world size
+        (format 1). ValueError, one line, for a state of another shard set (``n_samples``)."""
+        if "samples" in state:
+            if state.get("n_samples", self.n_samples) != self.n_samples:
+                raise ValueError(f"sampler: the saved position is in a stream of {state['n_samples']} samples an "
+                                 f"epoch; this shard set has {self.n_samples}")
+            samples = int(state["samples"])
+        elif "micro_batches" in state:
+            samples = int(state["epoch"]) * self.n_samples + int(state["micro_batches"]) * int(state["batch_size"])
+        else:
+            position = int(state["position"]) * self.world_size * self.batch_size
+            samples = int(state["epoch"]) * self.n_samples + position
+        self._restart(samples)
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        """Epoch ``epoch``'s permutation (the last two are kept: a pass reads at most two)."""
+        if epoch not in self._orders:
+            while len(self._orders) >= 2:
+                self._orders.pop(min(self._orders))
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            self._orders[epoch] = torch.randperm(self.n_samples, generator=g)
+        return self._orders[epoch]
 
     def batches(self, epoch: int) -> torch.Tensor:
-        """int64 [len(self), batch_size]: this rank's batches of ``epoch``."""
-        g = torch.Generator().manual_seed(self.seed + epoch)
-        order = torch.randperm(self.n_samples, generator=g)
-        total = self.num_batches * self.world_size * self.batch_size
-        if total > self.n_samples:
-            order = order.repeat(-(-total // self.n_samples))
-        return order[:total].view(-1, self.batch_size)[self.rank::self.world_size]
+        """int64 [micro-batches, batch_size]: this rank's micro-batches that start in ``epoch``."""
+        first, last = self._first(epoch), self._first(epoch + 1)
+        b, step = self.batch_size, self.world_size * self.batch_size
+        starts = self.start + torch.arange(first, last, dtype=torch.int64) * step + self.rank * b
+        where = starts[:, None] + torch.arange(b, dtype=torch.int64)  # stream positions [micro-batches, b]
+        out = torch.empty_like(where)
+        for e in torch.unique(where // self.n_samples).tolist():  # this epoch and, at its end, the next
+            mask = where // self.n_samples == e
+            out[mask] = self._order(e)[where[mask] % self.n_samples]
+        return out
 
     def __iter__(self) -> Iterator[list[int]]:
         batches = self.batches(self.epoch)
-        while self.position < self.num_batches:
+        while self.position < len(batches):
             batch = batches[self.position].tolist()
             self.position += 1
             yield batch
@@ -291,11 +312,45 @@ def _worker_context() -> str:
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
-def _worker_init(worker_id: int) -> None:
-    """In each DataLoader worker: tokenizers stays single-threaded (and silent) should anything
-    there tokenize, and torch uses one intra-op thread (the rank's cores belong to the trainer)."""
+def _worker_init(rank_pid: int, worker_id: int) -> None:
+    """In each DataLoader worker: die with the rank (``_die_with``), tokenizers stays
+    single-threaded (and silent) should anything there tokenize, and torch uses one intra-op
+    thread (the rank's cores belong to the trainer)."""
+    _die_with(rank_pid)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     torch.set_num_threads(1)
+
+
+def _die_with(rank_pid: int, interval_s: float = 1.0) -> None:
+    """Make this worker process end when the rank process ``rank_pid`` that started it ends, however
+    it ends (a SIGKILL runs no cleanup): the kernel sends SIGKILL when this process's parent dies
+    (Linux ``prctl(PR_SET_PDEATHSIG)``; the parent is the rank, or the rank's forkserver, which ends
+    with it), and a daemon thread checks every ``interval_s`` that ``rank_pid`` still exists (any
+    platform; the fallback). Without this a worker whose result sits in a full pipe blocks in its
+    exit forever (torch's watchdog only runs between indices)."""
+    import ctypes
+    import signal
+    import threading
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            try:
+                os.kill(rank_pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:  # exists (another user's: a reused pid)
+                pass
+            threading.Event().wait(interval_s)
+
+    threading.Thread(target=watch, name="labkit-rank-watch", daemon=True).start()
 
 
 class ArrayBatch:
@@ -383,14 +438,14 @@ def make_loader(data: str | os.PathLike | ShardSet, *, batch_size: int, rank: in
                 dtype: str | None = None, tokenizer_sha256: str | None = None, verify: bool = False,
                 compact: bool = False) -> DataLoader:
     """DataLoader of MLM batches for one rank: ``ShardDataset`` + ``RankSampler`` (as
-    batch_sampler, drop_last, so the dataset is read once per batch) + ``MLMCollator``
+    batch_sampler, so the dataset is read once per batch) + ``MLMCollator``
     (``compact`` as there; the special ids those of the set's index). ``loader.batch_sampler``
     holds the resume state.
 
     Workers (num_workers > 0) are persistent, keep ``prefetch_factor`` batches each in flight,
     start with forkserver/spawn (never fork: the parent may run tokenizers/polars/OpenMP thread
-    pools, and a forked child of a threaded process can deadlock) and run ``_worker_init``
-    (TOKENIZERS_PARALLELISM=false, one torch thread). They send batches as a compact
+    pools, and a forked child of a threaded process can deadlock) and run ``_worker_init`` (they die
+    with the rank, ``_die_with``; TOKENIZERS_PARALLELISM=false, one torch thread). They send batches as a compact
     ``ArrayBatch``; the loader yields the collator's dicts of tensors either way. ``pin_memory``
     (for a CUDA trainer) pins them in the DataLoader's pin-memory thread.
 
@@ -414,6 +469,7 @@ def make_loader(data: str | os.PathLike | ShardSet, *, batch_size: int, rank: in
     collator = MLMCollator(vocab_size=vocab_size, mlm_probability=mlm_probability, seed=seed, compact=compact,
                            special_ids=index_special_ids(index))
     workers = dict(multiprocessing_context=_worker_context(), persistent_workers=True,
-                   prefetch_factor=prefetch_factor, worker_init_fn=_worker_init) if num_workers else {}
+                   prefetch_factor=prefetch_factor,
+                   worker_init_fn=functools.partial(_worker_init, os.getpid())) if num_workers else {}
     return MLMLoader(dataset, batch_sampler=sampler, collate_fn=_Packed(collator) if num_workers else collator,
                      num_workers=num_workers, pin_memory=pin_memory, **workers)

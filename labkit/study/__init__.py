@@ -12,5 +12,8 @@
 - ``labkit.study.scaling``: the data-parallel network model (bucketed ring all-reduce);
 - ``labkit.study.laws``: scaling-law fits and compute-optimal allocation;
 - ``labkit.study.loader_sweep``: DataLoader workers against a consumer of a planned step time;
-- ``labkit.study.sweeps``: the sweeps over a cluster (re-exported by ``labkit.lab``).
+- ``labkit.study.sweeps``: the sweeps over a cluster (re-exported by ``labkit.lab``);
+- ``labkit.study.goodput``: the statistical goodput columns of the rank and batch sweeps;
+- ``labkit.study.branching`` and ``branch_stats``: the critical batch during a run, by branching
+  from its checkpoints, with bootstrap intervals.
 """

@@ -29,8 +29,10 @@ import polars as pl
 
 from labkit.data import made_by
 from labkit.io import atomic_write
+from labkit.study.goodput import goodput_columns
 
-__all__ = ["CURVE_FIELDS", "b_simple_at", "batch_base", "batch_config", "fit_critical_batch", "hyperbola", "lr_for_batch", "steps_to_target", "sweep_batch"]
+__all__ = ["CURVE_FIELDS", "b_simple_at", "batch_base", "batch_config", "fit_critical_batch", "hyperbola",
+           "lr_for_batch", "run_rates", "steps_to_target", "sweep_batch"]
 
 LR_RULES = ("sqrt", "linear", "constant")
 
@@ -125,6 +127,21 @@ def b_simple_at(records: list[dict], step: float, key: str = "b_simple") -> floa
     return min(have, key=lambda r: abs(r["step"] - step))[key] if have else None
 
 
+def run_rates(records: list[dict], warmup_steps: int = 0) -> tuple[float | None, float | None]:
+    """(tokens/s, samples/s) of one run from its metrics records (``labkit.measure``: all real
+    tokens, or sequences, over all step time), the first ``warmup_steps`` steps left out as the run's
+    result.json leaves them out; (None, None) when no record after them has a step time."""
+    from labkit.measure import samples_per_s, tokens_per_s
+
+    timed = [r for r in records if r["step"] > warmup_steps and r.get("step_time_s")] or \
+        [r for r in records if r.get("step_time_s")]
+    if not timed:
+        return None, None
+    seconds = sum(r["step_time_s"] for r in timed)
+    return (tokens_per_s(sum(r["step_tokens"] for r in timed), seconds),
+            samples_per_s(sum(r["global_batch_size"] for r in timed), seconds))
+
+
 def batch_base(workdir: str | pathlib.Path, *, model: str, micro_batch: int, lr: float) -> Any:
     """The base TrainConfig of notebook 07's (and ``labkit demo``'s) batch sweep on
     ``<workdir>/shards``: ``model`` at micro-batch ``micro_batch`` and learning rate ``lr`` (at a
@@ -164,14 +181,16 @@ def batch_config(base: Any, workdir: str | pathlib.Path, batch: int, *, lr_rule:
                         checkpoint={"enabled": False})
 
 
-CURVE_FIELDS = ("step", "loss", "eval_loss", "b_simple", "b_simple_tokens")
-"""The fields of each run's metrics records kept in critical_batch_curves.parquet."""
+CURVE_FIELDS = ("step", "loss", "eval_loss", "b_simple", "b_simple_tokens", "step_time_s", "step_tokens",
+                "global_batch_size")
+"""The fields of each run's metrics records kept in critical_batch_curves.parquet (the last three
+for ``run_rates``: a point read back has its throughput too)."""
 
 
 def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int], target: float | None = None,
                 lr_rule: str = "sqrt", max_examples: int | None = None, eval_every: int | None = None,
-                micro_batch_size: int | None = None, force: bool = False,
-                executor=None) -> tuple[pl.DataFrame, dict[str, Any]]:
+                micro_batch_size: int | None = None, force: bool = False, executor=None,
+                progress: bool = False) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Train ``base`` (a TrainConfig; one process per run) at each global batch in
     ``batch_sizes`` (sequences; ``batch_config``: micro-batch ``micro_batch_size`` or base's, the
     rest accumulation, at least 2 so the in-run noise scale exists) until ``max_examples``
@@ -180,6 +199,8 @@ def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int
     ``target``: the held-out loss to reach (default: the largest final held-out loss over the
     runs, so that every run reaches it). ``executor`` (a ``concurrent.futures.Executor``, e.g. an
     ipyparallel view's) trains the runs in parallel (``labkit.study.points.train_points``).
+    ``progress``: a bar over each run's steps trained in this process (``labkit.cluster.progress.
+    StepProgress``, "sweep batch: <B>", fed by the run's metrics sink).
 
     Each batch size is a sweep point (``labkit.study.points``): its run's curve is read back from
     <workdir>/sweeps/critical_batch_curves.parquet when it was made with the same settings
@@ -188,9 +209,12 @@ def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int
     Writes that curves table (batch, step, examples, loss, eval_loss, b_simple, b_simple_tokens
     per record, and each point's made_by, measured_at and load) and
     <workdir>/sweeps/critical_batch.parquet (one row per batch: batch, lr, steps, examples,
-    reached, b_simple, b_simple_tokens at the target, final_eval_loss, the fit's b_crit,
-    b_crit_low, b_crit_high, s_min, e_min, and measured_at, load_avg_1m, cpu_count, busy,
-    reused), and returns (rows, fit | {"target_eval_loss", "lr_rule", "reached"}); one line
+    reached, b_simple, b_simple_tokens at the target, final_eval_loss, tokens_per_s and
+    samples_per_s of the run (``run_rates``), the fit's b_crit, b_crit_low, b_crit_high, s_min,
+    e_min, the statistical goodput columns of ``labkit.study.goodput.goodput_columns`` with
+    B_noise = the fitted B_crit and B0 = the smallest batch (b_noise, b_noise_source,
+    statistical_efficiency, goodput_samples_per_s; null without a fit), and measured_at,
+    load_avg_1m, cpu_count, busy, reused), and returns (rows, fit | {"target_eval_loss", "lr_rule", "reached"}); one line
     (``points.reused_note``) says which points were read back, when and at what load. Raises
     ValueError with fewer than 3 batch sizes."""
     from labkit.study.points import loss_settings, reused_note, train_points
@@ -202,7 +226,8 @@ def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int
                             micro_batch_size=micro_batch_size) for b in sorted(set(batch_sizes))}
     curves = train_points(cfgs, out / "critical_batch_curves.parquet", sweep="batch", key="batch",
                           settings={b: loss_settings(c, batch=b) for b, c in cfgs.items()}, fields=CURVE_FIELDS,
-                          columns={"examples": pl.col("step") * pl.col("batch")}, force=force, executor=executor)
+                          columns={"examples": pl.col("step") * pl.col("batch")}, force=force, executor=executor,
+                          progress=progress)
     runs = {b: curves.filter(pl.col("batch") == b).sort("step") for b in cfgs}
     finals = {b: r["eval_loss"].drop_nulls().min() for b, r in runs.items()}
     target = target if target is not None else max(finals.values())
@@ -210,17 +235,25 @@ def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int
     for batch, run in runs.items():
         recs = run.to_dicts()
         s = steps_to_target(recs, target)
+        tps, sps = run_rates(recs, cfgs[batch].measure.timing_warmup_steps)
         rows.append({"batch": batch, "lr": cfgs[batch].optim.lr, "lr_rule": lr_rule, "target_eval_loss": target,
                      "steps": s, "examples": s * batch if s is not None else None, "reached": s is not None,
                      "b_simple": b_simple_at(recs, s) if s is not None else None,
                      "b_simple_tokens": b_simple_at(recs, s, "b_simple_tokens") if s is not None else None,
-                     "final_eval_loss": finals[batch],
+                     "final_eval_loss": finals[batch], "tokens_per_s": tps, "samples_per_s": sps,
                      **{k: recs[0][k] for k in ("measured_at", "load_avg_1m", "cpu_count", "busy", "reused")}})
     df = pl.DataFrame(rows, infer_schema_length=None)
     reached = df.filter(pl.col("reached"))
     fit = fit_critical_batch(reached["batch"].to_numpy(), reached["steps"].to_numpy()) if reached.height >= 3 else {}
     fit |= {"target_eval_loss": target, "lr_rule": lr_rule, "reached": int(reached.height)}
     df = df.with_columns(*(pl.lit(fit.get(k)).alias(k) for k in ("b_crit", "b_crit_low", "b_crit_high", "s_min", "e_min")))
+    if fit.get("b_crit") is not None:
+        df = goodput_columns(df, batch="batch", throughput="samples_per_s", b_noise=fit["b_crit"],
+                             source=f"this sweep's B_crit (fit at held-out loss {target:.3f})")
+    else:  # no fit: no one B_noise for the table
+        df = df.with_columns(*(pl.lit(None, dtype=t).alias(c) for c, t in (
+            ("b_noise", pl.Float64), ("b_noise_source", pl.String), ("statistical_efficiency", pl.Float64),
+            ("goodput_samples_per_s", pl.Float64))))
     atomic_write(out / "critical_batch.parquet", df.drop("reused").write_parquet)
     note = reused_note(df)
     if note:

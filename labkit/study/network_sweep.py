@@ -210,13 +210,16 @@ def _measure_point(hosts, ctx: dict, model: str, rate, settings: dict) -> list[d
             "predicted_ratio": step_s / pred["step_s"],
             "bandwidth_ratio": (link["goodput_bits"] / 8) / (comm_bytes / compute_s),
             "loss": records[-1]["loss"], "steps": steps, **point(settings, load)})
+        ctx["done"] += 1
+        if ctx.get("bar") is not None:
+            ctx["bar"].record({"point": ctx["done"], "loss": rows[-1]["loss"]})
     return rows
 
 
 def run_network_sweep(config: str, workdir: str | os.PathLike, *, models=MODELS, rates_mbit=RATES_MBIT,
                       compressions=("none",), steps: int = 6, warmup_steps: int = 2, micro_batch: int | None = None,
                       data_dir: str | None = None, timeout_s: float = 900.0, net_dir: str | os.PathLike | None = None,
-                      overrides=(), force: bool = False):
+                      overrides=(), force: bool = False, progress: bool = False):
     """Run the sweep (module docstring) and write ``<workdir>/sweeps/network.parquet``; returns
     it as a polars DataFrame, with ``reused`` (True: a point read back from the table, measured at
     its ``measured_at``). ``config``: the TOML file whose ``[train]`` is the run (its
@@ -225,8 +228,13 @@ def run_network_sweep(config: str, workdir: str | os.PathLike, *, models=MODELS,
     are ``TrainConfig.parallel.grad_compression`` values, each measured at every bandwidth; ``overrides``
     are ``--set SECTION.KEY=VALUE`` strings given to every run before the sweep's own; ``force``
     measures every point again. Needs root, iproute2 and util-linux to measure (RuntimeError
-    naming what is missing); h1/h2 are created and deleted."""
+    naming what is missing); h1/h2 are created and deleted. ``progress``: a bar over the points
+    measured now (``labkit.cluster.progress.StepProgress``, key "point"; one per compression)."""
+    import contextlib
+
     import polars as pl
+
+    from labkit.cluster.progress import StepProgress
 
     from labkit.data.made_by import say
     from labkit.study.points import done_rows, reusable, reused_note, save
@@ -279,7 +287,9 @@ def run_network_sweep(config: str, workdir: str | os.PathLike, *, models=MODELS,
     ctx = {"config": config, "base": base, "out_dir": out_dir, "compressions": compressions, "steps": steps,
            "warmup_steps": warmup_steps, "timeout_s": timeout_s, "wire": wire, "collective_rate": collective_rate}
     hosts = R.NetHosts(pathlib.Path(net_dir or out_dir / "net"))
-    with hosts:
+    points = len(todo) * len(compressions)
+    with hosts, StepProgress(points, label="sweep network", key="point") if progress else contextlib.nullcontext() as bar:
+        ctx["bar"], ctx["done"] = bar, 0
         for model, rate, settings in todo:
             measured[(model, rate)] = _measure_point(hosts, ctx, model, rate, settings)
     df = pl.DataFrame([r for m in models for rate in rates_mbit for r in (keep | measured)[(m, rate)]],

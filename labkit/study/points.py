@@ -65,20 +65,23 @@ TIME_FREE = frozenset({"run_dir", "data_dir", "data.tokenizer_path", "resume", "
                        "optim.lr", "optim.weight_decay", "optim.beta1", "optim.beta2", "optim.grad_clip",
                        "schedule.kind", "schedule.warmup_steps", "schedule.min_lr_ratio",
                        "schedule.wsd_decay_fraction", "measure.log_every", "checkpoint.every", "checkpoint.keep",
-                       "checkpoint.enabled", "checkpoint.asynchronous", "eval.every", "eval.sequences",
-                       "eval.batch_size"})
+                       "checkpoint.enabled", "checkpoint.asynchronous", "checkpoint.init_from", "eval.every",
+                       "eval.sequences", "eval.batch_size", "batch.lr_rule"})
 """TrainConfig fields (dotted, ``labkit.config.dotted``) that do not shape a measurement of time and memory: where the run is
 written and read (the data are identified by their index.json instead), the values of the
 optimisation (learning rate and its schedule, decay, clipping threshold, seed: the same work per
-step) and what happens between the timed steps (logging, checkpoints, held-out evaluation).
+step; ``batch.lr_rule`` only sets a sweep's lr, and a checkpoint to start from changes the
+weights, not the work) and what happens between the timed steps (logging, checkpoints, held-out
+evaluation).
 Everything else -- model, batch, steps, timing warm-up, precision, sharding, split, threads,
 loader workers, compile, bucket size -- is part of the point's record."""
 
 LOSS_FREE = frozenset({"run_dir", "data_dir", "data.tokenizer_path", "resume", "allow_safe_changes",
                        "measure.trackers", "timeout_s", "data.verify_data", "checkpoint.every", "checkpoint.keep",
-                       "checkpoint.enabled", "checkpoint.asynchronous"})
+                       "checkpoint.enabled", "checkpoint.asynchronous", "batch.lr_rule"})
 """TrainConfig fields that do not shape a measured loss curve: where the run is written and read
-(the data are identified by their index.json), how long a process may wait, and checkpoints.
+(the data are identified by their index.json), how long a process may wait, checkpoints, and
+``batch.lr_rule`` (it sets a sweep's lr, which is itself in the record).
 The optimisation and the evaluation (learning rate, schedule, seed, evaluation interval and
 sequences) shape it, so they are part of a loss point's record, unlike a timing point's."""
 
@@ -166,25 +169,34 @@ def done_rows(out: Path, force: bool) -> list[dict[str, Any]]:
     return [r | {"reused": True} for r in pl.read_parquet(out).to_dicts()] if os.path.exists(out) and not force else []
 
 
-def _train_one(cfg) -> str:
+def _train_one(cfg, label: str | None = None) -> str:
     """One point of ``train_points`` (in a pool process or this one): ``cfg`` trained in its
-    emptied run directory (train sets its ``num_threads``)."""
+    emptied run directory (train sets its ``num_threads``); with ``label``, a progress bar over
+    its steps (``labkit.cluster.progress.StepProgress``)."""
     from labkit.train import train
 
-    train(fresh_run_dir(cfg))
+    if label is None:
+        train(fresh_run_dir(cfg))
+        return cfg.run_dir
+    from labkit.cluster.progress import StepProgress
+
+    with StepProgress(cfg.max_steps, label=label) as bar:
+        train(fresh_run_dir(cfg), sink=bar.record)
     return cfg.run_dir
 
 
 def train_points(cfgs: dict, out: Path, *, sweep: str, key: str, settings: dict[Any, dict],
                  fields: tuple[str, ...], columns: dict[str, pl.Expr] | None = None, force: bool = False,
-                 executor=None) -> pl.DataFrame:
+                 executor=None, progress: bool = False) -> pl.DataFrame:
     """Single-process training runs as sweep points whose quantity is their metrics curve (the
     held-out loss, the noise scale): ``cfgs`` {point value: TrainConfig}, ``settings`` {point
     value: its record (``loss_settings``)}. A point whose rows in the table ``out`` carry the same
     ``made_by`` is read back; every other point is trained anew in its emptied run directory: in
     this process one after another, or through ``executor`` (a ``concurrent.futures.Executor``:
     a process pool, or an ipyparallel view's ``.executor``, whose engines then train one run each
-    at a time), the longest run first.
+    at a time), the longest run first. ``progress``: a bar over each run's steps trained in this
+    process ("sweep <sweep>: <value>"). The recorded ``fields`` are part of every point's record:
+    a table kept with fewer fields is measured again.
 
     Writes ``out`` (Parquet, atomically): one row per metrics record of every point in ``cfgs``
     (points not asked for are dropped), columns ``key`` (the point value), ``fields`` (from each
@@ -196,6 +208,7 @@ def train_points(cfgs: dict, out: Path, *, sweep: str, key: str, settings: dict[
 
     old = pl.DataFrame() if force or not os.path.exists(out) else pl.read_parquet(out)
     frames, todo = {}, []
+    settings = {value: settings[value] | {"fields": list(fields)} for value in cfgs}
     for value in cfgs:
         rows = old.filter(pl.col(key) == value) if old.height else old
         first = rows.row(0, named=True) if rows.height else None
@@ -212,7 +225,7 @@ def train_points(cfgs: dict, out: Path, *, sweep: str, key: str, settings: dict[
 
     if executor is None:
         for value in todo:
-            _train_one(cfgs[value])
+            _train_one(cfgs[value], f"sweep {sweep}: {value}" if progress else None)
     else:  # the longest first (forward passes: steps x accumulation), so no engine waits alone at the end
         order = sorted(todo, key=lambda v: -cfgs[v].max_steps * cfgs[v].batch.grad_accum_steps)
         for future in [executor.submit(_train_one, cfgs[v]) for v in order]:

@@ -15,16 +15,21 @@ anew always trains in an emptied run directory (``points.fresh_run_dir``)."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import polars as pl
 
 from labkit.cluster.engines import call
 from labkit.cluster.launch import train_on_cluster
+from labkit.cluster.progress import StepProgress
 from labkit.config import TrainConfig, to_dict
 from labkit.data import made_by
 from labkit.data.shards import read_index
 from labkit.measure import check_cpu_budget
 from labkit.model import count_parameters, flops_per_token, model_config
 from labkit.study import gpu, memory
+from labkit.study.goodput import goodput_columns
 from labkit.study.loader_sweep import sweep_loader
 from labkit.study.points import (BUSY_LOAD_PER_CPU, done_rows, fresh_run_dir, load_columns, machine_load, point,
                                  reusable, reused_note, run_settings, save)
@@ -47,8 +52,15 @@ def sweep_config(workdir: str, **fields) -> TrainConfig:
                            "resume": False} | fields))
 
 
+def _bar(progress: bool, total: int, label: str):
+    """A progress bar over a point's ``total`` steps (``StepProgress``, a ``live`` callback and a
+    context manager) when ``progress``, else a context holding None (no bar)."""
+    return StepProgress(total, label=label) if progress else contextlib.nullcontext()
+
+
 def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | None = None,
-                staged: dict[str, dict] | None = None, force: bool = False) -> pl.DataFrame:
+                staged: dict[str, dict] | None = None, force: bool = False, b_noise: float | None = None,
+                b_noise_source: str | None = None, progress: bool = False) -> pl.DataFrame:
     """Weak scaling: the same per-rank micro-batch at 1..N ranks, one short run per point.
 
     Points already in ``sweeps/ranks.parquet`` are not rerun. Columns: ranks, model,
@@ -57,11 +69,19 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
     all-reduce not hidden behind backward, mean seconds per timed step and share of the step;
     ``labkit.measure.comm_exposed_s``; 0 at one rank; null in rows measured before it existed),
     efficiency = tokens_per_s(n) / (n * tokens_per_s(1)), and the machine's load just before the point (``points.load_columns``: load_avg_1m, load_avg_5m,
-    cpu_count, busy). Sweep runs write metrics and result.json, no checkpoint.
+    cpu_count, busy). Sweep runs write metrics and result.json, no checkpoint. ``progress``: a
+    bar over each measured point's steps (``StepProgress``), drawn here.
+
+    Statistical goodput (``labkit.study.goodput.goodput_columns``, per model and micro-batch):
+    b_simple (each run's in-run noise scale, null at one rank without accumulation), b_noise and
+    b_noise_source (``b_noise`` given, e.g. a batch sweep's B_crit, named by ``b_noise_source``;
+    else the in-run B_simple of the run with the most ranks), statistical_efficiency E(B) against
+    the one-rank global batch, and goodput_tokens_per_s = tokens_per_s x E(B).
     """
     out = paths(workdir)["sweeps"] / "ranks.parquet"
     ranks = ranks or list(range(1, len(client.ids) + 1))
-    rows = [{k: v for k, v in r.items() if k != "efficiency"} for r in done_rows(out, force)]
+    derived = ("efficiency", "b_noise", "b_noise_source", "statistical_efficiency", "goodput_tokens_per_s")
+    rows = [{k: v for k, v in r.items() if k not in derived} for r in done_rows(out, force)]
     have = {(r["ranks"], r["model"], r["micro_batch_size"]): r for r in rows}
     mb = base.batch.micro_batch_size
     for n in ranks:
@@ -73,17 +93,22 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
             continue
         rows = [r for r in rows if r is not old]
         load = load_columns(client, client.ids[0])
-        res = train_on_cluster(client, fresh_run_dir(cfg), targets=client.ids[:n], staged=staged)
+        with _bar(progress, cfg.max_steps, f"sweep ranks: {n} rank(s)") as bar:
+            res = train_on_cluster(client, fresh_run_dir(cfg), targets=client.ids[:n], staged=staged, live=bar)
         rows.append({"ranks": n, "model": base.model, "micro_batch_size": mb,
                      "global_batch_size": res["global_batch_size"], "tokens_per_s": res["tokens_per_s"],
                      "samples_per_s": res["samples_per_s"], "data_wait_fraction": res["data_wait_fraction"],
                      "comm_exposed_s": res["comm_exposed_s"], "comm_exposed_fraction": res["comm_exposed_fraction"],
-                     **load, **point(settings)})
+                     "b_simple": res.get("b_simple"), **load, **point(settings)})
     df = pl.DataFrame(rows, infer_schema_length=None).sort("model", "micro_batch_size", "ranks")
     one = (df.filter(pl.col("ranks") == 1).select("model", "micro_batch_size", pl.col("tokens_per_s").alias("_t1")))
     df = df.join(one, on=["model", "micro_batch_size"], how="left").with_columns(
         (pl.col("tokens_per_s") / (pl.col("ranks") * pl.col("_t1"))).alias("efficiency")
     ).drop("_t1")
+    if "b_simple" not in df.columns:  # every row from a table written before the column
+        df = df.with_columns(b_simple=pl.lit(None, dtype=pl.Float64))
+    df = goodput_columns(df, batch="global_batch_size", throughput="tokens_per_s", group=["model", "micro_batch_size"],
+                         b_noise=b_noise, source=b_noise_source)
     return save(df, out)
 
 
@@ -118,7 +143,7 @@ def _search(engine, fn, *args, name: str, before: dict, engine_id: int):
 
 
 def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: int, budget_bytes: int | None,
-                      workdir: str, force: bool = False) -> pl.DataFrame:
+                      workdir: str, force: bool = False, progress: bool = False) -> pl.DataFrame:
     """Largest micro-batch per model size, measured on an engine: under a per-rank memory
     budget (``labkit.study.memory.max_micro_batch``: model state as a DDP rank holds it plus the
     step's counted peak of activations and transients, ``plan_model``), or with ``budget_bytes=None`` on the
@@ -126,7 +151,8 @@ def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: in
     then the device's memory). Cached in ``sweeps/microbatch.parquet``; measured points are
     not rerun. A budget above the memory the engine's machine or cgroup can give is refused
     before any search (``labkit.measure.check_cpu_budget``, ValueError); an engine that dies in a search raises
-    RuntimeError with the signal and whether the kernel ran out of memory.
+    RuntimeError with the signal and whether the kernel ran out of memory. ``progress``: one line
+    on stderr per model searched (a search is one engine call, with no steps to count).
     """
     out = paths(workdir)["sweeps"] / "microbatch.parquet"
     rows = [{"method": "budget", **r} for r in done_rows(out, force)]  # tables written before the GPU method
@@ -141,6 +167,8 @@ def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: in
         if reusable("micro-batch", name, old, settings):
             continue
         rows = [r for r in rows if r is not old]
+        if progress:
+            print(f"sweep micro-batch: searching the largest micro-batch of {name}", file=sys.stderr, flush=True)
         before = call(engine, _engine_memory)
         if budget_bytes is None:
             rep = _search(engine, gpu.max_micro_batch_cuda, mcfg, seq_len, name=name, before=before, engine_id=eid)
@@ -199,14 +227,15 @@ def sweep_loader_workers(client, workdir: str, *, batch_size: int, step_time_s: 
 
 
 def sweep_model_size(client, base: TrainConfig, workdir: str, *, models: list[str], ranks: int | None = None,
-                     staged: dict[str, dict] | None = None, force: bool = False) -> pl.DataFrame:
+                     staged: dict[str, dict] | None = None, force: bool = False, progress: bool = False) -> pl.DataFrame:
     """Throughput per model size at a fixed number of ranks, one short run per model (lesson 5:
     larger models fit smaller batches and cost throughput). Models already in
     ``sweeps/model_size.parquet`` at the same ranks and micro-batch are not rerun. Columns:
     model, params, non_embedding_params, ranks, micro_batch_size, seq_len, tokens_per_s,
     samples_per_s, flops_per_token (``labkit.model.flops_per_token``), achieved_flops
     (tokens_per_s x flops_per_token, all ranks), comm_exposed_s (as in ``sweep_ranks``), and the machine's load before the run
-    (load_avg_1m, load_avg_5m, cpu_count, busy; ``points.load_columns``). No checkpoints are written."""
+    (load_avg_1m, load_avg_5m, cpu_count, busy; ``points.load_columns``). No checkpoints are written.
+    ``progress``: a bar over each measured point's steps (``StepProgress``)."""
     out = paths(workdir)["sweeps"] / "model_size.parquet"
     n = ranks or len(client.ids)
     rows = done_rows(out, force)
@@ -221,7 +250,8 @@ def sweep_model_size(client, base: TrainConfig, workdir: str, *, models: list[st
             continue
         rows = [r for r in rows if r is not old]
         load = load_columns(client, client.ids[0])
-        res = train_on_cluster(client, fresh_run_dir(cfg), targets=client.ids[:n], staged=staged)
+        with _bar(progress, cfg.max_steps, f"sweep model size: {name}") as bar:
+            res = train_on_cluster(client, fresh_run_dir(cfg), targets=client.ids[:n], staged=staged, live=bar)
         mcfg = model_config(name, index["vocab_size"], **base.model_overrides)
         fpt = flops_per_token(mcfg, index["seq_len"], mlm_probability=base.data.mlm_probability)
         counts = count_parameters(mcfg)
@@ -252,7 +282,7 @@ def parallel_grid(n: int, mcfg, *, micro_batches: int, seq_len: int) -> list[dic
 
 def sweep_parallel(client, base: TrainConfig, workdir: str, *, splits: list[dict] | None = None,
                    micro_batches: int = 4, steps: int = 8, staged: dict[str, dict] | None = None,
-                   force: bool = False) -> pl.DataFrame:
+                   force: bool = False, progress: bool = False) -> pl.DataFrame:
     """Data, tensor and pipeline parallelism on all engines, each split one short run beside the
     planner: the same model and global batch (``base.batch.micro_batch_size`` x ``micro_batches`` x engines
     sequences) at every split of ``parallel_grid`` (or ``splits``: dicts of tp, pp, pp_schedule), each
@@ -269,7 +299,8 @@ def sweep_parallel(client, base: TrainConfig, workdir: str, *, splits: list[dict
     tp, pp, pp_schedule, micro_batches, micro_batch_size, global_batch_size, model, world_size,
     tokens_per_s, samples_per_s, step_time_s, pipeline_bubble, planned_bubble, tp_comm_s,
     tp_comm_fraction (of the step), measured_/planned_ state_bytes, activation_bytes, total_bytes,
-    and the machine's load before the run (``points.load_columns``)."""
+    and the machine's load before the run (``points.load_columns``). ``progress``: a bar over each
+    measured split's steps (``StepProgress``)."""
     from labkit.cluster.launch import run_ddp
     from labkit.study.parallel import measure_rank_memory, planned_rank_memory
     from labkit.train.run_config import model_config_of
@@ -299,7 +330,8 @@ def sweep_parallel(client, base: TrainConfig, workdir: str, *, splits: list[dict
             continue
         rows = [r for r in rows if r is not old]
         load = load_columns(client, client.ids[0])
-        res = train_on_cluster(client, fresh_run_dir(cfg), staged=staged)
+        with _bar(progress, steps, f"sweep parallel: {name.removeprefix(f'sweep-parallel-{base.model}-')}") as bar:
+            res = train_on_cluster(client, fresh_run_dir(cfg), staged=staged, live=bar)
         memory = max(run_ddp(client, measure_rank_memory, cfg, staged_paths=staged_paths, stream=False),
                      key=lambda r: r["total_bytes"])
         planned = planned_rank_memory(mcfg, cfg, world=n, seq_len=int(index["seq_len"]))

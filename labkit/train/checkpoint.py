@@ -39,7 +39,7 @@ from labkit.train.rng import TRACKER
 __all__ = [
     "checkpoint_steps", "load_checkpoint", "load_split_checkpoint", "read_state", "save_checkpoint", "Checkpointer",
     "agree_on_plan", "checkpoint_run_id", "is_complete", "is_legacy", "is_used", "load", "load_weights",
-    "new_run_id", "plan_run", "saved_run_id", "set_aside", "state_dicts"
+    "new_run_id", "plan_run", "remove_leftovers", "saved_run_id", "set_aside", "state_dicts"
 ]
 
 
@@ -299,7 +299,8 @@ class Checkpointer:
     run id, ... plus ``ranks`` = [per_rank of rank 0, 1, ...]: RNG states, small), then
     ``MARKER`` last. All of it goes into a temporary directory, which rank 0 renames to step-N
     once complete (``_replacing``: an existing step-N is swapped out only then), and prunes all
-    but the newest ``keep``.
+    but the newest ``keep``; each save first deletes what saves that never finished left
+    (``remove_leftovers``).
 
     ``asynchronous``: ``torch.distributed.checkpoint.async_save`` copies the state to CPU memory
     (its ``DefaultStager``: new storage, so the next optimiser step cannot change what is
@@ -318,7 +319,7 @@ class Checkpointer:
         self.run_dir, self.keep, self.asynchronous = pathlib.Path(run_dir), keep, asynchronous
         self.group = None
         if asynchronous and torch.distributed.is_initialized():
-            self.group = torch.distributed.new_group(backend="gloo")  # collective
+            self.group = dist.new_group(backend="gloo")  # collective, with the run's timeout
         self.pending: tuple[Any, pathlib.Path, pathlib.Path] | None = None  # (future, tmp, final)
         self.stalls: list[float] = []
         self.saved_s: list[float] = []  # seconds from the start of each save to its directory being complete
@@ -339,6 +340,7 @@ class Checkpointer:
         tmp = None
         if dist.is_main():
             final.parent.mkdir(parents=True, exist_ok=True)
+            remove_leftovers(final.parent)
             tmp = pathlib.Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
             torch.save({**state, "format": FORMAT, "ranks": ranks}, tmp / "state.pt")
         box = [str(tmp) if tmp is not None else None]
@@ -412,6 +414,19 @@ class Checkpointer:
         ckdir = final.parent
         for old in checkpoint_steps(self.run_dir)[:-self.keep]:
             shutil.rmtree(ckdir / f"step-{old}", ignore_errors=True)
+
+
+def remove_leftovers(ckdir: pathlib.Path) -> list[str]:
+    """Rank 0, at a save with no save of its own pending: delete the temporary directories of
+    saves that never finished in ``ckdir`` (``.step-N.*.tmp`` being written, ``.step-N.*.new`` /
+    ``.old`` being swapped in: a crash, a kill, a lost node). No other job writes there (the run
+    directory's lock, ``labkit.train.runlock``). Returns their names."""
+    gone = []
+    for path in sorted(ckdir.glob(".step-*")):
+        if path.is_dir() and path.name.endswith((".tmp", ".new", ".old")):
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(path.name)
+    return gone
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

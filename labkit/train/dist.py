@@ -23,8 +23,12 @@ Strategies (TrainConfig.sharding; memory per ZeRO, arXiv:1910.02054, docs/refere
   micro-batch so they stay sharded. ``reshard_after_forward=False`` is ZeRO-2-style. In bf16
   the parameters are gathered in bf16 and gradients reduced in fp32 (``MixedPrecisionPolicy``).
 
-Every collective runs in the default group, whose timeout is ``init_distributed``'s explicit
-``timeout_s``.
+Every process group a run creates has the run's timeout: the default group gets
+``init_distributed``'s explicit ``timeout_s``, every other group is made with ``new_group``
+(which passes it; torch's own default for a new group is 30 min whatever the default group's),
+and a DeviceMesh's dimension groups get it with ``set_group_timeouts`` (torchtitan's
+``set_pg_timeouts`` does the same). A rank that stops answering therefore ends every other rank
+within about ``timeout_s`` (``labkit.train.status`` names it).
 
 Nothing happens at import.
 """
@@ -46,6 +50,8 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from labkit.train import status
+
 with warnings.catch_warnings():
     # torch.distributed.optim's __init__ compiles its functional optimisers with torch.jit.script,
     # each raising torch 2.13's own DeprecationWarning at import (torch's call, not labkit's)
@@ -57,9 +63,11 @@ from labkit.train import buckets
 __all__ = [
     "all_gather_object", "all_reduce_smoke_test", "all_reduce_sum", "barrier", "clip_grad_norm", "dist_info",
     "grad_scaler", "init_distributed", "is_fsdp", "is_main", "load_optimizer_state_dict", "model_state_dict",
-    "no_sync", "optimizer_state_dict", "print0", "resolve_device", "static_graph_valid", "steps_to_param_devices",
-    "teardown", "unwrap", "wrap_model"
+    "new_group", "no_sync", "optimizer_state_dict", "print0", "resolve_device", "run_timeout", "set_group_timeouts",
+    "static_graph_valid", "steps_to_param_devices", "teardown", "unwrap", "wrap_model"
 ]
+
+_timeout: datetime.timedelta | None = None  # the run's collective timeout (init_distributed's timeout_s)
 
 _FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 """Gather the whole (unsharded) state onto rank 0's CPU; other ranks get an empty dict."""
@@ -125,7 +133,9 @@ def init_distributed(backend: str, timeout_s: float, device: torch.device) -> bo
     initialised group is reused. On CPU with gloo, set ``GLOO_SOCKET_IFNAME=lo`` and
     ``MASTER_ADDR=127.0.0.1`` for single-host runs (Debian maps the hostname to 127.0.1.1).
     """
-    if dist.is_initialized():
+    global _timeout
+    _timeout = datetime.timedelta(seconds=timeout_s)  # the run's, for the groups it makes (new_group), also in a
+    if dist.is_initialized():  # group made by the caller
         return True
     rank, _, world = dist_info()
     if world == 1 and not os.environ.get("MASTER_ADDR"):
@@ -142,8 +152,32 @@ def init_distributed(backend: str, timeout_s: float, device: torch.device) -> bo
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
     dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+                            timeout=_timeout, **kwargs)
     return True
+
+
+def run_timeout() -> datetime.timedelta | None:
+    """The collective timeout of this process's run (``init_distributed``'s), None before one."""
+    return _timeout
+
+
+def new_group(ranks: list[int] | None = None, *, backend: str | None = None) -> Any:
+    """Collective: ``torch.distributed.new_group(ranks, backend=...)`` with the run's timeout
+    (``run_timeout``) instead of torch's 30-minute default for new groups."""
+    return dist.new_group(ranks, backend=backend, timeout=_timeout)
+
+
+def set_group_timeouts(mesh: Any) -> None:
+    """Give every dimension group of DeviceMesh ``mesh`` the run's timeout: ``init_device_mesh``
+    creates them with torch's default (30 min for gloo). Uses
+    ``torch.distributed.distributed_c10d._set_pg_timeout``, as torchtitan's ``set_pg_timeouts``
+    (pytorch/torchtitan: torchtitan/distributed/utils.py); a no-op before ``init_distributed``."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    if _timeout is None:
+        return
+    for group in mesh.get_all_groups():
+        _set_pg_timeout(_timeout, group)
 
 
 def wrap_model(model: torch.nn.Module, cfg: Any, device: torch.device) -> torch.nn.Module:
@@ -294,7 +328,8 @@ def steps_to_param_devices(optimizer: torch.optim.Optimizer) -> None:
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum ``tensor`` over all ranks in place and return it (identity without a process group)."""
     if dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        with status.in_collective("all_reduce_sum"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
 
@@ -304,14 +339,16 @@ def all_gather_object(obj: Any) -> list[Any]:
     if not dist.is_initialized():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    with status.in_collective("all_gather_object"):
+        dist.all_gather_object(out, obj)
     return out
 
 
 def barrier() -> None:
     """Wait for all ranks (no-op without a process group)."""
     if dist.is_initialized():
-        dist.barrier()
+        with status.in_collective("barrier"):
+            dist.barrier()
 
 
 def all_reduce_smoke_test(timeout_s: float = 60.0) -> dict[str, Any]:
@@ -340,5 +377,7 @@ def all_reduce_smoke_test(timeout_s: float = 60.0) -> dict[str, Any]:
 def teardown() -> None:
     """Destroy the default process group if one exists. A new group afterwards needs a fresh
     MASTER_PORT (re-initialisation on the same store can hang; pytorch#55967)."""
+    global _timeout
     if dist.is_initialized():
         dist.destroy_process_group()
+    _timeout = None

@@ -57,7 +57,7 @@ from labkit.data.mlm import make_loader
 from labkit.data.shards import ShardSet, open_shards, packing_of
 from labkit.io import atomic_write_json, atomic_write_text
 from labkit.model import BertMLM, count_parameters, flops_per_token
-from labkit.train import dist, parallel, provenance, resume, rng, sinks
+from labkit.train import dist, parallel, provenance, resume, rng, sinks, status
 from labkit.train.checkpoint import Checkpointer, _rng_state, agree_on_plan, plan_run
 from labkit.train.comm import all_reduce_with_sideband
 from labkit.train.optim import lr_at
@@ -65,6 +65,7 @@ from labkit.train.straggler import culprit
 from labkit.train.timeline import Timeline, read_timeline
 from labkit.train.run_config import (check_resume, data_identity, finished_run, model_config_of, save_run_config,
                                      with_segments)
+from labkit.train.runlock import RunLock, RunLocked
 from labkit.train.runtime import AUTOCAST_DTYPES, Runtime, forward_backward  # noqa: F401 (re-exported)
 
 __all__ = ["to_device", "train"]
@@ -145,6 +146,7 @@ def _maybe_evaluate(model: torch.nn.Module, heldout: Any, cfg: TrainConfig, step
 
     if heldout is None or not ((cfg.eval_every and step % cfg.eval_every == 0) or step == stop):
         return {}
+    status.update(phase="evaluate")
     if windows is None:
         return evaluate(model, heldout, precision=cfg.precision)
     out, peak = windows.around("eval", evaluate, model, heldout, precision=cfg.precision)
@@ -170,8 +172,14 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None,
     not hidden behind backward, rank 0; ``labkit.measure.comm_exposed_s``) and comm_exposed_fraction
     (of the step time), mfu, world_size, global_batch_size, steps, params, ... ``sink(record)``
     is called on rank 0 with each metrics record. Resumes from the newest checkpoint when
-    ``cfg.resume``. Raises ``FloatingPointError`` on a non-finite loss when on_nonfinite="raise",
-    ``ValueError`` naming the field for inconsistent settings; shard errors come from
+    ``cfg.resume`` (rank 0 says so on stderr, one line with the step: ``resume.restore``; a finished
+    run of the same config is returned as saved); ``resume=False`` starts a new run, the files of an
+    earlier one moved to run_dir/previous/. Rank 0 holds run_dir/lock.json while it runs
+    (``labkit.train.runlock``: a second job is refused in one line naming the holder); with a process
+    group each rank keeps run_dir/ranks/rank-<r>.json fresh and a failed collective ends in one line
+    naming the rank that stopped answering (``labkit.train.status``). Raises ``FloatingPointError`` on
+    a non-finite loss when on_nonfinite="raise", ``ValueError`` naming the field for inconsistent
+    settings; shard errors come from
     ``labkit.data.shards``. A process group this call creates is destroyed before it returns.
     Rank 0 also sends each record to the sinks named in ``cfg.trackers`` (``labkit.train.sinks``:
     TensorBoard event files under run_dir/tensorboard by default); config.json and result.json
@@ -181,7 +189,8 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None,
     ``culprit`` (``labkit.train.straggler.culprit``, None when no rank holds the others up) and
     its wall-clock ``goodput`` and ``badput_*`` (``labkit.measure.goodput``).
     """
-    done = finished_run(cfg)  # a finished run of this config: its result as saved, no file opened or written
+    # a finished run of this config, resumed: its result as saved, no file opened or written (resume=False: a new run)
+    done = finished_run(cfg) if cfg.resume else None
     if done is not None:
         return done
     t_start = time.time()
@@ -190,21 +199,45 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None,
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     owns_group = not torch.distributed.is_initialized()
-    # rank 0: resume step and run id; a new run first moves a used run_dir's files aside (before the sinks open there)
-    plan = plan_run(cfg.run_dir, cfg.resume) | {"segment_start": t_start} if rank == 0 else None
-    trackers = sinks.open_sinks(cfg.trackers, cfg.run_dir, main=rank == 0)  # rank 0 writes
+    # rank 0: the run_dir's lock (one job at a time), then the resume step and run id; a new run first moves a used
+    # run_dir's files aside (before the sinks open there). A refusal reaches every rank through agree_on_plan.
+    lock, plan = _lock_and_plan(cfg, t_start) if rank == 0 else (None, None)
+    trackers = sinks.open_sinks(cfg.trackers, cfg.run_dir, main=rank == 0 and lock is not None)  # rank 0 writes
     try:
         dist.init_distributed(cfg.backend, cfg.timeout_s, device)
-        return _run(cfg, sinks.fan_out(sink, trackers), rank, world, device, t_start, plan, timeline_sink)
+        result = _run(cfg, sinks.fan_out(sink, trackers), rank, world, device, t_start, plan, timeline_sink)
+        status.finish("done")
+        return result
     except BaseException as err:  # the failed run's frames hold the model and its process group: clear them, so
         traceback.clear_frames(err.__traceback__)  # the group's sockets close at teardown and the other ranks'
-        raise  # collectives fail at once instead of at the collective timeout (an engine lives on after the error)
+        # collectives fail at once instead of at the collective timeout (an engine lives on after the error);
+        # a failed collective ends in one line naming the rank that stopped answering (labkit.train.status)
+        line = status.explain(err, cfg.run_dir, world, rank, cfg.timeout_s)
+        status.finish("failed")
+        if line is not None:
+            raise RuntimeError(line) from err
+        raise
     finally:
         for tracker in trackers:
             tracker.close()
         if owns_group:
             dist.teardown()
             gc.collect()  # what still held the group (reference cycles) goes now, with its connections
+        if lock is not None:
+            lock.release()
+
+
+def _lock_and_plan(cfg: TrainConfig, t_start: float) -> tuple[RunLock | None, dict]:
+    """Rank 0: take run_dir's lock (``labkit.train.runlock``), then ``plan_run`` (with this
+    invocation's ``segment_start``). When a live job holds it: (None, a plan carrying the one-line
+    refusal naming the holder)."""
+    try:
+        lock = RunLock(cfg.run_dir).acquire()
+    except (RunLocked, OSError) as err:
+        message = str(err) if isinstance(err, RunLocked) else f"run_dir: cannot take the lock of {cfg.run_dir}: {err}"
+        return None, {"step": 0, "run_id": None, "set_aside": None, "error": message, "global_batch_size": None,
+                      "segment_start": t_start}
+    return lock, plan_run(cfg.run_dir, cfg.resume) | {"segment_start": t_start}
 
 
 def _build_model(cfg: TrainConfig, index: dict, rank: int, world: int,
@@ -229,6 +262,24 @@ def _build_model(cfg: TrainConfig, index: dict, rank: int, world: int,
     return mcfg, model, split  # shared one for the replicated regions of the tp group (labkit.train.rng)
 
 
+def _agree(plan: dict | None, run_dir: pathlib.Path, cfg: TrainConfig, rank: int, world: int) -> dict:
+    """Collective: rank 0's plan on every rank (``checkpoint.agree_on_plan``: its refusal raised on
+    every rank), then, with 2 or more ranks, this rank's status file run_dir/ranks/rank-<r>.json
+    kept fresh from here on (``labkit.train.status``: heartbeat, step, phase)."""
+    plan = agree_on_plan(plan, run_dir)
+    if world > 1:
+        status.RankStatus(run_dir, rank, world, interval_s=status.interval_for(cfg.timeout_s),
+                          run_id=plan["run_id"]).start()
+    return plan
+
+
+def _keeps_global_batch(given: TrainConfig, plan: dict, world: int) -> bool:
+    """Whether ``given`` (as the user set it) makes the checkpoint's global batch at this world size:
+    then a grad_accum_steps that differs from the saved config's is the same step split otherwise."""
+    dp = world // (given.tp * given.pp)
+    return plan.get("global_batch_size") == given.micro_batch_size * given.grad_accum_steps * dp
+
+
 def _keep_global_batch(cfg: TrainConfig, saved: int | None, dp: int) -> TrainConfig:
     """``cfg`` with grad_accum_steps such that micro_batch_size x grad_accum_steps x dp is the
     checkpoint's global batch ``saved`` (None: a fresh run or a format-1 checkpoint: ``cfg`` as it
@@ -242,6 +293,19 @@ def _keep_global_batch(cfg: TrainConfig, saved: int | None, dp: int) -> TrainCon
                          f"{cfg.micro_batch_size} x dp {dp} x a whole number of accumulation steps (resume at a dp "
                          f"dividing {saved} / micro_batch_size)")
     return cfg.replace(batch={"grad_accum_steps": accum})
+
+
+def _branch_point(cfg: TrainConfig) -> pathlib.Path | None:
+    """``cfg.checkpoint.init_from`` (another run's checkpoint a new run starts from: a branch), or
+    None. FileNotFoundError (one line) when it is not a complete checkpoint."""
+    from labkit.train.checkpoint import is_complete
+
+    if cfg.checkpoint.init_from is None:
+        return None
+    path = pathlib.Path(cfg.checkpoint.init_from)
+    if not is_complete(path):
+        raise FileNotFoundError(f"checkpoint.init_from: {path} is not a complete checkpoint directory")
+    return path
 
 
 def _start_files(run_dir: pathlib.Path, cfg: TrainConfig, identity: dict, prov: dict, *, resumed: bool,
@@ -277,7 +341,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     """The run: build, resume, then the optimiser step, top to bottom, until ``stop``. ``plan``:
     rank 0's ``plan_run`` (None on the other ranks)."""
     run_dir = pathlib.Path(cfg.run_dir)
-    plan = agree_on_plan(plan, run_dir)  # collective: rank 0's choice, readable by every rank, or one refusal
+    plan = _agree(plan, run_dir, cfg, rank, world)  # collective: rank 0's plan on every rank, or one refusal
     given, cfg = cfg, _keep_global_batch(cfg, plan.get("global_batch_size"), world // (cfg.tp * cfg.pp))
     data = open_shards(cfg.data_dir, seq_len=cfg.seq_len, tokenizer_sha256=_tokenizer_sha256(cfg.tokenizer_path),
                        verify=cfg.verify_data)  # the run's one opening: index read once, file identities recorded
@@ -288,15 +352,15 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     resume_step, run_id = plan["step"], plan["run_id"]
     identity = data_identity(index)
     if resume_step:  # refuse to continue a run under another configuration (labkit.train.run_config)
-        check_resume(run_dir, to_dict(given), identity, allow_safe_changes=cfg.allow_safe_changes)
-    ckpt = run_dir / "checkpoints" / f"step-{resume_step}" if resume_step else None
+        check_resume(run_dir, to_dict(given), identity, allow_safe_changes=cfg.allow_safe_changes,
+                     same_global_batch=_keeps_global_batch(given, plan, world))  # grad_accum_steps set by hand
+    ckpt = run_dir / "checkpoints" / f"step-{resume_step}" if resume_step else _branch_point(cfg)
     model, optimizer, scaler, sharding, state = resume.load_and_wrap(cfg, model, device, split, ckpt, world)
     runtime = Runtime(cfg, model, scaler, device, world=world, rank=rank)  # the step on the (pp, dp, tp) mesh
     timeline = Timeline(run_dir, rank=rank, world_size=world, resumed_from=resume_step, comm=runtime.comm,
                         enabled=cfg.measure.timeline, segment_start=plan["segment_start"], publish=timeline_sink)
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * runtime.dp  # data follows the dp rank
     loader, sampler, heldout = _rank_data(cfg, data, runtime, mcfg.vocab_size, device)  # held out: fixed, masked
-    # position: batches of this epoch consumed
     step, epoch, position, tokens_seen = resume.restore(state, model, optimizer, scaler, sampler, rank=rank,
                                                         world=world, sharding=sharding,
                                                         where=f"step-{resume_step} in {run_dir}")
@@ -307,7 +371,6 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     if state is not None:
         resume.resume_rng(state, rank, world, split, cfg, device)  # last, so nothing above consumes randomness
     checkpointer = Checkpointer(run_dir, keep=cfg.keep_checkpoints, asynchronous=cfg.async_checkpoint)  # collective
-
     stop = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
     peak = measure.peak_flops(device, cfg.precision)
     timer = measure.StepTimer(device, comm=runtime.comm)  # the dp gradient collectives, every mode
@@ -316,6 +379,7 @@ def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world
     windows = measure.PeakWindows(device)  # peak memory of the steps, each evaluation, each checkpoint
     model.train()
     while step < stop:
+        status.update(step=step + 1, phase="train")
         timer.start()
         windows.start()
         timeline.start(step + 1)
@@ -458,6 +522,7 @@ def _save(cfg: TrainConfig, checkpointer: Checkpointer, model: torch.nn.Module, 
     the global sampler state after the batches the trainer consumed (with workers the sampler
     itself runs ahead of the trainer, so ``position`` is the trainer's: ``RankSampler.state_at``),
     and per rank its RNG states. Returns the seconds training stalled."""
+    status.update(phase="checkpoint")
     dp = world // (cfg.tp * cfg.pp)
     state = {"run_id": run_id, "step": step, "epoch": epoch, "tokens": tokens, "lr": lr_at(step, cfg),
              "scaler": scaler.state_dict(), "world_size": world, "sharding": sharding,

@@ -36,6 +36,7 @@ from labkit.config import TrainConfig
 from labkit.config.split import TP_ATTENTION, Split, check_split, is_split, split_of  # noqa: F401 (re-exported)
 from labkit.measure import IntervalTimer, bubble_fraction
 from labkit.model.encoder import BertMLM, MLMOutput, local
+from labkit.train import dist as labkit_dist
 from labkit.train import pipeline
 from labkit.train.checkpoint import load_split_checkpoint, read_state
 from labkit.train.clip import clip_grad_norm_, copies_of
@@ -61,6 +62,7 @@ class ParallelModel(nn.Module):
         super().__init__()
         self.cfg, self.mcfg, self.split, self.device = cfg, model.cfg, split, device
         self.mesh = init_device_mesh(device.type, (split.pp, split.dp, split.tp), mesh_dim_names=("pp", "dp", "tp"))
+        labkit_dist.set_group_timeouts(self.mesh)  # the run's timeout, not torch's 30 min
         self.tp_timer, self.busy, self.reduce_timer = (IntervalTimer(device) for _ in range(3))
         n_stages = split.pp * cfg.pp_virtual_stages
         if split.pp == 1:
@@ -188,7 +190,7 @@ class ParallelModel(nn.Module):
         for d in range(s.dp):
             for t in range(s.tp):
                 ranks = [(p * s.dp + d) * s.tp + t for p in (0, s.pp - 1)]
-                group = dist.new_group(ranks)
+                group = labkit_dist.new_group(ranks)  # with the run's timeout
                 if s.rank in ranks:
                     mine = group
         return mine

@@ -12,6 +12,7 @@ state.pt, or a split run's DCP at the same dp) load as before or are refused nam
 from __future__ import annotations
 
 import pathlib
+import sys
 from typing import Any
 
 import torch
@@ -71,21 +72,21 @@ def restore(state: dict | None, model: torch.nn.Module, optimizer: Any, scaler: 
     continues the same global sample order at any world size (``RankSampler.load_state_dict``:
     ValueError, one line, where it cannot). A format-1 checkpoint (``where`` names it): the
     whole optimiser state is loaded here, and another world size or sharding is a ValueError; a
-    split model's rank entry is ``parallel.rank_entry``'s."""
+    split model's rank entry is ``parallel.rank_entry``'s. Rank 0 says on stderr that the run
+    resumes, and from which checkpoint and step (one line)."""
     if state is None:
         sampler.set_epoch(0)
         return 0, 0, 0, 0
+    dist.print0(f"train: resuming from step {state['step']} (checkpoint {where})", file=sys.stderr)  # one line
     if state.get("format", 1) >= 2:
         scaler.load_state_dict(state["scaler"])
-        sampler.set_epoch(state["epoch"])
-        sampler.load_state_dict(state["sampler"])
-        return state["step"], state["epoch"], sampler.position, state["tokens"]
+        sampler.load_state_dict(state["sampler"])  # the global sample position: any world size
+        return state["step"], sampler.epoch, sampler.position, state["tokens"]
     if isinstance(model, parallel.ParallelModel):
         mine = parallel.rank_entry(state, rank, model.split)
         scaler.load_state_dict(state["scaler"])
-        sampler.set_epoch(state["epoch"])
-        sampler.load_state_dict(mine["sampler"])
-        return state["step"], state["epoch"], mine["sampler"]["position"], state["tokens"]
+        sampler.load_state_dict(mine["sampler"] | {"epoch": state["epoch"]})
+        return state["step"], sampler.epoch, sampler.position, state["tokens"]
     if len(state["ranks"]) != world:
         raise ValueError(f"resume: checkpoint {where} was written by "
                          f"{len(state['ranks'])} ranks; this run has {world} (set resume=False)")
@@ -95,9 +96,8 @@ def restore(state: dict | None, model: torch.nn.Module, optimizer: Any, scaler: 
     dist.load_optimizer_state_dict(model, optimizer, state["optimizer"])
     scaler.load_state_dict(state["scaler"])
     mine = state["ranks"][rank]
-    sampler.set_epoch(state["epoch"])
-    sampler.load_state_dict(mine["sampler"])
-    return state["step"], state["epoch"], mine["sampler"]["position"], state["tokens"]
+    sampler.load_state_dict(mine["sampler"] | {"epoch": state["epoch"]})
+    return state["step"], sampler.epoch, sampler.position, state["tokens"]
 
 
 def resume_rng(state: dict, rank: int, world: int, split: parallel.Split | None, cfg: TrainConfig,
@@ -107,7 +107,9 @@ def resume_rng(state: dict, rank: int, world: int, split: parallel.Split | None,
     At another layout no saved stream is this rank's: the dropout streams restart from
     ``cfg.seed`` and the step (``rng.seed_streams``: per tp rank and shared), so they never repeat step 0's."""
     saved_split = state.get("split")
-    if saved_split is not None and split is not None:
+    same = split is not None and saved_split is not None and len(state["ranks"]) == world and \
+        (saved_split["dp"], saved_split["tp"], saved_split["pp"]) == (split.dp, split.tp, split.pp)
+    if same:  # the same split: each rank its own streams (another one has no saved stream of this rank)
         _set_rng_state(parallel.rank_entry(state, rank, split)["rng"])
     elif saved_split is None and split is None and len(state["ranks"]) == world:
         _set_rng_state(state["ranks"][rank]["rng"])

@@ -61,16 +61,16 @@ def data_identity(index: dict) -> dict[str, Any]:
 
 
 def config_drift(saved: dict, new: dict, saved_data: dict | None, new_data: dict, *,
-                 allow_safe_changes: bool) -> list[str]:
+                 allow_safe_changes: bool, free: frozenset[str] = frozenset()) -> list[str]:
     """The differences that forbid a resume, each "field: old -> new" (fields dotted, sorted):
     result-changing ``TrainConfig`` fields and data identity fields always, ``SAFE_FIELDS`` unless
     ``allow_safe_changes``. ``saved``/``new``: ``to_dict`` of the configs (a saved one may have the
     flat names of before the sections); ``saved_data`` None (a run directory from before
-    data.json) skips the data comparison."""
+    data.json) skips the data comparison; ``free``: more dotted fields not compared."""
     saved, new = dotted(saved), dotted(new)
     out = []
     for key in sorted(set(saved) | set(new)):
-        if key in FREE_FIELDS or (allow_safe_changes and key in SAFE_FIELDS) or key not in saved:
+        if key in FREE_FIELDS or key in free or (allow_safe_changes and key in SAFE_FIELDS) or key not in saved:
             continue  # a field missing from the saved config is newer than the run: not compared
         if saved.get(key) != new.get(key):
             out.append(f"{key}: {saved.get(key)!r} -> {new.get(key)!r}")
@@ -80,10 +80,13 @@ def config_drift(saved: dict, new: dict, saved_data: dict | None, new_data: dict
     return out
 
 
-def check_resume(run_dir: str | os.PathLike, new: dict, new_data: dict, *, allow_safe_changes: bool) -> None:
+def check_resume(run_dir: str | os.PathLike, new: dict, new_data: dict, *, allow_safe_changes: bool,
+                 same_global_batch: bool = False) -> None:
     """Raise ValueError (one line) when ``run_dir``'s saved config.json / data.json differ from
     ``new`` / ``new_data`` in a way ``config_drift`` forbids; nothing when they agree or when
-    there is no saved config."""
+    there is no saved config. ``same_global_batch``: the new run's micro-batch x accumulation x dp
+    is the checkpoint's global batch, so ``batch.grad_accum_steps`` may differ (the same step,
+    split differently: a move to another dp that sets it by hand)."""
     run_dir = pathlib.Path(run_dir)
     path = run_dir / "config.json"
     if not path.exists():
@@ -91,7 +94,8 @@ def check_resume(run_dir: str | os.PathLike, new: dict, new_data: dict, *, allow
     saved = json.loads(path.read_text())
     data_path = run_dir / "data.json"
     saved_data = json.loads(data_path.read_text()) if data_path.exists() else None
-    drift = config_drift(saved, new, saved_data, new_data, allow_safe_changes=allow_safe_changes)
+    drift = config_drift(saved, new, saved_data, new_data, allow_safe_changes=allow_safe_changes,
+                         free=frozenset({"batch.grad_accum_steps"} if same_global_batch else ()))
     if drift:
         safe_only = all(d.split(":")[0] in SAFE_FIELDS for d in drift)
         hint = ("set allow_safe_changes=True (on the command line: --set train.allow_safe_changes=true) to resume "
@@ -146,8 +150,9 @@ def finished_run(cfg: Any, *, say: bool = True) -> dict | None:
     data.json equals the identity of ``cfg.data_dir``'s shard set (``data_identity``).
 
     Called before anything is opened or written (``labkit.train.loop.train``; ``labkit train``
-    before it starts engines): training it again would only overwrite result.json with the
-    numbers of zero steps. Nothing is written or touched; with ``say`` one line on stderr says
+    before it starts engines), for a config with ``resume=True`` only (``resume=False`` asks for
+    a new run: the finished one is moved aside, ``checkpoint.plan_run``): training it again would
+    only overwrite result.json with the numbers of zero steps. Nothing is written or touched; with ``say`` one line on stderr says
     so and how to train further (``max_steps`` and ``allow_safe_changes`` on resume). A changed
     config is not finished: it goes on to ``check_resume``, which refuses or continues it."""
     from labkit.config import to_dict

@@ -305,10 +305,18 @@ def test_interrupt_stops_engine_work(rc, tmp_path):
 
 
 def test_progress_bar_text(capsys):
+    """Outside a notebook the bar is tqdm's on stderr, moved by the newest record's step, with its
+    loss and tokens/s; a resumed run's bar starts at its checkpoint's step."""
     bar = C.progress_bar(40, label="train")
     bar([{"step": 9, "loss": 2.5}, {"step": 10, "loss": 2.25, "tokens_per_s": 1234.0}])
-    assert bar.text == "train: step 10/40 (25%) loss 2.25 tokens_per_s 1234"
-    assert capsys.readouterr().err.strip() == bar.text
+    assert bar.text == "train: step 10/40 (25 %) loss 2.250 tokens/s 1,234"
+    bar.close()
+    err = capsys.readouterr().err
+    assert "train:" in err and "10/40" in err and "loss=2.250" in err and "tokens/s=1,234" in err, err
+    with C.StepProgress(40, label="resume", initial=30) as resumed:
+        resumed.record({"step": 31, "loss": 2.0})
+        assert resumed._bar.n == 31 and resumed._bar.initial == 30
+    assert "31/40" in capsys.readouterr().err
 
 
 def _die():

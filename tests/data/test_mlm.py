@@ -4,6 +4,7 @@ batch reads from the memory maps, compact labels, bad shard sets stopped before 
 from __future__ import annotations
 
 import math
+import pathlib
 import pickle
 import re
 import subprocess
@@ -93,64 +94,112 @@ def test_collator_errors_name_the_field():
         MLMCollator(vocab_size=V, seed=0)(np.full((2, 8), V))
 
 
+def _stream(n: int, seed: int, count: int) -> list[int]:
+    """The first ``count`` samples of the global stream: epoch e is randperm(n) seeded seed + e."""
+    out, e = [], 0
+    while len(out) < count:
+        out += torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist()
+        e += 1
+    return out[:count]
+
+
+def _interleaved(per_rank: list[list[list[int]]]) -> list[int]:
+    """The samples of the ranks' micro-batches in global order: micro-batch k is rank k % world's k // world-th."""
+    world, n = len(per_rank), min(len(p) for p in per_rank)
+    return [i for k in range(n) for r in range(world) for i in per_rank[r][k]]
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_rank_partitions_are_disjoint_equal_and_gapless(world):
+def test_the_ranks_read_one_stream_with_nothing_dropped(world):
+    """Three epochs of every rank, interleaved, are the global stream (epoch after epoch, every
+    sample once an epoch: 103 is no multiple of world x 4, and a micro-batch straddles each
+    epoch's end); the ranks' micro-batches are disjoint within an epoch's span."""
     n, b = 103, 4
-    per_rank = [list(RankSampler(n, rank=r, world_size=world, batch_size=b, seed=5)) for r in range(world)]
-    kept = (n // (world * b)) * world * b
-    assert all(len(p) == kept // (world * b) and all(len(x) == b for x in p) for p in per_rank)
-    flat = [i for p in per_rank for batch in p for i in batch]
-    assert len(flat) == len(set(flat)) == kept
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(5)).tolist()
-    assert set(flat) == set(order[:kept])
-    # without drop_last every sample appears, and every rank still has as many full batches
-    full = [list(RankSampler(n, rank=r, world_size=world, batch_size=b, drop_last=False)) for r in range(world)]
-    assert len({len(p) for p in full}) == 1 and {i for p in full for x in p for i in x} == set(range(n))
+    samplers = [RankSampler(n, rank=r, world_size=world, batch_size=b, seed=5) for r in range(world)]
+    per_rank = [[x for _ in range(3) for x in s] for s in samplers]
+    assert all(len(x) == b for p in per_rank for x in p)
+    got = _interleaved(per_rank)
+    assert got == _stream(n, 5, len(got)) and len(got) >= 3 * n - world * b
+    epoch0 = [list(RankSampler(n, rank=r, world_size=world, batch_size=b, seed=5)) for r in range(world)]
+    assert sum(len(p) for p in epoch0) * b in range(n, n + world * b)  # the micro-batches that start in epoch 0
 
 
 def test_sampler_epochs_and_resume():
     s = RankSampler(50, rank=1, world_size=2, batch_size=3, seed=7)
     epoch0 = list(s)
     epoch1 = list(s)  # finishing an epoch moves to the next
-    glob = {"batch_size": 3, "epoch_samples": 48}
-    assert s.state_dict() == {"epoch": 2, "position": 0, "micro_batches": 0, **glob} and epoch0 != epoch1
+    glob = {"batch_size": 3, "world_size": 2, "n_samples": 50}
+    assert s.epoch == 2 and epoch0 != epoch1 and len(epoch0) == 8 and len(epoch1) == 9  # starts 3, 9, ..., 45; 51, ...
     s.set_epoch(0)
     assert list(s) == epoch0
     s.set_epoch(1)
     it = iter(s)
     head = [next(it) for _ in range(3)]
     state = s.state_dict()
-    assert state == {"epoch": 1, "position": 3, "micro_batches": 6, **glob} and head == epoch1[:3]
+    assert state == {"samples": 8 * 6 + 3 * 6, "epoch": 1, **glob} and head == epoch1[:3]
     resumed = RankSampler(50, rank=1, world_size=2, batch_size=3, seed=7)
     resumed.load_state_dict(state)
     assert list(resumed) == epoch1[3:]
-    with pytest.raises(ValueError, match="position"):
-        resumed.load_state_dict({"epoch": 0, "position": 99})
-    resumed.load_state_dict({"epoch": 1, "position": 3})  # a per-rank state from before global states
-    assert list(resumed) == epoch1[3:]
+    # a format-2 state (global micro-batches of its epoch): the same place in the same epoch
+    resumed.load_state_dict({"epoch": 1, "position": 3, "micro_batches": 6, "batch_size": 3, "epoch_samples": 48})
+    assert next(iter(resumed)) == _stream(50, 7, 50 + 6 * 3 + 3 + 3)[-3:]  # after 6 micro-batches, rank 1's
+    with pytest.raises(ValueError, match="^sampler: the saved position is in a stream of 60 samples an epoch; "
+                                         "this shard set has 50$"):
+        resumed.load_state_dict({**state, "n_samples": 60})
     with pytest.raises(ValueError, match="rank"):
         RankSampler(50, rank=2, world_size=2, batch_size=3)
     with pytest.raises(ValueError, match="n_samples"):
         RankSampler(5, rank=0, world_size=2, batch_size=3)
 
 
+@pytest.mark.parametrize("n", range(16, 72))
+def test_any_world_size_resumes_the_global_position(n):
+    """The issue's case: dp 2 -> 1 (and 1 -> 2, 2 -> 4 at the same global batch) continues the
+    global stream for every shard-set size, whatever the epochs' lengths at either world size;
+    nothing is refused. 3 steps at one split, then 4 at the other: the stream's first samples."""
+    b = 4
+    for (w1, a1), (w2, a2) in (((2, 1), (1, 2)), ((1, 2), (2, 1)), ((2, 2), (4, 1))):
+        if n < 4 * b:
+            continue
+        consumed, state = [], None
+        for world, accum, steps in ((w1, a1, 3), (w2, a2, 4)):
+            samplers = [RankSampler(n, rank=r, world_size=world, batch_size=b, seed=3) for r in range(world)]
+            its, epochs, positions = [], [], []
+            for s in samplers:
+                if state is not None:
+                    s.load_state_dict(state)
+                its.append(iter(s))
+                epochs.append(s.epoch)
+                positions.append(s.position)
+            for _ in range(steps):
+                for _ in range(accum):
+                    for r, s in enumerate(samplers):
+                        batch = next(its[r], None)
+                        if batch is None:  # the loop's _next_epoch
+                            epochs[r], positions[r] = epochs[r] + 1, 0
+                            s.set_epoch(epochs[r])
+                            its[r] = iter(s)
+                            batch = next(its[r])
+                        positions[r] += 1
+                        consumed += batch
+            states = [s.state_at(epochs[r], positions[r]) for r, s in enumerate(samplers)]
+            assert all(st == states[0] for st in states) and states[0]["samples"] == len(consumed)
+            state = states[0]
+        assert consumed == _stream(n, 3, len(consumed)), (n, w1, w2)
+
+
 def test_the_global_micro_batch_order_does_not_depend_on_the_world_size():
     """World 2 and world 1 see the same micro-batches (so the same masks) in the same global order:
-    world 1's batch 2k + r is rank r's batch k; a global state saved at world 2 resumes at world 1
-    with the remaining micro-batches, and a state that cannot line up is refused in one line."""
+    world 1's batch 2k + r is rank r's batch k, and a state saved at world 2 resumes at world 1
+    with the remaining micro-batches."""
     n, b = 50, 4
     two = [RankSampler(n, rank=r, world_size=2, batch_size=b, seed=3).batches(0) for r in range(2)]
     one = RankSampler(n, rank=0, world_size=1, batch_size=b, seed=3)
-    assert len(one) == 12 and all(torch.equal(one.batches(0)[2 * k + r], two[r][k]) for k in range(6) for r in range(2))
+    assert len(one) == 13 and all(torch.equal(one.batches(0)[2 * k + r], two[r][k]) for k in range(6) for r in range(2))
     state = RankSampler(n, rank=1, world_size=2, batch_size=b, seed=3).state_at(0, 2)
-    assert state["micro_batches"] == 4
+    assert state["samples"] == 16
     one.load_state_dict(state)
-    assert list(one) == one.batches(0)[4:].tolist()
-    with pytest.raises(ValueError, match="^sampler: 5 micro-batches consumed do not divide among 2 ranks$"):
-        RankSampler(n, rank=0, world_size=2, batch_size=b).load_state_dict({**state, "micro_batches": 5})
-    with pytest.raises(ValueError, match="^sampler: the saved order has micro-batches of 4 and 40 samples an epoch; "
-                                         "at world_size 3 it has 4 and 48"):
-        RankSampler(n, rank=0, world_size=3, batch_size=b).load_state_dict({**state, "epoch_samples": 40})
+    assert list(one) == RankSampler(n, rank=0, world_size=1, batch_size=b, seed=3).batches(0)[4:].tolist()
 
 
 def batches_equal(xs, ys) -> bool:
@@ -400,3 +449,48 @@ def test_loader_and_heldout_from_one_shard_set_read_the_index_once(tmp_path, mon
                               max_sequences=4, batch_size=2, device=torch.device("cpu"))
     for a, b in zip(heldout.batches, path_heldout.batches):  # the same set as from a path
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+_RANK = """
+import pathlib, sys, time
+sys.path.insert(0, {tests!r})
+import torch
+from labkit.data.mlm import make_loader
+torch.set_num_threads(1)
+loader = make_loader({shards!r}, batch_size=64, rank=0, world_size=1, seed=0, mlm_probability=0.15, vocab_size=96,
+                     num_workers=2, prefetch_factor=4)
+batches = iter(loader)
+next(batches)  # the workers run and fill their pipe: 64 kB batches, 4 in flight each
+pathlib.Path({ready!r}).write_text("1")
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_loader_workers_die_with_a_killed_rank(tmp_path):
+    """A rank process SIGKILLed with its DataLoader workers busy (their results fill the pipe, so
+    their exit would block): every worker, and the forkserver they came from, is gone within
+    seconds (prctl PR_SET_PDEATHSIG and a watch of the rank's pid; before, one set lived for more
+    than 30 minutes)."""
+    import signal
+    import time
+
+    import psutil
+    from tiny_shards import write_tiny_shards as tiny_set  # tests/ is on sys.path
+
+    shards = tiny_set(tmp_path / "shards", n_sequences=256, seq_len=512)
+    ready = tmp_path / "ready"
+    script = _RANK.format(tests=str(pathlib.Path(__file__).resolve().parents[1]), shards=str(shards),
+                          ready=str(ready))
+    rank = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 150
+    while not ready.exists():
+        assert rank.poll() is None and time.monotonic() < deadline, rank.stderr.read().decode()[-2000:]
+        time.sleep(0.1)
+    kids = psutil.Process(rank.pid).children(recursive=True)
+    assert len(kids) >= 3, kids  # the forkserver and its 2 workers (and the resource tracker)
+    time.sleep(1.0)  # the workers' results are in the pipe now
+    rank.send_signal(signal.SIGKILL)
+    rank.wait()
+    gone, alive = psutil.wait_procs(kids, timeout=15)
+    assert not alive, [(p.pid, p.name(), p.cmdline()[-2:]) for p in alive]

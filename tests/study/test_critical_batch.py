@@ -48,9 +48,10 @@ def test_lr_rules():
     assert math.isclose(lr_for_batch(1e-3, 16, 16), 1e-3)
 
 
-def test_sweep_batch_on_tiny_shards_writes_tidy_parquet(tmp_path):
+def test_sweep_batch_on_tiny_shards_writes_tidy_parquet(tmp_path, capsys):
     """A real sweep: one process per batch size, held-out crossings, the fit and its range, and
-    the in-run B_simple of each run at the target (accumulation >= 2 everywhere)."""
+    the in-run B_simple of each run at the target (accumulation >= 2 everywhere); with
+    ``progress`` a bar over each run's steps, fed by its metrics sink."""
     import polars as pl
 
     from labkit.config import TrainConfig
@@ -62,7 +63,9 @@ def test_sweep_batch_on_tiny_shards_writes_tidy_parquet(tmp_path):
                        device="cpu", batch={"micro_batch_size": 4}, optim={"lr": 3e-3},
                        schedule={"warmup_steps": 1, "min_lr_ratio": 1.0}, checkpoint={"enabled": False},
                        eval={"sequences": 16, "batch_size": 8}, measure={"trackers": ()})
-    df, fit = sweep_batch(base, tmp_path, batch_sizes=[4, 8, 16], max_examples=192)
+    df, fit = sweep_batch(base, tmp_path, batch_sizes=[4, 8, 16], max_examples=192, progress=True)
+    err = capsys.readouterr().err
+    assert all(f"sweep batch: {b}: 100%" in err and f"{192 // b}/{192 // b}" in err for b in (4, 8, 16)), err[-2000:]
     assert df["batch"].to_list() == [4, 8, 16] and df["reached"].all()
     assert (df["examples"] == df["steps"] * df["batch"]).all()
     assert df["b_simple"].drop_nulls().len() >= 1 and (df["lr"].to_list()[2] / df["lr"].to_list()[0]) == pytest.approx(2.0)
@@ -76,6 +79,16 @@ def test_sweep_batch_on_tiny_shards_writes_tidy_parquet(tmp_path):
 
     result = json.loads((tmp_path / "sweeps" / "critical_batch" / "batch-16" / "result.json").read_text())
     assert result["b_simple"] is not None and result["b_simple_tokens"] > result["b_simple"]  # result.json has both
+    # each run's rates from its records equal the loop's own result.json; goodput = samples/s x E(B)
+    # with B_noise the sweep's B_crit and B0 the smallest batch (4)
+    assert df.filter(pl.col("batch") == 16)["tokens_per_s"].item() == pytest.approx(result["tokens_per_s"])
+    assert df.filter(pl.col("batch") == 16)["samples_per_s"].item() == pytest.approx(result["samples_per_s"])
+    if "b_crit" in fit:
+        eff = [(fit["b_crit"] + 4) / (fit["b_crit"] + b) for b in (4, 8, 16)]
+        assert df["statistical_efficiency"].to_list() == pytest.approx(eff)
+        assert df["goodput_samples_per_s"].to_list() == pytest.approx([s * e for s, e in zip(df["samples_per_s"], eff)])
+    else:
+        assert df["goodput_samples_per_s"].null_count() == 3
 
 
 def test_sweep_batch_reuses_a_point_only_with_its_settings_and_data_and_force_trains_every_point(tmp_path, capfd):

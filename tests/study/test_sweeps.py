@@ -60,7 +60,8 @@ def trained(monkeypatch):
         runs.append((cfg.model, n))
         tps = 1000.0 * n * (0.9 if n > 1 else 1.0) / (2 if cfg.model == "mini" else 1)
         return {"global_batch_size": cfg.batch.micro_batch_size * n, "tokens_per_s": tps, "samples_per_s": tps / 64,
-                "data_wait_fraction": 0.01, "comm_exposed_s": 0.01 * (n - 1), "comm_exposed_fraction": 0.02 * (n - 1)}
+                "data_wait_fraction": 0.01, "comm_exposed_s": 0.01 * (n - 1), "comm_exposed_fraction": 0.02 * (n - 1),
+                "b_simple": 10.0 * n if n > 1 else None}  # the in-run noise scale needs dp > 1 (or accumulation)
 
     monkeypatch.setattr(sweeps, "train_on_cluster", fake_train)
     return runs
@@ -82,6 +83,16 @@ def test_sweep_ranks_resumes(tmp_path, trained):
     assert note.startswith("2 of 3 points reused from earlier runs (measured 20") and "--force" in note
     assert df["comm_exposed_s"].to_list() == pytest.approx([0.0, 0.01, 0.03])  # each run's result.json
     assert df["comm_exposed_fraction"].to_list() == pytest.approx([0.0, 0.02, 0.06])
+    # statistical goodput: one B_noise for the table, the in-run B_simple of the 4-rank run (40, also
+    # read back from the table for reused rows), B0 the one-rank batch 4: E(B) = (40 + 4)/(40 + B)
+    assert df["b_simple"].to_list() == [None, 20.0, 40.0] and df["b_noise"].to_list() == [40.0] * 3
+    assert df["b_noise_source"][0].startswith("in-run B_simple of the ranks 4 run")
+    eff = [(40 + 4) / (40 + 4 * n) for n in (1, 2, 4)]
+    assert df["statistical_efficiency"].to_list() == pytest.approx(eff)
+    assert df["goodput_tokens_per_s"].to_list() == pytest.approx([t * e for t, e in zip(df["tokens_per_s"], eff)])
+    given = lab.sweep_ranks(client, base, str(tmp_path), ranks=[1, 2, 4], b_noise=12.0, b_noise_source="B_crit of x")
+    assert trained[3:] == [] and given["b_noise_source"].to_list() == ["B_crit of x"] * 3  # all reused, B_noise given
+    assert given["statistical_efficiency"].to_list() == pytest.approx([(12 + 4) / (12 + 4 * n) for n in (1, 2, 4)])
     # a table written before the column existed (and before rows recorded what made them): its
     # rows cannot be shown to match the settings, so they are measured again
     (tmp_path / "sweeps" / "ranks.parquet").unlink()

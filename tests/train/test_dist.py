@@ -410,3 +410,38 @@ def test_sharding_with_autocast_and_recompute(two_rank_runs, name):
     result = json.loads((two_rank_runs / name / "result.json").read_text())
     assert result["sharding"] == MIXED[name]["parallel"]["sharding"] and result["precision"] == MIXED[name]["precision"]
     assert result["activation_checkpointing"] == MIXED[name].get("activation_checkpointing", False)
+
+
+def _timeouts_worker(rank: int, world: int, port: int, out: str) -> None:
+    import datetime
+
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"})
+    cpu = torch.device("cpu")
+    dist.init_distributed("gloo", 7.0, cpu)
+    try:
+        mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("pp", "dp", "tp"))  # pp, tp: groups of 1 rank
+        of = lambda group: group._get_backend(cpu).options._timeout.total_seconds()  # noqa: E731
+        found = {"mesh_before": [of(g) for g in mesh.get_all_groups()]}
+        dist.set_group_timeouts(mesh)
+        found |= {"mesh": [of(g) for g in mesh.get_all_groups()], "new_group": of(dist.new_group(backend="gloo")),
+                  "torch_new_group": of(tdist.new_group(backend="gloo", timeout=None))}
+        assert dist.run_timeout() == datetime.timedelta(seconds=7)
+        if rank == 0:
+            pathlib.Path(out).write_text(json.dumps(found))
+    finally:
+        dist.teardown()
+
+
+def test_every_process_group_gets_the_runs_timeout(tmp_path):
+    """A new group and a DeviceMesh's dimension groups get torch's 30-minute default whatever the
+    default group's timeout (the issue's asynchronous checkpoint group): made through
+    ``dist.new_group`` and ``dist.set_group_timeouts`` they get the run's (2 gloo ranks)."""
+    out = tmp_path / "timeouts.json"
+    mp.spawn(_timeouts_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    found = json.loads(out.read_text())
+    assert found["torch_new_group"] == 1800.0 and 1800.0 in found["mesh_before"]  # what torch gives them
+    assert found["mesh"] == [7.0, 7.0, 7.0] and found["new_group"] == 7.0

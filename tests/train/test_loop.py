@@ -264,11 +264,12 @@ def _to_format_1(path: pathlib.Path, cfg: TrainConfig) -> None:
     for f in path.iterdir():
         f.unlink()
     save_model(model, str(path / "model.safetensors"))
+    sampler = state["sampler"]  # one rank: its position in the epoch is the epoch's micro-batches consumed
+    position = (sampler["samples"] - sampler["epoch"] * sampler["n_samples"]) // sampler["batch_size"]
     torch.save({"format": 1, "step": state["step"], "epoch": state["epoch"], "tokens": state["tokens"],
                 "lr": state["lr"], "optimizer": optimizer.state_dict(), "scaler": state["scaler"], "world_size": 1,
                 "sharding": "none", "ranks": [{"rng": state["ranks"][0]["rng"],
-                                               "sampler": {"epoch": state["sampler"]["epoch"],
-                                                           "position": state["sampler"]["position"]}}]},
+                                               "sampler": {"epoch": sampler["epoch"], "position": position}}]},
                path / "state.pt")
 
 

@@ -11,7 +11,11 @@ metrics append (a torn line), inside evaluation, inside a staging copy (``labkit
 function ``lab.stage`` runs on each node's engine: a child process dies after a set number of
 bytes written by the real copy), and the loss of a whole node: the rank process on one of the
 network hosts h1/h2 (``labkit.testing.realcluster.NetHosts``, root only) SIGKILLed from outside
-while the other rank trains on the other host.
+while the other rank trains on the other host. At each rank point a hung rank too (SIGSTOP: it stops
+without dying, its sockets stay open), with asynchronous checkpoints on and off: the other rank
+ends within the same bound, in one line naming the rank that stopped answering
+(``labkit.train.status``). And a second job started in a live run directory is refused in one
+line naming the holder (``labkit.train.runlock``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,13 @@ def _free_port() -> int:
 
 
 def _die() -> None:
+    """The doomed rank's end: SIGKILL (no cleanup runs), or with RECOVERY_HANG=<file> SIGSTOP: the
+    process stops without dying (a hung rank), after writing "<pid> <time.monotonic()>" there."""
+    hang = os.environ.get("RECOVERY_HANG")
+    if hang:
+        pathlib.Path(hang).write_text(f"{os.getpid()} {time.monotonic()}")
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -85,6 +96,19 @@ def _plant(fault: str) -> None:
             return real(record, metrics_file, sink)
 
         loop._log = log
+    elif fault == "hold":  # a live job: hold in step 5's first forward until RECOVERY_RELEASE exists
+        from labkit.model import BertMLM
+
+        real = BertMLM.forward
+
+        def hold(self, *a, **k):
+            if self.training and nth(9):
+                pathlib.Path(os.environ["RECOVERY_PAUSED"]).write_text(str(os.getpid()))
+                while not pathlib.Path(os.environ["RECOVERY_RELEASE"]).exists():
+                    time.sleep(0.05)
+            return real(self, *a, **k)
+
+        BertMLM.forward = hold
     elif fault == "pause":  # node loss: stop in step 5's first forward, say so, wait to be killed from outside
         from labkit.model import BertMLM
 
@@ -121,7 +145,11 @@ def _rank_main(rank: int, port: int, cfg_json: str, fault: str, doomed: int, mas
         os.environ.pop("GLOO_SOCKET_IFNAME", None)
     if fault != "none" and rank == doomed:
         _plant(fault)
-    train(from_dict(TrainConfig, json.loads(cfg_json)))
+    try:
+        train(from_dict(TrainConfig, json.loads(cfg_json)))
+    finally:  # when train() itself ended (returned or raised), before the interpreter's own exit
+        if os.environ.get("RECOVERY_ENDED"):
+            pathlib.Path(os.environ["RECOVERY_ENDED"], f"rank{rank}").write_text(str(time.monotonic()))
 
 
 def _start(cfg, fault: str = "none", doomed: int = 1, hosts=None, env: dict | None = None):
@@ -201,21 +229,126 @@ def _records(run_dir: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("fault,doomed", [("forward", 1), ("allreduce", 1), ("checkpoint", 1), ("checkpoint", 0),
-                                          ("metrics", 0), ("evaluation", 1)])
+POINTS = [("forward", 1), ("allreduce", 1), ("checkpoint", 1), ("checkpoint", 0), ("metrics", 0), ("evaluation", 1)]
+"""The points a rank is killed (or hung) at, and which rank."""
+
+
+def _last_error(err: str) -> str:
+    """The exception line a rank's stderr ends with (torchrun-style "[rankN]: " prefix allowed)."""
+    return next((line for line in reversed(err.splitlines())
+                 if re.match(r"(\[rank\d\]: )?[\w.]+(Error|Exception): ", line)), "")
+
+
+@pytest.mark.parametrize("fault,doomed", POINTS)
 def test_a_killed_rank_ends_in_an_exact_resume(reference, fault, doomed, capsys):
+    from labkit.train.runlock import read_lock
+
     root, whole = reference
     cfg = dataclasses.replace(whole, run_dir=str(root / f"{fault}-{doomed}"))
     codes, stop_s, errs = _launch(cfg, fault, doomed)
     assert codes[doomed] == -signal.SIGKILL, (codes, errs)
     assert codes[1 - doomed] != 0, errs  # the survivor stopped by itself, with an error
     assert stop_s < STOP_S  # (_wait enforces it too)
+    # one line naming the dead rank (on this host its pid is gone: named at once, not after the timeout)
+    assert re.search(rf"rank {doomed} \(pid \d+ on host .+\) stopped answering: its process is gone",
+                     _last_error(errs[1 - doomed])), errs[1 - doomed][-3000:]
+    if doomed == 0:  # its lock stays behind, naming a dead pid: stale, the rerun takes it over
+        assert read_lock(cfg.run_dir)["pid"] not in (None, os.getpid())
+    leftovers = list((pathlib.Path(cfg.run_dir) / "checkpoints").glob(".step-*.tmp"))
+    assert bool(leftovers) == (fault == "checkpoint"), leftovers  # the killed save's temporary directory
     with capsys.disabled():
         print(f"\n[recovery] fault {fault} in rank {doomed}: the survivor stopped {stop_s:.2f} s after the kill "
               f"(collective timeout {TIMEOUT_S:.0f} s, load {os.getloadavg()[0]:.1f})")
     codes, _, errs = _launch(cfg)  # the rerun resumes
     assert codes == [0, 0], errs
     _assert_exact(root, pathlib.Path(cfg.run_dir))
+    assert not list((pathlib.Path(cfg.run_dir) / "checkpoints").glob(".step-*"))  # removed at its first save
+    assert not (pathlib.Path(cfg.run_dir) / "lock.json").exists()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_hung_rank_ends_every_other_rank_in_one_line(reference, asynchronous, tmp_path, capsys):
+    """SIGSTOP instead of SIGKILL at every point of ``POINTS``: the rank stops without dying, its
+    sockets stay open, and nothing but the timeouts can end the other rank. Its run must end within
+    the collective timeout + 10 s of the stop (every process group the run makes has the run's
+    timeout: the asynchronous checkpoint's own group too), in one line naming the rank that stopped
+    answering (its heartbeat in run_dir/ranks/ went silent), and its process must exit. The points
+    run side by side, each pair in its own run directory; the bound is checked at the moment
+    train() raised (the interpreter's own exit after it took up to 11 s with 12 processes on 2
+    loaded cores)."""
+    root, whole = reference
+    runs = []
+    try:
+        for fault, doomed in POINTS:
+            cfg = whole.replace(run_dir=str(root / f"hang-{fault}-{doomed}-{int(asynchronous)}"),
+                                checkpoint={"asynchronous": asynchronous})
+            stopped, ended = tmp_path / f"{fault}-{doomed}.stopped", tmp_path / f"{fault}-{doomed}.ended"
+            ended.mkdir()
+            env = {"RECOVERY_HANG": str(stopped), "RECOVERY_ENDED": str(ended)}
+            procs, logs = _start(cfg, fault, doomed, env=env)
+            runs.append((fault, doomed, procs, logs, stopped, ended / f"rank{1 - doomed}"))
+        t0 = time.monotonic()
+        while any(procs[1 - doomed].poll() is None for _, doomed, procs, *_ in runs):
+            assert time.monotonic() < t0 + START_S + STOP_S, \
+                [(f, [log.read_text()[-2000:] for log in logs]) for f, d, procs, logs, *_ in runs
+                 if procs[1 - d].poll() is None]
+            time.sleep(0.05)
+        results = []
+        for fault, doomed, procs, logs, stopped, ended in runs:
+            err = logs[1 - doomed].read_text()
+            assert stopped.exists(), (fault, err[-3000:])  # the doomed rank reached its point and stopped
+            pid, at = stopped.read_text().split()
+            assert procs[doomed].poll() is None and procs[1 - doomed].returncode != 0, err[-3000:]  # stopped, not dead
+            line = _last_error(err)
+            assert re.search(rf"rank {doomed} \(pid {pid} on host .+\) stopped answering: no heartbeat for "
+                             rf"[\d.]+ s, last at step \d+ in \w+", line), (fault, err[-3000:])
+            results.append((fault, doomed, float(ended.read_text()) - float(at)))
+    finally:
+        for *_, procs, _, _, _ in runs:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()  # SIGKILL ends a stopped process too
+                    p.wait()
+    with capsys.disabled():
+        print(f"\n[recovery] hung rank, asynchronous checkpoints {asynchronous}: the other rank's run ended "
+              f"{'; '.join(f'{f} in rank {d}: {s:.1f} s' for f, d, s in results)} after the stop (collective "
+              f"timeout {TIMEOUT_S:.0f} s, load {os.getloadavg()[0]:.1f})")
+    assert all(0 < s < STOP_S for *_, s in results), results
+
+
+def test_a_second_job_in_a_live_run_dir_is_refused(reference, tmp_path):
+    """The issue's case: a second, identical job started in the run directory of a live one. Both
+    of its ranks stop in one line naming the holder (run_dir/lock.json: its host and pid), nothing
+    of the live run is touched, and the live run ends as the uninterrupted run (steps in order)."""
+    root, whole = reference
+    cfg = whole.replace(run_dir=str(root / "second-job"), timeout_s=180.0)  # job A waits while job B runs
+    paused, release = tmp_path / "paused", tmp_path / "release"
+    env = {"RECOVERY_PAUSED": str(paused), "RECOVERY_RELEASE": str(release)}
+    first, first_logs = _start(cfg, "hold", 0, env=env)
+    try:
+        deadline = time.monotonic() + START_S
+        while not paused.exists():
+            assert all(p.poll() is None for p in first) and time.monotonic() < deadline, \
+                [log.read_text()[-2000:] for log in first_logs]
+            time.sleep(0.05)
+        holder = int(paused.read_text())
+        before = (pathlib.Path(cfg.run_dir) / "metrics.jsonl").read_text()
+        codes, _, errs = _launch(cfg)  # the same job again, while the first holds step 5
+        assert codes[0] != 0 and codes[1] != 0, errs
+        for err in errs:
+            assert re.search(rf"ValueError: run_dir: {re.escape(cfg.run_dir)} is in use by pid {holder} on host "
+                             rf"\S+ \(since ", _last_error(err)), err[-3000:]
+        assert (pathlib.Path(cfg.run_dir) / "metrics.jsonl").read_text() == before
+        release.write_text("go")
+        codes, _, errs = _wait(first, first_logs, "the first job")
+    finally:
+        release.write_text("go")
+        for p in first:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0], errs
+    _assert_exact(root, pathlib.Path(cfg.run_dir))
+    assert not (pathlib.Path(cfg.run_dir) / "lock.json").exists()  # given back at the end
 
 
 def _assert_exact(root: pathlib.Path, run_dir: pathlib.Path) -> None:
@@ -342,9 +475,9 @@ def test_node_loss_across_hosts_ends_in_an_exact_resume(reference, tmp_path, los
         assert codes[doomed] == -signal.SIGKILL, (codes, errs)
         assert codes[1 - doomed] != 0, errs  # the survivor stopped by itself, with an error
         assert stop_s < NODE_TIMEOUT_S + 10
-        survivor_error = next((line for line in reversed(errs[1 - doomed].splitlines())
-                               if re.match(r"(\[rank\d\]: )?[\w.]+(Error|Exception): ", line)), "")
-        assert survivor_error, errs[1 - doomed]
+        survivor_error = _last_error(errs[1 - doomed])
+        assert re.search(rf"rank {doomed} \(pid \d+ on host {lost}\) stopped answering", survivor_error), \
+            errs[1 - doomed][-3000:]
         with capsys.disabled():
             print(f"\n[recovery] node {lost} lost (SIGKILL of {len(victims)} processes) in step 5: the rank on the "
                   f"other host stopped {stop_s:.2f} s later (collective timeout {NODE_TIMEOUT_S:.0f} s, load "

@@ -105,20 +105,27 @@ def _snapshot(run) -> dict:
 
 
 def test_training_a_finished_run_again_is_a_no_op_that_says_so(shards, tmp_path, capfd):
-    """The same config on a finished run (resume or not, other free fields such as threads):
-    the saved result is returned and no file of the run directory is written or even touched."""
+    """The same config on a finished run (other free fields such as threads may differ), resumed:
+    the saved result is returned and no file of the run directory is written or even touched.
+    With resume=False it is a new run: trained from step 0, the finished one moved to previous/."""
     run = tmp_path / "run"
     first = train(tiny_cfg(shards, run, max_steps=3, checkpoint={"every": 3}))
     before = _snapshot(run)
     capfd.readouterr()
     for cfg in (tiny_cfg(shards, run, max_steps=3, checkpoint={"every": 3}),
-                tiny_cfg(shards, run, max_steps=3, resume=False, num_threads=2, checkpoint={"every": 3})):
+                tiny_cfg(shards, run, max_steps=3, num_threads=2, checkpoint={"every": 3})):
         again = train(cfg)
         assert _snapshot(run) == before
         assert again == json.loads((run / "result.json").read_text()) == json.loads(json.dumps(first))
         err = capfd.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"train: {run} already finished (3 of 3 steps, ended 20")
         assert "labkit resume" in err[0] and "train.max_steps=N" in err[0]
+    new = train(tiny_cfg(shards, run, max_steps=3, resume=False, checkpoint={"every": 3}))
+    assert new["run_id"] != first["run_id"] and new["resumed_from_step"] is None and new["steps"] == 3
+    (aside,) = (run / "previous").iterdir()
+    assert aside.name.endswith(first["run_id"]) and json.loads((aside / "result.json").read_text()) == \
+        json.loads(json.dumps(first))
+    assert [r["loss"] for r in read_metrics(run)] == [r["loss"] for r in read_metrics(aside)]  # the same run again
     # a stopped run is not finished, and a changed config is not this run: both go on as before
     stopped = tmp_path / "stopped"
     train(tiny_cfg(shards, stopped, max_steps=4, stop_after=2, checkpoint={"every": 2}))
