@@ -14,7 +14,8 @@ notebooks (their numbers are losses, which the load does not change). The notebo
 each point made with their settings from the same shards and read it back through the same
 ``made_by`` check (``labkit.study.points``), so they measure nothing again and run two at a time
 (``labkit.demo_notebooks.run_reports``). ``demo.json`` records each stage's wall and CPU seconds
-and the load at its start (``stages``).
+and the load at its start (``stages``), and each notebook's seconds to its report
+(``report_seconds``).
 """
 
 from __future__ import annotations
@@ -107,8 +108,11 @@ def run_demo(cfg: DemoConfig, *, force: bool = False, parameters: dict[str, Any]
         _say("8/8 figures and reports", t0)
         summary["figures"] = _write_figures(cfg, work)
         if cfg.reports:  # the notebooks that use engines use these, one notebook at a time
+            took: dict[str, float] = {}
             summary["reports"] = run_reports(cfg, work, t0=t0, cluster_id=cluster.cluster_id, parameters=parameters,
-                                             after={"05_scaling_laws": law_done, "07_critical_batch": loss})
+                                             after={"05_scaling_laws": law_done, "07_critical_batch": loss},
+                                             seconds=took)
+            summary["report_seconds"] = {name: took[name] for name in NOTEBOOKS if name in took}
         summary |= loss.result()
         clock.mark("7-8 loss sweeps beside the figures and reports")
     finally:

@@ -73,7 +73,7 @@ def settings(name: str, passed: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def run_reports(cfg: DemoConfig, work: Path, *, t0: float | None = None, cluster_id: str | None = None,
                 jobs: int = 2, parameters: dict[str, Any] | None = None,
-                after: dict[str, Future] | None = None) -> list[str]:
+                after: dict[str, Future] | None = None, seconds: dict[str, float] | None = None) -> list[str]:
     """Execute each notebook headlessly on the demo's work directory and export it as a
     self-contained HTML report under ``<workdir>/reports``, with the demo's parameters and
     ``parameters`` (``notebook_parameters``); returns the report paths in ``NOTEBOOKS`` order.
@@ -84,7 +84,8 @@ def run_reports(cfg: DemoConfig, work: Path, *, t0: float | None = None, cluster
     after another (two notebooks' DDP runs on the same engines would wait for each other), while
     the others run beside them; without it, each notebook starts and stops its own engines. A
     notebook in ``after`` ({name: Future}) starts once its future is done (what it shows is
-    measured then). Raises RuntimeError naming the first notebook that failed."""
+    measured then). ``seconds``, when given, gets each notebook's wall seconds from its start to
+    its exported report ({name: s}). Raises RuntimeError naming the first notebook that failed."""
     from labkit.report import execute_notebooks
 
     t0 = time.perf_counter() if t0 is None else t0
@@ -95,8 +96,14 @@ def run_reports(cfg: DemoConfig, work: Path, *, t0: float | None = None, cluster
         + (f" ({', '.join(shared)} on the demo's engines, in turn)" if shared else ""), t0)
     execute_notebooks([[(notebooks_dir() / f"{n}.py", work / "reports" / f"{n}.html", params[n]) for n in lane]
                        for lane in lanes], jobs=jobs, cwd=work, after=after,
-                      done=lambda name, seconds: say(f"    {name}.html ({seconds:.0f} s)", t0))
+                      done=lambda name, took: _done(name, took, seconds, t0))
     return [str(work / "reports" / f"{name}.html") for name in NOTEBOOKS]
+
+
+def _done(name: str, took: float, seconds: dict | None, t0: float) -> None:
+    say(f"    {name}.html ({took:.0f} s)", t0)
+    if seconds is not None:
+        seconds[name] = round(took, 1)
 
 
 _REPORT_ORDER = ("00_cluster", "01_prepare", "02_stage_and_load", "04_scaling", "06_model_parallel", "03_train",

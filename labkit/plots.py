@@ -728,13 +728,13 @@ def critical_batch_figure(points: pl.DataFrame | pl.LazyFrame, *,
                              mode="markers", marker={"color": COLORWAY[2], "symbol": "diamond", "size": 9}))
     fig.add_trace(go.Scatter(x=df["tokens"].to_list(), y=df["batch"].to_list(), name="the run's batch", mode="lines",
                              line={"color": COLORS["ideal"], "dash": "dot"}))
-    if "b_crit_sweep" in df.columns and df["b_crit_sweep"].drop_nulls().len():
-        fig.add_hline(y=df["b_crit_sweep"].drop_nulls()[0], line={"color": "black", "dash": "dash"},
-                      annotation_text="B_crit of the batch sweep")
+    crit = df["b_crit_sweep"].drop_nulls() if "b_crit_sweep" in df.columns else pl.Series([])
     ys = [v for c in ("b_keep_pace_low", "b_keep_pace_high", "b_noise_low", "b_noise_high", "b_simple", "batch")
-          for v in df[c].to_list() if v is not None and v > 0]
+          for v in df[c].to_list() if v is not None and v > 0] + [v for v in crit.to_list() if v > 0]
     fig.update_layout(template=style(), title=title, xaxis_title="tokens seen by the run",
                       yaxis_title="global batch (sequences)")
     if ys:
         fig.update_yaxes(type="log", tickvals=log_ticks(min(ys), max(ys)), tickformat="~s")
+    if crit.len() and crit[0] > 0:  # after the axis type: the label at log10 of the value
+        reference_line(fig, y=crit[0], line={"color": "black", "dash": "dash"}, text="B_crit of the batch sweep")
     return fig

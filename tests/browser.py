@@ -136,17 +136,31 @@ def run_all_and_watch(page, url: str, *, done_text: str, timeout_s: float = 240.
                 shot = True
             except PlaywrightError:  # detached: try again at the next sample
                 pass
-        outputs = page.locator(".jp-OutputArea-output").all_inner_texts()
+        # textContent, not innerText: JupyterLab 4 skips rendering cells out of view (its default
+        # windowingMode "contentVisibility"), and Chromium's innerText of a skipped cell is empty:
+        # notebook 03's last output, below its live figures, read "" while the kernel sat idle
+        outputs = page.locator(".jp-OutputArea-output").all_text_contents()
         if any(done_text in o for o in outputs):
             page.wait_for_timeout(1000)  # the final frame follows the text output within the same cell
             samples.append((round(time.monotonic() - t0, 2), page.evaluate(COUNT_POINTS_JS)))
             return samples
         errors = [o for o in outputs if "Traceback" in o]
         if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"no {done_text!r} after {timeout_s} s; last counts {counts}; outputs {outputs[-3:]}")
+            raise AssertionError(f"no {done_text!r} after {timeout_s} s; last counts {counts}; {_cell_states(page)}; "
+                                 f"outputs {outputs[-3:]}")
         if errors:
             raise AssertionError(f"the notebook failed: {errors[-1][-3000:]}")
         page.wait_for_timeout(int(every_s * 1000))
+
+
+def _cell_states(page) -> str:
+    """Where the run stands, for a timeout's message: the kernel's status and each cell's prompt
+    ("[3]:" ran, "[*]:" running or queued, "[ ]:" never run) with its first line."""
+    status = page.locator(".jp-Notebook-ExecutionIndicator").first.get_attribute("data-status")
+    cells = page.evaluate("""() => [...document.querySelectorAll('.jp-Notebook .jp-Cell')].map(c => {
+        const p = c.querySelector('.jp-InputPrompt'); const src = c.querySelector('.jp-InputArea-editor');
+        return ((p && p.textContent) || '').trim() + ' ' + ((src && src.textContent) || '').slice(0, 40); })""")
+    return f"kernel {status}; cells {cells}"
 
 
 LAYOUT_JS = """async () => {

@@ -77,13 +77,9 @@ them as the notebooks then run."""
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    from labkit.demo import run_demo
-
-    tmp = tmp_path_factory.mktemp("demo")
-    cfg = _config(tmp)
-    summary = run_demo(cfg, parameters=SMALL)
-    return Path(cfg.workdir), summary
+def demo(demo_run):
+    """The session's demo (tests/conftest.py ``demo_run``; tests/test_notebooks.py checks its reports)."""
+    return demo_run
 
 
 def test_corpus_holds_the_compiled_functions(demo):
