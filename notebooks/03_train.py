@@ -71,7 +71,8 @@ from labkit.train.timeline import write_chrome_trace
 
 print((result["culprit"] or {}).get("line", "culprit: none (no rank holds the others up)"))
 print("Chrome trace / Perfetto:", write_chrome_trace(cfg.run_dir))
-rankview.goodput_figure(result)
+rankview.goodput_figure(result, title=f"Goodput of this run ({len(client.ids)} ranks x micro-batch {micro_batch_size}, "
+                                      f"{steps} steps): its elapsed time by what it was spent on")
 
 # %% [markdown]
 # ## The demo's full run

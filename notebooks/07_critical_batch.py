@@ -101,4 +101,6 @@ run = notebook_run(workdir, model=batch_model, micro_batch=batch_micro_batch, lr
 points, branch_runs = sweep_branch(run, workdir, at=branch_at, factors=branch_factors, window=branch_window,
                                    critical_batch=f"{workdir}/sweeps/critical_batch.parquet", n_boot=300)
 print("\n".join(points["agreement"]))
-plots.critical_batch_figure(points)
+plots.critical_batch_figure(points, title=f"{batch_model}: the critical batch along one run at global batch "
+                                          f"{2 * batch_micro_batch}, by branches of x{branch_factors} on "
+                                          f"{branch_window:,} sequences each")
