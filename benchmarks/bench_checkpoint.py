@@ -11,7 +11,8 @@ ways save the same state, in an order that rotates every round:
 
 - ``torch_save``: rank 0 writes ``{"model": state_dict(), "optim": optimizer.state_dict()}`` with
   ``torch.save``; every rank waits in a barrier, so its stall is the whole save.
-- ``dcp_sync``: ``labkit.train.checkpoint.Checkpointer.save``: the stall is the whole save.
+- ``dcp_sync``: ``labkit.train.checkpoint.Checkpointer.save`` of the run's state
+  (``labkit.train.resume.RunState`` over the run's builder, ``build_runtime``): the stall is the whole save.
 - ``dcp_async``: the same with ``asynchronous=True``: the stall is what ``save`` blocks for
   (state dict, copy to CPU memory, planning); ``save_s`` runs until the directory is published.
   The background write still shares the machine's cores and disk with training, which the stall
@@ -68,9 +69,12 @@ def _worker(rank: int, world: int, port: int, args_json: str, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"})
+    from labkit.config import TrainConfig
+    from labkit.data.mlm import RankSampler
     from labkit.model import BertMLM, model_config
-    from labkit.train import dist
-    from labkit.train.checkpoint import MARKER, Checkpointer, _rng_state
+    from labkit.train import build_runtime, dist
+    from labkit.train.checkpoint import MARKER, Checkpointer
+    from labkit.train.resume import RunState
 
     if world > 1:
         dist.init_distributed("gloo", 600.0, torch.device("cpu"))
@@ -79,15 +83,15 @@ def _worker(rank: int, world: int, port: int, args_json: str, out: str) -> None:
     try:
         for name in args["models"]:
             torch.manual_seed(0)
-            model = BertMLM(model_config(name, args["vocab"]))
-            if world > 1:
-                model = torch.nn.parallel.DistributedDataParallel(model)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            run_dir = root / f"{name}-{world}"
+            cfg = TrainConfig(data_dir="-", run_dir=str(run_dir), model=name, optim={"lr": 1e-4})
+            runtime = build_runtime(cfg, BertMLM(model_config(name, args["vocab"])), torch.device("cpu"))
+            model, optimizer = runtime.parts, runtime.optimizer  # the run's builder: DDP at 2 ranks
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)
             optimizer.step()  # AdamW's state exists, as in a run
             optimizer.zero_grad(set_to_none=True)
-            run_dir = root / f"{name}-{world}"
+            state = RunState(cfg, runtime, RankSampler(64 * world, rank=rank, world_size=world, batch_size=4), "bench")
             savers = {"dcp_sync": Checkpointer(run_dir / "sync", keep=1),
                       "dcp_async": Checkpointer(run_dir / "async", keep=1, asynchronous=True)}
             for rnd in range(args["rounds"] + 1):  # round 0: warm-up
@@ -99,7 +103,7 @@ def _worker(rank: int, world: int, port: int, args_json: str, out: str) -> None:
                         target = run_dir / "torch" / "state.pt"
                         if rank == 0:
                             target.parent.mkdir(parents=True, exist_ok=True)
-                            torch.save({"model": dist.unwrap(model).state_dict(), "optim": optimizer.state_dict()},
+                            torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()},
                                        target)
                             os.sync()
                         dist.barrier()
@@ -107,8 +111,8 @@ def _worker(rank: int, world: int, port: int, args_json: str, out: str) -> None:
                         written = target.stat().st_size if rank == 0 else 0
                     else:
                         saver = savers[way]
-                        stall = saver.save(rnd + 1, model, optimizer, {"step": rnd + 1, "run_id": "bench"},
-                                           {"rng": _rng_state()})
+                        state.step = rnd + 1
+                        stall = saver.save(rnd + 1, state)  # the run's state, as train() saves it
                         saver.wait()
                         save_s = saver.saved_s[-1]
                         dist.barrier()  # rank 0 has published the directory
@@ -126,7 +130,7 @@ def _worker(rank: int, world: int, port: int, args_json: str, out: str) -> None:
                         print(json.dumps(lines[-1]), flush=True)
             for saver in savers.values():
                 saver.close()
-            del model, optimizer
+            del model, optimizer, state, runtime
             shutil.rmtree(run_dir, ignore_errors=True)
     finally:
         if world > 1:

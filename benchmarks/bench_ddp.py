@@ -20,9 +20,15 @@ threads, on the rank's own core). ``step_loss_s`` = step(2) - step(1) splits int
 ``compute_s`` (the thread's extra CPU), ``exposed_s`` and ``rest_s`` (waiting for a core or the
 other rank).
 
-``--bucket-caps 1,5,25,100`` also runs 2-rank runs at each ``TrainConfig.bucket_cap_mb`` and
+``--bucket-caps 1,5,25,100`` also runs 2-rank runs at each ``TrainConfig.parallel.bucket_cap_mb`` and
 prints one line per size (tokens/s, exposed communication): the measurement that chooses the
-default (TrainConfig.bucket_cap_mb).
+default (TrainConfig.parallel.bucket_cap_mb).
+``--baseline-commit REF`` instead compares this checkout's 2-rank data-parallel step with the step
+of commit REF (a ``git worktree`` of it in a temporary directory): every round runs the same 2-rank
+run once on each code (the order flips every round), each from the same driver script in a fresh
+process, and prints the median of the per-round ratios of the median timed step time (this / REF;
+goal: at most 1.02, issue 34) with their spread.
+
 The machine's load average is printed with the result. Run: ``python benchmarks/bench_ddp.py``
 from the repository root. Last line: one JSON object.
 """
@@ -35,6 +41,7 @@ import os
 import pathlib
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +52,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from labkit.config import TrainConfig, from_dict, to_dict  # noqa: E402
+from labkit.config.sections import ParallelConfig  # noqa: E402
 from labkit.data.shards import write_rows  # noqa: E402
 from labkit.measure import scaling_efficiency  # noqa: E402
 from labkit.study.scaling import fit_overlap  # noqa: E402
@@ -130,6 +138,85 @@ def run(cfg: TrainConfig, world: int) -> dict:
     return result
 
 
+DRIVER = """
+import json, os, socket, sys
+import torch.multiprocessing as mp
+
+
+def _worker(rank, world, port, forms):
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    from labkit.config import TrainConfig, from_dict
+    from labkit.train import train
+    try:  # a TrainConfig in sections; an older labkit takes the flat fields
+        cfg = from_dict(TrainConfig, forms["nested"])
+    except (TypeError, ValueError):
+        cfg = TrainConfig(**forms["flat"])
+    train(cfg)
+
+
+if __name__ == "__main__":
+    fields, world = json.loads(sys.argv[1]), int(sys.argv[2])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(world, port, fields), nprocs=world, join=True)
+"""
+"""One run of a config on ``world`` spawned ranks, importing labkit from PYTHONPATH (``--baseline-commit``:
+the same script for both codes): {"nested": ``to_dict`` of the TrainConfig, "flat": the same fields by
+their names before TrainConfig had sections}."""
+
+
+def baseline_rounds(args: argparse.Namespace, data: pathlib.Path, tmp: str) -> dict:
+    """``--baseline-commit``: paired 2-rank rounds of this checkout and of ``args.baseline_commit``
+    (module docstring). Returns the JSON summary."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    tree = pathlib.Path(tmp) / "baseline"
+    subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(tree), args.baseline_commit],
+                   check=True, capture_output=True)
+    driver = pathlib.Path(tmp) / "driver.py"
+    driver.write_text(DRIVER)
+    step: dict[str, list[float]] = {"this": [], "baseline": []}
+    try:
+        for rnd in range(args.rounds + 1):  # round 0: warm-up
+            for code in (("this", "baseline") if rnd % 2 == 0 else ("baseline", "this")):
+                run_dir = pathlib.Path(tmp) / f"{code}-{rnd}"
+                cfg = config(args, data, str(run_dir), args.bucket_cap_mb)
+                forms = {"nested": to_dict(cfg), "flat": _flat(to_dict(cfg))}
+                env = os.environ | {"PYTHONPATH": str(root if code == "this" else tree)}
+                subprocess.run([sys.executable, str(driver), json.dumps(forms), "2"], check=True, env=env)
+                records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+                med = statistics.median(r["step_time_s"] for r in records[args.warmup_steps:])
+                print(json.dumps({"round": rnd, "code": code, "step_time_s": med,
+                                  "load_avg_1m": os.getloadavg()[0]}), flush=True)
+                if rnd > 0:
+                    step[code].append(med)
+    finally:
+        subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(tree)], capture_output=True)
+    ratios = [a / b for a, b in zip(step["this"], step["baseline"])]
+    return {"benchmark": "ddp_vs_baseline", "metric": "step_time_ratio", "value": statistics.median(ratios),
+            "baseline": f"the same 2-rank run at {args.baseline_commit}", "goal": 1.02, "higher_is_better": False,
+            "per_round_ratio": ratios, "ratio_spread": spread(ratios),
+            "step_time_s_this": statistics.median(step["this"]),
+            "step_time_s_baseline": statistics.median(step["baseline"]), "model": args.model,
+            "seq_len": args.seq_len, "micro_batch_per_rank": args.micro_batch, "sharding": args.sharding,
+            "rounds": args.rounds, "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}
+
+
+def _flat(nested: dict) -> dict:
+    """``to_dict`` of a TrainConfig with its sections' fields under their names before the sections
+    (``labkit.config.FLAT_KEYS``)."""
+    from labkit.config.train import FLAT_KEYS, TRAIN_SECTIONS
+
+    back = {dotted: flat for flat, dotted in FLAT_KEYS.items()}
+    out = {k: v for k, v in nested.items() if k not in TRAIN_SECTIONS}
+    for section in TRAIN_SECTIONS:
+        out |= {back[f"{section}.{k}"]: v for k, v in nested.get(section, {}).items() if f"{section}.{k}" in back}
+    return out
+
+
 def config(args: argparse.Namespace, data: pathlib.Path, run_dir: str, bucket_cap_mb: float) -> TrainConfig:
     """The benchmark's run: ``args.model`` at ``args.micro_batch`` per rank, one thread, no checkpoints."""
     return TrainConfig(data_dir=str(data), run_dir=run_dir, model=args.model, max_steps=args.steps, num_threads=1,
@@ -150,11 +237,21 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup-steps", type=int, default=1)
     p.add_argument("--rounds", type=int, default=9, help="paired rounds (3 gave 0.58-0.87 on an idle machine)")
     p.add_argument("--sharding", default="ddp", choices=["ddp", "zero1", "fsdp"])
-    p.add_argument("--bucket-cap-mb", type=float, default=TrainConfig.bucket_cap_mb, help="TrainConfig.bucket_cap_mb")
+    p.add_argument("--bucket-cap-mb", type=float, default=ParallelConfig().bucket_cap_mb,
+                   help="TrainConfig.parallel.bucket_cap_mb")
     p.add_argument("--bucket-caps", default="", help="comma-separated bucket sizes (MiB) for a 2-rank sweep")
     p.add_argument("--sweep-rounds", type=int, default=3)
+    p.add_argument("--baseline-commit", default="", help="compare the 2-rank step with this commit's (paired rounds)")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.baseline_commit:
+        with tempfile.TemporaryDirectory(prefix="bench_ddp_") as tmp:
+            data = pathlib.Path(tmp) / "shards"
+            write_shards(data, n_sequences=2 * args.micro_batch * args.steps + 8, seq_len=args.seq_len,
+                         vocab_size=args.vocab)
+            out = baseline_rounds(args, data, tmp)
+        print(json.dumps(out), flush=True)
+        return out
     tps: dict[int, list[float]] = {1: [], 2: []}
     cpu_per_token: dict[int, list[float]] = {1: [], 2: []}  # CPU seconds of train() / tokens
     per_step: dict[int, dict[str, list[float]]] = {1: {}, 2: {}}  # rank 0's medians of timed steps, per round

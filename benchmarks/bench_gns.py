@@ -88,16 +88,16 @@ def _worker(rank: int, world: int, port: int, cfg_json: str, plan: list[bool], o
             self.on = plan[(self.steps - 2) % len(plan)]  # __init__'s reset is steps 1
             self.spent, self.calls0 = 0.0, calls["n"]
 
-        def before(self, i, t):
+        def before(self, i, t, weights=None, pieces=None):
             if self.on:
                 t0 = time.perf_counter()
-                super().before(i, t)
+                super().before(i, t, weights, pieces)
                 self.spent += time.perf_counter() - t0
 
-        def after(self, i, t):
+        def after(self, i, t, weights=None, pieces=None):
             if self.on:
                 t0 = time.perf_counter()
-                super().after(i, t)
+                super().after(i, t, weights, pieces)
                 self.spent += time.perf_counter() - t0
 
         def count(self, n):

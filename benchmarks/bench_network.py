@@ -131,7 +131,7 @@ def _compression(args, tmp: pathlib.Path, config: str) -> dict:
     for rnd in range(args.rounds):
         df = run_network_sweep(config, tmp / f"round-{rnd}", models=(args.model,), rates_mbit=(rate,),
                                compressions=kinds, steps=max(args.steps, 5), warmup_steps=2,
-                               overrides=["train.powersgd_start_iter=2"])
+                               overrides=["train.parallel.powersgd_start_iter=2"])
         for row in df.iter_rows(named=True):
             k = row["grad_compression"]
             eff[k].append(row["efficiency"])

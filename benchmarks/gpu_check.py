@@ -7,8 +7,10 @@
    (``study.gpu.gpu_memory_check``).
 2. ``flops``: ``labkit.model.flops_per_token`` against ``FlopCounterMode`` on CUDA, bert-120m
    with the sparse and the dense head (``study.gpu.flops_check``).
-3. ``resume``: a ZeRO-1 run with fused AdamW saved at step 2, resumed and stepped to 4; an fsdp
-   run with held-out evaluation, saved, resumed and finished (one-rank NCCL groups).
+3. ``resume``: a run configured ZeRO-1 with fused AdamW saved at step 2, resumed and stepped to 4; an
+   fsdp-configured run with held-out evaluation, saved, resumed and finished (one-rank NCCL groups:
+   at dp 1 the builder applies no data-parallel strategy, so both check a one-GPU run's
+   checkpoint and resume in a process group).
 4. ``configs``: bf16 step time, tokens/s, MFU (FLOPs with the MLM decoder counted) and the
    largest micro-batch of labkit's training step for bert-120m and bert-350m at seq 128 and 512,
    eager and under ``torch.compile``, with the formula planner's peak beside each.
@@ -17,10 +19,12 @@
 Writes one JSON file and a short markdown summary beside it (.md). It has not run on a GPU yet
 (no GPU was available where it was written).
 
-Each configuration of ``configs``: build ``BertMLM`` (labkit/model/encoder.py), AdamW as ``train`` builds it, one step
+Each configuration of ``configs``: build ``BertMLM`` (labkit/model/encoder.py) and its run as ``train`` builds it
+(``labkit.train.build_runtime``: AdamW, the step, the clip), one step
 at micro-batch 1 so the optimiser state exists, then ``largest_fitting`` finds the largest
-micro-batch whose whole step (bf16 autocast forward/backward through ``train.forward_backward``,
-global-norm clip, AdamW step) runs without ``torch.cuda.OutOfMemoryError``, emptying the CUDA
+micro-batch whose whole step (the trainer's: bf16 autocast forward/backward through
+``Runtime.forward_backward``, its global-norm clip ``Runtime.clip_grad_norm``, AdamW step) runs
+without ``torch.cuda.OutOfMemoryError``, emptying the CUDA
 cache between tries. It then times ``--steps`` steps (after ``--warmup`` untimed ones) at the
 largest power of two not above that micro-batch, with ``measure.StepTimer`` (synchronised).
 tokens/s counts every token (the random batches hold no padding); MFU = tokens/s x
@@ -55,7 +59,7 @@ from labkit.config import TrainConfig  # noqa: E402
 from labkit.data.mlm import MLMCollator  # noqa: E402
 from labkit.model import BertMLM, count_parameters, flops_per_token, model_config  # noqa: E402
 from labkit.study.plan import largest_fitting  # noqa: E402
-from labkit.train import build_optimizer, dist, forward_backward  # noqa: E402
+from labkit.train import Runtime, build_runtime, dist  # noqa: E402, F401 (Runtime: tests patch its step)
 
 
 def _is_oom(err: BaseException) -> bool:
@@ -73,11 +77,10 @@ def check_config(name: str, seq_len: int, *, vocab: int, device: torch.device, l
 
     mcfg = model_config(name, vocab, max_position_embeddings=max(512, seq_len))
     torch.manual_seed(0)
-    model = BertMLM(mcfg).to(device)
+    rt = build_runtime(TrainConfig(data_dir="-", run_dir="-", precision="bf16", compile=compile_), BertMLM(mcfg),
+                       device)  # the trainer's builder: AdamW, compile (in place), the step and its clip
+    model, optimizer = rt.parts, rt.optimizer
     model.train()
-    if compile_:
-        model.compile()
-    optimizer = build_optimizer(model, TrainConfig(data_dir="-", run_dir="-"))
     collate = MLMCollator(vocab_size=vocab, seed=0)
     gen = torch.Generator().manual_seed(0)
 
@@ -87,8 +90,8 @@ def check_config(name: str, seq_len: int, *, vocab: int, device: torch.device, l
         return {k: v.to(device) for k, v in collate(rows.numpy()).items()}
 
     def step(mb: dict[str, torch.Tensor]) -> None:
-        forward_backward(model, [mb], world_size=1, precision="bf16")
-        dist.clip_grad_norm(model, 1.0)
+        rt.forward_backward([mb])
+        rt.clip_grad_norm(1.0)  # the trainer's one clip (labkit.train.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -141,7 +144,7 @@ def check_config(name: str, seq_len: int, *, vocab: int, device: torch.device, l
            "mfu": measure.mfu(tps, fpt, 1, peak), "peak_mem_bytes": measured_peak,
            "planned_peak_bytes": planned_peak,
            "planned_over_measured": planned_peak / measured_peak if measured_peak else None, "precision": "bf16"}
-    del model, optimizer, mb
+    del rt, model, optimizer, mb
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -255,11 +258,12 @@ def flops_check(device: torch.device, names: list[str], vocab: int, seq_len: int
 
 
 def resume_check(device: torch.device, workdir: pathlib.Path, model: str = "mini") -> dict:
-    """Check 3: ZeRO-1 with fused AdamW (on CUDA) and fsdp with held-out evaluation, each stopped
-    after step 2 (checkpoint), resumed and run to step 4, bf16, in one-rank process groups (a
-    fresh port per run: re-creating a group on one port can hang, pytorch#55967). Per run:
-    {"ok", "resumed_from_step", "steps", "final_loss", "eval_loss", "comm_exposed_s" (the gradient
-    collectives timed with CUDA events, labkit.train.comm)} or {"ok": False, "error"}."""
+    """Check 3: runs configured ZeRO-1 and fsdp (with held-out evaluation), each stopped after step 2
+    (checkpoint), resumed and run to step 4, bf16, in one-rank process groups (a fresh port per run:
+    re-creating a group on one port can hang, pytorch#55967); at dp 1 the builder applies neither
+    (``labkit.train.parallel``), so this checks a one-GPU run's checkpoint and resume. Per run:
+    {"ok", "resumed_from_step", "steps", "final_loss", "eval_loss", "comm_exposed_s"} or {"ok": False,
+    "error"}."""
     import importlib.util
 
     from labkit.config import TrainConfig

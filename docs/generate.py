@@ -27,6 +27,9 @@ blocks read the files the measuring command wrote, kept under docs/data/:
   --at 25 100 300 --repeats 3 --window 2048 --set train.max_steps=400``, as JSON lines
   (``polars.read_parquet(...).write_ndjson(...)``); ``critical_batch_branching.jsonl`` the same work
   directory's ``labkit sweep batch`` table that run read.
+- ``docs/data/bench_ramp.jsonl``: the file ``python benchmarks/bench_ramp.py configs/walkthrough.toml
+  --out docs/data/bench_ramp.jsonl`` writes (a batch ramp and the noise scale's against fixed
+  batches: steps and examples to a held-out loss, on the walkthrough's shards).
 - ``docs/data/plan_counted.jsonl``: the JSON lines ``python docs/count_study.py`` writes
   (``plan_model`` of the study's two models on an H100 NVL).
 - ``docs/data/bench_model.jsonl`` / ``bench_ddp.jsonl`` / ``bench_stage.jsonl`` / ``bench_parallel.jsonl``:
@@ -40,7 +43,7 @@ blocks read the files the measuring command wrote, kept under docs/data/:
 
 Blocks: ``demo-summary``, ``demo-times`` (README.md); ``demo-load``, ``lesson1-measured``, ``lesson1-planner``, ``parallel-planner``, ``lesson2-measured``,
 ``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``, ``lesson4-forecast``, ``lesson4-forecast-check``,
-``lesson4-network``, ``lesson4-compression-learning``, ``lesson4-branching``,
+``lesson4-network``, ``lesson4-compression-learning``, ``lesson4-branching``, ``lesson4-bench-ramp``,
 ``lesson5-measured``, ``lesson5-planner`` (docs/results.md), and docs/generate_study.py's
 ``tokenizer-study``, ``study-run``, ``study-loaders``, ``study-plan``, ``precision-experiment``,
 ``one-story`` (docs/results.md, from configs/study.toml and the files its scripts write); ``bench-model`` (docs/model.md);
@@ -492,6 +495,49 @@ def lesson4_compression_learning() -> str:
     return "\n".join(out) + "\n"
 
 
+def lesson4_bench_ramp() -> str:
+    """docs/results.md: a batch ramp and the noise scale's growing batch against fixed batches, from
+    docs/data/bench_ramp.jsonl (``benchmarks/bench_ramp.py``): steps and examples to a held-out loss,
+    and the steps saved against the fixed batch that uses the same examples (issue 36's goal: 25 %)."""
+    recs = _records("bench_ramp.jsonl")
+    if not recs:
+        return "No record yet (`docs/data/bench_ramp.jsonl` is missing).\n"
+    runs, d = [r for r in recs if r.get("record") == "run"], recs[-1]
+    t = d["target_eval_loss"]
+    out = [f"| run | global batch | steps to held-out loss {t:.3f} | examples to it | steps saved at the same "
+           "examples | best held-out loss (steps run) |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in runs:
+        s, e = r["steps_to_target"], r["examples_to_target"]
+        batch = str(r["start_batch"]) if r["schedule"] == "fixed" else " → ".join(
+            str(c["global_batch_size"]) + (f" (after {c['step']})" if c["step"] else "") for c in r["changes"])
+        saved = "-"
+        if r.get("steps_saved") is not None:
+            against = (f"fixed {r['matched_fixed_batch']}: {r['matched_fixed_steps']:.1f} steps, "
+                       f"{r['matched_fixed_examples']:,.0f} examples, x{e / r['matched_fixed_examples']:.2f} of them"
+                       if r["compared_with"] == "measured" else
+                       f"the fit's batch {r['fit_batch_same_examples']:.1f}: {r['fit_steps_same_examples']:.1f} steps")
+            saved = f"{100 * r['steps_saved']:.0f} % (against {against})"
+        out.append(f"| {r['name']} | {batch} | " + (f"{s:.1f} | {e:,.0f}" if s is not None else "not reached | -")
+                   + f" | {saved} | {r['best_eval_loss']:.3f} ({r['curve'][-1][0]}) |")
+    fit = d.get("fit") or {}
+    met = [r["name"] for r in runs if r.get("goal_met")]
+    out.append("")
+    out.append(f"`{d['model']}` model on `{d['config']}`'s shards ({d['sequences']:,} sequences of {d['seq_len']} "
+               f"tokens), {d['ranks']} gloo ranks × micro-batch {d['micro_batch_per_rank']}; the fixed runs as `labkit "
+               f"sweep batch` makes them ({d['examples']:,} examples each, lr {d['lr']:g} at batch {d['start_batch']} "
+               f"scaled by the {d['lr_rule']} rule); the ramp runs start at {d['start_batch']} on that batch's "
+               f"{d['schedule']} schedule ({d['examples'] // d['start_batch']} steps), lr by the same rule at each "
+               f"change, and stop after {d['stop_factor']:g} x the steps the fixed {d['start_batch']} run took to the target; held-out "
+               f"loss every {d['eval_examples']} examples. Target: the worst fixed run's best held-out loss"
+               f"{'' if d['target_rule'] != 'given' else ' (given)'}. "
+               + (f"The fixed runs fit B_crit = {fit['b_crit']:.1f}, S_min = {fit['s_min']:.1f}, E_min = "
+                  f"{fit['e_min']:.0f} (S(B) = S_min(1 + B_crit/B)), which gives the fixed batch with a ramp's "
+                  "examples where no measured run is within 10 % of them. " if fit.get("b_crit") else "")
+               + ("Goal (25 % fewer steps at the same examples) met by " + ", ".join(met) if met
+                  else "Goal (25 % fewer steps at the same examples) not met") + ".")
+    return "\n".join(out) + "\n"
+
+
 def lesson5_measured() -> str:
     rows = ["| model | labkit here: max micro-batch under 2 GiB per rank (CPU, fp32, seq 128, counted) |", "| --- | --- |"]
     demo_rows = _demo()["sweep_micro_batch"]
@@ -772,6 +818,7 @@ BLOCKS = {("README.md", "demo-summary"): demo_summary,
           ("docs/results.md", "lesson4-network"): lesson4_network,
           ("docs/results.md", "lesson4-branching"): lesson4_branching,
           ("docs/results.md", "lesson4-compression-learning"): lesson4_compression_learning,
+          ("docs/results.md", "lesson4-bench-ramp"): lesson4_bench_ramp,
           ("docs/results.md", "lesson5-measured"): lesson5_measured,
           ("docs/results.md", "lesson5-planner"): lesson5_planner,
           ("docs/model.md", "bench-model"): bench_model,

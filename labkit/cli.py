@@ -51,6 +51,7 @@ EXAMPLES = {
     "forecast": "labkit forecast configs/study.toml --gpus 1,2,4,8,16,32,64,128,256 --network 25GbE\n"
                 "  labkit forecast configs/walkthrough.toml --device cpu --gpus 1,2,4,8",
     "export": "labkit export work/walkthrough/runs/main work/walkthrough/export",
+    "checkpoint": "labkit checkpoint upgrade work/walkthrough/runs/main",
     "demo": "labkit demo --workdir work/demo --engines 2",
     "verify": "labkit verify work/demo/shards",
     "report": "labkit report notebooks/03_train.py work/demo/reports/03_train.html --param steps=20",
@@ -197,6 +198,18 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint(args: argparse.Namespace) -> int:
+    from labkit.readout import Output
+    from labkit.train.upgrade import upgrade
+
+    with Output(args.json) as out:
+        done = upgrade(args.run_dir)
+        lines = [f"upgraded {d['path']} ({d['kind']} run, step {d['step']}) to format 2" for d in done]
+        out.show({"run_dir": args.run_dir, "upgraded": done},
+                 lines or [f"{args.run_dir}: no format-1 checkpoint, nothing to upgrade"])
+    return 0
+
+
 def _verify(args: argparse.Namespace) -> int:
     from labkit.data.shards import verify_shards
     from labkit.readout import Output, verify_line
@@ -302,6 +315,16 @@ def _sub(sub, name: str, help_text: str, debug_parent: argparse.ArgumentParser) 
                           epilog=f"example:\n  {EXAMPLES[name]}", formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+def _add_checkpoint(sub, debug: argparse.ArgumentParser) -> None:
+    """The ``labkit checkpoint upgrade RUN_DIR`` subcommand (``labkit.train.upgrade``)."""
+    p = _sub(sub, "checkpoint", "rewrite a run's format-1 checkpoints (before torch.distributed.checkpoint) once, "
+                                "so it resumes", debug)
+    p.add_argument("action", choices=("upgrade",))
+    p.add_argument("run_dir")
+    _add_json(p)
+    p.set_defaults(func=_checkpoint)
+
+
 def _add_plan(sub, debug_parent: argparse.ArgumentParser) -> None:
     """The ``labkit plan`` subcommand: a preset, a CONFIG file's run, or your own model
     (``--model-module``, whose contract is ``FACTORY_CONTRACT``)."""
@@ -400,6 +423,37 @@ def _add_forecast(sub: Any, debug: argparse.ArgumentParser) -> None:
     p.set_defaults(func=_command("forecast"))
 
 
+def _add_sweep(sub, debug: argparse.ArgumentParser) -> None:
+    """``labkit sweep KIND``: its options (each says which kinds read it)."""
+    p = _sub(sub, "sweep", "scaling sweeps: ranks, micro-batch, DataLoader workers, a shaped network (notebook 04), "
+                           "data x tensor x pipeline splits (notebook 06), the critical batch by whole runs (batch) "
+                           "and by branching from a run's checkpoints (branch; notebook 07)", debug)
+    p.add_argument("kind", choices=("ranks", "micro-batch", "loaders", "network", "parallel", "batch", "branch"))
+    _add_common(p)
+    p.add_argument("--ranks", type=int, nargs="+", default=None, help="ranks: the rank counts (default 1..engines)")
+    p.add_argument("--models", nargs="+", default=None, help="micro-batch: model presets (default: train.model)")
+    p.add_argument("--budget-gib", type=float, default=2.0,
+                   help="micro-batch: GiB (2**30 bytes) per rank; 0 = the GPU until OOM")
+    p.add_argument("--budget-gb", type=float, default=None, help=argparse.SUPPRESS)  # refused: GB is plan's unit
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="loaders: worker counts")
+    p.add_argument("--step-time-s", type=float, default=0.05, help="loaders: the consumer's step time (s)")
+    p.add_argument("--micro-batches", type=int, default=4,
+                   help="parallel: micro-batches per step and data-parallel replica (the pipeline's m)")
+    p.add_argument("--steps", type=int, default=None, help="parallel: optimiser steps per split (default 8); "
+                                                           "network: per run, the first 2 untimed (default 6)")
+    p.add_argument("--rates-mbit", type=float, nargs="+", default=[0, 1000, 200, 50],
+                   help="network: link settings in Mbit/s between the two hosts, 0 = unshaped (root)")
+    p.add_argument("--compression", nargs="+", default=["none"], choices=("none", "bf16", "powersgd"),
+                   help="network: train.parallel.grad_compression values, each at every setting")
+    _add_batch_sweep_args(p)
+    p.add_argument("--critical-batch", default=None, metavar="PARQUET",
+                   help="ranks: B_noise of the statistical goodput column from a `labkit sweep batch` table "
+                        "(<workdir>/sweeps/critical_batch.parquet: its B_crit); default: the in-run B_simple of the "
+                        "run with the most ranks. branch: the B_crit shown beside (default: that file, if any)")
+    p.add_argument("--force", action="store_true", help="rerun points already in the sweep's table")
+    p.set_defaults(func=_command("sweep"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``labkit`` argument parser (every subcommand's ``--help`` ends with an example)."""
     debug = argparse.ArgumentParser(add_help=False)
@@ -433,33 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, config=False, engines_help="number of engines (default: as many as the run ran on, its "
                                               "config.json's world size; [cluster] engines when it has none)")
     p.set_defaults(func=_resume)
-    p = _sub(sub, "sweep", "scaling sweeps: ranks, micro-batch, DataLoader workers, a shaped network (notebook 04), "
-                           "data x tensor x pipeline splits (notebook 06), the critical batch by whole runs (batch) "
-                           "and by branching from a run's checkpoints (branch; notebook 07)", debug)
-    p.add_argument("kind", choices=("ranks", "micro-batch", "loaders", "network", "parallel", "batch", "branch"))
-    _add_common(p)
-    p.add_argument("--ranks", type=int, nargs="+", default=None, help="ranks: the rank counts (default 1..engines)")
-    p.add_argument("--models", nargs="+", default=None, help="micro-batch: model presets (default: train.model)")
-    p.add_argument("--budget-gib", type=float, default=2.0,
-                   help="micro-batch: GiB (2**30 bytes) per rank; 0 = the GPU until OOM")
-    p.add_argument("--budget-gb", type=float, default=None, help=argparse.SUPPRESS)  # refused: GB is plan's unit
-    p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="loaders: worker counts")
-    p.add_argument("--step-time-s", type=float, default=0.05, help="loaders: the consumer's step time (s)")
-    p.add_argument("--micro-batches", type=int, default=4,
-                   help="parallel: micro-batches per step and data-parallel replica (the pipeline's m)")
-    p.add_argument("--steps", type=int, default=None, help="parallel: optimiser steps per split (default 8); "
-                                                           "network: per run, the first 2 untimed (default 6)")
-    p.add_argument("--rates-mbit", type=float, nargs="+", default=[0, 1000, 200, 50],
-                   help="network: link settings in Mbit/s between the two hosts, 0 = unshaped (root)")
-    p.add_argument("--compression", nargs="+", default=["none"], choices=("none", "bf16", "powersgd"),
-                   help="network: train.parallel.grad_compression values, each at every setting")
-    _add_batch_sweep_args(p)
-    p.add_argument("--critical-batch", default=None, metavar="PARQUET",
-                   help="ranks: B_noise of the statistical goodput column from a `labkit sweep batch` table "
-                        "(<workdir>/sweeps/critical_batch.parquet: its B_crit); default: the in-run B_simple of the "
-                        "run with the most ranks. branch: the B_crit shown beside (default: that file, if any)")
-    p.add_argument("--force", action="store_true", help="rerun points already in the sweep's table")
-    p.set_defaults(func=_command("sweep"))
+    _add_sweep(sub, debug)
     _add_plan(sub, debug)
     _add_forecast(sub, debug)
     p = _sub(sub, "export", "write a run's model, tokenizer and model card for transformers", debug)
@@ -470,6 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     _add_json(p)
     p.set_defaults(func=_command("export"))
+    _add_checkpoint(sub, debug)
 
     p = _sub(sub, "demo", "the end-to-end lab on local engines, CPU, real ELF binaries", debug)
     p.add_argument("--workdir", default="work/demo", help="where every artifact goes (default: work/demo)")

@@ -107,7 +107,7 @@ def forecast(args) -> int:
         source = f"given: {args.step_time_s:.3g} s per step at micro-batch {mbs[0]} (--step-time-s)"
     elif device == "cpu":
         measured = {b: measure_step_time(mcfg, micro_batch=b, seq_len=seq_len, precision=lab.train.precision,
-                                         mlm_probability=lab.train.mlm_probability, threads=lab.train.num_threads)
+                                         mlm_probability=lab.train.data.mlm_probability, threads=lab.train.num_threads)
                     for b in mbs}
         compute_s = {b: m["step_s"] for b, m in measured.items()}
         m = next(iter(measured.values()))

@@ -197,7 +197,7 @@ def plan_config(args) -> int:
     if getattr(args, "count", False):  # count what the step keeps (any model; about a minute on a CPU)
         from labkit.study import memory
 
-        make_model, make_batch = memory.labkit_model(cfg, seq_len, mlm_probability=lab.train.mlm_probability)
+        make_model, make_batch = memory.labkit_model(cfg, seq_len, mlm_probability=lab.train.data.mlm_probability)
         fit = memory.plan_model(make_model, make_batch, device=pc.device, precision=precision, sharding="ddp",
                                 dp=pc.gpus)
         method = "counted (study.memory.plan_model)"
@@ -287,7 +287,7 @@ def _print_config_plan(config, lab, pc, summary: dict, *, mem, cap, table, summa
           "whose all-reduce does not hide behind backward (comm_hidden false); hidden to MFU: the achieved MFU up to "
           f"which the all-reduce at {summary['n_gpus']} GPUs hides (the break-even; 'any' above 100 %: no achievable "
           "MFU exposes it; never: its last bucket is most of it)")
-    print(f"\ngradient compression (train.grad_compression; powersgd at rank 4) at {summary['n_gpus']} GPUs over "
+    print(f"\ngradient compression (train.parallel.grad_compression; powersgd at rank 4) at {summary['n_gpus']} GPUs over "
           f"{pc.network}:")
     print_table(levers.select("precision", "grad_compression", (pl.col("grad_bytes") / 1e6).round(1).alias("grad MB"),
                               pl.col("compute_s").round_sig_figs(3), pl.col("exposed_s").round_sig_figs(3),

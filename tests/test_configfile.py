@@ -83,11 +83,26 @@ def test_set_overrides_parse_toml_values_else_strings(cfg_file):
     ("xyz.lr=1", "xyz: unknown key; known top-level keys are workdir, scaled_down and the sections cluster"),
     ("cluster.engines=0", "cluster.engines: must be at least 1, got 0"),
     ("train", "--set 'train': expected section.key=value"),
+    ("train.batch.ramp=[[10, 32]]", "train.batch.ramp: is read only with batch.schedule = 'ramp', not 'fixed'"),
+    ('train.batch={schedule = "ramp", ramp = [[10, "x"]]}', "train.batch.ramp[0][1]: expected int, got 'x'"),
+    ("train.batch={schedule = \"ramp\", ramp = [[10, 64], [20, 32]]}",
+     "train.batch.ramp: global batch sizes must be positive and strictly ascending, got [64, 32]"),
 ])
 def test_bad_keys_and_values_are_named_in_one_line(cfg_file, override, message):
     with pytest.raises(ValueError) as err:
         load(cfg_file, [override])
     assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_batch_ramp_reads_as_pairs_and_resumes_from_config_json_unchanged(cfg_file):
+    from labkit.train.run_config import config_drift
+
+    cfg = load(cfg_file, ['train.batch={schedule = "ramp", ramp = [[200, 32], [400, 64]]}']).train
+    assert cfg.batch.ramp == ((200, 32), (400, 64))
+    saved = json.loads(json.dumps(to_dict(cfg)))  # config.json: lists
+    assert config_drift(saved, to_dict(cfg), None, {}, allow_safe_changes=False) == []
+    assert config_drift(saved, to_dict(cfg.replace(batch={"ramp": [[200, 32], [500, 64]]})), None, {},
+                        allow_safe_changes=False) == ["batch.ramp: [[200, 32], [400, 64]] -> [[200, 32], [500, 64]]"]
 
 
 def test_file_errors_name_the_file(tmp_path):
@@ -185,7 +200,7 @@ def test_train_config_has_sections_given_as_dicts_or_objects():
         assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
     with pytest.raises(ValueError, match="^ckpt_every: is now checkpoint.every$"):
         a.replace(ckpt_every=3)
-    assert a.lr == a.optim.lr and a.ckpt_every == a.checkpoint.every  # the transition's read-only flat names
+    assert not hasattr(a, "lr") and not hasattr(a, "ckpt_every")  # read as a.optim.lr, a.checkpoint.every only
 
 
 def test_flat_names_still_load_with_one_warning_line_each(tmp_path, capfd):

@@ -21,17 +21,18 @@ _spec.loader.exec_module(gpu_check)
 def test_cpu_flow_with_fake_oom(tmp_path, monkeypatch):
     """The whole check on CPU (tiny model) where micro-batches above 5 raise CUDA's OOM error:
     the search answers 5, timing runs at 4, MFU is None (no peak for a CPU), NCCL is skipped."""
-    real = gpu_check.forward_backward
+    real = gpu_check.Runtime.forward_backward
 
-    def oom_above_5(model, micro_batches, **kw):
-        if micro_batches[0]["input_ids"].shape[0] > 5:
+    def oom_above_5(self, micro_batches, mark=None):  # the configs check's step only (train()'s runs read shards)
+        if micro_batches[0]["input_ids"].shape[0] > 5 and self.cfg.data_dir == "-":
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (fake)")
-        return real(model, micro_batches, **kw)
+        return real(self, micro_batches, mark)
 
-    monkeypatch.setattr(gpu_check, "forward_backward", oom_above_5)
+    monkeypatch.setattr(gpu_check.Runtime, "forward_backward", oom_above_5)  # the trainer's step
     torch.set_num_threads(1)
     out = tmp_path / "gpu.json"
-    report = gpu_check.main(["--device", "cpu", "--models", "tiny", "--seq-lens", "32,64", "--vocab", "96", "--compile-modes", "0",
+    report = gpu_check.main(["--device", "cpu", "--models", "tiny", "--seq-lens", "32,64", "--vocab", "96",
+                             "--compile-modes", "0",
                              "--limit", "64", "--steps", "2", "--warmup", "1", "--out", str(out),
                              "--flops-models", "tiny", "--resume-model", "tiny"])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
@@ -84,7 +85,7 @@ def test_other_errors_are_not_taken_for_oom(monkeypatch):
     def broken(*args, **kw):
         raise RuntimeError("shape mismatch")
 
-    monkeypatch.setattr(gpu_check, "forward_backward", broken)
+    monkeypatch.setattr(gpu_check.Runtime, "forward_backward", broken)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         gpu_check.check_config("tiny", 32, vocab=96, device=torch.device("cpu"), limit=4, steps=1, warmup=0)
 

@@ -92,13 +92,49 @@ class BatchConfig:
     schedule runs). A resume at another dp changes it to keep the checkpoint's global batch."""
     lr_rule: Literal["sqrt", "linear", "constant"] = "sqrt"
     """How optim.lr follows the global batch where a run trains at k times this config's batch (a
-    branch, ``labkit.study.branching``): lr x sqrt(k) (Adam: Malladi et al. 2022, arXiv:2205.10287),
-    lr x k (SGD: Goyal et al. 2017, arXiv:1706.02677), or lr unchanged (``critical_batch.lr_for_batch``)."""
+    ramp's larger batches, a branch, ``labkit.study.branching``): lr x sqrt(k) (Adam: Malladi et al.
+    2022, arXiv:2205.10287), lr x k (SGD: Goyal et al. 2017, arXiv:1706.02677), or lr unchanged
+    (``labkit.train.optim.lr_for_batch``)."""
+    schedule: Literal["fixed", "ramp", "critical"] = "fixed"
+    """The global batch over the run (``labkit.train.ramp``): "fixed", micro_batch_size x
+    grad_accum_steps x dp throughout; "ramp", that batch at first, then the batches of batch.ramp
+    from the steps it names; "critical", doubled whenever the in-run noise scale's 90 % interval
+    (``labkit.train.gns``: b_simple_low) is at or above the doubled batch, up to
+    batch.max_global_batch_size; valid only where the noise scale agrees with the critical batch
+    measured by branching (``labkit sweep branch``). The batch grows through grad_accum_steps at the
+    run's world size, the learning rate by batch.lr_rule (optim.lr is that of the starting batch);
+    every change is a line of run_dir/batch_changes.jsonl."""
+    ramp: tuple[tuple[int, int], ...] = ()
+    """schedule "ramp": [[S, B], ...], S ascending, B ascending: after optimiser step S (from step
+    S + 1 of metrics.jsonl on) the global batch is B sequences, a multiple of micro_batch_size x dp
+    above the starting batch (TOML: ``ramp = [[200, 32], [400, 64]]``)."""
+    max_global_batch_size: int | None = None
+    """schedule "critical": the largest global batch it may grow to (sequences); None: no bound
+    but the noise scale's."""
 
     def __post_init__(self) -> None:
         _positive(self.micro_batch_size, "batch.micro_batch_size")
         _positive(self.grad_accum_steps, "batch.grad_accum_steps")
         _one_of(self.lr_rule, "batch.lr_rule", ("sqrt", "linear", "constant"))
+        _one_of(self.schedule, "batch.schedule", ("fixed", "ramp", "critical"))
+        try:
+            self.ramp = tuple((int(s), int(b)) for s, b in self.ramp)
+        except (TypeError, ValueError):
+            raise ValueError(f"batch.ramp: expected a list of [step, global_batch_size] pairs, got {self.ramp!r}") \
+                from None
+        _require(self.schedule == "ramp" or not self.ramp, "batch.ramp",
+                 f"is read only with batch.schedule = 'ramp', not {self.schedule!r}")
+        _require(self.schedule != "ramp" or bool(self.ramp), "batch.ramp",
+                 "batch.schedule 'ramp' needs at least one [step, global_batch_size] pair")
+        steps, batches = [s for s, _ in self.ramp], [b for _, b in self.ramp]
+        _require(all(s >= 1 for s in steps) and steps == sorted(set(steps)), "batch.ramp",
+                 f"steps must be >= 1 and strictly ascending, got {steps}")
+        _require(all(b >= 1 for b in batches) and batches == sorted(set(batches)), "batch.ramp",
+                 f"global batch sizes must be positive and strictly ascending, got {batches}")
+        _require(self.max_global_batch_size is None or self.schedule == "critical", "batch.max_global_batch_size",
+                 f"is read only with batch.schedule = 'critical', not {self.schedule!r}")
+        _require(self.max_global_batch_size is None or self.max_global_batch_size > 0, "batch.max_global_batch_size",
+                 f"must be positive or None, got {self.max_global_batch_size}")
 
 
 @dataclass(kw_only=True)
@@ -140,9 +176,10 @@ class ParallelConfig:
     latency less often; the last bucket's all-reduce is never hidden (``comm_exposed_s`` in every
     metrics record, docs/training.md)."""
     grad_compression: Literal["none", "bf16", "powersgd"] = "none"
-    """ddp / zero1: how DDP's gradient buckets travel (``labkit.train.comm.compression_hook``, in the
-    one comm hook with the timing): "none" all-reduces fp32; "bf16" casts each bucket to bfloat16
-    for the all-reduce (torch's ``bf16_compress_hook``: half the bytes); "powersgd" sends a rank-
+    """How the data-parallel gradient reduction travels: "none" in fp32; "bf16" in bfloat16, half the
+    bytes (ddp / zero1: torch's ``bf16_compress_hook`` in DDP's one comm hook with the timing,
+    ``labkit.train.comm.compression_hook``; fsdp: FSDP2's ``MixedPrecisionPolicy(reduce_dtype=bf16)``;
+    replicate: the replicas' all-reduce in bf16); "powersgd" (ddp / zero1 only) sends a rank-
     ``powersgd_rank`` factorisation of each matrix gradient (torch's ``powerSGD_hook``, Vogels et
     al. 2019, arXiv:1905.13727, with error feedback) after ``powersgd_start_iter`` plain steps."""
     powersgd_rank: int = 4
@@ -175,8 +212,9 @@ class ParallelConfig:
         _require(self.bucket_cap_mb == "auto" or (not isinstance(self.bucket_cap_mb, str) and self.bucket_cap_mb > 0),
                  "parallel.bucket_cap_mb", f"must be a positive number of MiB or 'auto', got {self.bucket_cap_mb!r}")
         _one_of(self.grad_compression, "parallel.grad_compression", ("none", "bf16", "powersgd"))
-        _require(self.grad_compression == "none" or self.sharding in ("ddp", "zero1"), "parallel.grad_compression",
-                 f"{self.grad_compression!r} is a DDP comm hook: it needs sharding 'ddp' or 'zero1', "
+        _require(self.grad_compression != "powersgd" or self.sharding in ("ddp", "zero1"), "parallel.grad_compression",
+                 "'powersgd' is torch's DDP comm hook (it all-reduces low-rank factors of whole gradient matrices, "
+                 f"which FSDP2's shards and tensor-parallel slices are not): it needs sharding 'ddp' or 'zero1', "
                  f"not {self.sharding!r}")
         _require(self.powersgd_rank >= 1, "parallel.powersgd_rank", f"must be >= 1, got {self.powersgd_rank}")
         _require(self.powersgd_start_iter >= 2, "parallel.powersgd_start_iter",

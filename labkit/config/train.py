@@ -72,8 +72,8 @@ class TrainConfig:
 
     Each field's metadata says whether it may change when the run is resumed (``FREE``, ``SAFE``,
     else it must stay the same; ``resume_policy``). A flat name of before the sections as a keyword
-    (``TrainConfig(lr=...)``) is refused with a ValueError naming its section; ``cfg.lr`` still reads
-    ``cfg.optim.lr`` during the transition (``__getattr__``).
+    (``TrainConfig(lr=...)``) is refused with a ValueError naming its section, and read only as
+    ``cfg.optim.lr`` (there is no flat attribute).
     """
 
     data_dir: str = field(metadata=FREE)
@@ -100,8 +100,9 @@ class TrainConfig:
     num_threads: int | None = field(default=None, metadata=FREE)
     """torch intra-op threads per rank (CPU); None leaves torch's default."""
     compile: bool = False
-    """``torch.compile`` the model's forward (``nn.Module.compile``, in place, so parameter
-    names and checkpoints stay the same) before wrapping it for data parallelism."""
+    """``torch.compile`` each pipeline stage's forward (the whole model at pp = 1; ``nn.Module.compile``,
+    in place, so parameter names and checkpoints stay the same) after tensor parallelism and before
+    the data-parallel wrapping (``labkit.train.parallel.build``)."""
     activation_checkpointing: bool = False
     """Recompute each encoder layer's activations in backward (sets ModelConfig's field; the
     same as model_overrides={"activation_checkpointing": True})."""
@@ -122,7 +123,7 @@ class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """The learning-rate schedule."""
     batch: BatchConfig = field(default_factory=BatchConfig)
-    """Micro-batch size and gradient accumulation."""
+    """Micro-batch size, gradient accumulation and the global batch over the run."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """The (pp, dp, tp) split and the data-parallel strategy."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -160,13 +161,13 @@ class TrainConfig:
         par, m = self.parallel, self.batch.grad_accum_steps
         _require(par.pp == 1 or par.pp_schedule == "gpipe" or m >= par.pp, "batch.grad_accum_steps",
                  f"{par.pp_schedule} needs at least as many micro-batches as stages: {m} < parallel.pp {par.pp}")
+        _require(par.pp == 1 or self.batch.schedule == "fixed", "batch.schedule",
+                 f"{self.batch.schedule!r} changes the micro-batches per step, which a pipeline schedule fixes when it "
+                 "is built: with parallel.pp > 1 use 'fixed'")
         rounds = max(1, m // par.pp)
         _require(par.pp == 1 or par.pp_schedule != "interleaved_1f1b" or m % rounds == 0, "batch.grad_accum_steps",
                  f"interleaved_1f1b needs a multiple of {rounds} micro-batches (rounds of parallel.pp {par.pp}), "
                  f"got {m}")
-        _require(not par.is_split or self.precision != "fp16", "precision",
-                 "fp16 is not checked with tp/pp > 1 (its loss scaler would see split gradients); use bf16 or fp32")
-        _require(not par.is_split or not self.compile, "compile", "torch.compile is not checked with tp/pp > 1")
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with ``changes``: a top-level field by name, a section by a dict of the fields that
@@ -181,15 +182,6 @@ class TrainConfig:
             if name in TRAIN_SECTIONS and isinstance(value, dict):
                 changes[name] = _section(name, TRAIN_SECTIONS[name], value, base=getattr(self, name))
         return dataclasses.replace(self, **changes)
-
-    def __getattr__(self, name: str) -> Any:
-        """Transition only: ``cfg.lr`` reads ``cfg.optim.lr`` (``FLAT_KEYS``) for code not yet moved
-        to the sections. Read-only; to be removed."""
-        dotted_name = FLAT_KEYS.get(name)
-        if dotted_name is None or name.startswith("__"):
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        section, key = dotted_name.split(".")
-        return getattr(object.__getattribute__(self, section), key)
 
 
 def dotted(config: dict[str, Any]) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from labkit.model.attention import (apply_rotary, eager_attention, full_attention, instruction_positions,
@@ -119,7 +120,7 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 def local(t: torch.Tensor | None) -> torch.Tensor | None:
     """The part of ``t`` this process holds: ``t.to_local()`` for a parameter split from outside the
     model (a DTensor, ``labkit.train.parallel``), ``t`` itself otherwise (None stays None)."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t.to_local() if isinstance(t, DTensor) else t  # isinstance: what torch.compile traces through
 
 
 def model_config(name: str, vocab_size: int, **overrides) -> ModelConfig:

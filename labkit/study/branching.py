@@ -169,7 +169,7 @@ def heldout_losses(cfg: TrainConfig, checkpoint: str | pathlib.Path) -> tuple[np
     model = BertMLM(model_config_of(cfg, int(index["vocab_size"])))
     model.load_state_dict(load_weights(checkpoint))
     model.eval()
-    held = HeldoutSet(cfg.data_dir, rank=0, world_size=1, vocab_size=int(index["vocab_size"]),
+    held = HeldoutSet(cfg.data_dir, rank=0, world_size=1,
                       mlm_probability=cfg.data.mlm_probability, max_sequences=cfg.eval.sequences, batch_size=1,
                       device=torch.device("cpu"))
     sums, counts = [], []

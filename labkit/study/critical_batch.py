@@ -30,25 +30,10 @@ import polars as pl
 from labkit.data import made_by
 from labkit.io import atomic_write
 from labkit.study.goodput import goodput_columns
+from labkit.train.optim import LR_RULES, lr_for_batch  # noqa: F401 (here since the sweeps; the ramp's too)
 
 __all__ = ["CURVE_FIELDS", "b_simple_at", "batch_base", "batch_config", "fit_critical_batch", "hyperbola",
            "lr_for_batch", "run_rates", "steps_to_target", "sweep_batch"]
-
-LR_RULES = ("sqrt", "linear", "constant")
-
-
-def lr_for_batch(base_lr: float, base_batch: int, batch: int, rule: str = "sqrt") -> float:
-    """The learning rate at global ``batch`` (sequences) from ``base_lr`` at ``base_batch``:
-    ``sqrt`` (lr ∝ √B, the rule for Adam: Malladi et al. 2022, arXiv:2205.10287), ``linear``
-    (lr ∝ B, Goyal et al. 2017, arXiv:1706.02677, for SGD) or ``constant``. Raises ValueError on an
-    unknown rule or a non-positive batch."""
-    if rule not in LR_RULES:
-        raise ValueError(f"lr rule: must be one of {LR_RULES}, got {rule!r}")
-    if batch <= 0 or base_batch <= 0:
-        raise ValueError(f"lr_for_batch: batches must be positive, got {base_batch} and {batch}")
-    ratio = batch / base_batch
-    return base_lr * {"sqrt": math.sqrt(ratio), "linear": ratio, "constant": 1.0}[rule]
-
 
 def steps_to_target(records: list[dict], target: float, key: str = "eval_loss") -> float | None:
     """The (fractional) step at which ``records[i][key]`` first falls to ``target`` or below,

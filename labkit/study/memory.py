@@ -144,13 +144,14 @@ def optimizer_step_bytes(params: list[dict[str, Any]], impl: str, *, sharding: s
     return 8 * max(numels, default=0)
 
 
-def optimizer_impl(device: str, sharding: str) -> str:
-    """The AdamW implementation labkit's ``build_optimizer`` runs: fused on CUDA (ddp, zero1, one
-    process), foreach for FSDP's DTensor shards on CUDA (torch's default there), the for-loop on
-    CPU (torch's default off CUDA)."""
-    if device == "cpu":
-        return "for-loop"
-    return "foreach" if sharding == "fsdp" else "fused"
+def optimizer_impl(device: str, sharding: str, precision: str = "fp32") -> str:
+    """The AdamW implementation labkit's ``build_optimizer`` runs (``labkit.train.optim.optimizer_kind``):
+    torch's fused AdamW on CPU and CUDA alike, for plain tensors (one process, ddp, zero1) and FSDP2's
+    DTensor shards; torch's default (foreach on CUDA, the for-loop on CPU) only under fp16 with fsdp,
+    whose ``ShardedGradScaler`` found-inf flag the fused step refuses. ``device``: "cpu" or a GPU."""
+    if precision == "fp16" and sharding == "fsdp":
+        return "for-loop" if device == "cpu" else "foreach"
+    return "fused"
 
 
 def gathered_bytes(params: list[dict[str, Any]], *, precision: str, dp: int) -> int:
@@ -219,7 +220,7 @@ def plan_model(make_model: Callable[[], torch.nn.Module], make_batch: Callable[[
     params, counts = run["parameters"], run["counts"]
     state = state_bytes(params, sharding=sharding, dp=dp, zero_stage=zero_stage, optimizer=optimizer)
     per_seq, fixed = _linear(counts, "saved_bytes")
-    impl = optimizer_impl("cuda" if gpu else "cpu", sharding) if optimizer == "adamw" else "for-loop"
+    impl = optimizer_impl("cuda" if gpu else "cpu", sharding, precision) if optimizer == "adamw" else "for-loop"
     step_tmp = optimizer_step_bytes(params, impl, sharding=sharding, dp=dp) if optimizer == "adamw" else 0
     gathered = gathered_bytes(params, precision=precision, dp=dp) if fsdp else 0
     lines = [_line(counts, FIT_AT)]  # the step's peak: convex in b (module docstring)

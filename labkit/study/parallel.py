@@ -137,9 +137,9 @@ def planned_rank_memory(mcfg: ModelConfig, cfg, *, world: int, seq_len: int, dev
 def measure_rank_memory(cfg, staged_paths: dict[str, str] | None = None) -> dict:
     """Collective, one call per rank of a run of ``cfg`` (a ``TrainConfig``; RANK / WORLD_SIZE from
     the environment, as ``labkit.train.train`` reads them; with ``staged_paths`` {node: shard dir}
-    each rank reads its node's copy): build the model as ``train`` does (split by
-    ``labkit.train.parallel``, or DDP / FSDP2 for data parallelism alone), take two optimiser steps
-    on the run's first batches and measure this rank's memory: {"rank", "state_bytes" (bytes of its
+    each rank reads its node's copy): build the run with the training builder and step
+    (``labkit.train.runtime.build_runtime``), take two optimiser steps (``Runtime.forward_backward``,
+    the optimiser's step) on the run's first batches and measure this rank's memory: {"rank", "state_bytes" (bytes of its
     parameters, gradients and AdamW moments, read from the tensors: the local slices of split or
     sharded ones), "activation_bytes" (``labkit.measure.SavedActivationPeak`` over the second step's
     forwards and backwards, micro-batches in flight as the schedule keeps them), "total_bytes"}.
@@ -156,10 +156,10 @@ def measure_rank_memory(cfg, staged_paths: dict[str, str] | None = None) -> dict
     from labkit.measure import SavedActivationPeak
     from labkit.model import BertMLM
     from labkit.model.encoder import local
-    from labkit.train import build_optimizer, dist, forward_backward
-    from labkit.train import parallel as tparallel
-    from labkit.train.loop import AUTOCAST_DTYPES
+    from labkit.train import dist
+    from labkit.train.parallel import check_split
     from labkit.train.run_config import model_config_of
+    from labkit.train.runtime import build_runtime
 
     if staged_paths:
         cfg = dataclasses.replace(cfg, data_dir=staged_paths[node_name()])
@@ -172,20 +172,14 @@ def measure_rank_memory(cfg, staged_paths: dict[str, str] | None = None) -> dict
     try:
         index = read_index(cfg.data_dir)
         mcfg = model_config_of(cfg, int(index["vocab_size"]))
+        check_split(cfg, mcfg, world, int(index["seq_len"]), rank)
         torch.manual_seed(cfg.seed)
-        model = BertMLM(mcfg)
-        if tparallel.is_split(cfg):
-            split = tparallel.check_split(cfg, mcfg, world, int(index["seq_len"]), rank)
-            model, optimizer, _, _, _ = tparallel.build(cfg, model, device, split)
-            data_rank, data_world = split.dp_rank, split.dp
-            step = lambda mbs: model.forward_backward(mbs, dtype=AUTOCAST_DTYPES[cfg.precision])  # noqa: E731
-        else:
-            model = dist.wrap_model(model.to(device), cfg, device)
-            optimizer = build_optimizer(model, cfg)
-            data_rank, data_world = rank, world
-            step = lambda mbs: forward_backward(model, mbs, world_size=world, precision=cfg.precision)  # noqa: E731
-        loader = make_loader(cfg.data_dir, batch_size=cfg.batch.micro_batch_size, rank=data_rank, world_size=data_world,
-                             seed=cfg.seed, mlm_probability=cfg.data.mlm_probability, vocab_size=mcfg.vocab_size)
+        runtime = build_runtime(cfg, BertMLM(mcfg), device)  # the training builder and step
+        model, optimizer, step = runtime.parts, runtime.optimizer, runtime.forward_backward
+        data_rank, data_world = runtime.dp_rank, runtime.dp
+        loader = make_loader(cfg.data_dir, batch_size=cfg.batch.micro_batch_size, rank=data_rank,
+                             world_size=data_world, seed=cfg.seed, mlm_probability=cfg.data.mlm_probability,
+                             vocab_size=mcfg.vocab_size)
         batches = iter(loader)
         params = list(model.parameters())
         peak = SavedActivationPeak(exclude={local(p).untyped_storage().data_ptr() for p in params})
@@ -210,7 +204,7 @@ def measure_rank_memory(cfg, staged_paths: dict[str, str] | None = None) -> dict
         # the model goes before the group does.
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
-        del step, model, optimizer, tensors, params, peak, batches, loader
+        del step, runtime, model, optimizer, tensors, params, peak, batches, loader
         gc.collect()
         return out
     finally:

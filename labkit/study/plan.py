@@ -373,7 +373,7 @@ def memory_plan(cfg: ModelConfig, *, seq_len: int, micro_batch: int, precision: 
     backward). head_backward: two fp32 [n, V] gradient buffers alive when backward starts. Grads are
     counted as allocated throughout (an upper estimate when they are set to None between steps).
     ``bubble``: GPipe's idle fraction (p - 1) / (m + p - 1) (Huang et al. arXiv:1811.06965).
-    ``sequence_parallel`` (with tp > 1; ``TrainConfig.sequence_parallel``, off by default as
+    ``sequence_parallel`` (with tp > 1; ``TrainConfig.parallel.sequence_parallel``, off by default as
     there): whether the residual stream's activations are split over tp too
     (``activation_terms``). Returns the terms, "total", and the inputs.
     """

@@ -448,7 +448,7 @@ def link_step_time(*, compute_s: float, bucket_bytes, bandwidth: float, latency:
 
 def compressed_grad_bytes(cfg, compression: str, *, powersgd_rank: int = 4, min_compression_rate: float = 2.0) -> int:
     """Bytes one rank all-reduces per step for labkit's model ``cfg`` under
-    ``TrainConfig.grad_compression``: "none" 4 per parameter (fp32 gradients), "bf16" 2, "powersgd"
+    ``TrainConfig.parallel.grad_compression``: "none" 4 per parameter (fp32 gradients), "bf16" 2, "powersgd"
     (after its warm-up) the rank-r factors P (n x r) and Q (m x r) of each n x m gradient matrix
     worth compressing and every other tensor whole, in fp32, r = min(n, m, ``powersgd_rank``), by
     torch's rule (``labkit.train.comm.powersgd_wire_bytes``, whose 2-rank runs it matches). The

@@ -1,4 +1,4 @@
-"""``TrainConfig.bucket_cap_mb = "auto"``: DDP's gradient bucket sized from the measured link.
+"""``TrainConfig.parallel.bucket_cap_mb = "auto"``: DDP's gradient bucket sized from the measured link.
 
 A bucket of S bytes is all-reduced in t(S) = a + b·S seconds on this process group (a: the
 per-collective latency, b: seconds per byte; both measured at start-up by timing all-reduces of
@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import math
 import pathlib
-import statistics
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from labkit.config import TrainConfig
 
 __all__ = ["EMBEDDING_MODULES", "auto_bucket_cap_mb", "bucket_bytes", "embedding_bytes", "exposed_s",
            "probe_backward", "probe_link", "queue_exposed_s"]
@@ -108,11 +108,14 @@ def embedding_bytes(model: torch.nn.Module) -> int:
                for p in children[name].parameters() if p.requires_grad)
 
 
-def probe_link(device: torch.device, *, sizes: tuple[int, int] = (64 * 2**10, 2 * 2**20), reps: int = 3
+def probe_link(device: torch.device, *, sizes: tuple[int, int] = (64 * 2**10, 4 * 2**20), reps: int = 5
                ) -> dict[str, float]:
     """The all-reduce of this process group timed at two sizes (bytes of fp32; one untimed, then
-    the median of ``reps``, each after a barrier), the slowest rank's (all-reduced maximum):
-    {"latency_s": a, "s_per_byte": b} of t(S) = a + b·S through the two points (a >= 0)."""
+    the fastest of ``reps``, each after a barrier), the slowest rank's (all-reduced maximum):
+    {"latency_s": a, "s_per_byte": b} of t(S) = a + b·S through the two points (a >= 0).
+
+    The fastest, not the median: other work on the host only ever adds time, and on a loaded
+    machine a median at 64 KiB came out slower than the one at 2 MiB (a slope of 0)."""
     medians = []
     for nbytes in sizes:
         x = torch.ones(nbytes // 4, device=device)
@@ -125,7 +128,7 @@ def probe_link(device: torch.device, *, sizes: tuple[int, int] = (64 * 2**10, 2 
                 torch.cuda.synchronize(device)
             if i:
                 times.append(time.perf_counter() - t0)
-        medians.append(statistics.median(times))
+        medians.append(min(times))
     t = torch.tensor(medians, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     (s1, s2), (t1, t2) = sizes, t.tolist()
@@ -133,18 +136,18 @@ def probe_link(device: torch.device, *, sizes: tuple[int, int] = (64 * 2**10, 2 
     return {"latency_s": max(0.0, t1 - b * s1), "s_per_byte": b, "sizes": list(sizes), "seconds": [t1, t2]}
 
 
-def probe_backward(model: torch.nn.Module, cfg: Any, device: torch.device, seq_len: int) -> float:
+def probe_backward(model: torch.nn.Module, cfg: TrainConfig, device: torch.device, seq_len: int) -> float:
     """Seconds of one backward of ``model`` (labkit's BertMLM: ``model.cfg.vocab_size``) on a
-    micro-batch of the run's shape (``cfg.micro_batch_size`` x ``seq_len`` random ids, the masked
-    share ``cfg.mlm_probability``, autocast per ``cfg.precision``): the second of two, the slowest
+    micro-batch of the run's shape (``cfg.batch.micro_batch_size`` x ``seq_len`` random ids, the masked
+    share ``cfg.data.mlm_probability``, autocast per ``cfg.precision``): the second of two, the slowest
     rank's (all-reduced maximum). The RNG states are restored and the gradients cleared after, so
     the run trains as it would have."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(getattr(cfg, "precision", "fp32"))
-    b, vocab = cfg.micro_batch_size, model.cfg.vocab_size
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+    b, vocab = cfg.batch.micro_batch_size, model.cfg.vocab_size
     times = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         ids = torch.randint(5, vocab, (b, seq_len), device=device)
-        labels = torch.where(torch.rand(b, seq_len, device=device) < getattr(cfg, "mlm_probability", 0.15), ids, -100)
+        labels = torch.where(torch.rand(b, seq_len, device=device) < cfg.data.mlm_probability, ids, -100)
         labels[:, 0] = ids[:, 0]  # at least one masked position per row
         for _ in range(2):
             with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
@@ -162,15 +165,15 @@ def probe_backward(model: torch.nn.Module, cfg: Any, device: torch.device, seq_l
     return float(t.item())
 
 
-def auto_bucket_cap_mb(model: torch.nn.Module, cfg: Any, device: torch.device) -> float:
+def auto_bucket_cap_mb(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> float:
     """``bucket_cap_mb="auto"`` for ``model`` (not yet wrapped, on ``device``) under the active
     process group: the backward and the link measured (``probe_backward``, ``probe_link``), then
-    ``bucket_bytes`` in MiB. The run's sequence length is ``cfg.seq_len``, else its shards'
+    ``bucket_bytes`` in MiB. The run's sequence length is ``cfg.data.seq_len``, else its shards'
     (``cfg.data_dir``'s index.json). A model that is not labkit's (no ``cfg.vocab_size``), or a run
     without a shard index, gets torch's 25 MiB. Collective: every rank calls it. Rank 0 writes
     ``<cfg.run_dir>/bucket_auto.json`` (the inputs and the choice)."""
-    seq_len = getattr(cfg, "seq_len", None)
-    index = pathlib.Path(getattr(cfg, "data_dir", "") or ".", "index.json")
+    seq_len = cfg.data.seq_len
+    index = pathlib.Path(cfg.data_dir or ".", "index.json")
     if seq_len is None and index.is_file():
         import json
 
@@ -183,11 +186,11 @@ def auto_bucket_cap_mb(model: torch.nn.Module, cfg: Any, device: torch.device) -
     choice = bucket_bytes(grad_bytes=grads, last_bytes=embedding_bytes(model), backward_s=backward,
                           latency_s=link["latency_s"], s_per_byte=link["s_per_byte"])
     cap = choice["bytes"] / 2**20
-    if dist.get_rank() == 0 and getattr(cfg, "run_dir", None):
+    if dist.get_rank() == 0 and cfg.run_dir:
         from labkit.io import atomic_write_json
 
         record = {"bucket_cap_mb": cap, "grad_bytes": grads, "embedding_bytes": embedding_bytes(model),
-                  "backward_s": backward, "seq_len": seq_len, "micro_batch": cfg.micro_batch_size,
+                  "backward_s": backward, "seq_len": seq_len, "micro_batch": cfg.batch.micro_batch_size,
                   "world_size": dist.get_world_size(), **link, **choice}
         path = pathlib.Path(cfg.run_dir, "bucket_auto.json")
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,14 +1,16 @@
 """Checkpoints: ``checkpoints/step-N/``, one format for every mode (``FORMAT`` 2).
 
-A step directory holds torch.distributed.checkpoint (DCP) files of {"model", "optim"} by
-``BertMLM`` parameter name, each rank writing its own part (``Checkpointer``); state.pt from
-rank 0 (step, epoch, tokens, scaler, the global sampler state, the run id and, per rank, the RNG
-states: tensors, numbers and lists, so ``torch.load(weights_only=True)`` reads it); and the
-``MARKER`` file, written last. It is built under a temporary name and renamed to step-N only when
-complete; an existing step-N is swapped out only then. DCP reshards on load, so a checkpoint
-resumes at another world size, sharding or split (``load``). ``load_weights`` reads the whole
-model in one process (export). Format-1 directories (model.safetensors + state.pt, or a split
-run's DCP without marker) still load (``load_checkpoint``, ``is_legacy``).
+A step directory holds a run's state (``labkit.train.resume.RunState``): torch.distributed.checkpoint
+(DCP) files of its tensors, {"model", "optim"} by ``BertMLM`` parameter name and each rank's comm
+hook state, every rank writing its own part (``Checkpointer.save``); state.pt from rank 0 (step,
+epoch, tokens, scaler, the global sampler state, the noise scale's averages, the run id and, per
+rank, the RNG states: tensors, numbers and lists, so ``torch.load(weights_only=True)`` reads it);
+and the ``MARKER`` file, written last. It is built under a temporary name and renamed to step-N
+only when complete; an existing step-N is swapped out only then. ``Checkpointer.load`` is the
+symmetric read: DCP reshards on load, so a checkpoint resumes at another world size, sharding or
+split. ``load_weights`` reads the whole model in one process (export). A directory of format 1
+(before DCP: model.safetensors + state.pt, or a split run's DCP without marker) is refused in one
+line; ``labkit checkpoint upgrade RUN_DIR`` (``labkit.train.upgrade``) rewrites it once.
 
 Run identity: every run has an id (``new_run_id``) in config.json and in every checkpoint.
 ``plan_run`` (rank 0) chooses where a run starts and refuses another run's checkpoint;
@@ -20,7 +22,6 @@ import contextlib
 import copy
 import os
 import pathlib
-import random
 import shutil
 import json
 import tempfile
@@ -28,46 +29,15 @@ import time
 import uuid
 from typing import Any, Iterator
 
-import numpy as np
 import torch
-from safetensors.torch import load_model
 
 from labkit.io import atomic_dir, fsync_tree, replace
-from labkit.train import dist
-from labkit.train.rng import TRACKER
+from labkit.train import dist, status
 
 __all__ = [
-    "checkpoint_steps", "load_checkpoint", "load_split_checkpoint", "read_state", "save_checkpoint", "Checkpointer",
-    "agree_on_plan", "checkpoint_run_id", "is_complete", "is_legacy", "is_used", "load", "load_weights",
-    "new_run_id", "plan_run", "remove_leftovers", "saved_run_id", "set_aside", "state_dicts"
+    "checkpoint_steps", "read_state", "Checkpointer", "agree_on_plan", "checkpoint_run_id", "is_complete",
+    "is_used", "load_weights", "new_run_id", "plan_run", "remove_leftovers", "saved_run_id", "set_aside"
 ]
-
-
-def _rng_state() -> dict[str, Any]:
-    """This process's RNG states as tensors/lists/numbers (loadable with weights_only=True)."""
-    np_state = np.random.get_state()
-    version, internal, gauss = random.getstate()
-    state = {"torch": torch.get_rng_state(),
-             "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
-                       "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
-             "python": {"version": version, "internal": list(internal), "gauss": gauss}}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    if TRACKER.states:  # tensor parallelism: the replicated stream (labkit.train.rng)
-        state["tp_streams"] = TRACKER.state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    p = state["python"]
-    random.setstate((p["version"], tuple(p["internal"]), p["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    if "tp_streams" in state:  # else keep the streams this run seeded (labkit.train.rng.seed_streams)
-        TRACKER.set_state(state["tp_streams"])
 
 
 def checkpoint_steps(run_dir: str | os.PathLike) -> list[int]:
@@ -83,7 +53,8 @@ def checkpoint_steps(run_dir: str | os.PathLike) -> list[int]:
 # Run identity: which run a run directory and each of its checkpoints belong to
 # ------------------------------------------------------------------------------------------
 
-RUN_FILES = ("checkpoints", "metrics.jsonl", "result.json", "config.json", "data.json", "configs", "tensorboard")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "result.json", "config.json", "data.json", "configs", "tensorboard",
+             "batch_changes.jsonl")
 """What a run leaves in its run_dir; a new run in a used run_dir moves these to ``previous/``."""
 
 PREVIOUS_DIR = "previous"
@@ -227,41 +198,13 @@ def _replacing(final: pathlib.Path, built: pathlib.Path | None = None) -> Iterat
 
 
 FORMAT = 2
-"""state.pt's ``format``: 2 = torch.distributed.checkpoint for every mode, global sampler state.
-1 = before: model.safetensors + whole optimiser in state.pt (data parallel), or DCP for split
-runs with per-rank sampler positions; both still load (``is_legacy``)."""
+"""state.pt's ``format``: 2 = torch.distributed.checkpoint for every mode, global sampler state
+(the noise scale's averages and the comm hook's state when the run has them). 1 = before:
+model.safetensors + whole optimiser in state.pt (data parallel), or DCP for split runs with
+per-rank sampler positions; refused, ``labkit checkpoint upgrade`` rewrites it."""
 
 MARKER = "COMPLETE"
 """The file rank 0 writes last into a step directory, after every rank's part and state.pt."""
-
-
-def _options():
-    """Sharded state dicts (DTensors stay sharded: FSDP2 and tensor-parallel parameters), AdamW
-    state flattened by parameter name (``state.<fqn>.exp_avg``), so any rank of any split, data
-    parallel or not, loads the names and slices it holds whatever wrote them."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimiser holding this rank's state: ZeRO-1's local AdamW over its partition, else itself."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-
-
-def state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """{"model": parameters and buffers by ``BertMLM`` name, "optim": AdamW state by name} of this
-    rank, from ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` /
-    ``get_optimizer_state_dict``, which strip DDP's and torch.compile's wrappers): under DDP
-    whole replicated tensors (DCP saves each once, spread over the ranks), under FSDP2 and tp
-    DTensor shards, under ZeRO-1 only this rank's partition of the optimiser state. Before the
-    first step the optimiser's state is created with a zero-lr step, as torch does."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    return {"model": get_model_state_dict(model, options=_options()),
-            "optim": get_optimizer_state_dict(model, _local_optimizer(optimizer), options=_options())}
 
 
 def _quiet(fn, *args: Any, **kwargs: Any) -> Any:
@@ -284,20 +227,14 @@ def read_state(path: str | os.PathLike) -> dict[str, Any]:
     return torch.load(pathlib.Path(path) / "state.pt", map_location="cpu", weights_only=True)
 
 
-def is_legacy(path: str | os.PathLike) -> bool:
-    """Whether checkpoint directory ``path`` predates ``FORMAT`` 2 (no marker: model.safetensors +
-    state.pt, or a split run's DCP directory with per-rank sampler positions)."""
-    return not (pathlib.Path(path) / MARKER).is_file()
-
-
 class Checkpointer:
     """Writes ``checkpoints/step-N/`` of a run: collective, every rank writes its own part.
 
-    Layout: torch.distributed.checkpoint files (``.metadata``, ``__<rank>_0.distcp``) of
-    ``state_dicts`` (each rank's shards; a replicated tensor written once, by one rank), then
-    state.pt from rank 0 (``state``: step, epoch, tokens, scaler, the global sampler state, the
-    run id, ... plus ``ranks`` = [per_rank of rank 0, 1, ...]: RNG states, small), then
-    ``MARKER`` last. All of it goes into a temporary directory, which rank 0 renames to step-N
+    Layout: torch.distributed.checkpoint files (``.metadata``, ``__<rank>_0.distcp``) of the run
+    state's tensors (each rank's shards; a replicated tensor written once, by one rank), then
+    state.pt from rank 0 (the state's "run" fields: step, epoch, tokens, scaler, the global sampler
+    state, the run id, ... plus ``ranks`` = [the "rank" entry of rank 0, 1, ...]: RNG states,
+    small), then ``MARKER`` last. All of it goes into a temporary directory, which rank 0 renames to step-N
     once complete (``_replacing``: an existing step-N is swapped out only then), and prunes all
     but the newest ``keep``; each save first deletes what saves that never finished left
     (``remove_leftovers``).
@@ -327,22 +264,25 @@ class Checkpointer:
         self._untaken: list[float] = []
         self._executor = None
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
-             per_rank: dict[str, Any]) -> float:
-        """Collective: checkpoint step ``step`` (see the class). Returns this save's stall in seconds."""
+    def save(self, step: int, state: Any) -> float:
+        """Collective: checkpoint step ``step`` of the run state ``state`` (its ``state_dict()``:
+        {"tensors", "run", "rank"}, ``labkit.train.resume.RunState``; see the class). Returns this
+        save's stall in seconds."""
         import torch.distributed.checkpoint as dcp
 
+        status.update(phase="checkpoint")  # run_dir/ranks/rank-<r>.json (labkit.train.status)
         t0 = time.perf_counter()
         self.wait()
-        sd = state_dicts(model, optimizer)
-        ranks = dist.all_gather_object(per_rank)
+        full = state.state_dict()
+        sd = full["tensors"]
+        ranks = dist.all_gather_object(full["rank"])
         final = self.run_dir / "checkpoints" / f"step-{step}"
         tmp = None
         if dist.is_main():
             final.parent.mkdir(parents=True, exist_ok=True)
             remove_leftovers(final.parent)
             tmp = pathlib.Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
-            torch.save({**state, "format": FORMAT, "ranks": ranks}, tmp / "state.pt")
+            torch.save({**full["run"], "format": FORMAT, "ranks": ranks}, tmp / "state.pt")
         box = [str(tmp) if tmp is not None else None]
         if torch.distributed.is_initialized():
             torch.distributed.broadcast_object_list(box, src=0)
@@ -367,6 +307,28 @@ class Checkpointer:
         self.stalls.append(stall)
         self._untaken.append(stall)
         return stall
+
+    def load(self, path: str | os.PathLike, state: Any) -> dict[str, Any]:
+        """Collective: continue the run state ``state`` from checkpoint directory ``path``, the
+        symmetric read of ``save``, at any world size, sharding or split: DCP reads, on each rank,
+        the names and slices that rank holds of the tensors ``state.tensors_to_load`` asks for (an
+        FSDP2 rank only its shards, a ZeRO-1 rank only its partition's optimiser state, the comm
+        hook's tensors only at the same layout), then ``state.load_state_dict`` takes them with
+        state.pt. Returns state.pt. ValueError (one line, on every rank) for a format-1 checkpoint."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        path = pathlib.Path(path)
+        saved = read_state(path)
+        if saved.get("format", 1) < FORMAT or not (path / ".metadata").is_file():
+            raise ValueError(f"resume: {path} is a format-1 checkpoint (before torch.distributed.checkpoint); "
+                             f"rewrite it once with: labkit checkpoint upgrade {self.run_dir}")
+        meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        stored = {k: (m.size, m.properties.dtype) for k, m in meta.items() if isinstance(m, TensorStorageMetadata)}
+        tensors = state.tensors_to_load(saved, stored)
+        _quiet(dcp.load, tensors, checkpoint_id=str(path), no_dist=_no_dist())
+        state.load_state_dict({"tensors": tensors, "run": saved, "ranks": saved["ranks"]})
+        return saved
 
     def poll(self) -> None:
         """Publish a finished asynchronous save (rank 0); local, no collective."""
@@ -429,54 +391,17 @@ def remove_leftovers(ckdir: pathlib.Path) -> list[str]:
     return gone
 
 
-def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    state: dict[str, Any], per_rank: dict[str, Any], *, keep: int) -> pathlib.Path:
-    """Collective: one synchronous ``Checkpointer.save``; returns the step-N directory."""
-    Checkpointer(run_dir, keep=keep).save(step, model, optimizer, state, per_rank)
-    return pathlib.Path(run_dir) / "checkpoints" / f"step-{step}"
-
-
-_KERNEL_CHOICES = ("fused", "foreach", "capturable", "differentiable")
-"""AdamW param-group settings that choose the implementation, not the update: a checkpoint of a
-fused data-parallel run must not make a tensor-parallel run's AdamW fused (its kernel refuses DTensors)."""
-
-
-def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Collective: load checkpoint directory ``path`` (``FORMAT`` 2, or a format-1 split
-    directory) into ``model`` and ``optimizer`` as wrapped for this run, whatever the world size
-    or split that wrote it: DCP reads, on each rank, the names and slices that rank holds
-    (``state_dicts``: an FSDP2 rank reads only its shards, a ZeRO-1 rank only its partition's
-    optimiser state), then ``set_model_state_dict`` / ``set_optimizer_state_dict`` (keeping this
-    run's own ``_KERNEL_CHOICES``). Returns state.pt."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-    sd = state_dicts(model, optimizer)
-    _quiet(dcp.load, sd, checkpoint_id=str(path), no_dist=_no_dist())
-    set_model_state_dict(model, sd["model"], options=_options())
-    local = _local_optimizer(optimizer)
-    kernels = [{k: g[k] for k in _KERNEL_CHOICES if k in g} for g in local.param_groups]
-    set_optimizer_state_dict(model, local, sd["optim"], options=_options())
-    for group, own in zip(local.param_groups, kernels):  # how this run steps, not what: keep its own
-        group.update(own)
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        dist.steps_to_param_devices(optimizer.optim)
-    return read_state(path)
-
-
 def load_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The whole model's weights {BertMLM name: tensor} of checkpoint directory ``path``, in one
-    process (export, tests): DCP's ``model.*`` entries read at their full shapes, or a format-1
-    model.safetensors. FileNotFoundError naming the directory when it holds neither."""
+    process (export, tests): DCP's ``model.*`` entries read at their full shapes. ValueError for a
+    format-1 directory (model.safetensors: ``labkit checkpoint upgrade`` rewrites it),
+    FileNotFoundError naming the directory when it is no checkpoint."""
     path = pathlib.Path(path)
     if (path / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-
-        return load_file(str(path / "model.safetensors"))
+        raise ValueError(f"{path}: a format-1 checkpoint (before torch.distributed.checkpoint); rewrite it once "
+                         f"with: labkit checkpoint upgrade {path.parent.parent}")
     if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path}: not a checkpoint (no .metadata or model.safetensors)")
+        raise FileNotFoundError(f"{path}: not a checkpoint (no .metadata)")
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -486,23 +411,3 @@ def load_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
                if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
     _quiet(dcp.load, {"model": weights}, checkpoint_id=str(path), no_dist=True)
     return weights
-
-
-def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module) -> dict[str, Any]:
-    """Load model.safetensors into ``model`` (unwrapped, strict) and return state.pt, read with
-    ``torch.load(weights_only=True)`` on CPU."""
-    path = pathlib.Path(path)
-    load_model(dist.unwrap(model), str(path / "model.safetensors"), strict=True)
-    return torch.load(path / "state.pt", map_location="cpu", weights_only=True)
-
-
-# ------------------------------------------------------------------------------------------
-# Split models (tensor / pipeline parallel): torch.distributed.checkpoint
-# ------------------------------------------------------------------------------------------
-
-def load_split_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
-                          optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Collective: load a split run's torch.distributed.checkpoint directory (format 1, or any
-    ``Checkpointer`` step) into a split model and its optimiser (any split: each rank reads the shards of the names and slices it holds) and return state.pt.
-    The optimiser's state is created first with a zero step (lr 0), as torch's ``get_optimizer_state_dict`` does."""
-    return load(path, model, optimizer)

@@ -1,7 +1,7 @@
 """Timing of the gradient collectives of a step: what ``comm_exposed_s`` is measured from.
 
 ``time_gradient_collectives(model, device)`` installs a ``CommTimer`` on a model wrapped by
-``labkit.train.dist.wrap_model``: for DDP (ddp, zero1) a comm hook around torch's default
+``labkit.train.parallel.build``: for DDP (ddp, zero1) a comm hook around torch's default
 averaging all-reduce (the same collective DDP runs without a hook), for FSDP2 (fsdp) a timed
 reduce-scatter on every ``FSDPModule``; a split run (``labkit.train.runtime.Runtime``) times its dp
 collectives the same way: ``time_reduce_scatters`` on its stages' FSDP2 modules, or
@@ -40,30 +40,42 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from labkit.train.dist import is_fsdp
 
 __all__ = [
-    "CommTimer", "all_reduce_with_sideband", "time_gradient_collectives", "GradientObserver", "HookState",
-    "compression_hook", "powersgd_wire_bytes", "time_reduce_scatters", "timed_all_reduce"
+    "CommTimer", "all_reduce_with_sideband", "fully_shard_world", "time_gradient_collectives", "GradientObserver",
+    "HookState", "compression_hook", "install_ddp_hook", "powersgd_wire_bytes", "time_reduce_scatters",
+    "timed_all_reduce"
 ]
 
 
 class GradientObserver:
     """Per-bucket statistics taken inside the gradient collective (the base class does nothing).
 
-    ``before(bucket_index, local)`` gets this rank's flattened gradient bucket (a 1-D tensor, the
-    gradient of the local batch, before any division); ``after(bucket_index, reduced)`` gets the
-    averaged bucket (DDP) or this rank's reduce-scatter shard (FSDP2, ``sharded=True``). Both run on
-    the communication path: keep them to a few device ops (no host sync on CUDA). ``step_fields()``
-    is called once per optimiser step on every rank, after the step, and returns the fields it adds
-    to the metrics record; ``reset()`` is called before each step. ``sideband(device)``: a 1-D
-    float64 tensor on ``device`` (or None) that the caller sums over every rank once per step,
-    after the backward, inside a collective it makes anyway, and returns through ``receive(summed)``
-    before ``step_fields`` (which all-reduces the sideband itself only when nothing was received)."""
+    ``before(bucket_index, local, weights)`` gets this rank's flattened gradient bucket (a 1-D tensor,
+    the gradient of the local batch, before any division); ``after(bucket_index, reduced, weights)``
+    gets the averaged bucket (DDP, the replicas' all-reduce) or this rank's reduce-scatter shard
+    (FSDP2, ``sharded=True``). ``weights``: None, or a 1-D fp32 tensor whose length divides the
+    bucket's, one weight per element of each of its rows (``local.view(-1, len(weights))``): the
+    share of the element's value this rank counts when the other ranks of its tp group hold the same
+    value (1/tp for a tensor-parallel run's replicated parameters; ``labkit.train.runtime``). Both run
+    on the communication path: keep them to a few device ops (no host sync on CUDA).
+    ``pieces``: None, or (names, sizes) of the parameters whose gradients the bucket holds, in its
+    order (DDP's buckets, which DDP lays out anew after the first step: an observer that sums per
+    parameter in a fixed order gets the same sums whatever the layout, e.g. on a resumed run's
+    first step).
+    ``step_fields()`` is called once per optimiser step on every rank, after the step, and returns
+    the fields it adds to the metrics record; ``reset()`` is called before each step.
+    ``sideband(device)``: a 1-D float64 tensor on ``device`` (or None) that the caller sums over every
+    rank once per step, after the backward, inside a collective it makes anyway, and returns through
+    ``receive(summed)`` before ``step_fields`` (which all-reduces the sideband itself only when
+    nothing was received)."""
 
     sharded = False
 
-    def before(self, bucket_index: int, local: torch.Tensor) -> None:  # noqa: D102
+    def before(self, bucket_index: int, local: torch.Tensor, weights: torch.Tensor | None = None,  # noqa: D102
+               pieces: tuple[list[str], list[int]] | None = None) -> None:
         return None
 
-    def after(self, bucket_index: int, reduced: torch.Tensor) -> None:  # noqa: D102
+    def after(self, bucket_index: int, reduced: torch.Tensor,  # noqa: D102
+              weights: torch.Tensor | None = None, pieces: tuple[list[str], list[int]] | None = None) -> None:
         return None
 
     def reset(self) -> None:  # noqa: D102
@@ -172,14 +184,31 @@ class CommTimer:
 
 class HookState:
     """The composed DDP comm hook's state: the ``timer``, the inner ``reduce`` hook and its own
-    ``reduce_state`` (e.g. a ``PowerSGDState``; None for the default all-reduce), and
-    ``wire_bytes(bucket) -> int`` (bytes the inner hook sends for the bucket)."""
+    ``reduce_state`` (e.g. a ``PowerSGDState``; None for the default all-reduce),
+    ``wire_bytes(bucket) -> int`` (bytes the inner hook sends for the bucket), ``names`` (parameter ->
+    name: the observers' ``pieces``) and, for PowerSGD with names, ``named``: its state by parameter
+    name (``labkit.train.powersgd.NamedPowerSGD``, what a checkpoint keeps; None otherwise)."""
 
-    def __init__(self, timer: CommTimer, reduce: Any = None, reduce_state: Any = None, wire_bytes: Any = None) -> None:
+    def __init__(self, timer: CommTimer, reduce: Any = None, reduce_state: Any = None, wire_bytes: Any = None,
+                 names: dict[torch.nn.Parameter, str] | None = None) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
-        self.timer, self.reduce, self.reduce_state = timer, reduce or allreduce_hook, reduce_state
+        from labkit.train.powersgd import NamedPowerSGD
+
+        self.timer, self.reduce, self.reduce_state, self.names = timer, reduce or allreduce_hook, reduce_state, names
         self.wire_bytes = wire_bytes or (lambda bucket: bucket.buffer().numel() * bucket.buffer().element_size())
+        self.named = NamedPowerSGD(reduce_state, names) if isinstance(reduce_state, PowerSGDState) and names else None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """This rank's hook state to checkpoint (``NamedPowerSGD.state_dict``), None without one."""
+        return self.named.state_dict() if self.named is not None else None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state_dict()``'s output (ValueError when this hook keeps no state)."""
+        if self.named is None:
+            raise ValueError("grad_compression: the checkpoint holds PowerSGD's state, this run's hook keeps none")
+        self.named.load_state_dict(state)
 
 
 def all_reduce_with_sideband(values: torch.Tensor, timer: CommTimer | None) -> torch.Tensor:
@@ -201,96 +230,156 @@ def _composed_hook(state, bucket):  # no annotations: DDP checks them against di
     local bucket, then the inner ``reduce`` hook runs (torch's default averaging all-reduce,
     ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook``, unless a
     compression hook was chosen) with its launch and completion timed, then the observers see the
-    averaged bucket."""
+    averaged bucket; both with the bucket's ``pieces`` when the hook knows the parameters' names."""
     timer, index = state.timer, bucket.index()
+    if state.named is not None:  # PowerSGD's state follows the bucket's parameters (labkit.train.powersgd)
+        state.named.prepare(bucket)
+    pieces = None
+    if state.names is not None and timer.observers:
+        params = bucket.parameters()
+        pieces = ([state.names[p] for p in params], [p.numel() for p in params])
     for observer in timer.observers:
-        observer.before(index, bucket.buffer())
+        observer.before(index, bucket.buffer(), pieces=pieces)
     start, nbytes = timer.now(), state.wire_bytes(bucket)
 
     def done(fut: torch.futures.Future) -> torch.Tensor:
         timer.add(start, timer.now(), nbytes)
         reduced = fut.value()
         for observer in timer.observers:
-            observer.after(index, reduced)
+            observer.after(index, reduced, pieces=pieces)
         return reduced
 
     return state.reduce(state.reduce_state, bucket).then(done)
 
 
-def _timed_reduce_scatter(timer: CommTimer) -> Any:
+def _timed_reduce_scatter(timer: CommTimer, weights: dict[int, torch.Tensor]) -> Any:
     """FSDP2's default reduce-scatter with its call timed (FSDP2 calls it synchronously, on the
-    reduce-scatter stream on CUDA, on the backward thread on CPU). The comm interface lives in
-    the private module ``torch.distributed.fsdp._fully_shard._fsdp_collectives`` (torch 2.13);
+    reduce-scatter stream on CUDA, on the backward thread on CPU); the observers see its input and
+    output with the row ``weights`` of the parameter group whose input has that many elements
+    (``weights``: {input numel: row weights}; none: every weight 1). The comm interface lives in the
+    private module ``torch.distributed.fsdp._fully_shard._fsdp_collectives`` (torch 2.13);
     ``FSDPModule.set_custom_reduce_scatter`` is public."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
     class TimedReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001
+            w = weights.get(input_tensor.numel())
             for observer in timer.observers:
-                observer.before(0, input_tensor)
+                observer.before(0, input_tensor, w)
             start = timer.now()
             work = super().__call__(output_tensor, input_tensor, group, op, async_op)  # FSDP2: async_op False
             timer.add(start, timer.now(), input_tensor.numel() * input_tensor.element_size())
             for observer in timer.observers:
-                observer.after(0, output_tensor)
+                observer.after(0, output_tensor, w)
             return work
 
     return TimedReduceScatter()
 
 
+def _row_weights(module: FSDPModule, weights: dict[torch.nn.Parameter, float] | None,
+                 world: int) -> dict[int, torch.Tensor]:
+    """{reduce-scatter input numel: the weights of one row} of each FSDP2 parameter group of
+    ``module`` whose parameters do not all weigh 1 (``weights``: parameter -> weight, absent = 1).
+    FSDP2 lays the input out as ``world`` rows, each the concatenation of every parameter's dim-0
+    chunk padded to its sharded size (``foreach_reduce_scatter_copy_in``: ``chunk_cat``), so a row's
+    weights repeat each parameter's weight over its padded sharded numel (``FSDPParam``, torch 2.13)."""
+    from torch.distributed.fsdp import fully_shard
+
+    out: dict[int, torch.Tensor] = {}
+    if not weights:
+        return out
+    for group in fully_shard.state(module)._fsdp_param_groups:
+        sizes = [(weights.get(fp.sharded_param, 1.0), fp.padded_sharded_param_size.numel()) for fp in group.fsdp_params]
+        if all(w == 1.0 for w, _ in sizes):
+            continue
+        row = torch.cat([torch.full((n,), w, dtype=torch.float32) for w, n in sizes])
+        out[world * row.numel()] = row.to(group.device)
+    return out
+
+
 def time_gradient_collectives(model: torch.nn.Module, device: torch.device, *, reduce: Any = None,
                               reduce_state: Any = None, wire_bytes: Any = None,
-                              observers: tuple[GradientObserver, ...] | list[GradientObserver] = ()) -> CommTimer | None:
-    """Install a ``CommTimer`` on the gradient collectives of a wrapped ``model`` and return it
-    (None without a process group): DDP's one comm hook, composed (``_composed_hook``: the
+                              observers: tuple[GradientObserver, ...] | list[GradientObserver] = ()
+                              ) -> CommTimer | None:
+    """Install a ``CommTimer`` on the gradient collectives of one data-parallel ``model`` and return
+    it (None without a process group): DDP's one comm hook, composed (``_composed_hook``: the
     observers, the timing, the inner ``reduce`` hook with ``reduce_state``, torch's default
     all-reduce when None), for ddp and zero1; or a timed reduce-scatter on every FSDP2 module
     (fsdp; blocking on CPU, where FSDP2 runs it on the backward thread; ``reduce`` must be None
-    there: ValueError). Call once, after ``wrap_model`` and before the first step."""
+    there: ValueError). Call once, after wrapping and before the first step. A run's step
+    (``labkit.train.runtime.Runtime``) installs its own through ``install_ddp_hook`` and
+    ``time_reduce_scatters``."""
     if not dist.is_initialized():
         return None
     if is_fsdp(model):
         if reduce is not None:
-            raise ValueError("grad_compression: a compression hook applies to DDP (ddp, zero1), not to FSDP2's reduce-scatter")
+            raise ValueError("grad_compression: a compression hook applies to DDP (ddp, zero1), not to FSDP2's "
+                             "reduce-scatter")
         timer = CommTimer(device, blocking=device.type != "cuda", observers=observers)
         time_reduce_scatters(model.modules(), timer)
         return timer
     if isinstance(model, DDP):
         timer = CommTimer(device, observers=observers)
-        model.register_comm_hook(HookState(timer, reduce, reduce_state, wire_bytes), _composed_hook)
+        install_ddp_hook(model, timer, reduce, reduce_state, wire_bytes)
         return timer
     return None
 
 
-def time_reduce_scatters(modules: Any, timer: CommTimer) -> int:
+def install_ddp_hook(model: DDP, timer: CommTimer, reduce: Any = None, reduce_state: Any = None,
+                     wire_bytes: Any = None, names: dict[torch.nn.Parameter, str] | None = None) -> HookState:
+    """Register DDP's one comm hook on ``model``: ``_composed_hook`` with ``timer`` (its observers)
+    around the inner ``reduce`` hook (``compression_hook``'s triple; None: torch's averaging
+    all-reduce); ``names`` (parameter -> name) keeps PowerSGD's state by name. Returns the hook's state."""
+    state = HookState(timer, reduce, reduce_state, wire_bytes, names)
+    model.register_comm_hook(state, _composed_hook)
+    return state
+
+
+def time_reduce_scatters(modules: Any, timer: CommTimer, weights: dict[torch.nn.Parameter, float] | None = None) -> int:
     """Give every FSDP2 module among ``modules`` (an iterable of modules) the reduce-scatter timed
-    by ``timer`` (``_timed_reduce_scatter``: FSDP2's default, with the observers around it); returns
-    how many there were. A split run (``labkit.train.runtime``) calls it on its pipeline stages'
-    modules, which FSDP2 shards over the dp mesh."""
+    by ``timer`` (``_timed_reduce_scatter``: FSDP2's default, with the observers around it, each
+    group's elements weighted by ``weights``: parameter -> weight, ``_row_weights``); returns how
+    many there were. ``labkit.train.runtime`` calls it on every stage's modules, which FSDP2 shards
+    over the dp mesh."""
     count = 0
     for module in modules:
         if isinstance(module, FSDPModule):
-            module.set_custom_reduce_scatter(_timed_reduce_scatter(timer))
+            world = fully_shard_world(module)
+            module.set_custom_reduce_scatter(_timed_reduce_scatter(timer, _row_weights(module, weights, world)))
             count += 1
     return count
 
 
-def timed_all_reduce(timer: CommTimer | None, flat: torch.Tensor, group: Any, divide_by: int) -> torch.Tensor:
+def fully_shard_world(module: FSDPModule) -> int:
+    """The number of ranks FSDP2 shards ``module`` over (its dp mesh's size)."""
+    from torch.distributed.fsdp import fully_shard
+
+    groups = fully_shard.state(module)._fsdp_param_groups
+    return groups[0].mesh_info.shard_mesh_size if groups else 1
+
+
+def timed_all_reduce(timer: CommTimer | None, flat: torch.Tensor, group: Any, divide_by: int, *,
+                     weights: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """All-reduce the flat gradient ``flat`` over ``group`` in place and divide it by
     ``divide_by`` (the replicas' mean), as one timed collective of ``timer`` (None: untimed) with its
-    observers before (the local gradient) and after (the mean): the data-parallel gradient
-    reduction of a split run's ``sharding="replicate"``, which runs on the calling thread after the
-    backward (make that timer ``blocking``). Returns ``flat``."""
+    observers before (the local gradient) and after (the mean), ``weights`` per element
+    (``GradientObserver``). ``dtype`` (bfloat16: ``grad_compression="bf16"``): the wire carries
+    ``flat`` cast to it, summed in it and cast back (torch's ``bf16_compress_hook`` does the same for
+    DDP). The data-parallel gradient reduction of ``sharding="replicate"``, which runs on the calling
+    thread after the backward (make that timer ``blocking``). Returns ``flat``."""
     observers = timer.observers if timer is not None else []
     for observer in observers:
-        observer.before(0, flat)
+        observer.before(0, flat, weights)
     start = timer.now() if timer is not None else None
-    dist.all_reduce(flat, group=group)
+    wire = flat if dtype is None else flat.to(dtype)
+    dist.all_reduce(wire, group=group)
+    if wire is not flat:
+        flat.copy_(wire)
     if timer is not None:
-        timer.add(start, timer.now(), flat.numel() * flat.element_size())
+        timer.add(start, timer.now(), wire.numel() * wire.element_size())
     flat /= divide_by
     for observer in observers:
-        observer.after(0, flat)
+        observer.after(0, flat, weights)
     return flat
 
 
@@ -315,7 +404,7 @@ def powersgd_wire_bytes(state: Any, bucket: Any) -> int:
 
 
 def compression_hook(cfg: Any, process_group: Any = None) -> tuple[Any, Any, Any]:
-    """The inner ``reduce`` hook of ``time_gradient_collectives`` for ``cfg.grad_compression``
+    """The inner ``reduce`` hook of ``time_gradient_collectives`` for ``cfg.parallel.grad_compression``
     (a ``TrainConfig``): ``(reduce, reduce_state, wire_bytes)``.
 
     - "none": (None, None, None): torch's default averaging all-reduce of the fp32 bucket;
@@ -323,13 +412,14 @@ def compression_hook(cfg: Any, process_group: Any = None) -> tuple[Any, Any, Any
       the default group); each bucket is cast to bfloat16, all-reduced, divided by the world size
       and cast back, so the wire carries 2 bytes per gradient element;
     - "powersgd": torch's ``powerSGD_hook.powerSGD_hook`` with a ``PowerSGDState(process_group,
-      matrix_approximation_rank=cfg.powersgd_rank, start_powerSGD_iter=cfg.powersgd_start_iter)``
+      matrix_approximation_rank=cfg.parallel.powersgd_rank,
+      start_powerSGD_iter=cfg.parallel.powersgd_start_iter)``
       (error feedback and warm start on, torch's defaults; Vogels et al. 2019, arXiv:1905.13727),
       bytes from ``powersgd_wire_bytes``.
 
     Without a process group (one process) there is nothing to reduce: (None, None, None). Raises
     ValueError for another value (TrainConfig refuses it first)."""
-    kind = getattr(cfg, "grad_compression", "none")
+    kind = cfg.parallel.grad_compression
     if kind == "none" or not dist.is_initialized():
         return None, None, None
     if kind == "bf16":
@@ -339,8 +429,8 @@ def compression_hook(cfg: Any, process_group: Any = None) -> tuple[Any, Any, Any
     if kind == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-        state = psgd.PowerSGDState(process_group, matrix_approximation_rank=cfg.powersgd_rank,
-                                   start_powerSGD_iter=cfg.powersgd_start_iter)
+        state = psgd.PowerSGDState(process_group, matrix_approximation_rank=cfg.parallel.powersgd_rank,
+                                   start_powerSGD_iter=cfg.parallel.powersgd_start_iter)
         return psgd.powerSGD_hook, state, lambda bucket: powersgd_wire_bytes(state, bucket)
     raise ValueError(f"grad_compression: unknown {kind!r}; choose 'none', 'bf16' or 'powersgd'")
 

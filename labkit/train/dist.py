@@ -1,4 +1,4 @@
-"""Distributed plumbing: rank from the environment, process group, DDP wrapping, collectives.
+"""Distributed plumbing: rank from the environment, process group, collectives, DDP's settings.
 
 Every rank runs the same code. Rank and world size come from the environment variables
 torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so ``train(cfg)`` runs
@@ -6,12 +6,10 @@ the same way under torchrun, in ipyparallel engines (whose env the cluster layer
 test (pattern: ``karpathy/nanochat: nanochat/common.py`` ``get_dist_info``). Without those
 variables the process is a single rank and no process group is created.
 
-Parallelism is applied from outside the model (as torchtitan does): the model is built
-for one device, then, in this order (torchtitan's ``parallelize.py`` order): activation
-checkpointing (``ModelConfig.activation_checkpointing``, set before the model is built) ->
-data-parallel wrapper (``wrap_model``: DDP, or FSDP2 ``fully_shard`` per layer then the root)
--> optimiser (``build_optimizer`` in train.py: AdamW, or ZeroRedundancyOptimizer for zero1).
-Strategies (TrainConfig.sharding; memory per ZeRO, arXiv:1910.02054, docs/references.md C4):
+The model is built and wrapped for its split and data-parallel strategy by one builder
+(``labkit.train.parallel.build``, torchtitan's order); this module holds the pieces it and the
+step use: DDP's bucket size and static-graph rule, ``no_sync``, the collectives. Strategies
+(TrainConfig.parallel.sharding; memory per ZeRO, arXiv:1910.02054, docs/references.md C4):
 
 - ``ddp``: everything replicated; gradients all-reduced (averaged) once per optimiser step, in
   place in DDP's buckets (the gradients are views of them).
@@ -20,8 +18,8 @@ Strategies (TrainConfig.sharding; memory per ZeRO, arXiv:1910.02054, docs/refere
   the updated parameters.
 - ``fsdp``: FSDP2 ``fully_shard``: parameters, gradients and moments sharded (dim 0, DTensor);
   gathered per layer for forward/backward, gradients reduce-scattered (averaged) every
-  micro-batch so they stay sharded. ``reshard_after_forward=False`` is ZeRO-2-style. In bf16
-  the parameters are gathered in bf16 and gradients reduced in fp32 (``MixedPrecisionPolicy``).
+  micro-batch so they stay sharded. ``reshard_after_forward=False`` is ZeRO-2-style.
+- ``replicate`` (tp or pp > 1): whole copies over dp, gradients averaged after each backward.
 
 Every process group a run creates has the run's timeout: the default group gets
 ``init_distributed``'s explicit ``timeout_s``, every other group is made with ``new_group``
@@ -43,11 +41,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_optimizer_state_dict)
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from labkit.train import status
@@ -58,19 +53,13 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", r"`torch\.jit\.(script|interface)` is deprecated", DeprecationWarning)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from labkit.train import buckets
-
 __all__ = [
-    "all_gather_object", "all_reduce_smoke_test", "all_reduce_sum", "barrier", "clip_grad_norm", "dist_info",
-    "grad_scaler", "init_distributed", "is_fsdp", "is_main", "load_optimizer_state_dict", "model_state_dict",
-    "new_group", "no_sync", "optimizer_state_dict", "print0", "resolve_device", "run_timeout", "set_group_timeouts",
-    "static_graph_valid", "steps_to_param_devices", "teardown", "unwrap", "wrap_model"
+    "all_gather_object", "all_reduce_smoke_test", "all_reduce_sum", "barrier", "dist_info", "init_distributed",
+    "is_fsdp", "is_main", "load_optimizer_state_dict", "new_group", "no_sync", "print0", "resolve_device",
+    "run_timeout", "set_group_timeouts", "static_graph_valid", "steps_to_param_devices", "teardown"
 ]
 
 _timeout: datetime.timedelta | None = None  # the run's collective timeout (init_distributed's timeout_s)
-
-_FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
-"""Gather the whole (unsharded) state onto rank 0's CPU; other ranks get an empty dict."""
 
 
 def dist_info() -> tuple[int, int, int]:
@@ -180,59 +169,19 @@ def set_group_timeouts(mesh: Any) -> None:
         _set_pg_timeout(_timeout, group)
 
 
-def wrap_model(model: torch.nn.Module, cfg: Any, device: torch.device) -> torch.nn.Module:
-    """Wrap ``model`` (already on ``device``) for data parallelism per ``cfg.sharding`` when a
-    process group is active; return ``model`` unchanged otherwise (one process).
-
-    ddp / zero1: ``DistributedDataParallel`` (``find_unused_parameters=False``,
-    ``gradient_as_bucket_view=True``: the gradients are views of the all-reduce buckets, so DDP
-    keeps no second copy; ``device_ids`` on CUDA only), ``bucket_cap_mb=cfg.bucket_cap_mb`` and
-    ``static_graph`` where ``static_graph_valid``; zero1's sharding is in the optimiser.
-    fsdp: ``fully_shard`` on each module of ``model.layers`` (one all-gather / reduce-scatter
-    unit per encoder layer), then on the root (embeddings, head), with
-    ``reshard_after_forward=cfg.fsdp_reshard_after_forward``; with ``cfg.precision`` "bf16"
-    also ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (as torchtitan's
-    ``parallelize.py`` applies it): the all-gathers move bf16 and the bf16 weights are the
-    gathered, resharded ones instead of autocast's copies of every layer; the sharded weights,
-    gradients and moments stay fp32. The module is changed in place and returned. ``cfg`` None
-    means ddp.
-    """
-    if not dist.is_initialized():
-        return model
-    if cfg is not None and cfg.sharding == "fsdp":
-        kw: dict[str, Any] = {"reshard_after_forward": cfg.fsdp_reshard_after_forward}
-        if getattr(cfg, "precision", "fp32") == "bf16":  # torchtitan's policy: bf16 compute, fp32 reductions
-            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in getattr(model, "layers", []):
-            fully_shard(layer, **kw)
-        fully_shard(model, **kw)
-        return model
-    device_ids = [device.index] if device.type == "cuda" else None
-    # gradients as views of DDP's buckets: no second copy (20 -> 16 B per parameter with AdamW)
-    cap = getattr(cfg, "bucket_cap_mb", 25.0)
-    if cap == "auto":  # from the backward and the link measured now (labkit.train.buckets)
-        cap = buckets.auto_bucket_cap_mb(model, cfg, device)
-    return DDP(model, device_ids=device_ids, find_unused_parameters=False, gradient_as_bucket_view=True,
-               bucket_cap_mb=cap, static_graph=static_graph_valid(cfg))
-
-
 def static_graph_valid(cfg: Any) -> bool:
     """Whether DDP may be told the graph is static (``static_graph=True``): every model labkit
     builds uses the same parameters in the same order at every step, but DDP's static-graph
     reducer asserts (``expect_autograd_hooks_``, torch 2.13) when the first step accumulates
-    under ``no_sync``, so only without gradient accumulation (``cfg.grad_accum_steps == 1``);
-    ``cfg`` None (tests, benchmarks) means no."""
-    return cfg is not None and getattr(cfg, "grad_accum_steps", 1) == 1
+    under ``no_sync``, so only without gradient accumulation (``cfg.batch.grad_accum_steps == 1``)
+    now or later (``cfg.batch.schedule == "fixed"``: a ramp's first step after a resume may
+    accumulate); ``cfg`` None (tests, benchmarks) means no."""
+    return cfg is not None and cfg.batch.grad_accum_steps == 1 and cfg.batch.schedule == "fixed"
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:
     """True when ``fully_shard`` was applied to ``model``."""
     return isinstance(model, FSDPModule)
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The single-device module inside a DDP wrapper (``model`` itself otherwise, FSDP too)."""
-    return model.module if isinstance(model, DDP) else model
 
 
 def no_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
@@ -244,61 +193,9 @@ def no_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextMan
     return model.no_sync()
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """Clip the gradients of ``model`` to a global L2 norm of ``max_norm`` (``inf``: measure
-    only) and return the norm before clipping, the same number on every rank.
-
-    ddp / zero1: gradients are already all-reduced, every rank holds all of them. fsdp: each
-    rank holds a DTensor shard; ``clip_grad_norm_`` on DTensors sums the squared shard norms
-    over ranks (DTensor's Partial -> Replicate reduction) and returns a replicated DTensor, read
-    here with ``full_tensor()``; every rank then scales its shard by the same factor;
-    tests/train/test_dist.py compares fsdp's norms and parameters with DDP's.
-    """
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return float(norm.item())
-
-
-def grad_scaler(model: torch.nn.Module, device: torch.device, enabled: bool) -> torch.amp.GradScaler:
-    """The fp16 loss scaler (disabled: a pass-through). Under fsdp each rank sees only its
-    gradient shard, so the overflow flag must be all-reduced before deciding to skip a step:
-    ``ShardedGradScaler`` does that; otherwise every rank holds all gradients."""
-    if is_fsdp(model):
-        return ShardedGradScaler(device.type, enabled=enabled)
-    return torch.amp.GradScaler(device.type, enabled=enabled)
-
-
-def model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Collective under fsdp (every rank calls). The full, unsharded weights by parameter name:
-    on rank 0 gathered to CPU under fsdp (an empty dict on other ranks); the unwrapped module's
-    ``state_dict()`` otherwise."""
-    if is_fsdp(model):
-        return get_model_state_dict(model, options=_FULL_ON_RANK0)
-    return unwrap(model).state_dict()
-
-
-def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-    """Collective for zero1 and fsdp (every rank calls). The whole optimiser state on rank 0,
-    None on the others (zero1, fsdp) or each rank's own copy (ddp, identical on all ranks).
-
-    zero1: ``consolidate_state_dict(to=0)`` sends every partition to rank 0, whose
-    ``state_dict()`` then has AdamW's format (state keyed by parameter index). fsdp:
-    ``get_optimizer_state_dict(full_state_dict=True, cpu_offload=True)``: state keyed by
-    parameter name, unsharded.
-    """
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        optimizer.consolidate_state_dict(to=0)
-        return optimizer.state_dict() if is_main() else None
-    if is_fsdp(model):
-        state = get_optimizer_state_dict(model, optimizer, options=_FULL_ON_RANK0)
-        return state if is_main() else None
-    return optimizer.state_dict()
-
-
 def load_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                               state: dict[str, Any]) -> None:
-    """Load the whole optimiser state written by ``optimizer_state_dict`` into this rank's
+    """Load a whole optimiser state (``optimizer.state_dict()`` of one process) into this rank's
     optimiser (every rank passes the whole state). zero1: each rank keeps its partition, its
     0-dim state back on the parameters' devices (``steps_to_param_devices``); fsdp:
     ``set_optimizer_state_dict`` shards it (collective; the optimiser must not have gradients yet)."""

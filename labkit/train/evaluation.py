@@ -36,19 +36,19 @@ class HeldoutSet:
     every rank runs ``n_batches`` forwards (the same number on all ranks; ``filler`` is the batch
     a rank runs and discards once its own are done). ``n_sequences``: sequences of the whole set
     (all ranks). ``data``: the shard set's directory, or the ``labkit.data.shards.ShardSet`` the
-    run opened (``open_shards``; nothing is read again but the held-out rows). Raises
+    run opened (``open_shards``; nothing is read again but the held-out rows); its vocabulary (the
+    masks' random replacements) is its index's ``vocab_size``, the model's. Raises
     ``labkit.data.heldout.HeldoutError`` when the shard set has no held-out split, ``ShardError``
     when its file changed since the set was opened."""
 
-    def __init__(self, data: str | os.PathLike | ShardSet, *, rank: int, world_size: int, vocab_size: int,
-                 mlm_probability: float, max_sequences: int, batch_size: int,
-                 device: torch.device, seed: int = 0) -> None:
+    def __init__(self, data: str | os.PathLike | ShardSet, *, rank: int, world_size: int, mlm_probability: float,
+                 max_sequences: int, batch_size: int, device: torch.device, seed: int = 0) -> None:
         from labkit.data.heldout import read_heldout
         from labkit.data.mlm import MLMCollator, index_special_ids
 
         shards = data if isinstance(data, ShardSet) else ShardSet(data)  # opened by the run: index read once
         rows = read_heldout(shards, max_sequences)
-        collate = MLMCollator(vocab_size=vocab_size, mlm_probability=mlm_probability, seed=seed,
+        collate = MLMCollator(vocab_size=int(shards.index["vocab_size"]), mlm_probability=mlm_probability, seed=seed,
                               special_ids=index_special_ids(shards.index))
         self.n_sequences = len(rows)
         mine = [collate(rows[i:i + 1]) for i in range(rank, len(rows), world_size)]
@@ -67,9 +67,11 @@ class HeldoutSet:
 def evaluate(model: torch.nn.Module, heldout: HeldoutSet, *, precision: str = "fp32") -> dict[str, float]:
     """Collective (every rank calls): {"eval_loss" (nats per masked token), "perplexity",
     "eval_masked" (global masked positions), "eval_sequences"} of ``model`` on ``heldout``.
-    ``model`` may be DDP-wrapped (its module is called, so no DDP collective runs per forward)
-    or FSDP-sharded. ``precision``: "fp32", "bf16" or "fp16" autocast, as in training."""
-    module = dist.unwrap(model)
+    ``model``: the run's ``labkit.train.parallel.ModelParts`` (its forward calls the stages without
+    DDP, so no gradient collective runs per forward, and returns the loss on one rank per replica),
+    or a plain or FSDP-sharded ``BertMLM``. ``precision``: "fp32", "bf16" or "fp16" autocast, as in
+    training."""
+    module = model
     was_training = module.training
     module.eval()
     dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]  # as the training step

@@ -26,16 +26,30 @@ Where the two batches come from (``NoiseScale.for_run``):
   of R·b·k. ``|G_small|²`` is the mean over ranks of the local squared norm. (k-diffusion's
   ``k_diffusion/gns.py``, ``DDPGradientStatsHook``, takes the same two sums in a hook.) Every rank
   holds the same average, so each takes the squared norm of its 1/R slice of it (the sum over
-  ranks is the whole).
+  ranks is the whole). Both per parameter (the hook's ``pieces``), summed in the order of the
+  parameters' names: DDP lays its buckets out anew after a run's first step (one bucket, then
+  buckets in the order gradients became ready), and per-parameter sums in a fixed order are the same
+  bits whatever the layout, so a resumed run's noise scale (and a ``critical`` batch ramp's
+  decisions, ``labkit.train.ramp``) is the uninterrupted run's on CPU.
 - DDP under PowerSGD: the averaged bucket is the compressed one, so both norms come from a count
   sketch (``CountSketch``) of each local bucket before compression, m bins each; the sketches
   are linear, so their sum over ranks is the sketch of the uncompressed mean: |G_small|² =
   mean_r |S g_r|², |G_big|² = |mean_r S g_r|², with E_S|S x|² = |x|². The sums ride the step's
   small all-reduce (below), a few KB, not a second all-reduce of the gradient.
 - FSDP2: each micro-batch's reduce-scatter; its input is this rank's gradient of b sequences,
-  its output a shard of the average over ranks (R·b); shard squared norms add up over ranks.
-- One rank: the micro-batches of an accumulated step (``grad_accum_steps >= 2``), each a batch of
-  b, against their sum (b·k). ``forward_backward`` feeds them (``micro=True``).
+  its output a shard of the average over ranks (R·b); shard squared norms add up over ranks. Under
+  pp FSDP2 reduces once per step, at the end of the pipeline schedule: b·k against R·b·k.
+- ``sharding="replicate"`` (split runs): the replicas' all-reduce after the backward, b·k against R·b·k.
+- dp = 1: the micro-batches of an accumulated step (``grad_accum_steps >= 2``), each a batch of
+  b, against their sum (b·k). ``Runtime.forward_backward`` feeds them (``micro=True``).
+
+Split runs: every rank's squared norms are summed over the world (the sideband, or ``step_fields``),
+so each replica's norm is that of its tp slices and pipeline stages together; a parameter a tp group holds
+whole on each rank (a replicated norm or bias) is weighted 1/tp (``labkit.train.runtime``). What
+backward leaves as partial sums on several ranks (the sequence-parallel norms' and biases' gradients
+over tp, the tied embedding's two pipeline stages) is reduced over dp before those sums are taken,
+so its pieces count separately: |G_small|² and |G_big|² then lack the pieces' cross terms (exact
+without sequence parallelism and, under pp, with untied embeddings).
 
 No collective of its own: ``sideband()`` gives the step's sums (a float64 vector) to the caller,
 which sums them over the ranks inside the step's all-reduce of the loss
@@ -43,7 +57,7 @@ which sums them over the ranks inside the step's all-reduce of the loss
 that does not do so makes ``step_fields`` all-reduce them itself.
 
 What an example is, for MLM: a sequence. labkit's loss is the mean CE over the masked tokens of
-the global batch (``labkit.train.loop``: each rank's loss is scaled by world_size /
+the global batch (``labkit.train.runtime``: each micro-batch's loss is scaled by dp /
 n_masked_global), so every gradient the observer sees is (sum of the per-sequence loss-sum
 gradients s_i of its batch) / (its number of sequences × m̂), with m̂ = n_masked_global / (global
 batch) the step's masked tokens per sequence, the same for both batches. The per-example
@@ -77,9 +91,12 @@ MIN_INTERVAL_STEPS = 10  # no interval before this many steps are folded in (Kis
 SKETCH_BINS = 4096  # count-sketch bins per bucket under PowerSGD: relative error of |S x|² ≲ √(2/m) = 2.2 % a step
 
 
-def squared_norm(t: torch.Tensor) -> torch.Tensor:
-    """Σ t² of a tensor as a 0-d fp32 tensor on its device (one reduction, no host sync)."""
-    return torch.linalg.vector_norm(t, dtype=torch.float32).square()
+def squared_norm(t: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ t² of a tensor as a 0-d fp32 tensor on its device (one reduction, no host sync); with
+    ``weights`` (fp32, a length dividing t's) Σ w t² over ``t.view(-1, len(weights))``'s rows."""
+    if weights is None:
+        return torch.linalg.vector_norm(t, dtype=torch.float32).square()
+    return (t.reshape(-1, weights.numel()).float().square() * weights).sum()
 
 
 def two_batch_estimates(sq_small: float, sq_big: float, b_small: float, b_big: float) -> tuple[float, float]:
@@ -121,6 +138,13 @@ def fieller_interval(num: float, den: float, v_num: float, v_den: float, cov: fl
         return 0.0, None
     r1, r2 = sorted(((-b - math.sqrt(disc)) / (2 * a), (-b + math.sqrt(disc)) / (2 * a)))
     return (max(r2, 0.0) if r1 <= 0 else 0.0), None  # (-inf, r1] ∪ [r2, inf), positive part's hull
+
+
+def _by_name(views: list[torch.Tensor] | tuple[torch.Tensor, ...], names: list[str]) -> dict[str, torch.Tensor]:
+    """{name: the squared norm of its view} (0-d, the views' dtype, on their device), all of a bucket
+    in one ``torch._foreach_norm`` (as ``torch.nn.utils.get_total_norm`` takes them: one kernel on
+    CUDA; each tensor alone on CPU, the same bits as ``squared_norm``)."""
+    return {name: n.square() for name, n in zip(names, torch._foreach_norm(list(views)))} if views else {}
 
 
 class BiasCorrectedEMA:
@@ -191,12 +215,14 @@ class NoiseScale(GradientObserver):
     """The simple gradient noise scale B_simple of a run, from the gradient collective.
 
     ``b_small`` and ``b_big``: the two batch sizes in sequences (``for_run`` derives them);
-    ``ranks`` the data-parallel ranks, ``rank`` this one's place among them. Per step, ``before``
-    sums the squared norm of every local bucket (``scale_small`` × the mean over ranks of the sum is
-    |G_small|²); ``after`` that of this rank's share of every reduced bucket (its 1/R slice of DDP's
-    average, or, with ``sharded``, its FSDP2 shard; ``scale_big`` × the sum over ranks is
-    |G_big|²). With ``sketch_bins`` (PowerSGD: the reduced bucket is the compressed one) ``before``
-    keeps a ``CountSketch`` of each local bucket instead and ``after`` is ignored (module docstring).
+    ``ranks`` the data-parallel ranks, ``rank`` this one's place among them; ``kind`` where the two
+    batches come from (``KINDS``). Per step, ``before`` sums the squared norm of every local bucket
+    (``scale_small`` × the mean over ranks of the sum is |G_small|²); ``after`` that of this rank's
+    share of every reduced bucket (kind "average": its 1/R slice of the replicas' average; "shard":
+    its FSDP2 shard; ``scale_big`` × the sum over ranks is |G_big|²). Kind "sketch" (PowerSGD: the
+    reduced bucket is the compressed one): ``before`` keeps a ``CountSketch`` of ``SKETCH_BINS``
+    bins of each local bucket instead and ``after`` is ignored (module docstring). Kind "micro":
+    the caller adds the micro-batches' norms itself (``add_small``, ``add_big``).
     ``count(n_masked_global)`` gives the step's masked tokens (``n_sequences`` per step) for the
     token unit. ``sideband``/``receive`` carry the step's sums through the caller's all-reduce.
     ``step_fields()`` returns the record fields:
@@ -212,42 +238,55 @@ class NoiseScale(GradientObserver):
     ``state_dict()``/``load_state_dict()``: the averages and the sketch's step count (a resumed run
     continues both)."""
 
+    KINDS = ("average", "shard", "sketch", "micro")
+    """Where the two batches come from: the replicas' reduced average (DDP, the replicas' all-reduce),
+    FSDP2's reduce-scatter shard, a count sketch of the local buckets (PowerSGD), the micro-batches."""
+
     def __init__(self, b_small: int, b_big: int, *, n_sequences: int | None = None, ranks: int = 1, rank: int = 0,
-                 sharded: bool = False, scale_small: float = 1.0, scale_big: float = 1.0, micro: bool = False,
-                 sketch_bins: int | None = None, beta: float = EMA_BETA) -> None:
+                 kind: str = "average", scale_small: float = 1.0, scale_big: float = 1.0) -> None:
         if not 0 < b_small < b_big:
             raise ValueError(f"NoiseScale: need 0 < b_small < b_big sequences, got {b_small} and {b_big}")
         if not 0 <= rank < ranks:
             raise ValueError(f"NoiseScale: rank must be in [0, ranks), got {rank} of {ranks}")
+        if kind not in self.KINDS:
+            raise ValueError(f"NoiseScale: kind must be one of {self.KINDS}, got {kind!r}")
         self.b_small, self.b_big, self.ranks, self.rank = b_small, b_big, ranks, rank
-        self.sharded, self.micro = sharded, micro
+        self.sharded, self.micro = kind == "shard", kind == "micro"
         self.scale_small, self.scale_big = scale_small, scale_big
         self.n_sequences = n_sequences or b_big
-        self.sketch = CountSketch(sketch_bins) if sketch_bins else None
-        self.means = {k: BiasCorrectedEMA(beta) for k in ("g", "s", "gg", "ss", "gs")}  # per-step (|G|², tr Σ) moments
-        self.masked = BiasCorrectedEMA(beta)
+        self.sketch = CountSketch(SKETCH_BINS) if kind == "sketch" else None
+        self.means = {k: BiasCorrectedEMA(EMA_BETA) for k in ("g", "s", "gg", "ss", "gs")}  # per-step moments
+        self.masked = BiasCorrectedEMA(EMA_BETA)
         self.steps = 0  # reset() calls: the sketch's offset, the same on every rank
         self.reset()
 
     @classmethod
     def for_run(cls, *, micro_batch_size: int, grad_accum_steps: int, dp: int, sharding: str,
-                dp_rank: int | None = None, compression: str = "none") -> "NoiseScale | None":
-        """The observer for a data-parallel run of ``dp`` ranks (``sharding`` ddp, zero1 or fsdp;
-        ``dp_rank`` this rank's place, default the process group's rank) or one process (dp 1: the
-        micro-batches, needs ``grad_accum_steps >= 2``); None where no two batch sizes exist (one
-        process without accumulation). ``compression`` (``TrainConfig.grad_compression``):
-        "powersgd" sketches the local buckets (class docstring); "none" and "bf16" use the reduced
-        bucket (bf16's rounding moves its squared norm by ~2^-16 relative)."""
+                dp_rank: int | None = None, compression: str = "none", pp: int = 1) -> "NoiseScale | None":
+        """The observer of a run of ``dp`` data-parallel replicas (``sharding``: "ddp", "zero1",
+        "fsdp", "replicate"; "none" with one data-parallel rank; ``dp_rank`` this rank's place, default
+        the process group's rank) and ``pp`` pipeline stages, or None where no two batch sizes exist:
+
+        - FSDP2 at pp = 1 reduce-scatters every micro-batch: b against dp·b, k per step;
+        - every other dp > 1 reduces once per step (DDP's hook, the replicas' all-reduce, FSDP2 at
+          the end of a pipeline step): b·k against dp·b·k;
+        - dp = 1 at pp = 1 with ``grad_accum_steps >= 2`` and no DDP (which keeps the gradients in
+          its buckets): the micro-batches, b against b·k (``micro=True``);
+        - otherwise (one micro-batch, or a pipeline's micro-batches inside its schedule): None.
+
+        ``compression`` (``TrainConfig.parallel.grad_compression``): "powersgd" sketches the local
+        buckets (class docstring); "none" and "bf16" use the reduced bucket (bf16's rounding moves its
+        squared norm by ~2^-16 relative)."""
         b, k = micro_batch_size, grad_accum_steps
         rank = dp_rank if dp_rank is not None else (dist.get_rank() % dp if dist.is_initialized() and dp > 1 else 0)
-        if dp > 1 and sharding == "fsdp":  # one reduce-scatter per micro-batch: b against dp·b, k per step
-            return cls(b, dp * b, n_sequences=dp * b * k, ranks=dp, rank=rank, sharded=True, scale_small=k,
+        if dp > 1 and sharding == "fsdp" and pp == 1:  # one reduce-scatter per micro-batch: b against dp·b, k per step
+            return cls(b, dp * b, n_sequences=dp * b * k, ranks=dp, rank=rank, kind="shard", scale_small=k,
                        scale_big=k)
         if dp > 1:
-            return cls(b * k, dp * b * k, ranks=dp, rank=rank,
-                       sketch_bins=SKETCH_BINS if compression == "powersgd" else None)
-        if k >= 2:  # micro-batch j's share d_j of the step's gradient: G_small = k·d_j, G_big = Σ d_j
-            return cls(b, b * k, n_sequences=b * k, scale_small=k, micro=True)
+            kind = "shard" if sharding == "fsdp" else "sketch" if compression == "powersgd" else "average"
+            return cls(b * k, dp * b * k, ranks=dp, rank=rank, kind=kind)
+        if k >= 2 and pp == 1 and sharding not in ("ddp", "zero1"):  # G_small = k·d_j, G_big = Σ d_j
+            return cls(b, b * k, n_sequences=b * k, scale_small=k, kind="micro")
         return None
 
     def reset(self) -> None:
@@ -256,28 +295,43 @@ class NoiseScale(GradientObserver):
         self._big: Any = 0.0
         self._masked: Any = None
         self._sketches: dict[int, torch.Tensor] = {}
+        self._parts: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})  # by parameter name
         self._received: torch.Tensor | None = None
         self.steps += 1
 
-    def before(self, bucket_index: int, local: torch.Tensor) -> None:
-        """Add the squared norm of this rank's local gradient bucket (before the reduction), or,
-        sketching, keep the bucket's sketch."""
+    def before(self, bucket_index: int, local: torch.Tensor, weights: torch.Tensor | None = None,
+               pieces: tuple[list[str], list[int]] | None = None) -> None:
+        """Add the (weighted: ``GradientObserver``) squared norm of this rank's local gradient bucket
+        (before the reduction), or, sketching, keep the bucket's sketch. With ``pieces`` (DDP: the
+        bucket's parameter names and sizes) the squared norm of each parameter's gradient, summed at
+        the step's end in the order of the names (``_by_name``): the same sums whatever DDP's layout."""
         if self.sketch is not None:
             s = self.sketch(local, offset=self.steps * 2654435761 + 977 * bucket_index)  # fresh per step and bucket
             self._sketches[bucket_index] = s
             self.add_small(squared_norm(s))
+        elif pieces is not None and weights is None:
+            self._parts[0].update(_by_name(local.reshape(-1).split(pieces[1]), pieces[0]))
         else:
-            self.add_small(squared_norm(local))
+            self.add_small(squared_norm(local, weights))
 
-    def after(self, bucket_index: int, reduced: torch.Tensor) -> None:
-        """Add the squared norm of this rank's share of the reduced bucket: the FSDP2 shard, or its
-        1/R slice of DDP's average (nothing when sketching)."""
+    def after(self, bucket_index: int, reduced: torch.Tensor, weights: torch.Tensor | None = None,
+              pieces: tuple[list[str], list[int]] | None = None) -> None:
+        """Add the (weighted) squared norm of this rank's share of the reduced bucket: the FSDP2 shard,
+        or its 1/R slice of the replicas' average (nothing when sketching); with ``pieces``, its 1/R
+        slice of each parameter's averaged gradient, by name (``before``)."""
         if self.sketch is not None:
+            return
+        if pieces is not None and weights is None and not self.sharded:
+            views = reduced.reshape(-1).split(pieces[1])
+            r, n = self.rank, self.ranks
+            self._parts[1].update(_by_name([v[r * v.numel() // n:(r + 1) * v.numel() // n] for v in views], pieces[0]))
             return
         if not self.sharded and self.ranks > 1:
             n = reduced.numel()
-            reduced = reduced.reshape(-1)[self.rank * n // self.ranks:(self.rank + 1) * n // self.ranks]
-        self.add_big(squared_norm(reduced))
+            lo, hi = self.rank * n // self.ranks, (self.rank + 1) * n // self.ranks
+            reduced = reduced.reshape(-1)[lo:hi]
+            weights = None if weights is None else weights.reshape(-1)[lo:hi]  # per element: the replicas' flat
+        self.add_big(squared_norm(reduced, weights))
 
     def add_small(self, sq: torch.Tensor | float) -> None:
         """Add a squared norm (0-d tensor or float) to the step's local (small-batch) sum."""
@@ -294,8 +348,9 @@ class NoiseScale(GradientObserver):
     def sideband(self, device: torch.device) -> torch.Tensor:
         """The step's sums to add up over the ranks, float64 on ``device``: [Σ local squared norms,
         Σ this rank's share of the reduced squared norms, *the buckets' sketches in bucket order]."""
-        sums = [v.reshape(1) if isinstance(v, torch.Tensor) else torch.tensor([float(v)])
-                for v in (self._small, self._big)]
+        small, big = (total + torch.stack([parts[k] for k in sorted(parts)]).sum() if parts else total
+                      for total, parts in ((self._small, self._parts[0]), (self._big, self._parts[1])))
+        sums = [v.reshape(1) if isinstance(v, torch.Tensor) else torch.tensor([float(v)]) for v in (small, big)]
         sketches = [self._sketches[i] for i in sorted(self._sketches)]
         return torch.cat([v.to(device=device, dtype=torch.float64) for v in [*sums, *sketches]])
 
@@ -305,12 +360,12 @@ class NoiseScale(GradientObserver):
 
     def step_fields(self) -> dict[str, Any]:
         """Fold in this step and return the record fields (class docstring). Without ``receive``
-        this step, all-reduces the sideband itself when there are ranks. A step with a non-finite
-        norm is not folded in."""
+        this step, all-reduces the sideband itself over the world (every rank's piece: its dp
+        replica, tp slice, pipeline stage). A step with a non-finite norm is not folded in."""
         summed = self._received
         if summed is None:
             summed = self.sideband(self._device())
-            if self.ranks > 1 and dist.is_initialized():
+            if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         summed = summed.cpu()
         sq_small = float(summed[0]) / self.ranks * self.scale_small
@@ -350,7 +405,7 @@ class NoiseScale(GradientObserver):
         return fieller_interval(m["s"], m["g"], v_s, v_g, cov, q)
 
     def _device(self) -> torch.device:
-        for v in (self._small, self._big):
+        for v in (self._small, self._big, *self._parts[0].values(), *self._parts[1].values()):
             if isinstance(v, torch.Tensor):
                 return v.device
         return torch.device("cpu")

@@ -1,14 +1,13 @@
 """MLM pretraining: ``train(cfg)`` runs one run in this process, as one rank of many or alone.
 
 The optimiser step reads top to bottom in ``train`` (as nanoGPT's main loop does); the
-micro-batch part (count, forwards, backwards) is ``forward_backward`` (``labkit.train.runtime``,
-re-exported here) so the 2-rank
-gradient test exercises exactly the code ``train`` runs.
+micro-batch part (count, forwards, backwards) is ``Runtime.forward_backward``
+(``labkit.train.runtime``), so the multi-rank gradient tests exercise exactly the code ``train`` runs.
 
 Loss normalisation (``pytorch/torchtitan: torchtitan/trainer.py``):
-the number of masked tokens over every micro-batch of the step on every rank is all-reduced
-once, before the forwards; each micro-batch's loss is ``loss_sum * world_size / n_masked_global``
-so that DDP's gradient average over ranks gives the gradient of (sum of CE over all masked
+the number of masked tokens over every micro-batch of the step on every dp rank is all-reduced
+once, before the forwards; each micro-batch's loss is ``loss_sum * dp / n_masked_global``
+so that the gradient average over dp gives the gradient of (sum of CE over all masked
 tokens of the global batch) / (their count), the same as one process on the whole batch.
 
 Run directory (rank 0 writes): config.json (with the run's ``run_id``), metrics.jsonl (one record
@@ -16,34 +15,35 @@ per log step, appended and flushed), checkpoints/step-N/, result.json (atomic). 
 decides where the run starts (``checkpoint.plan_run``) and every rank checks it can read that
 checkpoint (``checkpoint.agree_on_plan``): the newest checkpoint when resuming, and it must carry
 config.json's run id; a new run in a used run_dir first moves the old run's files to
-run_dir/previous/<UTC time>-<old run id>/. Checkpoints are torch.distributed.checkpoint
-directories in every mode (``checkpoint.Checkpointer``: each rank writes its own part, a marker
-last, optionally asynchronously) with state.pt = {format, run_id, step, epoch, tokens, lr,
-scaler, world_size, sharding, split, global_batch_size, sampler (global), ranks: [{rng} per
-rank]}. They load at another world size, sharding or split: the global batch is kept by
-accumulation (``_keep_global_batch``) and the sampler continues the global sample order. The LR
-is a pure function of the step (``lr_at``), so the step is the whole scheduler state. Resume
-needs a config and data that match the run directory's config.json / data.json
-(``labkit.train.run_config``: one-line refusal naming each field).
+run_dir/previous/<UTC time>-<old run id>/. A checkpoint holds the run's state
+(``labkit.train.resume.RunState``: weights, optimiser, step, data position, scaler, the comm hook's
+and the noise scale's state, RNG), saved and loaded as one by ``checkpoint.Checkpointer``
+(torch.distributed.checkpoint, each rank its own part, a marker last, optionally asynchronously).
+It loads at another world size, sharding or split: the global batch is kept by accumulation
+(``_keep_global_batch``) and the sampler continues the global sample order. The LR is a pure
+function of the step (``lr_at``), so the step is the whole scheduler state. Resume needs a config
+and data that match the run directory's config.json / data.json (``labkit.train.run_config``:
+one-line refusal naming each field).
 
-Every run is a (pp, dp, tp) mesh, data parallelism alone being pp = tp = 1, and the step goes
-through one ``labkit.train.runtime.Runtime`` whatever the split: its ``forward_backward``,
-``clip_grad_norm`` (every mesh dimension and pipeline stage), its timer of the dp gradient
-collectives and its per-step measures (``comm_exposed_s``, ``pipeline_bubble``, ``tp_comm_s``:
-the last two None when not split that way). With tp or pp > 1 the model is split
-(``labkit.train.parallel``: pipeline stages, tensor parallelism, FSDP2 or replicas over dp).
+Every run is a (pp, dp, tp) mesh, data parallelism alone being pp = tp = 1, built by one builder
+(``labkit.train.parallel.build``) and stepped through one ``labkit.train.runtime.Runtime``
+whatever the split: its ``forward_backward``, ``clip_grad_norm`` (every mesh dimension and
+pipeline stage), its timer of the dp gradient collectives and its per-step measures
+(``comm_exposed_s``, ``pipeline_bubble``, ``tp_comm_s``: the last two 0.0 when not split that way).
 Data (sampler, masked-token count, held-out set) follows the dp rank;
 global batch = micro_batch_size * grad_accum_steps * dp.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import json
 import math
 import os
 import pathlib
+import sys
 import time
 import traceback
 import warnings
@@ -57,18 +57,19 @@ from labkit.data.mlm import make_loader
 from labkit.data.shards import ShardSet, open_shards, packing_of
 from labkit.io import atomic_write_json, atomic_write_text
 from labkit.model import BertMLM, count_parameters, flops_per_token
-from labkit.train import dist, parallel, provenance, resume, rng, sinks, status
-from labkit.train.checkpoint import Checkpointer, _rng_state, agree_on_plan, plan_run
+from labkit.train import dist, parallel, provenance, rng, sinks, status
+from labkit.train.checkpoint import Checkpointer, agree_on_plan, plan_run
 from labkit.train.comm import all_reduce_with_sideband
 from labkit.train.optim import lr_at
 from labkit.train.straggler import culprit
 from labkit.train.timeline import Timeline, read_timeline
 from labkit.train.run_config import (check_resume, data_identity, finished_run, model_config_of, save_run_config,
                                      with_segments)
+from labkit.train.resume import RunState
 from labkit.train.runlock import RunLock, RunLocked
-from labkit.train.runtime import AUTOCAST_DTYPES, Runtime, forward_backward  # noqa: F401 (re-exported)
+from labkit.train.runtime import Runtime, build_runtime
 
-__all__ = ["to_device", "train"]
+__all__ = ["Run", "to_device", "train"]
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
     """A collated CPU batch on ``device`` (non-blocking copies), plus two facts read on the host
@@ -117,24 +118,23 @@ def _find_sampler(loader: torch.utils.data.DataLoader) -> Any:
 def _rank_data(cfg: TrainConfig, data: ShardSet, runtime: Runtime, vocab_size: int, device: torch.device) -> tuple:
     """This rank's data, which follows its dp rank: (the MLM ``DataLoader``, its ``RankSampler``,
     the fixed masked held-out set or None; ``_heldout_set``)."""
-    loader = make_loader(data, batch_size=cfg.micro_batch_size, rank=runtime.dp_rank, world_size=runtime.dp,
-                         seed=cfg.seed, mlm_probability=cfg.mlm_probability, vocab_size=vocab_size,
-                         num_workers=cfg.num_workers, pin_memory=device.type == "cuda")
-    return loader, _find_sampler(loader), _heldout_set(cfg, data, runtime.dp_rank, runtime.dp, vocab_size, device)
+    loader = make_loader(data, batch_size=cfg.batch.micro_batch_size, rank=runtime.dp_rank, world_size=runtime.dp,
+                         seed=cfg.seed, mlm_probability=cfg.data.mlm_probability, vocab_size=vocab_size,
+                         num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda")
+    return loader, _find_sampler(loader), _heldout_set(cfg, data, runtime.dp_rank, runtime.dp, device)
 
 
-def _heldout_set(cfg: TrainConfig, data: ShardSet, rank: int, world: int, vocab_size: int,
-                 device: torch.device) -> Any:
+def _heldout_set(cfg: TrainConfig, data: ShardSet, rank: int, world: int, device: torch.device) -> Any:
     """The fixed masked held-out set (``labkit.train.evaluation.HeldoutSet``) of this rank from the
     run's opened shard set ``data``, or None when eval_every is 0 and the shards have no held-out
     split (then no evaluation runs)."""
     from labkit.train.evaluation import HeldoutSet
 
-    if cfg.eval_every == 0 and not data.index.get("heldout"):
+    if cfg.eval.every == 0 and not data.index.get("heldout"):
         return None
-    return HeldoutSet(data, rank=rank, world_size=world, vocab_size=vocab_size,
-                      mlm_probability=cfg.mlm_probability, max_sequences=cfg.eval_sequences,
-                      batch_size=cfg.eval_batch_size or cfg.micro_batch_size, device=device)
+    return HeldoutSet(data, rank=rank, world_size=world,
+                      mlm_probability=cfg.data.mlm_probability, max_sequences=cfg.eval.sequences,
+                      batch_size=cfg.eval.batch_size or cfg.batch.micro_batch_size, device=device)
 
 
 def _maybe_evaluate(model: torch.nn.Module, heldout: Any, cfg: TrainConfig, step: int, stop: int,
@@ -144,7 +144,7 @@ def _maybe_evaluate(model: torch.nn.Module, heldout: Any, cfg: TrainConfig, step
     eval_every, and the last), else {}."""
     from labkit.train.evaluation import evaluate
 
-    if heldout is None or not ((cfg.eval_every and step % cfg.eval_every == 0) or step == stop):
+    if heldout is None or not ((cfg.eval.every and step % cfg.eval.every == 0) or step == stop):
         return {}
     status.update(phase="evaluate")
     if windows is None:
@@ -172,7 +172,7 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None,
     not hidden behind backward, rank 0; ``labkit.measure.comm_exposed_s``) and comm_exposed_fraction
     (of the step time), mfu, world_size, global_batch_size, steps, params, ... ``sink(record)``
     is called on rank 0 with each metrics record. Resumes from the newest checkpoint when
-    ``cfg.resume`` (rank 0 says so on stderr, one line with the step: ``resume.restore``; a finished
+    ``cfg.resume`` (rank 0 says so on stderr, one line with the step; a finished
     run of the same config is returned as saved); ``resume=False`` starts a new run, the files of an
     earlier one moved to run_dir/previous/. Rank 0 holds run_dir/lock.json while it runs
     (``labkit.train.runlock``: a second job is refused in one line naming the holder); with a process
@@ -181,7 +181,7 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None,
     a non-finite loss when on_nonfinite="raise", ``ValueError`` naming the field for inconsistent
     settings; shard errors come from
     ``labkit.data.shards``. A process group this call creates is destroyed before it returns.
-    Rank 0 also sends each record to the sinks named in ``cfg.trackers`` (``labkit.train.sinks``:
+    Rank 0 also sends each record to the sinks named in ``cfg.measure.trackers`` (``labkit.train.sinks``:
     TensorBoard event files under run_dir/tensorboard by default); config.json and result.json
     carry the run's ``provenance`` (``labkit.train.provenance.collect``). Every rank records its step
     timeline (``labkit.train.timeline``; ``cfg.measure.timeline``) in run_dir/timeline and hands its recent
@@ -202,7 +202,7 @@ def train(cfg: TrainConfig, *, sink: Callable[[dict], None] | None = None,
     # rank 0: the run_dir's lock (one job at a time), then the resume step and run id; a new run first moves a used
     # run_dir's files aside (before the sinks open there). A refusal reaches every rank through agree_on_plan.
     lock, plan = _lock_and_plan(cfg, t_start) if rank == 0 else (None, None)
-    trackers = sinks.open_sinks(cfg.trackers, cfg.run_dir, main=rank == 0 and lock is not None)  # rank 0 writes
+    trackers = sinks.open_sinks(cfg.measure.trackers, cfg.run_dir, main=rank == 0 and lock is not None)  # rank 0 writes
     try:
         dist.init_distributed(cfg.backend, cfg.timeout_s, device)
         result = _run(cfg, sinks.fan_out(sink, trackers), rank, world, device, t_start, plan, timeline_sink)
@@ -241,12 +241,11 @@ def _lock_and_plan(cfg: TrainConfig, t_start: float) -> tuple[RunLock | None, di
 
 
 def _build_model(cfg: TrainConfig, index: dict, rank: int, world: int,
-                 device: torch.device) -> tuple[Any, BertMLM, parallel.Split | None]:
-    """The model config for the shards' vocabulary, the tensor/pipeline split (None without one;
-    ``parallel.check_split`` refuses one that cannot work) and ``BertMLM`` built from ``cfg.seed``
-    (the same init on every rank), then each rank's dropout streams seeded on ``device``
-    (``labkit.train.rng.seed_streams``). ValueError when the
-    shards' sequence length exceeds the model's positions."""
+                 device: torch.device) -> tuple[Any, BertMLM]:
+    """The model config for the shards' vocabulary (``parallel.check_split`` refuses a split that
+    cannot work) and ``BertMLM`` built from ``cfg.seed`` (the same init on every rank), then each
+    rank's dropout streams seeded on ``device`` (``labkit.train.rng.seed_streams``). ValueError when
+    the shards' sequence length exceeds the model's positions."""
     seq_len, vocab_size = int(index["seq_len"]), int(index["vocab_size"])
     mcfg = model_config_of(cfg, vocab_size)
     if seq_len > mcfg.max_position_embeddings:
@@ -255,11 +254,11 @@ def _build_model(cfg: TrainConfig, index: dict, rank: int, world: int,
     if mcfg.position_embedding == "instruction" and "[NEXT]" not in index["special_ids"]:
         raise ValueError(f"model_overrides: position_embedding 'instruction' counts [NEXT] tokens, but the shards in "
                          f"{cfg.data_dir} come from a tokenizer without [NEXT] (special_ids {index['special_ids']})")
-    split = parallel.check_split(cfg, mcfg, world, seq_len, rank) if parallel.is_split(cfg) else None
+    parallel.check_split(cfg, mcfg, world, seq_len, rank)
     torch.manual_seed(cfg.seed)  # identical init on every rank (DDP also broadcasts rank 0's)
     model = BertMLM(mcfg)
-    rng.seed_streams(cfg.seed, rank, world, cfg.tp, device)  # dropout: one stream per rank, and with tp a
-    return mcfg, model, split  # shared one for the replicated regions of the tp group (labkit.train.rng)
+    rng.seed_streams(cfg.seed, rank, world, cfg.parallel.tp, device)  # dropout: one stream per rank, and with tp a
+    return mcfg, model  # shared one for the replicated regions of the tp group (labkit.train.rng)
 
 
 def _agree(plan: dict | None, run_dir: pathlib.Path, cfg: TrainConfig, rank: int, world: int) -> dict:
@@ -276,21 +275,22 @@ def _agree(plan: dict | None, run_dir: pathlib.Path, cfg: TrainConfig, rank: int
 def _keeps_global_batch(given: TrainConfig, plan: dict, world: int) -> bool:
     """Whether ``given`` (as the user set it) makes the checkpoint's global batch at this world size:
     then a grad_accum_steps that differs from the saved config's is the same step split otherwise."""
-    dp = world // (given.tp * given.pp)
-    return plan.get("global_batch_size") == given.micro_batch_size * given.grad_accum_steps * dp
+    dp = world // (given.parallel.tp * given.parallel.pp)
+    return plan.get("global_batch_size") == given.batch.micro_batch_size * given.batch.grad_accum_steps * dp
 
 
 def _keep_global_batch(cfg: TrainConfig, saved: int | None, dp: int) -> TrainConfig:
     """``cfg`` with grad_accum_steps such that micro_batch_size x grad_accum_steps x dp is the
-    checkpoint's global batch ``saved`` (None: a fresh run or a format-1 checkpoint: ``cfg`` as it
+    checkpoint's global batch ``saved`` (None: a fresh run, or a checkpoint without one: ``cfg`` as it
     is): fewer data-parallel ranks accumulate more micro-batches. ValueError (one line) when
     ``saved`` is not a multiple of micro_batch_size x dp."""
-    if not saved or saved == cfg.micro_batch_size * cfg.grad_accum_steps * dp:
+    if not saved or saved == cfg.batch.micro_batch_size * cfg.batch.grad_accum_steps * dp:
         return cfg
-    accum, rest = divmod(saved, cfg.micro_batch_size * dp)
+    accum, rest = divmod(saved, cfg.batch.micro_batch_size * dp)
     if rest or accum < 1:
         raise ValueError(f"grad_accum_steps: the checkpoint's global batch {saved} is not micro_batch_size "
-                         f"{cfg.micro_batch_size} x dp {dp} x a whole number of accumulation steps (resume at a dp "
+                         f"{cfg.batch.micro_batch_size} x dp {dp} x a whole number of accumulation steps (resume at "
+                         "a dp "
                          f"dividing {saved} / micro_batch_size)")
     return cfg.replace(batch={"grad_accum_steps": accum})
 
@@ -336,105 +336,202 @@ def _start_files(run_dir: pathlib.Path, cfg: TrainConfig, identity: dict, prov: 
     return metrics_path
 
 
+@dataclasses.dataclass
+class Run:
+    """One invocation of a run on this rank (``_start`` builds it; the loop in ``_run`` reads and
+    advances it): the config as run (``cfg``: the accumulation that keeps a checkpoint's global
+    batch) and as given (``given``: config.json's), where it sits (``rank``, ``world``, ``device``),
+    what it is (``run_id``, ``resume_step``: the checkpoint it continued, 0 for a fresh run; the
+    opened shard set ``data``, the model config ``mcfg``, its ``params`` counts and FLOPs per token
+    ``fpt``), its ``runtime`` (the builder's model, optimiser, scaler and the step),
+    ``state`` (``RunState``: everything that shapes the next step), the ``loader`` and held-out set,
+    the ``checkpointer`` and ``timeline``, the run files (``prov``, ``metrics_file``: rank 0's), and
+    the measures (``timer``, peak memory ``windows``, ``timings`` per step, ``skipped`` steps)."""
+
+    cfg: TrainConfig
+    given: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    t_start: float
+    run_id: str
+    resume_step: int
+    data: ShardSet
+    mcfg: Any
+    params: dict
+    fpt: float
+    runtime: Runtime
+    state: RunState
+    loader: Any
+    heldout: Any
+    checkpointer: Checkpointer
+    timeline: Timeline
+    prov: dict = dataclasses.field(default_factory=dict)
+    metrics_file: pathlib.Path | None = None
+    timer: Any = None
+    windows: Any = None
+    timings: list = dataclasses.field(default_factory=list)  # (tokens, samples, step s, wait s, exposed s) per step
+    skipped: int = 0
+    last_record: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def run_dir(self) -> pathlib.Path:
+        return pathlib.Path(self.cfg.run_dir)
+
+    @property
+    def stop(self) -> int:
+        """The step this invocation ends after (``stop_after``, a simulated interruption, or max_steps)."""
+        return min(self.cfg.max_steps, self.cfg.stop_after or self.cfg.max_steps)
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimiser step: micro_batch_size x grad_accum_steps x dp (data follows the dp rank)."""
+        return self.cfg.batch.micro_batch_size * self.cfg.batch.grad_accum_steps * self.runtime.dp
+
+    @property
+    def sharding(self) -> str:
+        return self.state.sharding
+
+
 def _run(cfg: TrainConfig, sink: Callable[[dict], None] | None, rank: int, world: int, device: torch.device,
          t_start: float, plan: dict | None, timeline_sink: Callable[[list[dict]], None] | None) -> dict[str, Any]:
-    """The run: build, resume, then the optimiser step, top to bottom, until ``stop``. ``plan``:
-    rank 0's ``plan_run`` (None on the other ranks)."""
+    """The run: build and resume (``_start``), then the optimiser step, top to bottom, until
+    ``Run.stop``. ``plan``: rank 0's ``plan_run`` (None on the other ranks)."""
+    run = _start(cfg, plan, rank, world, device, t_start, timeline_sink)
+    cfg, rt, state, tl = run.cfg, run.runtime, run.state, run.timeline
+    batches = _iterate(run.loader)  # fork_rng: draws nothing from the restored streams
+    rt.parts.train()
+    while state.step < run.stop:
+        status.update(step=state.step + 1, phase="train")  # run_dir/ranks/rank-<r>.json (labkit.train.status)
+        cfg = _ramp(run)  # the global batch from this step on (labkit.train.ramp: fixed, a ramp, or critical)
+        run.timer.start()
+        run.windows.start()
+        tl.start(state.step + 1)
+        # 1. fetch this rank's micro-batches, timing the wait (a new epoch reshuffles)
+        micro_batches, wait, batches = tl.around("data", _fetch, batches, run.loader, state, cfg, rt.dp, device)
+        # 2. set the learning rate (the schedule is a pure function of the step), count masked
+        #    tokens globally, then forward/backward every micro-batch
+        lr = lr_at(state.step, cfg) * state.ramp.lr_factor  # batch.lr_rule at the ramp's batch (1 when fixed)
+        for group in rt.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum, n_masked, n_tokens = rt.forward_backward(micro_batches, mark=tl.mark)
+        summed = all_reduce_with_sideband(torch.stack([loss_sum.double(), torch.tensor(  # + the observers' sums (gns)
+            wait, dtype=torch.float64, device=loss_sum.device)]), rt.comm)
+        loss, wait_mean = summed[0].item() / max(1, n_masked.item()), summed[1].item() / world
+        tl.mark("sync")
+        # 3. unscale (fp16), clip the global grad norm, step; a non-finite loss (or, fp32/bf16,
+        #    grad norm) skips the step or raises
+        grad_norm, finite = tl.around("optimizer", _clip_and_step, cfg, rt, loss, state.step)
+        run.skipped += not finite
+        rt.optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        step_time = run.timer.stop()
+        run.windows.end_step()
+        # 4. measure (collective: every rank, every step), evaluate, record, checkpoint
+        measures = rt.step_measures(run.timer)
+        n_tokens_i = int(n_tokens.item())
+        state.tokens += n_tokens_i
+        run.timings.append((n_tokens_i, run.global_batch, step_time, wait_mean, measures["comm_exposed_s"]))
+        evaluated = tl.around("eval", _maybe_evaluate, rt.parts, run.heldout, cfg, state.step, run.stop, run.windows)
+        if state.step % cfg.measure.log_every == 0 or state.step == run.stop or evaluated:
+            values = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_tokens": n_tokens_i,
+                      "n_masked": int(n_masked.item()), "skipped": not finite, **measures, **evaluated}
+            run.last_record = _log(_record(run, values, step_time, wait_mean), run.metrics_file, sink)
+        state.ramp.decide(state.step, measures)  # critical: the noise scale may double the next step's batch
+        if cfg.checkpoint.enabled and ((cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0)
+                                       or state.step == run.stop):
+            tl.around("checkpoint", run.windows.around, "checkpoint", run.checkpointer.save, state.step, state)
+        tl.end(step_s=step_time, comm_exposed_s=measures["comm_exposed_s"])
+    run.checkpointer.close()  # the last asynchronous save written and published
+    return _finish(run)
+
+
+def _start(cfg: TrainConfig, plan: dict | None, rank: int, world: int, device: torch.device, t_start: float,
+           timeline_sink: Callable[[list[dict]], None] | None) -> Run:
+    """Everything before the first step: rank 0's plan agreed by every rank, the shards opened once,
+    the model built from the seed and by the one builder (``build_runtime``), this rank's data, the
+    run state continued from the plan's checkpoint or ``checkpoint.init_from`` (``Checkpointer.load``:
+    weights, optimiser, counters, sampler, scaler, hook, noise scale, batch ramp, RNG last), the run files."""
     run_dir = pathlib.Path(cfg.run_dir)
     plan = _agree(plan, run_dir, cfg, rank, world)  # collective: rank 0's plan on every rank, or one refusal
-    given, cfg = cfg, _keep_global_batch(cfg, plan.get("global_batch_size"), world // (cfg.tp * cfg.pp))
-    data = open_shards(cfg.data_dir, seq_len=cfg.seq_len, tokenizer_sha256=_tokenizer_sha256(cfg.tokenizer_path),
-                       verify=cfg.verify_data)  # the run's one opening: index read once, file identities recorded
-    index, seq_len = data.index, int(data.index["seq_len"])
-    mcfg, model, split = _build_model(cfg, index, rank, world, device)
-    params = count_parameters(model)
-    fpt = flops_per_token(mcfg, seq_len, mlm_probability=cfg.mlm_probability)
-    resume_step, run_id = plan["step"], plan["run_id"]
-    identity = data_identity(index)
+    given, cfg = cfg, _keep_global_batch(cfg, plan.get("global_batch_size"),
+                                         world // (cfg.parallel.tp * cfg.parallel.pp))
+    data = open_shards(cfg.data_dir, seq_len=cfg.data.seq_len, verify=cfg.data.verify_data,  # the run's one opening:
+                       tokenizer_sha256=_tokenizer_sha256(cfg.data.tokenizer_path))  # index read once, ids recorded
+    mcfg, model = _build_model(cfg, data.index, rank, world, device)
+    resume_step, identity = plan["step"], data_identity(data.index)
     if resume_step:  # refuse to continue a run under another configuration (labkit.train.run_config)
         check_resume(run_dir, to_dict(given), identity, allow_safe_changes=cfg.allow_safe_changes,
                      same_global_batch=_keeps_global_batch(given, plan, world))  # grad_accum_steps set by hand
     ckpt = run_dir / "checkpoints" / f"step-{resume_step}" if resume_step else _branch_point(cfg)
-    model, optimizer, scaler, sharding, state = resume.load_and_wrap(cfg, model, device, split, ckpt, world)
-    runtime = Runtime(cfg, model, scaler, device, world=world, rank=rank)  # the step on the (pp, dp, tp) mesh
-    timeline = Timeline(run_dir, rank=rank, world_size=world, resumed_from=resume_step, comm=runtime.comm,
-                        enabled=cfg.measure.timeline, segment_start=plan["segment_start"], publish=timeline_sink)
-    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * runtime.dp  # data follows the dp rank
+    params = count_parameters(model)
+    runtime = build_runtime(cfg, model, device)  # the one builder; the step on the (pp, dp, tp) mesh
     loader, sampler, heldout = _rank_data(cfg, data, runtime, mcfg.vocab_size, device)  # held out: fixed, masked
-    step, epoch, position, tokens_seen = resume.restore(state, model, optimizer, scaler, sampler, rank=rank,
-                                                        world=world, sharding=sharding,
-                                                        where=f"step-{resume_step} in {run_dir}")
-    prov = provenance.collect(device, start_time=provenance.now_iso())  # collective: every rank's host, device
-    # rank 0 appends to metrics_file per record: no handle to leak
-    metrics_file = _start_files(run_dir, given, identity, prov, resumed=state is not None, step=step, run_id=run_id)
-    batches_iter = _iterate(loader)
-    if state is not None:
-        resume.resume_rng(state, rank, world, split, cfg, device)  # last, so nothing above consumes randomness
-    checkpointer = Checkpointer(run_dir, keep=cfg.keep_checkpoints, asynchronous=cfg.async_checkpoint)  # collective
-    stop = min(cfg.max_steps, cfg.stop_after or cfg.max_steps)
-    peak = measure.peak_flops(device, cfg.precision)
-    timer = measure.StepTimer(device, comm=runtime.comm)  # the dp gradient collectives, every mode
-    timings: list[tuple] = []  # (tokens, samples, step time, wait, exposed comm or None) per step
-    last_record, skipped = {}, 0
-    windows = measure.PeakWindows(device)  # peak memory of the steps, each evaluation, each checkpoint
-    model.train()
-    while step < stop:
-        status.update(step=step + 1, phase="train")
-        timer.start()
-        windows.start()
-        timeline.start(step + 1)
-        # 1. fetch this rank's micro-batches, timing the wait (a new epoch reshuffles)
-        micro_batches, wait, epoch, position, batches_iter = timeline.around(
-            "data", _fetch, batches_iter, loader, sampler, epoch, position, cfg, runtime.dp, device)
-        # 2. set the learning rate (the schedule is a pure function of the step), count masked
-        #    tokens globally, then forward/backward every micro-batch
-        lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum, n_masked, n_tokens = runtime.forward_backward(micro_batches, mark=timeline.mark)
-        summed = all_reduce_with_sideband(torch.stack([loss_sum.double(), torch.tensor(  # + the observers' sums (gns)
-            wait, dtype=torch.float64, device=loss_sum.device)]), runtime.comm)
-        loss = summed[0].item() / max(1, n_masked.item())
-        wait_mean = summed[1].item() / world
-        timeline.mark("sync")
-        # 3. unscale (fp16), clip the global grad norm, step; a non-finite loss (or, fp32/bf16,
-        #    grad norm) skips the step or raises
-        grad_norm, finite = timeline.around("optimizer", _clip_and_step, cfg, runtime, optimizer, scaler, loss, step)
-        skipped += not finite
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        step_time = timer.stop()
-        windows.end_step()
-        measures = runtime.step_measures(timer)  # 4. measure (collective: every rank, every step) and record
-        n_tokens_i = int(n_tokens.item())
-        tokens_seen += n_tokens_i
-        timings.append((n_tokens_i, global_batch, step_time, wait_mean, measures["comm_exposed_s"]))
-        evaluated = timeline.around("eval", _maybe_evaluate, model, heldout, cfg, step, stop, windows)  # held out
-        if step % cfg.log_every == 0 or step == stop or evaluated:
-            tps = measure.tokens_per_s(n_tokens_i, step_time)
-            record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
-                      "step_tokens": n_tokens_i, "n_masked": int(n_masked.item()), "tokens_per_s": tps,
-                      "packing_efficiency": measure.packing_efficiency(n_tokens_i, global_batch, seq_len),
-                      **_rates(global_batch, timer, step_time, wait_mean), **measures,
-                      "mfu": measure.mfu(tps, fpt, world, peak), **windows.take(), "world_size": world,
-                      "global_batch_size": global_batch, "epoch": epoch, "skipped": not finite, **evaluated,
-                      **checkpointer.take(), "time": time.time()}
-            last_record = _log(record, metrics_file, sink)
-        if cfg.checkpoints and ((cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == stop):
-            timeline.around("checkpoint", windows.around, "checkpoint", _save, cfg, checkpointer, model, optimizer,
-                            scaler, sampler, step=step, epoch=epoch, position=position, tokens=tokens_seen,
-                            world=world, sharding=sharding, run_id=run_id, split=split)
-        timeline.end(step_s=step_time, comm_exposed_s=measures["comm_exposed_s"])
-    checkpointer.close()  # the last asynchronous save written and published
-    records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()] \
-        if metrics_file is not None and metrics_file.exists() else [last_record]
-    result = _result(cfg, records, timings, fpt=fpt, peak=peak, world=world, global_batch=global_batch, step=step,
-                     params=params, tokens_seen=tokens_seen, resume_step=resume_step, skipped=skipped, mcfg=mcfg,
-                     index=index, device=device, sharding=sharding, t_start=t_start, prov=prov) | windows.maxima
-    result |= {"run_id": run_id, "checkpoint_stall_s": checkpointer.stalls, "checkpoint_save_s": checkpointer.saved_s,
-               **_timeline_fields(cfg, run_dir, timeline)}  # every rank's timeline closed: culprit, goodput
+    run = Run(cfg=cfg, given=given, rank=rank, world=world, device=device, t_start=t_start, run_id=plan["run_id"],
+              resume_step=resume_step, data=data, mcfg=mcfg, params=params, runtime=runtime,
+              fpt=flops_per_token(mcfg, int(data.index["seq_len"]), mlm_probability=cfg.data.mlm_probability),
+              state=RunState(cfg, runtime, sampler, plan["run_id"]), loader=loader, heldout=heldout,
+              checkpointer=Checkpointer(run_dir, keep=cfg.checkpoint.keep, asynchronous=cfg.checkpoint.asynchronous),
+              timeline=Timeline(run_dir, rank=rank, world_size=world, resumed_from=resume_step, comm=runtime.comm,
+                                enabled=cfg.measure.timeline, segment_start=plan["segment_start"],
+                                publish=timeline_sink))
+    if ckpt is not None:  # weights, optimiser, counters, sampler, scaler, hook, noise scale, ramp; RNG last
+        run.checkpointer.load(ckpt, run.state)
+    run.state.ramp.start(cfg, run.state.step, measured=runtime.noise is not None)  # or one refusal, nothing written
+    if resume_step:  # one line from rank 0 on stderr
+        dist.print0(f"train: resuming from step {run.state.step} (checkpoint {ckpt.name} in {run_dir})", file=sys.stderr)
+    run.prov = provenance.collect(device, start_time=provenance.now_iso())  # collective: every rank's host, device
+    run.metrics_file = _start_files(run_dir, given, identity, run.prov, resumed=ckpt is not None,
+                                    step=run.state.step, run_id=run.run_id)
+    if dist.is_main():
+        run.state.ramp.write(run_dir)  # batch_changes.jsonl (a resumed run's: cut back to its checkpoint)
+    run.timer = measure.StepTimer(device, comm=runtime.comm)  # the dp gradient collectives, every mode
+    run.windows = measure.PeakWindows(device)  # peak memory of the steps, each evaluation, each checkpoint
+    return run
+
+
+def _ramp(run: Run) -> TrainConfig:
+    """The config the next step trains at: ``run.cfg``, with the global batch the ramp makes due
+    now (``labkit.train.ramp.BatchRamp.due``) through accumulation (``RunState.set_batch``); rank 0
+    rewrites batch_changes.jsonl with the change."""
+    due = run.state.ramp.due(run.state.step)
+    if due is not None:
+        run.state.set_batch(*due)
+        run.cfg = run.cfg.replace(batch={"grad_accum_steps": run.state.ramp.grad_accum_steps})
+        if dist.is_main():
+            run.state.ramp.write(run.run_dir)
+    return run.cfg
+
+
+def _record(run: Run, values: dict[str, Any], step_time: float, wait_mean: float) -> dict[str, Any]:
+    """One metrics record of the step just taken: ``values`` (loss, lr, grad norm, the step's tokens
+    and masked count, skipped, the runtime's measures, the evaluation) with the run's rates and
+    counters (docs/training.md, Metrics)."""
+    state, tokens = run.state, values["step_tokens"]
+    tps = measure.tokens_per_s(tokens, step_time)
+    return {"step": state.step, **values, "tokens": state.tokens, "tokens_per_s": tps,
+            "packing_efficiency": measure.packing_efficiency(tokens, run.global_batch, int(run.data.index["seq_len"])),
+            **_rates(run.global_batch, run.timer, step_time, wait_mean),
+            "mfu": measure.mfu(tps, run.fpt, run.world, measure.peak_flops(run.device, run.cfg.precision)),
+            **run.windows.take(), "world_size": run.world, "global_batch_size": run.global_batch,
+            "grad_accum_steps": run.cfg.batch.grad_accum_steps,
+            "epoch": state.epoch, **run.checkpointer.take(), "time": time.time()}
+
+
+def _finish(run: Run) -> dict[str, Any]:
+    """After the last step: result.json from every record of this invocation (rank 0's metrics.jsonl),
+    the measures, the run's ids and checkpoint times and the timeline's culprit and goodput
+    (collective); rank 0 writes it covering the whole run (``run_config.with_segments``)."""
+    path = run.metrics_file
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] \
+        if path is not None and path.exists() else [run.last_record]
+    result = _result(run, records) | run.windows.maxima
+    result |= {"run_id": run.run_id, "checkpoint_stall_s": run.checkpointer.stalls,
+               "checkpoint_save_s": run.checkpointer.saved_s,
+               **_timeline_fields(run.cfg, run.run_dir, run.timeline)}  # every rank's timeline closed
     if dist.is_main():  # result.json covers the whole run: every segment (run_config.with_segments)
-        atomic_write_json(run_dir / "result.json", result := with_segments(run_dir, result, cfg.timing_warmup_steps))
+        result = with_segments(run.run_dir, result, run.cfg.measure.timing_warmup_steps)
+        atomic_write_json(run.run_dir / "result.json", result)
     return result
 
 
@@ -458,38 +555,38 @@ def _timeline_fields(cfg: TrainConfig, run_dir: pathlib.Path, timeline: Timeline
     return {"culprit": found, **measure.goodput(frame, end=time.time())}
 
 
-def _fetch(batches_iter: Any, loader: Any, sampler: Any, epoch: int, position: int, cfg: TrainConfig, dp: int,
-           device: torch.device) -> tuple[list[dict[str, Any]], float, int, int, Any]:
-    """This rank's ``cfg.grad_accum_steps`` micro-batches of the step, on ``device`` (``to_device``),
-    and the seconds spent waiting for them; at the end of an epoch the sampler reshuffles and the
-    next one starts (``_next_epoch``). Returns (micro_batches, wait_s, epoch, position in the epoch,
-    the batch iterator)."""
+def _fetch(batches_iter: Any, loader: Any, state: RunState, cfg: TrainConfig, dp: int,
+           device: torch.device) -> tuple[list[dict[str, Any]], float, Any]:
+    """This rank's ``cfg.batch.grad_accum_steps`` micro-batches of the step, on ``device`` (``to_device``),
+    and the seconds spent waiting for them; advances ``state``'s epoch and position (batches of the
+    epoch consumed); at the end of an epoch the sampler reshuffles and the next one starts
+    (``_next_epoch``). Returns (micro_batches, wait_s, the batch iterator)."""
     micro_batches, wait = [], 0.0
-    for _ in range(cfg.grad_accum_steps):
+    for _ in range(cfg.batch.grad_accum_steps):
         t0 = time.perf_counter()
         batch = next(batches_iter, None)
         if batch is None:  # epoch over: reshuffle and start again
-            epoch, position, batches_iter = epoch + 1, 0, _next_epoch(loader, sampler, epoch + 1, cfg, dp)
+            state.epoch, state.position = state.epoch + 1, 0
+            batches_iter = _next_epoch(loader, state.sampler, state.epoch, cfg, dp)
             batch = next(batches_iter)
-        position += 1
+        state.position += 1
         micro_batches.append(to_device(batch, device))
         wait += time.perf_counter() - t0
-    return micro_batches, wait, epoch, position, batches_iter
+    return micro_batches, wait, batches_iter
 
 
-def _clip_and_step(cfg: TrainConfig, runtime: Runtime, optimizer: Any, scaler: Any, loss: float,
-                   step: int) -> tuple[float, bool]:
+def _clip_and_step(cfg: TrainConfig, runtime: Runtime, loss: float, step: int) -> tuple[float, bool]:
     """Unscale (fp16), clip the global grad norm (``Runtime.clip_grad_norm``: every mesh dimension
-    and pipeline stage), step. Returns
+    and pipeline stage), step the runtime's optimiser through its scaler. Returns
     (grad_norm, finite). A non-finite loss (or, in fp32/bf16, grad norm) skips the step, or raises
     FloatingPointError with ``on_nonfinite="raise"``; an fp16 overflow in the grads alone is the
     scaler's business: it skips that step and lowers the scale (finite is then False)."""
-    fp16 = cfg.precision == "fp16"
+    fp16, optimizer, scaler = cfg.precision == "fp16", runtime.optimizer, runtime.scaler
     finite = math.isfinite(loss)
     grad_norm = float("nan")
     if finite or fp16:
         scaler.unscale_(optimizer)
-        grad_norm = runtime.clip_grad_norm(cfg.grad_clip or float("inf"))  # global norm, any split
+        grad_norm = runtime.clip_grad_norm(cfg.optim.grad_clip or float("inf"))  # global norm, any split
         finite = finite and (fp16 or math.isfinite(grad_norm))
     if not finite and cfg.on_nonfinite == "raise":
         raise FloatingPointError(f"step {step + 1}: non-finite loss {loss} / grad norm {grad_norm} "
@@ -513,25 +610,6 @@ def _log(record: dict, metrics_file: pathlib.Path | None, sink: Callable[[dict],
     return record
 
 
-def _save(cfg: TrainConfig, checkpointer: Checkpointer, model: torch.nn.Module, optimizer: Any, scaler: Any,
-          sampler: Any, *, step: int, epoch: int, position: int, tokens: int, world: int, sharding: str,
-          run_id: str, split: parallel.Split | None) -> float:
-    """Collective: checkpoint step-N (``checkpoint.Checkpointer.save``: every rank writes its part
-    of the weights and optimiser state) with state.pt = the run's ``run_id``, step, epoch, tokens,
-    lr, scaler, world size, sharding, the split (None: data parallel only), the global batch and
-    the global sampler state after the batches the trainer consumed (with workers the sampler
-    itself runs ahead of the trainer, so ``position`` is the trainer's: ``RankSampler.state_at``),
-    and per rank its RNG states. Returns the seconds training stalled."""
-    status.update(phase="checkpoint")
-    dp = world // (cfg.tp * cfg.pp)
-    state = {"run_id": run_id, "step": step, "epoch": epoch, "tokens": tokens, "lr": lr_at(step, cfg),
-             "scaler": scaler.state_dict(), "world_size": world, "sharding": sharding,
-             "split": parallel.split_record(split, cfg),
-             "global_batch_size": cfg.micro_batch_size * cfg.grad_accum_steps * dp,
-             "sampler": sampler.state_at(epoch, position)}
-    return checkpointer.save(step, model, optimizer, state, {"rng": _rng_state()})
-
-
 def _next_epoch(loader: Any, sampler: Any, epoch: int, cfg: TrainConfig, world: int) -> Any:
     """A fresh iterator over ``loader`` for ``epoch`` (the sampler reshuffles). ValueError when
     the shards hold fewer sequences than one batch of every rank."""
@@ -540,7 +618,7 @@ def _next_epoch(loader: Any, sampler: Any, epoch: int, cfg: TrainConfig, world: 
     first = next(batches, None)
     if first is None:
         raise ValueError(f"data_dir: {cfg.data_dir} holds too few sequences for "
-                         f"micro_batch_size {cfg.micro_batch_size} x {world} ranks")
+                         f"micro_batch_size {cfg.batch.micro_batch_size} x {world} ranks")
     return itertools.chain([first], batches)
 
 
@@ -553,42 +631,43 @@ def _rates(global_batch: int, timer: measure.StepTimer, step_time: float, wait_m
             "data_wait_fraction": measure.data_wait_fraction(wait_mean, step_time)}
 
 
-def _result(cfg: TrainConfig, records: list[dict], timings: list[tuple], *, fpt: float,
-            peak: float | None, world: int, global_batch: int, step: int, params: dict, tokens_seen: int,
-            resume_step: int, skipped: int, mcfg: Any, index: dict, device: torch.device, sharding: str,
-            t_start: float, prov: dict) -> dict[str, Any]:
+def _result(run: Run, records: list[dict]) -> dict[str, Any]:
     """result.json: losses, the last held-out evaluation, throughput over the timed steps (after
-    ``cfg.timing_warmup_steps``), sizes and settings, and the provenance with the end time."""
+    ``measure.timing_warmup_steps``), sizes and settings, and the provenance with the end time."""
+    cfg, index, timings = run.cfg, run.data.index, run.timings
     seq_len, vocab_size = int(index["seq_len"]), int(index["vocab_size"])
-    timed = timings[cfg.timing_warmup_steps:] or timings  # too short a run: time every step
+    timed = timings[cfg.measure.timing_warmup_steps:] or timings  # too short a run: time every step
     tok, samples, seconds, wait_s = (sum(t[i] for t in timed) for i in range(4))
     exposed = [t[4] for t in timed if t[4] is not None]
     exposed_s = sum(exposed) if exposed else None
     tps = measure.tokens_per_s(tok, seconds) if timed else None
     evals = [r for r in records if r.get("eval_loss") is not None]
+    peak = measure.peak_flops(run.device, cfg.precision)
     result = {"initial_loss": records[0].get("loss") if records else None,
               "final_loss": records[-1].get("loss") if records else None,
               "eval_loss": evals[-1]["eval_loss"] if evals else None,
               "perplexity": evals[-1]["perplexity"] if evals else None,
-              "tokens_per_s": tps,
+              "tokens_per_s": tps, "timed_seconds": seconds if timed else None,
               "samples_per_s": measure.samples_per_s(samples, seconds) if timed else None,
               "data_wait_fraction": measure.data_wait_fraction(wait_s, seconds) if timed else None,
               "comm_exposed_s": exposed_s / len(exposed) if exposed else None,  # mean per timed step, rank 0
               "comm_exposed_fraction": exposed_s / seconds if exposed else None,
               "packing_efficiency": measure.packing_efficiency(tok, samples, seq_len) if timed else None,
               "packing": packing_of(index),
-              "mfu": measure.mfu(tps, fpt, world, peak) if tps else None,
-              "world_size": world, "global_batch_size": global_batch, "steps": step,
-              "max_steps": cfg.max_steps, "params": params["total"],
-              "non_embedding_params": params["non_embedding"], "flops_per_token": fpt, "tokens": tokens_seen,
+              "mfu": measure.mfu(tps, run.fpt, run.world, peak) if tps else None,
+              "world_size": run.world, "global_batch_size": run.global_batch, "steps": run.state.step,
+              "max_steps": cfg.max_steps, "params": run.params["total"],
+              "non_embedding_params": run.params["non_embedding"], "flops_per_token": run.fpt,
+              "tokens": run.state.tokens,
               "peak_mem_bytes": max((r.get("peak_mem_bytes") or 0) for r in records) if records else None,
-              "resumed_from_step": resume_step or None, "skipped_steps": skipped, "model": cfg.model,
-              "model_config": to_dict(mcfg), "seq_len": seq_len, "vocab_size": vocab_size,
-              "device": str(device), "precision": cfg.precision, "sharding": sharding,
-              "activation_checkpointing": mcfg.activation_checkpointing, "wall_s": time.time() - t_start,
-              "provenance": prov | {"end_time": provenance.now_iso()}}
+              "resumed_from_step": run.resume_step or None, "skipped_steps": run.skipped, "model": cfg.model,
+              "batch_schedule": cfg.batch.schedule,
+              "batch_changes": run.state.ramp.changes if cfg.batch.schedule != "fixed" else None,
+              "model_config": to_dict(run.mcfg), "seq_len": seq_len, "vocab_size": vocab_size,
+              "device": str(run.device), "precision": cfg.precision, "sharding": run.sharding,
+              "activation_checkpointing": run.mcfg.activation_checkpointing, "wall_s": time.time() - run.t_start,
+              "provenance": run.prov | {"end_time": provenance.now_iso()}}
     noisy = [r for r in records if r.get("b_simple") is not None]  # labkit.train.gns: the last EMA
     result |= {k: noisy[-1][k] if noisy else None for k in ("b_simple", "b_simple_low", "b_simple_high",
                                                             "b_simple_tokens")}
-    dp = global_batch // (cfg.micro_batch_size * cfg.grad_accum_steps)
-    return result | parallel.result_fields(cfg, dp, records)  # the split, its measured means
+    return result | parallel.result_fields(cfg, run.runtime.dp, records)  # the split, its measured means

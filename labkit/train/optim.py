@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import torch
 
@@ -17,7 +18,10 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", r"`torch\.jit\.(script|interface)` is deprecated", DeprecationWarning)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-__all__ = ["build_optimizer", "lr_at"]
+__all__ = ["LR_RULES", "build_optimizer", "lr_at", "lr_for_batch", "optimizer_kind"]
+
+LR_RULES = ("sqrt", "linear", "constant")
+"""The rules ``lr_for_batch`` knows (``TrainConfig.batch.lr_rule``)."""
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -36,55 +40,78 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     (max_steps - warmup_steps)`` (the last step, max_steps - 1, gets lr / (max_steps - warmup)
     and the schedule reaches 0 only after the run). It ignores min_lr_ratio.
     """
-    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    peak, floor = cfg.optim.lr, cfg.optim.lr * cfg.schedule.min_lr_ratio
     last = cfg.max_steps - 1
     if cfg.schedule.kind == "hf_linear":  # transformers.optimization._get_linear_schedule_with_warmup_lr_lambda
-        if step < cfg.warmup_steps:
-            return peak * step / max(1, cfg.warmup_steps)
-        return peak * max(0.0, (cfg.max_steps - step) / max(1, cfg.max_steps - cfg.warmup_steps))
-    if step < cfg.warmup_steps:
-        return peak * (step + 1) / cfg.warmup_steps
+        if step < cfg.schedule.warmup_steps:
+            return peak * step / max(1, cfg.schedule.warmup_steps)
+        return peak * max(0.0, (cfg.max_steps - step) / max(1, cfg.max_steps - cfg.schedule.warmup_steps))
+    if step < cfg.schedule.warmup_steps:
+        return peak * (step + 1) / cfg.schedule.warmup_steps
     if cfg.schedule.kind == "wsd":
-        decay_start = max(cfg.warmup_steps, cfg.max_steps - round(cfg.wsd_decay_fraction * cfg.max_steps))
+        decay = round(cfg.schedule.wsd_decay_fraction * cfg.max_steps)
+        decay_start = max(cfg.schedule.warmup_steps, cfg.max_steps - decay)
         p = min(1.0, (step - decay_start) / max(1, last - decay_start)) if step >= decay_start else 0.0
         return floor + (peak - floor) * (1.0 - p)
-    p = min(1.0, (step - cfg.warmup_steps) / max(1, last - cfg.warmup_steps))
+    p = min(1.0, (step - cfg.schedule.warmup_steps) / max(1, last - cfg.schedule.warmup_steps))
     if cfg.schedule.kind == "cosine":
         return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * p))
     return floor + (peak - floor) * (1.0 - p)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW (arXiv:1711.05101) with weight decay on matrices only: biases (of any shape) and
-    parameters with ndim < 2 (norm weights) get none. Tied parameters appear once. With ``cfg.sharding ==
-    "zero1"`` and a process group, the same two groups go to ``ZeroRedundancyOptimizer``
-    (ZeRO stage 1: each rank holds and steps the AdamW state of its partition of the
-    parameters, then broadcasts them); its ``param_groups`` are the whole groups, so setting
-    the lr there reaches every partition at ``step()``. Under fsdp the parameters are DTensor
-    shards and plain AdamW steps each rank's shard. On CPU and CUDA (ddp, zero1 and single
-    process, fsdp and split runs alike) AdamW is torch's fused implementation (``fused=True``: one
-    kernel per dtype and device for all parameters, the same update; on CPU since torch 2.4, about
-    a quarter of the for-loop's CPU time: docs/training.md). It takes DTensor parameters when all
-    of them are DTensors on one mesh (fsdp's shards; a split run's, where every parameter is a
-    DTensor: ``labkit.train.tensor_parallel``), not a mix of Tensor and DTensor, and not fsdp under
-    fp16 (``ShardedGradScaler``'s found-inf flag has a shape the fused step refuses, torch 2.13):
-    those keep the default implementation."""
-    from torch.distributed.tensor import DTensor
+def lr_for_batch(base_lr: float, base_batch: int, batch: int, rule: str = "sqrt") -> float:
+    """The learning rate at global ``batch`` (sequences) from ``base_lr`` at ``base_batch``:
+    ``sqrt`` (lr ∝ √B, the rule for Adam: Malladi et al. 2022, arXiv:2205.10287), ``linear``
+    (lr ∝ B, Goyal et al. 2017, arXiv:1706.02677, for SGD) or ``constant``. Raises ValueError on an
+    unknown rule or a non-positive batch."""
+    if rule not in LR_RULES:
+        raise ValueError(f"lr rule: must be one of {LR_RULES}, got {rule!r}")
+    if batch <= 0 or base_batch <= 0:
+        raise ValueError(f"lr_for_batch: batches must be positive, got {base_batch} and {batch}")
+    ratio = batch / base_batch
+    return base_lr * {"sqrt": math.sqrt(ratio), "linear": ratio, "constant": 1.0}[rule]
 
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, *, group: Any = None,
+                    sharded_scaler: bool = False) -> torch.optim.Optimizer:
+    """AdamW (arXiv:1711.05101) with weight decay on matrices only: biases (of any shape) and
+    parameters with ndim < 2 (norm weights) get none. Tied parameters appear once. With ``cfg.parallel.sharding ==
+    "zero1"`` and a process group, the same two groups go to ``ZeroRedundancyOptimizer`` over
+    ``group`` (the dp group; None: the world): ZeRO stage 1, each rank holds and steps the AdamW state
+    of its partition of the parameters, then broadcasts them; its ``param_groups`` are the whole
+    groups, so setting the lr there reaches every partition at ``step()``.
+
+    The implementation is torch's fused AdamW (``fused=True``: one kernel per dtype and device for
+    all parameters, the same update; on CPU since torch 2.4, about a quarter of the for-loop's CPU
+    time: docs/training.md) on CPU and CUDA alike, for plain tensors (one process, ddp, zero1) and for
+    DTensors (FSDP2's shards, tensor-parallel slices: every parameter on one mesh,
+    ``labkit.train.parallel``), with two exceptions that keep torch's default implementation
+    (foreach on CUDA, the for-loop on CPU): a mix of Tensor and DTensor parameters, and fp16 with
+    ``sharded_scaler`` (the run's scaler is ``ShardedGradScaler``: FSDP2, tensor or pipeline
+    parallelism), whose found-inf flag is [1]-shaped where the fused step wants a scalar ("output
+    with shape [] doesn't match the broadcast shape [1]", torch 2.13). ``optimizer_kind`` names the
+    choice."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     decay = [_decays(n, p) for n, p in named]  # a fused bias ([3, H]: labkit.model.encoder.FusedLinear) is 2-D
-    groups = [{"params": [p for p, d in zip(params, decay) if d], "weight_decay": cfg.weight_decay},
+    groups = [{"params": [p for p, d in zip(params, decay) if d], "weight_decay": cfg.optim.weight_decay},
               {"params": [p for p, d in zip(params, decay) if not d], "weight_decay": 0.0}]
+    fused = {"fused": True} if optimizer_kind(params, sharded_scaler=sharded_scaler and cfg.precision == "fp16") \
+        == "fused" else {}
+    if cfg.parallel.sharding == "zero1" and torch.distributed.is_initialized():
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=cfg.optim.lr, process_group=group,
+                                       betas=(cfg.optim.beta1, cfg.optim.beta2), **fused)
+    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), **fused)
+
+
+def optimizer_kind(params: list[torch.Tensor], *, sharded_scaler: bool = False) -> str:
+    """"fused" where ``build_optimizer`` runs torch's fused AdamW over ``params``, else "default"
+    (torch's default: foreach on CUDA, the for-loop on CPU): a mix of Tensor and DTensor, or an fp16
+    ``ShardedGradScaler`` stepping it (``sharded_scaler``; ``build_optimizer``)."""
+    from torch.distributed.tensor import DTensor
+
     n_dtensor = sum(isinstance(p, DTensor) for p in params)
-    # fused: not over a mix of Tensor and DTensor, nor DTensors under fp16 (ShardedGradScaler's found_inf is
-    # [1]-shaped; fused AdamW's step update refuses it: "output with shape [] doesn't match the broadcast shape [1]")
-    fusable = params and n_dtensor in (0, len(params)) and not (n_dtensor and cfg.precision == "fp16")
-    fused = {"fused": True} if fusable else {}
-    if cfg.sharding == "zero1" and torch.distributed.is_initialized():
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=cfg.lr,
-                                       betas=(cfg.beta1, cfg.beta2), **fused)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **fused)
+    return "fused" if params and n_dtensor in (0, len(params)) and not sharded_scaler else "default"
 
 
 def _decays(name: str, p: torch.Tensor) -> bool:

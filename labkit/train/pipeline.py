@@ -36,7 +36,7 @@ __all__ = ["FIRST_PARTS", "LAST_PARTS", "SCHEDULES", "build_schedule", "owned_la
            "stage_indices", "stage_layers", "StageModule", "TimedStage"]
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
-"""``TrainConfig.pp_schedule`` -> torch's schedule class."""
+"""``TrainConfig.parallel.pp_schedule`` -> torch's schedule class."""
 
 FIRST_PARTS = ("word", "position", "instruction", "argument", "token_type", "embed_norm")
 """The embedding modules (the first stage's; a model has those of its options, others are absent or None)."""

@@ -47,8 +47,7 @@ SAFE_FIELDS = frozenset(k for k, v in resume_policy().items() if v == "safe")
 """TrainConfig fields (dotted) that may change on resume with ``allow_safe_changes=True``. The
 model-parallel split and the data-parallel sharding change how a step is computed, not what (the
 same loss to rounding: a checkpoint loads at another split, sharding or world size, with the
-global batch kept, ``labkit.train.checkpoint.load``; a format-1 checkpoint only at its own,
-``parallel.refuse_checkpoint``)."""
+global batch kept, ``labkit.train.checkpoint.Checkpointer.load``)."""
 
 
 def data_identity(index: dict) -> dict[str, Any]:
@@ -67,7 +66,7 @@ def config_drift(saved: dict, new: dict, saved_data: dict | None, new_data: dict
     ``allow_safe_changes``. ``saved``/``new``: ``to_dict`` of the configs (a saved one may have the
     flat names of before the sections); ``saved_data`` None (a run directory from before
     data.json) skips the data comparison; ``free``: more dotted fields not compared."""
-    saved, new = dotted(saved), dotted(new)
+    saved, new = (dotted(json.loads(json.dumps(c))) for c in (saved, new))  # as config.json holds them: lists
     out = []
     for key in sorted(set(saved) | set(new)):
         if key in FREE_FIELDS or key in free or (allow_safe_changes and key in SAFE_FIELDS) or key not in saved:
@@ -194,13 +193,14 @@ SEGMENT_FIELDS = ("start_step", "end_step", "start_time", "end_time", "command",
 def _segment(result: dict, timing_warmup_steps: int) -> dict:
     """One invocation's segment from the result.json it wrote (its own means and times): the
     timed steps are its steps after ``timing_warmup_steps`` (all when it had no more), the timed
-    seconds ``timed_steps * global_batch_size / samples_per_s``."""
+    seconds its ``timed_seconds`` (``timed_steps * global_batch_size / samples_per_s`` for a result
+    written before that field: a batch ramp's global batch is its last one)."""
     prov = result.get("provenance") or {}
     start = result.get("resumed_from_step") or 0
     n = result["steps"] - start
     timed = n - timing_warmup_steps if n > timing_warmup_steps else n
     sps = result.get("samples_per_s")
-    seconds = timed * result["global_batch_size"] / sps if sps else 0.0
+    seconds = result.get("timed_seconds") or (timed * result["global_batch_size"] / sps if sps else 0.0)
     return {"start_step": start, "end_step": result["steps"], "start_time": prov.get("start_time"),
             "end_time": prov.get("end_time"), "command": prov.get("command"), "wall_s": result.get("wall_s"),
             "world_size": result.get("world_size"), "timed_steps": timed if sps else 0, "timed_seconds": seconds,

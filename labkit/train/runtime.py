@@ -1,201 +1,327 @@
-"""One runtime for every run: the step, the gradient clip and the per-step measures over a (pp, dp, tp) mesh.
+"""The step of every run: one forward/backward body, the clip and the per-step measures.
 
-Every run is a (pp, dp, tp) mesh (``labkit.config.split.Split``, tp innermost); data parallelism
-alone is pp = tp = 1, dp = world. ``Runtime`` is built for every run once its model is wrapped,
-and ``labkit.train.loop`` calls it the same way whatever the split (torchtitan's one
-``train_step``, ``pytorch/torchtitan: torchtitan/train.py``):
+``build_runtime(cfg, model, device)`` builds every run the same way (``labkit.train.parallel.build``
+over the run's (pp, dp, tp) ``Mesh``) and returns its ``Runtime``, which ``labkit.train.loop`` calls
+the same way whatever the split, as torchtitan's trainer does (``pytorch/torchtitan:
+torchtitan/trainer.py``, ``train_step`` and ``forward_backward_step``, which branches on pp only):
 
-- ``forward_backward(micro_batches)``: one optimiser step's forwards and backwards, the masked
-  tokens counted over the dp group once first. Data parallel alone: ``forward_backward`` below
-  (DDP, the study's setting, or FSDP2 / ZeRO-1). Tensor or pipeline parallel: the split model's
-  (``labkit.train.parallel.ParallelModel``: the pipeline schedule, tp-split stages, FSDP2 or
-  replicas over dp).
-- ``clip_grad_norm(max_norm)``: ``labkit.train.clip.clip_grad_norm_`` over every parameter, counted
-  once across tp, dp and pp (DTensor shards, plain replicas, the tied embedding's two stages).
-- ``comm``: the ``labkit.train.comm.CommTimer`` of the gradient collectives over dp, in every mode:
-  DDP's composed comm hook, FSDP2's timed reduce-scatter (data parallel alone, or on the dp mesh of
-  a split run), or the replicas' timed all-reduce (``sharding="replicate"``). ``StepTimer(comm=...)``
-  turns it into ``comm_exposed_s``; a split run without dp > 1 has no such collective (0.0).
+- ``forward_backward(micro_batches)``: the masked and real tokens of every micro-batch of the step
+  counted over the dp group once, before the forwards; then, at pp = 1, each micro-batch forward
+  and backward through the stage (DDP all-reduces on the last only), at pp > 1 the micro-batches
+  through the pipeline schedule; every micro-batch's loss is ``loss`` (written once: the summed CE x
+  dp / the global masked count, through the fp16 scaler). Then what backward left partial is summed:
+  the replicas over dp (``sharding="replicate"``), the sequence-parallel gradients over tp, the tied
+  embedding's two copies over the first and last stage.
+- ``clip_grad_norm(max_norm)``: ``labkit.train.clip.clip_grad_norm_`` (torchtitan's) over every
+  parameter, the pipeline stages summed, the tied copy counted once.
+- ``comm``: the ``labkit.train.comm.CommTimer`` of the gradient collectives over dp: DDP's comm hook
+  (with ``cfg.parallel.grad_compression``'s inner hook), FSDP2's timed reduce-scatters, or the replicas'
+  all-reduce. ``StepTimer(comm=...)`` turns it into ``comm_exposed_s``.
+- ``noise``: the gradient noise scale (``labkit.train.gns.NoiseScale.for_run``) for every dp > 1,
+  an observer inside those collectives, and at dp = 1 and pp = 1 from the micro-batches.
 - ``step_measures(step_timer)``: collective, once per step on every rank: ``comm_exposed_s``,
-  ``pipeline_bubble`` and ``tp_comm_s`` (None where the run is not split that way), and the comm
-  timer's fields (``comm_bytes``, its observers': the gradient noise scale, ``labkit.train.gns``,
-  in every data-parallel run, from the micro-batches in one process). Peak memory is ``labkit.measure.PeakWindows``',
-  the same in every mode.
-- ``dp``, ``dp_rank``: the data follows the dp rank (sampler, held-out set, global batch).
+  ``pipeline_bubble`` and ``tp_comm_s`` (0.0 where the run is not split that way), the comm timer's
+  fields and the noise scale's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from typing import Any, Callable
 
 import torch
+import torch.distributed as tdist
+from torch.distributed.tensor import DTensor
 
 from labkit.config import TrainConfig
-from labkit.measure import StepTimer
-from labkit.train import dist, gns
-from labkit.train.clip import clip_grad_norm_, copies_of
-from labkit.train.comm import (CommTimer, GradientObserver, compression_hook, time_gradient_collectives,
-                               time_reduce_scatters)
-from labkit.train.gns import NoiseScale
-from labkit.train.parallel import ParallelModel, split_of
+from labkit.measure import StepTimer, bubble_fraction
+from labkit.model.encoder import local
+from labkit.train import dist, pipeline
+from labkit.train.clip import clip_grad_norm_
+from labkit.train.comm import (CommTimer, GradientObserver, compression_hook, install_ddp_hook, time_reduce_scatters,
+                               timed_all_reduce)
+from labkit.train.gns import NoiseScale, squared_norm
+from labkit.train.parallel import Mesh, ModelParts, build
+from labkit.train.tensor_parallel import sync_sequence_parallel_grads
 
-__all__ = ["Runtime", "forward_backward"]
+__all__ = ["AUTOCAST_DTYPES", "build_runtime", "Runtime"]
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def forward_backward(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]], *,
-                     world_size: int, precision: str = "fp32",
-                     scaler: torch.amp.GradScaler | None = None,
-                     noise: NoiseScale | None = None,
-                     mark: Callable[[str], None] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Accumulate the gradients of one optimiser step over ``micro_batches`` (this rank's), data
-    parallel alone (``Runtime.forward_backward`` of such a run).
+def build_runtime(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, *,
+                  observers: tuple[GradientObserver, ...] = ()) -> Runtime:
+    """The ``Runtime`` of a run of ``cfg`` on this process's rank (RANK / WORLD_SIZE from the
+    environment, ``dist.dist_info``): its ``Mesh``, then ``parallel.build`` of ``model`` (a
+    ``BertMLM`` built alike on every rank). Collective with a process group."""
+    rank, _, world = dist.dist_info()
+    mesh = Mesh(cfg, world, rank, device)
+    parts, optimizer, scaler = build(cfg, model, device, mesh)
+    return Runtime(cfg, parts, optimizer, scaler, observers=observers)
 
-    Each batch holds input_ids int64[B,T], labels int64[B,T] (-100 = not masked) and
-    attention_mask bool[B,T], on the model's device, and may hold what the host knew before the
-    copy (``labkit.train.loop.to_device``): ``all_real`` (no [PAD]: the model gets no mask) and ``max_masked``
-    (the sparse head's gather size), so the forward needs no host sync. The masked and real-token counts of all
-    micro-batches on all ranks are all-reduced once before the forwards; gradient all-reduce
-    (DDP) happens on the last micro-batch only (``no_sync`` on the others). Returns
-    ``(loss_sum, n_masked_global, n_tokens_global)``: this rank's summed CE (fp32, detached),
-    the global masked count and the global real-token count (int64).
-    ``noise`` (``labkit.train.gns.NoiseScale``) is told the masked count; with ``noise.micro`` (one
-    process) each micro-batch's gradient share goes to it (its squared norm before the next is
-    added, the accumulation done here), then their sum. ``mark(phase)`` (``labkit.train.timeline.Timeline.mark``)
-    is told when the count's all-reduce ("sync"), each forward and each backward end.
-    """
-    counts = torch.stack([torch.stack([(b["labels"] != -100).sum(), b["attention_mask"].sum()])
-                          for b in micro_batches]).sum(0).to(torch.int64)
-    dist.all_reduce_sum(counts)
-    mark = mark or _no_mark
-    mark("sync")
-    n_masked_global, n_tokens_global = counts[0], counts[1]
-    if noise is not None:
-        noise.count(n_masked_global)
-    micro = noise is not None and noise.micro and len(micro_batches) > 1
-    acc: dict[torch.nn.Parameter, torch.Tensor] = {}
-    dtype = AUTOCAST_DTYPES[precision]
-    device_type = micro_batches[0]["input_ids"].device.type
-    loss_sum = torch.zeros((), dtype=torch.float32, device=counts.device)
-    for i, batch in enumerate(micro_batches):
-        with dist.no_sync(model, sync=i == len(micro_batches) - 1):
-            with torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-                mask = None if batch.get("all_real") else batch["attention_mask"]  # host facts: no sync
-                out = model(batch["input_ids"], attention_mask=mask, labels=batch["labels"],
-                            max_masked=batch.get("max_masked"))
-            loss = out.loss_sum.float() * world_size / n_masked_global.clamp(min=1)
-            mark("forward")
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+
+class Runtime:
+    """The step machinery of one run (module docstring) over ``parts`` (``parallel.build``'s, with
+    its ``optimizer`` and fp16 ``scaler``); ``observers``: extra ``labkit.train.comm.GradientObserver``\\ s
+    inside the dp gradient collectives. Build it once, before the first step: it installs the
+    collectives' timing and builds the pipeline schedule."""
+
+    def __init__(self, cfg: TrainConfig, parts: ModelParts, optimizer: Any, scaler: Any, *,
+                 observers: tuple[GradientObserver, ...] = ()) -> None:
+        self.cfg, self.parts, self.optimizer, self.scaler = cfg, parts, optimizer, scaler
+        self.mesh, self.device = parts.mesh, parts.device
+        self.dp, self.dp_rank = self.mesh.dp, self.mesh.dp_rank
+        self.autocast = AUTOCAST_DTYPES[cfg.precision]
+        self.noise = self._noise_scale()
+        self.weights = _piece_weights(parts)  # None: every parameter's gradient counts whole on its rank
+        # the noise scale observes the collectives, or (micro) is fed by the step; either way its sums ride the
+        # loop's step all-reduce as the comm timer's sideband (labkit.train.comm.all_reduce_with_sideband)
+        observers = [*observers, self.noise] if self.noise is not None else list(observers)
+        self.hook_state = None  # DDP's composed comm hook (labkit.train.comm.HookState)
+        self.comm = self._time_collectives(observers)
+        self.schedule = self._schedule() if self.mesh.pp > 1 else None
+        self._denominator = torch.ones((), dtype=torch.int64)
+        self._last = {"busy": 0.0, "span": 0.0, "tp_comm": 0.0}
+
+    # -- one optimiser step's forwards and backwards ---------------------------------------------
+
+    def forward_backward(self, micro_batches: list[dict[str, Any]], mark: Callable[[str], None] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One optimiser step's forwards and backwards over this rank's ``micro_batches`` (those of
+        its dp rank, the same on its tp and pp ranks): each holds input_ids int64[B,T], labels
+        int64[B,T] (-100 = not masked), attention_mask bool[B,T] on the device, and may hold what the
+        host knew before the copy (``labkit.train.loop.to_device``: ``all_real``, no [PAD], so the
+        model gets no mask; ``max_masked``, the sparse head's gather size), so a pp = 1 forward needs
+        no host sync. Returns (loss_sum: this rank's summed CE, fp32, detached, nonzero on one rank
+        per replica, so the sum over all ranks is the global batch's; n_masked_global;
+        n_tokens_global: int64, summed over the dp group before the forwards). ``mark(phase)``
+        (``labkit.train.timeline.Timeline.mark``) is told when the count's all-reduce ("sync"), each
+        forward and each backward end (a pipeline's schedule: one "backward")."""
+        counts = torch.stack([torch.stack([(b["labels"] != -100).sum(), b["attention_mask"].sum()])
+                              for b in micro_batches]).sum(0).to(torch.int64)
+        if self.mesh.device_mesh is not None:
+            tdist.all_reduce(counts, group=self.mesh.group("dp"))
+        mark = mark or _no_mark
+        mark("sync")
+        n_masked, n_tokens = counts[0], counts[1]
+        self._denominator = n_masked.clamp(min=1)
+        if self.noise is not None:
+            self.noise.count(n_masked)
+        t0 = time.perf_counter()
+        if self.schedule is None:
+            loss_sum = self._micro_batches(micro_batches, mark)
+        else:
+            loss_sum = self._pipeline(micro_batches, n_masked)
             mark("backward")
-        if micro:  # one process: micro-batch i's share of the gradient, summed here (gns.py)
-            acc = _accumulate_micro(model, acc, noise, i, last=i == len(micro_batches) - 1)
-        loss_sum += out.loss_sum.detach().float()
-    return loss_sum, n_masked_global, n_tokens_global
+        span = time.perf_counter() - t0
+        self._after_backward()
+        timers = self.parts.timers
+        busy, reduce_s = timers["busy"].take()[0], timers["reduce"].take()[0]
+        self._last = {"busy": busy, "span": span - reduce_s, "tp_comm": timers["tp"].take()[0]}
+        return (loss_sum if self.parts.representative else torch.zeros_like(loss_sum)), n_masked, n_tokens
+
+    def loss(self, loss_sum: torch.Tensor, target: Any = None) -> torch.Tensor:
+        """The loss backpropagated for one micro-batch: its summed CE x dp / the step's global masked
+        count (the dp reduction averages, so the gradient is that of the global batch's mean CE;
+        torchtitan's global-token normalisation), through the fp16 scaler; the pipeline schedule's
+        loss_fn on the last stage too (``target`` unused: the labels reach the stage as an argument)."""
+        return self.scaler.scale(loss_sum.float() * self.dp / self._denominator)
+
+    def _micro_batches(self, micro_batches: list[dict[str, Any]], mark: Callable[[str], None]) -> torch.Tensor:
+        """pp = 1: each micro-batch forward and backward through the one stage (DDP's gradient
+        all-reduce on the last only, ``no_sync`` on the others; FSDP2 reduce-scatters each); with the
+        micro-batch noise scale each one's gradient goes to it first. Returns the summed CE."""
+        stage, last = self.parts.stages[0], len(micro_batches) - 1
+        micro = self.noise is not None and self.noise.micro
+        acc: dict[torch.nn.Parameter, torch.Tensor] = {}
+        loss_sum = torch.zeros((), dtype=torch.float32, device=micro_batches[0]["input_ids"].device)
+        for i, batch in enumerate(micro_batches):
+            with dist.no_sync(stage, sync=i == last):
+                with self._autocast():
+                    mask = None if batch.get("all_real") else batch["attention_mask"]  # host facts: no sync
+                    out = stage(batch["input_ids"], attention_mask=mask, labels=batch["labels"],
+                                max_masked=batch.get("max_masked"))
+                mark("forward")
+                self.loss(out.loss_sum).backward()
+                mark("backward")
+            if micro:
+                acc = self._accumulate_micro(acc, last=i == last)
+            loss_sum += out.loss_sum.detach().float()
+        return loss_sum
+
+    def _pipeline(self, micro_batches: list[dict[str, Any]], n_masked: torch.Tensor) -> torch.Tensor:
+        """pp > 1: the step's micro-batches through the pipeline schedule (torch's; the attention mask
+        and labels go to every stage as keyword arguments, split per micro-batch). Returns the summed
+        CE of this rank's last stage (0 elsewhere), from the schedule's losses unscaled."""
+        whole = {k: torch.cat([b[k] for b in micro_batches]) for k in ("input_ids", "attention_mask", "labels")}
+        args = (whole["input_ids"],) if self.parts.has_first else ()
+        losses: list[torch.Tensor] = []  # the micro-batches' losses (not those of shape inference)
+        with self._autocast():
+            self.schedule.step(*args, attention_mask=whole["attention_mask"], labels=whole["labels"],
+                               target=whole["labels"] if self.parts.has_last else None, losses=losses,
+                               return_outputs=False)
+        if not losses:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
+        total = torch.stack([loss.detach().double() for loss in losses]).sum()
+        return (total * self._denominator.double() / (self.dp * scale)).float()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        dtype = self.autocast
+        return torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+
+    def _accumulate_micro(self, acc: dict[torch.nn.Parameter, torch.Tensor], *,
+                          last: bool) -> dict[torch.nn.Parameter, torch.Tensor]:
+        """Give the noise scale the squared norm of this micro-batch's gradient (the .grad fields hold
+        it alone), add it to ``acc`` (parameter -> running sum) and clear .grad; on the ``last`` put
+        the sums back and give it their squared norm (``gns``: G_small = k·d_j, G_big = Σ d_j)."""
+        fresh = [(p, p.grad) for p in self.parts.parameters() if p.grad is not None]
+        self.noise.add_small(self._squared(fresh))
+        for p, g in fresh:
+            if p in acc:
+                acc[p].add_(g)
+            else:
+                acc[p] = g
+            p.grad = None
+        if last:
+            for p, a in acc.items():
+                p.grad = a
+            self.noise.add_big(self._squared(list(acc.items())))
+        return acc
+
+    def _squared(self, pairs: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> torch.Tensor:
+        """Σ over (parameter, gradient) of this rank's share of the squared norm (``_piece_weights``)."""
+        w = self.weights or {}
+        return torch.stack([squared_norm(local(g)) * w.get(p, 1.0) for p, g in pairs]).sum()
+
+    def _after_backward(self) -> None:
+        """Sum what backward left partial: the replicas over dp (``sharding="replicate"``, averaged,
+        one timed flat all-reduce, the observers inside), the sequence-parallel gradients over tp, the
+        tied embedding's two copies over the first and last stage (Megatron-LM's embedding group)."""
+        parts = self.parts
+        if parts.replicas is not None and self.dp > 1:
+            pairs = [(p, local(p.grad)) for p in parts.parameters() if p.grad is not None]
+            flat = torch.cat([g.reshape(-1) for _, g in pairs])
+            w = None if self.weights is None else torch.cat(
+                [torch.full((g.numel(),), self.weights.get(p, 1.0), device=g.device) for p, g in pairs])
+            dtype = torch.bfloat16 if self.cfg.parallel.grad_compression == "bf16" else None
+            timed_all_reduce(self.comm, flat, parts.replicas, self.dp, weights=w, dtype=dtype)
+            for (_, g), part in zip(pairs, flat.split([g.numel() for _, g in pairs])):
+                g.copy_(part.view_as(g))
+        if parts.sp_names:
+            sync_sequence_parallel_grads([parts.get_parameter(n) for n in parts.sp_names], parts.tp_comm)
+        if parts.embedding_group is not None and parts.word is not None and parts.word.weight.grad is not None:
+            tdist.all_reduce(local(parts.word.weight.grad), group=parts.embedding_group)
+
+    def set_grad_accum_steps(self, k: int) -> None:
+        """Accumulate ``k`` micro-batches per step from the next one on (a batch ramp,
+        ``labkit.train.ramp``): ``cfg`` and the noise scale's two batch sizes follow, its averages kept
+        (unbiased at any batch: ``labkit.train.gns``), so the runtime is the one ``build_runtime`` gives
+        at ``k``. ValueError at pp > 1 (the pipeline schedule fixes its micro-batches)."""
+        if self.mesh.pp > 1:
+            raise ValueError("batch.grad_accum_steps: a pipeline schedule fixes its micro-batches when built; "
+                             "it cannot change during a run at parallel.pp > 1")
+        self.cfg = self.cfg.replace(batch={"grad_accum_steps": k})
+        old, new = self.noise, self._noise_scale()
+        if old is not None and new is not None:
+            new.load_state_dict(old.state_dict())
+        observers = self.comm.observers if self.comm is not None else []
+        if old in observers:
+            observers.remove(old)
+        if new is not None and self.comm is not None:
+            observers.append(new)
+        self.noise = new
+
+    def _noise_scale(self) -> NoiseScale | None:
+        """The noise scale of this run at ``cfg``'s accumulation (``NoiseScale.for_run``), or None."""
+        cfg = self.cfg
+        return NoiseScale.for_run(micro_batch_size=cfg.batch.micro_batch_size,
+                                  grad_accum_steps=cfg.batch.grad_accum_steps, dp=self.dp,
+                                  sharding=cfg.parallel.sharding if self.dp > 1 else "none", dp_rank=self.dp_rank,
+                                  compression=cfg.parallel.grad_compression, pp=self.mesh.pp)
+
+    # -- the clip and the measures -----------------------------------------------------------------
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Collective: clip every gradient to a global L2 norm of ``max_norm`` (``inf``: measure only)
+        and return the norm before clipping, the same on every rank (``labkit.train.clip``)."""
+        return clip_grad_norm_(self.parts.parameters(), max_norm, counted_elsewhere=self.parts.tied_copy,
+                               pp_group=self.mesh.group("pp") if self.mesh.pp > 1 else None)
+
+    def step_measures(self, timer: StepTimer) -> dict[str, Any]:
+        """Collective, once per step on every rank, after ``timer.stop()``: {"comm_exposed_s" (this
+        rank's, ``timer.comm_exposed_s`` from ``comm``; 0.0 without dp collectives), "pipeline_bubble"
+        (``labkit.measure.bubble_fraction`` of every rank's stage compute against world x the longest
+        rank's schedule time; 0.0 at pp = 1), "tp_comm_s" (mean over ranks of the seconds in
+        tensor-parallel collectives; 0.0 at tp = 1), "comm_bytes", "comm_bucket_bytes" and the
+        observers' fields (``CommTimer.step_fields``: the noise scale's among them; without a process
+        group the micro-batch noise scale's, ``gns.NoiseScale.step_fields``)}."""
+        fields = self.comm.step_fields() if self.comm is not None else {}
+        if self.comm is None and self.noise is not None:  # one process: the noise scale from the micro-batches
+            fields |= self.noise.step_fields()
+            self.noise.reset()
+        return {"comm_exposed_s": timer.comm_exposed_s, **self._split_measures(), **fields}
+
+    def _split_measures(self) -> dict[str, float]:
+        """The pipeline bubble and the tp time of the last step (collective where there is one to take)."""
+        mesh = self.mesh
+        if mesh.pp == 1 and mesh.tp == 1:  # nothing timed: no stage chunks, no tp collectives
+            return {"pipeline_bubble": 0.0, "tp_comm_s": 0.0}
+        sums = torch.tensor([self._last["busy"], self._last["tp_comm"]], dtype=torch.float64)
+        span = torch.tensor(self._last["span"], dtype=torch.float64)
+        tdist.all_reduce(sums)
+        tdist.all_reduce(span, op=tdist.ReduceOp.MAX)
+        busy, tp_comm = sums.tolist()
+        bubble = bubble_fraction(busy, mesh.world * span.item()) if mesh.pp > 1 and span.item() > 0 else 0.0
+        return {"pipeline_bubble": bubble, "tp_comm_s": tp_comm / mesh.world}
+
+    # -- set-up ------------------------------------------------------------------------------------
+
+    def _time_collectives(self, observers: list[GradientObserver]) -> CommTimer | None:
+        """The ``CommTimer`` of the dp gradient collectives with ``observers`` inside (None without a
+        process group): DDP's one comm hook around ``cfg.parallel.grad_compression``'s inner hook
+        (``labkit.train.comm.compression_hook``), or FSDP2's timed reduce-scatters and the replicas'
+        all-reduce, which block the backward thread on CPU (and the replicas' everywhere)."""
+        if self.mesh.device_mesh is None:
+            return None
+        stage = self.parts.stages[0]
+        if isinstance(stage, torch.nn.parallel.DistributedDataParallel):
+            timer = CommTimer(self.device, observers=observers)
+            names = {p: n for n, p in self.parts.named_parameters()}
+            self.hook_state = install_ddp_hook(stage, timer, *compression_hook(self.cfg, self.mesh.group("dp")),
+                                               names=names)
+            return timer
+        blocking = self.device.type != "cuda" or self.cfg.parallel.sharding == "replicate"
+        timer = CommTimer(self.device, blocking=blocking, observers=observers)
+        time_reduce_scatters([m for chunk in self.parts.chunks for m in chunk.modules()], timer, self.weights)
+        return timer
+
+    def _schedule(self) -> Any:
+        """Torch's pipeline schedule over this rank's stages (``pipeline.build_schedule``), each a
+        ``pipeline.TimedStage`` timing its compute and its FSDP2 reduction, with ``loss`` as loss_fn."""
+        parts = self.parts
+        stages = [pipeline.TimedStage(c, c.index, parts.n_stages, self.device, group=self.mesh.group("pp"),
+                                      busy=parts.timers["busy"], reduce=parts.timers["reduce"]) for c in parts.chunks]
+        return pipeline.build_schedule(stages, self.cfg.batch.grad_accum_steps, self.cfg.parallel.pp_schedule,
+                                       self.loss)
 
 
 def _no_mark(phase: str) -> None:
     return None
 
 
-def _accumulate_micro(model: torch.nn.Module, acc: dict[torch.nn.Parameter, torch.Tensor], noise: NoiseScale,
-                      i: int, *, last: bool) -> dict[torch.nn.Parameter, torch.Tensor]:
-    """Give ``noise`` the squared norm of micro-batch ``i``'s gradient (the .grad fields hold it
-    alone), add it to ``acc`` (parameter -> running sum) and clear .grad; on the ``last`` put the
-    sums back and give ``noise`` their squared norm."""
-    fresh = [(p, p.grad) for p in model.parameters() if p.grad is not None]
-    noise.add_small(torch.stack([gns.squared_norm(g) for _, g in fresh]).sum())
-    for p, g in fresh:
-        if p in acc:
-            acc[p].add_(g)
-        else:
-            acc[p] = g
-        p.grad = None
-    if last:
-        for p, a in acc.items():
-            p.grad = a
-        noise.add_big(torch.stack([gns.squared_norm(a) for a in acc.values()]).sum())
-    return acc
-
-
-class Runtime:
-    """The step machinery of one run on its (pp, dp, tp) mesh (module docstring).
-
-    ``model``: the wrapped model (DDP, FSDP2 or plain for data parallel alone; a ``ParallelModel``
-    otherwise), ``scaler`` the fp16 grad scaler (disabled: a pass-through), ``world`` and ``rank``
-    this process's place (``split_of(cfg, world, rank)``: ValueError when tp x pp does not divide
-    the world). ``observers``: ``labkit.train.comm.GradientObserver``\\ s inside the dp gradient
-    collectives (every mode); ``reduce``, ``reduce_state``, ``wire_bytes``: DDP's inner comm hook
-    (a compression; ``labkit.train.comm.time_gradient_collectives``; None: ``cfg.grad_compression``'s,
-    ``labkit.train.comm.compression_hook``), for data parallelism alone
-    (ValueError for a split run, whose dp reduction is FSDP2's or the replicas' all-reduce). Build it
-    once, after wrapping and before the first step."""
-
-    def __init__(self, cfg: TrainConfig, model: torch.nn.Module, scaler: Any, device: torch.device, *,
-                 world: int, rank: int, observers: tuple[GradientObserver, ...] | list[GradientObserver] = (),
-                 reduce: Any = None, reduce_state: Any = None, wire_bytes: Any = None):
-        self.cfg, self.model, self.scaler, self.device, self.world = cfg, model, scaler, device, world
-        self.mesh = split_of(cfg, world, rank)
-        self.dp, self.dp_rank = self.mesh.dp, self.mesh.dp_rank
-        self._split = model if isinstance(model, ParallelModel) else None
-        self.noise: NoiseScale | None = None  # the gradient noise scale (labkit.train.gns), data parallel alone
-        if self._split is None:
-            sharding = cfg.sharding if torch.distributed.is_initialized() else "none"
-            self.noise = NoiseScale.for_run(micro_batch_size=cfg.micro_batch_size, grad_accum_steps=cfg.grad_accum_steps,
-                                            dp=self.dp, sharding=sharding, dp_rank=self.dp_rank,
-                                            compression=cfg.grad_compression)
-            if self.noise is not None and not self.noise.micro:  # an observer of the collective
-                observers = [*observers, self.noise]
-            if reduce is None:  # cfg.grad_compression's hook (torch's bf16 / PowerSGD; None: the plain all-reduce)
-                reduce, reduce_state, wire_bytes = compression_hook(cfg)
-            self.comm = time_gradient_collectives(model, device, reduce=reduce, reduce_state=reduce_state,
-                                                  wire_bytes=wire_bytes, observers=observers)
-            self._copies = [(p, copies_of(p, world)) for p in model.parameters()]
-        else:
-            if reduce is not None or getattr(cfg, "grad_compression", "none") != "none":
-                raise ValueError("grad_compression: a compression hook applies to DDP (ddp, zero1), not to a "
-                                 f"split run (tp {cfg.tp}, pp {cfg.pp})")
-            self.comm = self._time_split(observers) if torch.distributed.is_initialized() else None
-            self._copies = self._split.grad_copies()
-
-    def _time_split(self, observers: Any) -> CommTimer:
-        """The split model's dp collectives timed: FSDP2's reduce-scatters on its stages (blocking on
-        CPU, where FSDP2 runs them on the backward thread), or the replicas' all-reduce after the
-        backward (always blocking)."""
-        blocking = self.device.type != "cuda" or self.cfg.sharding == "replicate"
-        timer = CommTimer(self.device, blocking=blocking, observers=observers)
-        time_reduce_scatters(self._split.dp_modules(), timer)
-        self._split.dp_timer = timer
-        return timer
-
-    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]],
-                         mark: Callable[[str], None] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One optimiser step's forwards and backwards over this rank's ``micro_batches`` (the
-        batches of its dp rank); returns (loss_sum: this rank's share, detached fp32, whose sum over
-        all ranks is the global batch's summed CE; n_masked_global; n_tokens_global, int64). ``mark``: the
-        timeline's phase clock (``forward_backward``; a split run's schedule is one "backward" mark)."""
-        if self._split is not None:
-            out = self._split.forward_backward(micro_batches, dtype=AUTOCAST_DTYPES[self.cfg.precision])
-            if mark is not None:
-                mark("backward")
-            return out
-        return forward_backward(self.model, micro_batches, world_size=self.world, precision=self.cfg.precision,
-                                scaler=self.scaler, noise=self.noise, mark=mark)
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Collective: clip every gradient to a global L2 norm of ``max_norm`` (``inf``: measure only)
-        and return the norm before clipping (``labkit.train.clip.clip_grad_norm_``)."""
-        return clip_grad_norm_(self._copies, max_norm)
-
-    def step_measures(self, timer: StepTimer) -> dict[str, Any]:
-        """Collective, once per step on every rank, after ``timer.stop()``: {"comm_exposed_s" (this
-        rank's, ``timer.comm_exposed_s`` from ``comm``; 0.0 without dp collectives), "pipeline_bubble",
-        "tp_comm_s" (``ParallelModel.take_measures``; None when not split that way), "comm_bytes" and
-        the observers' fields (``CommTimer.step_fields``; absent without a process group)}."""
-        split = self._split.take_measures() if self._split is not None else {"pipeline_bubble": None,
-                                                                              "tp_comm_s": None}
-        fields = self.comm.step_fields() if self.comm is not None else {}
-        if self.noise is not None and self.noise.micro:  # one process: the noise scale from the micro-batches
-            fields |= self.noise.step_fields()
-            self.noise.reset()
-        return {"comm_exposed_s": timer.comm_exposed_s, **split, **fields}
+def _piece_weights(parts: ModelParts) -> dict[torch.nn.Parameter, float] | None:
+    """The share of each parameter's gradient this rank counts in a squared norm summed over the world
+    (the noise scale): 1/tp for a parameter every rank of the tp group holds whole and alike (a
+    ``Replicate()`` DTensor on the tp dimension whose gradient is not a sequence-parallel partial sum),
+    1 otherwise; None where every share is 1 (tp = 1)."""
+    if parts.mesh.tp == 1:
+        return None
+    partial = {id(parts.get_parameter(n)) for n in parts.sp_names}
+    out = {}
+    for p in parts.parameters():
+        names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+        replicated = "tp" in names and p.placements[names.index("tp")].is_replicate()
+        out[p] = 1.0 / parts.mesh.tp if replicated and id(p) not in partial else 1.0
+    return out

@@ -82,7 +82,7 @@ class TensorBoardSink:
 
 
 SINKS: dict[str, Callable[[str], MetricSink]] = {"tensorboard": TensorBoardSink}
-"""Sink name (as in ``TrainConfig.trackers``) -> factory taking the run directory."""
+"""Sink name (as in ``TrainConfig.measure.trackers``) -> factory taking the run directory."""
 
 
 def open_sinks(names: tuple[str, ...] | list[str], run_dir: str | os.PathLike, *, main: bool = True) -> list[MetricSink]:

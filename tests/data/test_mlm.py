@@ -439,13 +439,13 @@ def test_loader_and_heldout_from_one_shard_set_read_the_index_once(tmp_path, mon
     shards = open_shards(tmp_path, seq_len=32, tokenizer_sha256="ab" * 32)
     loader = make_loader(shards, batch_size=4, rank=0, world_size=1, seed=0, mlm_probability=0.15,
                          vocab_size=96, seq_len=32, tokenizer_sha256="ab" * 32)
-    heldout = HeldoutSet(shards, rank=0, world_size=1, vocab_size=96, mlm_probability=0.15, max_sequences=4,
+    heldout = HeldoutSet(shards, rank=0, world_size=1, mlm_probability=0.15, max_sequences=4,
                          batch_size=2, device=torch.device("cpu"))
     n_batches = sum(1 for _ in loader)
     assert opened == [str(tmp_path / "index.json")]
     assert loader.dataset._reader is shards and n_batches == 8 and heldout.n_sequences == 4
     assert len(RankSampler(shards, rank=0, world_size=2, batch_size=4)) == 4
-    path_heldout = HeldoutSet(tmp_path, rank=0, world_size=1, vocab_size=96, mlm_probability=0.15,
+    path_heldout = HeldoutSet(tmp_path, rank=0, world_size=1, mlm_probability=0.15,
                               max_sequences=4, batch_size=2, device=torch.device("cpu"))
     for a, b in zip(heldout.batches, path_heldout.batches):  # the same set as from a path
         assert all(torch.equal(a[k], b[k]) for k in a)

@@ -179,13 +179,12 @@ def _overlap_worker(rank: int, world: int, port: int, out: str) -> None:
     import json
     import os
     import time
-    from types import SimpleNamespace
 
     import torch
 
+    from labkit.config import TrainConfig
     from labkit.model import BertMLM, model_config
-    from labkit.train import dist
-    from labkit.train.comm import time_gradient_collectives
+    from labkit.train import build_runtime, dist
 
     os.sched_setaffinity(0, {rank % len(os.sched_getaffinity(0))})  # one core per rank
     torch.set_num_threads(1)
@@ -199,9 +198,10 @@ def _overlap_worker(rank: int, world: int, port: int, out: str) -> None:
     results = {}
     for cap in OVERLAP_CAPS_MB:
         torch.manual_seed(0)
-        model = dist.wrap_model(BertMLM(model_config("mini", 32768, hidden_dropout=0.0, attention_dropout=0.0)),
-                                SimpleNamespace(sharding="ddp", bucket_cap_mb=cap, grad_accum_steps=1), cpu)
-        timer = time_gradient_collectives(model, cpu)
+        rt = build_runtime(TrainConfig(data_dir="-", run_dir="-", parallel={"bucket_cap_mb": cap}),
+                           BertMLM(model_config("mini", 32768, hidden_dropout=0.0, attention_dropout=0.0)), cpu)
+        model, timer = rt.parts.stages[0], rt.comm  # DDP with the trainer's comm hook
+        timer.observers.clear()  # the plain timed all-reduce: no noise-scale norms in the hook
         rows = []
         for step in range(OVERLAP_STEPS):
             timer.reset()
@@ -219,7 +219,7 @@ def _overlap_worker(rank: int, world: int, port: int, out: str) -> None:
             if step >= OVERLAP_WARMUP:
                 rows.append({"measured": timer.exposed_s(), "comm": comm, "backward": backward})
         results[str(cap)] = rows
-        del model, timer
+        del model, timer, rt
     if rank == 0:
         pathlib.Path(out).write_text(json.dumps(results))
     dist.barrier()

@@ -2,8 +2,12 @@
 time_gradient_collectives): 2 gloo ranks train the tiny model with grad_compression "none",
 "bf16" and "powersgd" in one spawn. bf16 puts exactly half of none's bytes on the wire (2 bytes
 per gradient element instead of 4; none's bytes are 4 x the model's parameters, each all-reduced
-once), keeps comm_exposed_s in every record and trains to none's losses within bf16's rounding;
-PowerSGD all-reduces fp32 during its warm-up steps, then less than half the bytes."""
+once), keeps comm_exposed_s in every record and trains to none's losses within bf16's rounding,
+under DDP and under FSDP2 (its reduce-scatters in bf16, ``MixedPrecisionPolicy(reduce_dtype)``);
+PowerSGD all-reduces fp32 during its warm-up steps, then less than half the bytes. A run stopped
+after step 3 and resumed continues exactly: under PowerSGD bit for bit (its error feedback and Q
+memories by parameter name, its step counter: compressed from the first resumed step on, on DDP's
+unbuilt buckets), and the noise scale's averages where they were (plain all-reduce: bit for bit)."""
 
 from __future__ import annotations
 
@@ -47,12 +51,21 @@ def runs(tmp_path_factory) -> pathlib.Path:
 
     root = tmp_path_factory.mktemp("compression")
     shards = write_tiny_shards(root / "shards", n_sequences=48)
-    cfgs = [TrainConfig(data_dir=str(shards), run_dir=str(root / kind), model="tiny", max_steps=STEPS, num_threads=1,
+    cfgs = [TrainConfig(data_dir=str(shards), run_dir=str(root / name), model="tiny", max_steps=STEPS, num_threads=1,
                         device="cpu", timeout_s=60, batch={"micro_batch_size": 4}, optim={"lr": 3e-3},
                         schedule={"warmup_steps": 1}, measure={"timing_warmup_steps": 1},
-                        parallel={"grad_compression": kind, "powersgd_rank": 2, "powersgd_start_iter": START})
-            for kind in ("none", "bf16", "powersgd")]
+                        checkpoint={"enabled": sharding == "ddp"},
+                        parallel={"grad_compression": kind, "powersgd_rank": 2, "powersgd_start_iter": START,
+                                  "sharding": sharding})
+            for name, kind, sharding in (("none", "none", "ddp"), ("bf16", "bf16", "ddp"),
+                                         ("powersgd", "powersgd", "ddp"), ("fsdp-none", "none", "fsdp"),
+                                         ("fsdp-bf16", "bf16", "fsdp"))]
     cfgs.append(cfgs[0].replace(run_dir=str(root / "auto"), parallel={"bucket_cap_mb": "auto"}))
+    for kind in ("powersgd", "none"):  # RESUMED: uninterrupted, and stopped after step 3 then resumed
+        whole = cfgs[2 if kind == "powersgd" else 0].replace(run_dir=str(root / f"{kind}-whole"), max_steps=6,
+                                                             checkpoint={"every": 3})
+        part = whole.replace(run_dir=str(root / f"{kind}-part"), stop_after=3)
+        cfgs += [whole, part, part.replace(stop_after=None)]
     mp.spawn(_worker, args=(2, _free_port(), json.dumps([to_dict(c) for c in cfgs])), nprocs=2, join=True)
     return root
 
@@ -72,6 +85,10 @@ def test_bf16_sends_half_the_bytes_and_records_exposed_communication(runs):
     # bf16 rounds each averaged gradient to 8 bits of mantissa: the same training, to ~1e-2
     assert [r["loss"] for r in bf16] == pytest.approx([r["loss"] for r in none], rel=2e-2)
     assert bf16[0]["loss"] == none[0]["loss"]  # the first forward precedes any reduction
+    fsdp, fsdp_bf16 = _metrics(runs / "fsdp-none"), _metrics(runs / "fsdp-bf16")  # FSDP2's reduce_dtype
+    assert all(b["comm_bytes"] * 2 == a["comm_bytes"] > 0 for a, b in zip(fsdp, fsdp_bf16))
+    assert [r["loss"] for r in fsdp_bf16] == pytest.approx([r["loss"] for r in fsdp], rel=2e-2)
+    assert fsdp_bf16[0]["loss"] == fsdp[0]["loss"]
 
 
 def test_powersgd_plain_during_warm_up_then_compressed(runs):
@@ -99,8 +116,11 @@ def test_powersgd_plain_during_warm_up_then_compressed(runs):
 def test_config_refusals():
     from labkit.config import TrainConfig
 
-    with pytest.raises(ValueError, match="grad_compression.*sharding 'ddp' or 'zero1', not 'fsdp'"):
-        TrainConfig(data_dir="d", run_dir="r", parallel={"sharding": "fsdp", "grad_compression": "bf16"})
+    with pytest.raises(ValueError, match="^parallel.grad_compression: 'powersgd' is torch's DDP comm hook .*sharding "
+                                         "'ddp' or 'zero1', not 'fsdp'$"):
+        TrainConfig(data_dir="d", run_dir="r", parallel={"sharding": "fsdp", "grad_compression": "powersgd"})
+    bf16 = TrainConfig(data_dir="d", run_dir="r", parallel={"sharding": "fsdp", "grad_compression": "bf16"})
+    assert bf16.parallel.grad_compression == "bf16"
     with pytest.raises(ValueError, match="grad_compression"):
         TrainConfig(data_dir="d", run_dir="r", parallel={"grad_compression": "fp8"})
     with pytest.raises(ValueError, match="powersgd_start_iter"):
@@ -130,3 +150,24 @@ def test_auto_bucket_cap_measures_the_link_and_trains_as_the_default(runs):
     rebuilt = auto[-1]["comm_bucket_bytes"]
     assert sum(rebuilt) == none[-1]["comm_bytes"] and len(rebuilt) == max(1, math.ceil(sum(rebuilt) / cap)) or \
         all(b <= cap + record["embedding_bytes"] for b in rebuilt), (rebuilt, cap)
+
+
+def test_a_resumed_run_continues_powersgd_and_the_noise_scale(runs):
+    """Stopped after step 3 (PowerSGD compressing since step 3) and resumed: the uninterrupted run's
+    losses and grad norms bit for bit under PowerSGD, its compressed bytes from the first resumed step
+    (no second warm-up), and the noise scale's averages continued (plain all-reduce: bit for bit,
+    not restarted)."""
+    whole, part = _metrics(runs / "powersgd-whole"), _metrics(runs / "powersgd-part")
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in part] == [(r["step"], r["loss"], r["grad_norm"])
+                                                                      for r in whole]
+    assert [r["comm_bytes"] for r in part] == [r["comm_bytes"] for r in whole]
+    assert all(r["comm_bytes"] < whole[0]["comm_bytes"] / 2 for r in part[START:])
+    from labkit.train.gns import two_batch_estimates
+
+    plain, resumed = _metrics(runs / "none-whole"), _metrics(runs / "none-part")
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in plain]
+    for key in ("gns_grad_sq", "gns_trace_cov", "b_simple"):  # the averages over steps 1-6, bit for bit: DDP's
+        # buckets differ on the first resumed step, the squared norms are summed per parameter by name (gns)
+        assert [r[key] for r in resumed] == [r[key] for r in plain], key
+    fresh = two_batch_estimates(*(resumed[3][k] for k in ("gns_sq_small", "gns_sq_big", "gns_b_small", "gns_b_big")))
+    assert abs(fresh[0] / resumed[3]["gns_grad_sq"] - 1) > 1e-2  # restarted averages would be step 4's own

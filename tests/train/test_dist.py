@@ -13,16 +13,15 @@ import os
 import pathlib
 import socket
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
+from labkit.config import TrainConfig
 from labkit.train import dist
 from labkit.model import BertMLM, model_config
-from labkit.train import build_optimizer, forward_backward
+from labkit.train import build_optimizer, build_runtime
 
 VOCAB, SEQ, MB = 64, 16, 2
 MASKED_PER_MICRO_BATCH = (1, 9, 3, 14)  # uneven on purpose: a per-rank mean would be wrong
@@ -64,14 +63,18 @@ def _model() -> BertMLM:
     return BertMLM(model_config("tiny", VOCAB, hidden_dropout=0.0, attention_dropout=0.0))
 
 
+def _cfg(**kw) -> TrainConfig:
+    return TrainConfig(data_dir="-", run_dir="-", **kw)
+
+
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in dist.unwrap(model).named_parameters() if p.grad is not None}
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Whole gradients by name; FSDP's DTensor shards are all-gathered (collective)."""
     return {n: (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
-            for n, g in ((n, p.grad) for n, p in dist.unwrap(model).named_parameters()) if g is not None}
+            for n, g in ((n, p.grad) for n, p in model.named_parameters()) if g is not None}
 
 
 def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -80,20 +83,22 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     device = torch.device("cpu")
     assert dist.init_distributed("gloo", 60.0, device)
     try:
-        model = dist.wrap_model(_model(), None, device)
+        rt = build_runtime(_cfg(batch={"grad_accum_steps": 2}), _model(), device)  # DDP over the dp group
+        model = rt.parts
+        assert isinstance(rt.parts.stages[0], torch.nn.parallel.DistributedDataParallel)
         mine = _micro_batches()[2 * rank: 2 * rank + 2]  # 2 accumulation steps per rank
-        loss_sum, n_masked, _ = forward_backward(model, mine, world_size=world)
+        loss_sum, n_masked, _ = rt.forward_backward(mine)
         smoke = dist.all_reduce_smoke_test()  # reuses the group, leaves it up
         assert torch.distributed.is_initialized()
         fsdp_grads = {}
         for reshard in (True, False):  # ZeRO-3 and ZeRO-2-style
-            fsdp = dist.wrap_model(_model(), SimpleNamespace(sharding="fsdp", fsdp_reshard_after_forward=reshard),
-                                   device)
-            assert dist.is_fsdp(fsdp)
-            forward_backward(fsdp, mine, world_size=world)
-            fsdp_grads[reshard] = _full_grads(fsdp)
-        zcfg = SimpleNamespace(sharding="zero1", weight_decay=0.01, lr=1e-3, beta1=0.9, beta2=0.98)
-        zero = build_optimizer(model, zcfg)  # ZeRO-1: this rank's AdamW holds a partition only
+            fsdp = build_runtime(_cfg(parallel={"sharding": "fsdp", "fsdp_reshard_after_forward": reshard},
+                                      batch={"grad_accum_steps": 2}),
+                                 _model(), device)
+            assert dist.is_fsdp(fsdp.parts.chunks[0])
+            fsdp.forward_backward(mine)
+            fsdp_grads[reshard] = _full_grads(fsdp.parts)
+        zero = build_optimizer(model, _cfg(parallel={"sharding": "zero1"}))  # ZeRO-1: this rank's AdamW holds a partition only
         zero_local = sum(p.numel() for g in zero.optim.param_groups for p in g["params"])
         torch.save({"grads": _grads(model), "loss_sum": loss_sum, "n_masked": n_masked, "smoke": smoke,
                     "fsdp_grads": fsdp_grads, "zero_local": zero_local, "zero_type": type(zero).__name__},
@@ -150,7 +155,7 @@ def test_two_ranks_two_accum_steps_match_one_process(tmp_path):
 def test_single_process_accumulation_matches_whole_batch():
     """World 1, 4 micro-batches through forward_backward = one forward on the whole batch."""
     model = _model()
-    forward_backward(model, _micro_batches(), world_size=1)
+    build_runtime(_cfg(batch={"grad_accum_steps": 4}), model, torch.device("cpu")).forward_backward(_micro_batches())
     ref_model = _model()
     everything = {k: torch.cat([b[k] for b in _micro_batches()]) for k in ("input_ids", "labels", "attention_mask")}
     out = ref_model(everything["input_ids"], attention_mask=everything["attention_mask"], labels=everything["labels"])
@@ -235,8 +240,8 @@ def test_init_distributed_single_process_and_missing_master(monkeypatch):
     assert dist.init_distributed("auto", 10.0, cpu) is False
     assert dist.all_reduce_smoke_test()["ok"] is True  # world 1, no group: sum = 1
     assert not torch.distributed.is_initialized()
-    model = torch.nn.Linear(2, 2)
-    assert dist.wrap_model(model, None, cpu) is model
+    rt = build_runtime(_cfg(), _model(), cpu)  # one process: the (1, 1, 1) layout, nothing to communicate
+    assert rt.mesh.device_mesh is None and rt.comm is None and rt.parts.stages == rt.parts.chunks
     t = torch.tensor([1.0, 2.0])
     assert dist.all_reduce_sum(t).tolist() == [1.0, 2.0]
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -28,7 +28,7 @@ def _model(dropout: float = 0.1) -> BertMLM:
 
 
 def _heldout(shards: pathlib.Path, rank: int = 0, world: int = 1, n: int = 13) -> HeldoutSet:
-    return HeldoutSet(shards, rank=rank, world_size=world, vocab_size=VOCAB, mlm_probability=0.15,
+    return HeldoutSet(shards, rank=rank, world_size=world, mlm_probability=0.15,
                       max_sequences=n, batch_size=4, device=torch.device("cpu"))
 
 
@@ -63,8 +63,11 @@ def _eval_worker(rank: int, world: int, port: int, shards: str, out: str) -> Non
         result = evaluate(_model(), _heldout(pathlib.Path(shards), rank, world))
         # FSDP-sharded weights, 9 sequences: rank 1 holds one batch and repeats it (discarded) so
         # that both ranks run the same number of forwards (each all-gathers the layers)
-        sharded = dist.wrap_model(_model(), TrainConfig(data_dir="-", run_dir="-", parallel={"sharding": "fsdp"}),
-                                  torch.device("cpu"))
+        from labkit.train import build_runtime
+
+        sharded = build_runtime(TrainConfig(data_dir="-", run_dir="-", parallel={"sharding": "fsdp"}), _model(),
+                                torch.device("cpu")).parts  # the training builder: FSDP2 over dp 2
+        assert dist.is_fsdp(sharded.chunks[0])
         fsdp = evaluate(sharded, _heldout(pathlib.Path(shards), rank, world, n=9))
         if rank == 0:
             pathlib.Path(out).write_text(json.dumps({**result, "fsdp": fsdp}))

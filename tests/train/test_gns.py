@@ -4,7 +4,7 @@ At fixed weights of a tiny model, ``torch.func`` (vmap of grad through ``functio
 every example's gradient in a pool of N sequences; their mean is G and their (population)
 covariance Σ. Steps then draw batches from the pool uniformly with replacement, so the pool is
 exactly the distribution the estimator samples and the truth carries no sampling error. The
-in-run estimator (``forward_backward`` with a ``NoiseScale``, no optimiser step) averaged over
+in-run estimator (``Runtime.forward_backward`` with its ``NoiseScale``, no optimiser step) averaged over
 many steps must agree with the truth within a tolerance derived from the steps' own spread (4
 standard errors), plus the bias bound of the masked-count normalisation (gns.py: 3·CV(m)²/B_big),
 and that tolerance must itself be under 15 %, at several (B_small, B_big). A 2-rank DDP check
@@ -28,8 +28,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
+from labkit.config import TrainConfig
 from labkit.model import BertMLM, model_config
-from labkit.train import dist, forward_backward
+from labkit.train import build_runtime, dist
 from labkit.train.gns import BiasCorrectedEMA, CountSketch, NoiseScale, fieller_interval, two_batch_estimates
 
 # vmap falls back to a loop for CPU SDPA (a speed warning, not a fault)
@@ -88,14 +89,16 @@ def _steps(model, pool, b, k, n_steps, seed):
     """Per-step (|G|², tr Σ) estimates of the in-run estimator: one process, k micro-batches of b
     sequences drawn from the pool with replacement, through forward_backward's micro path."""
     g = torch.Generator().manual_seed(seed)
-    noise = NoiseScale.for_run(micro_batch_size=b, grad_accum_steps=k, dp=1, sharding="none")
+    rt = build_runtime(TrainConfig(data_dir="-", run_dir="-", batch={"micro_batch_size": b, "grad_accum_steps": k}),
+                       model, torch.device("cpu"))
+    noise = rt.noise  # one process: the micro-batches
     ests = []
     for _ in range(n_steps):
         idx = torch.randint(0, pool["input_ids"].shape[0], (k, b), generator=g)
         micro = [{key: v[j] for key, v in pool.items()} | {"all_real": True} for j in idx]
         model.zero_grad(set_to_none=True)
         noise.reset()
-        forward_backward(model, micro, world_size=1, noise=noise)
+        rt.forward_backward(micro)
         f = noise.step_fields()
         ests.append(two_batch_estimates(f["gns_sq_small"], f["gns_sq_big"], f["gns_b_small"], f["gns_b_big"]))
     return torch.tensor(ests, dtype=torch.float64)
@@ -171,7 +174,7 @@ def _window_fields(gram, masked, b, k, windows, steps, seed):
     big = sub.sum((-1, -2)) * c2
     out = []
     for w in range(windows):
-        noise = NoiseScale(b, kb, n_sequences=kb, scale_small=k, micro=True)
+        noise = NoiseScale(b, kb, n_sequences=kb, scale_small=k, kind="micro")
         for s in range(steps):
             noise.reset()
             noise.add_small(float(small[w, s]))
@@ -268,9 +271,6 @@ def _rank_micro_batches(pool: dict[str, torch.Tensor], rank: int) -> list[dict[s
 
 
 def _hook_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    from labkit.train.comm import time_gradient_collectives
-    from types import SimpleNamespace
-
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
@@ -279,13 +279,12 @@ def _hook_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         pool, out = _pool(WORLD * MB * ACCUM, seed=3), {}
         for sharding in ("ddp", "fsdp"):
-            cfg = SimpleNamespace(sharding=sharding, fsdp_reshard_after_forward=True, grad_accum_steps=ACCUM)
-            model = dist.wrap_model(_model(), cfg, device)
-            noise = NoiseScale.for_run(micro_batch_size=MB, grad_accum_steps=ACCUM, dp=world, sharding=sharding)
-            timer = time_gradient_collectives(model, device, observers=[noise])
-            timer.reset()
-            forward_backward(model, _rank_micro_batches(pool, rank), world_size=world, noise=noise)
-            out[sharding] = timer.step_fields()
+            cfg = TrainConfig(data_dir="-", run_dir="-", parallel={"sharding": sharding},
+                              batch={"micro_batch_size": MB, "grad_accum_steps": ACCUM})
+            rt = build_runtime(cfg, _model(), device)  # its noise scale: an observer in the collectives
+            rt.comm.reset()
+            rt.forward_backward(_rank_micro_batches(pool, rank))
+            out[sharding] = rt.comm.step_fields()
         out["compression"] = _compression_runs(rank, world, device)
         torch.save(out, pathlib.Path(out_dir) / f"rank{rank}.pt")
     finally:
@@ -302,27 +301,22 @@ def _compression_runs(rank: int, world: int, device: torch.device) -> dict[str, 
     (sketching); and PowerSGD with the norms of the reduced bucket, the compressed one (how it was
     measured before). The sums ride a sideband all-reduce, as in the training loop. Returns each
     run's records."""
-    from types import SimpleNamespace
-
-    from labkit.train.comm import compression_hook, time_gradient_collectives
-
     pool, out = _pool(PSGD_STEPS * WORLD * MB * ACCUM, seed=11), {}
     for name, compression, observed_as in (("none", "none", "none"), ("powersgd", "powersgd", "powersgd"),
                                            ("powersgd_compressed_norms", "powersgd", "none")):
-        cfg = SimpleNamespace(sharding="ddp", grad_accum_steps=ACCUM, grad_compression=compression,
-                              powersgd_rank=1, powersgd_start_iter=2)
-        model = dist.wrap_model(_half_learnt(_model(), pool, share=0.7), cfg, device)
+        cfg = TrainConfig(data_dir="-", run_dir="-", batch={"micro_batch_size": MB, "grad_accum_steps": ACCUM},
+                          parallel={"grad_compression": compression, "powersgd_rank": 1, "powersgd_start_iter": 2})
+        rt = build_runtime(cfg, _half_learnt(_model(), pool, share=0.7), device)  # DDP, the compression hook
         noise = NoiseScale.for_run(micro_batch_size=MB, grad_accum_steps=ACCUM, dp=world, sharding="ddp",
-                                   compression=observed_as)
-        reduce, state, wire_bytes = compression_hook(cfg)
-        timer = time_gradient_collectives(model, device, reduce=reduce, reduce_state=state, wire_bytes=wire_bytes,
-                                          observers=[noise])
+                                   dp_rank=rank, compression=observed_as)
+        rt.noise, rt.comm.observers = noise, [noise]  # observed as named (the last: the compressed buckets)
+        timer = rt.comm
         records = []
         for step in range(PSGD_STEPS):
             timer.reset()
-            model.zero_grad(set_to_none=True)
+            rt.parts.zero_grad(set_to_none=True)
             part = {k: v[step * WORLD * MB * ACCUM:(step + 1) * WORLD * MB * ACCUM] for k, v in pool.items()}
-            forward_backward(model, _rank_micro_batches(part, rank), world_size=world, noise=noise)
+            rt.forward_backward(_rank_micro_batches(part, rank))
             summed = timer.sideband(device)
             torch.distributed.all_reduce(summed)
             timer.receive(summed)
@@ -390,14 +384,20 @@ def test_two_batch_estimates_and_ema():
 
 
 def test_micro_batch_path_leaves_the_accumulated_gradient_unchanged():
-    """One process with the noise scale: the micro-batches' gradients, summed by forward_backward,
-    equal plain accumulation's, and its two sums are those micro-batch norms (k·|d_j|² and |Σ d_j|²)."""
+    """One process with the noise scale: the micro-batches' gradients, summed by the runtime's
+    micro-batch path, equal plain accumulation's (a runtime of one micro-batch a step has no noise
+    scale), and its two sums are those micro-batch norms (k·|d_j|² and |Σ d_j|²)."""
     pool = _pool(8, seed=5)
     micro = [{k: v[j * 2:(j + 1) * 2] for k, v in pool.items()} for j in range(4)]
     plain, noisy = _model(), _model()
-    forward_backward(plain, micro, world_size=1)
-    noise = NoiseScale.for_run(micro_batch_size=2, grad_accum_steps=4, dp=1, sharding="none")
-    forward_backward(noisy, micro, world_size=1, noise=noise)
+    cpu = torch.device("cpu")
+    plain_rt = build_runtime(TrainConfig(data_dir="-", run_dir="-", batch={"micro_batch_size": 2}), plain, cpu)
+    assert plain_rt.noise is None
+    plain_rt.forward_backward(micro)
+    rt = build_runtime(TrainConfig(data_dir="-", run_dir="-", batch={"micro_batch_size": 2, "grad_accum_steps": 4}),
+                       noisy, cpu)
+    noise = rt.noise
+    rt.forward_backward(micro)
     for p, q in zip(plain.parameters(), noisy.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
     f = noise.step_fields()

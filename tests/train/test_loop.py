@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from labkit import train as train_mod
-from labkit.train import loop, resume, runtime
+from labkit.train import loop, parallel, runtime
 from labkit.config import TrainConfig, from_dict
 from labkit.model import BertMLM, model_config
 from labkit.train import lr_at, train
@@ -141,13 +141,13 @@ def test_resume_reproduces_uninterrupted_run(shards, tmp_path):
 
 
 def test_nonfinite_loss_raises_or_skips(shards, tmp_path, monkeypatch):
-    real = train_mod.forward_backward
+    real = runtime.Runtime.forward_backward
 
     def poisoned(*args, **kwargs):
         loss_sum, n_masked, n_tokens = real(*args, **kwargs)
         return loss_sum * float("nan"), n_masked, n_tokens
 
-    monkeypatch.setattr(runtime, "forward_backward", poisoned)  # what Runtime.forward_backward runs
+    monkeypatch.setattr(runtime.Runtime, "forward_backward", poisoned)  # the step train runs
     with pytest.raises(FloatingPointError, match="step 1: non-finite loss"):
         train(tiny_cfg(shards, tmp_path / "raise", max_steps=2))
     run = tmp_path / "skip"
@@ -191,8 +191,8 @@ def test_lr_applied_once_per_optimizer_step_across_accumulation_and_resume(shard
     seen: list[tuple[str, list[float]]] = []
     real_build = train_mod.build_optimizer
 
-    def recording_build(model, cfg):
-        opt = real_build(model, cfg)
+    def recording_build(model, cfg, **kw):
+        opt = real_build(model, cfg, **kw)
         real_step = opt.step
 
         def step(*args, **kwargs):
@@ -202,7 +202,7 @@ def test_lr_applied_once_per_optimizer_step_across_accumulation_and_resume(shard
         opt.step = step
         return opt
 
-    monkeypatch.setattr(resume, "build_optimizer", recording_build)  # labkit.train.resume.parallelize builds it
+    monkeypatch.setattr(parallel, "build_optimizer", recording_build)  # labkit.train.parallel.build builds it
     full = tiny_cfg(shards, tmp_path / "full", max_steps=7, batch={"grad_accum_steps": 3},
                     schedule={"warmup_steps": 2, "kind": "cosine"})
     train(full)
@@ -252,15 +252,23 @@ def test_train_bf16_on_cuda(shards, tmp_path):
 def _to_format_1(path: pathlib.Path, cfg: TrainConfig) -> None:
     """Rewrite checkpoint directory ``path`` as labkit wrote it before torch.distributed.checkpoint
     for data-parallel runs (format 1): model.safetensors + state.pt with the whole optimiser state
-    and per-rank sampler positions, no run id, no marker."""
+    (by parameter index) and per-rank sampler positions, no run id, no marker."""
+    import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_model
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
 
-    from labkit.train.checkpoint import load
+    from labkit.train.checkpoint import read_state
     from labkit.train.run_config import model_config_of
 
+    state = read_state(path)
     model = BertMLM(model_config_of(cfg, VOCAB))
+    model.load_state_dict(load_weights(path))
     optimizer = train_mod.build_optimizer(model, cfg)
-    state = load(path, model, optimizer)
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    sd = {"optim": get_optimizer_state_dict(model, optimizer, options=flat)}
+    dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    set_optimizer_state_dict(model, optimizer, sd["optim"], options=flat)
     for f in path.iterdir():
         f.unlink()
     save_model(model, str(path / "model.safetensors"))
@@ -273,26 +281,33 @@ def _to_format_1(path: pathlib.Path, cfg: TrainConfig) -> None:
                path / "state.pt")
 
 
-def test_format_1_checkpoints_still_resume_exactly_and_refuse_another_sharding(shards, tmp_path):
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_format_1_checkpoint_is_refused_then_upgraded_once_and_resumes_exactly(shards, tmp_path, capsys):
     """A checkpoint in the format before torch.distributed.checkpoint (model.safetensors + whole
-    optimiser in state.pt) resumes to exactly the uninterrupted run's losses; its sharding must
-    still match: a mismatch is a ValueError naming the field, not a silent mis-load."""
+    optimiser in state.pt) is refused in one line naming the upgrade; ``labkit checkpoint upgrade``
+    rewrites it (once: a second call finds nothing), and the run resumes to exactly the
+    uninterrupted run's losses."""
+    from labkit.cli import main
+    from labkit.train.checkpoint import MARKER
+
     full = tiny_cfg(shards, tmp_path / "full", max_steps=6)
     train(full)
-    part = dataclasses.replace(full, run_dir=str(tmp_path / "part"), stop_after=3)
+    part = full.replace(run_dir=str(tmp_path / "part"), stop_after=3)
     train(part)
-    _to_format_1(tmp_path / "part" / "checkpoints" / "step-3", part)
-    other = tmp_path / "other"
-    import shutil
-
-    shutil.copytree(tmp_path / "part", other)
-    assert train(dataclasses.replace(part, stop_after=None))["resumed_from_step"] == 3
+    step3 = tmp_path / "part" / "checkpoints" / "step-3"
+    _to_format_1(step3, part)
+    with pytest.raises(ValueError, match=r"^resume: .*step-3 is a format-1 checkpoint .*labkit checkpoint upgrade ") \
+            as err:
+        train(part.replace(stop_after=None))
+    assert "\n" not in str(err.value)
+    assert main(["checkpoint", "upgrade", str(tmp_path / "part")]) == 0
+    assert capsys.readouterr().out.startswith(f"upgraded {step3} (data parallel run, step 3) to format 2")
+    assert (step3 / MARKER).is_file() and not (step3 / "model.safetensors").exists()
+    assert main(["checkpoint", "upgrade", str(tmp_path / "part")]) == 0
+    assert "nothing to upgrade" in capsys.readouterr().out
+    assert train(part.replace(stop_after=None))["resumed_from_step"] == 3
     want = [(r["step"], r["loss"], r["grad_norm"], r["tokens"]) for r in read_metrics(tmp_path / "full")]
     assert [(r["step"], r["loss"], r["grad_norm"], r["tokens"]) for r in read_metrics(tmp_path / "part")] == want
-    path = other / "checkpoints" / "step-3" / "state.pt"
-    torch.save({**torch.load(path, weights_only=True), "sharding": "fsdp"}, path)
-    with pytest.raises(ValueError, match="sharding: checkpoint step-3 .* 'fsdp', this run uses 'none'"):
-        train(dataclasses.replace(part, run_dir=str(other), stop_after=None))
 
 
 def test_mismatched_shards_are_refused_before_training(shards, tmp_path):
@@ -332,6 +347,10 @@ def test_compiled_model_trains_to_the_same_losses(shards, tmp_path, sparse_head)
     assert names == set(BertMLM(model_config("tiny", VOCAB)).state_dict())
 
 
+def _cfg() -> TrainConfig:
+    return TrainConfig(data_dir="-", run_dir="-")
+
+
 def test_host_facts_leave_the_step_unchanged(shards):
     """``to_device``'s host facts (no mask when nothing is padded, the sparse head's gather size)
     give the same loss and gradients as the model finding them itself, for a padded and an
@@ -354,7 +373,8 @@ def test_host_facts_leave_the_step_unchanged(shards):
                       {"max_masked": SEQ_LEN}):
             torch.manual_seed(1)
             model = BertMLM(model_config("tiny", VOCAB, hidden_dropout=0.0, attention_dropout=0.0))
-            loss, n, _ = loop.forward_backward(model, [{**batch, **facts}], world_size=1)
+            rt = train_mod.build_runtime(_cfg(), model, torch.device("cpu"))
+            loss, n, _ = rt.forward_backward([{**batch, **facts}])
             runs.append((loss, {k: p.grad.clone() for k, p in model.named_parameters()}))
         for loss, grads in runs[1:]:
             assert torch.allclose(loss, runs[0][0], rtol=1e-6)
@@ -376,9 +396,10 @@ def test_step_makes_no_host_sync_on_cuda(shards):
     model = BertMLM(model_config("tiny", VOCAB, sparse_head=False)).to(dev)
     moved = loop.to_device(batch, dev)
     torch.cuda.synchronize()
+    rt = train_mod.build_runtime(_cfg(), model, dev)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loop.forward_backward(model, [moved], world_size=1)
+        rt.forward_backward([moved])
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -407,11 +428,11 @@ def test_peak_memory_windows_keep_evaluation_and_checkpoints_apart(tmp_path, mon
     mem = FakeAllocator()
     monkeypatch.setattr(loop.measure, "reset_peak_memory", mem.reset)
     monkeypatch.setattr(loop.measure, "peak_memory_bytes", mem.read)
-    monkeypatch.setattr(runtime, "forward_backward", mem.around(runtime.forward_backward, 300))
+    monkeypatch.setattr(runtime.Runtime, "forward_backward", mem.around(runtime.Runtime.forward_backward, 300))
     from labkit.train import evaluation
 
     monkeypatch.setattr(evaluation, "evaluate", mem.around(evaluation.evaluate, 5000))
-    monkeypatch.setattr(loop, "_save", mem.around(loop._save, 7000))
+    monkeypatch.setattr(loop.Checkpointer, "save", mem.around(loop.Checkpointer.save, 7000))
     cfg = tiny_cfg(shards, tmp_path / "run", max_steps=4, eval={"every": 2, "sequences": 4}, checkpoint={"every": 2})
     result = train(cfg)
     records = read_metrics(tmp_path / "run")

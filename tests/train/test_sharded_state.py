@@ -2,8 +2,8 @@
 the sharded paths that must not hang or crash (labkit/train/dist.py, labkit/train/evaluation.py).
 
 One spawn of 2 gloo ranks: ddp, zero1 and fsdp (fp32, and bf16 under the mixed-precision
-policy) each take two real optimiser steps through labkit's wrap_model / build_optimizer /
-forward_backward; each rank then counts the storages of its parameters, gradients (DDP's
+policy) each take two real optimiser steps through labkit's builder and step
+(``build_runtime``, ``Runtime.forward_backward``); each rank then counts the storages of its parameters, gradients (DDP's
 buckets), optimiser moments and steps. Then one fsdp train() evaluates a held-out split of a
 single sequence (fewer sequences than ranks) and must finish.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from labkit.model import BertMLM, model_config
 from labkit.study.counting import parameter_table
 from labkit.study.memory import labkit_model, state_bytes
-from labkit.train import build_optimizer, dist, forward_backward
+from labkit.train import build_runtime, dist
 from test_dist import _dist_env, _free_port
 
 VOCAB, SEQ = 96, 16
@@ -42,10 +41,11 @@ def _storage_bytes(tensors) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}.values())
 
 
-def _held(model, opt) -> dict[str, int]:
+def _held(parts, opt) -> dict[str, int]:
     inner = opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
     states = list(inner.state.values())
-    params = list(dist.unwrap(model).parameters())
+    params = list(parts.parameters())
+    model = parts.stages[0]
     out = {"params": _storage_bytes(params), "grads": _storage_bytes(p.grad for p in params),
            "optimizer": _storage_bytes(v for s in states for k, v in s.items() if k != "step"),
            "optimizer_steps": _storage_bytes(s["step"] for s in states)}
@@ -67,17 +67,17 @@ def _worker(rank: int, world: int, port: int, out_dir: str, train_cfg: str) -> N
         make_batch = labkit_model(model_config("tiny", VOCAB), SEQ)[1]
         held = {}
         for name, (sharding, precision) in CASES.items():
-            cfg = SimpleNamespace(sharding=sharding, fsdp_reshard_after_forward=True, precision=precision,
-                                  weight_decay=0.01, lr=1e-3, beta1=0.9, beta2=0.98)
-            model = dist.wrap_model(_model(), cfg, torch.device("cpu"))
-            opt = build_optimizer(model, cfg)
+            cfg = TrainConfig(data_dir="-", run_dir="-", precision=precision, parallel={"sharding": sharding},
+                              optim={"lr": 1e-3})
+            rt = build_runtime(cfg, _model(), torch.device("cpu"))
+            opt = rt.optimizer
             for _ in range(2):  # the second step runs on DDP's rebuilt buckets
                 opt.zero_grad(set_to_none=True)
                 batch = make_batch(2)
                 batch["attention_mask"] = torch.ones_like(batch["input_ids"], dtype=torch.bool)  # as the loader gives
-                forward_backward(model, [batch], world_size=world, precision=precision)
+                rt.forward_backward([batch])
                 opt.step()
-            held[name] = _held(model, opt)
+            held[name] = _held(rt.parts, opt)
         train(from_dict(TrainConfig, json.loads(train_cfg)))  # fsdp, 1 held-out sequence for 2 ranks
         pathlib.Path(out_dir, f"rank{rank}.json").write_text(json.dumps(held))
     finally:

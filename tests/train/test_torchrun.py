@@ -26,12 +26,12 @@ def _config(tmp: pathlib.Path) -> pathlib.Path:
 [train]
 data_dir = "{tmp / 'shards'}"
 model = "tiny"
-micro_batch_size = 4
 max_steps = 6
-warmup_steps = 1
 num_threads = 1
-timing_warmup_steps = 1
 model_overrides = {{hidden_dropout = 0.0, attention_dropout = 0.0}}
+batch = {{micro_batch_size = 4}}
+schedule = {{warmup_steps = 1}}
+measure = {{timing_warmup_steps = 1}}
 """)
     return cfg
 

@@ -15,6 +15,7 @@ import json
 import os
 import pathlib
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -163,3 +164,44 @@ def test_a_resumed_tp_run_continues_the_same_streams(spawned, sp):
     tmp = spawned["tmp"]
     whole, part = _losses(tmp / f"whole-sp{sp}"), _losses(tmp / f"part-sp{sp}")
     assert len(whole) == 6 and part == whole  # bitwise: every dropout stream continued
+
+
+def _mesh(pp: int, dp: int, tp: int, rank: int) -> SimpleNamespace:
+    world = pp * dp * tp
+    return SimpleNamespace(pp=pp, dp=dp, tp=tp, rank=rank, world=world, pp_rank=rank // (dp * tp),
+                           dp_rank=rank // tp % dp, tp_rank=rank % tp)
+
+
+def _streams_after(ranks: list[dict], saved: tuple[int, int, int], mesh: SimpleNamespace) -> dict:
+    """This process's streams after ``continue_streams`` placed it at ``mesh``: {"own": the default
+    generator's next draws, "replicated": the replicated stream's (the default one at tp 1)}."""
+    rng.continue_streams(ranks, saved, mesh, CPU)
+    own = torch.rand(16)
+    if mesh.tp == 1:
+        return {"own": own, "replicated": own}
+    with rng.TRACKER.fork("replicated"):
+        return {"own": own, "replicated": torch.rand(16)}
+
+
+def test_continue_streams_follows_one_rule_at_every_layout():
+    """In one process, rank by rank: the saved streams of a pp 2 run (2 ranks) continued at tp 2 give
+    the two tp ranks different own streams, one replicated stream, neither the fresh run's (nothing
+    restarts from the seed); at dp 2 (tp 1) the two replicas differ; at the same layout each rank gets
+    back exactly its saved state."""
+    saved = []
+    for r in range(2):  # a pp 2 run's ranks after some draws
+        rng.seed_streams(7, r, 2, 1, CPU)
+        torch.rand(100)
+        saved.append(rng.rng_state())
+    tp2 = [_streams_after(saved, (2, 1, 1), _mesh(1, 1, 2, r)) for r in range(2)]
+    assert not torch.equal(tp2[0]["own"], tp2[1]["own"])
+    assert torch.equal(tp2[0]["replicated"], tp2[1]["replicated"])
+    fresh = []
+    for r in range(2):
+        rng.seed_streams(7, r, 2, 2, CPU)
+        fresh.append(torch.rand(16))
+    assert not any(torch.equal(t["own"], f) for t in tp2 for f in fresh)
+    dp2 = [_streams_after(saved, (2, 1, 1), _mesh(1, 2, 1, r)) for r in range(2)]
+    assert not torch.equal(dp2[0]["replicated"], dp2[1]["replicated"])
+    rng.continue_streams(saved, (2, 1, 1), _mesh(2, 1, 1, 1), CPU)  # the same layout: rank 1's own state
+    assert torch.equal(torch.get_rng_state(), saved[1]["torch"]) and rng.TRACKER.states == {}
