@@ -38,7 +38,6 @@ from labkit.config import TrainConfig, to_dict
 from labkit.data import made_by
 from labkit.io import atomic_write
 from labkit.study.branch_stats import branch_estimates, overlap
-from labkit.study.critical_batch import lr_for_batch
 
 __all__ = ["FACTORS", "TOLERANCE", "agreement", "base_config", "branch_config", "heldout_losses", "notebook_run",
            "sweep_branch", "train_base"]
@@ -136,7 +135,7 @@ def branch_config(base: TrainConfig, step: int, factor: int, *, window: int, rep
     ``lr_rule`` (default base.batch.lr_rule), seed + ``repeat``, a checkpoint at its end, the
     held-out loss only there; run directory <base's parent>/step-<S>/r<repeat>-x<factor>. ValueError
     when the window is not a whole number of the branch's steps."""
-    from labkit.train.optim import lr_at
+    from labkit.train.optim import lr_at, lr_for_batch
 
     batch = _global_batch(base)
     if window % (factor * batch) or window < factor * batch:

@@ -30,10 +30,20 @@ import polars as pl
 from labkit.data import made_by
 from labkit.io import atomic_write
 from labkit.study.goodput import goodput_columns
-from labkit.train.optim import LR_RULES, lr_for_batch  # noqa: F401 (here since the sweeps; the ramp's too)
 
-__all__ = ["CURVE_FIELDS", "b_simple_at", "batch_base", "batch_config", "fit_critical_batch", "hyperbola",
-           "lr_for_batch", "run_rates", "steps_to_target", "sweep_batch"]
+__all__ = ["CURVE_FIELDS", "b_simple_at", "batch_base", "batch_config", "fit_critical_batch", "hyperbola", "run_rates",
+           "steps_to_target", "sweep_batch"]
+
+
+def __getattr__(name: str) -> Any:
+    """``LR_RULES`` and ``lr_for_batch``, ``labkit.train.optim``'s, read from there when first
+    asked for: importing labkit.train imports torch, which a command's checks before any engine
+    starts must not (``labkit sweep branch``'s --window refusal imports this module)."""
+    if name in ("LR_RULES", "lr_for_batch"):
+        from labkit.train import optim
+
+        return getattr(optim, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 def steps_to_target(records: list[dict], target: float, key: str = "eval_loss") -> float | None:
     """The (fractional) step at which ``records[i][key]`` first falls to ``target`` or below,
@@ -150,6 +160,8 @@ def batch_config(base: Any, workdir: str | pathlib.Path, batch: int, *, lr_rule:
     from base's lr at base's global batch; the held-out loss every ``eval_every`` steps (default
     about 12 evaluations); run directory ``<workdir>/sweeps/critical_batch/batch-<B>``. Raises
     ValueError when the batch is not a multiple of the micro-batch."""
+    from labkit.train import optim
+
     mb = micro_batch_size or base.batch.micro_batch_size
     base_batch = base.batch.micro_batch_size * base.batch.grad_accum_steps
     max_examples = max_examples or base.max_steps * base_batch
@@ -160,7 +172,7 @@ def batch_config(base: Any, workdir: str | pathlib.Path, batch: int, *, lr_rule:
     return base.replace(run_dir=str(pathlib.Path(workdir) / "sweeps" / "critical_batch" / f"batch-{batch}"),
                         max_steps=steps, resume=False, stop_after=None,
                         batch={"micro_batch_size": m, "grad_accum_steps": batch // m},
-                        optim={"lr": lr_for_batch(base.optim.lr, base_batch, batch, lr_rule)},
+                        optim={"lr": optim.lr_for_batch(base.optim.lr, base_batch, batch, lr_rule)},
                         schedule={"warmup_steps": min(base.schedule.warmup_steps, max(1, steps // 10))},
                         eval={"every": eval_every or max(1, steps // 12)}, measure={"log_every": 1},
                         checkpoint={"enabled": False})
