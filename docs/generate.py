@@ -41,7 +41,7 @@ blocks read the files the measuring command wrote, kept under docs/data/:
   python benchmarks/bench_prep_scale.py`` at commit 0cdd4a4; the projection is
   ``benchmarks/project_prep.py``'s.
 
-Blocks: ``demo-summary`` (README.md); ``demo-load``, ``lesson1-measured``, ``lesson1-planner``, ``parallel-planner``, ``lesson2-measured``,
+Blocks: ``demo-summary``, ``demo-times`` (README.md); ``demo-load``, ``lesson1-measured``, ``lesson1-planner``, ``parallel-planner``, ``lesson2-measured``,
 ``lesson3-measured``, ``lesson3-planner``, ``lesson4-measured``, ``lesson4-planner``, ``lesson4-forecast``, ``lesson4-forecast-check``,
 ``lesson4-network``, ``lesson4-compression-learning``, ``lesson4-branching``, ``lesson4-bench-ramp``,
 ``lesson5-measured``, ``lesson5-planner`` (docs/results.md), and docs/generate_study.py's
@@ -169,6 +169,26 @@ def demo_summary() -> str:
             f"({mb['mini']['params'] / 1e6:.1f} M parameters) and {mb['small']['max_micro_batch']} for `small` "
             f"({mb['small']['params'] / 1e6:.1f} M). Generated from `docs/data/demo.json` by\n"
             f"`python docs/generate.py`.\n")
+
+
+def demo_times() -> str:
+    """README's table of where the demo's time went: each stage's wall and CPU seconds and the
+    load at its start (demo.json's ``stages``), and each notebook's seconds to its report
+    (``report_seconds``; two run at a time, beside the loss sweeps)."""
+    d = _demo()
+    if "stages" not in d or "report_seconds" not in d:
+        return ("`docs/data/demo.json` predates the demo's per-stage and per-notebook times (`labkit demo` now writes\n"
+                "them into demo.json as `stages` and `report_seconds`); `make demo`, then `python docs/generate.py\n"
+                "--import work/demo`, fills this table.\n")
+    load = d.get("load") or {}
+    lines = [f"`make demo`'s own {d['seconds']:.0f} s (1-minute load {load.get('start')} at its start, "
+             f"{load.get('end')} at its end, on {load.get('cpu_count')} CPUs), by stage:\n", "",
+             "| stage | wall s | CPU s (all its processes) | load at its start |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {m['stage']} | {m['wall_s']:.0f} | {m['cpu_s']:.0f} | {m['load_avg_1m']} |" for m in d["stages"]]
+    lines += ["", "Each notebook, from its start to its exported report (two at a time, so they overlap):", "",
+              "| notebook | s |", "| --- | ---: |"]
+    lines += [f"| `{name}` | {sec:.0f} |" for name, sec in d["report_seconds"].items()]
+    return "\n".join(lines) + "\n\nGenerated from `docs/data/demo.json` by `python docs/generate.py`.\n"
 
 
 def demo_load() -> str:
@@ -783,6 +803,7 @@ def prep_projection() -> str:
 
 
 BLOCKS = {("README.md", "demo-summary"): demo_summary,
+          ("README.md", "demo-times"): demo_times,
           ("docs/results.md", "demo-load"): demo_load,
           ("docs/results.md", "lesson1-measured"): lesson1_measured,
           ("docs/results.md", "lesson1-planner"): lesson1_planner,

@@ -255,8 +255,9 @@ def run_world_size(run_dir: str) -> int | None:
 
 
 def _show_sweep(out, kind: str, df, path: pathlib.Path, *, extra: dict | None = None, note_line: str | None = None,
-                columns: list | None = None) -> None:
-    """A sweep's result: the reused note and the table (``columns``: the ones to read; the Parquet
+                columns: list | None = None, said: bool = False) -> None:
+    """A sweep's result: the reused note (unless the sweep ``said`` it already, as the batch and
+    network sweeps do on stderr) and the table (``columns``: the ones to read; the Parquet
     file holds all), its floats rounded to 4 significant figures, or with --json {"sweep", "table"
     (the Parquet path), "rows" (every column, raw values), **extra}."""
     import polars as pl
@@ -266,7 +267,7 @@ def _show_sweep(out, kind: str, df, path: pathlib.Path, *, extra: dict | None = 
     if out.as_json:
         out.show({"sweep": kind, "table": str(path), "rows": df.to_dicts(), **(extra or {})}, [])
         return
-    for line in filter(None, (note_line, lab.reused_note(df) if "reused" in df.columns else None)):
+    for line in filter(None, (note_line, lab.reused_note(df) if "reused" in df.columns and not said else None)):
         print(line)
     shown = df.select(columns) if columns else df
     _print_table(shown.with_columns(pl.col(pl.Float64, pl.Float32).round_sig_figs(4)))
@@ -290,9 +291,9 @@ def _sweep_batch(cfg: LabConfig, args, out) -> int:
                  "buys few samples/s here"]
     else:
         lines = [f"only {fit['reached']} batch sizes reached held-out loss {fit['target_eval_loss']:.3f}: no fit"]
-    _show_sweep(out, "batch", df, path, extra={"fit": fit},
+    _show_sweep(out, "batch", df, path, extra={"fit": fit}, said=True,
                 columns=["batch", "lr", "steps", "examples", "reached", "b_simple", "b_simple_tokens", "final_eval_loss",
-                         "samples_per_s", "statistical_efficiency", "goodput_samples_per_s"])
+                         "samples_per_s", "statistical_efficiency", "goodput_samples_per_s", "reused"])
     if not out.as_json:
         print("\n".join(lines))
     return 0
@@ -400,11 +401,12 @@ def _sweep_network(cfg: LabConfig, args, out) -> int:
 
     df = run_network_sweep(args.config, cfg.workdir, models=args.models or [cfg.train.model],
                            rates_mbit=[r or None for r in args.rates_mbit], compressions=args.compression,
-                           steps=args.steps or 6, data_dir=cfg.train.data_dir, overrides=args.set, progress=True)
+                           steps=args.steps or 6, data_dir=cfg.train.data_dir, overrides=args.set, force=args.force,
+                           progress=True)
     cols = ["model", "grad_compression", "rate_mbit", "link_mbit", "comm_bytes", "compute_s", "step_s", "efficiency",
-            "comm_exposed_s", "predicted_step_s", "predicted_ratio"]
+            "comm_exposed_s", "predicted_step_s", "predicted_ratio", "reused"]
     path = pathlib.Path(cfg.workdir) / "sweeps" / "network.parquet"
-    _show_sweep(out, "network", df, path, columns=cols, note_line=f"{path} holds every column")
+    _show_sweep(out, "network", df, path, columns=cols, note_line=f"{path} holds every column", said=True)
     return 0
 
 

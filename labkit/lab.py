@@ -39,12 +39,13 @@ from labkit.data import made_by
 from labkit.data.prepared import preparation_report
 from labkit.config import CleanConfig, CorpusConfig, ShardConfig, TokenizerConfig, to_dict
 from labkit.io import atomic_write_json
-from labkit.study.sweeps import (reused_note, sweep_loader_workers, sweep_micro_batch, sweep_model_size,
-                                 sweep_parallel, sweep_ranks)
+from labkit.study.sweeps import (reused_note, sweep_config, sweep_loader_workers, sweep_micro_batch,
+                                 sweep_model_size, sweep_parallel, sweep_ranks)
 from labkit.workdir import paths
 
 __all__ = ["NotPrepared", "build_corpus", "build_shards", "build_tokenizer", "clean_corpus", "prepare",
-           "preparation_report", "read_metrics", "require_prepared", "reused_note", "stage", "sweep_loader_workers",
+           "preparation_report", "read_metrics", "require_prepared", "reused_note", "stage", "sweep_config",
+           "sweep_loader_workers",
            "sweep_micro_batch", "sweep_model_size", "sweep_parallel", "sweep_ranks", "train_on_cluster"]
 
 

@@ -24,8 +24,9 @@ from labkit.live import LivePlot, live_html  # noqa: F401 (re-exported: notebook
 
 __all__ = [
     "COLORS", "COLORWAY", "FONT", "MEMORY_TERMS", "RENDERER", "drop_reasons_figure", "efficiency_figure",
-    "figure_bundle", "goodput_tokens_per_s", "integer_axis", "law_figure", "loader_figure", "log_ticks", "loss_figure", "memory_figure",
-    "microbatch_figure", "nice_step", "parallel_figure", "preparation_figure", "round_axis", "scaling_table",
+    "figure_bundle", "goodput_tokens_per_s", "integer_axis", "law_figure", "loader_figure", "log_ticks", "loss_figure",
+    "memory_figure", "microbatch_figure", "network_figure", "nice_step", "parallel_figure", "preparation_figure",
+    "reference_line", "round_axis", "scaling_table",
     "setup_notebook_plotting", "split_label", "staging_figure", "style", "throughput_figure", "topology_figure",
     "busy_marks", "critical_batch_figure", "noise_scale_figure", "steps_examples_figure"
 ]
@@ -96,6 +97,46 @@ def integer_axis(values: Sequence[float]) -> dict:
     finite = [v for v in values if v is not None and math.isfinite(v)]
     span = (max(finite) - min(finite)) if finite else 0.0
     return {"tickmode": "linear", "tick0": 0, "dtick": max(1, int(nice_step(span))), "tickformat": "d"}
+
+
+def reference_line(fig: go.Figure, *, x: float | None = None, y: float | None = None, text: str = "",
+                   line: dict | None = None, **where) -> go.Figure:
+    """A reference line across the plot at data value ``x`` (vertical) or ``y`` (horizontal),
+    labelled ``text`` at its end, on linear and log axes alike; returns ``fig``.
+
+    plotly draws a line's shape in data units, but reads an annotation's position on a log axis
+    as log10 of the value (plotly.js ``layout.annotations[].x``/``y``), and plotly.py's
+    ``add_hline(..., annotation_text=...)`` places the label at the value itself: a label at
+    y = 60 on a log axis went to 1e60 and stretched the axis's range with it. Here the label
+    goes at log10(value) when the axis is a log axis at the time of the call (set the axis type
+    first). ``line``: the shape's line (default dashed grey); ``where``: ``row``/``col`` of a
+    subplot and ``secondary_y`` as plotly takes them. Raises ValueError unless exactly one of
+    ``x``, ``y`` is given, or for a value <= 0 on a log axis."""
+    if (x is None) == (y is None):
+        raise ValueError("reference_line: give exactly one of x, y")
+    line = line or {"color": COLORS["ideal"], "dash": "dash"}
+    horizontal = y is not None
+    if horizontal:
+        fig.add_hline(y=y, line=line, **where)
+    else:
+        fig.add_vline(x=x, line=line, **where)
+    if not text:
+        return fig
+    shape = fig.layout.shapes[-1]
+    ref = shape.yref if horizontal else shape.xref  # "y", "y2", ... the axis the value is on
+    axis = fig.layout[ref.replace("x", "xaxis").replace("y", "yaxis").split(" ")[0]]
+    value = y if horizontal else x
+    if axis.type == "log":
+        if value <= 0:
+            raise ValueError(f"reference_line: {value} cannot be drawn on a log axis")
+        value = math.log10(value)
+    if horizontal:
+        fig.add_annotation(x=1, xref=f"{shape.xref.split(' ')[0]} domain", y=value, yref=ref, text=text,
+                           showarrow=False, xanchor="right", yanchor="bottom")
+    else:
+        fig.add_annotation(x=value, xref=ref, y=1, yref=f"{shape.yref.split(' ')[0]} domain", text=text,
+                           showarrow=False, xanchor="left", yanchor="top")
+    return fig
 
 
 def _register_offline_renderer() -> None:
@@ -208,8 +249,18 @@ def scaling_table(df: pl.DataFrame | pl.LazyFrame) -> pl.DataFrame:
         efficiency=pl.col("tokens_per_s") / pl.col("ideal"))
 
 
-def throughput_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data-parallel scaling") -> go.Figure:
+def _one(df: pl.DataFrame, column: str):
+    """The single value of ``column`` in ``df`` (None when absent or not single)."""
+    if column not in df.columns:
+        return None
+    values = df[column].drop_nulls().unique().to_list()
+    return values[0] if len(values) == 1 else None
+
+
+def throughput_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str | None = None) -> go.Figure:
     """Measured tokens/s vs ranks, the ideal linear line n x throughput(1), efficiency labels.
+    The default title states the model and micro-batch per rank (weak scaling) when ``df``
+    holds one of each (model, micro_batch_size columns).
 
     `df` columns: ranks (int), tokens_per_s (float) [, busy (bool), load_avg_1m, cpu_count:
     ``labkit.lab.sweep_ranks``]. Traces: "ideal", "measured", and when a row was measured on a
@@ -230,6 +281,10 @@ def throughput_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data-par
         fig.add_annotation(x=n, y=y, text=f"{e:.0%}", showarrow=False, yshift=14,
                            font={"color": COLORS["throughput"]})
     _flag_busy(fig, df, t)
+    if title is None:
+        model, mb = _one(df, "model"), _one(df, "micro_batch_size")
+        title = "Data-parallel scaling" + (f" of {model}" if model else "") + (
+            f", micro-batch {mb} per rank (weak scaling)" if mb else "")
     fig.update_layout(template=style(), title=title, xaxis_title="ranks",
                       yaxis_title="tokens/s (all ranks)")
     fig.update_xaxes(tickvals=x)
@@ -275,11 +330,13 @@ def _flag_busy(fig: go.Figure, rows: pl.DataFrame, table: pl.DataFrame, *, x: st
                              hovertemplate="measured while the 1-min load was %{customdata[0]} on %{customdata[1]} CPUs"))
 
 
-def microbatch_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Largest micro-batch that fits") -> go.Figure:
+def microbatch_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str | None = None) -> go.Figure:
     """Bars: largest micro-batch per model (ordered by parameter count), one bar group per budget.
 
     `df` columns: model (str), params (int), max_micro_batch (int), budget_bytes (int; shown in
-    GiB). From labkit.study.memory.max_micro_batch. Raises ValueError naming missing columns.
+    GiB) [, seq_len]. From labkit.study.memory.max_micro_batch (``labkit.lab.sweep_micro_batch``).
+    The default title states the budget per rank (one budget; else the legend does) and the
+    sequence length. Raises ValueError naming missing columns.
     """
     d = _frame(df, ["model", "params", "max_micro_batch", "budget_bytes"], "microbatch_figure").sort("params", "budget_bytes")
     order = d.unique("model", keep="first", maintain_order=True)["model"].to_list()
@@ -290,6 +347,11 @@ def microbatch_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Largest 
                              name=f"{budget / 2**30:.3g} GiB", text=part["max_micro_batch"].to_list(),
                              textposition="outside", customdata=part["params"].to_list(),
                              hovertemplate="%{x}: %{y} sequences<br>%{customdata:.3s} params"))
+    if title is None:
+        budget, seq = _one(d, "budget_bytes"), _one(d, "seq_len")
+        title = "Largest micro-batch that fits" + (f" in {budget / 2**30:.3g} GiB per rank" if budget else
+                                                   " in each memory budget per rank") + (
+            f", sequences of {seq} tokens" if seq else "")
     fig.update_layout(template=style(), title=title, barmode="group", xaxis_title="model",
                       yaxis_title="max micro-batch (sequences)", legend_title_text="memory budget")
     fig.update_xaxes(categoryorder="array", categoryarray=order)
@@ -343,7 +405,8 @@ def efficiency_figure(predicted: pl.DataFrame | pl.LazyFrame, *, measured: pl.Da
     ``labkit.study.scaling.efficiency_table`` rows, several tables stacked with a label column.
     `measured` (optional) columns ranks, efficiency [, busy, load_avg_1m, cpu_count]
     (``labkit.lab.sweep_ranks``) are drawn as markers, a busy machine's with red crosses
-    (``busy_marks``). The 90 % line marks near-linear scaling. Raises ValueError naming missing columns."""
+    (``busy_marks``). The 90 % line marks near-linear scaling. The y axis runs from 0 to 1.05, or
+    5 % above the largest value when one is higher. Raises ValueError naming missing columns."""
     d = _frame(predicted, ["n_gpus", "efficiency"], "efficiency_figure")
     if "label" not in d.columns:
         d = d.with_columns(label=pl.lit("model"))
@@ -359,19 +422,24 @@ def efficiency_figure(predicted: pl.DataFrame | pl.LazyFrame, *, measured: pl.Da
         busy = busy_marks(m, m["ranks"].to_list(), m["efficiency"].to_list())
         if busy is not None:
             fig.add_trace(busy)
-    fig.add_hline(y=0.9, line={"color": COLORS["ideal"], "dash": "dash"}, annotation_text="90 %")
+    reference_line(fig, y=0.9, text="90 %")
     fig.update_layout(template=style(), title=title, xaxis_title="GPUs (data-parallel ranks)",
                       yaxis_title="scaling efficiency", yaxis_tickformat=".0%")
     fig.update_xaxes(type="log", dtick=math.log10(2), tickformat="d")
-    fig.update_yaxes(range=[0, 1.05])
+    ys = [v for tr in fig.data for v in tr.y if v is not None and math.isfinite(v)]
+    fig.update_yaxes(range=[0, max([1.05, *(1.05 * v for v in ys)])])  # from 0; above 1 when measured so (a busy 1-rank point)
     return fig
 
 
-def loader_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data loader workers: the knee") -> go.Figure:
+def loader_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str | None = None) -> go.Figure:
     """Samples/s (left axis) and data-wait fraction (right axis) vs DataLoader workers, the knee
-    (fewest workers with data wait under 5 %) marked. `df` columns: num_workers, samples_per_s,
-    data_wait_fraction [, knee (bool), busy, load_avg_1m, cpu_count: worker counts measured on a
-    busy machine get red crosses, ``busy_marks``] (``labkit.lab.sweep_loader_workers``)."""
+    (fewest workers with data wait under 5 %, ``knee``) marked. `df` columns: num_workers,
+    samples_per_s, data_wait_fraction [, knee (bool), batch_size and step_time_s_planned (the
+    consumer: the step's own limit, batch / step time, is drawn as a dashed line), data_wait_s,
+    busy, load_avg_1m, cpu_count: worker counts measured on a busy machine get red crosses,
+    ``busy_marks``] (``labkit.lab.sweep_loader_workers``, one batch size and step time). The
+    default title states the consumer's step and batch, and a second line says why there is no
+    knee when there is none, or that 0 workers already keep the step fed."""
     d = _frame(df, ["num_workers", "samples_per_s", "data_wait_fraction"], "loader_figure").sort("num_workers")
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     x = d["num_workers"].to_list()
@@ -382,15 +450,63 @@ def loader_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data loader 
     busy = busy_marks(d, x, d["samples_per_s"].to_list())
     if busy is not None:
         fig.add_trace(busy, secondary_y=False)
-    if "knee" in d.columns and d["knee"].any():
-        k = d.filter(pl.col("knee")).row(0, named=True)
-        fig.add_vline(x=k["num_workers"], line={"color": COLORS["ideal"], "dash": "dash"},
-                      annotation_text=f"knee: {k['num_workers']} workers")
+    batch, step = _one(d, "batch_size"), _one(d, "step_time_s_planned")
+    if batch and step:  # no loader makes the consumer faster than its own step
+        reference_line(fig, y=batch / step, text=f"the step's limit: {batch} / {step * 1e3:.3g} ms", secondary_y=False)
+    knee = d.filter(pl.col("knee"))["num_workers"].to_list() if "knee" in d.columns else []
+    if knee:
+        reference_line(fig, x=knee[0], text=f"knee: {knee[0]} workers")
     fig.update_yaxes(title_text="samples/s", secondary_y=False, rangemode="tozero")
     fig.update_yaxes(title_text="data-wait fraction", secondary_y=True, rangemode="tozero", showgrid=False,
                      **round_axis(d["data_wait_fraction"].to_list(), percent=True))
-    fig.update_layout(template=style(), title=title, xaxis_title="DataLoader workers per rank")
+    if title is None:
+        title = "DataLoader workers" + (f" in front of a {step * 1e3:.3g} ms step" if step is not None else "") + (
+            f" of {batch} sequences" if batch else "")
+        waits = d["data_wait_fraction"].to_list()
+        if not knee:
+            why = f"no knee: the data wait stays at {min(waits):.0%}-{max(waits):.0%} of the step from {x[0]} to {x[-1]} workers"
+            alone, helped = d.filter(pl.col("num_workers") == 0), d.filter(pl.col("num_workers") > 0)
+            if "data_wait_s" in d.columns and alone.height and helped.height:
+                why += (f": making a batch here takes {alone['data_wait_s'][0] * 1e3:.2g} ms, taking one from a "
+                        f"worker {helped['data_wait_s'].min() * 1e3:.2g}-{helped['data_wait_s'].max() * 1e3:.2g} ms")
+            title += f"<br><sup>{why}</sup>"
+        elif knee[0] == min(x):
+            title += f"<br><sup>{knee[0]} workers already keep the step fed: its data wait is under 5 %</sup>"
+    fig.update_layout(template=style(), title=title, xaxis_title="DataLoader workers per rank",
+                      margin={"t": 90})
     fig.update_xaxes(tickvals=x)
+    return fig
+
+
+def network_figure(modelled: pl.DataFrame, *, measured: pl.DataFrame | None = None, model: str = "",
+                   title: str = "Data-parallel efficiency at 2 ranks against the link") -> go.Figure:
+    """Efficiency at 2 ranks against the link time of a step's gradients over the compute time
+    (log axis, ticks 1-2-5: above 1 the link cannot keep up, whatever the overlap): the network
+    model's line per gradient compression (``modelled``: columns grad_compression,
+    link_over_compute, efficiency; ``labkit.study.scaling.link_step_time``), and, when given, the
+    points of ``labkit sweep network`` (``measured``: model, grad_compression, bandwidth_ratio,
+    efficiency, compute_s, predicted_step_s; ``sweeps/network.parquet``) beside the model at each
+    measured link (crosses). ``model`` names the modelled lines. The y axis runs from 0 to 1.1, or
+    5 % above the largest value. Raises ValueError naming missing columns."""
+    m = _frame(modelled, ["grad_compression", "link_over_compute", "efficiency"], "network_figure")
+    fig = go.Figure()
+    for (kind,), t in m.group_by("grad_compression", maintain_order=True):
+        fig.add_trace(go.Scatter(x=t["link_over_compute"].to_list(), y=t["efficiency"].to_list(), mode="lines",
+                                 name=f"{model} model, {kind}".strip()))
+    if measured is not None:
+        d = _frame(measured, ["model", "grad_compression", "bandwidth_ratio", "efficiency", "compute_s",
+                              "predicted_step_s"], "network_figure (measured)")
+        for (name, kind), t in d.group_by("model", "grad_compression", maintain_order=True):
+            x = (1 / t["bandwidth_ratio"]).to_list()
+            fig.add_trace(go.Scatter(x=x, y=t["efficiency"].to_list(), mode="markers", name=f"{name} measured, {kind}"))
+            fig.add_trace(go.Scatter(x=x, y=(t["compute_s"] / t["predicted_step_s"]).to_list(), mode="markers",
+                                     marker_symbol="x", name=f"{name} model at the measured link, {kind}"))
+    xs = [v for tr in fig.data for v in tr.x if v and v > 0]
+    fig.update_layout(template=style(), title=title, xaxis_title="link time of a step's gradients / compute time",
+                      yaxis_title="efficiency")
+    fig.update_xaxes(type="log", tickvals=log_ticks(min(xs), max(xs)) if xs else None, tickformat="~g")
+    ys = [v for tr in fig.data for v in tr.y if v is not None and math.isfinite(v)]
+    fig.update_yaxes(range=[0, max([1.1, *(1.05 * v for v in ys)])])
     return fig
 
 
@@ -439,8 +555,8 @@ def memory_figure(plans: pl.DataFrame | pl.LazyFrame, *, capacity_bytes: float |
                              marker={"color": COLORWAY[i % len(COLORWAY)]},
                              hovertemplate="%{x}<br>" + term + ": %{y:.2f} GB"))
     if capacity_bytes:
-        fig.add_hline(y=capacity_bytes / 1e9, line={"color": "black", "dash": "dash"},
-                      annotation_text=f"capacity {capacity_bytes / 1e9:.0f} GB")
+        reference_line(fig, y=capacity_bytes / 1e9, line={"color": "black", "dash": "dash"},
+                       text=f"capacity {capacity_bytes / 1e9:.0f} GB")
     fig.update_layout(template=style(), title=title, barmode="stack", yaxis_title="GB per GPU")
     return fig
 
@@ -464,7 +580,7 @@ def split_label(row: dict) -> str:
     return f"dp {row['dp']} x tp {row['tp']} x pp {row['pp']}{sched}"
 
 
-def parallel_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data, tensor and pipeline parallelism") -> go.Figure:
+def parallel_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str | None = None) -> go.Figure:
     """Three panels per split of ``labkit.lab.sweep_parallel``: tokens/s (all ranks); the pipeline
     bubble measured beside the planner's (p - 1)/(v·m + p - 1) (splits with pp > 1); the largest
     rank's memory measured beside the planner's (MiB: parameters, gradients, AdamW moments and the
@@ -498,6 +614,10 @@ def parallel_figure(df: pl.DataFrame | pl.LazyFrame, *, title: str = "Data, tens
     fig.update_xaxes(tickangle=-30)
     # no fixed width: the figure takes its output's width (a 1,250-px figure was cut off in a
     # 1,280-px window, where JupyterLab's output area is narrower; tests/test_plots.py draws it)
+    if title is None:
+        model, batch, m = _one(d, "model"), _one(d, "global_batch_size"), _one(d, "micro_batches")
+        title = "Data, tensor and pipeline parallelism" + (f" of {model}" if model else "") + (
+            f": global batch {batch} sequences" if batch else "") + (f", {m} micro-batches per step" if m else "")
     fig.update_layout(template=style(), title=title, barmode="group", height=480,
                       margin={"l": 70, "r": 30, "t": 80, "b": 140})
     return fig
@@ -529,13 +649,13 @@ def preparation_figure(report: dict, *, title: str | None = None) -> go.Figure:
     return fig
 
 
-def steps_examples_figure(points: pl.DataFrame | pl.LazyFrame, fit: dict, *,
-                          title: str = "Steps against examples to the target held-out loss") -> go.Figure:
+def steps_examples_figure(points: pl.DataFrame | pl.LazyFrame, fit: dict, *, title: str | None = None) -> go.Figure:
     """S against E (log-log) per global batch, with the fitted (S/S_min − 1)(E/E_min − 1) = 1
     (``labkit.study.critical_batch.hyperbola``) and dashed lines at S_min and E_min.
 
     `points`: columns batch, steps, examples (rows that reached the target); `fit`: s_min,
-    e_min, b_crit (``fit_critical_batch``). Raises ValueError naming missing columns."""
+    e_min, b_crit (``fit_critical_batch``) [, target_eval_loss, lr_rule: ``sweep_batch``'s, stated
+    in the default title]. Raises ValueError naming missing columns."""
     from labkit.study.critical_batch import hyperbola
 
     df = _frame(points, ["batch", "steps", "examples"], "steps_examples_figure").drop_nulls("steps").sort("batch")
@@ -547,13 +667,18 @@ def steps_examples_figure(points: pl.DataFrame | pl.LazyFrame, fit: dict, *,
     fig.add_trace(go.Scatter(x=df["examples"].to_list(), y=df["steps"].to_list(), mode="markers+text",
                              text=[f"B={b}" for b in df["batch"].to_list()], textposition="top right",
                              name="measured", marker={"color": COLORS["loss"], "size": 9}))
-    fig.add_hline(y=fit["s_min"], line={"color": COLORS["ideal"], "dash": "dash"}, annotation_text="S_min")
-    fig.add_vline(x=fit["e_min"], line={"color": COLORS["ideal"], "dash": "dash"}, annotation_text="E_min")
+    if title is None:
+        target, rule = fit.get("target_eval_loss"), fit.get("lr_rule")
+        title = "Steps against examples to " + (f"held-out loss {target:.3f}" if target is not None else
+                                                  "the target held-out loss") + (
+            f" (lr by the {rule} rule)" if rule else "")
     fig.update_layout(template=style(), title=title, xaxis_title="examples E (sequences)", yaxis_title="steps S")
     xs = he.tolist() + df["examples"].to_list() + [fit["e_min"]]
     ys = hs.tolist() + df["steps"].to_list() + [fit["s_min"]]
     fig.update_xaxes(type="log", tickvals=log_ticks(min(xs), max(xs)), tickformat="~s")
     fig.update_yaxes(type="log", tickvals=log_ticks(min(ys), max(ys)), tickformat="~s")
+    reference_line(fig, y=fit["s_min"], text="S_min")  # after the axis types: labels at log10 of the value
+    reference_line(fig, x=fit["e_min"], text="E_min")
     return fig
 
 
@@ -568,13 +693,13 @@ def noise_scale_figure(curves: pl.DataFrame | pl.LazyFrame, *, b_crit: float | N
         part = part.sort("examples")
         fig.add_trace(go.Scatter(x=part["examples"].to_list(), y=part["b_simple"].to_list(), mode="lines",
                                  name=f"B = {batch}"))
-    if b_crit is not None:
-        fig.add_hline(y=b_crit, line={"color": "black", "dash": "dash"}, annotation_text="measured B_crit")
     fig.update_layout(template=style(), title=title, xaxis_title="examples seen (sequences)",
                       yaxis_title="B_simple (sequences)")
     ys = [v for v in df["b_simple"].to_list() if v > 0] + ([b_crit] if b_crit else [])
     if ys:
         fig.update_yaxes(type="log", tickvals=log_ticks(min(ys), max(ys)), tickformat="~s")
+    if b_crit is not None and b_crit > 0:  # after the axis type: the label at log10 of the value
+        reference_line(fig, y=b_crit, line={"color": "black", "dash": "dash"}, text="measured B_crit")
     return fig
 
 
@@ -603,13 +728,13 @@ def critical_batch_figure(points: pl.DataFrame | pl.LazyFrame, *,
                              mode="markers", marker={"color": COLORWAY[2], "symbol": "diamond", "size": 9}))
     fig.add_trace(go.Scatter(x=df["tokens"].to_list(), y=df["batch"].to_list(), name="the run's batch", mode="lines",
                              line={"color": COLORS["ideal"], "dash": "dot"}))
-    if "b_crit_sweep" in df.columns and df["b_crit_sweep"].drop_nulls().len():
-        fig.add_hline(y=df["b_crit_sweep"].drop_nulls()[0], line={"color": "black", "dash": "dash"},
-                      annotation_text="B_crit of the batch sweep")
+    crit = df["b_crit_sweep"].drop_nulls() if "b_crit_sweep" in df.columns else pl.Series([])
     ys = [v for c in ("b_keep_pace_low", "b_keep_pace_high", "b_noise_low", "b_noise_high", "b_simple", "batch")
-          for v in df[c].to_list() if v is not None and v > 0]
+          for v in df[c].to_list() if v is not None and v > 0] + [v for v in crit.to_list() if v > 0]
     fig.update_layout(template=style(), title=title, xaxis_title="tokens seen by the run",
                       yaxis_title="global batch (sequences)")
     if ys:
         fig.update_yaxes(type="log", tickvals=log_ticks(min(ys), max(ys)), tickformat="~s")
+    if crit.len() and crit[0] > 0:  # after the axis type: the label at log10 of the value
+        reference_line(fig, y=crit[0], line={"color": "black", "dash": "dash"}, text="B_crit of the batch sweep")
     return fig

@@ -21,7 +21,7 @@ from typing import Any
 import nbformat
 
 __all__ = ["INJECTED_TAG", "PARAMETERS_TAG", "UNIX_PATH_MAX", "check_parameters", "check_report",
-           "declared_parameters", "execute_notebook", "inject_parameters", "kernel_over_ipc", "notebook_title",
+           "declared_parameters", "execute_notebook", "execute_notebooks", "inject_parameters", "kernel_over_ipc", "notebook_title",
            "offline_exporter", "parameter_defaults", "read_notebook"]
 
 INJECTED_TAG = "injected-parameters"
@@ -181,6 +181,81 @@ def execute_notebook(
     body, _ = offline_exporter().from_notebook_node(nb, resources={"metadata": {"name": title}})
     atomic_write_text(out_html, body)
     return out_html
+
+
+_EXECUTE = ("import json, sys\n"
+            "from labkit.report import execute_notebook\n"
+            "execute_notebook(sys.argv[1], sys.argv[2], parameters=json.loads(sys.argv[3]), timeout=int(sys.argv[5]),"
+            " cwd=sys.argv[4])")
+"""What each process of ``execute_notebooks`` runs."""
+
+
+def execute_notebooks(lanes: list[list[tuple]], *, jobs: int = 2, cwd: str | os.PathLike, timeout: int = 900,
+                      after: dict | None = None, done=None) -> None:
+    """Execute notebooks, each in a process of its own (``execute_notebook``): the notebooks of
+    a lane one after another, up to ``jobs`` lanes at once. ``lanes``: lists of (source,
+    out_html, parameters); ``cwd``: the kernels' working directory; ``timeout``: seconds per
+    cell; ``after``: {source stem: concurrent.futures.Future} -- that notebook starts once its
+    future is done (its exception fails the notebook's lane); ``done(stem, seconds)`` is called
+    as each notebook finishes.
+
+    On a failure, or Ctrl-C here, no other notebook starts, and those still running after 5 s are
+    interrupted (SIGINT: nbclient then shuts their kernels down; killed after 30 more s). Raises RuntimeError
+    naming the first notebook that failed, with the end of its output (nbclient's
+    CellExecutionError names the cell and the exception)."""
+    import contextlib
+    import json
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor, wait
+
+    after = after or {}
+    procs: list[subprocess.Popen] = []
+    stopping = threading.Event()
+
+    def run(lane: list[tuple]) -> None:
+        for src, out, parameters in lane:
+            name = pathlib.Path(src).stem
+            while name in after and not stopping.is_set() and not wait([after[name]], timeout=0.5).done:
+                pass
+            if stopping.is_set():
+                return
+            if name in after:
+                after[name].result()  # its exception fails this lane
+            start = time.perf_counter()
+            proc = subprocess.Popen([sys.executable, "-c", _EXECUTE, str(src), str(out), json.dumps(parameters),
+                                     str(cwd), str(timeout)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            procs.append(proc)
+            output = proc.communicate()[0]
+            if proc.returncode:
+                stopping.set()
+                raise RuntimeError(f"notebook {name} failed (exit {proc.returncode}):\n"
+                                   + "\n".join(output.strip().splitlines()[-25:]))
+            if done is not None:
+                done(name, time.perf_counter() - start)
+
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+    try:
+        for future in [pool.submit(run, lane) for lane in lanes]:
+            future.result()
+    finally:
+        stopping.set()
+        end = time.monotonic() + 5  # Ctrl-C in a terminal reached them too: let them stop their kernels first
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, end - time.monotonic()))
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 UNIX_PATH_MAX = 107

@@ -23,6 +23,7 @@
 # %% tags=["parameters"]
 workdir = "../work/demo"  # where every artifact of the lab goes
 engines = 2  # local engines, one per (simulated) GPU
+cluster_id = None  # a running cluster to use (its id; labkit demo passes its own); None: start engines here
 model = "mini"
 micro_batch_size = 16
 
@@ -33,7 +34,7 @@ from labkit import cluster as lc
 from labkit import plots
 
 plots.setup_notebook_plotting()
-cluster = lc.start_cluster(engines)
+cluster = lc.start_cluster(engines) if cluster_id is None else lc.connect_cluster(cluster_id)
 client = lc.get_client(cluster)
 print(f"{len(client.ids)} engines connected")
 
@@ -66,4 +67,7 @@ results = lc.run_ddp(client, all_reduce_smoke_test)
 pl.DataFrame(results)
 
 # %%
-lc.stop_cluster(cluster)
+if cluster_id is None:  # engines this notebook started; a cluster it connected to keeps running
+    lc.stop_cluster(cluster)
+else:
+    client.close()

@@ -29,6 +29,7 @@
 # %% tags=["parameters"]
 workdir = "../work/demo"
 engines = 2
+cluster_id = None  # a running cluster to use (its id; labkit demo passes its own); None: start engines here
 model = "mini"
 micro_batch_size = 16
 max_functions = 30_000  # bounded sample of functions to disassemble
@@ -48,7 +49,7 @@ from labkit import lab, plots, tables
 from labkit.config import CleanConfig, CorpusConfig, ShardConfig, TokenizerConfig
 
 plots.setup_notebook_plotting()
-cluster = lc.start_cluster(engines)
+cluster = lc.start_cluster(engines) if cluster_id is None else lc.connect_cluster(cluster_id)
 client = lc.get_client(cluster)
 
 # %% [markdown]
@@ -106,4 +107,7 @@ plots.preparation_figure(report)
 tables.show(report, title="Preparation report (lab.preparation_report; bytes in GB, raw values in the dict)")
 
 # %%
-lc.stop_cluster(cluster)
+if cluster_id is None:  # engines this notebook started; a cluster it connected to keeps running
+    lc.stop_cluster(cluster)
+else:
+    client.close()

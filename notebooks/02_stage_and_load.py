@@ -21,6 +21,7 @@
 # %% tags=["parameters"]
 workdir = "../work/demo"
 engines = 2
+cluster_id = None  # a running cluster to use (its id; labkit demo passes its own); None: start engines here
 model = "mini"
 micro_batch_size = 16
 
@@ -32,7 +33,7 @@ from labkit import lab, plots
 
 lab.require_prepared(workdir)  # the shards of notebook 01; stops here, in one line, without them
 plots.setup_notebook_plotting()
-cluster = lc.start_cluster(engines)
+cluster = lc.start_cluster(engines) if cluster_id is None else lc.connect_cluster(cluster_id)
 client = lc.get_client(cluster)
 
 # %%
@@ -71,4 +72,7 @@ print(f"masked {int(masked.sum())} of {int(real.sum())} real tokens "
       f"({float(masked.sum() / real.sum()):.3f}; expected about 0.15 of non-special tokens)")
 
 # %%
-lc.stop_cluster(cluster)
+if cluster_id is None:  # engines this notebook started; a cluster it connected to keeps running
+    lc.stop_cluster(cluster)
+else:
+    client.close()

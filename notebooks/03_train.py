@@ -24,6 +24,7 @@
 # %% tags=["parameters"]
 workdir = "../work/demo"
 engines = 2
+cluster_id = None  # a running cluster to use (its id; labkit demo passes its own); None: start engines here
 model = "mini"
 micro_batch_size = 16
 steps = 40  # optimiser steps of this notebook's run
@@ -35,7 +36,7 @@ from labkit.config import TrainConfig
 
 index = lab.require_prepared(workdir)  # the shards of notebook 01; stops here, in one line, without them
 plots.setup_notebook_plotting()
-cluster = lc.start_cluster(engines)
+cluster = lc.start_cluster(engines) if cluster_id is None else lc.connect_cluster(cluster_id)
 client = lc.get_client(cluster)
 staged = lab.stage(client, workdir)
 
@@ -50,7 +51,9 @@ cfg = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/noteboo
                   schedule={"kind": "cosine", "warmup_steps": max(1, steps // 10)},
                   eval={"every": max(1, steps // 4) if held_out else 0},
                   checkpoint={"enabled": False})  # a look at training; the demo's main run keeps its checkpoint
-live = plots.LivePlot(plots.loss_figure)
+title = (f"Training loss of {model}: {len(client.ids)} ranks x micro-batch {micro_batch_size} of "
+         f"{index['seq_len']} tokens, {steps} steps")
+live = plots.LivePlot(lambda metrics: plots.loss_figure(metrics, title=title))
 ranks = rankview.RankView()  # every rank's timeline: heatmaps, where the seconds went, goodput, the culprit
 result = lab.train_on_cluster(client, cfg, staged=staged, live=[live, ranks])
 
@@ -68,7 +71,8 @@ from labkit.train.timeline import write_chrome_trace
 
 print((result["culprit"] or {}).get("line", "culprit: none (no rank holds the others up)"))
 print("Chrome trace / Perfetto:", write_chrome_trace(cfg.run_dir))
-rankview.goodput_figure(result)
+rankview.goodput_figure(result, title=f"Goodput of this run ({len(client.ids)} ranks x micro-batch {micro_batch_size}, "
+                                      f"{steps} steps): its elapsed time by what it was spent on")
 
 # %% [markdown]
 # ## The demo's full run
@@ -88,4 +92,7 @@ else:
 fig
 
 # %%
-lc.stop_cluster(cluster)
+if cluster_id is None:  # engines this notebook started; a cluster it connected to keeps running
+    lc.stop_cluster(cluster)
+else:
+    client.close()

@@ -26,9 +26,11 @@
 # %% tags=["parameters"]
 workdir = "../work/demo"
 engines = 2
+cluster_id = None  # a running cluster to use (its id; labkit demo passes its own); None: start engines here
 model = "mini"
 micro_batch_size = 16
-sweep_steps = 8
+sweep_steps = 8  # optimiser steps per point of the rank sweep (the first 2 untimed)
+size_steps = 5  # per model of the throughput-per-model-size sweep: 3 timed steps of the largest model
 sweep_models = ["mini", "small"]
 memory_budget_gib = 2.0
 loader_workers = [0, 1, 2]
@@ -40,11 +42,10 @@ import polars as pl
 
 from labkit import cluster as lc
 from labkit import lab, plots
-from labkit.config import TrainConfig
 
 index = lab.require_prepared(workdir)  # the shards of notebook 01; stops here, in one line, without them
 plots.setup_notebook_plotting()
-cluster = lc.start_cluster(engines)
+cluster = lc.start_cluster(engines) if cluster_id is None else lc.connect_cluster(cluster_id)
 client = lc.get_client(cluster)
 staged = lab.stage(client, workdir)
 
@@ -52,14 +53,15 @@ staged = lab.stage(client, workdir)
 # ## Throughput vs ranks
 
 # %%
-base = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/sweep", model=model,
-                   max_steps=sweep_steps, num_threads=1, resume=False,
-                   batch={"micro_batch_size": micro_batch_size}, schedule={"warmup_steps": 1})
+base = lab.sweep_config(workdir, model=model, max_steps=sweep_steps, batch={"micro_batch_size": micro_batch_size})
 ranks = lab.sweep_ranks(client, base, workdir, staged=staged)
+print(lab.reused_note(ranks) or "every point measured now")  # read back from an earlier sweep: when, at what load
 ranks
 
 # %%
-plots.throughput_figure(ranks)
+this = ranks.filter((pl.col("model") == model) & (pl.col("micro_batch_size") == micro_batch_size))  # this sweep's rows
+plots.throughput_figure(this, title=f"Data-parallel scaling of {model}: micro-batch {micro_batch_size} per rank of "
+                                    f"{index['seq_len']} tokens (weak scaling), {sweep_steps} steps per point")
 
 # %% [markdown]
 # ### Scaling table with exposed communication
@@ -78,6 +80,7 @@ ranks.select("ranks", "model", "micro_batch_size", "tokens_per_s", "efficiency",
 # %%
 mb = lab.sweep_micro_batch(client, sweep_models, seq_len=index["seq_len"], vocab_size=index["vocab_size"],
                            budget_bytes=int(memory_budget_gib * 2**30), workdir=workdir)
+print(lab.reused_note(mb) or "every point measured now")
 mb
 
 # %%
@@ -130,7 +133,8 @@ pl.DataFrame([{"model": model, "seq_len": index["seq_len"], "counted max micro-b
 # ## Throughput per model size at all ranks
 
 # %%
-sizes = lab.sweep_model_size(client, base, workdir, models=sweep_models, staged=staged)
+sizes = lab.sweep_model_size(client, base.replace(max_steps=size_steps), workdir, models=sweep_models, staged=staged)
+print(lab.reused_note(sizes) or "every point measured now")
 sizes
 
 # %% [markdown]
@@ -142,13 +146,18 @@ sizes
 try:
     loader = lab.sweep_loader_workers(client, workdir, batch_size=micro_batch_size,
                                       step_time_s=loader_step_time_s, workers=loader_workers, staged=staged)
+    print(lab.reused_note(loader) or "every point measured now")
 except ImportError as err:
     loader = None
     print(f"loader sweep skipped: {err}")
-plots.loader_figure(loader) if loader is not None else None
+plots.loader_figure(loader.filter((pl.col("batch_size") == micro_batch_size)  # this sweep's consumer
+                                  & (pl.col("step_time_s_planned") == loader_step_time_s))) if loader is not None else None
 
 # %%
-lc.stop_cluster(cluster)
+if cluster_id is None:  # engines this notebook started; a cluster it connected to keeps running
+    lc.stop_cluster(cluster)
+else:
+    client.close()
 
 # %% [markdown]
 # ## The study's scale, planned
@@ -215,7 +224,8 @@ here = scaling.efficiency_table(compute_s=scaling.calibrate(step_1),
                                 tokens_per_step=one["micro_batch_size"] * index["seq_len"], gpus_per_node=engines)
 curves.append(here.with_columns(label=pl.lit(f"{model} here (model)")))
 pred = pl.concat(curves)
-plots.efficiency_figure(pred, measured=ranks)
+plots.efficiency_figure(pred, measured=ranks, title=f"Data-parallel efficiency vs GPUs: seq_len {study_seq_len}, "
+                        "40 % MFU, fp32 gradients in 25 MB buckets, 2 GPUs per node")
 
 # %% [markdown]
 # ### Why the model and the measurement differ on this machine
@@ -230,7 +240,6 @@ plots.efficiency_figure(pred, measured=ranks)
 # %%
 from labkit import tables
 
-this = ranks.filter((pl.col("model") == model) & (pl.col("micro_batch_size") == micro_batch_size))  # this sweep's rows
 n = int(this["ranks"].max())
 at = {r["ranks"]: r for r in this.iter_rows(named=True)}
 step = {k: at[k]["micro_batch_size"] * index["seq_len"] * k / at[k]["tokens_per_s"] for k in (1, n)}  # s per step
@@ -319,8 +328,6 @@ scaling.precision_summary(precisions, mfu=study.plan.mfu)
 # the bytes halve.
 
 # %%
-import plotly.graph_objects as go
-
 grad_bytes = 4 * count_parameters(model_config(model, index["vocab_size"]))["total"]
 bucket = 25 * 2**20  # DDP's default cap: the model's gradients in buckets of at most 25 MiB
 modelled_net = []
@@ -333,22 +340,9 @@ for mbit in (10000, 3000, 1000, 500, 200, 100, 50, 20):
 modelled_net = pl.DataFrame(modelled_net)
 net_file = pathlib.Path(workdir) / "sweeps" / "network.parquet"
 measured_net = pl.read_parquet(net_file) if net_file.exists() else None
-fig = go.Figure()
-for kind, t in modelled_net.group_by("grad_compression", maintain_order=True):
-    fig.add_trace(go.Scatter(x=t["link_over_compute"], y=t["efficiency"], mode="lines",
-                             name=f"{model} model, {kind[0]}"))
-if measured_net is not None:
-    for (m, kind), t in measured_net.group_by("model", "grad_compression", maintain_order=True):
-        fig.add_trace(go.Scatter(x=1 / t["bandwidth_ratio"], y=t["efficiency"], mode="markers",
-                                 name=f"{m} measured, {kind}"))
-        fig.add_trace(go.Scatter(x=1 / t["bandwidth_ratio"], y=t["compute_s"] / t["predicted_step_s"], mode="markers",
-                                 marker_symbol="x", name=f"{m} model at the measured link, {kind}"))
-xs = [x for tr in fig.data for x in tr.x if x and x > 0]
-fig.update_layout(title="Data-parallel efficiency at 2 ranks against the link",
-                  xaxis_title="link time of a step's gradients / compute time", yaxis_title="efficiency",
-                  yaxis_range=[0, 1.1])
-fig.update_xaxes(type="log", tickvals=plots.log_ticks(min(xs), max(xs)), tickformat="~g")  # 1-2-5: no repeated labels
-fig
+plots.network_figure(modelled_net, measured=measured_net, model=model,
+                     title=f"Data-parallel efficiency of {model} at 2 ranks against the link (step {step[1]:.3g} s "
+                           f"at 1 rank, micro-batch {micro_batch_size}, seq_len {index['seq_len']})")
 
 # %%
 if measured_net is not None:

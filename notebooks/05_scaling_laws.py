@@ -32,21 +32,14 @@ law_points = 6  # held-out evaluations per run: its (N, D, eval loss) points
 bootstrap = 16  # bootstrap refits for the uncertainty
 
 # %%
-import os
-
 import numpy as np
 import polars as pl
-import torch
 
 from labkit import lab, plots
 from labkit.study import laws
-from labkit.config import TrainConfig
-from labkit.model import count_parameters, model_config
-from labkit.train import train
 
 index = lab.require_prepared(workdir)  # the shards of notebook 01; stops here, in one line, without them
 plots.setup_notebook_plotting()
-torch.set_num_threads(1)
 
 # %% [markdown]
 # ## 1. The published law and the study's runs
@@ -80,32 +73,23 @@ pl.DataFrame({"constant": ["E", "A", "B", "alpha", "beta"],
 
 # %% [markdown]
 # ## 3. A small real fit from tiny CPU runs
-# One single-process run per width at a constant learning rate after warm-up. Each run
-# evaluates the held-out loss `law_points` times (`eval_loss`: whole documents never trained
-# on, the same fixed masks every time, dropout off; `labkit.train.evaluation`), and each evaluation
-# is one (N, D, loss) point (D = tokens seen). N counts non-embedding parameters (Kaplan's
-# convention). Finished runs in `runs/law-*` (their `result.json` is written last) are read
-# back; they keep no checkpoint.
+# One single-process run per width at a constant learning rate after warm-up
+# (`labkit.study.law_runs.law_config`, below for the first width). Each run evaluates the
+# held-out loss `law_points` times (`eval_loss`: whole documents never trained on, the same fixed
+# masks every time, dropout off; `labkit.train.evaluation`), and each evaluation is one
+# (N, D, loss) point (D = tokens seen). N counts non-embedding parameters (Kaplan's convention).
+# A width already trained with these settings on these shards (`sweeps/law_curves.parquet`, its
+# `made_by`) is read back, saying when and at what load it was measured; any other is trained
+# again. The runs keep no checkpoint.
 
 # %%
-def law_run(width: int) -> pl.DataFrame:
-    cfg = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/law-{width}", model="tiny",
-                      model_overrides={"hidden_size": width, "intermediate_size": 4 * width, "num_heads": 2},
-                      max_steps=law_steps, num_threads=1, resume=False, seed=0,
-                      batch={"micro_batch_size": law_micro_batch}, optim={"lr": 2e-3},
-                      schedule={"warmup_steps": 5, "min_lr_ratio": 1.0}, checkpoint={"enabled": False},
-                      eval={"every": max(1, law_steps // law_points), "sequences": 128})
-    if not os.path.exists(f"{cfg.run_dir}/result.json"):  # a finished run is read back, not rerun
-        train(cfg)
-    return (pl.read_ndjson(f"{cfg.run_dir}/metrics.jsonl").filter(pl.col("eval_loss").is_not_null())
-            .select("step", "tokens", pl.col("eval_loss").alias("loss"))).with_columns(
-        width=pl.lit(width),
-        n_params=pl.lit(count_parameters(model_config("tiny", index["vocab_size"], **cfg.model_overrides))["non_embedding"]))
+from labkit.study.law_runs import law_config, sweep_law_runs
 
-
-curves = pl.concat([law_run(w) for w in law_widths])
-points = curves.sort("width", "step").select("width", "n_params", pl.col("tokens").alias("n_tokens"), "loss")
-points
+first = law_config(workdir, law_widths[0], steps=law_steps, micro_batch=law_micro_batch, points=law_points)
+print({k: getattr(first, k) for k in ("model", "model_overrides", "max_steps", "seed", "batch", "optim", "schedule",
+                                      "eval")})
+points = sweep_law_runs(workdir, widths=law_widths, steps=law_steps, micro_batch=law_micro_batch, points=law_points)
+points.select("width", "n_params", "n_tokens", "loss", "measured_at", "reused")
 
 # %%
 fit = laws.fit_law(points["n_params"], points["n_tokens"], points["loss"], top_k=4)
@@ -139,4 +123,5 @@ budgets = np.geomspace(6 * points["n_params"].min() * points["n_tokens"].min(),
                        6 * points["n_params"].max() * points["n_tokens"].max() * 10, 20)
 frontier = pl.DataFrame([laws.compute_optimal(c, law) for c in budgets])
 plots.law_figure(points, law, frontier=frontier,
-                 title="Held-out MLM loss of tiny encoders on binary code, with the fitted law")
+                 title=f"Held-out MLM loss of tiny encoders (widths {law_widths}, {law_steps} steps of "
+                       f"{law_micro_batch} sequences) with the fitted law")

@@ -30,10 +30,11 @@
 # %% tags=["parameters"]
 workdir = "../work/demo"
 engines = 2
+cluster_id = None  # a running cluster to use (its id; labkit demo passes its own); None: start engines here
 model = "mini"
 split_micro_batch_size = 4  # sequences per micro-batch at dp = engines; the global batch stays the same
 micro_batches = 4  # per step and data-parallel replica: the pipeline's m
-sweep_steps = 8
+split_steps = 5  # optimiser steps per split, the first 2 untimed
 study_seq_len = 512
 
 # %%
@@ -45,7 +46,7 @@ from labkit.config import TrainConfig
 
 lab.require_prepared(workdir)  # the shards of notebook 01; stops here, in one line, without them
 plots.setup_notebook_plotting()
-cluster = lc.start_cluster(engines)
+cluster = lc.start_cluster(engines) if cluster_id is None else lc.connect_cluster(cluster_id)
 client = lc.get_client(cluster)
 staged = lab.stage(client, workdir)
 
@@ -53,9 +54,8 @@ staged = lab.stage(client, workdir)
 # ## Every split of the engines
 
 # %%
-base = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/sweep", model=model, num_threads=1,
-                   resume=False, batch={"micro_batch_size": split_micro_batch_size}, schedule={"warmup_steps": 1})
-table = lab.sweep_parallel(client, base, workdir, micro_batches=micro_batches, steps=sweep_steps, staged=staged)
+base = lab.sweep_config(workdir, model=model, batch={"micro_batch_size": split_micro_batch_size})
+table = lab.sweep_parallel(client, base, workdir, micro_batches=micro_batches, steps=split_steps, staged=staged)
 print(lab.reused_note(table) or "every split measured now")  # splits read back from an earlier sweep: when, at what load
 table.select("dp", "tp", "pp", "pp_schedule", pl.col("tokens_per_s").round(0),
              pl.col("pipeline_bubble").round(3).alias("bubble"), pl.col("planned_bubble").round(3).alias("planned"),
@@ -84,7 +84,10 @@ table.select(
 )
 
 # %%
-lc.stop_cluster(cluster)
+if cluster_id is None:  # engines this notebook started; a cluster it connected to keeps running
+    lc.stop_cluster(cluster)
+else:
+    client.close()
 
 # %% [markdown]
 # ## From the planner's table to a run

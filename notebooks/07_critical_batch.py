@@ -33,7 +33,7 @@ workdir = "../work/demo"
 batch_model = "tiny"  # its own model (not the demo's): five runs must fit in minutes on a CPU
 batch_micro_batch = 8  # the largest micro-batch; smaller batches use half their batch
 batch_sizes = [4, 8, 16, 32, 64]  # global batches (sequences)
-batch_examples = 4096  # sequences each run trains on
+batch_examples = 2048  # sequences each run trains on (32 steps at the largest batch, 512 at the smallest)
 lr = 2e-3  # at a global batch of batch_micro_batch; scaled by sqrt(B / batch_micro_batch)
 branch_at = [20, 60, 120]  # steps of one run (global batch 2 x batch_micro_batch) to branch from
 branch_steps = 160  # that run's schedule length
@@ -41,46 +41,36 @@ branch_factors = [1, 2, 4]  # branch batches as multiples of the run's
 branch_window = 512  # examples each branch trains on
 
 # %%
-import os
-
 import polars as pl
-import torch
 
 from labkit import lab, plots
-from labkit.config import TrainConfig
-from labkit.study.branching import sweep_branch
-from labkit.study.critical_batch import fit_critical_batch, sweep_batch
+from labkit.study.branching import notebook_run, sweep_branch
+from labkit.study.critical_batch import batch_base, sweep_batch
 
 index = lab.require_prepared(workdir)  # the shards of notebook 01; stops here, in one line, without them
 plots.setup_notebook_plotting()
-torch.set_num_threads(1)
 
 # %% [markdown]
 # ## 1. The same model to the same held-out loss at each batch size
 # Each run trains on `batch_examples` sequences in one process; the target is the worst run's best
 # held-out loss, so every run reaches it, and S(B) is the (interpolated) step where its held-out
-# loss first does. A finished sweep in `sweeps/critical_batch.parquet` is read back.
+# loss first does. A batch size already trained with these settings on these shards
+# (`sweeps/critical_batch_curves.parquet`, its `made_by`) is read back, saying when and at what
+# load it was measured; any other is trained again.
 
 # %%
-table = f"{workdir}/sweeps/critical_batch.parquet"
-if os.path.exists(table):
-    runs = pl.read_parquet(table)
-    fit = fit_critical_batch(runs.filter(pl.col("reached"))["batch"].to_numpy(),
-                             runs.filter(pl.col("reached"))["steps"].to_numpy())
-else:
-    base = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/critical-batch", model=batch_model,
-                       num_threads=1, resume=False, seed=0, batch={"micro_batch_size": batch_micro_batch},
-                       optim={"lr": lr}, schedule={"warmup_steps": 2, "min_lr_ratio": 1.0},
-                       checkpoint={"enabled": False}, eval={"sequences": 64, "batch_size": 8})
-    runs, fit = sweep_batch(base, workdir, batch_sizes=batch_sizes, max_examples=batch_examples)
-runs.select("batch", "lr", "steps", "examples", "reached", "b_simple", "final_eval_loss")
+base = batch_base(workdir, model=batch_model, micro_batch=batch_micro_batch, lr=lr)
+runs, fit = sweep_batch(base, workdir, batch_sizes=batch_sizes, max_examples=batch_examples)
+runs.select("batch", "lr", "steps", "examples", "reached", "b_simple", "final_eval_loss", "measured_at", "reused")
 
 # %%
 pl.DataFrame({"quantity": ["B_crit (sequences)", "bootstrap low", "bootstrap high", "S_min", "E_min"],
               "value": [fit["b_crit"], fit["b_crit_low"], fit["b_crit_high"], fit["s_min"], fit["e_min"]]})
 
 # %%
-plots.steps_examples_figure(runs.filter(pl.col("reached")), fit)
+plots.steps_examples_figure(runs.filter(pl.col("reached")), fit,
+                            title=f"{batch_model}: steps against examples to held-out loss "
+                                  f"{fit['target_eval_loss']:.3f} ({batch_examples:,} sequences per run, lr ∝ √B)")
 
 # %% [markdown]
 # ## 2. The in-run noise scale against the measured critical batch
@@ -89,7 +79,8 @@ plots.steps_examples_figure(runs.filter(pl.col("reached")), fit)
 
 # %%
 curves = pl.read_parquet(f"{workdir}/sweeps/critical_batch_curves.parquet")
-plots.noise_scale_figure(curves, b_crit=fit["b_crit"])
+plots.noise_scale_figure(curves, b_crit=fit["b_crit"],
+                         title=f"Gradient noise scale B_simple of {batch_model} along training, per global batch")
 
 # %%
 at_target = runs.filter(pl.col("reached")).select("batch", "b_simple")
@@ -106,11 +97,10 @@ print(f"median in-run B_simple at the target / measured B_crit = {ratio:.2f}" if
 # run's in-run B_simple and the sweep's B_crit above, each with whether it agrees.
 
 # %%
-run = TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/branch-base", model=batch_model,
-                  max_steps=branch_steps, num_threads=1, seed=0,
-                  batch={"micro_batch_size": batch_micro_batch, "grad_accum_steps": 2}, optim={"lr": lr},
-                  schedule={"warmup_steps": 2}, eval={"sequences": 64, "batch_size": 8}, measure={"trackers": ()})
+run = notebook_run(workdir, model=batch_model, micro_batch=batch_micro_batch, lr=lr, steps=branch_steps)
 points, branch_runs = sweep_branch(run, workdir, at=branch_at, factors=branch_factors, window=branch_window,
-                                   critical_batch=table, n_boot=300)
+                                   critical_batch=f"{workdir}/sweeps/critical_batch.parquet", n_boot=300)
 print("\n".join(points["agreement"]))
-plots.critical_batch_figure(points)
+plots.critical_batch_figure(points, title=f"{batch_model}: the critical batch along one run at global batch "
+                                          f"{2 * batch_micro_batch}, by branches of x{branch_factors} on "
+                                          f"{branch_window:,} sequences each")

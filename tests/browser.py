@@ -136,17 +136,31 @@ def run_all_and_watch(page, url: str, *, done_text: str, timeout_s: float = 240.
                 shot = True
             except PlaywrightError:  # detached: try again at the next sample
                 pass
-        outputs = page.locator(".jp-OutputArea-output").all_inner_texts()
+        # textContent, not innerText: JupyterLab 4 skips rendering cells out of view (its default
+        # windowingMode "contentVisibility"), and Chromium's innerText of a skipped cell is empty:
+        # notebook 03's last output, below its live figures, read "" while the kernel sat idle
+        outputs = page.locator(".jp-OutputArea-output").all_text_contents()
         if any(done_text in o for o in outputs):
             page.wait_for_timeout(1000)  # the final frame follows the text output within the same cell
             samples.append((round(time.monotonic() - t0, 2), page.evaluate(COUNT_POINTS_JS)))
             return samples
         errors = [o for o in outputs if "Traceback" in o]
         if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"no {done_text!r} after {timeout_s} s; last counts {counts}; outputs {outputs[-3:]}")
+            raise AssertionError(f"no {done_text!r} after {timeout_s} s; last counts {counts}; {_cell_states(page)}; "
+                                 f"outputs {outputs[-3:]}")
         if errors:
             raise AssertionError(f"the notebook failed: {errors[-1][-3000:]}")
         page.wait_for_timeout(int(every_s * 1000))
+
+
+def _cell_states(page) -> str:
+    """Where the run stands, for a timeout's message: the kernel's status and each cell's prompt
+    ("[3]:" ran, "[*]:" running or queued, "[ ]:" never run) with its first line."""
+    status = page.locator(".jp-Notebook-ExecutionIndicator").first.get_attribute("data-status")
+    cells = page.evaluate("""() => [...document.querySelectorAll('.jp-Notebook .jp-Cell')].map(c => {
+        const p = c.querySelector('.jp-InputPrompt'); const src = c.querySelector('.jp-InputArea-editor');
+        return ((p && p.textContent) || '').trim() + ' ' + ((src && src.textContent) || '').slice(0, 40); })""")
+    return f"kernel {status}; cells {cells}"
 
 
 LAYOUT_JS = """async () => {
@@ -195,11 +209,64 @@ REPORT_CHECK_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].map
 tick labels per axis."""
 
 
+AXES_JS = """() => [...document.querySelectorAll('.js-plotly-plot')].map(gd => {
+    const full = gd._fullLayout || {}, out = {};
+    const id = name => name.replace('axis', '');  // "xaxis2" -> "x2", as traces name their axes
+    for (const name of Object.keys(full).filter(k => /^[xy]axis\\d*$/.test(k))) {
+        const ax = full[name];
+        if (!ax || !Array.isArray(ax.range) || !['linear', 'log'].includes(ax.type)) continue;
+        const log = ax.type === 'log', vals = [];
+        for (const t of gd._fullData || []) {
+            if (t.visible !== true || (t[name[0] + 'axis'] || name[0]) !== id(name)) continue;
+            const raw = t[name[0]];
+            if (!raw || typeof raw.length !== 'number') continue;
+            for (const v of Array.from(raw)) if (typeof v === 'number' && isFinite(v) && (!log || v > 0)) vals.push(v);
+            const along = t.orientation === 'h' ? 'x' : 'y';  // bars grow from 0 along their value axis
+            if (t.type === 'bar' && name[0] === along && !log) vals.push(0);
+        }
+        if (!vals.length) continue;
+        const f = v => log ? Math.log10(v) : v;
+        const [r0, r1] = [Math.min(...ax.range), Math.max(...ax.range)];
+        let [d0, d1] = [f(Math.min(...vals)), f(Math.max(...vals))];
+        if (!log && r0 <= 0 && 0 <= r1) [d0, d1] = [Math.min(d0, 0), Math.max(d1, 0)];  // a baseline at 0 counts
+        out[name] = {type: ax.type, range: [r0, r1], data: [d0, d1], distinct: new Set(vals).size,
+                     fill: r1 > r0 ? (Math.min(d1, r1) - Math.max(d0, r0)) / (r1 - r0) : 1};
+    }
+    return {title: ((gd.layout || {}).title || {}).text || '', axes: out};
+})"""
+"""Per drawn plotly figure: its title and, per numeric axis (linear or log; category and date
+axes are left out), the drawn range (log10 units on a log axis), the extent of the data of the
+visible traces on it (bars from 0; on a linear axis whose range holds 0, 0 counts as data: a
+chosen baseline), the number of distinct values and ``fill``: the share of the range the data
+spans."""
+
+MIN_FILL = 0.2
+"""A figure whose data fills less than this share of an axis's range is unreadable: the points
+crowd into a corner (report 07's log axes ran to 1e33 when a label was placed at a value plotly
+read as log10, and its points sat in the bottom tenth)."""
+
+
+def axis_problems(fig: dict, *, min_fill: float = MIN_FILL) -> list[str]:
+    """What is wrong with one ``AXES_JS`` figure's axes: data that lies outside the drawn range
+    (beyond 1 % of it), or that fills less than ``min_fill`` of it (an axis with one distinct
+    value has nothing to fill and is left out). [] when nothing is."""
+    problems = []
+    for name, ax in fig["axes"].items():
+        (r0, r1), (d0, d1) = ax["range"], ax["data"]
+        slack = 0.01 * (r1 - r0)
+        if d0 < r0 - slack or d1 > r1 + slack:
+            problems.append(f"{fig['title']!r} {name}: data {d0:.4g}..{d1:.4g} outside its range {r0:.4g}..{r1:.4g}")
+        elif ax["distinct"] > 1 and ax["fill"] < min_fill:
+            problems.append(f"{fig['title']!r} {name} ({ax['type']}): data {d0:.4g}..{d1:.4g} fills {ax['fill']:.0%} "
+                            f"of its range {r0:.4g}..{r1:.4g}")
+    return problems
+
+
 def inspect_report(context, html: Path) -> dict:
     """Open one exported report in ``context`` (a Playwright browser context, offline for the
     tests) and return: failed_requests and remote_requests (URLs), charts_in_html (plotly divs
     in the file), charts_drawn, ``figures`` (``REPORT_CHECK_JS`` per drawn figure) and ``layout``
-    (``LAYOUT_JS`` per drawn figure)."""
+    (``LAYOUT_JS`` per drawn figure) and ``axes`` (``AXES_JS`` per drawn figure)."""
     import re
 
     page = context.new_page()
@@ -209,8 +276,9 @@ def inspect_report(context, html: Path) -> dict:
     page.goto(html.resolve().as_uri(), wait_until="load")
     page.wait_for_timeout(500)
     figs = page.evaluate(REPORT_CHECK_JS)
+    axes = page.evaluate(AXES_JS)
     layout = page.evaluate(LAYOUT_JS)
     page.close()
     return {"failed_requests": failed, "remote_requests": remote,
             "charts_in_html": len(re.findall(r'class="plotly-graph-div"', html.read_text())),
-            "charts_drawn": len(figs), "figures": figs, "layout": layout}
+            "charts_drawn": len(figs), "figures": figs, "axes": axes, "layout": layout}

@@ -40,3 +40,20 @@ def _torch_threads(request):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """One ``labkit demo`` on a tiny real corpus (tests/test_demo.py's config and its smaller
+    notebook parameters), notebooks 00-07 executed into reports on its engines: (work directory,
+    summary). Shared by tests/test_demo.py and tests/test_notebooks.py, which check the demo's
+    stages and its reports; the demo takes minutes, so it runs once per session."""
+    from pathlib import Path
+
+    from test_demo import SMALL, _config
+
+    from labkit.demo import run_demo
+
+    cfg = _config(tmp_path_factory.mktemp("demo"))
+    summary = run_demo(cfg, parameters=SMALL)
+    return Path(cfg.workdir), summary

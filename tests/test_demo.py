@@ -69,14 +69,17 @@ def _config(tmp: Path) -> DemoConfig:
     )
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    from labkit.demo import run_demo
+SMALL = {"law_widths": [16, 32], "law_steps": 12, "law_points": 3, "bootstrap": 4, "batch_sizes": [4, 8, 16],
+         "batch_examples": 128, "loader_workers": [0, 1], "loader_step_time_s": 0.005, "size_steps": 3,
+         "split_steps": 3, "branch_at": [3, 6], "branch_steps": 8, "branch_factors": [1, 2], "branch_window": 32}
+"""Notebook parameters the demo of these tests passes on (smaller sweeps); its stages measure with
+them as the notebooks then run."""
 
-    tmp = tmp_path_factory.mktemp("demo")
-    cfg = _config(tmp)
-    summary = run_demo(cfg)
-    return Path(cfg.workdir), summary
+
+@pytest.fixture(scope="module")
+def demo(demo_run):
+    """The session's demo (tests/conftest.py ``demo_run``; tests/test_notebooks.py checks its reports)."""
+    return demo_run
 
 
 def test_corpus_holds_the_compiled_functions(demo):
@@ -164,6 +167,33 @@ def test_reports_render_plotly_offline(demo):
         assert info["ok"] and info["figures"] >= 1, (path, info)
 
 
+def test_the_notebooks_read_back_every_measurement_of_the_demo(demo):
+    """The demo measured each sweep its notebooks show, with their parameters: executed after it,
+    on its engines, every notebook reads each point back through the made_by check (saying when
+    and at what load it was measured) and measures nothing again."""
+    import nbformat
+
+    work, summary = demo
+    text = {}
+    for path in summary["reports"]:
+        nb = nbformat.read(Path(path).with_suffix(".ipynb"), as_version=4)
+        text[Path(path).stem] = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                                        for o in c.get("outputs", []) if o.get("output_type") == "stream")
+    joined = "".join(text.values())
+    assert "measuring again" not in joined and "every point measured now" not in joined
+    assert "Starting" not in joined  # no notebook started engines of its own: they used the demo's
+    assert text["04_scaling"].count("points reused from earlier runs (measured 20") == 4  # ranks, micro-batch, sizes, loaders
+    assert "4 of 4 points reused from earlier runs (measured 20" in text["06_model_parallel"]
+    assert "sweep law: 2 of 2 widths reused from earlier runs (measured 20" in text["05_scaling_laws"]
+    assert "sweep batch: 3 of 3 points reused from earlier runs (measured 20" in text["07_critical_batch"]
+    # the branches of 07's run: the base run's checkpoints kept and every branch (2 points x 2) read back
+    assert "training it again" not in joined and text["07_critical_batch"].count("already finished") == 4
+    fit = summary["critical_batch_fit"]
+    assert len(summary["critical_batch"]) == 3 and fit["reached"] == 3 and fit["lr_rule"] == "sqrt"
+    assert {p["width"] for p in summary["law_points"]} == {16, 32}
+    assert [(s["dp"], s["tp"], s["pp"]) for s in summary["sweep_parallel"]][:2] == [(2, 1, 1), (1, 2, 1)]
+
+
 def test_a_second_demo_reuses_every_artifact_and_says_so(demo, capfd):
     """``labkit demo`` again on the same work directory (the notebooks ran in between on it):
     every stage, the training run and every sweep point reused, each said in one line with when
@@ -176,15 +206,18 @@ def test_a_second_demo_reuses_every_artifact_and_says_so(demo, capfd):
     work, first = demo
     kept = ["corpus/corpus.json", "clean/docs.drops.json", "tokenizer/tokenizer.json", "tokenizer/tokenizer.stats.json",
             "shards/index.json", "runs/demo/result.json", "runs/demo/metrics.jsonl", "sweeps/ranks.parquet",
-            "sweeps/microbatch.parquet"]
+            "sweeps/microbatch.parquet", "sweeps/model_size.parquet", "sweeps/loader.parquet", "sweeps/parallel.parquet",
+            "sweeps/law_curves.parquet", "sweeps/critical_batch_curves.parquet", "sweeps/critical_batch.parquet",
+            "sweeps/branch/base/metrics.jsonl", "sweeps/branch/step-6/r0-x2/metrics.jsonl"]
     before = {k: (work / k).read_bytes() for k in kept}
     capfd.readouterr()
-    second = run_demo(dataclasses.replace(_config(work.parent), reports=False))
+    second = run_demo(dataclasses.replace(_config(work.parent), reports=False), parameters=SMALL)
     out, err = capfd.readouterr()
     assert {k: (work / k).read_bytes() for k in kept} == before
     for stage in ("corpus", "clean", "tokenizer", "shards"):
         assert f"{stage}: reusing " in err and "(same settings and inputs; made 20" in err
     assert "rebuilding" not in err + out and "measuring again" not in err + out
     assert "reusing the finished run in" in out and "--force trains again" in out
-    assert "2 of 2 points reused from earlier runs (measured 20" in out and "[reused: measured 20" in out
+    assert "ranks: 2 of 2 points reused from earlier runs (measured 20" in out and "[reused: measured 20" in out
+    assert "splits: 4 of 4 points reused" in out and "sweep batch: 3 of 3 points reused" in err
     assert second["train"] == json.loads(before["runs/demo/result.json"])

@@ -1,12 +1,14 @@
-"""Notebooks 00..05 executed headlessly with a small setting on a tiny real corpus; every exported
+"""Notebooks 00..07 executed headlessly with a small setting on a tiny real corpus; every exported
 report opened in Chromium with the network cut (no request, every chart drawn, no legend on a
-title, whole-number ticks on counts); a notebook alone stops at its first cell; a user's own
-notebook (no setup call) and 03_train drawing live figures in JupyterLab.
+title, whole-number ticks on counts, every axis spanning its data and filled a fifth or more); a
+notebook alone stops at its first cell; a user's own notebook (no setup call) and 03_train
+drawing live figures in JupyterLab.
 
-The work directory is prepared once per module with the single-process data functions (a C
-file compiled here plus three of this machine's shared libraries, as tests/test_demo.py does);
-the notebooks then find complete artifacts, read them back, and run their own cluster work on
-2 local engines. Chromium is Debian's ``chromium`` package, installed by ``make test`` (its
+The notebooks are the ones ``labkit demo`` executed into its reports (tests/conftest.py's
+``demo_run``, shared with tests/test_demo.py: a tiny real corpus, 2 local engines, the notebooks
+on the demo's engines by ``cluster_id``, two at a time); these tests check the reports and what
+the notebooks left in the demo's work directory, then run 03 again in JupyterLab on it.
+Chromium is Debian's ``chromium`` package, installed by ``make test`` (its
 ``browser`` prerequisite), driven by the playwright package (tests/browser.py); without either the
 browser tests are skipped, saying so."""
 
@@ -19,53 +21,24 @@ from pathlib import Path
 
 import pytest
 
-from labkit.config import CleanConfig, CorpusConfig, ShardConfig, TokenizerConfig
+from test_demo import SMALL
 
 NOTEBOOKS = ("00_cluster", "01_prepare", "02_stage_and_load", "03_train", "04_scaling", "05_scaling_laws",
              "06_model_parallel", "07_critical_batch")
 ROOT = Path(__file__).resolve().parent.parent
-PARAMS = {"engines": 2, "model": "tiny", "micro_batch_size": 8, "max_functions": 3000, "vocab_size": 1024,
-          "seq_len": 64, "steps": 6, "sweep_steps": 3, "sweep_models": ["tiny", "mini"], "memory_budget_gib": 0.25,
-          "loader_workers": [0, 1], "loader_step_time_s": 0.005, "law_widths": [16, 32, 64], "law_steps": 30,
-          "law_points": 5, "bootstrap": 6, "heldout_fraction": 0.05,
-          "batch_sizes": [4, 8, 16, 32, 64], "batch_examples": 1024, "branch_at": [3, 6], "branch_steps": 8,
-          "branch_factors": [1, 2], "branch_window": 32}
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    from test_demo import _tiny_inputs
-
-    from labkit.data.clean import clean_corpus
-    from labkit.data.corpus import build_corpus
-    from labkit.data.shards import write_shards
-    from labkit.data.tokenize import train_tokenizer
-
-    tmp = tmp_path_factory.mktemp("nb")
-    work = tmp / "work"
-    build_corpus(CorpusConfig(paths=tuple(_tiny_inputs(tmp)), max_functions=PARAMS["max_functions"]),
-                 str(work / "corpus"))
-    clean_corpus(str(work / "corpus" / "part-*.parquet"), str(work / "clean" / "docs.parquet"), CleanConfig())
-    (work / "tokenizer").mkdir()
-    train_tokenizer(str(work / "clean" / "docs.parquet"), TokenizerConfig(vocab_size=PARAMS["vocab_size"]),
-                    str(work / "tokenizer" / "tokenizer.json"))
-    write_shards(str(work / "clean" / "docs.parquet"), str(work / "tokenizer" / "tokenizer.json"),
-                 str(work / "shards"), ShardConfig(seq_len=PARAMS["seq_len"], sequences_per_shard=256,
-                                                         heldout_fraction=PARAMS["heldout_fraction"]), progress=False)
-    return work
+def workdir(demo_run) -> Path:
+    """The demo's work directory (its notebooks' parameters: tests/test_demo.py's ``SMALL`` and
+    ``_config``)."""
+    return demo_run[0]
 
 
 @pytest.fixture(scope="module")
-def reports(workdir) -> dict[str, Path]:
-    from labkit.report import declared_parameters, execute_notebook
-
-    out = {}
-    for name in NOTEBOOKS:
-        src = ROOT / "notebooks" / f"{name}.py"
-        params = {k: v for k, v in {"workdir": str(workdir), **PARAMS}.items() if k in declared_parameters(src)}
-        out[name] = execute_notebook(src, workdir / "reports" / f"{name}.html", parameters=params, timeout=300,
-                                     cwd=str(workdir))
-    return out
+def reports(demo_run) -> dict[str, Path]:
+    """{notebook: its HTML report} as the demo executed them."""
+    return {Path(p).stem: Path(p) for p in demo_run[1]["reports"]}
 
 
 def test_saving_in_jupyterlab_leaves_the_tracked_scripts_unchanged(tmp_path):
@@ -129,14 +102,15 @@ def test_notebooks_execute_and_export_offline_reports(reports, workdir):
     sizes = pl.read_parquet(workdir / "sweeps" / "model_size.parquet")
     assert sizes["model"].to_list() == ["tiny", "mini"] and (sizes["tokens_per_s"] > 0).all()
     loader = pl.read_parquet(workdir / "sweeps" / "loader.parquet")
-    assert loader["num_workers"].to_list() == PARAMS["loader_workers"] and (loader["samples_per_s"] > 0).all()
-    assert sorted(p.name for p in (workdir / "runs").glob("law-*")) == ["law-16", "law-32", "law-64"]
+    assert loader["num_workers"].to_list() == SMALL["loader_workers"] and (loader["samples_per_s"] > 0).all()
+    assert sorted(p.name for p in (workdir / "runs").glob("law-*")) == [f"law-{w}" for w in SMALL["law_widths"]]
     text = (reports["05_scaling_laws"]).read_text()
     assert "bootstrap_p05" in text and "compute-optimal" in text
     law_records = [json.loads(line) for line in (workdir / "runs" / "law-16" / "metrics.jsonl").read_text().splitlines()]
-    assert sum("eval_loss" in r for r in law_records) == PARAMS["law_points"]  # notebook 05 fits held-out loss
+    assert sum("eval_loss" in r for r in law_records) == SMALL["law_points"]  # notebook 05 fits held-out loss
     nb03 = [json.loads(line) for line in (workdir / "runs" / "notebook-03" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in nb03 if "eval_loss" in r] == list(range(1, PARAMS["steps"] + 1))  # every 6 // 4 steps
+    steps = json.loads((workdir / "runs" / "notebook-03" / "config.json").read_text())["max_steps"]
+    assert steps == 20 and [r["step"] for r in nb03 if "eval_loss" in r] == [5, 10, 15, 20]  # every 20 // 4 steps
     nb04 = nbformat.read(reports["04_scaling"].with_suffix(".ipynb"), as_version=4)
     shown = "".join(o.get("data", {}).get("text/plain", "") for c in nb04.cells if c.cell_type == "code"
                     for o in c.get("outputs", []))
@@ -155,7 +129,7 @@ def test_notebooks_execute_and_export_offline_reports(reports, workdir):
 
 
 def test_reports_open_offline_in_chromium_with_every_reference_line_drawn(reports):
-    from browser import chromium, inspect_report, layout_problems, need_browser
+    from browser import axis_problems, chromium, inspect_report, layout_problems, need_browser
 
     need_browser()
     with chromium() as browser:
@@ -174,6 +148,10 @@ def test_reports_open_offline_in_chromium_with_every_reference_line_drawn(report
                     assert all(re.fullmatch(r"[\d,]+", t) for t in fig["ticks"]["xtick"]), (name, fig["ticks"])
             problems = [p for fig in r["layout"] for p in layout_problems(fig)]
             assert not problems, (name, problems)  # no legend on a title or tick label, none cut off
+            problems = [p for fig in r["axes"] for p in axis_problems(fig)]
+            assert not problems, (name, problems)  # every axis spans its data, which fills a fifth of it or more
+            if name == "07_critical_batch":  # both log-log figures' axes were checked (labels placed at log10)
+                assert sum(len(f["axes"]) for f in r["axes"]) >= 4, r["axes"]
             if name == "04_scaling":  # the 90 % line and the capacity line (the knee only when one is found)
                 assert sum(f["shapes"] for f in figs) >= 2, figs
 

@@ -78,7 +78,7 @@ def test_liveplot_displays_once_then_updates_same_id(monkeypatch):
     # the first frame is drawn by the front end's plotly renderer too (no setup call needed) ...
     assert first["application/vnd.plotly.v1+json"]["data"][0]["y"] == [5.0]
     # ... the frames between are HTML only (redrawn on update), and no frame carries plotly.js
-    assert "application/vnd.plotly.v1+json" not in between and "Plotly.newPlot" in between["text/html"]
+    assert "application/vnd.plotly.v1+json" not in between and "Plotly.react" in between["text/html"]
     assert not any("plotly.js v" in c[1]["text/html"] for c in calls)
     calls.clear()
     live = plots.LivePlot(plots.loss_figure, min_interval=3600)  # every later call is inside the interval
@@ -283,3 +283,94 @@ def test_figures_fit_a_1280_px_window_in_chromium(tmp_path):
             right = page.evaluate("""() => Math.max(...[...document.querySelectorAll(
                 '.main-svg, .legend, g.xtick text, g.ytick text, .gtitle')].map(e => e.getBoundingClientRect().right))""")
             assert right <= 1280 - 40 + 1, (name, right)
+
+
+def test_live_frames_in_chromium_draw_only_the_newest_and_never_blank(tmp_path):
+    """Live frames replacing one another in a notebook output, as JupyterLab does on each
+    update_display (the output's HTML replaced, its script run), in Chromium with plotly.js: 30
+    frames arriving at once (a page behind the kernel) draw only the newest, once or twice, not
+    30 times; once drawn, the figure stays drawn under every later frame (the plot moves into
+    the new output) and ends with the last frame's points. In a loaded CI the browser had
+    rendered every frame of notebook 03's two live figures, fell a whole run behind and showed
+    03's last output after the test's 300 s."""
+    import pathlib
+
+    import plotly
+
+    from browser import chromium, need_browser
+
+    need_browser()
+    js = pathlib.Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+    frames = [plots.live_html(plots.loss_figure(pl.DataFrame({"step": list(range(1, n + 1)),
+                                                                "loss": [5.0 / k for k in range(1, n + 1)]})),
+                              "live-test-plot") for n in range(1, 31)]
+    replace = """html => { const out = document.getElementById('out'); out.innerHTML = html;
+        for (const old of out.querySelectorAll('script')) { const s = document.createElement('script');
+            s.text = old.text; old.replaceWith(s); } }"""  # what JupyterLab's HTML renderer does
+    drawn = "() => { const gd = document.getElementById('live-test-plot'); return gd && gd.data ? gd.data[0].x.length : 0; }"
+    with chromium() as browser:
+        page = browser.new_page()
+        page.set_content("<html><body><div id='out'></div></body></html>")
+        page.add_script_tag(path=str(js))
+        page.evaluate("""() => { const react = Plotly.react; window.reacts = [];
+            Plotly.react = function (gd, data) { window.reacts.push(data[0].x.length); return react.apply(this, arguments); }; }""")
+        page.evaluate(f"frames => {{ const replace = {replace}; for (const f of frames) replace(f); }}", frames)
+        page.wait_for_function(f"() => ({drawn})() === 30", timeout=20_000)
+        reacts = page.evaluate("() => window.reacts")
+        assert reacts[-1] == 30 and len(reacts) <= 2, reacts  # the backlog drawn as its newest frame
+        for n, frame in enumerate(frames[:10], start=1):  # one at a time now: never blank in between
+            page.evaluate(replace, frame)
+            assert page.evaluate(drawn) > 0, n
+        page.wait_for_function(f"() => ({drawn})() === 10", timeout=20_000)
+
+
+def test_reference_labels_sit_at_their_value_on_log_and_linear_axes():
+    """plotly reads an annotation's position on a log axis as log10 of the value: report 07's
+    S_min label at y = 60 put the axis's top at 1e60. Each label sits at its line: log10 of the
+    value on a log axis, the value on a linear one."""
+    import math
+
+    pts = pl.DataFrame({"batch": [4, 8, 16, 32], "steps": [120.0, 70.0, 45.0, 33.0]}).with_columns(
+        examples=pl.col("batch") * pl.col("steps"))
+    fit = {"s_min": 25.0, "e_min": 300.0, "b_crit": 12.0, "target_eval_loss": 3.5, "lr_rule": "sqrt"}
+    fig = plots.steps_examples_figure(pts, fit)
+    labels = {a.text: a for a in fig.layout.annotations}
+    assert labels["S_min"].y == pytest.approx(math.log10(25.0)) and labels["S_min"].xref == "x domain"
+    assert labels["E_min"].x == pytest.approx(math.log10(300.0)) and labels["E_min"].yref == "y domain"
+    assert fig.layout.title.text == "Steps against examples to held-out loss 3.500 (lr by the sqrt rule)"
+    curves = pl.DataFrame({"batch": [4, 4, 8], "examples": [8, 16, 16], "b_simple": [3.0, 30.0, 10.0]})
+    noise = plots.noise_scale_figure(curves, b_crit=12.0)
+    assert [a.y for a in noise.layout.annotations] == [pytest.approx(math.log10(12.0))]
+    eff = plots.efficiency_figure(pl.DataFrame({"n_gpus": [1, 2], "efficiency": [1.0, 0.95]}),
+                                  measured=pl.DataFrame({"ranks": [1, 2], "efficiency": [1.0, 1.2]}))
+    assert [a.y for a in eff.layout.annotations] == [0.9] and eff.layout.yaxis.range[1] >= 1.2  # a measured 1.2 shows
+    branch = pl.DataFrame({"tokens": [1e4, 4e4], "batch": [16, 16], "b_keep_pace": [32.0, 64.0],
+                           "b_keep_pace_low": [16.0, 32.0], "b_keep_pace_high": [64.0, 64.0],
+                           "b_keep_pace_censored": [False, True], "b_noise": [20.0, 40.0], "b_noise_low": [2.0, 10.0],
+                           "b_noise_high": [80.0, 90.0], "b_noise_censored": [False, False], "b_simple": [10.0, 25.0],
+                           "b_crit_sweep": [42.0, 42.0]})
+    crit = plots.critical_batch_figure(branch)  # its B_crit label had gone to 1e42
+    assert [a.y for a in crit.layout.annotations] == [pytest.approx(math.log10(42.0))]
+    with pytest.raises(ValueError, match="exactly one of x, y"):
+        plots.reference_line(fig, text="?")
+
+
+def test_figures_state_their_settings():
+    """The micro-batch figure names its budget and sequence length; the loader figure its
+    consumer, the step's own limit, and why there is no knee when there is none."""
+    gib = 2**30
+    mb = pl.DataFrame({"model": ["mini", "small"], "params": [3_700_000, 20_200_000], "max_micro_batch": [182, 52],
+                       "budget_bytes": [2 * gib] * 2, "seq_len": [128, 128]})
+    assert plots.microbatch_figure(mb).layout.title.text == \
+        "Largest micro-batch that fits in 2 GiB per rank, sequences of 128 tokens"
+    loader = pl.DataFrame({"num_workers": [0, 1, 2], "samples_per_s": [604.0, 689.0, 668.0],
+                           "data_wait_fraction": [0.065, 0.063, 0.115], "data_wait_s": [0.0017, 0.00145, 0.0027],
+                           "knee": [False] * 3, "batch_size": [16] * 3, "step_time_s_planned": [0.02] * 3})
+    fig = plots.loader_figure(loader)
+    assert fig.layout.title.text.startswith("DataLoader workers in front of a 20 ms step of 16 sequences<br><sup>no knee: "
+                                            "the data wait stays at 6%-12% of the step from 0 to 2 workers: making a "
+                                            "batch here takes 1.7 ms, taking one from a worker 1.4-2.7 ms")
+    assert [a.y for a in fig.layout.annotations] == [800.0]  # the step's limit: 16 sequences / 20 ms
+    kneed = plots.loader_figure(loader.with_columns(knee=pl.Series([False, True, False])))
+    assert "no knee" not in kneed.layout.title.text and {a.text for a in kneed.layout.annotations} == {
+        "the step's limit: 16 / 20 ms", "knee: 1 workers"}

@@ -96,6 +96,13 @@ def test_failing_notebook_keeps_partial_notebook_and_raises(tmp_path):
     assert partial.cells[1].source == "# Parameters (injected by labkit.report)\nx = 2"
     assert partial.cells[2].outputs[0]["ename"] == "RuntimeError"
     assert not (tmp_path / "out" / "fail.html").exists()
+    # executed in a process of its own (labkit demo's reports): the failure names the notebook and
+    # its cell's error, and the next notebook of the lane does not start
+    nbformat.write(nbformat.v4.new_notebook(), tmp_path / "next.ipynb")
+    with pytest.raises(RuntimeError, match="notebook fail failed") as err:
+        report.execute_notebooks([[(tmp_path / "fail.ipynb", tmp_path / "lane" / "fail.html", {"x": 3}),
+                                   (tmp_path / "next.ipynb", tmp_path / "lane" / "next.html", {})]], cwd=tmp_path)
+    assert "bad x=3" in str(err.value) and not (tmp_path / "lane" / "next.html").exists()
 
 
 LIVE_CELL = '''

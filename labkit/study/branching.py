@@ -38,10 +38,9 @@ from labkit.config import TrainConfig, to_dict
 from labkit.data import made_by
 from labkit.io import atomic_write
 from labkit.study.branch_stats import branch_estimates, overlap
-from labkit.study.critical_batch import lr_for_batch
 
-__all__ = ["FACTORS", "TOLERANCE", "agreement", "base_config", "branch_config", "heldout_losses", "sweep_branch",
-           "train_base"]
+__all__ = ["FACTORS", "TOLERANCE", "agreement", "base_config", "branch_config", "heldout_losses", "notebook_run",
+           "sweep_branch", "train_base"]
 
 FACTORS = (1, 2, 4, 8)
 """Branch batches as multiples of the base's global batch (1: the reference)."""
@@ -60,6 +59,17 @@ def base_config(train: TrainConfig, workdir: str | pathlib.Path, *, engines: int
     return train.replace(run_dir=str(pathlib.Path(workdir) / "sweeps" / "branch" / "base"), stop_after=None,
                          resume=True, batch={"grad_accum_steps": train.batch.grad_accum_steps * engines},
                          checkpoint={"enabled": True, "every": 0, "keep": 1000, "init_from": None})
+
+
+def notebook_run(workdir: str | pathlib.Path, *, model: str, micro_batch: int, lr: float, steps: int) -> TrainConfig:
+    """The run notebook 07 (and ``labkit demo``, for it) branches from, on ``<workdir>/shards``:
+    ``model`` at global batch 2 x ``micro_batch`` (2 accumulation steps), learning rate ``lr``
+    with 2 warm-up steps and the default decay over ``steps``, seed 0, one thread, the held-out
+    loss on 64 sequences in batches of 8, no trackers (``sweep_branch`` then keeps every checkpoint)."""
+    return TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/branch-base", model=model,
+                       max_steps=steps, num_threads=1, seed=0,
+                       batch={"micro_batch_size": micro_batch, "grad_accum_steps": 2}, optim={"lr": lr},
+                       schedule={"warmup_steps": 2}, eval={"sequences": 64, "batch_size": 8}, measure={"trackers": ()})
 
 
 def _global_batch(cfg: TrainConfig) -> int:
@@ -125,7 +135,7 @@ def branch_config(base: TrainConfig, step: int, factor: int, *, window: int, rep
     ``lr_rule`` (default base.batch.lr_rule), seed + ``repeat``, a checkpoint at its end, the
     held-out loss only there; run directory <base's parent>/step-<S>/r<repeat>-x<factor>. ValueError
     when the window is not a whole number of the branch's steps."""
-    from labkit.train.optim import lr_at
+    from labkit.train.optim import lr_at, lr_for_batch
 
     batch = _global_batch(base)
     if window % (factor * batch) or window < factor * batch:

@@ -20,7 +20,6 @@ and writes tidy Parquet (one row per batch size). Notebook 07 and ``labkit sweep
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 from typing import Any
@@ -28,11 +27,14 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from labkit.data import made_by
+from labkit.io import atomic_write
 from labkit.study.goodput import goodput_columns
 from labkit.train.lr import LR_RULES, lr_for_batch  # noqa: F401 (here since the sweeps; the ramp's too)
 
-__all__ = ["b_simple_at", "fit_critical_batch", "hyperbola", "lr_for_batch", "run_rates", "steps_to_target",
-           "sweep_batch"]
+__all__ = ["CURVE_FIELDS", "b_simple_at", "batch_base", "batch_config", "fit_critical_batch", "hyperbola", "lr_for_batch",
+           "run_rates", "steps_to_target", "sweep_batch"]
+
 
 def steps_to_target(records: list[dict], target: float, key: str = "eval_loss") -> float | None:
     """The (fractional) step at which ``records[i][key]`` first falls to ``target`` or below,
@@ -126,73 +128,109 @@ def run_rates(records: list[dict], warmup_steps: int = 0) -> tuple[float | None,
             samples_per_s(sum(r["global_batch_size"] for r in timed), seconds))
 
 
-def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int], target: float | None = None,
-                lr_rule: str = "sqrt", max_examples: int | None = None, eval_every: int | None = None,
-                micro_batch_size: int | None = None, force: bool = False,
-                progress: bool = False) -> tuple[pl.DataFrame, dict[str, Any]]:
-    """Train ``base`` (a TrainConfig; one process) at each global batch in ``batch_sizes``
-    (sequences; micro-batch ``micro_batch_size`` or base's, the rest accumulation, at least 2 so
-    the in-run noise scale exists) until ``max_examples`` sequences, the learning rate by
-    ``lr_for_batch(base.optim.lr, base's global batch, B, lr_rule)``, evaluating the held-out loss
-    every ``eval_every`` steps (default: about 12 evaluations). ``target``: the held-out loss to
-    reach (default: the largest final held-out loss over the runs, so that every run reaches it).
-    Writes <workdir>/sweeps/critical_batch.parquet (one row per batch: batch, lr, steps,
-    examples, reached, b_simple, b_simple_tokens at the target, final_eval_loss, tokens_per_s and
-    samples_per_s of the run (``run_rates``), and the statistical goodput columns of
-    ``labkit.study.goodput.goodput_columns`` with B_noise = the sweep's fitted B_crit and B0 = the
-    smallest batch: b_noise, b_noise_source, statistical_efficiency, goodput_samples_per_s) and
-    critical_batch_curves.parquet (step, examples, eval_loss, b_simple per record) and returns
-    (rows, fit | {"target"}). A finished run (result.json) whose config.json equals this one is
-    read back, not rerun, unless ``force``. Raises ValueError with fewer than 3 batch sizes.
-    ``progress``: a bar over each trained run's steps (``labkit.cluster.progress.StepProgress``,
-    fed by the run's metrics sink)."""
-    import contextlib
+def batch_base(workdir: str | pathlib.Path, *, model: str, micro_batch: int, lr: float) -> Any:
+    """The base TrainConfig of notebook 07's (and ``labkit demo``'s) batch sweep on
+    ``<workdir>/shards``: ``model`` at micro-batch ``micro_batch`` and learning rate ``lr`` (at a
+    global batch of ``micro_batch``), 2 warm-up steps then constant (min_lr_ratio 1), seed 0,
+    one thread, the held-out loss on 64 sequences in batches of 8, no checkpoints."""
+    from labkit.config import TrainConfig
 
-    from labkit.cluster.progress import StepProgress
-    from labkit.config import to_dict
-    from labkit.train import train
+    return TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/critical-batch", model=model,
+                       num_threads=1, resume=False, seed=0, batch={"micro_batch_size": micro_batch, "grad_accum_steps": 1},
+                       optim={"lr": lr}, schedule={"warmup_steps": 2, "min_lr_ratio": 1.0},
+                       checkpoint={"enabled": False}, eval={"sequences": 64, "batch_size": 8})
 
-    if len(set(batch_sizes)) < 3:
-        raise ValueError(f"sweep batch: need >= 3 distinct batch sizes, got {batch_sizes}")
+
+def batch_config(base: Any, workdir: str | pathlib.Path, batch: int, *, lr_rule: str = "sqrt",
+                 max_examples: int | None = None, eval_every: int | None = None,
+                 micro_batch_size: int | None = None) -> Any:
+    """The TrainConfig of ``sweep_batch``'s run at global ``batch`` (sequences): micro-batch
+    ``micro_batch_size`` or base's, at most half the batch (accumulation >= 2, so the in-run
+    noise scale exists), the rest accumulation; ``max(2, max_examples // batch)`` steps (default
+    max_examples: base.max_steps x base's global batch); the learning rate by ``lr_for_batch``
+    from base's lr at base's global batch; the held-out loss every ``eval_every`` steps (default
+    about 12 evaluations); run directory ``<workdir>/sweeps/critical_batch/batch-<B>``. Raises
+    ValueError when the batch is not a multiple of the micro-batch."""
+    from labkit.train import optim
+
     mb = micro_batch_size or base.batch.micro_batch_size
     base_batch = base.batch.micro_batch_size * base.batch.grad_accum_steps
     max_examples = max_examples or base.max_steps * base_batch
+    m = min(mb, batch // 2)
+    if m < 1 or batch % m:
+        raise ValueError(f"sweep batch: global batch {batch} is not a multiple of the micro-batch {m}")
+    steps = max(2, max_examples // batch)
+    return base.replace(run_dir=str(pathlib.Path(workdir) / "sweeps" / "critical_batch" / f"batch-{batch}"),
+                        max_steps=steps, resume=False, stop_after=None,
+                        batch={"micro_batch_size": m, "grad_accum_steps": batch // m},
+                        optim={"lr": optim.lr_for_batch(base.optim.lr, base_batch, batch, lr_rule)},
+                        schedule={"warmup_steps": min(base.schedule.warmup_steps, max(1, steps // 10))},
+                        eval={"every": eval_every or max(1, steps // 12)}, measure={"log_every": 1},
+                        checkpoint={"enabled": False})
+
+
+CURVE_FIELDS = ("step", "loss", "eval_loss", "b_simple", "b_simple_tokens", "step_time_s", "step_tokens",
+                "global_batch_size")
+"""The fields of each run's metrics records kept in critical_batch_curves.parquet (the last three
+for ``run_rates``: a point read back has its throughput too)."""
+
+
+def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int], target: float | None = None,
+                lr_rule: str = "sqrt", max_examples: int | None = None, eval_every: int | None = None,
+                micro_batch_size: int | None = None, force: bool = False, executor=None,
+                progress: bool = False) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """Train ``base`` (a TrainConfig; one process per run) at each global batch in
+    ``batch_sizes`` (sequences; ``batch_config``: micro-batch ``micro_batch_size`` or base's, the
+    rest accumulation, at least 2 so the in-run noise scale exists) until ``max_examples``
+    sequences, the learning rate by ``lr_for_batch(base.optim.lr, base's global batch, B, lr_rule)``,
+    evaluating the held-out loss every ``eval_every`` steps (default: about 12 evaluations).
+    ``target``: the held-out loss to reach (default: the largest final held-out loss over the
+    runs, so that every run reaches it). ``executor`` (a ``concurrent.futures.Executor``, e.g. an
+    ipyparallel view's) trains the runs in parallel (``labkit.study.points.train_points``).
+    ``progress``: a bar over each run's steps trained in this process (``labkit.cluster.progress.
+    StepProgress``, "sweep batch: <B>", fed by the run's metrics sink).
+
+    Each batch size is a sweep point (``labkit.study.points``): its run's curve is read back from
+    <workdir>/sweeps/critical_batch_curves.parquet when it was made with the same settings
+    (``loss_settings`` of its TrainConfig: the optimisation, the evaluation, the shard set's
+    identity), else trained anew in an emptied run directory; ``force`` trains every point.
+    Writes that curves table (batch, step, examples, loss, eval_loss, b_simple, b_simple_tokens
+    per record, and each point's made_by, measured_at and load) and
+    <workdir>/sweeps/critical_batch.parquet (one row per batch: batch, lr, steps, examples,
+    reached, b_simple, b_simple_tokens at the target, final_eval_loss, tokens_per_s and
+    samples_per_s of the run (``run_rates``), the fit's b_crit, b_crit_low, b_crit_high, s_min,
+    e_min, the statistical goodput columns of ``labkit.study.goodput.goodput_columns`` with
+    B_noise = the fitted B_crit and B0 = the smallest batch (b_noise, b_noise_source,
+    statistical_efficiency, goodput_samples_per_s; null without a fit), and measured_at,
+    load_avg_1m, cpu_count, busy, reused), and returns (rows, fit | {"target_eval_loss", "lr_rule", "reached"}); one line
+    (``points.reused_note``) says which points were read back, when and at what load. Raises
+    ValueError with fewer than 3 batch sizes."""
+    from labkit.study.points import loss_settings, reused_note, train_points
+
+    if len(set(batch_sizes)) < 3:
+        raise ValueError(f"sweep batch: need >= 3 distinct batch sizes, got {batch_sizes}")
     out = pathlib.Path(workdir) / "sweeps"
-    out.mkdir(parents=True, exist_ok=True)
-    runs = {}
-    for batch in sorted(set(batch_sizes)):
-        m = min(mb, batch // 2)
-        if batch % m:
-            raise ValueError(f"sweep batch: global batch {batch} is not a multiple of the micro-batch {m}")
-        steps = max(2, max_examples // batch)
-        every = eval_every or max(1, steps // 12)
-        cfg = base.replace(run_dir=str(out / "critical_batch" / f"batch-{batch}"), max_steps=steps, resume=False,
-                           stop_after=None, batch={"micro_batch_size": m, "grad_accum_steps": batch // m},
-                           optim={"lr": lr_for_batch(base.optim.lr, base_batch, batch, lr_rule)},
-                           schedule={"warmup_steps": min(base.schedule.warmup_steps, max(1, steps // 10))},
-                           eval={"every": every}, measure={"log_every": 1}, checkpoint={"enabled": False})
-        done = pathlib.Path(cfg.run_dir, "result.json").exists() and \
-            json.loads(pathlib.Path(cfg.run_dir, "config.json").read_text()) == json.loads(json.dumps(to_dict(cfg)))
-        if force or not done:
-            with StepProgress(steps, label=f"sweep batch: {batch}") if progress else contextlib.nullcontext() as bar:
-                train(cfg, sink=bar.record if bar is not None else None)
-        runs[batch] = (cfg, [json.loads(x) for x in pathlib.Path(cfg.run_dir, "metrics.jsonl").read_text().splitlines()])
-    finals = {b: min(r["eval_loss"] for r in recs if r.get("eval_loss") is not None) for b, (_, recs) in runs.items()}
+    cfgs = {b: batch_config(base, workdir, b, lr_rule=lr_rule, max_examples=max_examples, eval_every=eval_every,
+                            micro_batch_size=micro_batch_size) for b in sorted(set(batch_sizes))}
+    curves = train_points(cfgs, out / "critical_batch_curves.parquet", sweep="batch", key="batch",
+                          settings={b: loss_settings(c, batch=b) for b, c in cfgs.items()}, fields=CURVE_FIELDS,
+                          columns={"examples": pl.col("step") * pl.col("batch")}, force=force, executor=executor,
+                          progress=progress)
+    runs = {b: curves.filter(pl.col("batch") == b).sort("step") for b in cfgs}
+    finals = {b: r["eval_loss"].drop_nulls().min() for b, r in runs.items()}
     target = target if target is not None else max(finals.values())
-    rows, curves = [], []
-    for batch, (cfg, recs) in runs.items():
+    rows = []
+    for batch, run in runs.items():
+        recs = run.to_dicts()
         s = steps_to_target(recs, target)
-        tps, sps = run_rates(recs, cfg.measure.timing_warmup_steps)
-        rows.append({"batch": batch, "lr": cfg.optim.lr, "lr_rule": lr_rule, "target_eval_loss": target,
+        tps, sps = run_rates(recs, cfgs[batch].measure.timing_warmup_steps)
+        rows.append({"batch": batch, "lr": cfgs[batch].optim.lr, "lr_rule": lr_rule, "target_eval_loss": target,
                      "steps": s, "examples": s * batch if s is not None else None, "reached": s is not None,
                      "b_simple": b_simple_at(recs, s) if s is not None else None,
                      "b_simple_tokens": b_simple_at(recs, s, "b_simple_tokens") if s is not None else None,
-                     "final_eval_loss": finals[batch], "tokens_per_s": tps, "samples_per_s": sps})
-        curves += [{"batch": batch, "step": r["step"], "examples": r["step"] * batch, "loss": r.get("loss"),
-                    "eval_loss": r.get("eval_loss"), "b_simple": r.get("b_simple"),
-                    "b_simple_tokens": r.get("b_simple_tokens")} for r in recs]
+                     "final_eval_loss": finals[batch], "tokens_per_s": tps, "samples_per_s": sps,
+                     **{k: recs[0][k] for k in ("measured_at", "load_avg_1m", "cpu_count", "busy", "reused")}})
     df = pl.DataFrame(rows, infer_schema_length=None)
-    pl.DataFrame(curves, infer_schema_length=None).write_parquet(out / "critical_batch_curves.parquet")
     reached = df.filter(pl.col("reached"))
     fit = fit_critical_batch(reached["batch"].to_numpy(), reached["steps"].to_numpy()) if reached.height >= 3 else {}
     fit |= {"target_eval_loss": target, "lr_rule": lr_rule, "reached": int(reached.height)}
@@ -204,5 +242,8 @@ def sweep_batch(base: Any, workdir: str | pathlib.Path, *, batch_sizes: list[int
         df = df.with_columns(*(pl.lit(None, dtype=t).alias(c) for c, t in (
             ("b_noise", pl.Float64), ("b_noise_source", pl.String), ("statistical_efficiency", pl.Float64),
             ("goodput_samples_per_s", pl.Float64))))
-    df.write_parquet(out / "critical_batch.parquet")
+    atomic_write(out / "critical_batch.parquet", df.drop("reused").write_parquet)
+    note = reused_note(df)
+    if note:
+        made_by.say(f"sweep batch: {note}")
     return df, fit

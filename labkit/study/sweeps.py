@@ -1,145 +1,61 @@
 """Sweeps over a cluster: throughput vs ranks, the largest micro-batch per model size, loader
-workers, throughput per model size. Each point is one short run (or one measurement) on the
-engines; a sweep's table is Parquet under ``<workdir>/sweeps/``.
+workers, throughput per model size, data x tensor x pipeline splits. Each point is one short run
+(or one measurement) on the engines; a sweep's table is Parquet under ``<workdir>/sweeps/``.
 
-Each row records what made it: ``made_by`` (JSON of the point's settings: the run's
-``TrainConfig`` without where it is written, the shard set's ``index.json`` sha256, the model,
-budget, ...), ``measured_at`` (ISO 8601 UTC) and the machine's load just before
-(``_load_columns``). A point already in the table is reused only when its ``made_by`` equals
-the one it would be measured with now; otherwise it is measured again, with one line on stderr
-naming the change (``sweep parallel dp2-tp1-pp1: max_steps 4 -> 8, measuring again``).
-``force=True`` measures all. The returned frame has a ``reused`` column (True: read back from
-the table, measured at ``measured_at``, not now); the table on disk has none. ``reused_note``
-is the one line every printer of a sweep shows for reused rows."""
+Each row records what made it (``labkit.study.points``): ``made_by`` (JSON of the point's
+settings: the run's ``TrainConfig`` without where it is written, the shard set's ``index.json``
+sha256, the quantity, the model, budget, ...), ``measured_at`` (ISO 8601 UTC) and the machine's
+load just before (``points.load_columns``). A point already in the table is reused only when its
+``made_by`` equals the one it would be measured with now; otherwise it is measured again, with
+one line on stderr naming the change (``sweep parallel dp2-tp1-pp1: max_steps 4 -> 8, measuring
+again``). ``force=True`` measures all. The returned frame has a ``reused`` column (True: read
+back from the table, measured at ``measured_at``, not now); the table on disk has none.
+``reused_note`` is the one line every printer of a sweep shows for reused rows. A point measured
+anew always trains in an emptied run directory (``points.fresh_run_dir``)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
-import shutil
 import sys
-from pathlib import Path
 
 import polars as pl
 
 from labkit.cluster.engines import call
 from labkit.cluster.progress import StepProgress
 from labkit.cluster.resumable import train_on_cluster
-from labkit.config import TrainConfig, dotted, to_dict
+from labkit.config import TrainConfig, to_dict
 from labkit.data import made_by
 from labkit.data.shards import read_index
-from labkit.io import atomic_write
 from labkit.measure import check_cpu_budget
 from labkit.model import count_parameters, flops_per_token, model_config
 from labkit.study import gpu, memory
 from labkit.study.goodput import goodput_columns
 from labkit.study.loader_sweep import sweep_loader
+from labkit.study.points import (BUSY_LOAD_PER_CPU, done_rows, fresh_run_dir, load_columns, machine_load, point,
+                                 reusable, reused_note, run_settings, save)
 from labkit.workdir import paths
 
 __all__ = [
-    "BUSY_LOAD_PER_CPU", "machine_load", "parallel_grid", "sweep_loader_workers", "sweep_micro_batch",
+    "BUSY_LOAD_PER_CPU", "machine_load", "parallel_grid", "sweep_config", "sweep_loader_workers", "sweep_micro_batch",
     "sweep_model_size", "sweep_parallel", "sweep_ranks", "reused_note", "run_settings"
 ]
 
-BUSY_LOAD_PER_CPU = 1.0
-"""A sweep point counts as measured on a busy machine when the engine host's 1-minute load
-average, just before the point, was at least this many runnable tasks per usable CPU: other work
-already occupied every core, so the point's throughput is low by an unknown amount."""
 
-
-def machine_load() -> dict:
-    """This host's load: {"load_avg_1m", "load_avg_5m" (os.getloadavg: runnable + waiting tasks,
-    averaged over 1 and 5 minutes), "cpu_count" (CPUs this process may use, sched_getaffinity)}.
-    Runs on an engine in the sweeps (``call(client[id], machine_load)``)."""
-    import os
-
-    one, five, _ = os.getloadavg()
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return {"load_avg_1m": round(one, 2), "load_avg_5m": round(five, 2), "cpu_count": cpus}
-
-
-def _load_columns(client, engine_id: int) -> dict:
-    """``machine_load`` of an engine's host plus ``busy`` (load_avg_1m >= BUSY_LOAD_PER_CPU x cpu_count)."""
-    load = call(client[engine_id], machine_load)
-    return load | {"busy": load["load_avg_1m"] >= BUSY_LOAD_PER_CPU * load["cpu_count"]}
-
-
-_NOT_SETTINGS = frozenset({"run_dir", "data_dir", "data.tokenizer_path", "resume", "allow_safe_changes",
-                           "measure.trackers", "timeout_s", "stop_after", "data.verify_data", "seed", "on_nonfinite",
-                           "optim.lr", "optim.weight_decay", "optim.beta1", "optim.beta2", "optim.grad_clip",
-                           "schedule.kind", "schedule.warmup_steps", "schedule.min_lr_ratio",
-                           "schedule.wsd_decay_fraction", "measure.log_every", "checkpoint.every", "checkpoint.keep",
-                           "checkpoint.enabled", "checkpoint.asynchronous", "checkpoint.init_from", "eval.every",
-                           "eval.sequences", "eval.batch_size", "batch.lr_rule"})
-"""TrainConfig fields (dotted, ``labkit.config.dotted``) that do not shape a sweep point's measurement of time and memory: where it
-is written and read (the data are identified by their index.json instead), the values of the
-optimisation (learning rate and its schedule, decay, clipping threshold, seed: the same work per
-step) and what happens between the timed steps (logging, checkpoints, held-out evaluation).
-Everything else -- model, batch, steps, timing warm-up, precision, sharding, split, threads,
-loader workers, compile, bucket size -- is part of the point's record."""
-
-
-def run_settings(cfg: TrainConfig, **extra) -> dict:
-    """The settings of a sweep point that is one short run of ``cfg``: its fields (dotted:
-    ``labkit.config.dotted``) without ``_NOT_SETTINGS``, the sha256 of the shard set's ``index.json`` (``data``; None when there is
-    none) and ``extra`` (e.g. ``ranks``)."""
-    keep = {k: v for k, v in dotted(to_dict(cfg)).items() if k not in _NOT_SETTINGS}
-    return keep | {"data": made_by.file_identity(Path(cfg.data_dir) / "index.json")} | extra
-
-
-def _point(settings: dict) -> dict:
-    """The bookkeeping columns of a newly measured row: made_by (its settings as canonical JSON),
-    measured_at (ISO 8601 UTC) and reused (False)."""
-    return {"made_by": json.dumps(made_by.plain(settings), sort_keys=True), "measured_at": made_by._now_iso(),
-            "reused": False}
-
-
-def _reusable(sweep: str, name: str, row: dict | None, settings: dict) -> bool:
-    """Whether ``row`` (the table's row for this point, None: not measured) was made with
-    ``settings``; prints one line naming the change when it was not."""
-    if row is None:
-        return False
-    saved = row.get("made_by")
-    old = {"settings": json.loads(saved), "inputs": {}} if saved else None
-    diff = made_by.changes(old, {"settings": made_by.plain(settings), "inputs": {}})
-    if diff:
-        made_by.say(f"sweep {sweep} {name}: {'; '.join(diff)}, measuring again")
-    return not diff
-
-
-def reused_note(df: pl.DataFrame) -> str | None:
-    """One line for the rows of a sweep frame that were read back, not measured now: how many,
-    when they were measured and the highest load then (``"3 of 4 points reused from earlier
-    runs (measured 2026-12-01T17:00:00+00:00 to ..., load up to 7.0 on 2 CPUs, busy); --force
-    measures them again"``). None when every row was measured now."""
-    if "reused" not in df.columns or not df["reused"].any():
-        return None
-    old = df.filter(pl.col("reused"))
-    when = ""
-    if "measured_at" in old.columns and old["measured_at"].drop_nulls().len():
-        first, last = old["measured_at"].drop_nulls().min(), old["measured_at"].drop_nulls().max()
-        when = f"measured {first}" + (f" to {last}" if last != first else "")
-    else:
-        when = "measured at an unrecorded time"
-    load = ""
-    if "load_avg_1m" in old.columns and old["load_avg_1m"].drop_nulls().len():
-        load = f", load up to {old['load_avg_1m'].max()} on {old['cpu_count'].max()} CPUs"
-        if "busy" in old.columns and old["busy"].any():
-            load += ", busy"
-    return f"{old.height} of {df.height} points reused from earlier runs ({when}{load}); --force measures them again"
+def sweep_config(workdir: str, **fields) -> TrainConfig:
+    """The base TrainConfig of the lab's short sweep runs on ``<workdir>/shards`` (notebooks 04
+    and 06 and ``labkit demo`` build theirs here, so that the demo's points are the notebooks'):
+    one warm-up step, one thread per rank, a new run each time, ``<workdir>/runs/sweep`` (each
+    point trains in its own run directory); ``fields`` give the rest (model, max_steps, a section
+    as a dict: ``batch={"micro_batch_size": 16}``, ...)."""
+    fields = {"schedule": {"warmup_steps": 1}} | fields
+    return TrainConfig(**({"data_dir": f"{workdir}/shards", "run_dir": f"{workdir}/runs/sweep", "num_threads": 1,
+                           "resume": False} | fields))
 
 
 def _bar(progress: bool, total: int, label: str):
     """A progress bar over a point's ``total`` steps (``StepProgress``, a ``live`` callback and a
     context manager) when ``progress``, else a context holding None (no bar)."""
     return StepProgress(total, label=label) if progress else contextlib.nullcontext()
-
-
-def _fresh_run_dir(cfg: TrainConfig) -> TrainConfig:
-    """A sweep point's run directory emptied first: it is the sweep's scratch, and a finished run
-    of the same config would otherwise be returned as is (``labkit.train.run_config``)."""
-    shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    return cfg
 
 
 def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | None = None,
@@ -152,7 +68,7 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
     samples_per_s, data_wait_fraction, comm_exposed_s and comm_exposed_fraction (gradient
     all-reduce not hidden behind backward, mean seconds per timed step and share of the step;
     ``labkit.measure.comm_exposed_s``; 0 at one rank; null in rows measured before it existed),
-    efficiency = tokens_per_s(n) / (n * tokens_per_s(1)), and the machine's load just before the point (``_load_columns``: load_avg_1m, load_avg_5m,
+    efficiency = tokens_per_s(n) / (n * tokens_per_s(1)), and the machine's load just before the point (``points.load_columns``: load_avg_1m, load_avg_5m,
     cpu_count, busy). Sweep runs write metrics and result.json, no checkpoint. ``progress``: a
     bar over each measured point's steps (``StepProgress``), drawn here.
 
@@ -165,7 +81,7 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
     out = paths(workdir)["sweeps"] / "ranks.parquet"
     ranks = ranks or list(range(1, len(client.ids) + 1))
     derived = ("efficiency", "b_noise", "b_noise_source", "statistical_efficiency", "goodput_tokens_per_s")
-    rows = [{k: v for k, v in r.items() if k not in derived} for r in _done_rows(out, force)]
+    rows = [{k: v for k, v in r.items() if k not in derived} for r in done_rows(out, force)]
     have = {(r["ranks"], r["model"], r["micro_batch_size"]): r for r in rows}
     mb = base.batch.micro_batch_size
     for n in ranks:
@@ -173,17 +89,17 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
                            checkpoint={"enabled": False})
         settings = run_settings(cfg, ranks=n)
         old = have.get((n, base.model, mb))
-        if _reusable("ranks", f"{n} rank(s)", old, settings):
+        if reusable("ranks", f"{n} rank(s)", old, settings):
             continue
         rows = [r for r in rows if r is not old]
-        load = _load_columns(client, client.ids[0])
+        load = load_columns(client, client.ids[0])
         with _bar(progress, cfg.max_steps, f"sweep ranks: {n} rank(s)") as bar:
-            res = train_on_cluster(client, _fresh_run_dir(cfg), targets=client.ids[:n], staged=staged, live=bar)
+            res = train_on_cluster(client, fresh_run_dir(cfg), targets=client.ids[:n], staged=staged, live=bar)
         rows.append({"ranks": n, "model": base.model, "micro_batch_size": mb,
                      "global_batch_size": res["global_batch_size"], "tokens_per_s": res["tokens_per_s"],
                      "samples_per_s": res["samples_per_s"], "data_wait_fraction": res["data_wait_fraction"],
                      "comm_exposed_s": res["comm_exposed_s"], "comm_exposed_fraction": res["comm_exposed_fraction"],
-                     "b_simple": res.get("b_simple"), **load, **_point(settings)})
+                     "b_simple": res.get("b_simple"), **load, **point(settings)})
     df = pl.DataFrame(rows, infer_schema_length=None).sort("model", "micro_batch_size", "ranks")
     one = (df.filter(pl.col("ranks") == 1).select("model", "micro_batch_size", pl.col("tokens_per_s").alias("_t1")))
     df = df.join(one, on=["model", "micro_batch_size"], how="left").with_columns(
@@ -193,7 +109,7 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
         df = df.with_columns(b_simple=pl.lit(None, dtype=pl.Float64))
     df = goodput_columns(df, batch="global_batch_size", throughput="tokens_per_s", group=["model", "micro_batch_size"],
                          b_noise=b_noise, source=b_noise_source)
-    return _save(df, out)
+    return save(df, out)
 
 
 def _engine_memory() -> dict:
@@ -239,16 +155,16 @@ def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: in
     on stderr per model searched (a search is one engine call, with no steps to count).
     """
     out = paths(workdir)["sweeps"] / "microbatch.parquet"
-    rows = [{"method": "budget", **r} for r in _done_rows(out, force)]  # tables written before the GPU method
+    rows = [{"method": "budget", **r} for r in done_rows(out, force)]  # tables written before the GPU method
     have = {(r["model"], r["seq_len"], r["budget_bytes"] if r["method"] == "budget" else None): r for r in rows}
     eid = client.ids[0]
     engine = client[eid]
     for name in models:
         mcfg = model_config(name, vocab_size)
         settings = {"model_config": to_dict(mcfg), "seq_len": seq_len, "vocab_size": vocab_size,
-                    "budget_bytes": budget_bytes}
+                    "budget_bytes": budget_bytes, "measures": "max_micro_batch"}
         old = have.get((name, seq_len, budget_bytes))
-        if _reusable("micro-batch", name, old, settings):
+        if reusable("micro-batch", name, old, settings):
             continue
         rows = [r for r in rows if r is not old]
         if progress:
@@ -266,23 +182,8 @@ def sweep_micro_batch(client, models: list[str], *, seq_len: int, vocab_size: in
                      "seq_len": seq_len, "budget_bytes": int(rep["budget_bytes"]), "state_bytes": int(rep["state_bytes"]),
                      "act_bytes_per_sample": rep["act_bytes_per_sample"],
                      "transient_bytes": rep.get("transient_bytes"), "max_micro_batch": int(rep["max_micro_batch"]),
-                     **_point(settings)})
-    return _save(pl.DataFrame(rows, infer_schema_length=None).sort("params"), out)
-
-
-def _save(df: pl.DataFrame, out: Path) -> pl.DataFrame:
-    """Write a sweep table to Parquet atomically (``labkit.io``), without the per-call ``reused``
-    column; returns ``df`` (with it: rows without one are marked measured now)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    df = df.with_columns(reused=pl.col("reused").fill_null(False)) if "reused" in df.columns \
-        else df.with_columns(reused=pl.lit(False))
-    atomic_write(out, df.drop("reused").write_parquet)
-    return df
-
-
-def _done_rows(out: Path, force: bool) -> list[dict]:
-    """The rows of the table at ``out`` (none with ``force``), each marked ``reused``."""
-    return [r | {"reused": True} for r in pl.read_parquet(out).to_dicts()] if out.exists() and not force else []
+                     **point(settings)})
+    return save(pl.DataFrame(rows, infer_schema_length=None).sort("params"), out)
 
 
 def sweep_loader_workers(client, workdir: str, *, batch_size: int, step_time_s: float,
@@ -294,34 +195,35 @@ def sweep_loader_workers(client, workdir: str, *, batch_size: int, step_time_s: 
     sweep) on its node's staged copy when ``staged`` is given. Worker counts already in
     ``sweeps/loader.parquet`` for the same batch_size and step_time_s are not rerun; ``knee`` is
     recomputed over the whole table (fewest workers with data-wait fraction below 5 %). Rows
-    measured now carry the machine's load just before (``_load_columns``: load_avg_1m,
+    measured now carry the machine's load just before (``points.load_columns``: load_avg_1m,
     load_avg_5m, cpu_count, busy); the micro-batch sweep alone has none (it counts memory, which
     the load does not change).
     """
     out = paths(workdir)["sweeps"] / "loader.parquet"
-    rows = [{k: v for k, v in r.items() if k != "knee"} for r in _done_rows(out, force)]
+    rows = [{k: v for k, v in r.items() if k != "knee"} for r in done_rows(out, force)]
     have = {(r["num_workers"], r["batch_size"], r["step_time_s_planned"]): r for r in rows}
     settings = {"batch_size": batch_size, "step_time_s": step_time_s, "n_batches": n_batches,
-                "data": made_by.file_identity(paths(workdir)["shards"] / "index.json"), **kw}
+                "data": made_by.file_identity(paths(workdir)["shards"] / "index.json"), "measures": "data_wait",
+                **kw}
     todo = [w for w in workers
-            if not _reusable("loaders", f"{w} worker(s)", have.get((w, batch_size, step_time_s)), settings)]
+            if not reusable("loaders", f"{w} worker(s)", have.get((w, batch_size, step_time_s)), settings)]
     rows = [r for r in rows if (r["num_workers"], r["batch_size"], r["step_time_s_planned"])
             not in {(w, batch_size, step_time_s) for w in todo}]
     data_dir = str(paths(workdir)["shards"])
     if staged:
         data_dir = next(iter(staged.values()))["path"]
     if todo:
-        load = _load_columns(client, client.ids[0])
+        load = load_columns(client, client.ids[0])
         table = call(client[client.ids[0]], sweep_loader, data_dir, batch_size=batch_size,
                      step_time_s=step_time_s, workers=todo, n_batches=n_batches,
                      gpu_index=None, **kw)
-        rows += [r | {"batch_size": batch_size, "step_time_s_planned": step_time_s} | load | _point(settings)
+        rows += [r | {"batch_size": batch_size, "step_time_s_planned": step_time_s} | load | point(settings)
                  for r in table.drop("knee").to_dicts()]
     df = pl.DataFrame(rows, infer_schema_length=None).sort("batch_size", "step_time_s_planned", "num_workers")
     knee = (pl.col("data_wait_fraction") < 0.05) & (
         pl.col("num_workers") == pl.col("num_workers").filter(pl.col("data_wait_fraction") < 0.05).min()
         .over("batch_size", "step_time_s_planned"))
-    return _save(df.with_columns(knee=knee.fill_null(False)), out)
+    return save(df.with_columns(knee=knee.fill_null(False)), out)
 
 
 def sweep_model_size(client, base: TrainConfig, workdir: str, *, models: list[str], ranks: int | None = None,
@@ -332,11 +234,11 @@ def sweep_model_size(client, base: TrainConfig, workdir: str, *, models: list[st
     model, params, non_embedding_params, ranks, micro_batch_size, seq_len, tokens_per_s,
     samples_per_s, flops_per_token (``labkit.model.flops_per_token``), achieved_flops
     (tokens_per_s x flops_per_token, all ranks), comm_exposed_s (as in ``sweep_ranks``), and the machine's load before the run
-    (load_avg_1m, load_avg_5m, cpu_count, busy; ``_load_columns``). No checkpoints are written.
+    (load_avg_1m, load_avg_5m, cpu_count, busy; ``points.load_columns``). No checkpoints are written.
     ``progress``: a bar over each measured point's steps (``StepProgress``)."""
     out = paths(workdir)["sweeps"] / "model_size.parquet"
     n = ranks or len(client.ids)
-    rows = _done_rows(out, force)
+    rows = done_rows(out, force)
     have = {(r["model"], r["ranks"], r["micro_batch_size"]): r for r in rows}
     index = read_index(base.data_dir)
     for name in models:
@@ -344,12 +246,12 @@ def sweep_model_size(client, base: TrainConfig, workdir: str, *, models: list[st
                            run_dir=str(paths(workdir)["runs"] / f"sweep-size-{name}-{n}"))
         settings = run_settings(cfg, ranks=n)
         old = have.get((name, n, base.batch.micro_batch_size))
-        if _reusable("model-size", name, old, settings):
+        if reusable("model-size", name, old, settings):
             continue
         rows = [r for r in rows if r is not old]
-        load = _load_columns(client, client.ids[0])
+        load = load_columns(client, client.ids[0])
         with _bar(progress, cfg.max_steps, f"sweep model size: {name}") as bar:
-            res = train_on_cluster(client, _fresh_run_dir(cfg), targets=client.ids[:n], staged=staged, live=bar)
+            res = train_on_cluster(client, fresh_run_dir(cfg), targets=client.ids[:n], staged=staged, live=bar)
         mcfg = model_config(name, index["vocab_size"], **base.model_overrides)
         fpt = flops_per_token(mcfg, index["seq_len"], mlm_probability=base.data.mlm_probability)
         counts = count_parameters(mcfg)
@@ -357,8 +259,8 @@ def sweep_model_size(client, base: TrainConfig, workdir: str, *, models: list[st
                      "ranks": n, "micro_batch_size": base.batch.micro_batch_size, "seq_len": index["seq_len"],
                      "tokens_per_s": res["tokens_per_s"], "samples_per_s": res["samples_per_s"],
                      "flops_per_token": fpt, "achieved_flops": res["tokens_per_s"] * fpt,
-                     "comm_exposed_s": res["comm_exposed_s"], **load, **_point(settings)})
-    return _save(pl.DataFrame(rows, infer_schema_length=None).sort("params", "ranks"), out)
+                     "comm_exposed_s": res["comm_exposed_s"], **load, **point(settings)})
+    return save(pl.DataFrame(rows, infer_schema_length=None).sort("params", "ranks"), out)
 
 
 def parallel_grid(n: int, mcfg, *, micro_batches: int, seq_len: int) -> list[dict]:
@@ -397,7 +299,7 @@ def sweep_parallel(client, base: TrainConfig, workdir: str, *, splits: list[dict
     tp, pp, pp_schedule, micro_batches, micro_batch_size, global_batch_size, model, world_size,
     tokens_per_s, samples_per_s, step_time_s, pipeline_bubble, planned_bubble, tp_comm_s,
     tp_comm_fraction (of the step), measured_/planned_ state_bytes, activation_bytes, total_bytes,
-    and the machine's load before the run (``_load_columns``). ``progress``: a bar over each
+    and the machine's load before the run (``points.load_columns``). ``progress``: a bar over each
     measured split's steps (``StepProgress``)."""
     from labkit.cluster.launch import run_ddp
     from labkit.study.parallel import measure_rank_memory, planned_rank_memory
@@ -408,7 +310,7 @@ def sweep_parallel(client, base: TrainConfig, workdir: str, *, splits: list[dict
     index = read_index(base.data_dir)
     mcfg = model_config_of(base, int(index["vocab_size"]))
     global_batch = base.batch.micro_batch_size * micro_batches * n
-    rows = _done_rows(out, force)
+    rows = done_rows(out, force)
     have = {(r["dp"], r["tp"], r["pp"], r["pp_schedule"], r["model"], r["micro_batches"], r["global_batch_size"]): r
             for r in rows}
     staged_paths = {node: info["path"] for node, info in staged.items()} if staged else None
@@ -424,12 +326,12 @@ def sweep_parallel(client, base: TrainConfig, workdir: str, *, splits: list[dict
                            checkpoint={"enabled": False}, eval={"every": 0})
         settings = run_settings(cfg, world_size=n)
         old = have.get((dp, tp, pp, schedule, base.model, micro_batches, global_batch))
-        if _reusable("parallel", name.removeprefix(f"sweep-parallel-{base.model}-"), old, settings):
+        if reusable("parallel", name.removeprefix(f"sweep-parallel-{base.model}-"), old, settings):
             continue
         rows = [r for r in rows if r is not old]
-        load = _load_columns(client, client.ids[0])
+        load = load_columns(client, client.ids[0])
         with _bar(progress, steps, f"sweep parallel: {name.removeprefix(f'sweep-parallel-{base.model}-')}") as bar:
-            res = train_on_cluster(client, _fresh_run_dir(cfg), staged=staged, live=bar)
+            res = train_on_cluster(client, fresh_run_dir(cfg), staged=staged, live=bar)
         memory = max(run_ddp(client, measure_rank_memory, cfg, staged_paths=staged_paths, stream=False),
                      key=lambda r: r["total_bytes"])
         planned = planned_rank_memory(mcfg, cfg, world=n, seq_len=int(index["seq_len"]))
@@ -443,6 +345,6 @@ def sweep_parallel(client, base: TrainConfig, workdir: str, *, splits: list[dict
                      "tp_comm_fraction": res["tp_comm_s"] / step_time if res["tp_comm_s"] is not None else None,
                      **{f"measured_{k}": memory[k] for k in ("state_bytes", "activation_bytes", "total_bytes")},
                      **{f"planned_{k}": int(planned[k]) for k in ("state_bytes", "activation_bytes", "total_bytes")},
-                     "steps": steps, **load, **_point(settings)})
+                     "steps": steps, **load, **point(settings)})
     df = pl.DataFrame(rows, infer_schema_length=None).with_columns(_order=pl.col("tp") * pl.col("pp"))
-    return _save(df.sort("_order", "pp", "pp_schedule", nulls_last=False).drop("_order"), out)
+    return save(df.sort("_order", "pp", "pp_schedule", nulls_last=False).drop("_order"), out)

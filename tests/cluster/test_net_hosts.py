@@ -77,7 +77,8 @@ def test_network_sweep_writes_the_parquet_beside_the_model(tmp_path):
     20 Mbit/s (the tiny model's 0.6 MB of gradients then take ~0.25 s a step, over its compute),
     every column of sweeps/network.parquet filled; the bytes per step are the model's fp32
     gradients, the shaped point is slower than the unshaped one and its exposed communication
-    is most of the difference."""
+    is most of the difference; each setting's 1-rank compute time is measured beside it. Run
+    again, the sweep reads every point back and says so."""
     import polars as pl
 
     from tiny_shards import write_tiny_shards
@@ -99,6 +100,14 @@ def test_network_sweep_writes_the_parquet_beside_the_model(tmp_path):
     assert shaped["predicted_step_s"] > free["predicted_step_s"]
     # gloo's CPU rate of the all-reduce, measured once per model on one host, in both rows
     assert free["collective_mbyte_s"] > 0 and free["collective_mbyte_s"] == shaped["collective_mbyte_s"]
+    # the 1-rank compute beside each link setting is its own measurement (fresh runs), not one reused
+    assert free["compute_s"] != shaped["compute_s"] and free["compute_s_hosts"] != shaped["compute_s_hosts"]
+    # the same sweep again: every point read back, said in one line with when and at what load
+    again = subprocess.run([sys.executable, "-m", "labkit.cli", "sweep", "network", str(cfg), "--rates-mbit", "0",
+                            "20", "--steps", "4"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "sweep network: 2 of 2 points reused from earlier runs (measured 20" in again.stderr, again.stderr
+    assert pl.read_parquet(tmp_path / "work" / "sweeps" / "network.parquet").equals(df)
 
 
 def test_the_machine_lock_makes_a_second_process_wait_and_names_the_holder(tmp_path):

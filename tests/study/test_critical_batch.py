@@ -89,3 +89,43 @@ def test_sweep_batch_on_tiny_shards_writes_tidy_parquet(tmp_path, capsys):
         assert df["goodput_samples_per_s"].to_list() == pytest.approx([s * e for s, e in zip(df["samples_per_s"], eff)])
     else:
         assert df["goodput_samples_per_s"].null_count() == 3
+
+
+def test_sweep_batch_reuses_a_point_only_with_its_settings_and_data_and_force_trains_every_point(tmp_path, capfd):
+    """Each batch size is a sweep point: the same call again reads every curve back (nothing
+    trained, one line saying when and at what load they were measured), ``force`` trains every
+    point again, and on rebuilt shards (a second ``make demo`` that rebuilt the data) no point is
+    reused."""
+    from labkit.config import TrainConfig
+    from labkit.study.critical_batch import sweep_batch
+    from tiny_shards import write_tiny_shards
+
+    shards = write_tiny_shards(tmp_path / "shards", n_sequences=64, heldout_sequences=16)
+    base = TrainConfig(data_dir=str(shards), run_dir=str(tmp_path / "runs" / "base"), model="tiny", num_threads=1,
+                       device="cpu", batch={"micro_batch_size": 4}, optim={"lr": 3e-3},
+                       schedule={"warmup_steps": 1, "min_lr_ratio": 1.0}, checkpoint={"enabled": False},
+                       eval={"sequences": 16, "batch_size": 8}, measure={"trackers": ()})
+    kw = {"batch_sizes": [4, 8, 16], "max_examples": 64}
+    runs = {b: tmp_path / "sweeps" / "critical_batch" / f"batch-{b}" / "metrics.jsonl" for b in kw["batch_sizes"]}
+
+    def mtimes() -> dict:
+        return {b: p.stat().st_mtime_ns for b, p in runs.items()}
+
+    first, fit = sweep_batch(base, tmp_path, **kw)
+    assert not first["reused"].any() and first["measured_at"].null_count() == 0
+    trained = mtimes()
+    capfd.readouterr()
+    again, fit_again = sweep_batch(base, tmp_path, **kw)
+    err = capfd.readouterr().err
+    assert again["reused"].all() and mtimes() == trained  # read back: no run trained
+    assert again["steps"].to_list() == first["steps"].to_list() and fit_again["target_eval_loss"] == fit["target_eval_loss"]
+    assert "sweep batch: 3 of 3 points reused from earlier runs (measured 20" in err and " CPUs" in err, err
+    forced, _ = sweep_batch(base, tmp_path, force=True, **kw)
+    assert not forced["reused"].any() and all(mtimes()[b] > trained[b] for b in runs)
+    trained = mtimes()
+    write_tiny_shards(shards, n_sequences=64, heldout_sequences=16, seed=1)  # the data rebuilt
+    capfd.readouterr()
+    rebuilt, _ = sweep_batch(base, tmp_path, **kw)
+    err = capfd.readouterr().err
+    assert not rebuilt["reused"].any() and all(mtimes()[b] > trained[b] for b in runs)
+    assert err.count("measuring again") == 3 and "sweep batch batch 4: data " in err, err

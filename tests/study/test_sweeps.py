@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from labkit import lab
-from labkit.study import sweeps
+from labkit.study import points, sweeps
 from labkit.config import TrainConfig
 
 
@@ -96,7 +96,7 @@ def test_sweep_ranks_resumes(tmp_path, trained):
     # a table written before the column existed (and before rows recorded what made them): its
     # rows cannot be shown to match the settings, so they are measured again
     (tmp_path / "sweeps" / "ranks.parquet").unlink()
-    sweeps._save(df.filter(pl.col("ranks") == 1).drop("comm_exposed_s", "comm_exposed_fraction", "made_by"),
+    points.save(df.filter(pl.col("ranks") == 1).drop("comm_exposed_s", "comm_exposed_fraction", "made_by"),
                  tmp_path / "sweeps" / "ranks.parquet")
     again = lab.sweep_ranks(client, base, str(tmp_path), ranks=[1, 2])
     assert trained[3:] == [("tiny", 1), ("tiny", 2)] and not again["reused"].any()
@@ -253,6 +253,6 @@ def test_sweep_rows_record_the_machine_load_and_flag_a_busy_machine(tmp_path, tr
     assert load["load_avg_1m"] == pytest.approx(os.getloadavg()[0], abs=1.0)
     loads = iter([{"load_avg_1m": 0.2, "load_avg_5m": 0.5, "cpu_count": 2},
                   {"load_avg_1m": 2.5, "load_avg_5m": 1.0, "cpu_count": 2}])
-    monkeypatch.setattr(sweeps, "machine_load", lambda: next(loads))
+    monkeypatch.setattr(points, "machine_load", lambda: next(loads))
     df = lab.sweep_ranks(FakeClient(2), base, str(tmp_path), ranks=[1, 2])
     assert df.select("ranks", "load_avg_1m", "cpu_count", "busy").rows() == [(1, 0.2, 2, False), (2, 2.5, 2, True)]
