@@ -8,6 +8,7 @@
     labkit plan [CONFIG]             the planner's memory and scaling tables (a file's run at full size)
     labkit forecast CONFIG           time and GPU-hours to a target loss per GPU count, and the knee
     labkit export RUN_DIR OUT        model + tokenizer + model card for transformers
+    labkit ranks RUN_DIR             each rank's host, step and collective; the rank the others wait for
     labkit demo | verify SHARD_DIR | report NOTEBOOK OUT.html
 
 CONFIG is a TOML file (``labkit.config.tomlfile``); ``--set section.key=value`` overrides a key.
@@ -52,6 +53,7 @@ EXAMPLES = {
                 "  labkit forecast configs/walkthrough.toml --device cpu --gpus 1,2,4,8",
     "export": "labkit export work/walkthrough/runs/main work/walkthrough/export",
     "checkpoint": "labkit checkpoint upgrade work/walkthrough/runs/main",
+    "ranks": "labkit ranks work/walkthrough/runs/main",
     "demo": "labkit demo --workdir work/demo --engines 2",
     "verify": "labkit verify work/demo/shards",
     "report": "labkit report notebooks/03_train.py work/demo/reports/03_train.html --param steps=20",
@@ -454,6 +456,26 @@ def _add_sweep(sub, debug: argparse.ArgumentParser) -> None:
     p.set_defaults(func=_command("sweep"))
 
 
+def _ranks(args: argparse.Namespace) -> int:
+    """``labkit ranks RUN_DIR``: ``labkit.cluster.stuck.report``'s lines (``--json``: the rest of
+    its dict); status 1 when a rank holds the others up (stuck or slow)."""
+    from labkit.cluster.stuck import report
+    from labkit.readout import Output
+
+    found = report(args.run_dir)
+    with Output(args.json) as out:
+        out.show({k: v for k, v in found.items() if k != "lines"}, found["lines"])
+    return 1 if found["state"] in ("stuck", "slow") else 0
+
+
+def _add_ranks(sub: argparse._SubParsersAction, debug: argparse.ArgumentParser) -> None:
+    p = _sub(sub, "ranks", "each rank of a running run: host, step, collective; names the rank the others wait "
+                           "for when a step stalls (labkit.cluster.stuck)", debug)
+    p.add_argument("run_dir", help="the run directory (its ranks/ holds one status file per rank)")
+    _add_json(p)
+    p.set_defaults(func=_ranks)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``labkit`` argument parser (every subcommand's ``--help`` ends with an example)."""
     debug = argparse.ArgumentParser(add_help=False)
@@ -499,6 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(p)
     p.set_defaults(func=_command("export"))
     _add_checkpoint(sub, debug)
+
+    _add_ranks(sub, debug)
 
     p = _sub(sub, "demo", "the end-to-end lab on local engines, CPU, real ELF binaries", debug)
     p.add_argument("--workdir", default="work/demo", help="where every artifact goes (default: work/demo)")

@@ -73,22 +73,29 @@ def replace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     fsync_dir(Path(dst).parent)
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any], *, mode: int | None = None) -> Path:
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any], *, mode: int | None = None,
+                 durable: bool = True) -> Path:
     """Call ``write(tmp)`` to fill a temporary file beside ``path``, fsync it, rename it onto ``path``.
 
     ``write`` receives the temporary path (a ``pathlib.Path``) and writes the whole file there,
     for example ``lambda p: frame.write_parquet(p)`` or ``lambda p: save_file(tensors, p)``.
     ``mode``: permission bits for the final file (default: what ``mkstemp`` gives, 0600, widened
-    to 0644 so reports and shards are readable by the group). On any error the temporary file is
-    removed and the error re-raised; ``path`` is untouched. Returns ``path`` as a Path.
+    to 0644 so reports and shards are readable by the group). ``durable=False`` skips both fsyncs:
+    the rename is still atomic (a reader sees the old file or the new one), but a power cut may
+    lose it; for volatile state rewritten every second (``labkit.train.status``). On any error
+    the temporary file is removed and the error re-raised; ``path`` is untouched. Returns ``path``
+    as a Path.
     """
     path = Path(path)
     tmp = _tmp_name(path)
     try:
         write(tmp)
         os.chmod(tmp, 0o644 if mode is None else mode)
-        _fsync_file(tmp)
-        replace(tmp, path)
+        if durable:
+            _fsync_file(tmp)
+            replace(tmp, path)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -101,17 +108,18 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes | bytearray | memory
     return atomic_write(path, lambda p: p.write_bytes(data), mode=mode)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str, *, mode: int | None = None) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` atomically and durably."""
-    return atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"), mode=mode)
+def atomic_write_text(path: str | os.PathLike, text: str, *, mode: int | None = None, durable: bool = True) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically and (unless ``durable=False``) durably."""
+    return atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"), mode=mode, durable=durable)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2, sort_keys: bool = False,
-                      mode: int | None = None) -> Path:
-    """Write ``obj`` as JSON to ``path`` atomically and durably; values JSON cannot hold are
-    written with ``str`` (paths, numpy scalars, dtypes). A trailing newline ends the file."""
+                      mode: int | None = None, durable: bool = True) -> Path:
+    """Write ``obj`` as JSON to ``path`` atomically and (unless ``durable=False``, see
+    ``atomic_write``) durably; values JSON cannot hold are written with ``str`` (paths, numpy
+    scalars, dtypes). A trailing newline ends the file."""
     text = json.dumps(obj, indent=indent, sort_keys=sort_keys, default=_json_default) + "\n"
-    return atomic_write_text(path, text, mode=mode)
+    return atomic_write_text(path, text, mode=mode, durable=durable)
 
 
 def _json_default(value: Any) -> Any:

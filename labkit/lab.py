@@ -12,7 +12,7 @@ the artifact, and one line on stderr names it (``tokenizer: vocab_size 1024 -> 5
 rebuilding``); a reused artifact is named too, with when it was made.
 
 The work directory's layout is defined once, in ``labkit.workdir``. Sweeps live in
-``labkit.study.sweeps`` and DDP training on the engines in ``labkit.cluster.launch``; both are
+``labkit.study.sweeps`` and DDP training on the engines in ``labkit.cluster.resumable``; both are
 re-exported here so notebooks call everything as ``lab.<stage>``.
 
 The cluster argument is an ``ipyparallel.Client`` (``labkit.cluster.start_cluster(...)``
@@ -34,7 +34,7 @@ from typing import Any, Callable
 import polars as pl
 
 from labkit.cluster.engines import call, interrupt_tasks
-from labkit.cluster.launch import train_on_cluster
+from labkit.cluster.resumable import train_on_cluster
 from labkit.data import made_by
 from labkit.data.prepared import preparation_report
 from labkit.config import CleanConfig, CorpusConfig, ShardConfig, TokenizerConfig, to_dict

@@ -18,7 +18,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 import polars as pl
 
-__all__ = ["live_html", "LivePlot"]
+__all__ = ["live_html", "LivePlot", "StallView"]
 
 
 _LIVE_SCRIPT = """<div id="{div_id}" class="plotly-graph-div" style="height:{height}px; width:100%;"></div>
@@ -76,7 +76,9 @@ class LivePlot:
     Frames while running are text/html (``live_html``), which JupyterLab redraws on every update;
     `flush()` (run_ddp calls it at the end) draws the final frame with the plotly mimetype added,
     so the saved notebook renders even untrusted and the exported HTML keeps every point offline.
-    Calls inside the interval are kept and drawn by the next call or by `flush()`.
+    Calls inside the interval are kept and drawn by the next call or by `flush()`. The output is
+    `height` CSS pixels tall, or the figure's own layout height when it sets one (a rank view
+    grows with its ranks: 1,456 px at 64; a fixed output would cut its lower panels off).
 
     No setup call is needed: the first frame, like the final one, carries the plotly mimetype too,
     so the front end draws it with its own plotly renderer (JupyterLab, Notebook 7 and VS Code
@@ -124,7 +126,8 @@ class LivePlot:
         from IPython.display import display, update_display
 
         fig = self.make_figure(self.frame(self._records))
-        bundle = {"text/html": live_html(fig, f"{self.display_id}-plot", height=self.height),
+        height = int(fig.layout.height or self.height)  # a figure that grows with its rows (64 ranks) keeps its output
+        bundle = {"text/html": live_html(fig, f"{self.display_id}-plot", height=height),
                   "text/plain": f"<labkit live figure: {len(self._records)} records>"}
         if final or (self.draws == 0 and not LivePlot.page_has_plotly):  # drawn natively (class docstring); JupyterLab does not
             # redraw a plotly-mimetype output on update_display, so the frames between are HTML only
@@ -136,3 +139,67 @@ class LivePlot:
         self.draws += 1
         self._pending, self._final = False, final
         self._last = time.monotonic()
+
+
+class StallView:
+    """The stuck-rank view of a running ``run_ddp`` call: ``view(found)`` with
+    ``labkit.cluster.stuck.StallWatch.poll``'s result about once a second.
+
+    While a step is stalled (``found`` not None) it shows one line in bold, naming the rank the
+    others wait for, its host and the collective they wait in ("stuck: ..." when that rank's
+    process is not running, "slow: ..." when it runs), and below it that rank's Python stack and
+    where the stack came from; when the run moves again the line says it moved on.
+    In IPython it is one output updated in place (``display``/``update_display`` of an HTML bundle
+    with a text/plain line); outside IPython the line (and the stack's innermost frames) are printed
+    to stderr once per stall. ``text`` holds the line shown now ("" before any stall), ``lines``
+    every line shown, ``html`` the last HTML."""
+
+    def __init__(self, *, frames: int = 12):
+        self.frames = frames
+        self.display_id = f"labkit-stall-{uuid.uuid4().hex}"
+        self.text, self.html, self.lines = "", "", []
+        self._key: tuple | None = None
+        self._shown = False
+
+    def __call__(self, found: dict | None) -> None:
+        if found is None:
+            if self._key is not None:
+                self._key = None
+                self._show("moved on: " + self.text.split(": ", 1)[-1], [], "", new=True)
+            return
+        key = (found["rank"], found["seq"], found.get("kind"), found.get("stack_source", "").split(" ")[0])
+        new, self._key = key != self._key, key
+        source = found.get("stack_source", "") + (f"; in labkit at {found['in_labkit']}" if found.get("in_labkit") else "")
+        self._show(f"{found.get('kind', 'stuck')}: {found['line']}", found.get("stack") or [], source, new=new)
+
+    def _show(self, line: str, stack: list[str], source: str, *, new: bool) -> None:
+        """Show ``line`` and ``stack``: the notebook output updated in place every call; on stderr
+        (outside IPython) only when ``new`` (another rank, collective or kind of stack)."""
+        import html
+        import sys
+
+        self.text = line
+        if new:
+            self.lines.append(line)
+        frames = stack[-self.frames:]
+        self.html = (f'<div style="border-left:4px solid #c0392b;padding:4px 8px"><b>{html.escape(line)}</b>'
+                     + (f"<details open><summary>its Python stack ({html.escape(source)}), innermost last</summary>"
+                        f"<pre>{html.escape(chr(10).join(frames))}</pre></details>" if frames else "") + "</div>")
+        try:
+            from IPython import get_ipython
+            from IPython.display import display, update_display
+        except ImportError:  # pragma: no cover
+            get_ipython = lambda: None  # noqa: E731
+        if get_ipython() is None:
+            if new:
+                print(f"labkit: {line}", file=sys.stderr, flush=True)
+                if frames:
+                    print(f"labkit: its Python stack ({source}), innermost last:\n"
+                          + "\n".join(f"    {f}" for f in frames[-5:]), file=sys.stderr, flush=True)
+            return
+        bundle = {"text/html": self.html, "text/plain": line}
+        if not self._shown:
+            display(bundle, raw=True, display_id=self.display_id)
+        else:
+            update_display(bundle, raw=True, display_id=self.display_id)
+        self._shown = True

@@ -17,6 +17,7 @@ In labkit's one style (``labkit.plots.style``); plots.py itself is already past 
 from __future__ import annotations
 
 import time
+from typing import Any
 import plotly.graph_objects as go
 import polars as pl
 from plotly.subplots import make_subplots

@@ -9,9 +9,10 @@ ipyparallel's own cluster file `security/cluster-<cluster_id>.json`, so a notebo
 to a running cluster (`connect_cluster`) and restarts keep the engines' environment.
 
 Topology (`engine_info`, `assign_ranks`, `per_node`, `set_node_names`) is in
-`labkit.cluster.topology`, the DDP launch (`run_ddp`, `run_ddp_resumable`, `DDPError`) in `labkit.cluster.launch`, the
-progress bar (`StepProgress`, `progress_bar`) in `labkit.cluster.progress`; `labkit.cluster`
-re-exports their names.
+`labkit.cluster.topology`, the DDP launch (`run_ddp`, `DDPError`) in `labkit.cluster.launch`,
+training runs that restart or go on elastic (`train_on_cluster`, `run_ddp_resumable`) in
+`labkit.cluster.resumable`, the progress bar (`StepProgress`, `progress_bar`) in
+`labkit.cluster.progress`; `labkit.cluster` re-exports their names.
 
 Patterns: docs/references.md section E (ipyparallel; DDP in persistent engines).
 """
@@ -38,6 +39,7 @@ from labkit.io import atomic_write_json
 
 __all__ = [
     "ENGINE_KINDS", "STALE_ENGINE_WAIT_S", "connect_cluster", "engine_logs", "get_client", "list_clusters",
+    "registration_timeouts",
     "restart_engines", "secure_connection_files", "slurm_batch_template", "start_cluster", "stop_cluster", "call",
     "interrupt_tasks", "wait_results"
 ]
@@ -47,6 +49,18 @@ STALE_ENGINE_WAIT_S = 10.0
 """restart_engines waits up to this long for killed engines to unregister themselves; those
 still registered then (their node is unreachable) are unregistered by labkit."""
 _LAUNCHERS = {"local": "LocalEngineSetLauncher", "slurm": "SlurmEngineSetLauncher", "mpi": "MPIEngineSetLauncher"}
+
+
+def registration_timeouts(n: int) -> dict[str, int]:
+    """ipyparallel's registration timeouts for ``n`` engines, in seconds: ``IPEngine.timeout``, how
+    long an engine waits for the controller's reply to its registration request (ipyparallel's
+    default 5 s), and ``IPController.registration_timeout``, how long the controller waits for an
+    engine to finish registering (default 30 s). The controller answers registrations one after
+    the other, so a crowd of engines starting at once waits in line: ipyparallel#301 (200 engines
+    on PBS, "almost certainly timeouts during registration"), #700 (half of 1000 engines never
+    finished registering). labkit scales both with n: max(10, n / 4) and max(30, n / 2) (64
+    engines: 16 s and 32 s; 1000: 250 s and 500 s). benchmarks/bench_control_plane.py measures 64."""
+    return {"engine": int(max(10, n / 4)), "controller": int(max(30, n / 2))}
 
 
 INTERRUPT_WAIT_S = 10.0
@@ -161,6 +175,7 @@ def _launcher_config(settings: dict) -> Any:
     c = Config()
     launcher = c[_LAUNCHERS[settings["engines"]]]
     launcher.environment = dict(settings.get("environment") or {})
+    launcher.engine_args = list(settings.get("engine_args") or [])
     if settings["engines"] == "slurm":
         launcher.batch_template = slurm_batch_template(**settings["slurm"])
         if settings.get("batch_file"):  # absolute: os.path.join(work_dir, it) is it
@@ -209,7 +224,8 @@ def start_cluster(
     env: extra engine environment; the directory holding this `labkit` is prepended to
     PYTHONPATH so engines import the same code. keep_running: leave the cluster running when
     this Python process exits (reconnect later with `connect_cluster`). timeout: seconds for
-    the engines to register (default 120, Slurm 3600 for the queue). Other keywords go to
+    the engines to register (default 120, Slurm 3600 for the queue). ipyparallel's registration
+    timeouts are scaled with n (``registration_timeouts``). Other keywords go to
     `ipyparallel.Cluster`. The settings are saved to security/labkit-<cluster_id>.json and every
     file in the profile's security/ directory is made owner-only (0600, directory 0700).
     Raises ValueError naming the bad argument; EngineStartError (a RuntimeError) within about a
@@ -242,9 +258,11 @@ def start_cluster(
     paths = [str(pathlib.Path(__file__).resolve().parents[2])]
     paths += [p for p in (engine_env.get("PYTHONPATH"), os.environ.get("PYTHONPATH")) if p]
     engine_env["PYTHONPATH"] = os.pathsep.join(paths)
+    waits = registration_timeouts(n)
     settings = {"engines": engines, "n": n, "environment": engine_env, "slurm": slurm,
                 "mpi_args": list(mpi_args or []), "controller_ip": controller_ip,
-                "network_interface": network_interface}
+                "network_interface": network_interface, "engine_args": [f"--IPEngine.timeout={waits['engine']}"]}
+    kw["controller_args"] = [*kw.get("controller_args", []), f"--IPController.registration_timeout={waits['controller']}"]
     for key, value in (("profile", profile), ("profile_dir", profile_dir)):
         if value is not None:
             kw[key] = value

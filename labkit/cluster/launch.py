@@ -1,13 +1,14 @@
-"""DDP launch in persistent ipyparallel engines: env, fresh port, live metrics, failures, resume.
+"""DDP launch in persistent ipyparallel engines: env, fresh port, live metrics, failures, stuck ranks.
 
 `run_ddp` sets the `labkit.cluster.assign_ranks` environment on each engine, runs the function on
 all ranks at once, streams the engines' stdout/stderr to the caller (AsyncResult.stream_output)
 and rank 0's recent metric records through ipyparallel's `publish_data` (which keeps only the
 latest value per key, so rank 0 publishes a bounded history). A failed rank, a dead engine or a
-timeout raise `DDPError` naming the rank; an interrupt (KeyboardInterrupt in the waiting cell)
-sends SIGINT to the engines still working. `run_ddp_resumable` restarts the engines after a
-`DDPError` and runs again: a function that resumes from its newest checkpoint (labkit.train.train
-with cfg.resume) then continues where it stopped.
+timeout raise `DDPError` naming the rank; every rank writes a status file from a thread of its own
+(``labkit.train.status``), from which a stalled step names the rank the others wait for while they
+wait (``labkit.cluster.stuck``); an interrupt (KeyboardInterrupt in the waiting cell) frees the
+ranks' collectives and sends SIGINT to the engines still working. Restarting or going on without
+lost engines is ``labkit.cluster.resumable``'s.
 
 Patterns: docs/references.md section E (ipyparallel #141/#506/#706; DDP in persistent
 engines: fresh MASTER_PORT per init, tear down on all ranks, restart engines after any error).
@@ -19,6 +20,7 @@ import contextlib
 import inspect
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -30,12 +32,12 @@ import ipyparallel as ipp
 from ipyparallel import error as ipp_error
 
 from labkit.cluster.engine_watch import death_cause, unreachable
-from labkit.cluster.engines import get_client, restart_engines
+from labkit.cluster.stuck import StallWatch, clear_requests, ranks_text, request_interrupt
+from labkit.cluster.topology import assign_ranks, engine_info
 from labkit.config import TrainConfig
-from labkit.cluster.topology import assign_ranks, engine_info, tensor_parallel_groups
+from labkit.train.status import interval_for
 
-__all__ = ["LOST_PROBE_S", "DDPError", "failure_line", "labkit_frame", "run_ddp", "run_ddp_resumable",
-           "train_on_cluster"]
+__all__ = ["LOST_PROBE_S", "DDPError", "failure_line", "labkit_frame", "run_ddp"]
 
 
 class DDPError(RuntimeError):
@@ -46,13 +48,15 @@ class DDPError(RuntimeError):
     when the engine process is gone), `lost` (the ranks whose engines are gone or unreachable,
     e.g. their node dropped off the network; empty when all answered), `remote_traceback` (the
     engines' full tracebacks as plain text, by rank; "" when there is none), `failures`
-    ({rank: one-line summary})."""
+    ({rank: one-line summary}), `stuck` (the stall seen before the error: ``StallWatch.found``,
+    whose line then begins the message; None without one)."""
 
     def __init__(self, message: str, *, rank: int | None = None, engine_id: int | None = None, died: bool = False,
                  lost: list[int] | None = None, remote_traceback: str = "", failures: dict[int, str] | None = None):
         super().__init__(message)
         self.rank, self.engine_id, self.died, self.lost = rank, engine_id, died, list(lost or [])
         self.remote_traceback, self.failures = remote_traceback, dict(failures or {})
+        self.stuck: dict | None = None  # the stall seen before the error (labkit.cluster.stuck.StallWatch)
 
 
 LOST_PROBE_S = 3.0
@@ -95,30 +99,51 @@ def _publish_timeline(rows: list[dict]) -> None:
     publish_data({"timeline": rows})
 
 
-def _ddp_entry(fn: Callable, env: dict, args: tuple, kwargs: dict, history: int) -> Any:
-    """Engine side of `run_ddp`: set env, build rank 0's sink (and every rank's timeline sink),
-    call fn, always tear down."""
+def _ddp_entry(fn: Callable, env: dict, args: tuple, kwargs: dict, history: int, status: dict | None = None) -> Any:
+    """Engine side of `run_ddp`: set env, start this rank's status file (``status``: {"dir",
+    "token", "interval_s"}; ``labkit.train.status.RankStatus``, with torch's Flight Recorder on),
+    build rank 0's sink (and every rank's timeline sink), call fn, always tear down. torch is not imported here: a function without it runs without it (torch
+    reads OMP_NUM_THREADS when fn imports it; an engine that imported it before gets
+    ``torch.set_num_threads``)."""
     import os
+    import sys
 
-    import torch
-    import torch.distributed as dist
+    from labkit.train import probes
+    from labkit.train.status import RankStatus
 
-    saved = {k: os.environ.get(k) for k in env}
+    with contextlib.suppress(Exception):  # IPython's default tracebacks parse every frame's source file (stack_data):
+        get_ipython().InteractiveTB.set_mode("Plain")  # noqa: F821 - seconds for a torch stack on a busy host
+    saved = {k: os.environ.get(k) for k in [*env, "TORCH_FR_BUFFER_SIZE"]}
     os.environ.update(env)
-    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     sink = _Publisher(history) if env["RANK"] == "0" else None
+    if status is not None:
+        probes.enable_flight_recorder()
+    beat = None if status is None else RankStatus(status["dir"], int(env["RANK"]), int(env["WORLD_SIZE"]),
+                                                  interval_s=status["interval_s"], token=status["token"],
+                                                  owner="run_ddp").start()
+    phase = "failed"
     try:
         params = inspect.signature(fn).parameters
         if "sink" in params:
             kwargs = {**kwargs, "sink": sink}
         if "timeline_sink" in params:
             kwargs = {**kwargs, "timeline_sink": _publish_timeline}
-        return fn(*args, **kwargs)
+        result = fn(*args, **kwargs)
+        phase = "done"
+        return result
     finally:
         if sink is not None and sink.records:
             sink.flush()
-        if dist.is_available() and dist.is_initialized():
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        if beat is not None:
+            beat.stop(phase)
+        runlock = sys.modules.get("labkit.train.runlock")
+        if runlock is not None:  # a run_dir lock fn's run left held (its clean-up cut short by the SIGINT of
+            runlock.release_all()  # stop_others): this engine lives on and runs the next call (elastic, a rerun)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -198,6 +223,8 @@ def run_ddp(
     history: int = 500,
     poll: float = 1.0,
     stream: bool = True,
+    status_dir: str | None = None,
+    stall_view: Callable[[dict | None], None] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run fn(*args, **kwargs) on every target engine as one torch.distributed job; results by rank.
@@ -213,13 +240,20 @@ def run_ddp(
     on every rank, one publishing its step-timeline rows. Each `live` (a callable or a list, drawn in
     order) gets rank 0's records about every `poll` s when they change and at the end, then any `flush()`;
     one whose ``wants`` is "timeline" (``labkit.rankview.RankView``) gets every rank's timeline rows (the
-    newest `history` steps). `stream`: the engines' output is printed here, prefixed "[stdout:<engine id>]".
+    newest `history` steps); one with ``every_poll = True`` is called at every poll, records or not
+    (``labkit.cluster.elastic.GrowWatch``). `stream`: the engines' output is printed here, prefixed
+    "[stdout:<engine id>]". Every rank writes a status file to `status_dir` (default: a
+    TrainConfig argument's run_dir/ranks, else the profile's labkit-status/<token>;
+    ``labkit.train.status``, every ``interval_for(cfg.timeout_s)`` s); when a step stalls, `stall_view(found)` (default
+    ``labkit.live.StallView()``) gets ``labkit.cluster.stuck.StallWatch``'s line naming the rank the
+    others wait for, its host and the collective, with its stack (None once it moves again).
     Raises DDPError naming the rank (with the engine's traceback) when a rank fails, when its
     engine dies (unregistered, or its process gone on this host) or, naming the unfinished ranks,
-    after `timeout` s; the other ranks' work is then interrupted (SIGINT). A KeyboardInterrupt in
-    the caller (or raised by `live`) sends SIGINT to the engines still working, waits up to 10 s
-    for them and re-raises. Ranks blocked inside a collective may not see SIGINT until its
-    timeout: `labkit.cluster.restart_engines` ends them for sure.
+    after `timeout` s; the other ranks' work is then interrupted (SIGINT), and a stall seen before
+    is its first line (`.stuck`). A KeyboardInterrupt in the caller (or raised by `live`) asks every
+    rank to free its collectives (``stuck.request_interrupt``: a blocked rank's collective raises
+    within about a second), sends SIGINT to the engines still working, waits up to 10 s for them
+    and re-raises; a stopped process (SIGSTOP) ends its task once it is continued.
     """
     lives = [] if live is None else list(live) if isinstance(live, (list, tuple)) else [live]
     infos = engine_info(client, targets, timeout=60)
@@ -227,67 +261,139 @@ def run_ddp(
     envs = _rank_environments(client, infos)
     rank_of = {eid: int(env["RANK"]) for eid, env in envs.items()}
     engine_of = {r: eid for eid, r in rank_of.items()}
-    ars = {rank_of[eid]: client[eid].apply_async(_ddp_entry, fn, env, args, kwargs, history)
+    status, watch, view = _stall_watch(client, args, kwargs, status_dir, engine_of, stall_view)
+    ars = {rank_of[eid]: client[eid].apply_async(_ddp_entry, fn, env, args, kwargs, history, status)
            for eid, env in envs.items()}  # all submitted before any wait: init blocks until all join
-    here = socket.gethostname()
-    name = getattr(fn, "__name__", repr(fn))
-
-    def who(r: int) -> str:
-        i = by_id[engine_of[r]]
-        return f"rank {r} (engine {i['engine_id']}, node {i['node']}, pid {i['pid']})"
-
-    def dead() -> list[int]:
-        ids = set(client.ids)
-        return [r for r in sorted(pending) if engine_of[r] not in ids or (
-            by_id[engine_of[r]]["hostname"] == here and not _pid_alive(by_id[engine_of[r]]["pid"]))]
-
-    def stop_others(exclude: int | None = None) -> None:
-        alive = [engine_of[r] for r in sorted(pending) if r != exclude and engine_of[r] in client.ids]
-        if alive:
-            with contextlib.suppress(Exception):
-                client.send_signal(signal.SIGINT, targets=alive, block=False)
-
+    job = _Job(client, ars, by_id, engine_of, status, getattr(fn, "__name__", repr(fn)))
     deadline = None if timeout is None else time.monotonic() + timeout
     shown = None
-    pending = set(ars)
     with contextlib.ExitStack() as streams:
         if stream:
             for ar in ars.values():
                 streams.enter_context(_stream_without_errors(ar))
         try:
-            while pending:
-                ars[min(pending)].wait(poll)
-                gone = dead()
-                if gone:
-                    pending.discard(r := gone[0])
-                    stop_others()
-                    cause = death_cause(by_id[engine_of[r]]["pid"], local=by_id[engine_of[r]]["hostname"] == here)
-                    raise DDPError(f"{who(r)}: engine died while running {name} ({cause}); the other ranks were "
-                                   "interrupted. Restart the engines (labkit.cluster.restart_engines) and run "
-                                   "again to resume from the last checkpoint", rank=r, engine_id=engine_of[r], died=True)
-                failed = _failed_ranks(ars, pending)
-                if failed:
-                    first = min(failed)  # a rank's collective failed: is a peer gone?
-                    _raise_if_lost(client, pending, engine_of, who, name,
-                                   f"{who(first)} failed: {_first_line(failed[first])}", stop_others, failed[first])
-                    stop_others()
-                    raise _failure_error(failed, name, {r: by_id[engine_of[r]] for r in failed})
+            while job.pending:
+                ars[min(job.pending)].wait(poll)
+                job.check()
                 shown = _show(lives, ars, shown, history)
-                if pending and deadline is not None and time.monotonic() > deadline:
-                    _raise_if_lost(client, pending, engine_of, who, name, f"timeout after {timeout} s", stop_others)
-                    unfinished = ", ".join(who(r) for r in sorted(pending))
-                    stop_others()
-                    raise DDPError(f"timeout after {timeout} s: {unfinished} not finished")
+                view(watch.poll())
+                if job.pending and deadline is not None and time.monotonic() > deadline:
+                    job.timed_out(timeout)
             if stream:  # a result can arrive before the output printed ahead of it: drain the streams
                 for ar in ars.values():
                     ar.wait_for_output(5)
-        except KeyboardInterrupt:
-            stop_others()
-            _wait_quietly([ars[r] for r in sorted(pending)], 10.0)
+        except DDPError as err:
+            _name_stuck(err, watch)
             raise
+        except KeyboardInterrupt:
+            job.stop_others()
+            _wait_after_interrupt(ars, job.pending, watch)
+            raise
+        finally:
+            if status["temporary"] and not job.pending:  # every rank has stopped writing there
+                shutil.rmtree(status["dir"], ignore_errors=True)
         if lives:
             _final_show(lives, ars, shown, history)
     return [ars[r].get(0) for r in sorted(ars)]
+
+
+class _Job:
+    """The ranks of one ``run_ddp`` call while it waits: who each is, which are dead or failed
+    (``check`` raises DDPError naming them), stopping the others."""
+
+    def __init__(self, client: ipp.Client, ars: dict[int, Any], by_id: dict[int, dict], engine_of: dict[int, int],
+                 status: dict, name: str):
+        self.client, self.ars, self.by_id, self.engine_of, self.status, self.name = (client, ars, by_id, engine_of,
+                                                                                      status, name)
+        self.pending = set(ars)
+        self.here = socket.gethostname()
+
+    def who(self, r: int) -> str:
+        i = self.by_id[self.engine_of[r]]
+        return f"rank {r} (engine {i['engine_id']}, node {i['node']}, pid {i['pid']})"
+
+    def dead(self) -> list[int]:
+        ids = set(self.client.ids)
+        info = lambda r: self.by_id[self.engine_of[r]]  # noqa: E731
+        return [r for r in sorted(self.pending) if self.engine_of[r] not in ids
+                or (info(r)["hostname"] == self.here and not _pid_alive(info(r)["pid"]))]
+
+    def stop_others(self, exclude: int | None = None) -> None:
+        """Free every rank's collectives (``stuck.request_interrupt``) and SIGINT the engines still working."""
+        request_interrupt(self.status["dir"], self.status["token"])
+        alive = [self.engine_of[r] for r in sorted(self.pending) if r != exclude and self.engine_of[r] in self.client.ids]
+        if alive:
+            with contextlib.suppress(Exception):
+                self.client.send_signal(signal.SIGINT, targets=alive, block=False)
+
+    def check(self) -> None:
+        """Raise DDPError when a rank's engine died, or a rank failed (naming lost peers first)."""
+        gone = self.dead()
+        if gone:
+            self.pending.discard(r := gone[0])
+            self.stop_others()
+            info = self.by_id[self.engine_of[r]]
+            cause = death_cause(info["pid"], local=info["hostname"] == self.here)
+            raise DDPError(f"{self.who(r)}: engine died while running {self.name} ({cause}); the other ranks were "
+                           "interrupted. Restart the engines (labkit.cluster.restart_engines) and run "
+                           "again to resume from the last checkpoint", rank=r, engine_id=self.engine_of[r], died=True)
+        failed = _failed_ranks(self.ars, self.pending)
+        if failed:
+            first = min(failed)  # a rank's collective failed: is a peer gone?
+            _raise_if_lost(self.client, self.pending, self.engine_of, self.who, self.name,
+                           f"{self.who(first)} failed: {_first_line(failed[first])}", self.stop_others, failed[first])
+            self.stop_others()
+            raise _failure_error(failed, self.name, {r: self.by_id[self.engine_of[r]] for r in failed})
+
+    def timed_out(self, timeout: float) -> None:
+        """Raise DDPError naming the unfinished ranks (a lost one first)."""
+        _raise_if_lost(self.client, self.pending, self.engine_of, self.who, self.name, f"timeout after {timeout} s",
+                       self.stop_others)
+        unfinished = ", ".join(self.who(r) for r in sorted(self.pending))
+        self.stop_others()
+        raise DDPError(f"timeout after {timeout} s: {unfinished} not finished")
+
+
+def _stall_watch(client: ipp.Client, args: tuple, kwargs: dict, status_dir: str | None, engine_of: dict[int, int],
+                 view: Callable[[dict | None], None] | None) -> tuple[dict, StallWatch, Callable[[dict | None], None]]:
+    """The run's status directory, token and interval ({"dir", "token", "interval_s", "temporary"}: a
+    TrainConfig argument's run_dir/ranks and ``status.interval_for`` its timeout_s, else the client's
+    profile's labkit-status/<token> (temporary: removed when the call returns) at 0.5 s), its ``StallWatch`` and the view it feeds (default ``labkit.live.StallView()``).
+    Requests left by earlier runs are removed."""
+    import uuid
+
+    from labkit.live import StallView
+
+    token = uuid.uuid4().hex[:12]
+    temporary = False
+    cfg = next((a for a in [*args, *kwargs.values()] if isinstance(a, TrainConfig)), None)
+    if status_dir is None:
+        temporary = cfg is None
+        status_dir = (os.path.join(cfg.run_dir, "ranks") if cfg is not None
+                      else os.path.join(client._profile_dir.location, "labkit-status", token))
+    os.makedirs(status_dir, exist_ok=True)
+    clear_requests(status_dir)
+    return ({"dir": os.path.abspath(status_dir), "token": token, "temporary": temporary,
+             "interval_s": interval_for(cfg.timeout_s if cfg is not None else None)},
+            StallWatch(status_dir, token, engine_of), view if view is not None else StallView())
+
+
+def _wait_after_interrupt(ars: dict[int, Any], pending: set[int], watch: StallWatch) -> None:
+    """After an interrupt: wait up to 10 s for the ranks' tasks to end, except those of ranks whose
+    process is not running (``watch.found["stopped"]``), which end only once continued; say so."""
+    stopped = [r for r in (watch.found or {}).get("stopped", []) if r in pending]
+    _wait_quietly([ars[r] for r in sorted(pending) if r not in stopped], 10.0)
+    if stopped:
+        print(f"labkit: {ranks_text(stopped)} did not run when interrupted (pid {watch.found['pid']} on "
+              f"{watch.found['host']}): its task ends once the process is continued (kill -CONT), or restart "
+              "the engines (labkit.cluster.restart_engines)", file=sys.stderr, flush=True)
+
+
+def _name_stuck(err: DDPError, watch: StallWatch) -> None:
+    """Put the stall the watch saw before ``err`` (the rank the others waited for) first in its message."""
+    err.stuck = watch.found
+    if watch.found:
+        err.args = (f"{watch.found['line']}\n{err.args[0] if err.args else ''}",)
 
 
 def _rank_environments(client: ipp.Client, infos: list[dict]) -> dict[int, dict[str, str]]:
@@ -317,8 +423,10 @@ def _wait_quietly(results: list[Any], seconds: float) -> None:
 
 
 def _final_show(lives: list[Callable], ars: dict[int, Any], shown: Any, history: int) -> None:
-    """After the run: the last records to every ``live`` callback, then their ``flush()``."""
+    """After the run: the last records to every ``live`` callback (not the ``every_poll`` watches:
+    the run is over), then their ``flush()``."""
     ars[0].wait_for_output(5)
+    lives = [cb for cb in lives if not getattr(cb, "every_poll", False)]
     _show(lives, ars, shown, history)
     for cb in lives:
         if hasattr(cb, "flush"):
@@ -387,10 +495,15 @@ def _show(lives: list[Callable], ars: dict[int, Any], shown: dict | None, histor
     """Call each live(records) if rank 0 published records different from the last shown, and
     each live that ``wants`` "timeline" with every rank's timeline rows (kept in ``shown``,
     by segment, step and rank, the newest `history` steps) when they changed; a live is first
-    called after every live before it in the list, so their outputs keep the list's order.
-    Returns the state."""
+    called after every live before it in the list, so their outputs keep the list's order. A live
+    with ``every_poll = True`` (a watch, not a display: ``labkit.cluster.elastic.GrowWatch``) is
+    called with rank 0's records at every poll. Returns the state."""
     shown = shown if shown is not None else {"records": None, "rows": {}, "timeline": None, "called": set()}
     records = (ars[0].data or {}).get("records") or []
+    for cb in lives:
+        if getattr(cb, "every_poll", False):
+            cb(records)
+    lives = [cb for cb in lives if not getattr(cb, "every_poll", False)]
     rows = shown["rows"]
     if any(getattr(cb, "wants", "records") == "timeline" for cb in lives):
         for ar in ars.values():
@@ -409,42 +522,6 @@ def _show(lives: list[Callable], ars: dict[int, Any], shown: dict | None, histor
             shown["called"].add(i)
     shown.update(new)
     return shown
-    records = (ar.data or {}).get("records") or []
-    key = (len(records), records[-1]) if records else None
-    if records and key != shown:
-        for cb in lives:
-            cb(records)
-        return key
-    return shown
-
-
-def run_ddp_resumable(cluster: ipp.Cluster, fn: Callable, *args: Any, restarts: int = 1,
-                      targets: list[int] | None = None, **kwargs: Any) -> list[Any]:
-    """`run_ddp` on the cluster's engines; after a DDPError, restart the engines and run again.
-
-    fn must resume from its own newest checkpoint (labkit.train.train does with cfg.resume=True),
-    so a rerun continues where the failed run stopped. A ``TrainConfig`` among the arguments with
-    resume=False (a new run, which set an earlier run in its run_dir aside) is rerun with
-    resume=True: the restart continues the run the first attempt started, whose id its
-    checkpoints carry. At most `restarts` restarts; each is
-    announced on stderr with the error. `targets` (None = all engines) only applies to the first
-    attempt; after a restart all new engines are used. Keyword arguments go to `run_ddp`.
-    Returns the results of the successful attempt; re-raises the last DDPError.
-    """
-    client = get_client(cluster)
-    for attempt in range(restarts + 1):
-        try:
-            return run_ddp(client, fn, *args, targets=targets, **kwargs)
-        except DDPError as err:
-            if attempt == restarts:
-                raise
-            first_line = str(err).splitlines()[0]
-            print(f"labkit: {first_line}\nlabkit: restarting the engines and resuming "
-                  f"(restart {attempt + 1} of {restarts})", file=sys.stderr, flush=True)
-            targets = restart_engines(cluster)
-            args = tuple(_resuming(a) for a in args)
-            kwargs = {k: _resuming(v) for k, v in kwargs.items()}
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _resuming(arg: Any) -> Any:
@@ -454,46 +531,3 @@ def _resuming(arg: Any) -> Any:
 
         return _dc.replace(arg, resume=True)
     return arg
-
-
-def train_on_cluster(client, cfg: TrainConfig, *, targets: list[int] | None = None,
-                     staged: dict[str, dict] | None = None,
-                     live: Callable[[list[dict]], None] | Sequence[Callable[[list[dict]], None]] | None = None,
-                     timeout: float | None = None) -> dict:
-    """Run ``labkit.train.train(cfg)`` under DDP on the engines (all, or ``targets``).
-
-    With ``staged`` (the output of ``stage``), each rank reads the copy on its own node: the
-    engine's node name picks ``staged[node]["path"]``. Returns rank 0's result dict (the same
-    as ``<run_dir>/result.json``). ``live(records)`` is called about once a second with rank 0's
-    recent metric records (a list of callables: each; ``labkit.rankview.RankView`` gets every
-    rank's step timeline instead). With tp or pp > 1 (``labkit.train.parallel``) the split is checked
-    here first: tp x pp must divide the engines and each tensor-parallel group must sit on one
-    node (``labkit.cluster.topology.tensor_parallel_groups``); ValueError otherwise.
-    """
-    if cfg.parallel.is_split:
-        from labkit.train.parallel import split_of
-
-        infos = engine_info(client, targets, timeout=60)
-        split_of(cfg, len(infos))
-        tensor_parallel_groups(infos, cfg.parallel.tp)
-    kwargs: dict[str, Any] = {}
-    if staged is not None:
-        kwargs["staged_paths"] = {node: info["path"] for node, info in staged.items()}
-    results = run_ddp(client, _train_entry, cfg, targets=targets, live=live, timeout=timeout, **kwargs)
-    return results[0]
-
-
-def _train_entry(cfg: TrainConfig, *, sink=None, timeline_sink=None,
-                 staged_paths: dict[str, str] | None = None) -> dict:
-    """Engine side of ``train_on_cluster``: point data_dir at this node's staged copy, train."""
-    import dataclasses as _dc
-
-    from labkit.cluster.topology import node_name
-    from labkit.train import train
-
-    if staged_paths:
-        node = node_name()
-        if node not in staged_paths:
-            raise RuntimeError(f"node {node!r} has no staged copy; staged nodes are {sorted(staged_paths)}")
-        cfg = _dc.replace(cfg, data_dir=staged_paths[node])
-    return train(cfg, sink=sink, timeline_sink=timeline_sink)

@@ -30,20 +30,11 @@ import polars as pl
 from labkit.data import made_by
 from labkit.io import atomic_write
 from labkit.study.goodput import goodput_columns
+from labkit.train.lr import LR_RULES, lr_for_batch  # noqa: F401 (here since the sweeps; the ramp's too)
 
-__all__ = ["CURVE_FIELDS", "b_simple_at", "batch_base", "batch_config", "fit_critical_batch", "hyperbola", "run_rates",
-           "steps_to_target", "sweep_batch"]
+__all__ = ["CURVE_FIELDS", "b_simple_at", "batch_base", "batch_config", "fit_critical_batch", "hyperbola", "lr_for_batch",
+           "run_rates", "steps_to_target", "sweep_batch"]
 
-
-def __getattr__(name: str) -> Any:
-    """``LR_RULES`` and ``lr_for_batch``, ``labkit.train.optim``'s, read from there when first
-    asked for: importing labkit.train imports torch, which a command's checks before any engine
-    starts must not (``labkit sweep branch``'s --window refusal imports this module)."""
-    if name in ("LR_RULES", "lr_for_batch"):
-        from labkit.train import optim
-
-        return getattr(optim, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 def steps_to_target(records: list[dict], target: float, key: str = "eval_loss") -> float | None:
     """The (fractional) step at which ``records[i][key]`` first falls to ``target`` or below,

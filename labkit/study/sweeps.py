@@ -21,8 +21,8 @@ import sys
 import polars as pl
 
 from labkit.cluster.engines import call
-from labkit.cluster.launch import train_on_cluster
 from labkit.cluster.progress import StepProgress
+from labkit.cluster.resumable import train_on_cluster
 from labkit.config import TrainConfig, to_dict
 from labkit.data import made_by
 from labkit.data.shards import read_index

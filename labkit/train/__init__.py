@@ -15,11 +15,29 @@
 
 ``train`` reads RANK / WORLD_SIZE / LOCAL_RANK from the environment, as under ``torchrun``, so
 the same call runs in a plain process, on ipyparallel engines or in a test.
+
+The names below are imported on first use (PEP 562), so that a reader of the run's status files
+(``labkit.train.status``, ``labkit ranks``) does not import torch.
 """
 
-from labkit.train.checkpoint import checkpoint_steps
-from labkit.train.loop import train
-from labkit.train.optim import build_optimizer, lr_at
-from labkit.train.runtime import AUTOCAST_DTYPES, Runtime, build_runtime
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for type checkers and readers; at run time each name comes on first use (__getattr__)
+    from labkit.train.checkpoint import checkpoint_steps
+    from labkit.train.loop import train
+    from labkit.train.optim import build_optimizer, lr_at
+    from labkit.train.runtime import AUTOCAST_DTYPES, Runtime, build_runtime
+
+_WHERE = {"checkpoint_steps": "checkpoint", "train": "loop", "build_optimizer": "optim", "lr_at": "optim",
+          "AUTOCAST_DTYPES": "runtime", "Runtime": "runtime", "build_runtime": "runtime"}
 
 __all__ = ["AUTOCAST_DTYPES", "build_optimizer", "build_runtime", "checkpoint_steps", "lr_at", "Runtime", "train"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f"labkit.train.{_WHERE[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'labkit.train' has no attribute {name!r}")

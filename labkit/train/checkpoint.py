@@ -54,7 +54,7 @@ def checkpoint_steps(run_dir: str | os.PathLike) -> list[int]:
 # ------------------------------------------------------------------------------------------
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "result.json", "config.json", "data.json", "configs", "tensorboard",
-             "batch_changes.jsonl")
+             "batch_changes.jsonl", "world_size_changes.jsonl")
 """What a run leaves in its run_dir; a new run in a used run_dir moves these to ``previous/``."""
 
 PREVIOUS_DIR = "previous"

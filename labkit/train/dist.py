@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimi
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labkit.train import status
+from labkit.train import probes, status
 
 with warnings.catch_warnings():
     # torch.distributed.optim's __init__ compiles its functional optimisers with torch.jit.script,
@@ -119,7 +119,8 @@ def init_distributed(backend: str, timeout_s: float, device: torch.device) -> bo
     A single process without MASTER_ADDR gets no process group (returns False). WORLD_SIZE > 1
     requires MASTER_ADDR and MASTER_PORT (``ValueError`` naming the missing one). WORLD_SIZE 1
     with MASTER_ADDR set creates a group of one (a one-engine cluster run). An already
-    initialised group is reused. On CPU with gloo, set ``GLOO_SOCKET_IFNAME=lo`` and
+    initialised group is reused. torch's Flight Recorder is turned on for the group
+    (``labkit.train.probes.enable_flight_recorder``, unless TORCH_FR_BUFFER_SIZE is set). On CPU with gloo, set ``GLOO_SOCKET_IFNAME=lo`` and
     ``MASTER_ADDR=127.0.0.1`` for single-host runs (Debian maps the hostname to 127.0.1.1).
     """
     global _timeout
@@ -137,6 +138,7 @@ def init_distributed(backend: str, timeout_s: float, device: torch.device) -> bo
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend: got {backend!r}; allowed values are 'auto', 'gloo', 'nccl'")
     kwargs: dict[str, Any] = {}
+    probes.enable_flight_recorder()  # each rank's status file then names the collective it is in (labkit.train.status)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         kwargs["device_id"] = device

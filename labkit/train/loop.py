@@ -264,11 +264,11 @@ def _build_model(cfg: TrainConfig, index: dict, rank: int, world: int,
 def _agree(plan: dict | None, run_dir: pathlib.Path, cfg: TrainConfig, rank: int, world: int) -> dict:
     """Collective: rank 0's plan on every rank (``checkpoint.agree_on_plan``: its refusal raised on
     every rank), then, with 2 or more ranks, this rank's status file run_dir/ranks/rank-<r>.json
-    kept fresh from here on (``labkit.train.status``: heartbeat, step, phase)."""
+    kept fresh from here on (``labkit.train.status``: heartbeat, step, phase, collective, stack)."""
     plan = agree_on_plan(plan, run_dir)
-    if world > 1:
-        status.RankStatus(run_dir, rank, world, interval_s=status.interval_for(cfg.timeout_s),
-                          run_id=plan["run_id"]).start()
+    if world > 1:  # run_ddp's (started on the engine before this call), else one of this call's own
+        status.begin(run_dir / "ranks", rank, world, timeout_s=cfg.timeout_s, run_id=plan["run_id"],
+                     token=f"{plan['run_id']}-{plan['segment_start']:.3f}")
     return plan
 
 
@@ -596,6 +596,7 @@ def _clip_and_step(cfg: TrainConfig, runtime: Runtime, loss: float, step: int) -
         scaler.step(optimizer)  # fp16: skipped when the grads hold inf/nan
         scaler.update()
         finite = finite and not (fp16 and scaler.get_scale() < scale)
+    status.step_done(step + 1)  # this rank's status file (labkit.train.status): optimiser step step + 1 is done
     return grad_norm, finite
 
 

@@ -39,13 +39,17 @@ from typing import Any
 
 from labkit.io import atomic_write_text
 
-__all__ = ["LEASE_S", "RunLock", "RunLocked", "holder_alive", "read_lock"]
+__all__ = ["LEASE_S", "RunLock", "RunLocked", "holder_alive", "read_lock", "release_all"]
 
 LEASE_S = 60.0
 """Seconds without a heartbeat after which a lock held on another host is stale."""
 
 LOCK_FILE = "lock.json"
 """The lock's file name inside the run directory."""
+
+
+_HELD: set[RunLock] = set()
+"""The locks this process holds now (``release_all``)."""
 
 
 class RunLocked(ValueError):
@@ -135,6 +139,7 @@ class RunLock:
             self.record = record
             self._thread = threading.Thread(target=self._beat, name="labkit-run-lock", daemon=True)
             self._thread.start()
+            _HELD.add(self)
             return self
         raise RunLocked(f"run_dir: could not take {self.path} (other jobs keep taking it)")
 
@@ -184,3 +189,15 @@ class RunLock:
                 (held.get("host"), held.get("pid")) == (self.record["host"], self.record["pid"]):
             self.path.unlink(missing_ok=True)
         self.record = None
+        _HELD.discard(self)
+
+
+def release_all() -> int:
+    """Release every lock this process still holds; returns how many. ``labkit.cluster.run_ddp``
+    calls it on each engine after the function: a run whose clean-up was cut short (the SIGINT
+    that stops the other ranks can land in it) would otherwise leave its lock held by a process
+    that lives on and runs the next call, which it would refuse."""
+    held = list(_HELD)
+    for lock in held:
+        lock.release()
+    return len(held)

@@ -151,12 +151,24 @@ _WHY = {"data": "its data wait: it reaches the step's first collective last",
         "network": "the network: its gradient collectives end last while its gradients are ready on time"}
 
 
+def _runs(ranks: list[int]) -> str:
+    """Ranks with runs of three or more consecutive numbers shortened: "0, 2, 3" but "0-40, 42-63"
+    (a line that stays short at 64 ranks)."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) >= 3 else ", ".join(map(str, run)) for run in runs)
+
+
 def culprit_line(found: dict[str, Any] | None) -> str:
     """One line for the CLI and the notebook: who holds the others up, by how much, why and who
     waits ("culprit: none" for None)."""
     if found is None:
         return "culprit: none (no rank holds the others up)"
-    waiting = ", ".join(str(r) for r in found["waiting"])
+    waiting = _runs(found["waiting"])
     share = f" ({100 * found['fraction']:.0f} % of the step)" if found.get("fraction") is not None else ""
     return (f"culprit: rank {found['rank']} ({found['host']}) holds the others up by {found['held_s'] * 1e3:.0f} ms "
             f"a step{share} (named in {found['steps']} of steps {found['first_step']}-{found['last_step']}): "

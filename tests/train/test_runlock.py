@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from labkit.train.runlock import LOCK_FILE, RunLock, RunLocked, holder_alive, read_lock
+from labkit.train.runlock import LOCK_FILE, RunLock, RunLocked, holder_alive, read_lock, release_all
 
 
 def _write(run_dir, **fields) -> None:
@@ -81,3 +81,14 @@ def test_a_torn_lock_file_is_taken_over_and_the_heartbeat_advances(tmp_path):
     time.sleep(0.5)
     assert read_lock(run)["heartbeat"] > first
     lock.release()
+
+
+def test_release_all_gives_back_a_lock_a_cut_short_run_left_held(tmp_path):
+    """A persistent engine whose run's clean-up was interrupted still holds the lock (its own pid:
+    alive, so its next run would be refused); run_ddp's release_all after the call gives it back."""
+    RunLock(tmp_path / "run").acquire()  # never released: the run's finally was cut short
+    with pytest.raises(RunLocked):
+        RunLock(tmp_path / "run").acquire()
+    assert release_all() == 1 and read_lock(tmp_path / "run") is None
+    RunLock(tmp_path / "run").acquire().release()
+    assert release_all() == 0
