@@ -85,8 +85,15 @@ class LivePlot:
     do, offline), which in JupyterLab also gives the page the ``window.Plotly`` the HTML frames
     after it draw with (``live_html``); no 4.8 MB copy of plotly.js travels with the frames.
     Exported HTML (nbconvert) and the classic Notebook 6 interface (no plotly renderer of its own)
-    need ``setup_notebook_plotting`` for plotly.js, as every figure does.
+    need ``setup_notebook_plotting`` for plotly.js, as every figure does. Once it has put plotly.js
+    on the page (``page_has_plotly``), the first frame is HTML too: JupyterLab's plotly renderer
+    took 4-6 s of the page's time for each figure's first frame on a loaded VM (loading its own
+    plotly.js, then drawing), during which notebook 03's run of 100 tiny steps had ended.
     """
+
+    page_has_plotly = False
+    """True once ``labkit.plots.setup_notebook_plotting`` emitted plotly.js into this kernel's
+    notebook: the HTML frames draw with it from the first."""
 
     def __init__(self, make_figure: Callable[[pl.DataFrame], go.Figure], *, min_interval: float = 1.0,
                  height: int = 450):
@@ -122,7 +129,7 @@ class LivePlot:
         height = int(fig.layout.height or self.height)  # a figure that grows with its rows (64 ranks) keeps its output
         bundle = {"text/html": live_html(fig, f"{self.display_id}-plot", height=height),
                   "text/plain": f"<labkit live figure: {len(self._records)} records>"}
-        if final or self.draws == 0:  # drawn natively (see the class docstring); JupyterLab does not
+        if final or (self.draws == 0 and not LivePlot.page_has_plotly):  # drawn natively (class docstring); JupyterLab does not
             # redraw a plotly-mimetype output on update_display, so the frames between are HTML only
             bundle["application/vnd.plotly.v1+json"] = json.loads(pio.to_json(fig, validate=False))
         if self.draws == 0:

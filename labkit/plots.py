@@ -160,12 +160,14 @@ def setup_notebook_plotting(*, table_rows: int = 100) -> None:
     and show polars tables of up to `table_rows` rows whole (polars cuts at 10 rows with "…").
 
     Sets pio.renderers.default to RENDERER and activates it now, so plotly.js is emitted even if
-    the notebook only draws through `LivePlot`. Only needed for exported HTML: figures and
+    the notebook only draws through `LivePlot` (whose first frame then draws with it:
+    ``LivePlot.page_has_plotly``). Only needed for exported HTML: figures and
     `LivePlot` draw in JupyterLab, Notebook 7 and VS Code without it.
     """
     _register_offline_renderer()
     pio.renderers.default = RENDERER
     pio.renderers._activate_pending_renderers()  # emits the notebook renderer's plotly.js once
+    LivePlot.page_has_plotly = True  # live figures draw their first frame with it too
     pl.Config.set_tbl_rows(table_rows)
 
 

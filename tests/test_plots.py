@@ -99,10 +99,21 @@ def test_liveplot_displays_once_then_updates_same_id(monkeypatch):
 
 def test_setup_notebook_plotting_sets_renderer(monkeypatch):
     monkeypatch.setattr(pio.renderers, "default", pio.renderers.default)  # restored afterwards
+    monkeypatch.setattr(plots.LivePlot, "page_has_plotly", False)
     with pl.Config():  # restores polars' table settings afterwards
         plots.setup_notebook_plotting(table_rows=25)
         assert pl.Config.state()["POLARS_FMT_MAX_ROWS"] == "25"  # tables up to 25 rows shown whole
     assert pio.renderers.default == "plotly_mimetype+labkit_notebook"
+    # plotly.js is on the page now: a live figure's first frame draws with it (HTML only), its last
+    # carries the plotly mimetype still (a saved notebook renders it untrusted)
+    calls = []
+    monkeypatch.setattr(IPython.display, "display", lambda b, **kw: calls.append(b))
+    monkeypatch.setattr(IPython.display, "update_display", lambda b, **kw: calls.append(b))
+    live = plots.LivePlot(plots.loss_figure, min_interval=0)
+    live([{"step": 0, "loss": 5.0}])
+    live.flush()
+    assert "application/vnd.plotly.v1+json" not in calls[0] and "Plotly.react" in calls[0]["text/html"]
+    assert "application/vnd.plotly.v1+json" in calls[-1]
     html = pio.renderers["labkit_notebook"].to_mimebundle({"data": [], "layout": {}})["text/html"]
     assert "mathjax" not in html.lower() and "<script src" not in html  # nothing fetched from a CDN
 
