@@ -144,11 +144,34 @@ def _worker(rank, world, port, forms):
                       MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     from labkit.config import TrainConfig, from_dict
     from labkit.train import train
-    try:  # a TrainConfig in sections; an older labkit takes the flat fields
-        cfg = from_dict(TrainConfig, forms["nested"])
-    except (TypeError, ValueError):
+    try:  # a TrainConfig in sections, less the fields an older labkit does not have
+        cfg = from_dict(TrainConfig, _known(forms["nested"], rank))
+    except (ImportError, TypeError, ValueError):  # an older labkit still: the flat fields
         cfg = TrainConfig(**forms["flat"])
     train(cfg)
+
+
+def _known(nested, rank):
+    \"\"\"``nested`` without the keys this labkit's TrainConfig and sections lack (features newer than
+    it, left at their defaults by the benchmark's config); rank 0 names them on stderr.\"\"\"
+    import dataclasses
+    from labkit.config import TrainConfig
+    from labkit.config.train import TRAIN_SECTIONS
+
+    top = {f.name for f in dataclasses.fields(TrainConfig)}
+    out, dropped = {}, []
+    for key, value in nested.items():
+        if key not in top:
+            dropped.append(key)
+        elif key in TRAIN_SECTIONS and isinstance(value, dict):
+            have = {f.name for f in dataclasses.fields(TRAIN_SECTIONS[key])}
+            out[key] = {k: v for k, v in value.items() if k in have}
+            dropped += [f"{key}.{k}" for k in value if k not in have]
+        else:
+            out[key] = value
+    if dropped and rank == 0:
+        print(f"baseline labkit lacks (left out): {', '.join(dropped)}", file=sys.stderr)
+    return out
 
 
 if __name__ == "__main__":
