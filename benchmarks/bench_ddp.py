@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import pathlib
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from _prep import free_port  # noqa: E402
 from labkit.config import TrainConfig, from_dict, to_dict  # noqa: E402
 from labkit.config.sections import ParallelConfig  # noqa: E402
 from labkit.data.shards import write_rows  # noqa: E402
@@ -72,12 +72,6 @@ def spread(values: list[float]) -> dict[str, float]:
     med = statistics.median(values)
     q = statistics.quantiles(values, n=4, method="inclusive") if len(values) >= 2 else [med, med, med]
     return {"min": min(values), "p25": q[0], "median": med, "p75": q[2], "max": max(values)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, cfg_json: str) -> None:
@@ -120,14 +114,14 @@ def allreduce_seconds(n_floats: int) -> float:
     host: the communication a DDP step adds (one all-reduce of every gradient, C5)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/t.json"
-        mp.spawn(_allreduce_worker, args=(2, _free_port(), n_floats, out), nprocs=2, join=True)
+        mp.spawn(_allreduce_worker, args=(2, free_port(), n_floats, out), nprocs=2, join=True)
         return json.loads(pathlib.Path(out).read_text())
 
 
 def run(cfg: TrainConfig, world: int) -> dict:
     """One fresh run of ``cfg`` on ``world`` spawned ranks: its result.json plus ``cpu_s``, the
     CPU seconds of ``train()`` summed over ranks (all steps, model build and checkpoint too)."""
-    mp.spawn(_worker, args=(world, _free_port(), json.dumps(to_dict(cfg))), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), json.dumps(to_dict(cfg))), nprocs=world, join=True)
     run_dir = pathlib.Path(cfg.run_dir)
     result = json.loads((run_dir / "result.json").read_text())
     result["cpu_s"] = sum(json.loads((run_dir / f"cpu-{r}.json").read_text()) for r in range(world))
