@@ -35,24 +35,18 @@ import json
 import os
 import pathlib
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from _prep import spawn_ranks  # noqa: E402
+
 WAYS = ("torch_save", "dcp_sync", "dcp_async")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dir_bytes(path: pathlib.Path, rank: int) -> int:
@@ -64,11 +58,11 @@ def _dir_bytes(path: pathlib.Path, rank: int) -> int:
     return total
 
 
-def _worker(rank: int, world: int, port: int, args_json: str, out: str) -> None:
+def _save_rounds(rank: int, world: int, args_json: str, out: str) -> None:
+    """Every model's rounds of the three ways on this rank (``spawn_ranks``'s ``run``, in its process
+    group at 2 ranks; one torch thread); rank 0 writes the lines to ``out``."""
     args = json.loads(args_json)
     torch.set_num_threads(1)
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"})
     from labkit.config import TrainConfig
     from labkit.data.mlm import RankSampler
     from labkit.model import BertMLM, model_config
@@ -76,65 +70,59 @@ def _worker(rank: int, world: int, port: int, args_json: str, out: str) -> None:
     from labkit.train.checkpoint import MARKER, Checkpointer
     from labkit.train.resume import RunState
 
-    if world > 1:
-        dist.init_distributed("gloo", 600.0, torch.device("cpu"))
     root = pathlib.Path(args["dir"])
     lines = []
-    try:
-        for name in args["models"]:
-            torch.manual_seed(0)
-            run_dir = root / f"{name}-{world}"
-            cfg = TrainConfig(data_dir="-", run_dir=str(run_dir), model=name, optim={"lr": 1e-4})
-            runtime = build_runtime(cfg, BertMLM(model_config(name, args["vocab"])), torch.device("cpu"))
-            model, optimizer = runtime.parts, runtime.optimizer  # the run's builder: DDP at 2 ranks
-            for p in model.parameters():
-                p.grad = torch.zeros_like(p)
-            optimizer.step()  # AdamW's state exists, as in a run
-            optimizer.zero_grad(set_to_none=True)
-            state = RunState(cfg, runtime, RankSampler(64 * world, rank=rank, world_size=world, batch_size=4), "bench")
-            savers = {"dcp_sync": Checkpointer(run_dir / "sync", keep=1),
-                      "dcp_async": Checkpointer(run_dir / "async", keep=1, asynchronous=True)}
-            for rnd in range(args["rounds"] + 1):  # round 0: warm-up
-                order = WAYS[rnd % 3:] + WAYS[:rnd % 3]
-                for way in order:
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    if way == "torch_save":
-                        target = run_dir / "torch" / "state.pt"
-                        if rank == 0:
-                            target.parent.mkdir(parents=True, exist_ok=True)
-                            torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()},
-                                       target)
-                            os.sync()
-                        dist.barrier()
-                        stall = save_s = time.perf_counter() - t0
-                        written = target.stat().st_size if rank == 0 else 0
-                    else:
-                        saver = savers[way]
-                        state.step = rnd + 1
-                        stall = saver.save(rnd + 1, state)  # the run's state, as train() saves it
-                        saver.wait()
-                        save_s = saver.saved_s[-1]
-                        dist.barrier()  # rank 0 has published the directory
-                        kind = "sync" if way == "dcp_sync" else "async"
-                        step_dir = run_dir / kind / "checkpoints" / f"step-{rnd + 1}"
-                        assert (step_dir / MARKER).is_file()
-                        written = _dir_bytes(step_dir, rank)
-                    per_rank = dist.all_gather_object({"stall_s": stall, "save_s": save_s, "bytes": written})
+    for name in args["models"]:
+        torch.manual_seed(0)
+        run_dir = root / f"{name}-{world}"
+        cfg = TrainConfig(data_dir="-", run_dir=str(run_dir), model=name, optim={"lr": 1e-4})
+        runtime = build_runtime(cfg, BertMLM(model_config(name, args["vocab"])), torch.device("cpu"))
+        model, optimizer = runtime.parts, runtime.optimizer  # the run's builder: DDP at 2 ranks
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()  # AdamW's state exists, as in a run
+        optimizer.zero_grad(set_to_none=True)
+        state = RunState(cfg, runtime, RankSampler(64 * world, rank=rank, world_size=world, batch_size=4), "bench")
+        savers = {"dcp_sync": Checkpointer(run_dir / "sync", keep=1),
+                  "dcp_async": Checkpointer(run_dir / "async", keep=1, asynchronous=True)}
+        for rnd in range(args["rounds"] + 1):  # round 0: warm-up
+            order = WAYS[rnd % 3:] + WAYS[:rnd % 3]
+            for way in order:
+                dist.barrier()
+                t0 = time.perf_counter()
+                if way == "torch_save":
+                    target = run_dir / "torch" / "state.pt"
                     if rank == 0:
-                        lines.append({"model": name, "ranks": world, "round": rnd, "way": way,
-                                      "stall_s": per_rank[0]["stall_s"], "save_s": per_rank[0]["save_s"],
-                                      "max_stall_s": max(r["stall_s"] for r in per_rank),
-                                      "bytes_per_rank": [r["bytes"] for r in per_rank],
-                                      "load_avg_1m": os.getloadavg()[0]})
-                        print(json.dumps(lines[-1]), flush=True)
-            for saver in savers.values():
-                saver.close()
-            del model, optimizer, state, runtime
-            shutil.rmtree(run_dir, ignore_errors=True)
-    finally:
-        if world > 1:
-            dist.teardown()
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()},
+                                   target)
+                        os.sync()
+                    dist.barrier()
+                    stall = save_s = time.perf_counter() - t0
+                    written = target.stat().st_size if rank == 0 else 0
+                else:
+                    saver = savers[way]
+                    state.step = rnd + 1
+                    stall = saver.save(rnd + 1, state)  # the run's state, as train() saves it
+                    saver.wait()
+                    save_s = saver.saved_s[-1]
+                    dist.barrier()  # rank 0 has published the directory
+                    kind = "sync" if way == "dcp_sync" else "async"
+                    step_dir = run_dir / kind / "checkpoints" / f"step-{rnd + 1}"
+                    assert (step_dir / MARKER).is_file()
+                    written = _dir_bytes(step_dir, rank)
+                per_rank = dist.all_gather_object({"stall_s": stall, "save_s": save_s, "bytes": written})
+                if rank == 0:
+                    lines.append({"model": name, "ranks": world, "round": rnd, "way": way,
+                                  "stall_s": per_rank[0]["stall_s"], "save_s": per_rank[0]["save_s"],
+                                  "max_stall_s": max(r["stall_s"] for r in per_rank),
+                                  "bytes_per_rank": [r["bytes"] for r in per_rank],
+                                  "load_avg_1m": os.getloadavg()[0]})
+                    print(json.dumps(lines[-1]), flush=True)
+        for saver in savers.values():
+            saver.close()
+        del model, optimizer, state, runtime
+        shutil.rmtree(run_dir, ignore_errors=True)
     if rank == 0:
         pathlib.Path(out).write_text(json.dumps(lines))
 
@@ -159,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
             out = pathlib.Path(tmp) / f"lines-{world}.json"
             payload = json.dumps({"dir": str(pathlib.Path(tmp) / "runs"), "models": models, "vocab": args.vocab,
                                   "rounds": args.rounds})
-            mp.spawn(_worker, args=(world, _free_port(), payload, str(out)), nprocs=world, join=True)
+            spawn_ranks(world, _save_rounds, payload, str(out), pin=False)
             lines += json.loads(out.read_text())
     configs = {}
     for name in models:

@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import pathlib
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from _prep import free_port  # noqa: E402
 from labkit.config import TrainConfig, from_dict, to_dict  # noqa: E402
 from labkit.config.sections import ParallelConfig  # noqa: E402
 from labkit.data.shards import write_rows  # noqa: E402
@@ -72,12 +72,6 @@ def spread(values: list[float]) -> dict[str, float]:
     med = statistics.median(values)
     q = statistics.quantiles(values, n=4, method="inclusive") if len(values) >= 2 else [med, med, med]
     return {"min": min(values), "p25": q[0], "median": med, "p75": q[2], "max": max(values)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, cfg_json: str) -> None:
@@ -120,14 +114,14 @@ def allreduce_seconds(n_floats: int) -> float:
     host: the communication a DDP step adds (one all-reduce of every gradient, C5)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/t.json"
-        mp.spawn(_allreduce_worker, args=(2, _free_port(), n_floats, out), nprocs=2, join=True)
+        mp.spawn(_allreduce_worker, args=(2, free_port(), n_floats, out), nprocs=2, join=True)
         return json.loads(pathlib.Path(out).read_text())
 
 
 def run(cfg: TrainConfig, world: int) -> dict:
     """One fresh run of ``cfg`` on ``world`` spawned ranks: its result.json plus ``cpu_s``, the
     CPU seconds of ``train()`` summed over ranks (all steps, model build and checkpoint too)."""
-    mp.spawn(_worker, args=(world, _free_port(), json.dumps(to_dict(cfg))), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), json.dumps(to_dict(cfg))), nprocs=world, join=True)
     run_dir = pathlib.Path(cfg.run_dir)
     result = json.loads((run_dir / "result.json").read_text())
     result["cpu_s"] = sum(json.loads((run_dir / f"cpu-{r}.json").read_text()) for r in range(world))
@@ -150,11 +144,34 @@ def _worker(rank, world, port, forms):
                       MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     from labkit.config import TrainConfig, from_dict
     from labkit.train import train
-    try:  # a TrainConfig in sections; an older labkit takes the flat fields
-        cfg = from_dict(TrainConfig, forms["nested"])
-    except (TypeError, ValueError):
+    try:  # a TrainConfig in sections, less the fields an older labkit does not have
+        cfg = from_dict(TrainConfig, _known(forms["nested"], rank))
+    except (ImportError, TypeError, ValueError):  # an older labkit still: the flat fields
         cfg = TrainConfig(**forms["flat"])
     train(cfg)
+
+
+def _known(nested, rank):
+    \"\"\"``nested`` without the keys this labkit's TrainConfig and sections lack (features newer than
+    it, left at their defaults by the benchmark's config); rank 0 names them on stderr.\"\"\"
+    import dataclasses
+    from labkit.config import TrainConfig
+    from labkit.config.train import TRAIN_SECTIONS
+
+    top = {f.name for f in dataclasses.fields(TrainConfig)}
+    out, dropped = {}, []
+    for key, value in nested.items():
+        if key not in top:
+            dropped.append(key)
+        elif key in TRAIN_SECTIONS and isinstance(value, dict):
+            have = {f.name for f in dataclasses.fields(TRAIN_SECTIONS[key])}
+            out[key] = {k: v for k, v in value.items() if k in have}
+            dropped += [f"{key}.{k}" for k in value if k not in have]
+        else:
+            out[key] = value
+    if dropped and rank == 0:
+        print(f"baseline labkit lacks (left out): {', '.join(dropped)}", file=sys.stderr)
+    return out
 
 
 if __name__ == "__main__":

@@ -40,11 +40,10 @@ import sys
 import tempfile
 import time
 
-import torch.multiprocessing as mp
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench_ddp import _free_port, write_shards  # noqa: E402
+from _prep import spawn_ranks  # noqa: E402
+from bench_ddp import write_shards  # noqa: E402
 from labkit.config import TrainConfig, from_dict, to_dict  # noqa: E402
 
 TRIM = 0.10
@@ -58,16 +57,13 @@ def schedule(pairs: int, seed: int = 0) -> list[bool]:
     return out
 
 
-def _worker(rank: int, world: int, port: int, cfg_json: str, plan: list[bool], out_dir: str) -> None:
-    """One train() with the noise-scale observer toggled per step by ``plan``."""
-    cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+def _toggled_train(rank: int, world: int, cfg_json: str, plan: list[bool], out_dir: str) -> None:
+    """One train() with the noise-scale observer toggled per step by ``plan`` (``spawn_ranks``'s
+    ``run``, in its process group); rank 0 writes the observer's log to ``out_dir``/observer.json."""
     import torch
     import torch.distributed as tdist
 
-    from labkit.train import dist, gns, train
+    from labkit.train import gns, train
 
     calls = {"n": 0}
     plain_all_reduce = tdist.all_reduce
@@ -126,13 +122,11 @@ def _worker(rank: int, world: int, port: int, cfg_json: str, plan: list[bool], o
         return made
 
     gns.NoiseScale.for_run = toggled
-    assert dist.init_distributed("gloo", 600.0, torch.device("cpu"))
     try:
         train(from_dict(TrainConfig, json.loads(cfg_json)))
     finally:
         gns.NoiseScale.for_run = for_run
         tdist.all_reduce = plain_all_reduce
-        dist.teardown()
     if rank == 0:
         pathlib.Path(out_dir, "observer.json").write_text(json.dumps(Toggled.log))
 
@@ -196,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
                           batch={"micro_batch_size": args.micro_batch}, schedule={"warmup_steps": 1},
                           measure={"timing_warmup_steps": args.warmup_steps, "trackers": ()},
                           checkpoint={"enabled": False})
-        mp.spawn(_worker, args=(2, _free_port(), json.dumps(to_dict(cfg)), plan, tmp), nprocs=2, join=True)
+        spawn_ranks(2, _toggled_train, json.dumps(to_dict(cfg)), plan, tmp, pin=True)
         records = [json.loads(line) for line in pathlib.Path(tmp, "run", "metrics.jsonl").read_text().splitlines()]
         log = json.loads(pathlib.Path(tmp, "observer.json").read_text())
         n_params = json.loads(pathlib.Path(tmp, "run", "result.json").read_text())["params"]

@@ -21,7 +21,10 @@ measures it on real data.
 at start-up from a measured backward and two measured all-reduces on the run's own process group,
 ``labkit.train.buckets``) against torch's 25 MiB, paired per round: efficiency and exposed
 communication, the buckets each sent, and the cap auto chose with what it measured (its
-bucket_auto.json). Goal: auto at least as efficient as 25 MiB at every setting (median gain >= 1).
+bucket_auto.json). Goal: auto's 2-rank step at least as fast as 25 MiB's at every setting (the
+median over rounds of 25 MiB's step / auto's, paired by round, >= 1). The efficiency gain is printed
+beside it but is not the goal: each efficiency divides by a 1-rank compute time measured beside its
+own sweep (0.12-0.18 s across the runs of one idle-machine benchmark), whose noise it carries.
 
 Random token shards (bench_ddp's) unless ``--data-dir``. The machine's load average is printed
 beside every line. Run as root from the repository root: ``python benchmarks/bench_network.py``
@@ -159,6 +162,7 @@ def _bucket_auto(args, tmp: pathlib.Path, config: str) -> dict:
     caps = ("25", '"auto"')
     eff: dict = {(c, r): [] for c in caps for r in rates}
     exposed: dict = {(c, r): [] for c in caps for r in rates}
+    step: dict = {(c, r): [] for c in caps for r in rates}
     buckets: dict = {}
     chosen: dict = {r: [] for r in rates}
     for rnd in range(args.rounds):
@@ -171,6 +175,7 @@ def _bucket_auto(args, tmp: pathlib.Path, config: str) -> dict:
                 rate = row["rate_mbit"]
                 eff[cap, rate].append(row["efficiency"])
                 exposed[cap, rate].append(row["comm_exposed_s"])
+                step[cap, rate].append(row["step_s"])
                 setting = "unshaped" if rate is None else f"{rate:g}mbit"
                 run = tmp / f"round-{rnd}-{name}" / "sweeps" / "network-runs" / f"{args.model}-{setting}-none"
                 last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
@@ -188,17 +193,20 @@ def _bucket_auto(args, tmp: pathlib.Path, config: str) -> dict:
     settings = []
     for rate in rates:
         gain = spread([a / b for a, b in zip(eff['"auto"', rate], eff["25", rate])])
-        s = {"rate_mbit": rate, "efficiency_gain_spread": gain,
+        faster = spread([b / a for a, b in zip(step['"auto"', rate], step["25", rate])])
+        s = {"rate_mbit": rate, "step_time_ratio_spread": faster, "efficiency_gain_spread": gain,
              "efficiency": {c.strip(chr(34)): spread(eff[c, rate]) for c in caps},
              "comm_exposed_s": {c.strip(chr(34)): spread(exposed[c, rate]) for c in caps},
              "auto_cap_mb": [a["bucket_cap_mb"] for a in chosen[rate]],
              "buckets": {c.strip(chr(34)): buckets.get((c.strip(chr(34)), rate)) for c in caps}}
         print(json.dumps({"setting": rate, **s}), flush=True)
         settings.append(s)
-    worst = min(s["efficiency_gain_spread"]["median"] for s in settings)
-    return {"benchmark": "network_bucket_auto", "metric": "efficiency_gain_worst_setting", "value": worst,
-            "baseline": "bucket_cap_mb 25 (torch's default) at each link setting", "baseline_value": 1.0,
-            "ratio": worst, "higher_is_better": True, "goal": 1.0, "settings": settings}
+    worst = min(s["step_time_ratio_spread"]["median"] for s in settings)
+    return {"benchmark": "network_bucket_auto", "metric": "step_time_ratio_worst_setting", "value": worst,
+            "baseline": "bucket_cap_mb 25 (torch's default) at each link setting: its 2-rank step / auto's",
+            "baseline_value": 1.0, "ratio": worst, "higher_is_better": True, "goal": 1.0,
+            "efficiency_gain_worst_setting": min(s["efficiency_gain_spread"]["median"] for s in settings),
+            "settings": settings}
 
 
 if __name__ == "__main__":

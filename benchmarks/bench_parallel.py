@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import pathlib
-import socket
 import statistics
 import sys
 import tempfile
@@ -49,6 +48,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+from _prep import free_port  # noqa: E402
 from bench_ddp import write_shards  # noqa: E402
 from labkit.config import TrainConfig, from_dict, to_dict  # noqa: E402
 from labkit.model import model_config  # noqa: E402
@@ -58,12 +58,6 @@ from labkit.study.sweeps import machine_load  # noqa: E402
 
 VOCAB, SEQ = 128, 128
 OVERRIDES = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, jobs: list[tuple[str, str]], out_dir: str) -> None:
@@ -124,7 +118,7 @@ def main() -> None:
               for sp in (True, False)}
     jobs += [("memory", json.dumps(to_dict(cfg))) for cfg in memory.values()]
     load_before = machine_load()
-    mp.spawn(_worker, args=(2, _port(), jobs, str(tmp)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), jobs, str(tmp)), nprocs=2, join=True)
     load_after = machine_load()
 
     errors = {}

@@ -49,31 +49,13 @@ import pathlib
 import sys
 import time
 
-import torch.multiprocessing as mp
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_ddp import _free_port  # noqa: E402
-from labkit.config import TrainConfig, from_dict, to_dict  # noqa: E402
+from _prep import spawn_ranks, train_each  # noqa: E402
+from labkit.config import TrainConfig, to_dict  # noqa: E402
 
 RANKS = 2
-
-
-def _worker(rank: int, world: int, port: int, cfgs_json: str) -> None:
-    """One process group; train() every config in turn."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    import torch
-
-    from labkit.train import dist, train
-
-    assert dist.init_distributed("gloo", 600.0, torch.device("cpu"))
-    try:
-        for cfg in json.loads(cfgs_json):
-            train(from_dict(TrainConfig, cfg))
-    finally:
-        dist.teardown()
 
 
 def run_configs(base: TrainConfig, out_dir: pathlib.Path, *, examples: int, batches: list[int],
@@ -209,15 +191,14 @@ def main(argv: list[str] | None = None) -> dict:
     runs = run_configs(base, out_dir, examples=args.examples, batches=args.batches, ramp=ramp,
                        eval_examples=args.eval_examples)
     fixed_runs = [(n, c) for n, c in runs if c.batch.schedule == "fixed"]
-    mp.spawn(_worker, args=(RANKS, _free_port(), json.dumps([to_dict(c) for _, c in fixed_runs])), nprocs=RANKS,
-             join=True)
+    spawn_ranks(RANKS, train_each, json.dumps([to_dict(c) for _, c in fixed_runs]), pin=False)
     recs = {name: _read(c) for name, c in fixed_runs}
     best = {name: min(r["eval_loss"] for r in rs if r.get("eval_loss") is not None) for name, rs in recs.items()}
     target = args.target if args.target is not None else max(best.values())
     runs = [(n, c) for n, c in runs if c.batch.schedule == "fixed"] + _stopped(
         [(n, c) for n, c in runs if c.batch.schedule != "fixed"], recs, target, base, args.stop_factor)
     grown = [(n, c) for n, c in runs if c.batch.schedule != "fixed"]
-    mp.spawn(_worker, args=(RANKS, _free_port(), json.dumps([to_dict(c) for _, c in grown])), nprocs=RANKS, join=True)
+    spawn_ranks(RANKS, train_each, json.dumps([to_dict(c) for _, c in grown]), pin=False)
     recs |= {name: _read(c) for name, c in grown}
     lines = _summaries(runs, recs, target)
     fixed = {line["start_batch"]: (line["steps_to_target"], line["examples_to_target"]) for line in lines

@@ -28,30 +28,11 @@ import sys
 import tempfile
 import time
 
-import torch.multiprocessing as mp
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from bench_ddp import _free_port, spread, write_shards  # noqa: E402
-from labkit.config import TrainConfig, from_dict, to_dict  # noqa: E402
-
-
-def _worker(rank: int, world: int, port: int, cfgs_json: str) -> None:
-    """One process group; train() every config in turn."""
-    cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    import torch
-
-    from labkit.train import dist, train
-
-    assert dist.init_distributed("gloo", 600.0, torch.device("cpu"))
-    try:
-        for cfg in json.loads(cfgs_json):
-            train(from_dict(TrainConfig, cfg))
-    finally:
-        dist.teardown()
+from _prep import spawn_ranks, train_each  # noqa: E402
+from bench_ddp import spread, write_shards  # noqa: E402
+from labkit.config import TrainConfig, to_dict  # noqa: E402
 
 
 def recorder_seconds(repeats: int = 200) -> float:
@@ -131,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
             for on in ((True, False) if rnd % 2 == 0 else (False, True)):
                 cfg = base.replace(run_dir=f"{tmp}/run-{rnd}-{int(on)}", measure={"timeline": on})
                 runs.append({"round": rnd, "timeline": on, "cfg": to_dict(cfg)})
-        mp.spawn(_worker, args=(2, _free_port(), json.dumps([r["cfg"] for r in runs])), nprocs=2, join=True)
+        spawn_ranks(2, train_each, json.dumps([r["cfg"] for r in runs]), pin=True)
         step = {True: [], False: []}
         for item in runs:
             run_dir = pathlib.Path(item["cfg"]["run_dir"])

@@ -40,32 +40,14 @@ import statistics
 import sys
 import time
 
-import torch.multiprocessing as mp
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_ddp import _free_port  # noqa: E402
-from labkit.config import TrainConfig, from_dict, to_dict  # noqa: E402
+from _prep import spawn_ranks, train_each  # noqa: E402
+from labkit.config import TrainConfig, to_dict  # noqa: E402
 
 RUNS = (("none", "none", 4, 0), ("none-seed2", "none", 4, 1), ("bf16", "bf16", 4, 0),
         ("powersgd-r1", "powersgd", 1, 0), ("powersgd-r4", "powersgd", 4, 0))  # name, compression, rank, seed offset
-
-
-def _worker(rank: int, world: int, port: int, cfgs_json: str) -> None:
-    """One process group; train() every config in turn."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    import torch
-
-    from labkit.train import dist, train
-
-    assert dist.init_distributed("gloo", 600.0, torch.device("cpu"))
-    try:
-        for cfg in json.loads(cfgs_json):
-            train(from_dict(TrainConfig, cfg))
-    finally:
-        dist.teardown()
 
 
 def run_configs(base: TrainConfig, out_dir: pathlib.Path, *, steps: int, eval_every: int) -> list[tuple[str, TrainConfig]]:
@@ -99,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_path = pathlib.Path(args.out or pathlib.Path(lab.workdir) / "sweeps" / "compression_learning.jsonl")
     t0, load0 = time.time(), os.getloadavg()
     runs = run_configs(base, out_dir, steps=args.steps, eval_every=args.eval_every)
-    mp.spawn(_worker, args=(2, _free_port(), json.dumps([to_dict(c) for _, c in runs])), nprocs=2, join=True)
+    spawn_ranks(2, train_each, json.dumps([to_dict(c) for _, c in runs]), pin=False)
     recs = {name: [json.loads(x) for x in pathlib.Path(c.run_dir, "metrics.jsonl").read_text().splitlines()]
             for name, c in runs}
     best = {name: min(r["eval_loss"] for r in rs if r.get("eval_loss") is not None) for name, rs in recs.items()}

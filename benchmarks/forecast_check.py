@@ -49,39 +49,17 @@ import sys
 import tempfile
 import time
 
-import torch.multiprocessing as mp
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from bench_ddp import _free_port  # noqa: E402
-from labkit.config import TrainConfig, from_dict, to_dict  # noqa: E402
-
-
-def _worker(rank: int, world: int, port: int, cfgs_json: str) -> None:
-    """One process group of ``world`` ranks (rank r on core r); ``train()`` every config in turn."""
-    cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
-    import torch
-
-    from labkit.train import dist, train
-
-    if world > 1:
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-        assert dist.init_distributed("gloo", 600.0, torch.device("cpu"))
-    try:
-        for cfg in json.loads(cfgs_json):
-            train(from_dict(TrainConfig, cfg))
-    finally:
-        if world > 1:
-            dist.teardown()
+from _prep import spawn_ranks, train_each  # noqa: E402
+from labkit.config import TrainConfig, to_dict  # noqa: E402
 
 
 def _run(world: int, cfgs: list[TrainConfig]) -> list[list[dict]]:
-    """Train ``cfgs`` on ``world`` spawned ranks; rank 0's metrics records of each."""
-    mp.spawn(_worker, args=(world, _free_port(), json.dumps([to_dict(c) for c in cfgs])), nprocs=world, join=True)
+    """Train ``cfgs`` on ``world`` spawned ranks (rank r on core r); rank 0's metrics records of each."""
+    spawn_ranks(world, train_each, json.dumps([to_dict(c) for c in cfgs]), pin=True)
     return [[json.loads(x) for x in pathlib.Path(c.run_dir, "metrics.jsonl").read_text().splitlines() if x.strip()]
             for c in cfgs]
 

@@ -445,6 +445,16 @@ def lesson4_network() -> str:
     return text
 
 
+def _runs_to_target(name: str) -> tuple[list[dict], dict, float] | str:
+    """docs/data/<name>, JSON lines of a benchmark that trains runs to a held-out loss: (its run
+    records, "record": "run"; its last record, the summary; the summary's target_eval_loss), or the
+    "No record yet" line when the file is missing."""
+    recs = _records(name)
+    if not recs:
+        return f"No record yet (`docs/data/{name}` is missing).\n"
+    return [r for r in recs if r.get("record") == "run"], recs[-1], recs[-1]["target_eval_loss"]
+
+
 COMPRESSION_NAMES = {"none": "fp32 (none)", "none-seed2": "fp32, the next seed", "bf16": "bf16",
                      "powersgd-r1": "PowerSGD rank 1", "powersgd-r4": "PowerSGD rank 4"}
 
@@ -453,11 +463,10 @@ def lesson4_compression_learning() -> str:
     """docs/results.md: what each gradient compression costs in learning on real data, from
     docs/data/compression_learning.jsonl (``benchmarks/compression_learning.py``): steps to a
     held-out loss and their ratio to fp32's, the next seed's ratio as the yardstick of noise."""
-    recs = _records("compression_learning.jsonl")
-    if not recs:
-        return "No record yet (`docs/data/compression_learning.jsonl` is missing).\n"
-    runs, d = [r for r in recs if r.get("record") == "run"], recs[-1]
-    t = d["target_eval_loss"]
+    got = _runs_to_target("compression_learning.jsonl")
+    if isinstance(got, str):
+        return got
+    runs, d, t = got
     out = [f"| gradients | bytes per step | steps to held-out loss {t:.3f} | × fp32's | best held-out loss in "
            f"{d['steps']} steps |", "| --- | --- | --- | --- | --- |"]
     for r in runs:
@@ -499,11 +508,10 @@ def lesson4_bench_ramp() -> str:
     """docs/results.md: a batch ramp and the noise scale's growing batch against fixed batches, from
     docs/data/bench_ramp.jsonl (``benchmarks/bench_ramp.py``): steps and examples to a held-out loss,
     and the steps saved against the fixed batch that uses the same examples (issue 36's goal: 25 %)."""
-    recs = _records("bench_ramp.jsonl")
-    if not recs:
-        return "No record yet (`docs/data/bench_ramp.jsonl` is missing).\n"
-    runs, d = [r for r in recs if r.get("record") == "run"], recs[-1]
-    t = d["target_eval_loss"]
+    got = _runs_to_target("bench_ramp.jsonl")
+    if isinstance(got, str):
+        return got
+    runs, d, t = got
     out = [f"| run | global batch | steps to held-out loss {t:.3f} | examples to it | steps saved at the same "
            "examples | best held-out loss (steps run) |", "| --- | --- | --- | --- | --- | --- |"]
     for r in runs:

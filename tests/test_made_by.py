@@ -183,12 +183,11 @@ def test_train_on_cluster_on_a_finished_run_touches_nothing(client, tmp_path, ca
                       measure={"trackers": ("tensorboard",)}, checkpoint={"enabled": False})
     first = lab.train_on_cluster(client, cfg, live=plots.LivePlot(plots.loss_figure))
     run = pathlib.Path(cfg.run_dir)
-    def files() -> dict:  # ranks/: each call's per-rank liveness (run_ddp writes it while any call runs), not the run's
-        return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(run.rglob("*"))
-                if p.is_file() and p.relative_to(run).parts[0] != "ranks"}
+    def files() -> dict:  # every file of the run, ranks/ (its ranks' last status) included
+        return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(run.rglob("*")) if p.is_file()}
 
     before = files()
-    assert {"result.json", "metrics.jsonl", "config.json"} <= {p.name for p in before}
+    assert {"result.json", "metrics.jsonl", "config.json", "rank-0.json", "rank-1.json"} <= {p.name for p in before}
     capfd.readouterr()
     again = lab.train_on_cluster(client, cfg, live=plots.LivePlot(plots.loss_figure))
     assert files() == before

@@ -35,6 +35,7 @@ from labkit.cluster.engine_watch import death_cause, unreachable
 from labkit.cluster.stuck import StallWatch, clear_requests, ranks_text, request_interrupt
 from labkit.cluster.topology import assign_ranks, engine_info
 from labkit.config import TrainConfig
+from labkit.train.run_config import finished_run
 from labkit.train.status import interval_for
 
 __all__ = ["LOST_PROBE_S", "DDPError", "failure_line", "labkit_frame", "run_ddp"]
@@ -243,7 +244,8 @@ def run_ddp(
     newest `history` steps); one with ``every_poll = True`` is called at every poll, records or not
     (``labkit.cluster.elastic.GrowWatch``). `stream`: the engines' output is printed here, prefixed
     "[stdout:<engine id>]". Every rank writes a status file to `status_dir` (default: a
-    TrainConfig argument's run_dir/ranks, else the profile's labkit-status/<token>;
+    TrainConfig argument's run_dir/ranks, else, or when that run is finished and resumed, which
+    train() returns untouched, the profile's labkit-status/<token>;
     ``labkit.train.status``, every ``interval_for(cfg.timeout_s)`` s); when a step stalls, `stall_view(found)` (default
     ``labkit.live.StallView()``) gets ``labkit.cluster.stuck.StallWatch``'s line naming the rank the
     others wait for, its host and the collective, with its stack (None once it moves again).
@@ -358,8 +360,11 @@ def _stall_watch(client: ipp.Client, args: tuple, kwargs: dict, status_dir: str 
                  view: Callable[[dict | None], None] | None) -> tuple[dict, StallWatch, Callable[[dict | None], None]]:
     """The run's status directory, token and interval ({"dir", "token", "interval_s", "temporary"}: a
     TrainConfig argument's run_dir/ranks and ``status.interval_for`` its timeout_s, else the client's
-    profile's labkit-status/<token> (temporary: removed when the call returns) at 0.5 s), its ``StallWatch`` and the view it feeds (default ``labkit.live.StallView()``).
-    Requests left by earlier runs are removed."""
+    profile's labkit-status/<token> (temporary: removed when the call returns) at 0.5 s; the latter
+    also, at the config's interval, for a finished run resumed (``labkit.train.run_config.finished_run``
+    as this client sees the run: train() returns its saved result, and its ranks/ keeps the last
+    status of the ranks that trained it), its ``StallWatch`` and the view it feeds (default
+    ``labkit.live.StallView()``). Requests left by earlier runs are removed."""
     import uuid
 
     from labkit.live import StallView
@@ -368,9 +373,9 @@ def _stall_watch(client: ipp.Client, args: tuple, kwargs: dict, status_dir: str 
     temporary = False
     cfg = next((a for a in [*args, *kwargs.values()] if isinstance(a, TrainConfig)), None)
     if status_dir is None:
-        temporary = cfg is None
-        status_dir = (os.path.join(cfg.run_dir, "ranks") if cfg is not None
-                      else os.path.join(client._profile_dir.location, "labkit-status", token))
+        temporary = cfg is None or (cfg.resume and finished_run(cfg, say=False) is not None)
+        status_dir = (os.path.join(client._profile_dir.location, "labkit-status", token) if temporary
+                      else os.path.join(cfg.run_dir, "ranks"))
     os.makedirs(status_dir, exist_ok=True)
     clear_requests(status_dir)
     return ({"dir": os.path.abspath(status_dir), "token": token, "temporary": temporary,

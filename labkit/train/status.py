@@ -3,8 +3,9 @@
 Every rank of a multi-rank run keeps ``<dir>/rank-<r>.json`` (docs/formats.md) up to date: a daemon
 thread rewrites it atomically every ``interval_s`` seconds (``interval_for``), so it goes on while
 the main thread is blocked in a collective. ``<dir>`` is the run directory's ``ranks/``; a
-``labkit.cluster.run_ddp`` call of a function without a ``TrainConfig`` uses a directory of its
-own. One ``RankStatus`` per process: ``run_ddp`` starts it on each engine before the function runs
+``labkit.cluster.run_ddp`` call of a function without a ``TrainConfig``, or on a finished run
+resumed (nothing trained: its ``ranks/`` stays as the run left it), uses a directory of its own.
+One ``RankStatus`` per process: ``run_ddp`` starts it on each engine before the function runs
 (any function), and ``labkit.train.train`` starts one itself when none runs (torchrun, a spawn);
 ``begin`` / ``finish`` are the training loop's side of both. The record:
 

@@ -12,26 +12,19 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from gloo_group import free_port, gloo_group
 from labkit.config import TrainConfig, from_dict, to_dict
 
 pytestmark = pytest.mark.torch_threads(1)
 
 MICRO, RAMP_STEPS, CRITICAL_STEPS = 1, 8, 12
 RAMP = [[2, 4], [5, 8]]  # from a starting global batch of 2 (micro-batch 1 x dp 2)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _changes(run_dir: str | pathlib.Path) -> list[dict]:
@@ -49,11 +42,7 @@ def _worker(rank: int, world: int, port: int, entries: list) -> None:
 
     from labkit.train import train
 
-    torch.set_num_threads(1)
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"})
-    tdist.init_process_group("gloo")
-    try:
+    with gloo_group(rank, world, port):
         for entry in entries:
             if isinstance(entry, list):
                 cfg = from_dict(TrainConfig, json.loads(entry[1]))
@@ -62,8 +51,6 @@ def _worker(rank: int, world: int, port: int, entries: list) -> None:
             else:
                 train(from_dict(TrainConfig, json.loads(entry)))
             tdist.barrier()
-    finally:
-        tdist.destroy_process_group()
 
 
 def _cfg(shards: pathlib.Path, run_dir: pathlib.Path, **kw) -> TrainConfig:
@@ -88,7 +75,7 @@ def runs(tmp_path_factory) -> pathlib.Path:
                json.dumps(to_dict(critical)),
                ["stop-at-first-change", json.dumps(to_dict(critical.replace(run_dir=str(root / "critical-stopped")))),
                 str(root / "critical")]]
-    mp.spawn(_worker, args=(2, _port(), entries), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), entries), nprocs=2, join=True)
     return root
 
 

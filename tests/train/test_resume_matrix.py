@@ -21,16 +21,15 @@ a second 2-rank spawn after the 4-rank one).
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import shutil
-import socket
 
 import pytest
 import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
+from gloo_group import free_port, gloo_group
 from labkit.config import TrainConfig, from_dict, to_dict
 
 pytestmark = pytest.mark.torch_threads(1)
@@ -86,12 +85,6 @@ def _tag(dropout: float) -> str:
     return f"-drop{dropout}" if dropout else ""
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_entries(entries: list, rank: int) -> None:
     """train() of each config in turn; a ["copy", src, dst] entry copies a run directory (rank 0)."""
     from labkit.train import train
@@ -108,15 +101,9 @@ def _run_entries(entries: list, rank: int) -> None:
 
 def _worker(rank: int, world: int, port: int, phases: list[list]) -> None:
     """One process group; its entries of every phase whose turn is this world size's."""
-    torch.set_num_threads(1)
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"})
-    tdist.init_process_group("gloo")
-    try:
+    with gloo_group(rank, world, port):
         for entries in phases:
             _run_entries(entries, rank)
-    finally:
-        tdist.destroy_process_group()
 
 
 def _run_matrix(root: pathlib.Path, pairs: list[tuple[str, str, float]]) -> pathlib.Path:
@@ -130,11 +117,11 @@ def _run_matrix(root: pathlib.Path, pairs: list[tuple[str, str, float]]) -> path
     _run_entries(plan["sources"][1] + [json.dumps(to_dict(_cfg(shards, root / "ref", "one")))], 0)
     after_four = any(LAYOUTS[s][0] == 4 and LAYOUTS[d][0] == 2 for s, d, _ in pairs)
     phases = [plan["sources"][2]] if after_four else [plan["sources"][2], plan["targets"][2]]
-    mp.spawn(_worker, args=(2, _port(), phases), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), phases), nprocs=2, join=True)
     if plan["sources"][4] or plan["targets"][4]:
-        mp.spawn(_worker, args=(4, _port(), [plan["sources"][4], plan["targets"][4]]), nprocs=4, join=True)
+        mp.spawn(_worker, args=(4, free_port(), [plan["sources"][4], plan["targets"][4]]), nprocs=4, join=True)
     if after_four:
-        mp.spawn(_worker, args=(2, _port(), [plan["targets"][2]]), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, free_port(), [plan["targets"][2]]), nprocs=2, join=True)
     _run_entries(plan["targets"][1], 0)
     return root
 
