@@ -531,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="functions to disassemble (default: 30000, CorpusConfig.max_functions)")
     p.add_argument("--paths", nargs="*", default=None,
                    help="ELF files or directories (default: CorpusConfig.paths, the system's /usr/lib, /usr/bin, ...)")
-    p.add_argument("--steps", type=int, default=None, help="DDP training steps (default: 60, DemoConfig.train_steps)")
+    p.add_argument("--steps", type=int, default=None, help="DDP training steps (default: 40, DemoConfig.train_steps)")
     p.add_argument("--no-reports", action="store_true", help="skip executing the notebooks")
     p.add_argument("--force", action="store_true", help="redo every stage, the training run and the sweeps, even "
                                                         "those whose artifacts match the settings")

@@ -86,8 +86,10 @@ def run_demo(cfg: DemoConfig, *, force: bool = False, parameters: dict[str, Any]
 
     clock = _Clock()
     _say(f"starting a local ipyparallel cluster of {cfg.engines} engines (CPU, gloo)", t0)
+    imports = _in_background(_import_stages)  # while the engines start: the stages' modules (torch, polars)
     cluster = start_cluster(cfg.engines)
     try:
+        imports.result()
         client = get_client(cluster)
         clock.mark("engines started")
         index, staged = _data_stages(client, cfg, work, force, summary, t0)
@@ -251,6 +253,13 @@ def _timing_sweeps(client, work: Path, index: dict, nb: dict, staged: dict, forc
     _say_sweeps(ranks, mb, sizes, loader, splits, t0)
     return {"sweep_ranks": ranks.to_dicts(), "sweep_micro_batch": mb.to_dicts(), "sweep_model_size": sizes.to_dicts(),
             "sweep_loader": loader.to_dicts(), "sweep_parallel": splits.to_dicts()}
+
+
+def _import_stages() -> None:
+    """Import what the stages use (``labkit.lab`` with polars, ``labkit.train`` with torch): a few
+    CPU-seconds that ``run_demo`` spends while the engines start."""
+    import labkit.lab  # noqa: F401
+    import labkit.train.run_config  # noqa: F401
 
 
 def _in_background(fn, *args) -> Future:

@@ -50,7 +50,7 @@ def notebook_parameters(cfg: DemoConfig, work: Path, cluster_id: str | None = No
              # the demo's corpus sources: notebook 01 reuses the demo's artifacts only with the same settings
              "elf_paths": list(cfg.corpus.paths), "text_paths": list(cfg.corpus.text_paths),
              "jsonl_paths": list(cfg.corpus.jsonl_paths), "parquet_paths": list(cfg.corpus.parquet_paths),
-             "steps": min(cfg.train_steps, 20), "sweep_steps": cfg.sweep_steps,
+             "steps": min(cfg.train_steps, 12), "sweep_steps": cfg.sweep_steps,
              "sweep_models": list(cfg.sweep_models), "memory_budget_gib": cfg.memory_budget_gib} | (extra or {})
     out, seen = {}, set()
     for name in NOTEBOOKS:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from labkit.io import atomic_write_text
 
+import contextlib
 import os
 import pathlib
 import re
@@ -183,38 +184,56 @@ def execute_notebook(
     return out_html
 
 
-_EXECUTE = ("import json, sys\n"
-            "from labkit.report import execute_notebook\n"
-            "execute_notebook(sys.argv[1], sys.argv[2], parameters=json.loads(sys.argv[3]), timeout=int(sys.argv[5]),"
-            " cwd=sys.argv[4])")
-"""What each process of ``execute_notebooks`` runs."""
+_PRELOAD = ["jupyter_client", "nbclient", "nbconvert", "jupytext", "labkit.report"]
+"""What the process each notebook of ``execute_notebooks`` runs in has imported before it starts:
+it is forked from a ``multiprocessing`` forkserver that imported these once (a fresh interpreter
+per notebook spent about 3 CPU-s importing them, every time)."""
+
+
+def _execute_child(src: str, out: str, parameters: dict, cwd: str, timeout: int, env: dict, log: str) -> None:
+    """In a notebook's own process (``execute_notebooks``): the caller's environment, this
+    process's stdout and stderr (and so the kernel's) into ``log``, then ``execute_notebook``."""
+    os.environ.clear()
+    os.environ.update(env)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    try:
+        execute_notebook(src, out, parameters=parameters, timeout=timeout, cwd=cwd)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        raise SystemExit(1) from None
 
 
 def execute_notebooks(lanes: list[list[tuple]], *, jobs: int = 2, cwd: str | os.PathLike, timeout: int = 900,
                       after: dict | None = None, done=None) -> None:
-    """Execute notebooks, each in a process of its own (``execute_notebook``): the notebooks of
-    a lane one after another, up to ``jobs`` lanes at once. ``lanes``: lists of (source,
-    out_html, parameters); ``cwd``: the kernels' working directory; ``timeout``: seconds per
-    cell; ``after``: {source stem: concurrent.futures.Future} -- that notebook starts once its
-    future is done (its exception fails the notebook's lane); ``done(stem, seconds)`` is called
-    as each notebook finishes.
+    """Execute notebooks, each in a process of its own (``execute_notebook``; forked from a
+    ``multiprocessing`` forkserver that imported ``_PRELOAD`` once, with this process's
+    environment): the notebooks of a lane one after another, up to ``jobs`` lanes at once.
+    ``lanes``: lists of (source, out_html, parameters); ``cwd``: the kernels' working directory;
+    ``timeout``: seconds per cell; ``after``: {source stem: concurrent.futures.Future} -- that
+    notebook starts once its future is done (its exception fails the notebook's lane);
+    ``done(stem, seconds)`` is called as each notebook finishes.
 
     On a failure, or Ctrl-C here, no other notebook starts, and those still running after 5 s are
     interrupted (SIGINT: nbclient then shuts their kernels down; killed after 30 more s). Raises RuntimeError
     naming the first notebook that failed, with the end of its output (nbclient's
     CellExecutionError names the cell and the exception)."""
-    import contextlib
-    import json
+    import multiprocessing
     import signal
-    import subprocess
-    import sys
     import threading
     import time
     from concurrent.futures import ThreadPoolExecutor, wait
 
     after = after or {}
-    procs: list[subprocess.Popen] = []
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    procs: list = []
     stopping = threading.Event()
+    logs = tempfile.mkdtemp(prefix="labkit-notebooks-")  # 0700: each notebook's output, read on failure
 
     def run(lane: list[tuple]) -> None:
         for src, out, parameters in lane:
@@ -226,13 +245,16 @@ def execute_notebooks(lanes: list[list[tuple]], *, jobs: int = 2, cwd: str | os.
             if name in after:
                 after[name].result()  # its exception fails this lane
             start = time.perf_counter()
-            proc = subprocess.Popen([sys.executable, "-c", _EXECUTE, str(src), str(out), json.dumps(parameters),
-                                     str(cwd), str(timeout)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            log = os.path.join(logs, f"{name}.log")
+            proc = ctx.Process(target=_execute_child, args=(str(src), str(out), parameters, str(cwd), timeout,
+                                                            dict(os.environ), log), name=f"labkit-notebook-{name}")
+            proc.start()
             procs.append(proc)
-            output = proc.communicate()[0]
-            if proc.returncode:
+            proc.join()
+            if proc.exitcode:
                 stopping.set()
-                raise RuntimeError(f"notebook {name} failed (exit {proc.returncode}):\n"
+                output = pathlib.Path(log).read_text(errors="replace") if os.path.exists(log) else ""
+                raise RuntimeError(f"notebook {name} failed (exit {proc.exitcode}):\n"
                                    + "\n".join(output.strip().splitlines()[-25:]))
             if done is not None:
                 done(name, time.perf_counter() - start)
@@ -245,17 +267,18 @@ def execute_notebooks(lanes: list[list[tuple]], *, jobs: int = 2, cwd: str | os.
         stopping.set()
         end = time.monotonic() + 5  # Ctrl-C in a terminal reached them too: let them stop their kernels first
         for proc in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.0, end - time.monotonic()))
+            proc.join(timeout=max(0.0, end - time.monotonic()))
         for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
+            if proc.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGINT)
         for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
+            proc.join(timeout=30)
+            if proc.exitcode is None:
                 proc.kill()
+                proc.join()
         pool.shutdown(wait=True, cancel_futures=True)
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 UNIX_PATH_MAX = 107

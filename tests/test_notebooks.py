@@ -110,7 +110,7 @@ def test_notebooks_execute_and_export_offline_reports(reports, workdir):
     assert sum("eval_loss" in r for r in law_records) == SMALL["law_points"]  # notebook 05 fits held-out loss
     nb03 = [json.loads(line) for line in (workdir / "runs" / "notebook-03" / "metrics.jsonl").read_text().splitlines()]
     steps = json.loads((workdir / "runs" / "notebook-03" / "config.json").read_text())["max_steps"]
-    assert steps == 20 and [r["step"] for r in nb03 if "eval_loss" in r] == [5, 10, 15, 20]  # every 20 // 4 steps
+    assert steps == 12 and [r["step"] for r in nb03 if "eval_loss" in r] == [3, 6, 9, 12]  # every 12 // 4 steps
     nb04 = nbformat.read(reports["04_scaling"].with_suffix(".ipynb"), as_version=4)
     shown = "".join(o.get("data", {}).get("text/plain", "") for c in nb04.cells if c.cell_type == "code"
                     for o in c.get("outputs", []))

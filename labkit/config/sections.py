@@ -263,9 +263,14 @@ class EvalConfig:
     """Held-out sequences in the fixed evaluation set (the first ones of the split)."""
     batch_size: int | None = field(default=None, metadata=SAFE)
     """Sequences per evaluation forward per rank; None: batch.micro_batch_size."""
+    enabled: bool = field(default=True, metadata=SAFE)
+    """False: no held-out evaluation at all, not even at the end (the timing sweeps' runs, whose
+    quantity is a time: their result.json has eval_loss None). With every > 0 it is refused."""
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "eval.every", f"must be >= 0, got {self.every}")
+        _require(self.enabled or self.every == 0, "eval.enabled",
+                 f"false, but eval.every is {self.every} (set eval.every = 0, or enabled = true)")
         _positive(self.sequences, "eval.sequences")
         _require(self.batch_size is None or self.batch_size > 0, "eval.batch_size",
                  f"must be positive or None, got {self.batch_size}")

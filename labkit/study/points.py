@@ -66,7 +66,7 @@ TIME_FREE = frozenset({"run_dir", "data_dir", "data.tokenizer_path", "resume", "
                        "schedule.kind", "schedule.warmup_steps", "schedule.min_lr_ratio",
                        "schedule.wsd_decay_fraction", "measure.log_every", "checkpoint.every", "checkpoint.keep",
                        "checkpoint.enabled", "checkpoint.asynchronous", "checkpoint.init_from", "eval.every",
-                       "eval.sequences", "eval.batch_size", "batch.lr_rule"})
+                       "eval.enabled", "eval.sequences", "eval.batch_size", "batch.lr_rule"})
 """TrainConfig fields (dotted, ``labkit.config.dotted``) that do not shape a measurement of time and memory: where the run is
 written and read (the data are identified by their index.json instead), the values of the
 optimisation (learning rate and its schedule, decay, clipping threshold, seed: the same work per

@@ -41,6 +41,13 @@ __all__ = [
 ]
 
 
+NO_EVAL = {"enabled": False, "every": 0}
+"""The eval section of every timed sweep run (ranks, model sizes, splits): no held-out evaluation,
+not even at the end. Their quantity is a time; an evaluation would only add its forward passes to
+the point's cost (a third of an 8-step ``mini`` run on one CPU rank). ``eval`` is in
+``points.TIME_FREE``, so points measured with an evaluation are still reused."""
+
+
 def sweep_config(workdir: str, **fields) -> TrainConfig:
     """The base TrainConfig of the lab's short sweep runs on ``<workdir>/shards`` (notebooks 04
     and 06 and ``labkit demo`` build theirs here, so that the demo's points are the notebooks'):
@@ -69,7 +76,8 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
     all-reduce not hidden behind backward, mean seconds per timed step and share of the step;
     ``labkit.measure.comm_exposed_s``; 0 at one rank; null in rows measured before it existed),
     efficiency = tokens_per_s(n) / (n * tokens_per_s(1)), and the machine's load just before the point (``points.load_columns``: load_avg_1m, load_avg_5m,
-    cpu_count, busy). Sweep runs write metrics and result.json, no checkpoint. ``progress``: a
+    cpu_count, busy). Sweep runs write metrics and result.json, no checkpoint, and evaluate nothing
+    (``NO_EVAL``). ``progress``: a
     bar over each measured point's steps (``StepProgress``), drawn here.
 
     Statistical goodput (``labkit.study.goodput.goodput_columns``, per model and micro-batch):
@@ -86,7 +94,7 @@ def sweep_ranks(client, base: TrainConfig, workdir: str, *, ranks: list[int] | N
     mb = base.batch.micro_batch_size
     for n in ranks:
         cfg = base.replace(run_dir=str(paths(workdir)["runs"] / f"sweep-ranks-{base.model}-{n}"), resume=False,
-                           checkpoint={"enabled": False})
+                           checkpoint={"enabled": False}, eval=NO_EVAL)
         settings = run_settings(cfg, ranks=n)
         old = have.get((n, base.model, mb))
         if reusable("ranks", f"{n} rank(s)", old, settings):
@@ -234,7 +242,8 @@ def sweep_model_size(client, base: TrainConfig, workdir: str, *, models: list[st
     model, params, non_embedding_params, ranks, micro_batch_size, seq_len, tokens_per_s,
     samples_per_s, flops_per_token (``labkit.model.flops_per_token``), achieved_flops
     (tokens_per_s x flops_per_token, all ranks), comm_exposed_s (as in ``sweep_ranks``), and the machine's load before the run
-    (load_avg_1m, load_avg_5m, cpu_count, busy; ``points.load_columns``). No checkpoints are written.
+    (load_avg_1m, load_avg_5m, cpu_count, busy; ``points.load_columns``). No checkpoints are written, no
+    held-out evaluation runs (``NO_EVAL``).
     ``progress``: a bar over each measured point's steps (``StepProgress``)."""
     out = paths(workdir)["sweeps"] / "model_size.parquet"
     n = ranks or len(client.ids)
@@ -242,7 +251,7 @@ def sweep_model_size(client, base: TrainConfig, workdir: str, *, models: list[st
     have = {(r["model"], r["ranks"], r["micro_batch_size"]): r for r in rows}
     index = read_index(base.data_dir)
     for name in models:
-        cfg = base.replace(model=name, resume=False, checkpoint={"enabled": False},
+        cfg = base.replace(model=name, resume=False, checkpoint={"enabled": False}, eval=NO_EVAL,
                            run_dir=str(paths(workdir)["runs"] / f"sweep-size-{name}-{n}"))
         settings = run_settings(cfg, ranks=n)
         old = have.get((name, n, base.batch.micro_batch_size))
@@ -290,7 +299,8 @@ def sweep_parallel(client, base: TrainConfig, workdir: str, *, splits: list[dict
     Model-parallel splits replicate over dp (``sharding="replicate"``; tp > 1 with sequence
     parallelism, as the planner assumes), dp alone uses DDP.
 
-    Per split, ``steps`` optimiser steps (``train_on_cluster``; no checkpoints) give tokens/s,
+    Per split, ``steps`` optimiser steps (``train_on_cluster``; no checkpoints, no held-out
+    evaluation: ``NO_EVAL``) give tokens/s,
     samples/s, step_time_s, the measured pipeline bubble and time in TP collectives (result.json:
     means after the warm-up steps), and one ``labkit.study.parallel.measure_rank_memory`` call on the
     engines the per-rank memory (the largest rank's); beside them the planner's bubble and per-rank
@@ -323,7 +333,7 @@ def sweep_parallel(client, base: TrainConfig, workdir: str, *, splits: list[dict
                            batch={"grad_accum_steps": micro_batches,
                                   "micro_batch_size": global_batch // (dp * micro_batches)},
                            max_steps=steps, run_dir=str(paths(workdir)["runs"] / name), resume=False,
-                           checkpoint={"enabled": False}, eval={"every": 0})
+                           checkpoint={"enabled": False}, eval=NO_EVAL)
         settings = run_settings(cfg, world_size=n)
         old = have.get((dp, tp, pp, schedule, base.model, micro_batches, global_batch))
         if reusable("parallel", name.removeprefix(f"sweep-parallel-{base.model}-"), old, settings):

@@ -126,11 +126,11 @@ def _rank_data(cfg: TrainConfig, data: ShardSet, runtime: Runtime, vocab_size: i
 
 def _heldout_set(cfg: TrainConfig, data: ShardSet, rank: int, world: int, device: torch.device) -> Any:
     """The fixed masked held-out set (``labkit.train.evaluation.HeldoutSet``) of this rank from the
-    run's opened shard set ``data``, or None when eval_every is 0 and the shards have no held-out
-    split (then no evaluation runs)."""
+    run's opened shard set ``data``, or None when eval.enabled is false, or eval.every is 0 and the
+    shards have no held-out split (then no evaluation runs)."""
     from labkit.train.evaluation import HeldoutSet
 
-    if cfg.eval.every == 0 and not data.index.get("heldout"):
+    if not cfg.eval.enabled or (cfg.eval.every == 0 and not data.index.get("heldout")):
         return None
     return HeldoutSet(data, rank=rank, world_size=world,
                       mlm_probability=cfg.data.mlm_probability, max_sequences=cfg.eval.sequences,

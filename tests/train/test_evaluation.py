@@ -118,6 +118,20 @@ def test_eval_every_needs_a_heldout_split(tmp_path):
     assert train(tiny_cfg(bare, tmp_path / "run2", max_steps=1))["eval_loss"] is None
 
 
+def test_eval_disabled_evaluates_nothing_not_even_at_the_end(shards, tmp_path):
+    """``eval.enabled = false`` (the timed sweep runs, ``labkit.study.sweeps.NO_EVAL``): shards with a
+    held-out split, yet no record and no result carries a held-out loss; with ``every`` > 0 refused."""
+    from labkit.config import EvalConfig
+    from labkit.train import train
+
+    result = train(tiny_cfg(shards, tmp_path / "run", max_steps=2, eval={"enabled": False}))
+    assert result["eval_loss"] is None and result["perplexity"] is None
+    assert not any("eval_loss" in r for r in read_metrics(tmp_path / "run"))
+    assert train(tiny_cfg(shards, tmp_path / "run2", max_steps=2))["eval_loss"] is not None  # the default: at the end
+    with pytest.raises(ValueError, match="eval.enabled: false, but eval.every is 3"):
+        EvalConfig(enabled=False, every=3)
+
+
 def test_loss_figure_draws_the_eval_loss_series():
     import polars as pl
 
