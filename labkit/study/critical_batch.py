@@ -132,13 +132,16 @@ def batch_base(workdir: str | pathlib.Path, *, model: str, micro_batch: int, lr:
     """The base TrainConfig of notebook 07's (and ``labkit demo``'s) batch sweep on
     ``<workdir>/shards``: ``model`` at micro-batch ``micro_batch`` and learning rate ``lr`` (at a
     global batch of ``micro_batch``), 2 warm-up steps then constant (min_lr_ratio 1), seed 0,
-    one thread, the held-out loss on 64 sequences in batches of 8, no checkpoints."""
+    one thread, the held-out loss on 64 sequences in batches of 8, no checkpoints, no trackers
+    (the curves are read from metrics.jsonl; ``measure.trackers`` is not part of a loss point's
+    record, ``labkit.study.points.LOSS_FREE``)."""
     from labkit.config import TrainConfig
 
     return TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/critical-batch", model=model,
                        num_threads=1, resume=False, seed=0, batch={"micro_batch_size": micro_batch, "grad_accum_steps": 1},
                        optim={"lr": lr}, schedule={"warmup_steps": 2, "min_lr_ratio": 1.0},
-                       checkpoint={"enabled": False}, eval={"sequences": 64, "batch_size": 8})
+                       checkpoint={"enabled": False}, eval={"sequences": 64, "batch_size": 8},
+                       measure={"trackers": ()})
 
 
 def batch_config(base: Any, workdir: str | pathlib.Path, batch: int, *, lr_rule: str = "sqrt",

@@ -29,12 +29,15 @@ def law_config(workdir: str, width: int, *, steps: int, micro_batch: int, points
     """The run of ``width`` (hidden size; FFN 4 x width, 2 heads, the ``tiny`` preset's 2 layers)
     on ``<workdir>/shards``: ``steps`` optimiser steps of ``micro_batch`` sequences at a constant
     learning rate of 2e-3 after 5 warm-up steps, the held-out loss on 128 sequences every
-    ``steps // points`` steps, one thread, no checkpoint, in ``<workdir>/runs/law-<width>``."""
+    ``steps // points`` steps, one thread, no checkpoint, no trackers (the curve is read from
+    metrics.jsonl; a TensorBoard writer cost about a tenth of a step here), in
+    ``<workdir>/runs/law-<width>``."""
     return TrainConfig(data_dir=f"{workdir}/shards", run_dir=f"{workdir}/runs/law-{width}", model="tiny",
                        model_overrides={"hidden_size": width, "intermediate_size": 4 * width, "num_heads": 2},
                        max_steps=steps, num_threads=1, resume=False, seed=0, batch={"micro_batch_size": micro_batch},
                        optim={"lr": 2e-3}, schedule={"warmup_steps": 5, "min_lr_ratio": 1.0},
-                       checkpoint={"enabled": False}, eval={"every": max(1, steps // points), "sequences": 128})
+                       checkpoint={"enabled": False}, eval={"every": max(1, steps // points), "sequences": 128},
+                       measure={"trackers": ()})
 
 
 def sweep_law_runs(workdir: str, *, widths: list[int], steps: int, micro_batch: int, points: int,

@@ -129,3 +129,14 @@ def test_sweep_batch_reuses_a_point_only_with_its_settings_and_data_and_force_tr
     err = capfd.readouterr().err
     assert not rebuilt["reused"].any() and all(mtimes()[b] > trained[b] for b in runs)
     assert err.count("measuring again") == 3 and "sweep batch batch 4: data " in err, err
+
+
+def test_the_batch_sweep_runs_write_no_tracker_and_keep_their_record(tmp_path):
+    """Notebook 07's runs are read from metrics.jsonl: no TensorBoard writer (a tenth of a tiny
+    step); a point made with one, before, has the same record and is read back."""
+    from labkit.study.critical_batch import batch_base, batch_config
+    from labkit.study.points import loss_settings
+
+    cfg = batch_config(batch_base(tmp_path, model="tiny", micro_batch=8, lr=2e-3), tmp_path, 16, max_examples=64)
+    assert cfg.measure.trackers == () and cfg.measure.log_every == 1
+    assert loss_settings(cfg) == loss_settings(cfg.replace(measure={"trackers": ("tensorboard",)}))

@@ -11,6 +11,7 @@ import pytest
 
 from labkit.model import count_parameters, model_config
 from labkit.study.law_runs import law_config, sweep_law_runs
+from labkit.study.points import loss_settings
 from tiny_shards import write_tiny_shards  # tests/ is on sys.path
 
 
@@ -27,6 +28,10 @@ def test_law_runs_are_read_back_only_with_their_settings_and_shards(tmp_path, ca
     assert first.filter(pl.col("width") == 16)["n_params"].unique().to_list() == [
         count_parameters(model_config("tiny", 96, **cfg.model_overrides))["non_embedding"]]
     assert not first["reused"].any()
+    # no tracker in these loss-only runs (the curve is metrics.jsonl's), and a point made with the
+    # TensorBoard one (before they went without) has the same record: it is read back, not retrained
+    assert cfg.measure.trackers == () and not (work / "runs" / "law-8" / "tensorboard").exists()
+    assert loss_settings(cfg) == loss_settings(cfg.replace(measure={"trackers": ("tensorboard",)}))
     trained = {w: p.stat().st_mtime_ns for w, p in metrics.items()}
     capfd.readouterr()
     again = sweep_law_runs(str(work), **kw)
