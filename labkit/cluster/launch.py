@@ -50,7 +50,8 @@ class DDPError(RuntimeError):
     e.g. their node dropped off the network; empty when all answered), `remote_traceback` (the
     engines' full tracebacks as plain text, by rank; "" when there is none), `failures`
     ({rank: one-line summary}), `stuck` (the stall seen before the error: ``StallWatch.found``,
-    whose line then begins the message; None without one)."""
+    whose line then begins the message, or follows it when the error names a dead or lost engine,
+    the cause; None without one)."""
 
     def __init__(self, message: str, *, rank: int | None = None, engine_id: int | None = None, died: bool = False,
                  lost: list[int] | None = None, remote_traceback: str = "", failures: dict[int, str] | None = None):
@@ -395,10 +396,13 @@ def _wait_after_interrupt(ars: dict[int, Any], pending: set[int], watch: StallWa
 
 
 def _name_stuck(err: DDPError, watch: StallWatch) -> None:
-    """Put the stall the watch saw before ``err`` (the rank the others waited for) first in its message."""
+    """Put the stall the watch saw before ``err`` (the rank the others waited for) first in its message;
+    after it when ``err`` names an engine that died or was lost, which is then the cause (a node cut
+    off: its rank's status still says it waits in the collective the survivors have left)."""
     err.stuck = watch.found
     if watch.found:
-        err.args = (f"{watch.found['line']}\n{err.args[0] if err.args else ''}",)
+        text = err.args[0] if err.args else ""
+        err.args = (f"{text}\n{watch.found['line']}" if err.died or err.lost else f"{watch.found['line']}\n{text}",)
 
 
 def _rank_environments(client: ipp.Client, infos: list[dict]) -> dict[int, dict[str, str]]:
