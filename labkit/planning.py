@@ -70,11 +70,17 @@ PRESET_DEFAULTS = {"model": "bert-120m", "gpus": 256, "gpus_per_node": 2, "seq_l
 
 
 def preset_defaults(args) -> set[str]:
-    """Fill ``args``' unset options from ``PRESET_DEFAULTS``; returns the options the command line set."""
+    """Fill ``args``' unset options from ``PRESET_DEFAULTS``; returns the options the command line set.
+    Raises ValueError naming the option when a count (``--gpus``, ``--gpus-per-node``, ``--seq-len``,
+    ``--micro-batch``) is below 1."""
     given = {key for key in PRESET_DEFAULTS if getattr(args, key, None) is not None}
     for key, value in PRESET_DEFAULTS.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    for key in ("gpus", "gpus_per_node", "seq_len", "micro_batch"):
+        value = getattr(args, key, None)
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"--{key.replace('_', '-')}: must be >= 1, got {value}")
     return given
 
 

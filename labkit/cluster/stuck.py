@@ -236,7 +236,9 @@ def report(run_dir: str | os.PathLike, *, wait_s: float = 3.0) -> dict:
     first line with the state ("stuck: " + ``stuck_line``, with the rank's stack below, waiting up
     to ``wait_s`` for a py-spy dump by a rank on its host; or the ranks and their step), then
     ``rank_lines``. ``run_dir``: a run directory (its ``ranks/`` is read) or a status directory.
-    Raises FileNotFoundError (one line) when it holds no rank status."""
+    Raises FileNotFoundError (one line) when ``run_dir`` does not exist or holds no rank status."""
+    if not Path(run_dir).is_dir():
+        raise FileNotFoundError(f"{run_dir}: run directory does not exist")
     status_dir = Path(run_dir) / "ranks" if (Path(run_dir) / "ranks").is_dir() else Path(run_dir)
     statuses = read_statuses(status_dir)
     if not statuses:

@@ -85,7 +85,10 @@ def test_read_statuses_keeps_the_newest_run_and_report_prints_it(tmp_path):
     assert lines[0] == "running: 4 ranks at step 11; no rank holds the others up"
     assert [line.split(":")[0] for line in lines[-4:]] == ["rank 0", "rank 1", "rank 2", "rank 3"]
     assert lines[-1].startswith("rank 3: host h2, node h2, pid 103, step 10 in train, collective 72 (gloo:all_reduce) done")
+    (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no rank status files"):
+        S.report(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="nothing: run directory does not exist"):
         S.report(tmp_path / "nothing")
 
 
