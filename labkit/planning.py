@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import sys
 from typing import Any
 
 __all__ = ["GPU_COUNTS", "PRESET_DEFAULTS", "SCALING_NOTE", "check_network", "config_vocab", "peak_text", "plan",
