@@ -60,7 +60,8 @@ def demo_train_config(cfg: DemoConfig, workdir: Path, *, run: str = "demo") -> T
 
 def run_demo(cfg: DemoConfig, *, force: bool = False, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run every stage of the lab and return (and write to ``<workdir>/demo.json``) a summary
-    of what was measured. Raises whatever a stage raises (each names its problem).
+    of what was measured. Raises whatever a stage raises (each names its problem); FileNotFoundError
+    naming missing corpus paths and ValueError naming a workdir it cannot create, before any engine starts.
 
     A second run on the same work directory reuses what the same settings made: each data stage
     whose ``made_by`` record matches (``labkit.lab``), the training run when it finished with
@@ -81,7 +82,10 @@ def run_demo(cfg: DemoConfig, *, force: bool = False, parameters: dict[str, Any]
     work = Path(cfg.workdir).resolve()
     for name, given in notebook_parameters(cfg, work, None, parameters).items():  # names, types: before any work
         check_parameters(notebooks_dir() / f"{name}.py", given)
-    work.mkdir(parents=True, exist_ok=True)
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a read-only place, a file in the way: named before any engine starts
+        raise ValueError(f"workdir: cannot create {work}: {err.strerror or err}") from None
     summary: dict[str, Any] = {"config": to_dict(cfg), "workdir": str(work)}
 
     clock = _Clock()

@@ -19,6 +19,13 @@ def test_demo_with_a_missing_input_path_names_it(tmp_path, capsys):
     assert not (tmp_path / "w").exists(), "nothing is written before the inputs are checked"
 
 
+def test_demo_with_a_work_directory_it_cannot_create_names_it(tmp_path, capsys):
+    """/proc takes no new directories, even from root: the mkdir fails after the path checks."""
+    assert main(["demo", "--workdir", "/proc/labkit-no-such-dir", "--paths", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "workdir: cannot create /proc/labkit-no-such-dir: " in err and len(err.splitlines()) == 1, err
+
+
 def test_verify_refuses_a_directory_without_index(tmp_path, capsys):
     (tmp_path / "shard-00000.bin").write_bytes(b"\0" * 16)
     assert main(["verify", str(tmp_path)]) == 2
