@@ -193,8 +193,8 @@ class Runtime:
     def _squared(self, pairs: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> torch.Tensor:
         """Σ over (parameter, gradient) of this rank's share of the squared norm (``_piece_weights``):
         each gradient's fp32 norm in one ``torch._foreach_norm`` call (as torch's
-        ``clip_grad_norm_`` takes them; per-tensor ``squared_norm`` calls cost ~1 ms a micro-batch
-        of the tiny model), squared, weighted, summed."""
+        ``clip_grad_norm_`` takes them, rather than a ``squared_norm`` call per tensor), squared,
+        weighted, summed."""
         sq = torch.stack(torch._foreach_norm([local(g) for _, g in pairs], 2, dtype=torch.float32)).square()
         if self.weights:
             sq = sq * torch.tensor([self.weights.get(p, 1.0) for p, _ in pairs], dtype=torch.float32, device=sq.device)
