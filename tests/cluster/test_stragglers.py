@@ -38,6 +38,8 @@ from labkit.testing import realcluster as R
 PLACES = ("h1", "h1", "h1", "h2")
 CASES = ("even", "compute", "data", "network")
 SLOW = {"compute": 1, "data": 2, "network": 3}
+pytestmark = pytest.mark.exclusive  # a slowed rank against the others, and an even run that must stay even
+
 CASE_S = 300.0  # the most one case may take on a loaded machine
 STEPS = {"even": 200, "compute": 12, "data": 12, "network": 12}
 """Each case's steps. The result's culprit is judged over all steps after the 2 timing warm-up ones
@@ -171,18 +173,17 @@ def runs(tmp_path_factory):
     return out
 
 
-def _say(capsys, case: str, run: tuple) -> None:
+def _say(say, case: str, run: tuple) -> None:
     result, seconds, throttled = run
-    with capsys.disabled():
-        extra = f", kernel throttled the slowed processes {throttled:.1f} s" if throttled is not None else ""
-        print(f"\n[stragglers] {case}: {result['steps']} steps in {seconds:.1f} s (load {os.getloadavg()[0]:.1f}"
-              f"{extra}); goodput {result['goodput']:.2f}; "
-              f"{(result['culprit'] or {}).get('line', 'culprit: none')}")
+    extra = f", kernel throttled the slowed processes {throttled:.1f} s" if throttled is not None else ""
+    say(f"\n[stragglers] {case}: {result['steps']} steps in {seconds:.1f} s (load {os.getloadavg()[0]:.1f}"
+        f"{extra}); goodput {result['goodput']:.2f}; "
+        f"{(result['culprit'] or {}).get('line', 'culprit: none')}")
 
 
-def test_an_even_run_of_200_steps_names_no_culprit(runs, capsys):
+def test_an_even_run_of_200_steps_names_no_culprit(runs, say):
     result = runs["even"][0]
-    _say(capsys, "even", runs["even"])
+    _say(say, "even", runs["even"])
     assert result["steps"] == 200 and result["world_size"] == 4
     assert result["culprit"] is None
     parts = [result["goodput"]] + [v for k, v in result.items() if k.startswith("badput_")]
@@ -190,9 +191,9 @@ def test_an_even_run_of_200_steps_names_no_culprit(runs, capsys):
 
 
 @pytest.mark.parametrize("case", ["compute", "data", "network"])
-def test_the_slowed_rank_and_its_cause_are_named_within_20_steps(runs, case, capsys):
+def test_the_slowed_rank_and_its_cause_are_named_within_20_steps(runs, case, say):
     result = runs[case][0]
-    _say(capsys, case, runs[case])
+    _say(say, case, runs[case])
     found = result["culprit"]
     assert found is not None, f"{case}: no culprit named"
     assert (found["rank"], found["cause"]) == (SLOW[case], case), found["line"]

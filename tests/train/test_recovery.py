@@ -240,7 +240,7 @@ def _last_error(err: str) -> str:
 
 
 @pytest.mark.parametrize("fault,doomed", POINTS)
-def test_a_killed_rank_ends_in_an_exact_resume(reference, fault, doomed, capsys):
+def test_a_killed_rank_ends_in_an_exact_resume(reference, fault, doomed, say):
     from labkit.train.runlock import read_lock
 
     root, whole = reference
@@ -256,9 +256,8 @@ def test_a_killed_rank_ends_in_an_exact_resume(reference, fault, doomed, capsys)
         assert read_lock(cfg.run_dir)["pid"] not in (None, os.getpid())
     leftovers = list((pathlib.Path(cfg.run_dir) / "checkpoints").glob(".step-*.tmp"))
     assert bool(leftovers) == (fault == "checkpoint"), leftovers  # the killed save's temporary directory
-    with capsys.disabled():
-        print(f"\n[recovery] fault {fault} in rank {doomed}: the survivor stopped {stop_s:.2f} s after the kill "
-              f"(collective timeout {TIMEOUT_S:.0f} s, load {os.getloadavg()[0]:.1f})")
+    say(f"\n[recovery] fault {fault} in rank {doomed}: the survivor stopped {stop_s:.2f} s after the kill "
+        f"(collective timeout {TIMEOUT_S:.0f} s, load {os.getloadavg()[0]:.1f})")
     codes, _, errs = _launch(cfg)  # the rerun resumes
     assert codes == [0, 0], errs
     _assert_exact(root, pathlib.Path(cfg.run_dir))
@@ -266,8 +265,9 @@ def test_a_killed_rank_ends_in_an_exact_resume(reference, fault, doomed, capsys)
     assert not (pathlib.Path(cfg.run_dir) / "lock.json").exists()
 
 
+@pytest.mark.exclusive  # the collective timeout + 10 s bound
 @pytest.mark.parametrize("asynchronous", [False, True])
-def test_a_hung_rank_ends_every_other_rank_in_one_line(reference, asynchronous, tmp_path, capsys):
+def test_a_hung_rank_ends_every_other_rank_in_one_line(reference, asynchronous, tmp_path, say):
     """SIGSTOP instead of SIGKILL at every point of ``POINTS``: the rank stops without dying, its
     sockets stay open, and nothing but the timeouts can end the other rank. Its run must end within
     the collective timeout + 10 s of the stop (every process group the run makes has the run's
@@ -309,10 +309,9 @@ def test_a_hung_rank_ends_every_other_rank_in_one_line(reference, asynchronous, 
                 if p.poll() is None:
                     p.kill()  # SIGKILL ends a stopped process too
                     p.wait()
-    with capsys.disabled():
-        print(f"\n[recovery] hung rank, asynchronous checkpoints {asynchronous}: the other rank's run ended "
-              f"{'; '.join(f'{f} in rank {d}: {s:.1f} s' for f, d, s in results)} after the stop (collective "
-              f"timeout {TIMEOUT_S:.0f} s, load {os.getloadavg()[0]:.1f})")
+    say(f"\n[recovery] hung rank, asynchronous checkpoints {asynchronous}: the other rank's run ended "
+        f"{'; '.join(f'{f} in rank {d}: {s:.1f} s' for f, d, s in results)} after the stop (collective "
+        f"timeout {TIMEOUT_S:.0f} s, load {os.getloadavg()[0]:.1f})")
     assert all(0 < s < STOP_S for *_, s in results), results
 
 
@@ -390,7 +389,7 @@ def _stage_main(src: str, local_root: str, kill_after: int) -> None:
 
 
 @pytest.mark.parametrize("torn_copy_in_place", [False, True])
-def test_a_killed_staging_copy_is_redone_and_trains_exactly(reference, torn_copy_in_place, capsys):
+def test_a_killed_staging_copy_is_redone_and_trains_exactly(reference, torn_copy_in_place, say):
     """SIGKILL inside a staging copy: no copy is published (a torn copy already in place, one
     shard cut to half, is left as it was: it is replaced only by a verified one); the next staging
     removes the dead process's partial copy and ends with a verified complete copy (byte-equal to
@@ -429,10 +428,9 @@ def test_a_killed_staging_copy_is_redone_and_trains_exactly(reference, torn_copy
     for f in files + ["index.json"]:
         assert (dst / f).read_bytes() == (src / f).read_bytes(), f
     assert stage_shards(str(src), local_root=str(local))["copied"] is False  # verified and kept
-    with capsys.disabled():
-        print(f"\n[recovery] staging killed after {kill_after} of {total} bytes "
-              f"({', '.join(f'{f}: {n}' for f, n in sorted(partial.items()))}); restaged {report['bytes']} bytes "
-              f"in {report['seconds']:.3f} s")
+    say(f"\n[recovery] staging killed after {kill_after} of {total} bytes "
+        f"({', '.join(f'{f}: {n}' for f, n in sorted(partial.items()))}); restaged {report['bytes']} bytes "
+        f"in {report['seconds']:.3f} s")
     if torn_copy_in_place:
         return  # the copy is byte-equal to the one trained on below
 
@@ -443,8 +441,9 @@ def test_a_killed_staging_copy_is_redone_and_trains_exactly(reference, torn_copy
 
 
 @pytest.mark.skipif(R.unavailable_hosts() is not None, reason=f"network hosts: {R.unavailable_hosts()}")
+@pytest.mark.exclusive  # the collective timeout + 10 s bound
 @pytest.mark.parametrize("lost", ["h2", "h1"])
-def test_node_loss_across_hosts_ends_in_an_exact_resume(reference, tmp_path, lost, capsys):
+def test_node_loss_across_hosts_ends_in_an_exact_resume(reference, tmp_path, lost, say):
     """Node loss: 2 gloo ranks, rank 0 on network host h1 (the master), rank 1 on h2. The rank on
     ``lost`` stops in step 5's first forward (after the step-4 checkpoint) and everything running
     on that host is SIGKILLed from outside; the rank on the other host must stop with an error
@@ -478,10 +477,9 @@ def test_node_loss_across_hosts_ends_in_an_exact_resume(reference, tmp_path, los
         survivor_error = _last_error(errs[1 - doomed])
         assert re.search(rf"rank {doomed} \(pid \d+ on host {lost}\) stopped answering", survivor_error), \
             errs[1 - doomed][-3000:]
-        with capsys.disabled():
-            print(f"\n[recovery] node {lost} lost (SIGKILL of {len(victims)} processes) in step 5: the rank on the "
-                  f"other host stopped {stop_s:.2f} s later (collective timeout {NODE_TIMEOUT_S:.0f} s, load "
-                  f"{os.getloadavg()[0]:.1f}): ...{survivor_error[-220:]}")
+        say(f"\n[recovery] node {lost} lost (SIGKILL of {len(victims)} processes) in step 5: the rank on the "
+            f"other host stopped {stop_s:.2f} s later (collective timeout {NODE_TIMEOUT_S:.0f} s, load "
+            f"{os.getloadavg()[0]:.1f}): ...{survivor_error[-220:]}")
         steps = sorted(p.name for p in (pathlib.Path(cfg.run_dir) / "checkpoints").glob("step-*"))
         assert "step-4" in steps and "step-6" not in steps, steps  # the rerun has step 4 to resume from
         procs, logs = _start(cfg, hosts=hosts)  # both hosts again: resume
