@@ -239,13 +239,34 @@ def _last_error(err: str) -> str:
                  if re.match(r"(\[rank\d\]: )?[\w.]+(Error|Exception): ", line)), "")
 
 
-@pytest.mark.parametrize("fault,doomed", POINTS)
-def test_a_killed_rank_ends_in_an_exact_resume(reference, fault, doomed, say):
+@pytest.fixture(scope="module")
+def killed(reference):
+    """Every point of ``POINTS`` killed side by side (6 pairs of ranks, each in its own run
+    directory; the bounds of ``_wait`` hold for each pair), then the 6 reruns side by side:
+    {(fault, doomed): (cfg, (codes, stop_s, errs) of the killed run, the lock left behind, the
+    temporary checkpoint directories left behind, (codes, errs) of the rerun)}. One pair at a time
+    took 14-16 s each, mostly the 2 processes' start (torch's import), 6 x 2 x 2 of them in all."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from labkit.train.runlock import read_lock
 
     root, whole = reference
-    cfg = dataclasses.replace(whole, run_dir=str(root / f"{fault}-{doomed}"))
-    codes, stop_s, errs = _launch(cfg, fault, doomed)
+    cfgs = {(f, d): dataclasses.replace(whole, run_dir=str(root / f"{f}-{d}")) for f, d in POINTS}
+    with ThreadPoolExecutor(len(POINTS)) as pool:
+        runs = {p: pool.submit(_launch, cfg, *p) for p, cfg in cfgs.items()}
+        runs = {p: r.result() for p, r in runs.items()}  # a pair past its bound fails here, naming its fault
+    left = {p: (read_lock(cfg.run_dir) or {}).get("pid") for p, cfg in cfgs.items()}
+    tmp = {p: list((pathlib.Path(cfg.run_dir) / "checkpoints").glob(".step-*.tmp")) for p, cfg in cfgs.items()}
+    with ThreadPoolExecutor(len(POINTS)) as pool:  # the reruns resume
+        reruns = {p: pool.submit(_launch, cfg) for p, cfg in cfgs.items()}
+        reruns = {p: r.result()[::2] for p, r in reruns.items()}
+    return {p: (cfgs[p], runs[p], left[p], tmp[p], reruns[p]) for p in POINTS}
+
+
+@pytest.mark.parametrize("fault,doomed", POINTS)
+def test_a_killed_rank_ends_in_an_exact_resume(reference, killed, fault, doomed, say):
+    root, _ = reference
+    cfg, (codes, stop_s, errs), lock_pid, leftovers, (rerun_codes, rerun_errs) = killed[(fault, doomed)]
     assert codes[doomed] == -signal.SIGKILL, (codes, errs)
     assert codes[1 - doomed] != 0, errs  # the survivor stopped by itself, with an error
     assert stop_s < STOP_S  # (_wait enforces it too)
@@ -253,13 +274,11 @@ def test_a_killed_rank_ends_in_an_exact_resume(reference, fault, doomed, say):
     assert re.search(rf"rank {doomed} \(pid \d+ on host .+\) stopped answering: its process is gone",
                      _last_error(errs[1 - doomed])), errs[1 - doomed][-3000:]
     if doomed == 0:  # its lock stays behind, naming a dead pid: stale, the rerun takes it over
-        assert read_lock(cfg.run_dir)["pid"] not in (None, os.getpid())
-    leftovers = list((pathlib.Path(cfg.run_dir) / "checkpoints").glob(".step-*.tmp"))
+        assert lock_pid not in (None, os.getpid())
     assert bool(leftovers) == (fault == "checkpoint"), leftovers  # the killed save's temporary directory
     say(f"\n[recovery] fault {fault} in rank {doomed}: the survivor stopped {stop_s:.2f} s after the kill "
-        f"(collective timeout {TIMEOUT_S:.0f} s, load {os.getloadavg()[0]:.1f})")
-    codes, _, errs = _launch(cfg)  # the rerun resumes
-    assert codes == [0, 0], errs
+        f"(collective timeout {TIMEOUT_S:.0f} s, 6 pairs side by side, load {os.getloadavg()[0]:.1f})")
+    assert rerun_codes == [0, 0], rerun_errs  # the rerun resumed
     _assert_exact(root, pathlib.Path(cfg.run_dir))
     assert not list((pathlib.Path(cfg.run_dir) / "checkpoints").glob(".step-*"))  # removed at its first save
     assert not (pathlib.Path(cfg.run_dir) / "lock.json").exists()
