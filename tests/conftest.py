@@ -78,6 +78,27 @@ GROUPS = {
 """Files whose tests run on one worker together, in order; every other file is a unit of its own
 (``--dist loadscope``: a module's fixtures are built once, on the worker that runs all its tests)."""
 
+LONG_FIRST = ("realcluster", "demo", "tests/test_cli_walkthrough.py", "tests/train/test_parallel.py",
+              "tests/cluster/test_resume.py", "tests/test_plots.py", "tests/cluster/test_ctrl_c.py",
+              "tests/train/test_checkpoint.py", "tests/test_readme.py", "tests/study/test_plan.py",
+              "tests/train/test_resume_matrix.py", "tests/test_cli.py", "tests/test_made_by.py")
+"""The units that took longest in a serial run (its --durations, 2 idle cores), handed out first
+under xdist, so that no long one is left to run alone at the end; the rest follow in file order."""
+
+
+def _unit(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return next((name for name, files in GROUPS.items() if path in files), path)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """In an xdist worker: the tests of ``LONG_FIRST``'s units first (a stable sort: a file's tests
+    keep their order). One process keeps pytest's order."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {u: i for i, u in enumerate(LONG_FIRST)}
+        items.sort(key=lambda item: rank.get(_unit(item.nodeid), len(LONG_FIRST)))
+
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
@@ -88,12 +109,11 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    by_file = {f: name for name, files in GROUPS.items() for f in files}
+    config.option.loadscopereorder = False  # the units in the workers' order: LONG_FIRST's first
 
     class FileGroups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return by_file.get(path, path)
+            return _unit(nodeid)
 
     return FileGroups(config, log)
 
