@@ -1,14 +1,15 @@
 """Overhead of the gradient noise scale statistics (labkit/train/gns.py) on a 2-rank DDP step.
 
-The statistics are one squared norm of each local gradient bucket before the all-reduce and one
-of this rank's 1/R slice of the averaged bucket after it (inside DDP's composed comm hook,
-labkit/train/comm.py); their per-step sums ride the step's all-reduce of the loss (no collective
-of their own). This benchmark runs ONE ``train()`` of ``--steps`` steps on 2 spawned gloo ranks
-(CPU, one thread each, rank r pinned to core r as in bench_ddp.py) in which the observer is on
+Under DDP the statistics are one squared norm of each parameter's local gradient, taken by its
+post-accumulate-grad hook on the step's synchronising backward (labkit/train/runtime.py), and
+the step's clip norm, which the step computes anyway (labkit/train/gns.py, kind "params"); their
+per-step sums ride the step's all-reduce of the loss (no collective of their own). This
+benchmark runs ONE ``train()`` of ``--steps`` steps on 2 spawned gloo ranks (CPU, one thread
+each, rank r pinned to core r as in bench_ddp.py) in which the observer is on
 for one step of each pair and off for the other, the order within each pair drawn at random
 (seeded, the same on both ranks): adjacent steps meet the same load, so the pair's difference
 is a quiet measurement even on a busy machine. "Off" is the same observer returning at once
-from every call (a few Python calls per bucket), which is a run without it.
+from every call, which is a run without it but for the hooks' Python calls (``observer_off_s``).
 
 - ``value``: the overhead, the trimmed mean (10 % cut at each end) of the pairs' step-time
   differences on − off over the mean "off" step time (rank 0's ``step_time_s``; the first
@@ -16,15 +17,18 @@ from every call (a few Python calls per bucket), which is a run without it.
 - ``ci95`` and ``resolution``: the 2.5-97.5 % range of that estimate over 2,000 bootstrap
   resamples of the pairs, and its half-width: the smallest overhead the run can tell from 0;
 - the profile of the rest: ``observer_s``, the seconds per "on" step spent inside the observer's
-  calls on the hook's path (the norms and the bookkeeping, timed in place), as a fraction of the
-  step; ``norm_fraction``, two squared norms over a buffer of the model's parameter count timed
-  alone (one thread, median of 20); ``step_fields_s``, the per-step fold (outside the step time);
+  calls (the hooks' norms and the bookkeeping, timed in place), as a fraction of the step, and
+  ``observer_off_s`` the same calls returning at once; ``norm_warm_s`` and ``norm_cold_s``, one
+  squared norm over a buffer of the model's parameter count timed alone (one thread, median of
+  20), read again and again (in cache) and after 512 MiB were read in between (from memory, as
+  a pass over DDP's bucket after the backward reads it); ``step_fields_s``, the per-step fold
+  (outside the step time);
   ``all_reduces_per_step`` on and off (torch.distributed.all_reduce calls, counted): equal, so the
   statistics add no collective.
 
 Goal: <= 1 % of the step, with a resolution under 0.5 %. The machine's load average is printed.
 
-Run: ``python benchmarks/bench_gns.py`` from the repository root (about 2 minutes at the
+Run: ``python benchmarks/bench_gns.py`` from the repository root (about 8 minutes at the
 defaults). JSON lines; the last line is one JSON object.
 """
 
@@ -84,17 +88,23 @@ def _toggled_train(rank: int, world: int, cfg_json: str, plan: list[bool], out_d
             self.on = plan[(self.steps - 2) % len(plan)]  # __init__'s reset is steps 1
             self.spent, self.calls0 = 0.0, calls["n"]
 
-        def before(self, i, t, weights=None, pieces=None):
+        def local(self, name, grad):  # the parameters' hooks, on the synchronising backward
+            t0 = time.perf_counter()
             if self.on:
-                t0 = time.perf_counter()
-                super().before(i, t, weights, pieces)
-                self.spent += time.perf_counter() - t0
+                super().local(name, grad)
+            self.spent += time.perf_counter() - t0
 
-        def after(self, i, t, weights=None, pieces=None):
+        def before(self, i, t, weights=None):  # DDP's comm hook (kind "params": nothing)
+            t0 = time.perf_counter()
             if self.on:
-                t0 = time.perf_counter()
-                super().after(i, t, weights, pieces)
-                self.spent += time.perf_counter() - t0
+                super().before(i, t, weights)
+            self.spent += time.perf_counter() - t0
+
+        def reduced_norm(self, norm, loss_scale=1.0):  # the clip's norm
+            t0 = time.perf_counter()
+            if self.on:
+                super().reduced_norm(norm, loss_scale)
+            self.spent += time.perf_counter() - t0
 
         def count(self, n):
             if self.on:
@@ -131,22 +141,24 @@ def _toggled_train(rank: int, world: int, cfg_json: str, plan: list[bool], out_d
         pathlib.Path(out_dir, "observer.json").write_text(json.dumps(Toggled.log))
 
 
-def norm_seconds(n_params: int, repeats: int = 20) -> float:
-    """Median seconds of two ``gns.squared_norm`` passes over ``n_params`` fp32 values (one thread):
-    an upper bound of the norms' work per step (the observer takes one and a half at 2 ranks)."""
+def norm_seconds(n_params: int, repeats: int = 20) -> dict[str, float]:
+    """Median seconds of one ``gns.squared_norm`` pass over ``n_params`` fp32 values (one thread):
+    {"warm": read again and again (in cache), "cold": after 512 MiB were read in between}."""
     import torch
 
     from labkit.train.gns import squared_norm
 
     torch.set_num_threads(1)
-    grads = torch.randn(n_params)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        squared_norm(grads).item()
-        squared_norm(grads).item()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    grads, flush = torch.randn(n_params), torch.randn(128 * 1024 * 1024)
+    times: dict[str, list[float]] = {"warm": [], "cold": []}
+    for kind in times:
+        for _ in range(repeats):
+            if kind == "cold":
+                flush.sum()
+            t0 = time.perf_counter()
+            squared_norm(grads).item()
+            times[kind].append(time.perf_counter() - t0)
+    return {kind: statistics.median(t) for kind, t in times.items()}
 
 
 def trimmed_mean(values: list[float], cut: float = TRIM) -> float:
@@ -173,7 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--steps", type=int, default=500, help="steps of the one run (pairs = (steps - warm-up) / 2)")
+    p.add_argument("--steps", type=int, default=2010,
+                   help="steps of the one run (pairs = (steps - warm-up) / 2: 1,000 resolve about ±0.5 %%)")
     p.add_argument("--warmup-steps", type=int, default=10)
     args = p.parse_args(argv)
     if (args.steps - args.warmup_steps) < 20 or (args.steps - args.warmup_steps) % 2:
@@ -201,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
     off = [r["step_time_s"] for r, _ in timed if not r["gns_on"]]
     est = paired_overhead(on, off)
     observer_s = statistics.fmean(entry["observer_s"] for r, entry in timed if entry["on"])
+    observer_off_s = statistics.fmean(entry["observer_s"] for r, entry in timed if not entry["on"])
     reduces = {k: sorted({e["all_reduces"] for _, e in timed if e["on"] == k}) for k in (True, False)}
     norm_s = norm_seconds(n_params)
     out = {"benchmark": "gns", "metric": "step_time_overhead", "value": est["value"], "ci95": est["ci95"],
@@ -210,11 +224,11 @@ def main(argv: list[str] | None = None) -> dict:
            "ratio": 1 + est["value"], "goal": 0.01, "goal_met": est["ci95"][1] <= 0.01, "higher_is_better": False,
            "pairs": len(on), "step_time_s_on_median": statistics.median(on),
            "step_time_s_off_median": statistics.median(off),
-           "observer_s": observer_s, "observer_fraction": observer_s / est["base_s"],
+           "observer_s": observer_s, "observer_fraction": observer_s / est["base_s"], "observer_off_s": observer_off_s,
            "step_fields_s": statistics.fmean(e["step_fields_s"] for _, e in timed if e["on"]),
            "all_reduces_per_step": {"on": reduces[True], "off": reduces[False]},
            "b_simple_last": next(r["b_simple"] for r in reversed(records) if r["gns_on"]),
-           "params": n_params, "norm_s": norm_s, "norm_fraction": norm_s / est["base_s"],
+           "params": n_params, "norm_warm_s": norm_s["warm"], "norm_cold_s": norm_s["cold"],
            "model": args.model, "seq_len": args.seq_len, "micro_batch_per_rank": args.micro_batch, "ranks": 2,
            "steps": args.steps, "warmup_steps": args.warmup_steps, "cpu_count": os.cpu_count(),
            "load_avg_start": list(load0), "load_avg": list(os.getloadavg()), "wall_s": round(time.time() - t0, 1)}

@@ -19,8 +19,10 @@ compression and any per-bucket statistics are one composed hook (``_composed_hoo
 chosen); ``wire_bytes(bucket)`` is the number of bytes that hook puts on the wire for the bucket
 (the timer records it). Observers (``GradientObserver``) see each bucket's local gradient before
 the reduction and the averaged one after; FSDP2 gives them the reduce-scatter's input (this rank's
-unsharded gradients) and output shard. ``CommTimer.step_fields()`` gathers what the observers add
-to a metrics record, once per step, on every rank. An observer that needs sums over the ranks
+unsharded gradients) and output shard. (The noise scale under DDP reads each parameter's
+gradient in the backward instead, while it is still in cache, and the step's clip norm:
+``labkit.train.gns``; under PowerSGD it sketches the buckets here.) ``CommTimer.step_fields()``
+gathers what the observers add to a metrics record, once per step, on every rank. An observer that needs sums over the ranks
 (the noise scale's) adds no collective of its own: ``CommTimer.sideband(device)`` concatenates
 the observers' per-step vectors, the training loop sums them over the ranks inside the step's
 all-reduce of the loss (``all_reduce_with_sideband``, called by ``labkit.train.loop``), and
@@ -57,10 +59,6 @@ class GradientObserver:
     share of the element's value this rank counts when the other ranks of its tp group hold the same
     value (1/tp for a tensor-parallel run's replicated parameters; ``labkit.train.runtime``). Both run
     on the communication path: keep them to a few device ops (no host sync on CUDA).
-    ``pieces``: None, or (names, sizes) of the parameters whose gradients the bucket holds, in its
-    order (DDP's buckets, which DDP lays out anew after the first step: an observer that sums per
-    parameter in a fixed order gets the same sums whatever the layout, e.g. on a resumed run's
-    first step).
     ``step_fields()`` is called once per optimiser step on every rank, after the step, and returns
     the fields it adds to the metrics record; ``reset()`` is called before each step.
     ``sideband(device)``: a 1-D float64 tensor on ``device`` (or None) that the caller sums over every
@@ -70,12 +68,11 @@ class GradientObserver:
 
     sharded = False
 
-    def before(self, bucket_index: int, local: torch.Tensor, weights: torch.Tensor | None = None,  # noqa: D102
-               pieces: tuple[list[str], list[int]] | None = None) -> None:
+    def before(self, bucket_index: int, local: torch.Tensor, weights: torch.Tensor | None = None) -> None:  # noqa: D102
         return None
 
     def after(self, bucket_index: int, reduced: torch.Tensor,  # noqa: D102
-              weights: torch.Tensor | None = None, pieces: tuple[list[str], list[int]] | None = None) -> None:
+              weights: torch.Tensor | None = None) -> None:
         return None
 
     def reset(self) -> None:  # noqa: D102
@@ -186,8 +183,8 @@ class HookState:
     """The composed DDP comm hook's state: the ``timer``, the inner ``reduce`` hook and its own
     ``reduce_state`` (e.g. a ``PowerSGDState``; None for the default all-reduce),
     ``wire_bytes(bucket) -> int`` (bytes the inner hook sends for the bucket), ``names`` (parameter ->
-    name: the observers' ``pieces``) and, for PowerSGD with names, ``named``: its state by parameter
-    name (``labkit.train.powersgd.NamedPowerSGD``, what a checkpoint keeps; None otherwise)."""
+    name) and, for PowerSGD with names, ``named``: its state by parameter name
+    (``labkit.train.powersgd.NamedPowerSGD``, what a checkpoint keeps; None otherwise)."""
 
     def __init__(self, timer: CommTimer, reduce: Any = None, reduce_state: Any = None, wire_bytes: Any = None,
                  names: dict[torch.nn.Parameter, str] | None = None) -> None:
@@ -230,23 +227,19 @@ def _composed_hook(state, bucket):  # no annotations: DDP checks them against di
     local bucket, then the inner ``reduce`` hook runs (torch's default averaging all-reduce,
     ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook``, unless a
     compression hook was chosen) with its launch and completion timed, then the observers see the
-    averaged bucket; both with the bucket's ``pieces`` when the hook knows the parameters' names."""
+    averaged bucket."""
     timer, index = state.timer, bucket.index()
     if state.named is not None:  # PowerSGD's state follows the bucket's parameters (labkit.train.powersgd)
         state.named.prepare(bucket)
-    pieces = None
-    if state.names is not None and timer.observers:
-        params = bucket.parameters()
-        pieces = ([state.names[p] for p in params], [p.numel() for p in params])
     for observer in timer.observers:
-        observer.before(index, bucket.buffer(), pieces=pieces)
+        observer.before(index, bucket.buffer())
     start, nbytes = timer.now(), state.wire_bytes(bucket)
 
     def done(fut: torch.futures.Future) -> torch.Tensor:
         timer.add(start, timer.now(), nbytes)
         reduced = fut.value()
         for observer in timer.observers:
-            observer.after(index, reduced, pieces=pieces)
+            observer.after(index, reduced)
         return reduced
 
     return state.reduce(state.reduce_state, bucket).then(done)

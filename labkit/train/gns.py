@@ -21,16 +21,23 @@ barely above its error: the interval is then long or open above.
 
 Where the two batches come from (``NoiseScale.for_run``):
 
-- DDP (ddp, zero1), R ranks, local batch b, accumulation k: the comm hook's bucket before the
-  all-reduce is this rank's gradient of b·k sequences, the averaged bucket after it the gradient
-  of R·b·k. ``|G_small|²`` is the mean over ranks of the local squared norm. (k-diffusion's
-  ``k_diffusion/gns.py``, ``DDPGradientStatsHook``, takes the same two sums in a hook.) Every rank
-  holds the same average, so each takes the squared norm of its 1/R slice of it (the sum over
-  ranks is the whole). Both per parameter (the hook's ``pieces``), summed in the order of the
-  parameters' names: DDP lays its buckets out anew after a run's first step (one bucket, then
-  buckets in the order gradients became ready), and per-parameter sums in a fixed order are the same
-  bits whatever the layout, so a resumed run's noise scale (and a ``critical`` batch ramp's
-  decisions, ``labkit.train.ramp``) is the uninterrupted run's on CPU.
+- DDP (ddp, zero1), R ranks, local batch b, accumulation k (kind "params"): |G_small|² is the
+  mean over ranks of the squared norm of this rank's gradient of b·k sequences, taken per
+  parameter by a post-accumulate-grad hook on the step's synchronising backward (``local``: the
+  hook runs after the parameter's gradient is accumulated and before DDP's own hook marks it ready,
+  so the tensor is this rank's local sum, read while it is still in cache, where a pass over the
+  bucket inside DDP's comm hook reads it back from memory: docs/measurement.md). |G_big|², the squared norm of
+  the averaged gradient (R·b·k sequences), every rank holds whole after the all-reduce: it is the
+  step's clip norm squared (``reduced_norm``, ``labkit.train.runtime.Runtime.clip_grad_norm``),
+  which the step computes anyway, so it costs no pass of its own. Per-parameter sums in the order
+  of the parameters' names (and the clip's per-parameter norms in the parameters' order) are the
+  same bits whatever DDP's bucket layout, which DDP lays out anew after a run's first step: a
+  resumed run's noise scale (and a ``critical`` batch ramp's decisions, ``labkit.train.ramp``) is the
+  uninterrupted run's on CPU. (k-diffusion's ``k_diffusion/gns.py``, ``DDPGradientStatsHook``,
+  takes the same two sums in DDP's comm hook.)
+- The replicas' all-reduce (``sharding="replicate"``, kind "average"): the local flat gradient
+  before it, b·k; each rank's 1/R slice of the averaged one after it (the sum over ranks is the
+  whole), R·b·k.
 - DDP under PowerSGD: the averaged bucket is the compressed one, so both norms come from a count
   sketch (``CountSketch``) of each local bucket before compression, m bins each; the sketches
   are linear, so their sum over ranks is the sketch of the uncompressed mean: |G_small|² =
@@ -39,7 +46,6 @@ Where the two batches come from (``NoiseScale.for_run``):
 - FSDP2: each micro-batch's reduce-scatter; its input is this rank's gradient of b sequences,
   its output a shard of the average over ranks (R·b); shard squared norms add up over ranks. Under
   pp FSDP2 reduces once per step, at the end of the pipeline schedule: b·k against R·b·k.
-- ``sharding="replicate"`` (split runs): the replicas' all-reduce after the backward, b·k against R·b·k.
 - dp = 1: the micro-batches of an accumulated step (``grad_accum_steps >= 2``), each a batch of
   b, against their sum (b·k). ``Runtime.forward_backward`` feeds them (``micro=True``).
 
@@ -140,25 +146,6 @@ def fieller_interval(num: float, den: float, v_num: float, v_den: float, cov: fl
     return (max(r2, 0.0) if r1 <= 0 else 0.0), None  # (-inf, r1] ∪ [r2, inf), positive part's hull
 
 
-def _squared_norms(views: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The squared norm of each view, a 1-D tensor [len(views)] (the views' dtype and device): one
-    ``torch._foreach_norm`` (as ``torch.nn.utils.get_total_norm`` takes them: one kernel on CUDA;
-    each tensor alone on CPU, the same bits as ``squared_norm``), one stack and one square, so a
-    bucket of a hundred parameters costs three calls, not three hundred."""
-    return torch.stack(torch._foreach_norm(list(views))).square()
-
-
-def _sum_by_name(parts: dict[int, tuple[list[str], torch.Tensor]]) -> torch.Tensor | None:
-    """Σ of the buckets' per-parameter squared norms (``parts``: bucket index -> (names, values))
-    added in the order of the names: the same bits whatever the buckets' layout. None if empty."""
-    if not parts:
-        return None
-    names = [n for i in sorted(parts) for n in parts[i][0]]
-    values = torch.cat([parts[i][1] for i in sorted(parts)])
-    order = sorted(range(len(names)), key=names.__getitem__)
-    return values[torch.tensor(order, device=values.device)].sum()
-
-
 class BiasCorrectedEMA:
     """Exponential moving average with Adam's bias correction: after n updates the value is
     Σ β^(n−i)(1−β)x_i / (1−β^n), so the first value is x_1 itself."""
@@ -231,10 +218,13 @@ class NoiseScale(GradientObserver):
     batches come from (``KINDS``). Per step, ``before`` sums the squared norm of every local bucket
     (``scale_small`` × the mean over ranks of the sum is |G_small|²); ``after`` that of this rank's
     share of every reduced bucket (kind "average": its 1/R slice of the replicas' average; "shard":
-    its FSDP2 shard; ``scale_big`` × the sum over ranks is |G_big|²). Kind "sketch" (PowerSGD: the
-    reduced bucket is the compressed one): ``before`` keeps a ``CountSketch`` of ``SKETCH_BINS``
-    bins of each local bucket instead and ``after`` is ignored (module docstring). Kind "micro":
-    the caller adds the micro-batches' norms itself (``add_small``, ``add_big``).
+    its FSDP2 shard; ``scale_big`` × the sum over ranks is |G_big|²). Kind "params" (DDP) ignores
+    both: ``local(name, grad)`` takes each parameter's local gradient on the synchronising backward
+    and ``reduced_norm`` the step's clip norm of the averaged gradient (module docstring; a step
+    without it, one the loop skipped before its clip, is not folded in: ``gns_sq_big`` None). Kind
+    "sketch" (PowerSGD: the reduced bucket is the compressed one): ``before`` keeps a
+    ``CountSketch`` of ``SKETCH_BINS`` bins of each local bucket instead and ``after`` is ignored.
+    Kind "micro": the caller adds the micro-batches' norms itself (``add_small``, ``add_big``).
     ``count(n_masked_global)`` gives the step's masked tokens (``n_sequences`` per step) for the
     token unit. ``sideband``/``receive`` carry the step's sums through the caller's all-reduce.
     ``step_fields()`` returns the record fields:
@@ -250,9 +240,10 @@ class NoiseScale(GradientObserver):
     ``state_dict()``/``load_state_dict()``: the averages and the sketch's step count (a resumed run
     continues both)."""
 
-    KINDS = ("average", "shard", "sketch", "micro")
-    """Where the two batches come from: the replicas' reduced average (DDP, the replicas' all-reduce),
-    FSDP2's reduce-scatter shard, a count sketch of the local buckets (PowerSGD), the micro-batches."""
+    KINDS = ("params", "average", "shard", "sketch", "micro")
+    """Where the two batches come from: DDP's parameters' local gradients and the clip norm of their
+    average, the replicas' all-reduce (before, and its average after), FSDP2's reduce-scatter shard,
+    a count sketch of DDP's local buckets (PowerSGD), the micro-batches."""
 
     def __init__(self, b_small: int, b_big: int, *, n_sequences: int | None = None, ranks: int = 1, rank: int = 0,
                  kind: str = "average", scale_small: float = 1.0, scale_big: float = 1.0) -> None:
@@ -263,7 +254,7 @@ class NoiseScale(GradientObserver):
         if kind not in self.KINDS:
             raise ValueError(f"NoiseScale: kind must be one of {self.KINDS}, got {kind!r}")
         self.b_small, self.b_big, self.ranks, self.rank = b_small, b_big, ranks, rank
-        self.sharded, self.micro = kind == "shard", kind == "micro"
+        self.kind, self.sharded, self.micro = kind, kind == "shard", kind == "micro"
         self.scale_small, self.scale_big = scale_small, scale_big
         self.n_sequences = n_sequences or b_big
         self.sketch = CountSketch(SKETCH_BINS) if kind == "sketch" else None
@@ -280,8 +271,9 @@ class NoiseScale(GradientObserver):
         the process group's rank) and ``pp`` pipeline stages, or None where no two batch sizes exist:
 
         - FSDP2 at pp = 1 reduce-scatters every micro-batch: b against dp·b, k per step;
-        - every other dp > 1 reduces once per step (DDP's hook, the replicas' all-reduce, FSDP2 at
-          the end of a pipeline step): b·k against dp·b·k;
+        - every other dp > 1 reduces once per step (DDP, the replicas' all-reduce, FSDP2 at the end
+          of a pipeline step): b·k against dp·b·k; DDP ("ddp", "zero1") by its parameters' hooks
+          and the clip norm (kind "params"), unless it sketches;
         - dp = 1 at pp = 1 with ``grad_accum_steps >= 2`` and no DDP (which keeps the gradients in
           its buckets): the micro-batches, b against b·k (``micro=True``);
         - otherwise (one micro-batch, or a pipeline's micro-batches inside its schedule): None.
@@ -295,7 +287,8 @@ class NoiseScale(GradientObserver):
             return cls(b, dp * b, n_sequences=dp * b * k, ranks=dp, rank=rank, kind="shard", scale_small=k,
                        scale_big=k)
         if dp > 1:
-            kind = "shard" if sharding == "fsdp" else "sketch" if compression == "powersgd" else "average"
+            kind = ("shard" if sharding == "fsdp" else "sketch" if compression == "powersgd"
+                    else "params" if sharding in ("ddp", "zero1") else "average")
             return cls(b * k, dp * b * k, ranks=dp, rank=rank, kind=kind)
         if k >= 2 and pp == 1 and sharding not in ("ddp", "zero1"):  # G_small = k·d_j, G_big = Σ d_j
             return cls(b, b * k, n_sequences=b * k, scale_small=k, kind="micro")
@@ -307,37 +300,27 @@ class NoiseScale(GradientObserver):
         self._big: Any = 0.0
         self._masked: Any = None
         self._sketches: dict[int, torch.Tensor] = {}
-        self._parts: tuple[dict, dict] = ({}, {})  # bucket index -> (parameter names, their squared norms)
+        self._named: dict[str, torch.Tensor] = {}  # kind "params": parameter name -> its local gradient's norm
+        self._reduced: float | None = None  # kind "params": the averaged gradient's squared norm (the clip's)
         self._received: torch.Tensor | None = None
         self.steps += 1
 
-    def before(self, bucket_index: int, local: torch.Tensor, weights: torch.Tensor | None = None,
-               pieces: tuple[list[str], list[int]] | None = None) -> None:
+    def before(self, bucket_index: int, local: torch.Tensor, weights: torch.Tensor | None = None) -> None:
         """Add the (weighted: ``GradientObserver``) squared norm of this rank's local gradient bucket
-        (before the reduction), or, sketching, keep the bucket's sketch. With ``pieces`` (DDP: the
-        bucket's parameter names and sizes) the squared norm of each parameter's gradient, summed at
-        the step's end in the order of the names (``_sum_by_name``): the same sums whatever DDP's layout."""
+        (before the reduction), or, sketching, keep the bucket's sketch (kind "params": nothing)."""
+        if self.kind == "params":
+            return
         if self.sketch is not None:
             s = self.sketch(local, offset=self.steps * 2654435761 + 977 * bucket_index)  # fresh per step and bucket
             self._sketches[bucket_index] = s
             self.add_small(squared_norm(s))
-        elif pieces is not None and weights is None:
-            self._parts[0][bucket_index] = (pieces[0], _squared_norms(local.reshape(-1).split(pieces[1])))
         else:
             self.add_small(squared_norm(local, weights))
 
-    def after(self, bucket_index: int, reduced: torch.Tensor, weights: torch.Tensor | None = None,
-              pieces: tuple[list[str], list[int]] | None = None) -> None:
+    def after(self, bucket_index: int, reduced: torch.Tensor, weights: torch.Tensor | None = None) -> None:
         """Add the (weighted) squared norm of this rank's share of the reduced bucket: the FSDP2 shard,
-        or its 1/R slice of the replicas' average (nothing when sketching); with ``pieces``, its 1/R
-        slice of each parameter's averaged gradient, by name (``before``)."""
-        if self.sketch is not None:
-            return
-        if pieces is not None and weights is None and not self.sharded:
-            views = reduced.reshape(-1).split(pieces[1])
-            r, n = self.rank, self.ranks
-            self._parts[1][bucket_index] = (pieces[0], _squared_norms([v[r * v.numel() // n:(r + 1) * v.numel() // n]
-                                                                        for v in views]))
+        or its 1/R slice of the replicas' average (kinds "params" and "sketch": nothing)."""
+        if self.kind in ("params", "sketch"):
             return
         if not self.sharded and self.ranks > 1:
             n = reduced.numel()
@@ -345,6 +328,20 @@ class NoiseScale(GradientObserver):
             reduced = reduced.reshape(-1)[lo:hi]
             weights = None if weights is None else weights.reshape(-1)[lo:hi]  # per element: the replicas' flat
         self.add_big(squared_norm(reduced, weights))
+
+    def local(self, name: str, grad: torch.Tensor) -> None:
+        """Kind "params": parameter ``name``'s local gradient on the step's synchronising backward (its
+        post-accumulate-grad hook, before DDP averages it); its norm is kept by name, and the squares
+        are summed in the order of the names in ``sideband``. Other kinds: nothing."""
+        if self.kind == "params":  # the norm (squared in sideband, all at once: the same bits, one op)
+            self._named[name] = torch.linalg.vector_norm(grad, dtype=torch.float32)
+
+    def reduced_norm(self, norm: float, loss_scale: float = 1.0) -> None:
+        """Kind "params": the L2 norm of the step's averaged gradient (the clip's, unscaled) and the
+        fp16 loss scale the local gradients carry (1.0 otherwise): |G_big|² = (norm·loss_scale)², in
+        the local norms' units. A step without it is not folded in. Other kinds: nothing."""
+        if self.kind == "params":
+            self._reduced = (norm * loss_scale) ** 2
 
     def add_small(self, sq: torch.Tensor | float) -> None:
         """Add a squared norm (0-d tensor or float) to the step's local (small-batch) sum."""
@@ -361,9 +358,10 @@ class NoiseScale(GradientObserver):
     def sideband(self, device: torch.device) -> torch.Tensor:
         """The step's sums to add up over the ranks, float64 on ``device``: [Σ local squared norms,
         Σ this rank's share of the reduced squared norms, *the buckets' sketches in bucket order]."""
-        small, big = (total if (named := _sum_by_name(parts)) is None else total + named
-                      for total, parts in ((self._small, self._parts[0]), (self._big, self._parts[1])))
-        sums = [v.reshape(1) if isinstance(v, torch.Tensor) else torch.tensor([float(v)]) for v in (small, big)]
+        small = self._small
+        if self._named:  # in the order of the names: the same bits whatever the hooks' order
+            small = small + torch.stack([self._named[n] for n in sorted(self._named)]).square().sum()
+        sums = [v.reshape(1) if isinstance(v, torch.Tensor) else torch.tensor([float(v)]) for v in (small, self._big)]
         sketches = [self._sketches[i] for i in sorted(self._sketches)]
         return torch.cat([v.to(device=device, dtype=torch.float64) for v in [*sums, *sketches]])
 
@@ -384,10 +382,13 @@ class NoiseScale(GradientObserver):
         sq_small = float(summed[0]) / self.ranks * self.scale_small
         if self.sketch is not None:  # |mean over ranks of the sketches|²
             sq_big = float(summed[2:].square().sum()) / self.ranks ** 2 * self.scale_big
+        elif self.kind == "params":  # every rank holds the whole average: its clip norm
+            sq_big = math.nan if self._reduced is None else self._reduced * self.scale_big
         else:
             sq_big = float(summed[1]) * self.scale_big
-        fields: dict[str, Any] = {"gns_sq_small": sq_small, "gns_sq_big": sq_big, "gns_b_small": self.b_small,
-                                  "gns_b_big": self.b_big, "gns_sketch_bins": self.sketch.bins if self.sketch else None}
+        fields: dict[str, Any] = {"gns_sq_small": sq_small, "gns_sq_big": None if math.isnan(sq_big) else sq_big,
+                                  "gns_b_small": self.b_small, "gns_b_big": self.b_big,
+                                  "gns_sketch_bins": self.sketch.bins if self.sketch else None}
         if math.isfinite(sq_small) and math.isfinite(sq_big) and (sq_small or sq_big):
             g2, trace = two_batch_estimates(sq_small, sq_big, self.b_small, self.b_big)
             for key, v in (("g", g2), ("s", trace), ("gg", g2 * g2), ("ss", trace * trace), ("gs", g2 * trace)):
@@ -418,8 +419,7 @@ class NoiseScale(GradientObserver):
         return fieller_interval(m["s"], m["g"], v_s, v_g, cov, q)
 
     def _device(self) -> torch.device:
-        named = [t for parts in self._parts for _, t in parts.values()]
-        for v in (self._small, self._big, *named):
+        for v in (self._small, self._big, *self._named.values()):
             if isinstance(v, torch.Tensor):
                 return v.device
         return torch.device("cpu")

@@ -18,7 +18,8 @@ torchtitan/trainer.py``, ``train_step`` and ``forward_backward_step``, which bra
   (with ``cfg.parallel.grad_compression``'s inner hook), FSDP2's timed reduce-scatters, or the replicas'
   all-reduce. ``StepTimer(comm=...)`` turns it into ``comm_exposed_s``.
 - ``noise``: the gradient noise scale (``labkit.train.gns.NoiseScale.for_run``) for every dp > 1,
-  an observer inside those collectives, and at dp = 1 and pp = 1 from the micro-batches.
+  an observer inside those collectives (under DDP fed instead by a post-accumulate-grad hook on
+  every parameter and by ``clip_grad_norm``), and at dp = 1 and pp = 1 from the micro-batches.
 - ``step_measures(step_timer)``: collective, once per step on every rank: ``comm_exposed_s``,
   ``pipeline_bubble`` and ``tp_comm_s`` (0.0 where the run is not split that way), the comm timer's
   fields and the noise scale's.
@@ -80,6 +81,9 @@ class Runtime:
         observers = [*observers, self.noise] if self.noise is not None else list(observers)
         self.hook_state = None  # DDP's composed comm hook (labkit.train.comm.HookState)
         self.comm = self._time_collectives(observers)
+        self._syncing = False  # in the backward that DDP reduces (the step's last micro-batch)
+        if self.noise is not None and self.noise.kind == "params":
+            self._hook_local_gradients()
         self.schedule = self._schedule() if self.mesh.pp > 1 else None
         self._denominator = torch.ones((), dtype=torch.int64)
         self._last = {"busy": 0.0, "span": 0.0, "tp_comm": 0.0}
@@ -137,6 +141,7 @@ class Runtime:
         acc: dict[torch.nn.Parameter, torch.Tensor] = {}
         loss_sum = torch.zeros((), dtype=torch.float32, device=micro_batches[0]["input_ids"].device)
         for i, batch in enumerate(micro_batches):
+            self._syncing = i == last
             with dist.no_sync(stage, sync=i == last):
                 with self._autocast():
                     mask = None if batch.get("all_real") else batch["attention_mask"]  # host facts: no sync
@@ -148,6 +153,7 @@ class Runtime:
             if micro:
                 acc = self._accumulate_micro(acc, last=i == last)
             loss_sum += out.loss_sum.detach().float()
+        self._syncing = False
         return loss_sum
 
     def _pipeline(self, micro_batches: list[dict[str, Any]], n_masked: torch.Tensor) -> torch.Tensor:
@@ -250,9 +256,13 @@ class Runtime:
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Collective: clip every gradient to a global L2 norm of ``max_norm`` (``inf``: measure only)
-        and return the norm before clipping, the same on every rank (``labkit.train.clip``)."""
-        return clip_grad_norm_(self.parts.parameters(), max_norm, counted_elsewhere=self.parts.tied_copy,
+        and return the norm before clipping, the same on every rank (``labkit.train.clip``). Under DDP
+        the norm is also the noise scale's |G_big| (``gns.NoiseScale.reduced_norm``)."""
+        norm = clip_grad_norm_(self.parts.parameters(), max_norm, counted_elsewhere=self.parts.tied_copy,
                                pp_group=self.mesh.group("pp") if self.mesh.pp > 1 else None)
+        if self.noise is not None and self.noise.kind == "params":
+            self.noise.reduced_norm(norm, self.scaler.get_scale() if self.scaler.is_enabled() else 1.0)
+        return norm
 
     def step_measures(self, timer: StepTimer) -> dict[str, Any]:
         """Collective, once per step on every rank, after ``timer.stop()``: {"comm_exposed_s" (this
@@ -301,6 +311,21 @@ class Runtime:
         timer = CommTimer(self.device, blocking=blocking, observers=observers)
         time_reduce_scatters([m for chunk in self.parts.chunks for m in chunk.modules()], timer, self.weights)
         return timer
+
+    def _hook_local_gradients(self) -> None:
+        """DDP's noise scale (kind "params", ``labkit.train.gns``): a post-accumulate-grad hook on every
+        parameter gives the noise scale its local gradient on the synchronising backward, after the
+        gradient is accumulated and before DDP's own hook marks it ready for the all-reduce (torch runs
+        a tensor's post-accumulate-grad hooks inside AccumulateGrad, DDP's reducer hooks after it)."""
+        for name, p in self.parts.named_parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._local_gradient_hook(name))
+
+    def _local_gradient_hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            if self._syncing and self.noise is not None:
+                self.noise.local(name, p.grad)
+        return hook
 
     def _schedule(self) -> Any:
         """Torch's pipeline schedule over this rank's stages (``pipeline.build_schedule``), each a

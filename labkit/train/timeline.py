@@ -84,10 +84,10 @@ class BucketClock(GradientObserver):
         self.ready: list[float] = []
         self.done: list[float] = []
 
-    def before(self, bucket_index: int, local: Any, weights: Any = None, pieces: Any = None) -> None:  # noqa: D102
+    def before(self, bucket_index: int, local: Any, weights: Any = None) -> None:  # noqa: D102
         self.ready.append(time.perf_counter())
 
-    def after(self, bucket_index: int, reduced: Any, weights: Any = None, pieces: Any = None) -> None:  # noqa: D102
+    def after(self, bucket_index: int, reduced: Any, weights: Any = None) -> None:  # noqa: D102
         self.done.append(time.perf_counter())
 
     def reset(self) -> None:  # noqa: D102

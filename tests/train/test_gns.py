@@ -284,6 +284,7 @@ def _hook_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             rt = build_runtime(cfg, _model(), device)  # its noise scale: an observer in the collectives
             rt.comm.reset()
             rt.forward_backward(_rank_micro_batches(pool, rank))
+            rt.clip_grad_norm(float("inf"))  # as the loop does: under DDP the norm is |G_big| (gns "params")
             out[sharding] = rt.comm.step_fields()
         out["compression"] = _compression_runs(rank, world, device)
         torch.save(out, pathlib.Path(out_dir) / f"rank{rank}.pt")
@@ -298,18 +299,18 @@ def _compression_runs(rank: int, world: int, device: torch.device) -> dict[str, 
     """PSGD_STEPS steps at frozen weights (``_half_learnt``: B_simple above the batch of 8) on fresh
     batches (the same for every run) through DDP's composed hook: the plain all-reduce; PowerSGD
     (rank 1, compressed from step 3) with the noise scale as ``for_run`` builds it for PowerSGD
-    (sketching); and PowerSGD with the norms of the reduced bucket, the compressed one (how it was
-    measured before). The sums ride a sideband all-reduce, as in the training loop. Returns each
+    (sketching); and PowerSGD with the norms of the local and the reduced bucket (kind "average"),
+    the reduced one compressed. The sums ride a sideband all-reduce, as in the training loop. Returns each
     run's records."""
     pool, out = _pool(PSGD_STEPS * WORLD * MB * ACCUM, seed=11), {}
-    for name, compression, observed_as in (("none", "none", "none"), ("powersgd", "powersgd", "powersgd"),
-                                           ("powersgd_compressed_norms", "powersgd", "none")):
+    for name, compression in (("none", "none"), ("powersgd", "powersgd"), ("powersgd_compressed_norms", "powersgd")):
         cfg = TrainConfig(data_dir="-", run_dir="-", batch={"micro_batch_size": MB, "grad_accum_steps": ACCUM},
                           parallel={"grad_compression": compression, "powersgd_rank": 1, "powersgd_start_iter": 2})
         rt = build_runtime(cfg, _half_learnt(_model(), pool, share=0.7), device)  # DDP, the compression hook
-        noise = NoiseScale.for_run(micro_batch_size=MB, grad_accum_steps=ACCUM, dp=world, sharding="ddp",
-                                   dp_rank=rank, compression=observed_as)
-        rt.noise, rt.comm.observers = noise, [noise]  # observed as named (the last: the compressed buckets)
+        assert rt.noise.kind == {"none": "params", "powersgd": "sketch"}[compression]  # as for_run builds it
+        if name == "powersgd_compressed_norms":  # the norms of the local and the reduced (compressed) buckets
+            rt.noise = NoiseScale(MB * ACCUM, world * MB * ACCUM, ranks=world, rank=rank, kind="average")
+            rt.comm.observers = [rt.noise]
         timer = rt.comm
         records = []
         for step in range(PSGD_STEPS):
@@ -320,6 +321,7 @@ def _compression_runs(rank: int, world: int, device: torch.device) -> dict[str, 
             summed = timer.sideband(device)
             torch.distributed.all_reduce(summed)
             timer.receive(summed)
+            rt.clip_grad_norm(float("inf"))  # the loop's order: the sideband, then the clip
             records.append(timer.step_fields())
         out[name] = records
     return out
