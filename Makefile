@@ -27,8 +27,13 @@ endif
 demo: venv
 	$(VENV)/bin/labkit demo
 
+# Two pytest-xdist workers: tests/conftest.py keeps each file's tests on one worker (the demo's two
+# files and the real-cluster files each on one) and runs a test marked `exclusive` (a bound on
+# seconds, a timeout, a slowed rank measured against the others) with no other test beside it.
+# PYTEST_WORKERS=0 runs the suite in one process.
+PYTEST_WORKERS ?= 2
 test: venv browser cluster-tools
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope
 
 # Real Slurm (two virtual nodes), munge, Open MPI and network namespaces for the real-cluster
 # tests (tests/cluster/test_real_cluster.py, tests/cluster/test_real_hosts.py; labkit/testing/realcluster.py

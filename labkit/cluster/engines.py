@@ -27,6 +27,7 @@ import pathlib
 import signal
 import socket
 import stat
+import time
 import warnings
 from typing import Any
 
@@ -465,20 +466,30 @@ def _engine_children(cluster: ipp.Cluster) -> list:
     return procs
 
 
-def _end_processes(procs: list, wait_s: float = 1.0) -> None:
-    """Wait up to ``wait_s`` for ``procs`` to exit, then end the rest (SIGTERM, SIGKILL after 3 s).
-    A nanny outlives its stopped engine by up to 3 s while it tries to unregister the engine from
-    the controller that was stopped with it (its socket's LINGER)."""
+def _end_processes(procs: list, wait_s: float = 3.0) -> None:
+    """End ``procs`` now (SIGTERM; SIGKILL to those still running after ``wait_s``) and return once
+    each has exited. For the engines' nannies, called after their engines and the controller
+    stopped: a nanny outlives its stopped engine by up to 3 s while it tries to unregister the
+    engine from that stopped controller (its socket's LINGER), which nothing can receive any more.
+    A zombie counts as exited: its engine, its parent, is gone, so it waits only for init to
+    reap it (which can take a second or two in a container)."""
     import psutil
 
-    _, alive = psutil.wait_procs(procs, timeout=wait_s)
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            proc.terminate()
-    _, alive = psutil.wait_procs(alive, timeout=3.0)
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
+    def running(proc) -> bool:
+        try:
+            return proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    for signal_them in ("terminate", "kill"):
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                getattr(proc, signal_them)()
+        end = time.monotonic() + wait_s
+        while (procs := [p for p in procs if running(p)]) and time.monotonic() < end:
+            time.sleep(0.02)
+        if not procs:
+            return
 
 
 def engine_logs(cluster: ipp.Cluster) -> dict[str, str]:

@@ -32,7 +32,8 @@ from labkit.testing import realcluster as R
 
 HERE = pathlib.Path(__file__).resolve().parent
 REASON = R.unavailable()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"real cluster: {REASON}")
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"real cluster: {REASON}"),
+              pytest.mark.exclusive]  # seconds until the stuck rank is named, and Ctrl-C's
 STEPS = 30
 STOP_AT = 8          # rank 3 is SIGSTOPped once rank 0 has logged this step
 KILL_AT = 12         # h2's engines are SIGKILLed once rank 0 has logged this step
@@ -67,12 +68,11 @@ def faults(tmp_path_factory):
         hosts.stop()
 
 
-def test_stuck_rank_named_while_the_others_wait(faults, capsys):
+def test_stuck_rank_named_while_the_others_wait(faults, say):
     r = faults
-    with capsys.disabled():
-        print(f"\n[stuck] rank 3 stopped at step {r['stopped_at_step']}; the view named it after {r['view_s']:.1f} s, "
-              f"the CLI after {r['cli_s']:.1f} s; Ctrl-C returned {r['interrupt_returned_s']:.1f} s after the stop; "
-              f"the next call resumed from step {r['resumed_from']} in {r['next_cell_s']:.1f} s\n{r['view_text_last']}")
+    say(f"\n[stuck] rank 3 stopped at step {r['stopped_at_step']}; the view named it after {r['view_s']:.1f} s, "
+        f"the CLI after {r['cli_s']:.1f} s; Ctrl-C returned {r['interrupt_returned_s']:.1f} s after the stop; "
+        f"the next call resumed from step {r['resumed_from']} in {r['next_cell_s']:.1f} s\n{r['view_text_last']}")
     assert r["where"] == [[0, "n1", "h1"], [1, "n1", "h1"], [2, "n2", "h2"], [3, "n2", "h2"]]
     # the notebook view: one line naming rank 3, its host and the collective ranks 0-2 wait in
     line = r["view_text"]
@@ -112,11 +112,10 @@ def _weights(run_dir: pathlib.Path, step: int) -> dict:
     return load_weights(run_dir / "checkpoints" / f"step-{step}")
 
 
-def test_elastic_run_finishes_on_the_survivors(faults, capsys):
+def test_elastic_run_finishes_on_the_survivors(faults, say):
     r = faults
-    with capsys.disabled():
-        print(f"\n[elastic] h2's engines killed at step {r['killed_at_step']}; the run finished on 2 ranks in "
-              f"{r['elastic_s']:.1f} s; the change: {r['elastic_changes_file']}")
+    say(f"\n[elastic] h2's engines killed at step {r['killed_at_step']}; the run finished on 2 ranks in "
+        f"{r['elastic_s']:.1f} s; the change: {r['elastic_changes_file']}")
     assert r["killed_ranks"] == [2, 3] and r["elastic_steps"] == STEPS and r["elastic_world_size"] == 2
     worlds = r["elastic_worlds"]
     assert worlds[0] == 4 and worlds[-1] == 2 and worlds == sorted(worlds, reverse=True)

@@ -33,7 +33,7 @@ def test_control_plane_benchmark_at_4_engines_as_2_nodes():
     assert summary["status_poll"]["ranks_read"] == 4
 
 
-def test_the_live_rank_view_of_64_ranks_is_readable_in_chromium(tmp_path, capsys, monkeypatch):
+def test_the_live_rank_view_of_64_ranks_is_readable_in_chromium(tmp_path, say, monkeypatch):
     """The live rank view (``labkit.rankview.RankView``) of 64 ranks on 16 nodes x 100 steps, one
     rank slow on its data, as the notebook gets it (a LivePlot frame: ``labkit.live.live_html``
     drawn with the page's plotly.js) in a 1,280 x 900 Chromium window with JupyterLab's margins:
@@ -72,9 +72,8 @@ def test_the_live_rank_view_of_64_ranks_is_readable_in_chromium(tmp_path, capsys
         (layout,) = page.evaluate(LAYOUT_JS)
         right = page.evaluate("""() => Math.max(...[...document.querySelectorAll(
             '.main-svg, .legend, g.xtick text, g.ytick text, .gtitle')].map(e => e.getBoundingClientRect().right))""")
-    with capsys.disabled():
-        print(f"\n[rank view] 64 ranks x 100 steps redrawn in Chromium in {ms:.0f} ms; figure {drawn['svg']:.0f} px "
-              f"tall in a {drawn['div']:.0f} px output")
+    say(f"\n[rank view] 64 ranks x 100 steps redrawn in Chromium in {ms:.0f} ms; figure {drawn['svg']:.0f} px "
+        f"tall in a {drawn['div']:.0f} px output")
     heatmaps = [t for t in drawn["traces"] if t[0] == "heatmap"]
     assert len(heatmaps) == 2 and all(t[2] == n for t in heatmaps), drawn["traces"]  # a row per rank
     assert "rank 41" in drawn["title"] and "data" in drawn["title"], drawn["title"]

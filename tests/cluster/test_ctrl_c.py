@@ -92,6 +92,7 @@ def _tree(pid: int) -> list[psutil.Process]:
     ("shard plan", ["prepare", "{cfg}"]),
     ("loaders sweep", ["sweep", "loaders", "{cfg}", "--workers", "0", "--set", 'train.data_dir="{tiny}"']),
 ])
+@pytest.mark.exclusive  # seconds from SIGINT to the exit
 def test_sigint_in_a_blocking_engine_call_exits_130_and_stops_the_engines(workdir, stage, args):
     marker = workdir / f"{stage.replace(' ', '_')}.started"
     command = [a.format(cfg=workdir / "lab.toml", tiny=workdir / "tiny") for a in args]

@@ -41,7 +41,8 @@ def test_tcpstore_across_the_hosts_without_hostname_warnings(tmp_path):
         assert "hostname of the client socket" not in text, text[-2000:]
 
 
-def test_shaped_link_carries_its_set_rate(tmp_path, capsys):
+@pytest.mark.exclusive  # a measured rate within 10 % of the set one
+def test_shaped_link_carries_its_set_rate(tmp_path, say):
     """A bounded TCP transfer h1 -> h2 (about 2 s of the rate, only the hosts' own addresses):
     bytes over the receiver's time within 10 % of the tbf rate, at 200 Mbit/s set at start and
     at 50 Mbit/s and 1 Gbit/s set with ``tc qdisc change`` while the hosts run; unshaped, the
@@ -59,9 +60,8 @@ def test_shaped_link_carries_its_set_rate(tmp_path, capsys):
         hosts.shape(None)
         assert "tbf" not in hosts.qdisc("h1")
         free = R.measure_throughput(hosts, 500_000_000)
-    with capsys.disabled():
-        print("\n[shaped link] " + "; ".join(f"{r / 1e6:g} Mbit/s set: {v['goodput_bits'] / 1e6:.1f} measured"
-                                            for r, v in seen.items()) + f"; unshaped {free['goodput_bits'] / 1e6:.0f}")
+    say("\n[shaped link] " + "; ".join(f"{r / 1e6:g} Mbit/s set: {v['goodput_bits'] / 1e6:.1f} measured"
+                                      for r, v in seen.items()) + f"; unshaped {free['goodput_bits'] / 1e6:.0f}")
     assert free["goodput_bits"] > 2e9
 
 

@@ -144,7 +144,7 @@ def broken_env(tmp_path):
 
 
 @pytest.mark.parametrize("engines", ["local", "mpi", "slurm"])
-def test_engines_that_cannot_start_fail_fast(engines, broken_env, slurm, tmp_path, capsys):
+def test_engines_that_cannot_start_fail_fast(engines, broken_env, slurm, tmp_path, say):
     """start_cluster ends with EngineStartError carrying the engines' own error text within
     seconds of their exit (the timeout is 120 s), and leaves nothing running."""
     kw = {"slurm": {"nodes": 2, "gpus_per_node": 1}, "controller_ip": "127.0.0.1"} if engines == "slurm" else {}
@@ -153,8 +153,7 @@ def test_engines_that_cannot_start_fail_fast(engines, broken_env, slurm, tmp_pat
         C.start_cluster(2, engines=engines, env={"PYTHONPATH": broken_env}, timeout=120,
                         profile_dir=str(tmp_path / "profile"), **kw)
     seconds = time.monotonic() - t0
-    with capsys.disabled():
-        print(f"\n[{engines} engines that cannot start] error after {seconds:.1f} s (timeout 120 s):\n{ei.value}")
+    say(f"\n[{engines} engines that cannot start] error after {seconds:.1f} s (timeout 120 s):\n{ei.value}")
     assert BROKEN in str(ei.value) and "ImportError" in str(ei.value)
     first = str(ei.value).splitlines()[0]
     assert first.startswith("engines failed to start: ") and {"local": "local engine", "mpi": "mpiexec exited",

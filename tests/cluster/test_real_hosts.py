@@ -84,14 +84,14 @@ def test_ddp_across_hosts_same_losses(net, one_host):
     assert R.wait_for(lambda: net["slurm"].jobs() == [] or None, 30, "squeue empty after stop_cluster") is True
 
 
-def test_node_loss_error_then_restart_and_resume(net, one_host, capsys):
+@pytest.mark.exclusive  # the 6 s collective timeout and its bound
+def test_node_loss_error_then_restart_and_resume(net, one_host, say):
     res = drive(net, "node_loss", "node-loss", down_at_step=12, timeout_s=COLLECTIVE_S)
-    with capsys.disabled():
-        print(f"\n[node loss] link veth-h2 down at step {res['down_at_step']}; DDPError after "
-              f"{res['error_seconds']:.1f} s (collective timeout {COLLECTIVE_S} s):\n{res['error']}\n"
-              f"[node loss] old job {res['old_job_state_after']}, n2 {res['node_state_down']} then "
-              f"{res['node_state_back']}; restart_engines took {res['restart_seconds']:.1f} s; "
-              f"resumed from step {res['resumed_from']}")
+    say(f"\n[node loss] link veth-h2 down at step {res['down_at_step']}; DDPError after "
+        f"{res['error_seconds']:.1f} s (collective timeout {COLLECTIVE_S} s):\n{res['error']}\n"
+        f"[node loss] old job {res['old_job_state_after']}, n2 {res['node_state_down']} then "
+        f"{res['node_state_back']}; restart_engines took {res['restart_seconds']:.1f} s; "
+        f"resumed from step {res['resumed_from']}")
     assert res["where"] == [["n1", "h1", 0], ["n2", "h2", 0]]
     # the error names the lost rank, its engine and node, and what is gone; then what the surviving
     # rank saw: its own collective's timeout (labkit.train.status.explain keeps it after "here: ",

@@ -239,13 +239,34 @@ def _last_error(err: str) -> str:
                  if re.match(r"(\[rank\d\]: )?[\w.]+(Error|Exception): ", line)), "")
 
 
-@pytest.mark.parametrize("fault,doomed", POINTS)
-def test_a_killed_rank_ends_in_an_exact_resume(reference, fault, doomed, capsys):
+@pytest.fixture(scope="module")
+def killed(reference):
+    """Every point of ``POINTS`` killed side by side (6 pairs of ranks, each in its own run
+    directory; the bounds of ``_wait`` hold for each pair), then the 6 reruns side by side:
+    {(fault, doomed): (cfg, (codes, stop_s, errs) of the killed run, the lock left behind, the
+    temporary checkpoint directories left behind, (codes, errs) of the rerun)}. One pair at a time
+    took 14-16 s each, mostly the 2 processes' start (torch's import), 6 x 2 x 2 of them in all."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from labkit.train.runlock import read_lock
 
     root, whole = reference
-    cfg = dataclasses.replace(whole, run_dir=str(root / f"{fault}-{doomed}"))
-    codes, stop_s, errs = _launch(cfg, fault, doomed)
+    cfgs = {(f, d): dataclasses.replace(whole, run_dir=str(root / f"{f}-{d}")) for f, d in POINTS}
+    with ThreadPoolExecutor(len(POINTS)) as pool:
+        runs = {p: pool.submit(_launch, cfg, *p) for p, cfg in cfgs.items()}
+        runs = {p: r.result() for p, r in runs.items()}  # a pair past its bound fails here, naming its fault
+    left = {p: (read_lock(cfg.run_dir) or {}).get("pid") for p, cfg in cfgs.items()}
+    tmp = {p: list((pathlib.Path(cfg.run_dir) / "checkpoints").glob(".step-*.tmp")) for p, cfg in cfgs.items()}
+    with ThreadPoolExecutor(len(POINTS)) as pool:  # the reruns resume
+        reruns = {p: pool.submit(_launch, cfg) for p, cfg in cfgs.items()}
+        reruns = {p: r.result()[::2] for p, r in reruns.items()}
+    return {p: (cfgs[p], runs[p], left[p], tmp[p], reruns[p]) for p in POINTS}
+
+
+@pytest.mark.parametrize("fault,doomed", POINTS)
+def test_a_killed_rank_ends_in_an_exact_resume(reference, killed, fault, doomed, say):
+    root, _ = reference
+    cfg, (codes, stop_s, errs), lock_pid, leftovers, (rerun_codes, rerun_errs) = killed[(fault, doomed)]
     assert codes[doomed] == -signal.SIGKILL, (codes, errs)
     assert codes[1 - doomed] != 0, errs  # the survivor stopped by itself, with an error
     assert stop_s < STOP_S  # (_wait enforces it too)
@@ -253,21 +274,19 @@ def test_a_killed_rank_ends_in_an_exact_resume(reference, fault, doomed, capsys)
     assert re.search(rf"rank {doomed} \(pid \d+ on host .+\) stopped answering: its process is gone",
                      _last_error(errs[1 - doomed])), errs[1 - doomed][-3000:]
     if doomed == 0:  # its lock stays behind, naming a dead pid: stale, the rerun takes it over
-        assert read_lock(cfg.run_dir)["pid"] not in (None, os.getpid())
-    leftovers = list((pathlib.Path(cfg.run_dir) / "checkpoints").glob(".step-*.tmp"))
+        assert lock_pid not in (None, os.getpid())
     assert bool(leftovers) == (fault == "checkpoint"), leftovers  # the killed save's temporary directory
-    with capsys.disabled():
-        print(f"\n[recovery] fault {fault} in rank {doomed}: the survivor stopped {stop_s:.2f} s after the kill "
-              f"(collective timeout {TIMEOUT_S:.0f} s, load {os.getloadavg()[0]:.1f})")
-    codes, _, errs = _launch(cfg)  # the rerun resumes
-    assert codes == [0, 0], errs
+    say(f"\n[recovery] fault {fault} in rank {doomed}: the survivor stopped {stop_s:.2f} s after the kill "
+        f"(collective timeout {TIMEOUT_S:.0f} s, 6 pairs side by side, load {os.getloadavg()[0]:.1f})")
+    assert rerun_codes == [0, 0], rerun_errs  # the rerun resumed
     _assert_exact(root, pathlib.Path(cfg.run_dir))
     assert not list((pathlib.Path(cfg.run_dir) / "checkpoints").glob(".step-*"))  # removed at its first save
     assert not (pathlib.Path(cfg.run_dir) / "lock.json").exists()
 
 
+@pytest.mark.exclusive  # the collective timeout + 10 s bound
 @pytest.mark.parametrize("asynchronous", [False, True])
-def test_a_hung_rank_ends_every_other_rank_in_one_line(reference, asynchronous, tmp_path, capsys):
+def test_a_hung_rank_ends_every_other_rank_in_one_line(reference, asynchronous, tmp_path, say):
     """SIGSTOP instead of SIGKILL at every point of ``POINTS``: the rank stops without dying, its
     sockets stay open, and nothing but the timeouts can end the other rank. Its run must end within
     the collective timeout + 10 s of the stop (every process group the run makes has the run's
@@ -309,10 +328,9 @@ def test_a_hung_rank_ends_every_other_rank_in_one_line(reference, asynchronous, 
                 if p.poll() is None:
                     p.kill()  # SIGKILL ends a stopped process too
                     p.wait()
-    with capsys.disabled():
-        print(f"\n[recovery] hung rank, asynchronous checkpoints {asynchronous}: the other rank's run ended "
-              f"{'; '.join(f'{f} in rank {d}: {s:.1f} s' for f, d, s in results)} after the stop (collective "
-              f"timeout {TIMEOUT_S:.0f} s, load {os.getloadavg()[0]:.1f})")
+    say(f"\n[recovery] hung rank, asynchronous checkpoints {asynchronous}: the other rank's run ended "
+        f"{'; '.join(f'{f} in rank {d}: {s:.1f} s' for f, d, s in results)} after the stop (collective "
+        f"timeout {TIMEOUT_S:.0f} s, load {os.getloadavg()[0]:.1f})")
     assert all(0 < s < STOP_S for *_, s in results), results
 
 
@@ -390,7 +408,7 @@ def _stage_main(src: str, local_root: str, kill_after: int) -> None:
 
 
 @pytest.mark.parametrize("torn_copy_in_place", [False, True])
-def test_a_killed_staging_copy_is_redone_and_trains_exactly(reference, torn_copy_in_place, capsys):
+def test_a_killed_staging_copy_is_redone_and_trains_exactly(reference, torn_copy_in_place, say):
     """SIGKILL inside a staging copy: no copy is published (a torn copy already in place, one
     shard cut to half, is left as it was: it is replaced only by a verified one); the next staging
     removes the dead process's partial copy and ends with a verified complete copy (byte-equal to
@@ -429,10 +447,9 @@ def test_a_killed_staging_copy_is_redone_and_trains_exactly(reference, torn_copy
     for f in files + ["index.json"]:
         assert (dst / f).read_bytes() == (src / f).read_bytes(), f
     assert stage_shards(str(src), local_root=str(local))["copied"] is False  # verified and kept
-    with capsys.disabled():
-        print(f"\n[recovery] staging killed after {kill_after} of {total} bytes "
-              f"({', '.join(f'{f}: {n}' for f, n in sorted(partial.items()))}); restaged {report['bytes']} bytes "
-              f"in {report['seconds']:.3f} s")
+    say(f"\n[recovery] staging killed after {kill_after} of {total} bytes "
+        f"({', '.join(f'{f}: {n}' for f, n in sorted(partial.items()))}); restaged {report['bytes']} bytes "
+        f"in {report['seconds']:.3f} s")
     if torn_copy_in_place:
         return  # the copy is byte-equal to the one trained on below
 
@@ -443,8 +460,9 @@ def test_a_killed_staging_copy_is_redone_and_trains_exactly(reference, torn_copy
 
 
 @pytest.mark.skipif(R.unavailable_hosts() is not None, reason=f"network hosts: {R.unavailable_hosts()}")
+@pytest.mark.exclusive  # the collective timeout + 10 s bound
 @pytest.mark.parametrize("lost", ["h2", "h1"])
-def test_node_loss_across_hosts_ends_in_an_exact_resume(reference, tmp_path, lost, capsys):
+def test_node_loss_across_hosts_ends_in_an_exact_resume(reference, tmp_path, lost, say):
     """Node loss: 2 gloo ranks, rank 0 on network host h1 (the master), rank 1 on h2. The rank on
     ``lost`` stops in step 5's first forward (after the step-4 checkpoint) and everything running
     on that host is SIGKILLed from outside; the rank on the other host must stop with an error
@@ -478,10 +496,9 @@ def test_node_loss_across_hosts_ends_in_an_exact_resume(reference, tmp_path, los
         survivor_error = _last_error(errs[1 - doomed])
         assert re.search(rf"rank {doomed} \(pid \d+ on host {lost}\) stopped answering", survivor_error), \
             errs[1 - doomed][-3000:]
-        with capsys.disabled():
-            print(f"\n[recovery] node {lost} lost (SIGKILL of {len(victims)} processes) in step 5: the rank on the "
-                  f"other host stopped {stop_s:.2f} s later (collective timeout {NODE_TIMEOUT_S:.0f} s, load "
-                  f"{os.getloadavg()[0]:.1f}): ...{survivor_error[-220:]}")
+        say(f"\n[recovery] node {lost} lost (SIGKILL of {len(victims)} processes) in step 5: the rank on the "
+            f"other host stopped {stop_s:.2f} s later (collective timeout {NODE_TIMEOUT_S:.0f} s, load "
+            f"{os.getloadavg()[0]:.1f}): ...{survivor_error[-220:]}")
         steps = sorted(p.name for p in (pathlib.Path(cfg.run_dir) / "checkpoints").glob("step-*"))
         assert "step-4" in steps and "step-6" not in steps, steps  # the rerun has step 4 to resume from
         procs, logs = _start(cfg, hosts=hosts)  # both hosts again: resume
