@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -319,13 +320,7 @@ class Runtime:
         a tensor's post-accumulate-grad hooks inside AccumulateGrad, DDP's reducer hooks after it)."""
         for name, p in self.parts.named_parameters():
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._local_gradient_hook(name))
-
-    def _local_gradient_hook(self, name: str) -> Callable[[torch.Tensor], None]:
-        def hook(p: torch.Tensor) -> None:
-            if self._syncing and self.noise is not None:
-                self.noise.local(name, p.grad)
-        return hook
+                p.register_post_accumulate_grad_hook(_local_gradient_hook(weakref.ref(self), name))
 
     def _schedule(self) -> Any:
         """Torch's pipeline schedule over this rank's stages (``pipeline.build_schedule``), each a
@@ -355,3 +350,16 @@ def _piece_weights(parts: ModelParts) -> dict[torch.nn.Parameter, float] | None:
         replicated = "tp" in names and p.placements[names.index("tp")].is_replicate()
         out[p] = 1.0 / parts.mesh.tp if replicated and id(p) not in partial else 1.0
     return out
+
+
+def _local_gradient_hook(runtime: "weakref.ref[Runtime]", name: str) -> Callable[[torch.Tensor], None]:
+    """The post-accumulate-grad hook of parameter ``name`` (``Runtime._hook_local_gradients``). It
+    holds its runtime weakly: a tensor's hooks are held from C++, where Python's garbage collector
+    cannot see them, so a strong reference would keep the runtime, its model and its process group
+    alive after a failed run, and the other ranks would wait in their collectives until the timeout
+    instead of failing at once when this rank's sockets close (``labkit.train.loop.train``)."""
+    def hook(p: torch.Tensor) -> None:
+        rt = runtime()
+        if rt is not None and rt._syncing and rt.noise is not None:
+            rt.noise.local(name, p.grad)
+    return hook

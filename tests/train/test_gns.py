@@ -17,10 +17,12 @@ least 80 % of independent windows, both where B_big is above B_simple and where 
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import pathlib
 import socket
+import weakref
 
 import pytest
 import torch
@@ -286,6 +288,12 @@ def _hook_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             rt.forward_backward(_rank_micro_batches(pool, rank))
             rt.clip_grad_norm(float("inf"))  # as the loop does: under DDP the norm is |G_big| (gns "params")
             out[sharding] = rt.comm.step_fields()
+            # its parameters' hooks (kind "params") must not keep it, its model and its group's sockets alive:
+            # a failed rank's peers fail at once only when the sockets close (test_data_changes)
+            model_ref, runtime_ref = weakref.ref(rt.parts.stages[0]), weakref.ref(rt)
+            del rt
+            gc.collect()
+            out[f"{sharding}_freed"] = (runtime_ref() is None, model_ref() is None)
         out["compression"] = _compression_runs(rank, world, device)
         torch.save(out, pathlib.Path(out_dir) / f"rank{rank}.pt")
     finally:
@@ -354,6 +362,7 @@ def test_ddp_hook_and_fsdp_reduce_scatter_give_the_two_batch_norms(tmp_path):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for sharding, want, b in (("ddp", ddp, (MB * ACCUM, WORLD * MB * ACCUM)), ("fsdp", fsdp, (MB, WORLD * MB))):
             f = got[sharding]
+            assert got[f"{sharding}_freed"] == (True, True), sharding  # runtime and model gone once dropped
             assert (f["gns_b_small"], f["gns_b_big"]) == b
             for key in want:
                 assert f[key] == pytest.approx(want[key], rel=1e-4), (sharding, key)
