@@ -28,8 +28,14 @@ from every call, which is a run without it but for the hooks' Python calls (``ob
 
 Goal: <= 1 % of the step, with a resolution under 0.5 %. The machine's load average is printed.
 
-Run: ``python benchmarks/bench_gns.py`` from the repository root (about 8 minutes at the
-defaults). JSON lines; the last line is one JSON object.
+The micro-batch is labkit's default (``BatchConfig.micro_batch_size``, 16 sequences of 128
+tokens per rank). The statistics read every parameter's gradient once a step, a cost that grows
+with the parameters, while the step grows with parameters x tokens, so their share falls as the
+micro-batch grows; ``--micro-batch 4``, the setting of the earlier lines of
+docs/data/bench_gns.jsonl, is the harder case.
+
+Run: ``python benchmarks/bench_gns.py`` from the repository root (about 25 minutes at the
+defaults on 2 cores; ``--micro-batch 4``: about 8). JSON lines; the last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from _prep import spawn_ranks  # noqa: E402
 from bench_ddp import write_shards  # noqa: E402
-from labkit.config import TrainConfig, from_dict, to_dict  # noqa: E402
+from labkit.config import BatchConfig, TrainConfig, from_dict, to_dict  # noqa: E402
 
 TRIM = 0.10
 
@@ -183,7 +189,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="mini")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--micro-batch", type=int, default=BatchConfig().micro_batch_size,
+                   help="sequences per rank per step (default: labkit's default micro-batch, %(default)s)")
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--steps", type=int, default=2010,
                    help="steps of the one run (pairs = (steps - warm-up) / 2: 1,000 resolve about ±0.5 %%)")
