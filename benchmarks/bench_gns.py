@@ -34,8 +34,10 @@ with the parameters, while the step grows with parameters x tokens, so their sha
 micro-batch grows; ``--micro-batch 4``, the setting of the earlier lines of
 docs/data/bench_gns.jsonl, is the harder case.
 
-Run: ``python benchmarks/bench_gns.py`` from the repository root (about 25 minutes at the
-defaults on 2 cores; ``--micro-batch 4``: about 8). JSON lines; the last line is one JSON object.
+Run: ``python benchmarks/bench_gns.py`` from the repository root (about 43 minutes at the
+defaults on 2 cores: 4,010 steps, 2,000 pairs; ``--steps 2010``, 1,000 pairs, resolved only
+±0.50 % at the default micro-batch; ``--micro-batch 4 --steps 2010``: about 8 minutes). JSON
+lines; the last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -192,8 +194,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--micro-batch", type=int, default=BatchConfig().micro_batch_size,
                    help="sequences per rank per step (default: labkit's default micro-batch, %(default)s)")
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--steps", type=int, default=2010,
-                   help="steps of the one run (pairs = (steps - warm-up) / 2: 1,000 resolve about ±0.5 %%)")
+    p.add_argument("--steps", type=int, default=4010,
+                   help="steps of the one run (pairs = (steps - warm-up) / 2; at micro-batch 16 on 2 cores "
+                        "1,000 pairs resolved ±0.50 %%, 2,000 ±0.30 %%: docs/data/bench_gns.jsonl)")
     p.add_argument("--warmup-steps", type=int, default=10)
     args = p.parse_args(argv)
     if (args.steps - args.warmup_steps) < 20 or (args.steps - args.warmup_steps) % 2:
