@@ -6,7 +6,8 @@ the predicted and observed log loss, with the prediction written as a log-sum-ex
 
     log L_hat = LSE(a - alpha log N, b - beta log D, e),   A = exp(a), B = exp(b), E = exp(e),
 
-by L-BFGS from a grid of starting points, keeping the best. N is the parameter count, D the
+by L-BFGS from a grid of starting points, keeping the best (scipy's L-BFGS-B on the
+objective's closed-form gradient, as Besiroglu et al. 2024, arXiv:2404.10102, refit it). N is the parameter count, D the
 number of training tokens. The fits published for decoders on web text are constants here
 (``CHINCHILLA``, ``EPOCH_REFIT``); for MLM on code keep the form and refit the constants.
 """
@@ -18,7 +19,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 __all__ = ["CHINCHILLA", "EPOCH_REFIT", "check_allocation", "compute_optimal", "fit_law", "LawParams", "training_flops"]
 
@@ -99,24 +99,38 @@ def check_allocation(n_params: float, n_tokens: float, law: LawParams = CHINCHIL
     return {"loss": loss, "optimal": opt, "loss_given_up": gap, "verdict": verdict, "message": message}
 
 
-def _huber(r: torch.Tensor, delta: float) -> torch.Tensor:
-    a = r.abs()
-    return torch.where(a <= delta, 0.5 * r**2, delta * (a - 0.5 * delta))
+def _objective(theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_l: np.ndarray, delta: float,
+               *, grad: bool = False):
+    """The summed Huber loss of ``theta`` [..., 5] = (a, b, e, alpha, beta) on the points (float64
+    arrays [points]): shape [...]; with ``grad`` also its gradient [..., 5] (closed form: the
+    log-sum-exp's softmax weights times the Huber derivative, clipped residual)."""
+    a, b, e, alpha, beta = np.moveaxis(theta, -1, 0)
+    terms = np.stack([a[..., None] - alpha[..., None] * log_n, b[..., None] - beta[..., None] * log_d,
+                      np.broadcast_to(e[..., None], (*e.shape, log_n.shape[0]))], axis=-1)  # [..., points, 3]
+    top = terms.max(-1, keepdims=True)
+    w = np.exp(terms - top)
+    total = w.sum(-1, keepdims=True)
+    r = (top + np.log(total))[..., 0] - log_l  # residual of log L_hat [..., points]
+    ar = np.abs(r)
+    obj = np.where(ar <= delta, 0.5 * r**2, delta * (ar - 0.5 * delta)).sum(-1)
+    if not grad:
+        return obj
+    h = np.clip(r, -delta, delta)[..., None] * (w / total)  # dHuber/dr x d(LSE)/d(term) [..., points, 3]
+    g = np.stack([h[..., 0].sum(-1), h[..., 1].sum(-1), h[..., 2].sum(-1),
+                  -(h[..., 0] * log_n).sum(-1), -(h[..., 1] * log_d).sum(-1)], axis=-1)
+    return obj, g
 
 
-def _objective(theta: torch.Tensor, log_n, log_d, log_l, delta: float) -> torch.Tensor:
-    # theta [..., 5] = (a, b, e, alpha, beta); returns the summed Huber loss [...]
-    a, b, e, alpha, beta = theta.unbind(-1)
-    terms = torch.stack([a[..., None] - alpha[..., None] * log_n, b[..., None] - beta[..., None] * log_d,
-                         e[..., None].expand(*e.shape, log_n.shape[0])], dim=-1)  # [..., points, 3]
-    pred = torch.logsumexp(terms, dim=-1)  # [..., points]
-    return _huber(pred - log_l, delta).sum(-1)
+_BOUNDS = [(-199.0, 199.0)] * 3 + [(1e-3, 9.99)] * 2
+"""L-BFGS-B's box for (a, b, e, alpha, beta): inside ``_usable``'s range, so that a refinement
+along a direction the points do not pin down (few distinct N or D: a and alpha grow together)
+stops at the edge of the usable range instead of running off it and being discarded."""
 
 
-def _usable(theta: torch.Tensor) -> bool:
+def _usable(theta) -> bool:
     """A refined (a, b, e, alpha, beta) that maps to finite constants with positive exponents.
     L-BFGS on a few degenerate points (a bootstrap resample, say) can run off to exp overflow."""
-    a, b, e, alpha, beta = theta.detach().tolist()
+    a, b, e, alpha, beta = (float(x) for x in theta)
     return (all(math.isfinite(x) for x in (a, b, e, alpha, beta)) and max(abs(a), abs(b), abs(e)) < 200
             and 0 < alpha < 10 and 0 < beta < 10)
 
@@ -126,7 +140,7 @@ def fit_law(n_params, n_tokens, losses, *, delta: float = 1e-3, top_k: int = 8,
     """Fit L(N, D) = E + A/N^alpha + B/D^beta to observed (N, D, L) points, Chinchilla-style.
 
     Huber loss (delta) on log L; every grid start is scored, the ``top_k`` best are refined with
-    L-BFGS (float64), and the lowest objective wins. Default grid (arXiv:2203.15556 D.2 uses a
+    L-BFGS-B (float64, scipy; inside ``_BOUNDS``), and the lowest objective wins. Default grid (arXiv:2203.15556 D.2 uses a
     finer one): alpha, beta in {0.1, 0.3, 0.5, 1.0}, e in {-1, 0, 0.5, 1}, a, b in {0, 5, 10, 15, 20}.
 
     A refinement that leaves the usable range (non-finite, |log constant| >= 200, exponents
@@ -146,30 +160,23 @@ def fit_law(n_params, n_tokens, losses, *, delta: float = 1e-3, top_k: int = 8,
         raise ValueError("n_params, n_tokens, losses: all values must be positive")
     grid = grid or {"a": (0, 5, 10, 15, 20), "b": (0, 5, 10, 15, 20), "e": (-1, 0, 0.5, 1),
                     "alpha": (0.1, 0.3, 0.5, 1.0), "beta": (0.1, 0.3, 0.5, 1.0)}
-    log_n, log_d, log_l = (torch.from_numpy(np.log(x)) for x in (n, d, l))
-    starts = torch.tensor(list(itertools.product(grid["a"], grid["b"], grid["e"], grid["alpha"], grid["beta"])),
-                          dtype=torch.float64)
-    with torch.no_grad():
-        scores = _objective(starts, log_n, log_d, log_l, delta)
+    from scipy.optimize import minimize
+
+    log_n, log_d, log_l = np.log(n), np.log(d), np.log(l)
+    starts = np.array(list(itertools.product(grid["a"], grid["b"], grid["e"], grid["alpha"], grid["beta"])),
+                      dtype=np.float64)
+    scores = _objective(starts, log_n, log_d, log_l, delta)
     best_theta, best_obj = None, math.inf
-    for idx in torch.argsort(scores)[:top_k]:
-        theta = starts[idx].clone().requires_grad_(True)
-        opt = torch.optim.LBFGS([theta], lr=1.0, max_iter=500, tolerance_grad=1e-12, tolerance_change=1e-14,
-                                history_size=50, line_search_fn="strong_wolfe")
-
-        def closure():
-            opt.zero_grad()
-            obj = _objective(theta, log_n, log_d, log_l, delta)
-            obj.backward()
-            return obj
-
-        opt.step(closure)
-        with torch.no_grad():
-            obj = float(_objective(theta, log_n, log_d, log_l, delta))
-        if _usable(theta) and obj < best_obj:
-            best_obj, best_theta = obj, theta.detach()
+    for idx in np.argsort(scores, kind="stable")[:top_k]:
+        with np.errstate(over="ignore", invalid="ignore"):  # a start that runs off is discarded below
+            res = minimize(lambda t: _objective(t, log_n, log_d, log_l, delta, grad=True), starts[idx], jac=True,
+                           method="L-BFGS-B", bounds=_BOUNDS,
+                           options={"maxiter": 500, "maxcor": 50, "ftol": 1e-15, "gtol": 1e-12})
+        obj = float(_objective(res.x, log_n, log_d, log_l, delta))
+        if _usable(res.x) and obj < best_obj:
+            best_obj, best_theta = obj, res.x
     if best_theta is None:  # every refinement ran off (few, degenerate points): keep the best start
-        best_theta = starts[torch.argmin(scores)]
+        best_theta = starts[int(np.argmin(scores))]
         best_obj = float(scores.min())
     a, b, e, alpha, beta = best_theta.tolist()
     law = LawParams(E=math.exp(e), A=math.exp(a), B=math.exp(b), alpha=alpha, beta=beta)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -78,3 +80,46 @@ def test_refinements_that_run_off_are_discarded(monkeypatch):
     law = fit_law(n, d, CHINCHILLA.loss(n, d))["law"]
     assert law.alpha in (0.1, 0.3, 0.5, 1.0) and law.beta in (0.1, 0.3, 0.5, 1.0)
     assert np.isfinite([law.E, law.A, law.B]).all()
+
+
+def test_objective_gradient_matches_autograd():
+    # the closed-form gradient that L-BFGS-B follows, against torch's autograd of the same objective
+    import labkit.study.laws as laws
+
+    rng = np.random.default_rng(3)
+    n = np.geomspace(1e5, 1e7, 9)
+    d = np.geomspace(1e6, 1e8, 9)[rng.permutation(9)]
+    log_l = np.log(CHINCHILLA.loss(n, d) * np.exp(rng.normal(0, 3e-3, 9)))  # residuals either side of delta
+    for theta in ([6.0, 7.0, 0.5, 0.34, 0.28], [2.0, 9.0, -0.3, 0.7, 0.45]):
+        t = torch.tensor(theta, dtype=torch.float64, requires_grad=True)
+        terms = torch.stack([t[0] - t[3] * torch.from_numpy(np.log(n)), t[1] - t[4] * torch.from_numpy(np.log(d)),
+                             t[2].expand(9)], dim=-1)
+        r = torch.logsumexp(terms, -1) - torch.from_numpy(log_l)
+        ref = torch.where(r.abs() <= 1e-3, 0.5 * r**2, 1e-3 * (r.abs() - 0.5e-3)).sum()
+        ref.backward()
+        obj, grad = laws._objective(np.array(theta), np.log(n), np.log(d), log_l, 1e-3, grad=True)
+        assert obj == pytest.approx(ref.item(), rel=1e-12)
+        np.testing.assert_allclose(grad, t.grad.numpy(), rtol=1e-9, atol=1e-15)
+
+
+def test_fit_on_points_that_do_not_pin_the_exponents_stays_usable_and_beats_every_start(monkeypatch):
+    # a bootstrap resample of labkit demo's scaling-law points (3 widths, 60 steps): three model
+    # sizes, so a and alpha can grow together. Unbounded, L-BFGS runs off the usable range (alpha
+    # 19) and the refinement is discarded: the fit returns its grid start. Bounded, it stops inside.
+    import labkit.study.laws as laws
+
+    n = [105511, 105511, 414695, 414695, 27719, 27719, 414695, 414695, 27719, 27719, 414695, 105511, 27719,
+         414695, 27719, 105511, 105511, 105511]
+    d = [30720, 40960, 20480, 61440, 10240, 30720, 30720, 61440, 51200, 61440, 40960, 20480, 51200, 30720,
+         51200, 20480, 61440, 40960]
+    loss = [3.6761, 3.6267, 3.6836, 3.6397, 6.3253, 4.5771, 3.6385, 3.6397, 3.7109, 3.6427, 3.6368, 4.2368,
+            3.7109, 3.6385, 3.7109, 4.2368, 3.6231, 3.6267]
+    starts = np.array(list(itertools.product((0, 5, 10, 15, 20), (0, 5, 10, 15, 20), (-1, 0, 0.5, 1),
+                                             (0.1, 0.3, 0.5, 1.0), (0.1, 0.3, 0.5, 1.0))), dtype=np.float64)
+    best_start = laws._objective(starts, *np.log([n, d, loss]), 1e-3).min()
+    fit = fit_law(n, d, loss, top_k=1)
+    law = fit["law"]
+    assert fit["objective"] < 0.6 * best_start
+    assert 0 < law.alpha < 10 and 0 < law.beta < 10 and np.isfinite([law.E, law.A, law.B]).all()
+    monkeypatch.setattr(laws, "_BOUNDS", None)  # the same refinement without the box
+    assert fit_law(n, d, loss, top_k=1)["objective"] == pytest.approx(best_start)
