@@ -164,6 +164,9 @@ def setup_notebook_plotting(*, table_rows: int = 100) -> None:
     ``LivePlot.page_has_plotly``). Only needed for exported HTML: figures and
     `LivePlot` draw in JupyterLab, Notebook 7 and VS Code without it.
     """
+    from labkit._nbformat import import_nbformat
+
+    import_nbformat()  # plotly's notebook renderer imports nbformat: here, without 3.7 CPU-s of jsonschema's IRI checker
     _register_offline_renderer()
     pio.renderers.default = RENDERER
     pio.renderers._activate_pending_renderers()  # emits the notebook renderer's plotly.js once

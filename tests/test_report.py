@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import nbformat
 import plotly.io as pio
 import pytest
@@ -173,3 +176,31 @@ def test_parameter_types_are_checked_before_anything_runs(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "parameter 'n_points': expected int" in err[0], err
     assert not out.parent.exists(), "refused before the kernel started or anything was written"
+
+
+def test_nbformat_loads_without_jsonschemas_iri_checker_and_still_validates():
+    # a fresh interpreter, as a kernel is: the notebook plotting setup and labkit.report import
+    # nbformat with jsonschema but not rfc3987_syntax (3.7 CPU-s of Lark grammar, labkit._nbformat)
+    code = """
+import sys
+from labkit import plots
+plots.setup_notebook_plotting()
+import labkit.report as r
+import jsonschema
+nb = r.nbformat.v4.new_notebook()
+nb.cells.append(r.nbformat.v4.new_code_cell("1"))
+r.nbformat.validate(nb)
+bad = r.nbformat.v4.new_notebook()
+bad.cells.append({"cell_type": "code", "source": 1})
+try:
+    r.nbformat.validate(bad)
+    raise SystemExit("an invalid notebook passed")
+except r.nbformat.ValidationError:
+    pass
+checkers = jsonschema.FormatChecker.checkers
+print("rfc3987_syntax" in sys.modules, "iri" in checkers, "uri" in checkers, "date-time" in checkers)
+import rfc3987_syntax
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False False True True"
