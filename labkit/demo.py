@@ -117,7 +117,7 @@ def run_demo(cfg: DemoConfig, *, force: bool = False, parameters: dict[str, Any]
             took: dict[str, float] = {}
             summary["reports"] = run_reports(cfg, work, t0=t0, cluster_id=cluster.cluster_id, parameters=parameters,
                                              after={"05_scaling_laws": law_done, "07_critical_batch": loss},
-                                             seconds=took)
+                                             seconds=took, nice=10)  # the loss sweeps, which 05 and 07 wait for, first
             summary["report_seconds"] = {name: took[name] for name in NOTEBOOKS if name in took}
         summary |= loss.result()
         clock.mark("7-8 loss sweeps beside the figures and reports")
@@ -282,42 +282,63 @@ def _in_background(fn, *args) -> Future:
 
 def _loss_sweeps(work: Path, s5: dict, s7: dict, force: bool, t0: float, law_done: Future) -> dict:
     """Stage 7: the runs of notebooks 05 (scaling-law widths) and 07 (critical batch: the batch
-    sweep, then the branches of one run) with their settings (``s5``, ``s7``: ``_settings``), one after another in this process (one thread), while
-    the reports of the other notebooks run beside them: their quantity is a loss, which the load
-    does not change. ``law_done`` is set once the scaling-law runs are done (or failed)."""
+    sweep, and the branches of one run) with their settings (``s5``, ``s7``: ``_settings``), while
+    the reports of the other notebooks run beside them (their quantity is a loss, which the load
+    does not change). Two lanes: this thread runs the scaling-law runs, then the branches; a
+    process of its own (``_batch_sweep``, spawned) runs the batch sweep beside them, since two runs
+    in one process would share torch's default generator (init, dropout). The branches' table
+    reads the batch sweep's B_crit once that is done. ``law_done`` is set once the scaling-law
+    runs are done (or failed)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     from labkit.study.branching import notebook_run, sweep_branch
-    from labkit.study.critical_batch import batch_base, sweep_batch
     from labkit.study.law_runs import sweep_law_runs
 
     w, start, cpu = str(work), time.perf_counter(), time.thread_time()
+    pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
     try:
-        law = sweep_law_runs(w, widths=list(s5["law_widths"]), steps=s5["law_steps"],
-                             micro_batch=s5["law_micro_batch"], points=s5["law_points"], force=force)
-    except BaseException as err:
-        law_done.set_exception(err)
-        raise
-    law_done.set_result(None)
-    _say(f"    scaling-law runs: {law['width'].n_unique()} widths, {law.height} (N, D, held-out loss) points", t0)
-    base = batch_base(w, model=s7["batch_model"], micro_batch=s7["batch_micro_batch"], lr=s7["lr"])
-    runs, fit = sweep_batch(base, w, batch_sizes=list(s7["batch_sizes"]), max_examples=s7["batch_examples"],
-                            force=force)
+        batch = pool.submit(_batch_sweep, w, s7, force)
+        try:
+            law = sweep_law_runs(w, widths=list(s5["law_widths"]), steps=s5["law_steps"],
+                                 micro_batch=s5["law_micro_batch"], points=s5["law_points"], force=force)
+        except BaseException as err:
+            law_done.set_exception(err)
+            raise
+        law_done.set_result(None)
+        _say(f"    scaling-law runs: {law['width'].n_unique()} widths, {law.height} (N, D, held-out loss) points", t0)
+        run = notebook_run(w, model=s7["batch_model"], micro_batch=s7["batch_micro_batch"], lr=s7["lr"],
+                           steps=s7["branch_steps"])
+        points, _ = sweep_branch(run, w, at=list(s7["branch_at"]), factors=list(s7["branch_factors"]),
+                                 window=s7["branch_window"], n_boot=300, force=force, wait=batch.result)
+        runs, fit, batch_cpu = batch.result()  # the branches' table is read after it: <workdir>/sweeps/critical_batch.parquet
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     if "b_crit" in fit:
         _say(f"    critical batch B_crit = {fit['b_crit']:.1f} sequences ({100 * fit['level']:.0f} % bootstrap range "
              f"{fit['b_crit_low']:.1f}-{fit['b_crit_high']:.1f}) at held-out loss {fit['target_eval_loss']:.3f}", t0)
     else:
         _say(f"    critical batch: only {fit['reached']} batch sizes reached held-out loss "
              f"{fit['target_eval_loss']:.3f}, no fit", t0)
-    run = notebook_run(w, model=s7["batch_model"], micro_batch=s7["batch_micro_batch"], lr=s7["lr"],
-                       steps=s7["branch_steps"])
-    points, _ = sweep_branch(run, w, at=list(s7["branch_at"]), factors=list(s7["branch_factors"]),
-                             window=s7["branch_window"], critical_batch=f"{w}/sweeps/critical_batch.parquet",
-                             n_boot=300, force=force)
     _say(f"    critical batch by branching at steps {s7['branch_at']}: local critical batch "
          f"{', '.join('-' if b is None else f'{b:.0f}' for b in points['b_keep_pace'].to_list())} sequences", t0)
-    took = {"wall_s": round(time.perf_counter() - start, 1), "cpu_s": round(time.thread_time() - cpu, 1)}
-    _say(f"    loss sweeps done in {took['wall_s']} s ({took['cpu_s']} CPU-s on their thread)", t0)
+    took = {"wall_s": round(time.perf_counter() - start, 1),
+            "cpu_s": round(time.thread_time() - cpu + batch_cpu, 1)}
+    _say(f"    loss sweeps done in {took['wall_s']} s ({took['cpu_s']} CPU-s: their thread here and the batch "
+         "sweep's process)", t0)
     return {"law_points": law.to_dicts(), "critical_batch": runs.to_dicts(), "critical_batch_fit": fit,
             "branch": points.to_dicts(), "loss_sweeps": took}
+
+
+def _batch_sweep(w: str, s7: dict, force: bool) -> tuple:
+    """Notebook 07's batch sweep with its settings ``s7``, in a process of its own
+    (``_loss_sweeps``): (runs, fit, CPU seconds of this process)."""
+    from labkit.study.critical_batch import batch_base, sweep_batch
+
+    base = batch_base(w, model=s7["batch_model"], micro_batch=s7["batch_micro_batch"], lr=s7["lr"])
+    runs, fit = sweep_batch(base, w, batch_sizes=list(s7["batch_sizes"]), max_examples=s7["batch_examples"],
+                            force=force)
+    return runs, fit, time.process_time()
 
 
 def _say_sweeps(ranks, mb, sizes, loader, splits, t0: float) -> None:

@@ -38,7 +38,7 @@ def notebook_parameters(cfg: DemoConfig, work: Path, cluster_id: str | None = No
                         extra: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """{notebook: {parameter: value}}: what the demo passes each notebook of ``NOTEBOOKS`` (its
     work directory, engines -- or the running cluster ``cluster_id`` --, model and data settings,
-    the training steps of notebook 03, the sweeps' steps, models and budget, and ``extra``),
+    the demo's training run for notebook 03 to show, the sweeps' steps, models and budget, and ``extra``),
     restricted to the parameters the notebook declares, so each report shows only the ones it
     uses. Raises ValueError naming a parameter of ``extra`` that no notebook declares."""
     from labkit.report import declared_parameters
@@ -50,7 +50,8 @@ def notebook_parameters(cfg: DemoConfig, work: Path, cluster_id: str | None = No
              # the demo's corpus sources: notebook 01 reuses the demo's artifacts only with the same settings
              "elf_paths": list(cfg.corpus.paths), "text_paths": list(cfg.corpus.text_paths),
              "jsonl_paths": list(cfg.corpus.jsonl_paths), "parquet_paths": list(cfg.corpus.parquet_paths),
-             "steps": min(cfg.train_steps, 12), "sweep_steps": cfg.sweep_steps,
+             # notebook 03 shows the run the demo's stage 5 has just trained (demo_train_config's run_dir)
+             "run": str(work / "runs" / "demo"), "sweep_steps": cfg.sweep_steps,
              "sweep_models": list(cfg.sweep_models), "memory_budget_gib": cfg.memory_budget_gib} | (extra or {})
     out, seen = {}, set()
     for name in NOTEBOOKS:
@@ -73,7 +74,8 @@ def settings(name: str, passed: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def run_reports(cfg: DemoConfig, work: Path, *, t0: float | None = None, cluster_id: str | None = None,
                 jobs: int = 2, parameters: dict[str, Any] | None = None,
-                after: dict[str, Future] | None = None, seconds: dict[str, float] | None = None) -> list[str]:
+                after: dict[str, Future] | None = None, seconds: dict[str, float] | None = None,
+                nice: int = 0) -> list[str]:
     """Execute each notebook headlessly on the demo's work directory and export it as a
     self-contained HTML report under ``<workdir>/reports``, with the demo's parameters and
     ``parameters`` (``notebook_parameters``); returns the report paths in ``NOTEBOOKS`` order.
@@ -85,7 +87,9 @@ def run_reports(cfg: DemoConfig, work: Path, *, t0: float | None = None, cluster
     the others run beside them; without it, each notebook starts and stops its own engines. A
     notebook in ``after`` ({name: Future}) starts once its future is done (what it shows is
     measured then). ``seconds``, when given, gets each notebook's wall seconds from its start to
-    its exported report ({name: s}). Raises RuntimeError naming the first notebook that failed."""
+    its exported report ({name: s}). ``nice``: added to each notebook's niceness (``labkit demo``
+    passes 10: the loss sweeps that 05 and 07 wait for train beside the notebooks, ahead of them).
+    Raises RuntimeError naming the first notebook that failed."""
     from labkit.report import execute_notebooks
 
     t0 = time.perf_counter() if t0 is None else t0
@@ -96,7 +100,7 @@ def run_reports(cfg: DemoConfig, work: Path, *, t0: float | None = None, cluster
         + (f" ({', '.join(shared)} on the demo's engines, in turn)" if shared else ""), t0)
     execute_notebooks([[(notebooks_dir() / f"{n}.py", work / "reports" / f"{n}.html", params[n]) for n in lane]
                        for lane in lanes], jobs=jobs, cwd=work, after=after,
-                      done=lambda name, took: _done(name, took, seconds, t0))
+                      done=lambda name, took: _done(name, took, seconds, t0), nice=nice)
     return [str(work / "reports" / f"{name}.html") for name in NOTEBOOKS]
 
 
@@ -106,7 +110,8 @@ def _done(name: str, took: float, seconds: dict | None, t0: float) -> None:
         seconds[name] = round(took, 1)
 
 
-_REPORT_ORDER = ("00_cluster", "01_prepare", "02_stage_and_load", "04_scaling", "06_model_parallel", "03_train",
+_REPORT_ORDER = ("00_cluster", "01_prepare", "02_stage_and_load", "03_train", "04_scaling", "06_model_parallel",
                  "05_scaling_laws", "07_critical_batch")
-"""The order ``run_reports`` starts the notebooks in: 03, which trains a run of its own, after the
-notebooks that only read back, so that it trains once the loss sweeps beside them are done."""
+"""The order ``run_reports`` starts the notebooks in: those on the demo's engines (which read
+back what the stages measured, 03 the demo's run) in order, then 05 and 07, each once the loss
+sweeps it shows are done."""

@@ -108,9 +108,18 @@ def test_notebooks_execute_and_export_offline_reports(reports, workdir):
     assert "bootstrap_p05" in text and "compute-optimal" in text
     law_records = [json.loads(line) for line in (workdir / "runs" / "law-16" / "metrics.jsonl").read_text().splitlines()]
     assert sum("eval_loss" in r for r in law_records) == SMALL["law_points"]  # notebook 05 fits held-out loss
-    nb03 = [json.loads(line) for line in (workdir / "runs" / "notebook-03" / "metrics.jsonl").read_text().splitlines()]
-    steps = json.loads((workdir / "runs" / "notebook-03" / "config.json").read_text())["max_steps"]
-    assert steps == 12 and [r["step"] for r in nb03 if "eval_loss" in r] == [3, 6, 9, 12]  # every 12 // 4 steps
+    # notebook 03 draws the demo's run (30 steps) from its files: nothing trained again, the same figures
+    assert not (workdir / "runs" / "notebook-03").exists()
+    nb03 = nbformat.read(reports["03_train"].with_suffix(".ipynb"), as_version=4)
+    figs = [o["data"]["application/vnd.plotly.v1+json"] for c in nb03.cells if c.cell_type == "code"
+            for o in c.get("outputs", []) if "application/vnd.plotly.v1+json" in o.get("data", {})]
+    demo_result = json.loads((workdir / "runs" / "demo" / "result.json").read_text())
+    loss = next(f for f in figs if "Training loss of tiny" in f["layout"]["title"]["text"])
+    assert "30 steps" in loss["layout"]["title"]["text"] and demo_result["steps"] == 30
+    steps_drawn = next(t for t in loss["data"] if t.get("name") == "loss")["x"]
+    assert list(steps_drawn) == list(range(1, 31))  # every logged step of runs/demo
+    heat = next(f for f in figs if any(t.get("type") == "heatmap" for t in f["data"]))
+    assert {len(t["y"]) for t in heat["data"] if t.get("type") == "heatmap"} == {2}  # both ranks' timelines
     nb04 = nbformat.read(reports["04_scaling"].with_suffix(".ipynb"), as_version=4)
     shown = "".join(o.get("data", {}).get("text/plain", "") for c in nb04.cells if c.cell_type == "code"
                     for o in c.get("outputs", []))

@@ -29,6 +29,7 @@ import json
 import math
 import pathlib
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -223,7 +224,8 @@ def sweep_branch(train_cfg: TrainConfig, workdir: str | pathlib.Path, *, at: lis
                  factors: tuple[int, ...] | list[int] = FACTORS, window: int | None = None, repeats: int = 1,
                  tolerance: float = TOLERANCE, engines: int = 1, lr_rule: str | None = None,
                  critical_batch: str | pathlib.Path | None = None, n_boot: int = 1000,
-                 force: bool = False, progress: bool = False) -> tuple[pl.DataFrame, pl.DataFrame]:
+                 force: bool = False, progress: bool = False,
+                 wait: Callable[[], object] | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The local critical batch of ``train_cfg``'s run at each step in ``at`` (module docstring).
 
     ``factors``: branch batches as multiples of the base's global batch (1 is added when absent);
@@ -231,7 +233,9 @@ def sweep_branch(train_cfg: TrainConfig, workdir: str | pathlib.Path, *, at: lis
     multiple of it); ``repeats``: windows per point; ``tolerance``: of keeping pace
     (``branch_stats``); ``engines``: the data-parallel ranks whose global batch the one-process
     base takes; ``lr_rule``: default train's batch.lr_rule; ``critical_batch``: a batch sweep's
-    table (default: <workdir>/sweeps/critical_batch.parquet, if any). A finished branch of the same
+    table (default: <workdir>/sweeps/critical_batch.parquet, if any), read once the runs are trained,
+    after ``wait()`` returns when given (``labkit demo`` runs its batch sweep beside the branches and
+    waits for it there; a given path must exist before anything trains). A finished branch of the same
     config is read back (``labkit.train.run_config.finished_run``) unless the base was trained
     again or ``force``. Returns (points, runs) and writes them to <workdir>/sweeps/branch.parquet
     and branch_runs.parquet. Points: step, tokens (seen by the base at the step), examples, batch
@@ -257,12 +261,12 @@ def sweep_branch(train_cfg: TrainConfig, workdir: str | pathlib.Path, *, at: lis
     if outside:
         raise ValueError(f"--at: branch points {outside} outside 1..train.max_steps {base.max_steps} "
                          "(--set train.max_steps=... to train the base run further)")
-    crit = _sweep_b_crit(critical_batch, workdir)
+    _sweep_b_crit(critical_batch, workdir)  # a given table that is not there: refused before anything trains
     from labkit.train import train  # after the checks: torch takes seconds to import
     from labkit.train.optim import lr_at
 
     records, trained = train_base(base, at, force=force, progress=progress)
-    points, runs = [], []
+    points, runs, estimates = [], [], {}
     for step in sorted(set(at)):
         if trained or force:  # branches of an older base checkpoint are not this one's
             shutil.rmtree(pathlib.Path(base.run_dir).parent / f"step-{step}", ignore_errors=True)
@@ -278,10 +282,14 @@ def sweep_branch(train_cfg: TrainConfig, workdir: str | pathlib.Path, *, at: lis
                 runs.append({"step": step, "repeat": r, "factor": k, "batch": k * batch, "lr": cfg.optim.lr,
                              "steps": cfg.max_steps - step, "examples": window, "eval_loss": result.get("eval_loss"),
                              "loss_end": float(lk[r, j].sum() / masked.sum()), "run_dir": cfg.run_dir})
-        est = branch_estimates(l0, lk, masked, factors, batch, tolerance=tolerance, n_boot=n_boot)
+        est = estimates[step] = branch_estimates(l0, lk, masked, factors, batch, tolerance=tolerance, n_boot=n_boot)
         for run in runs:
             if run["step"] == step:
                 run["loss_start"], run["efficiency"] = est["loss_start"], est["efficiency"][factors.index(run["factor"])]
+    if wait is not None:
+        wait()
+    crit = _sweep_b_crit(critical_batch, workdir)
+    for step, est in estimates.items():
         row = {"step": step, "tokens": _at(records, step, "tokens"), "examples": step * batch, "batch": batch,
                "window": window, "factors": factors, "repeats": repeats, "tolerance": tolerance, "lr_rule": rule,
                "lr_base": lr_at(step, base), **{k: v for k, v in est.items() if k not in ("loss_end", "efficiency")},

@@ -98,6 +98,17 @@ def test_sweep_branch_on_tiny_shards_continues_the_base_run(tmp_path, capsys):
     again, _ = sweep_branch(cfg, tmp_path, at=[3, 6], factors=[2, 4], window=16, n_boot=100)  # read back, not trained
     assert (tmp_path / "sweeps" / "branch" / "step-6" / "r0-x4" / "result.json").stat().st_mtime_ns == made
     assert again.drop("agreement").equals(points.drop("agreement"))
+
+    def batch_sweep_done():  # labkit demo's batch sweep, finishing beside the branches: read after wait()
+        assert (tmp_path / "sweeps" / "branch.parquet").stat().st_mtime_ns == saved_ns  # the runs are done, no table yet
+        pl.DataFrame({"b_crit": [5.0], "b_crit_low": [3.0], "b_crit_high": [9.0], "target_eval_loss": [6.5]}).write_parquet(
+            tmp_path / "sweeps" / "critical_batch.parquet")
+
+    saved_ns = (tmp_path / "sweeps" / "branch.parquet").stat().st_mtime_ns
+    later, _ = sweep_branch(cfg, tmp_path, at=[3, 6], factors=[2, 4], window=16, n_boot=100, wait=batch_sweep_done)
+    assert later["b_crit_sweep"].to_list() == [5.0, 5.0] and later["b_crit_sweep_high"].to_list() == [9.0, 9.0]
+    assert later["b_crit_sweep_agrees"].to_list() == [overlap((r["b_noise"], r["b_noise_low"], r["b_noise_high"]),
+                                                              (5.0, 3.0, 9.0)) for r in later.iter_rows(named=True)]
     with pytest.raises(ValueError, match="--window: 12 examples is not a multiple"):
         sweep_branch(cfg, tmp_path, at=[3], factors=[2], window=12)
     with pytest.raises(ValueError, match=r"--at: branch points \[9\] outside 1..train.max_steps 8"):
