@@ -102,7 +102,7 @@ rankview.goodput_figure(result, title=f"Goodput of {run_dir} ({result['world_siz
 import os
 
 demo_run = f"{workdir}/runs/demo"
-if run is not None and os.path.samefile(run, demo_run):
+if run is not None and os.path.exists(demo_run) and os.path.samefile(run, demo_run):
     fig = None
     print(f"the figures above are the demo's run ({demo_run})")
 elif os.path.exists(f"{demo_run}/metrics.jsonl"):
