@@ -6,8 +6,8 @@ the predicted and observed log loss, with the prediction written as a log-sum-ex
 
     log L_hat = LSE(a - alpha log N, b - beta log D, e),   A = exp(a), B = exp(b), E = exp(e),
 
-by L-BFGS from a grid of starting points, keeping the best (scipy's L-BFGS-B on the
-objective's closed-form gradient, as Besiroglu et al. 2024, arXiv:2404.10102, refit it). N is the parameter count, D the
+by L-BFGS from a grid of starting points, keeping the best (here scipy's L-BFGS-B on the
+objective's closed-form gradient, bounded to ``_BOUNDS``). N is the parameter count, D the
 number of training tokens. The fits published for decoders on web text are constants here
 (``CHINCHILLA``, ``EPOCH_REFIT``); for MLM on code keep the form and refit the constants.
 """
