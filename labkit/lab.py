@@ -110,7 +110,7 @@ def require_prepared(workdir: str) -> dict:
 
 
 def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: int = 4,
-                 progress: bool = True, force: bool = False) -> dict:
+                 progress: bool = True, force: bool = False, elf_files: list[str] | None = None) -> dict:
     """Read every corpus source of ``cfg`` on all engines: functions disassembled from the ELF
     files under ``cfg.paths`` and documents of ``cfg.text_paths``/``jsonl_paths``/``parquet_paths``
     (``labkit.data.sources``).
@@ -129,7 +129,10 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
     dropped_functions {reason: n} (functions left out at extraction: "disassembly_stopped"),
     seconds, config, made_by (``labkit.data.made_by``: settings ``to_dict(cfg)``, inputs the
     path, size and mtime of every input file found). An existing ``corpus.json`` with the same
-    record is returned as is (one line on stderr); any difference rebuilds. Raises
+    record is returned as is (one line on stderr); any difference rebuilds. ``elf_files``: what
+    ``labkit.data.corpus.find_elf_files(cfg)`` returned, when the caller already walked ``cfg.paths``
+    (``labkit demo`` does while its engines start: on a cold page cache the walk reads the first
+    bytes of some 60,000 files under /usr, seconds of disk reads); None walks them here. Raises
     ``FileNotFoundError`` naming a missing input path, ``ValueError`` when no input file is found.
     """
     from labkit.data.corpus import find_elf_files, write_corpus_part
@@ -137,7 +140,7 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
 
     out = paths(workdir)["corpus"]
     done = out / "corpus.json"
-    elf = [str(p) for p in find_elf_files(cfg)] if cfg.paths else []
+    elf = [str(p) for p in (find_elf_files(cfg) if elf_files is None else elf_files)] if cfg.paths else []
     text = {kind: find_source_files(kind, cfg) for kind in ("text", "jsonl", "parquet")}
     record = made_by.record("corpus", to_dict(cfg),
                             {"files": made_by.files_identity(elf + [str(f) for fs in text.values() for f in fs])})

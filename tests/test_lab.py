@@ -80,6 +80,28 @@ def test_corpus_counts_every_bad_input(prepared):
     assert json.loads(open(os.path.join(prepared["work"], "corpus", "corpus.json")).read()) == c
 
 
+def test_corpus_from_a_walk_made_beforehand_equals_its_own(client, inputs, prepared, tmp_path):
+    """``build_corpus(elf_files=find_elf_files(cfg))`` (labkit demo walks the corpus paths while
+    its engines start) writes the same parts and the same record as the walk made inside it; a
+    list it is given is the list it reads, in that order."""
+    from labkit.data.corpus import find_elf_files
+
+    work = str(tmp_path / "work")
+    given = lab.build_corpus(client, inputs, work, progress=False, elf_files=[str(p) for p in find_elf_files(inputs)])
+    own = prepared["corpus"]
+    def same(stats: dict) -> dict:  # without the wall time, and the record's when and at what load
+        made_by = {k: stats["made_by"][k] for k in ("stage", "settings", "inputs")}
+        return {k: v for k, v in stats.items() if k != "seconds"} | {"made_by": made_by}
+
+    assert same(given) == same(own)
+    for part in sorted(pathlib.Path(prepared["work"], "corpus").glob("part-*.parquet")):
+        assert pl.read_parquet(part).equals(pl.read_parquet(pathlib.Path(work, "corpus", part.name))), part.name
+    one = [p for p in LIBS if os.path.exists(p)][:1]
+    only = lab.build_corpus(client, inputs, str(tmp_path / "one"), progress=False, elf_files=one)
+    assert only["sources"]["elf"]["files_found"] == only["sources"]["elf"]["files_read"] == 1
+    assert only["sources"]["elf"]["raw_bytes"] == os.path.getsize(one[0])
+
+
 def test_clean_and_near_dedup_match_a_single_process_run(prepared, tmp_path):
     s = prepared["clean"]
     assert s["input"] == prepared["corpus"]["documents"] and s["dropped"]["undecodable"] == 1  # bad.txt
