@@ -120,11 +120,12 @@ def _demo() -> dict:
 
 def _load(d: dict) -> str:
     """How busy the machine was during the demo's rank sweep (its rows record the load average)."""
-    rows = d["sweep_ranks"]
-    loads = ", ".join(f"{r['load_avg_1m']:.1f}" for r in rows if r.get("load_avg_1m") is not None)
+    rows = [r for r in d["sweep_ranks"] if r.get("load_avg_1m") is not None]
+    loads = " and ".join(f"{r['load_avg_1m']:.1f}" for r in rows)
+    when = f"just before the rank sweep's point{'s' if len(rows) > 1 else ''} at {' and '.join(str(r['ranks']) for r in rows)} ranks"
     if any(r.get("busy") for r in rows):
-        return f"the machine was busy, 1-minute load {loads} on {rows[0]['cpu_count']} CPUs, so its rates are contaminated"
-    return f"1-minute load {loads} on {rows[0].get('cpu_count', '?')} CPUs during the rank sweep" if loads else "load not recorded"
+        return f"the machine was busy, 1-minute load {loads} on {rows[0]['cpu_count']} CPUs {when}, so its rates are contaminated"
+    return f"1-minute load {loads} on {rows[0].get('cpu_count', '?')} CPUs {when}" if rows else "load not recorded"
 
 
 def _mb(n: float) -> str:

@@ -170,14 +170,16 @@ class _Clock:
 
 
 def _data_stages(client, cfg: DemoConfig, work: Path, force: bool, summary: dict, t0: float,
-                 elf_files: list[str]) -> tuple[dict, dict]:
+                 elf_files: tuple[list[str], float]) -> tuple[dict, dict]:
     """Stages 1-4 (corpus, clean and dedup, tokenizer and shards, staging): the shard index and
     the staged copies; the preparation report and staging go into ``summary``. ``elf_files``:
-    ``_find_elf_files(cfg)``."""
+    ``_find_elf_files(cfg)`` (the files, and the seconds the walk took)."""
     from labkit import lab
 
-    _say(f"1/8 corpus: disassembling functions from ELF files under {', '.join(cfg.corpus.paths)}", t0)
-    corpus = lab.build_corpus(client, cfg.corpus, str(work), force=force, elf_files=elf_files)
+    files, walked = elf_files
+    _say(f"1/8 corpus: disassembling functions from the {len(files):,} ELF files found under "
+         f"{', '.join(cfg.corpus.paths)} (walked in {walked:.1f} s, while the engines started)", t0)
+    corpus = lab.build_corpus(client, cfg.corpus, str(work), force=force, elf_files=files)
     _say(f"    {corpus['functions']:,} functions from {corpus['files_read']:,} files "
          f"({corpus['raw_bytes'] / 1e6:.1f} MB of ELF), skipped {corpus['skipped']}", t0)
 
@@ -269,13 +271,16 @@ def _import_stages() -> None:
     import labkit.train.run_config  # noqa: F401
 
 
-def _find_elf_files(cfg: DemoConfig) -> list[str]:
-    """The corpus's ELF files (``labkit.data.corpus.find_elf_files``), found while the engines start:
-    on a cold page cache (a fresh machine) the walk reads the first 4 bytes of every file under the
-    corpus paths (62,853 files, 8.4 s cold and 0.7 s warm on the 2-core VM of docs/log.md)."""
+def _find_elf_files(cfg: DemoConfig) -> tuple[list[str], float]:
+    """The corpus's ELF files (``labkit.data.corpus.find_elf_files``), found while the engines
+    start, and the seconds the walk took: on a cold page cache (a fresh machine) it reads the first
+    4 bytes of every file under the corpus paths, disk reads rather than CPU
+    (``python benchmarks/bench_elf_walk.py``)."""
     from labkit.data.corpus import find_elf_files
 
-    return [str(p) for p in find_elf_files(cfg.corpus)]
+    start = time.perf_counter()
+    files = [str(p) for p in find_elf_files(cfg.corpus)]
+    return files, time.perf_counter() - start
 
 
 def _in_background(fn, *args) -> Future:
