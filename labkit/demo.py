@@ -177,8 +177,9 @@ def _data_stages(client, cfg: DemoConfig, work: Path, force: bool, summary: dict
     from labkit import lab
 
     files, walked = elf_files
-    _say(f"1/8 corpus: disassembling functions from the {len(files):,} ELF files found under "
-         f"{', '.join(cfg.corpus.paths)} (walked in {walked:.1f} s, while the engines started)", t0)
+    _say(f"1/8 corpus: {len(files):,} ELF files under {', '.join(cfg.corpus.paths)} (walked in {walked:.1f} s, "
+         f"while the engines started); disassembling functions from them"
+         + (f", at most {cfg.corpus.max_functions:,}" if cfg.corpus.max_functions is not None else ""), t0)
     corpus = lab.build_corpus(client, cfg.corpus, str(work), force=force, elf_files=files)
     _say(f"    {corpus['functions']:,} functions from {corpus['files_read']:,} files "
          f"({corpus['raw_bytes'] / 1e6:.1f} MB of ELF), skipped {corpus['skipped']}", t0)
@@ -242,7 +243,7 @@ def _timing_sweeps(client, work: Path, index: dict, nb: dict, staged: dict, forc
 
     s4, s6 = _settings("04_scaling", nb), _settings("06_model_parallel", nb)
     w = str(work)
-    _say(f"6/8 sweeps of notebooks 04 and 06, one at a time (times): tokens/s at 1..{len(client.ids)} ranks; "
+    _say(f"6/8 sweeps of notebooks 04 and 06, one at a time, nothing beside them (their quantity is a time): tokens/s at 1..{len(client.ids)} ranks; "
          f"largest micro-batch under {s4['memory_budget_gib']} GiB per rank for {', '.join(s4['sweep_models'])}; "
          f"tokens/s per model size; DataLoader workers {s4['loader_workers']}; each dp x tp x pp split", t0)
     base = lab.sweep_config(w, model=s4["model"], max_steps=s4["sweep_steps"],
@@ -382,7 +383,7 @@ def _say_sweeps(ranks, mb, sizes, loader, splits, t0: float) -> None:
     knee = loader.filter(loader["knee"])["num_workers"].to_list()
     _say("    DataLoader workers: data-wait fraction {}; knee {}".format(
         ", ".join(f"{r['num_workers']}: {r['data_wait_fraction']:.0%}" for r in loader.iter_rows(named=True)),
-        f"at {knee[0]} workers" if knee else "not reached"), t0)
+        f"at {knee[0]} worker{'' if knee[0] == 1 else 's'}" if knee else "not reached"), t0)
     _say("    splits: " + ", ".join(f"{plots.split_label(r)} {r['tokens_per_s']:,.0f} tokens/s"
                                    for r in splits.iter_rows(named=True)), t0)
 
