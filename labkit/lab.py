@@ -131,8 +131,8 @@ def build_corpus(client, cfg: CorpusConfig, workdir: str, *, chunks_per_engine: 
     path, size and mtime of every input file found). An existing ``corpus.json`` with the same
     record is returned as is (one line on stderr); any difference rebuilds. ``elf_files``: what
     ``labkit.data.corpus.find_elf_files(cfg)`` returned, when the caller already walked ``cfg.paths``
-    (``labkit demo`` does while its engines start: on a cold page cache the walk reads the first
-    bytes of some 60,000 files under /usr, seconds of disk reads); None walks them here. Raises
+    (``labkit demo`` does while its engines start: on a cold page cache the walk is disk reads,
+    ``python benchmarks/bench_elf_walk.py``); None walks them here. Raises
     ``FileNotFoundError`` naming a missing input path, ``ValueError`` when no input file is found.
     """
     from labkit.data.corpus import find_elf_files, write_corpus_part
