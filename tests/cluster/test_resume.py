@@ -78,9 +78,12 @@ def _train(cfg, sink=None):
 
 
 def test_train_killed_mid_run_resumes_from_checkpoint(cluster, tmp_path, capsys):
-    """labkit.train.train under DDP: SIGKILL rank 1 once rank 0 has logged step 10; the rerun
+    """labkit.train.train under DDP: SIGKILL rank 1 once rank 0 has logged step 11; the rerun
     after the restart resumes from the newest checkpoint and finishes the run; metrics.jsonl
-    then holds every step exactly once; a second run works in the restarted engines."""
+    then holds every step exactly once; a second run works in the restarted engines. Step 11,
+    not 10: a step's record is logged before that step's checkpoint is saved, so a kill on step
+    10's record can land before step-10 is published (then the rerun starts afresh); step 11's
+    record comes after the synchronous save of step-10 returned on every rank."""
     from labkit.config import TrainConfig
     from tiny_shards import write_tiny_shards
 
@@ -96,7 +99,7 @@ def test_train_killed_mid_run_resumes_from_checkpoint(cluster, tmp_path, capsys)
     seen = []
 
     def kill_rank1(records):
-        if not seen and records[-1]["step"] >= 10:
+        if not seen and records[-1]["step"] >= 11:
             seen.append(records[-1]["step"])
             os.kill(rank1_pid, signal.SIGKILL)
 
